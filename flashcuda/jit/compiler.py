@@ -1,0 +1,127 @@
+"""NVRTC: rendered source -> cubin for an explicit target, with ptxas' resource report.
+
+Always to cubin (never PTX handed to the driver: a newer NVRTC's PTX fails on an older driver) and
+always for an explicit ``sm_XX[a]``, so NVRTC needs no GPU and no driver (the CPU lane relies on it).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from functools import cache
+
+from .spec import KERNELS_DIR, KernelSpec
+
+# Options every kernel is built with. -lineinfo costs nothing at run time and lets
+# compute-sanitizer name source lines; ptxas -v gives the register / spill / stack report.
+COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-lineinfo", "-Xptxas=-v")
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel. Carries the specialisation name and the compiler log."""
+
+    def __init__(self, name: str, arch: str, log: str):
+        self.name = name
+        self.arch = arch
+        self.log = log
+        super().__init__(f"NVRTC failed to compile kernel {name!r} for {arch}:\n{log.strip()}")
+
+
+@dataclass(frozen=True)
+class Resources:
+    """ptxas' report for one entry function."""
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    shared_bytes: int
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_stores > 0 or self.spill_loads > 0 or self.stack_bytes > 0
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    cubin: bytes
+    log: str
+    seconds: float
+
+    def resources(self) -> dict[str, Resources]:
+        return parse_ptxas_report(self.log)
+
+
+_FUNC = re.compile(r"Compiling entry function '([^']+)'")
+_FRAME = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
+_REGS = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas_report(log: str) -> dict[str, Resources]:
+    """Entry name -> resources, read from `ptxas -v` output in the NVRTC log."""
+    out: dict[str, Resources] = {}
+    name = None
+    frame = (0, 0, 0)
+    for line in log.splitlines():
+        if m := _FUNC.search(line):
+            name, frame = m.group(1), (0, 0, 0)
+        elif (m := _FRAME.search(line)) and name:
+            frame = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+        elif (m := _REGS.search(line)) and name:
+            smem = _SMEM.search(line)
+            out[name] = Resources(
+                registers=int(m.group(1)),
+                stack_bytes=frame[0],
+                spill_stores=frame[1],
+                spill_loads=frame[2],
+                shared_bytes=int(smem.group(1)) if smem else 0,
+            )
+            name = None
+    return out
+
+
+@cache
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    if int(err) != 0:
+        raise RuntimeError(f"nvrtcVersion failed: {err}")
+    return f"{major}.{minor}"
+
+
+def compile_spec(spec: KernelSpec, arch: str) -> CompileResult:
+    """Compile `spec` for `arch` (e.g. 'sm_80', 'sm_90a'). Raises CompileError with the log."""
+    from cuda.core import Program, ProgramOptions
+
+    options = ProgramOptions(
+        name=spec.source,
+        arch=arch,
+        std="c++17",
+        lineinfo=True,
+        ptxas_options=["-v"],
+        include_path=[str(KERNELS_DIR)],
+    )
+    start = time.perf_counter()
+    log_lines: list[str] = []
+
+    class _Log:
+        def write(self, text: str) -> None:
+            log_lines.append(text)
+
+    try:
+        program = Program(spec.render(), "c++", options)
+        obj = program.compile("cubin", logs=_Log())
+    except Exception as exc:  # cuda.core raises its own error type with the log inside
+        raise CompileError(spec.name, arch, "".join(log_lines) + "\n" + str(exc)) from None
+    return CompileResult(bytes(obj.code), "".join(log_lines), time.perf_counter() - start)
+
+
+def arch_for(major: int, minor: int) -> str:
+    """The NVRTC target for a compute capability: the arch-specific 'a' target from sm_90 on
+    (wgmma, setmaxnreg and friends need it; older kernels lose nothing by it)."""
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"

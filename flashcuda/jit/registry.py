@@ -1,0 +1,37 @@
+"""Every kernel variant the package can dispatch, so the CPU lane can compile them all.
+
+Modules that own kernels register a provider: a function yielding (KernelSpec, archs) pairs, where
+archs are the NVRTC targets the variant is built for (e.g. ('sm_80', 'sm_90a')).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+
+from .spec import KernelSpec
+
+Provider = Callable[[], Iterable[tuple[KernelSpec, tuple[str, ...]]]]
+_PROVIDERS: list[Provider] = []
+
+# Modules that register providers when imported.
+_KERNEL_MODULES = ("flashcuda.ladder", "flashcuda.ops.kernels")
+
+
+def register(provider: Provider) -> Provider:
+    _PROVIDERS.append(provider)
+    return provider
+
+
+def all_variants() -> list[tuple[KernelSpec, tuple[str, ...]]]:
+    for module in _KERNEL_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    seen: dict[str, tuple[KernelSpec, tuple[str, ...]]] = {}
+    for provider in _PROVIDERS:
+        for spec, archs in provider():
+            seen.setdefault(spec.name, (spec, archs))
+    return list(seen.values())

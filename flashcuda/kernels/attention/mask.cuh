@@ -1,0 +1,52 @@
+// Which keys a query row sees: the one visibility rule of every attention kernel (DESIGN.md §3).
+//
+// Query row i (0 <= i < seqlen_q) sees key j (0 <= j < seqlen_k) iff
+//     i + shift - window_left <= j <= i + shift + window_right,   shift = seqlen_k - seqlen_q,
+// An unbounded side is passed as a window of seqlen_q + seqlen_k (the host does this, see
+// flashcuda/ops/call.py), so the rule has no special cases and a negative window_right is legal:
+// the SDPA shim's top-left causal is window_right = seqlen_q - seqlen_k. FlashAttention's causal
+// (bottom-right aligned) is window (unbounded, 0).
+//
+// Kernels iterate only over key tiles that `key_begin`/`key_end` admit, and apply `visible` only
+// to tiles for which `tile_needs_mask` says so (diagonal and ragged-edge tiles): the loop body is
+// written once, with masking a compile-time flag of the tile step (STYLE.md §2).
+#pragma once
+#include "common/types.cuh"
+
+struct Mask {
+  int seqlen_q;
+  int seqlen_k;
+  int window_left;   // keys before the diagonal a row may see
+  int window_right;  // keys after the diagonal a row may see (may be negative)
+
+  __device__ __forceinline__ int shift() const { return seqlen_k - seqlen_q; }
+
+  __device__ __forceinline__ bool visible(int i, int j) const {
+    const int d = j - i - shift();
+    return j < seqlen_k && d <= window_right && d >= -window_left;
+  }
+
+  // First key any row in [row_begin, row_end) can see (clamped to 0).
+  __device__ __forceinline__ int key_begin(int row_begin) const {
+    const int j = row_begin + shift() - window_left;
+    return j > 0 ? j : 0;
+  }
+
+  // One past the last key any row in [row_begin, row_end) can see (clamped to [0, seqlen_k]).
+  __device__ __forceinline__ int key_end(int row_end) const {
+    const int j = row_end - 1 + shift() + window_right + 1;
+    return j < 0 ? 0 : (j < seqlen_k ? j : seqlen_k);
+  }
+
+  // True unless every (row, key) of the tile is visible, i.e. unless the tile lies wholly inside
+  // the band and inside seqlen_k. Rows past seqlen_q are never stored, so they do not count.
+  __device__ __forceinline__ bool tile_needs_mask(int row0, int rows, int col0, int cols) const {
+    int row_last = row0 + rows - 1;
+    if (row_last > seqlen_q - 1) row_last = seqlen_q - 1;
+    const int col_last = col0 + cols - 1;
+    if (col_last >= seqlen_k) return true;
+    if (col_last > row0 + shift() + window_right) return true;
+    if (col0 < row_last + shift() - window_left) return true;
+    return false;
+  }
+};

@@ -1,0 +1,150 @@
+"""What a kernel family receives: validated, allocated tensors, and the flat kernel ABI.
+
+The op layer validates inputs (flashcuda.validate), allocates outputs, builds a FwdCall / BwdCall
+and hands it to the first kernel family whose `can_implement(call)` returns None. Every family
+module (fwd_simt, fwd_sm80, bwd_simt, bwd_sm80, ...) has the same three functions:
+
+    can_implement(call) -> str | None   # None: yes; else the reason it cannot (logged by dispatch)
+    run(call) -> None                   # fills call.out/call.lse (fwd) or call.dq/dk/dv (bwd)
+    variants() -> list[(KernelSpec, archs)]   # every specialisation, for the CPU compile lane
+
+Layouts: q (B, Sq, H, D); k, v (B, Sk, Hkv, D) with H % Hkv == 0; any strides with a unit last
+stride. out like q (contiguous); lse (B, H, Sq) float32 contiguous, natural log.
+Windows are in key positions relative to the bottom-right aligned diagonal (mask.cuh); the host
+passes an unbounded side as seqlen_q + seqlen_k, so the kernels see plain integers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_NAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+LOG2E = 1.4426950408889634
+
+
+@dataclass
+class FwdCall:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    softmax_scale: float
+    window_left: int | None  # None: unbounded
+    window_right: int | None  # None: unbounded; causal (bottom-right) is 0; may be negative
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def seqlen_q(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def seqlen_k(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nheads(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def nheads_kv(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def is_local(self) -> bool:
+        """True when some key is hidden from some row by the window (causal included)."""
+        return self.window_left is not None or self.window_right is not None
+
+    def kernel_windows(self) -> tuple[np.int32, np.int32]:
+        return kernel_windows(self.seqlen_q, self.seqlen_k, self.window_left, self.window_right)
+
+
+def kernel_windows(seqlen_q: int, seqlen_k: int, window_left: int | None,
+                   window_right: int | None) -> tuple[np.int32, np.int32]:
+    """Windows as the kernels take them: an unbounded side becomes seqlen_q + seqlen_k, and every
+    value is clamped to [-(seqlen_q + seqlen_k), seqlen_q + seqlen_k] so no index sum overflows."""
+    big = seqlen_q + seqlen_k
+
+    def clamp(w: int | None) -> np.int32:
+        return np.int32(big if w is None else max(-big, min(w, big)))
+
+    return clamp(window_left), clamp(window_right)
+
+
+def _strides(t: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
+    """(batch, row, head) strides in elements of a (B, S, H, D) tensor."""
+    return np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2))
+
+
+def fwd_kernel_args(call: FwdCall) -> tuple:
+    """The flat argument list every forward kernel takes, in this order:
+
+    q, k, v, out, lse,
+    q_batch_stride, q_row_stride, q_head_stride,   (int64, elements; likewise k, v, out)
+    k_..., v_..., out_...,
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,   (int32)
+    scale_log2 = softmax_scale * log2(e),                       (float32)
+    window_left, window_right                                   (int32, see mask.cuh)
+    """
+    wl, wr = call.kernel_windows()
+    return (
+        call.q, call.k, call.v, call.out, call.lse,
+        *_strides(call.q), *_strides(call.k), *_strides(call.v), *_strides(call.out),
+        np.int32(call.batch), np.int32(call.seqlen_q), np.int32(call.seqlen_k),
+        np.int32(call.nheads), np.int32(call.nheads_kv), np.int32(call.head_dim),
+        np.float32(call.softmax_scale * LOG2E),
+        wl, wr,
+    )
+
+
+@dataclass
+class BwdCall:
+    """Gradients of out = attention(q, k, v). dq/dk/dv are allocated like q/k/v (contiguous, input
+    dtype) and must be fully written by `run`. lse is the forward's (B, H, Sq) float32."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    dout: torch.Tensor
+    lse: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    softmax_scale: float
+    window_left: int | None
+    window_right: int | None
+    deterministic: bool
+
+    def as_fwd(self) -> FwdCall:
+        return FwdCall(self.q, self.k, self.v, self.out, self.lse, self.softmax_scale,
+                       self.window_left, self.window_right)
+
+    # Same shape accessors as FwdCall.
+    batch = property(lambda self: self.q.shape[0])
+    seqlen_q = property(lambda self: self.q.shape[1])
+    seqlen_k = property(lambda self: self.k.shape[1])
+    nheads = property(lambda self: self.q.shape[2])
+    nheads_kv = property(lambda self: self.k.shape[2])
+    head_dim = property(lambda self: self.q.shape[3])
+    dtype = property(lambda self: self.q.dtype)
+    device = property(lambda self: self.q.device)
