@@ -15,7 +15,13 @@ Provider = Callable[[], Iterable[tuple[KernelSpec, tuple[str, ...]]]]
 _PROVIDERS: list[Provider] = []
 
 # Modules that register providers when imported.
-_KERNEL_MODULES = ("flashcuda.ladder", "flashcuda.ops.kernels")
+_KERNEL_MODULES = (
+    "flashcuda.ladder",
+    "flashcuda.ops.fwd_simt",
+    "flashcuda.ops.bwd_simt",
+    "flashcuda.ops.fwd_sm80",
+    "flashcuda.ops.bwd_sm80",
+)
 
 
 def register(provider: Provider) -> Provider:
