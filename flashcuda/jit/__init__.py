@@ -3,7 +3,14 @@
 from .cache import CacheError, DiskCache, cache_dir
 from .compiler import CompileError, CompileResult, Resources, arch_for, compile_spec, nvrtc_version
 from .registry import all_variants, register
-from .runtime import CompiledKernel, build_cubin, device_arch, disk_cache, get_kernel, reset_disk_cache
+from .runtime import (
+    CompiledKernel,
+    build_cubin,
+    device_arch,
+    disk_cache,
+    get_kernel,
+    reset_disk_cache,
+)
 from .spec import KERNELS_DIR, KernelSpec
 
 __all__ = [

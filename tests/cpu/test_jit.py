@@ -1,0 +1,200 @@
+"""The JIT layer on a machine with no GPU: NVRTC compile, resource report, errors, disk cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from flashcuda.jit import (
+    CacheError,
+    CompileError,
+    DiskCache,
+    KernelSpec,
+    build_cubin,
+    compile_spec,
+    disk_cache,
+    reset_disk_cache,
+)
+
+SMOKE = KernelSpec.make("smoke_axpb", "common/smoke.cu")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_compile_to_cubin_with_resource_report(arch):
+    result = compile_spec(SMOKE, arch)
+    assert result.cubin[:4] == b"\x7fELF"  # a cubin, not PTX
+    res = result.resources()["smoke_axpb"]
+    assert 0 < res.registers < 64
+    assert not res.spills
+
+
+def test_compile_error_names_kernel_file_and_line(tmp_path):
+    src = tmp_path / "broken.cu"
+    src.write_text('#include "common/types.cuh"\n\nextern "C" __global__ void broken(float* x) {\n'
+                   "  x[0] = undefined_symbol;\n}\n")
+    spec = KernelSpec.make("broken_kernel_f32", str(src), entry="broken")
+    with pytest.raises(CompileError) as info:
+        compile_spec(spec, "sm_80")
+    msg = str(info.value)
+    assert "broken_kernel_f32" in msg and "sm_80" in msg
+    assert f"{src}(4)" in msg, msg  # NVRTC's file(line) of the bad statement
+    assert "undefined_symbol" in info.value.log
+
+
+def test_key_changes_with_header_defines_arch_and_options(tmp_path, monkeypatch):
+    base = SMOKE.key("sm_80", ("-a",), "v1")
+    assert base == SMOKE.key("sm_80", ("-a",), "v1")
+    assert base != SMOKE.key("sm_90a", ("-a",), "v1")
+    assert base != SMOKE.key("sm_80", ("-b",), "v1")
+    assert base != SMOKE.key("sm_80", ("-a",), "v2")
+    other = KernelSpec.make("smoke_axpb", "common/smoke.cu", defines={"X": 1})
+    assert base != other.key("sm_80", ("-a",), "v1")
+    # Headers are part of the key: a copy of the tree with one header changed gives another key.
+    import flashcuda.jit.spec as spec_mod
+
+    tree = tmp_path / "kernels"
+    (tree / "common").mkdir(parents=True)
+    for name in ("smoke.cu", "types.cuh"):
+        (tree / "common" / name).write_text((spec_mod.KERNELS_DIR / "common" / name).read_text())
+    monkeypatch.setattr(spec_mod, "KERNELS_DIR", tree)
+    k1 = SMOKE.key("sm_80", (), "v")
+    (tree / "common" / "types.cuh").write_text((tree / "common" / "types.cuh").read_text() + "\n// x\n")
+    assert SMOKE.key("sm_80", (), "v") != k1
+
+
+def _entry_files(d: Path) -> list[Path]:
+    return sorted(p for p in d.iterdir() if p.suffix in (".cubin", ".json"))
+
+
+def test_cache_miss_then_hit_then_new_process_hit():
+    cubin, hit, _ = build_cubin(SMOKE, "sm_80")
+    assert not hit
+    cubin2, hit2, _ = build_cubin(SMOKE, "sm_80")
+    assert hit2 and cubin2 == cubin
+    code = "from flashcuda.jit import build_cubin, KernelSpec\n" \
+           "c, hit, s = build_cubin(KernelSpec.make('smoke_axpb', 'common/smoke.cu'), 'sm_80')\n" \
+           "print('HIT' if hit else 'MISS', s)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=os.environ.copy())
+    assert out.stdout.startswith("HIT"), out.stdout + out.stderr
+
+
+def test_truncated_or_corrupt_entry_is_rebuilt():
+    cubin, _, _ = build_cubin(SMOKE, "sm_80")
+    d = disk_cache().path
+    cubin_file = next(d.glob("*.cubin"))
+    cubin_file.write_bytes(cubin[: len(cubin) // 2])  # truncated
+    reset_disk_cache()
+    again, hit, _ = build_cubin(SMOKE, "sm_80")
+    assert not hit and again == cubin
+    meta = next(d.glob("*.json"))
+    meta.write_text("{not json")
+    reset_disk_cache()
+    again, hit, _ = build_cubin(SMOKE, "sm_80")
+    assert not hit and again == cubin
+    assert json.loads(meta.read_text())["size"] == len(cubin)
+
+
+def test_group_or_world_writable_cache_dir_is_refused(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    d.chmod(0o777)
+    with pytest.raises(CacheError, match="writable by group or others"):
+        DiskCache(d)
+    d.chmod(0o770)
+    with pytest.raises(CacheError, match="chmod 700"):
+        DiskCache(d)
+
+
+def test_cache_dir_created_private(tmp_path):
+    d = tmp_path / "new" / "cache"
+    DiskCache(d)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to create files owned by another user")
+def test_foreign_owned_dir_refused_and_foreign_entry_is_a_miss(tmp_path):
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, 12345, 12345)
+    with pytest.raises(CacheError, match="owned by uid 12345"):
+        DiskCache(d)
+    mine = tmp_path / "mine"
+    cache = DiskCache(mine)
+    cache.store("e", "k" * 64, b"\x7fELFdata")
+    for f in _entry_files(mine):
+        os.chown(f, 12345, 12345)
+    assert DiskCache(mine).load("e", "k" * 64) is None
+
+
+def test_read_only_cache_dir_degrades_to_memory(tmp_path, caplog):
+    if os.getuid() == 0:
+        pytest.skip("root ignores directory permissions")
+    d = tmp_path / "ro"
+    d.mkdir(mode=0o500)
+    cache = DiskCache(d)
+    assert not cache.writable
+    data, hit = cache.get_or_build("e", "k" * 64, lambda: b"abc")
+    assert data == b"abc" and not hit
+    assert cache.get_or_build("e", "k" * 64, lambda: b"zzz") == (b"abc", True)
+
+
+_RACE = textwrap.dedent("""
+    import sys, time
+    from flashcuda.jit import DiskCache
+    from pathlib import Path
+    cache = DiskCache(Path(sys.argv[1]))
+    def build():
+        time.sleep(float(sys.argv[2]))
+        return b"\\x7fELF" + b"x" * 100000
+    data, hit = cache.get_or_build("entry", "k" * 64, build)
+    print("HIT" if hit else "BUILT", len(data))
+""")
+
+
+def test_two_processes_compiling_one_key_leave_one_valid_entry(tmp_path):
+    d = tmp_path / "race"
+    procs = [subprocess.Popen([sys.executable, "-c", _RACE, str(d), "1.0"], stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = sorted(p.communicate(timeout=60)[0].split()[0] for p in procs)
+    assert outs == ["BUILT", "HIT"], outs  # the second waited on the lock, then hit
+    names = [p.name for p in _entry_files(d)]
+    assert len(names) == 2 and {Path(n).suffix for n in names} == {".cubin", ".json"}
+    assert DiskCache(d).load("entry", "k" * 64) == b"\x7fELF" + b"x" * 100000
+    assert not list(d.glob(".tmp-*"))
+
+
+def test_process_killed_mid_compile_blocks_nothing(tmp_path):
+    d = tmp_path / "killed"
+    victim = subprocess.Popen([sys.executable, "-c", _RACE, str(d), "30"], stdout=subprocess.PIPE)
+    lock = d / ("entry-" + "k" * 20 + ".lock")
+    deadline = time.monotonic() + 20
+    while not lock.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert DiskCache(d).load("entry", "k" * 64) is None  # nothing half-written loads
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _RACE, str(d), "0"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.startswith("BUILT"), out.stdout + out.stderr
+    assert time.monotonic() - start < 20  # did not wait for a dead process's lock
+
+
+def test_uncreatable_cache_dir_degrades_to_memory(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    cache = DiskCache(blocker / "cache")
+    assert not cache.writable
+    assert cache.get_or_build("e", "k" * 64, lambda: b"abc") == (b"abc", False)
+    assert cache.get_or_build("e", "k" * 64, lambda: b"zzz") == (b"abc", True)
