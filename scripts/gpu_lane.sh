@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU lane, in one call on a GPU machine (DESIGN.md §7), from the repository root:
+#
+#   FLASHCUDA_COMMIT=$(git rev-parse HEAD) scripts/gpu_lane.sh [steps...]
+#
+# steps (default: info tests sanitize latency bench):
+#   info       flashcuda info
+#   tests      pytest -m gpu (the whole GPU lane), junit xml + log
+#   sanitize   compute-sanitizer memcheck + racecheck (+ synccheck, initcheck) on the boundary-shape
+#              suite (tests/gpu/test_sanitize.py; SANITIZE_K narrows it), torch's caching allocator
+#              off so every tensor is its own allocation and an overrun is visible
+#   latency    first-call latency: compile in a fresh cache, cache hit in a new process
+#   bench      flashcuda bench --quick;   bench-full: the standard sweep;   ladder: ladder rungs
+# Logs and records go to $OUT (the device tool's folder) or ./gpu-lane-out. A short table is last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-lane-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export FLASHCUDA_CACHE_DIR=${FLASHCUDA_CACHE_DIR:-/tmp/flashcuda-lane-cache}
+export FLASHCUDA_TEST_SHARED_CACHE=1
+export FLASHCUDA_COMMIT=${FLASHCUDA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(info tests sanitize latency bench)
+status=()
+
+for step in "${steps[@]}"; do
+  t0=$(date +%s)
+  case "$step" in
+    info)
+      python3 -m flashcuda info | tee "$OUT/info.txt"; rc=$? ;;
+    tests)
+      python3 -m pytest -m gpu tests/gpu -q -x --maxfail=20 -p no:cacheprovider \
+        --junitxml="$OUT/gpu-tests.xml" ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -n 60 > "$OUT/gpu-tests.log"
+      rc=${PIPESTATUS[0]}; tail -n 25 "$OUT/gpu-tests.log" ;;
+    sanitize)
+      rc=0
+      for tool in memcheck racecheck synccheck initcheck; do
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 99 \
+          --print-limit 20 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_sanitize.py \
+          ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-$tool.log" 2>&1
+        r=$?; echo "compute-sanitizer $tool: rc=$r  $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/sanitize-$tool.log" | tail -n 2 | tr '\n' ' ')"
+        [ $r -ne 0 ] && rc=$r
+      done
+      cat "$OUT"/sanitize-*.log > "$OUT/sanitize.log"; rm -f "$OUT"/sanitize-*.log ;;
+    latency)
+      { python3 scripts/jit_latency.py --kernel smoke; python3 scripts/jit_latency.py --kernel flash; } \
+        > "$OUT/latency.jsonl"; rc=$?; cat "$OUT/latency.jsonl" ;;
+    bench)
+      python3 -m flashcuda bench --quick --out "$OUT/bench" > "$OUT/bench.log" 2>&1; rc=$?; tail -n 40 "$OUT/bench.log" ;;
+    bench-full)
+      python3 -m flashcuda bench --out "$OUT/bench" > "$OUT/bench.log" 2>&1; rc=$?; tail -n 60 "$OUT/bench.log" ;;
+    ladder)
+      python3 -m flashcuda bench ladder --out "$OUT/bench" > "$OUT/ladder.log" 2>&1; rc=$?; tail -n 40 "$OUT/ladder.log" ;;
+    *)
+      echo "unknown step $step"; rc=2 ;;
+  esac
+  status+=("$step|$rc|$(( $(date +%s) - t0 ))")
+done
+
+python3 scripts/lane_summary.py "$OUT" "${status[@]}"
