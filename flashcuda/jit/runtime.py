@@ -1,16 +1,22 @@
 """Module load per (device, primary context) and launch on torch's current stream.
 
+Load and launch go straight through the driver API (cuda.bindings.driver: cuModuleLoadData,
+cuLaunchKernel with one packed parameter buffer): importing cuda.core alone costs ~100 ms, which a
+cache hit in a new process cannot afford (target 50 ms); cuda.core is used for NVRTC compiles only.
+
     kernel = get_kernel(spec, device)          # compile (or cache hit) + load, memoised
     kernel.launch(grid, block, q, k, np.int32(n), np.float32(scale), shared_mem=bytes)
 
 Arguments: torch tensors go as device pointers, None as a null pointer, numpy scalars
 (np.int32, np.int64, np.uint32, np.float32) at their own width. Plain Python ints and floats are
-refused: cuda.core would pack an int as a 64-bit pointer, which silently breaks an `int` parameter.
+refused: their width is ambiguous, and a wrong width silently corrupts every later parameter.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -22,13 +28,19 @@ from .cache import DiskCache
 from .compiler import COMPILE_OPTIONS, arch_for, compile_spec, nvrtc_version
 from .spec import KernelSpec
 
-_SCALARS = (np.int32, np.int64, np.uint32, np.uint64, np.float32)
+# numpy scalar type -> (struct code, size/alignment in bytes)
+_SCALARS: dict[type, tuple[str, int]] = {
+    np.int32: ("i", 4), np.uint32: ("I", 4), np.int64: ("q", 8), np.uint64: ("Q", 8),
+    np.float32: ("f", 4),
+}
 _DEFAULT_SMEM_LIMIT = 48 * 1024
+# cuLaunchKernel's `extra` markers (cuda.h: CU_LAUNCH_PARAM_END / _BUFFER_POINTER / _BUFFER_SIZE).
+_PARAM_END, _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE = 0, 1, 2
 
 _lock = threading.RLock()
 _cache: DiskCache | None = None
 _kernels: dict[tuple[int, str], CompiledKernel] = {}
-_thread = threading.local()
+_contexts: dict[int, object] = {}
 
 
 def disk_cache() -> DiskCache:
@@ -67,33 +79,56 @@ def build_cubin(spec: KernelSpec, arch: str) -> tuple[bytes, bool, float]:
     return cubin, hit, time.perf_counter() - start
 
 
-def _make_current(device_index: int):
-    """Make the device's primary context current on this thread (autograd's backward thread
-    may have none) and return the cuda.core Device."""
-    from cuda.core import Device
+def _check(result, what: str):
+    """Unpack a cuda.bindings (err, *values) tuple, raising a readable error on failure."""
+    from cuda.bindings import driver
 
-    per_thread = getattr(_thread, "devices", None)
-    if per_thread is None:
-        per_thread = _thread.devices = {}
-    dev = per_thread.get(device_index)
-    if dev is None or getattr(_thread, "current", None) != device_index:
-        dev = Device(device_index)
-        dev.set_current()
-        per_thread[device_index] = dev
-        _thread.current = device_index
-    return dev
+    err = result[0]
+    if int(err) != 0:
+        _, msg = driver.cuGetErrorString(err)
+        raise RuntimeError(f"{what} failed: {getattr(err, 'name', err)} ({msg.decode() if msg else ''})")
+    return result[1] if len(result) == 2 else result[1:]
 
 
-class _TorchStream:
-    """Hands torch's stream handle to cuda.core through the __cuda_stream__ protocol."""
+def _make_current(device_index: int) -> None:
+    """Make the device's primary context (the one torch uses) current on this thread. Checked on
+    every launch: autograd's backward thread or a user thread may have none, or another device's."""
+    from cuda.bindings import driver
 
-    __slots__ = ("handle",)
+    ctx = _contexts.get(device_index)
+    if ctx is None:
+        with _lock:
+            _check(driver.cuInit(0), "cuInit")
+            dev = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
+            ctx = _contexts[device_index] = _check(driver.cuDevicePrimaryCtxRetain(dev),
+                                                   "cuDevicePrimaryCtxRetain")
+    current = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if int(current) != int(ctx):
+        _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
-    def __init__(self, handle: int):
-        self.handle = handle
 
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.handle)
+def pack_args(name: str, args: tuple) -> bytes:
+    """Kernel arguments as one buffer laid out like the C parameter list (natural alignment):
+    tensors -> 8-byte device pointers, None -> null pointer, numpy scalars at their own width."""
+    import torch
+
+    buf = bytearray()
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            code, size, value = "Q", 8, a.data_ptr()
+        elif a is None:
+            code, size, value = "Q", 8, 0
+        elif type(a) in _SCALARS:
+            (code, size), value = _SCALARS[type(a)], a.item()
+        else:
+            raise TypeError(
+                f"kernel {name}: argument {i} has type {type(a).__name__}; pass tensors, None, "
+                "or fixed-width numpy scalars (np.int32, np.int64, np.float32, ...)"
+            )
+        buf += b"\0" * (-len(buf) % size)
+        buf += struct.pack("<" + code, value)
+    buf += b"\0" * (-len(buf) % 8)
+    return bytes(buf)
 
 
 @dataclass
@@ -101,7 +136,8 @@ class CompiledKernel:
     spec: KernelSpec
     device_index: int
     arch: str
-    kernel: object  # cuda.core Kernel
+    module: object  # CUmodule
+    function: object  # CUfunction
     smem_limit: int = _DEFAULT_SMEM_LIMIT
     cache_hit: bool = False
     load_seconds: float = 0.0
@@ -110,50 +146,45 @@ class CompiledKernel:
     def name(self) -> str:
         return self.spec.name
 
+    def attribute(self, attr: str) -> int:
+        """A CUfunction attribute, e.g. 'NUM_REGS', 'LOCAL_SIZE_BYTES', 'MAX_THREADS_PER_BLOCK'."""
+        from cuda.bindings import driver
+
+        a = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attr}")
+        return int(_check(driver.cuFuncGetAttribute(a, self.function), f"cuFuncGetAttribute({attr})"))
+
     def _raise_smem_limit(self, nbytes: int) -> None:
         from cuda.bindings import driver
 
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        handle = self.kernel.handle
-        if isinstance(handle, driver.CUkernel):
-            (err,) = driver.cuKernelSetAttribute(attr, nbytes, handle, self.device_index)
-        else:
-            (err,) = driver.cuFuncSetAttribute(handle, attr, nbytes)
-        if int(err) != 0:
-            raise RuntimeError(
-                f"kernel {self.name}: cannot raise dynamic shared memory to {nbytes} bytes ({err})"
-            )
+        _check(driver.cuFuncSetAttribute(self.function, attr, nbytes),
+               f"kernel {self.name}: raising dynamic shared memory to {nbytes} bytes")
         self.smem_limit = nbytes
 
     def launch(self, grid, block, *args, shared_mem: int = 0, stream=None) -> None:
         """Launch on `stream` (a torch.cuda.Stream) or torch's current stream of the device."""
         import torch
-        from cuda.core import LaunchConfig, launch
+        from cuda.bindings import driver
 
-        packed = []
         for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                if a.device.type != "cuda" or a.device.index != self.device_index:
-                    raise ValueError(
-                        f"kernel {self.name}: argument {i} is on {a.device}, expected cuda:{self.device_index}"
-                    )
-                packed.append(a.data_ptr())
-            elif a is None:
-                packed.append(0)
-            elif isinstance(a, _SCALARS) or hasattr(a, "__cuda_tensor_map__"):
-                packed.append(a)
-            else:
-                raise TypeError(
-                    f"kernel {self.name}: argument {i} has type {type(a).__name__}; pass tensors, None, "
-                    "or fixed-width numpy scalars (np.int32, np.float32, ...)"
+            if isinstance(a, torch.Tensor) and (a.device.type != "cuda" or a.device.index != self.device_index):
+                raise ValueError(
+                    f"kernel {self.name}: argument {i} is on {a.device}, expected cuda:{self.device_index}"
                 )
+        params = ctypes.create_string_buffer(pack_args(self.name, args))
+        size = ctypes.c_size_t(len(params) - 1)  # create_string_buffer adds a NUL
+        extra = (ctypes.c_void_p * 5)(_PARAM_BUFFER_POINTER, ctypes.addressof(params),
+                                      _PARAM_BUFFER_SIZE, ctypes.addressof(size), _PARAM_END)
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
         _make_current(self.device_index)
         if shared_mem > self.smem_limit:
             self._raise_smem_limit(shared_mem)
         if stream is None:
             stream = torch.cuda.current_stream(self.device_index)
-        config = LaunchConfig(grid=grid, block=block, shmem_size=shared_mem)
-        launch(_TorchStream(stream.cuda_stream), config, self.kernel, *packed)
+        _check(driver.cuLaunchKernel(self.function, *grid, *block, shared_mem,
+                                     driver.CUstream(stream.cuda_stream), 0, ctypes.addressof(extra)),
+               f"launching {self.name} grid={grid} block={block} smem={shared_mem}")
 
 
 def device_arch(device_index: int) -> str:
@@ -182,15 +213,16 @@ def get_kernel(spec: KernelSpec, device=None) -> CompiledKernel:
         kernel = _kernels.get(memo)
         if kernel is not None:
             return kernel
-        from cuda.core import ObjectCode
+        from cuda.bindings import driver
 
         start = time.perf_counter()
         arch = device_arch(device_index)
         cubin, hit, _ = build_cubin(spec, arch)
         _make_current(device_index)
-        module = ObjectCode.from_cubin(cubin, name=spec.name)
-        handle = module.get_kernel(spec.entry_name)
-        kernel = CompiledKernel(spec, device_index, arch, handle, cache_hit=hit,
+        module = _check(driver.cuModuleLoadData(cubin), f"loading module {spec.name}")
+        function = _check(driver.cuModuleGetFunction(module, spec.entry_name.encode()),
+                          f"finding {spec.entry_name} in {spec.name}")
+        kernel = CompiledKernel(spec, device_index, arch, module, function, cache_hit=hit,
                                 load_seconds=time.perf_counter() - start)
         logger.log(logging.DEBUG, "loaded %s on cuda:%d (%s, cache %s, %.3fs)", spec.name,
                    device_index, arch, "hit" if hit else "miss", kernel.load_seconds)

@@ -198,3 +198,24 @@ def test_uncreatable_cache_dir_degrades_to_memory(tmp_path):
     assert not cache.writable
     assert cache.get_or_build("e", "k" * 64, lambda: b"abc") == (b"abc", False)
     assert cache.get_or_build("e", "k" * 64, lambda: b"zzz") == (b"abc", True)
+
+
+def test_kernel_arguments_are_packed_like_the_c_parameter_list():
+    import struct
+
+    import numpy as np
+
+    from flashcuda.jit.runtime import pack_args
+
+    buf = pack_args("k", (None, np.int32(7), np.int64(-2), np.float32(1.5), np.int32(3), None))
+    # void* @0, int @8, (pad) long long @16, float @24, int @28, void* @32 -> 40 bytes
+    assert len(buf) == 40
+    assert struct.unpack_from("<Q", buf, 0)[0] == 0
+    assert struct.unpack_from("<i", buf, 8)[0] == 7
+    assert struct.unpack_from("<q", buf, 16)[0] == -2
+    assert struct.unpack_from("<f", buf, 24)[0] == 1.5
+    assert struct.unpack_from("<i", buf, 28)[0] == 3
+    with pytest.raises(TypeError, match="argument 1 has type int"):
+        pack_args("k", (None, 5))
+    with pytest.raises(TypeError, match="argument 0 has type float"):
+        pack_args("k", (1.0,))
