@@ -1,0 +1,111 @@
+"""Public entry points: FlashAttention's `flash_attn_func` and a PyTorch-SDPA-style shim.
+
+Both validate their arguments (flashcuda.validate), then call the `flashcuda::fwd` custom op,
+which is differentiable (autograd), traceable by torch.compile(fullgraph=True) and runs the best
+CUDA kernel for the call (flashcuda.ops.dispatch) — or, for CPU tensors, the portable tiled
+PyTorch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import validate
+from .ops.attention import attention
+
+
+def _last_dim_contiguous(t: object, name: str) -> torch.Tensor:
+    """As FlashAttention does: a tensor whose last dimension is strided is copied."""
+    t = validate.check_tensor(t, name)
+    if t.dim() >= 1 and t.stride(-1) != 1 and t.shape[-1] != 1:
+        return t.contiguous()
+    return t
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    softmax_scale: float | None = None, causal: bool = False,
+                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                    return_attn_probs: bool = False, return_lse: bool = False):
+    """Exact attention softmax(q kᵀ · softmax_scale) v, FlashAttention-compatible.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32.
+        k, v: (batch, seqlen_k, nheads_kv, headdim), same dtype and device; nheads % nheads_kv
+            == 0 (GQA / MQA: query head h uses kv head h // (nheads // nheads_kv)).
+            Any strides with a contiguous last dimension (views of a packed qkv tensor work
+            without a copy); a strided last dimension is copied. headdim in [1, 256].
+        dropout_p: must be 0.0 (NotImplementedError otherwise).
+        softmax_scale: defaults to headdim ** -0.5.
+        causal: mask aligned to the bottom-right corner of the score matrix: query row i sees
+            key j iff j <= i + seqlen_k - seqlen_q. Sets the right window to 0.
+        window_size: (left, right), -1 meaning unbounded: row i sees key j iff
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right.
+        softcap, alibi_slopes: not implemented (must be 0.0 / None).
+        deterministic: deterministic backward (also on when
+            torch.are_deterministic_algorithms_enabled()).
+        return_attn_probs: return (out, lse, None), as FlashAttention 2 does without dropout
+            (the probabilities are never materialised).
+        return_lse: return (out, lse).
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim) contiguous in q's dtype; with return_lse,
+        also lse (batch, nheads, seqlen_q) float32, the natural-log log-sum-exp of the scaled
+        scores of each row (not differentiable). A row that sees no key gets out 0 and lse -inf.
+    """
+    validate.check_fa_unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes)
+    q = _last_dim_contiguous(q, "q")
+    k = _last_dim_contiguous(k, "k")
+    v = _last_dim_contiguous(v, "v")
+    validate.check_qkv(q, k, v)
+    window_left, window_right = validate.fa_window(window_size, causal)
+    scale = validate.softmax_scale(softmax_scale, q.shape[-1])
+    deterministic = validate.check_flag(deterministic, "deterministic")
+    out, lse = attention(q, k, v, scale, window_left, window_right, deterministic)
+    if validate.check_flag(return_attn_probs, "return_attn_probs"):
+        return out, lse, None
+    if validate.check_flag(return_lse, "return_lse"):
+        return out, lse
+    return out
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, *, scale: float | None = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """torch.nn.functional.scaled_dot_product_attention's semantics on flashcuda kernels.
+
+    Args:
+        query: (batch, nheads, seqlen_q, headdim); key, value: (batch, nheads_kv, seqlen_k,
+            headdim); float16 / bfloat16 / float32, a contiguous last dimension.
+        attn_mask, dropout_p: not implemented (must be None / 0.0).
+        is_causal: PyTorch's causal mask, aligned to the top-left corner: query row i sees key
+            j iff j <= i (unlike flash_attn_func's bottom-right alignment when seqlen_q !=
+            seqlen_k).
+        scale: defaults to headdim ** -0.5.
+        enable_gqa: allow nheads_kv < nheads (nheads % nheads_kv == 0); otherwise the head
+            counts must match, as in PyTorch.
+
+    Returns:
+        (batch, nheads, seqlen_q, headdim) in query's dtype (a transposed view of a contiguous
+        (batch, seqlen_q, nheads, headdim) buffer; no input is copied). A row that sees no key
+        (seqlen_k == 0) is 0.
+    """
+    validate.check_sdpa_unsupported(attn_mask=attn_mask, dropout_p=dropout_p)
+    names = ("query", "key", "value")
+    tensors = [_last_dim_contiguous(t, n) for t, n in zip((query, key, value), names, strict=True)]
+    for t, n in zip(tensors, names, strict=True):
+        if t.dim() != 4:
+            raise ValueError(f"{n}: expected a 4-D tensor (batch, nheads, seqlen, headdim), got "
+                             f"a {t.dim()}-D tensor of shape {tuple(t.shape)}")
+    query, key, value = tensors
+    if not validate.check_flag(enable_gqa, "enable_gqa") and query.shape[1] != key.shape[1]:
+        raise ValueError(f"key: expected nheads_kv == nheads={query.shape[1]} (pass "
+                         f"enable_gqa=True for grouped-query attention), got {key.shape[1]}")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    validate.check_qkv(q, k, v, names=names, bhsd=True)
+    is_causal = validate.check_flag(is_causal, "is_causal")
+    window_right = q.shape[1] - k.shape[1] if is_causal else None
+    softmax_scale = validate.softmax_scale(scale, q.shape[-1], name="scale")
+    out, _ = attention(q, k, v, softmax_scale, None, window_right, False)
+    return out.transpose(1, 2)

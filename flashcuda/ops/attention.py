@@ -1,0 +1,115 @@
+"""The attention custom ops: validate -> allocate -> dispatch, plus fake (meta) shapes and autograd.
+
+    flashcuda::fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, SymInt? window_left,
+                   SymInt? window_right, bool deterministic) -> (Tensor out, Tensor lse)
+    flashcuda::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+                   float softmax_scale, SymInt? window_left, SymInt? window_right,
+                   bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)
+
+q (B, Sq, H, D); k, v (B, Sk, Hkv, D), any strides with a unit last stride. out (B, Sq, H, D)
+contiguous in q's dtype; lse (B, H, Sq) float32, natural log. Windows are in key positions
+around the bottom-right aligned diagonal (mask.cuh), None = unbounded: a query row i sees key j
+iff i + shift - window_left <= j <= i + shift + window_right, shift = Sk - Sq. FlashAttention's
+causal is (None, 0); SDPA's top-left causal is (None, Sq - Sk), which may be negative — hence
+`SymInt?` with None, not a -1 sentinel. `deterministic` is used only by the backward (it is a
+forward argument so that autograd can hand it on); the backward is also deterministic whenever
+torch.are_deterministic_algorithms_enabled().
+
+lse is not differentiable: gradients flow through `out` only (as in FlashAttention).
+Edge cases (no launch): batch == 0 or Sq == 0 gives empty outputs; Sk == 0 gives out 0 and
+lse -inf; the backward then gives zero gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import validate
+from . import dispatch
+from .call import BwdCall, FwdCall
+
+_NEG_INF = float("-inf")
+
+
+def _empty_fwd(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seqlen_q, nheads, head_dim = q.shape
+    out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+@torch.library.custom_op("flashcuda::fwd", mutates_args=())
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+        window_left: int | None, window_right: int | None,
+        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    validate.check_qkv(q, k, v)
+    out, lse = _empty_fwd(q)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[1] == 0:
+        out.zero_()
+        lse.fill_(_NEG_INF)
+        return out, lse
+    dispatch.forward(FwdCall(q, k, v, out, lse, softmax_scale, window_left, window_right))
+    return out, lse
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, deterministic):
+    return _empty_fwd(q)
+
+
+@torch.library.custom_op("flashcuda::bwd", mutates_args=())
+def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, window_left: int | None,
+        window_right: int | None,
+        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    validate.check_qkv(q, k, v)
+    validate.check_bwd(dout, q, out, lse)
+    dq, dk, dv = _empty_bwd(q, k, v)
+    if dq.numel() == 0 or dk.numel() == 0:
+        # No query row sees any key: every gradient is zero.
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    # dout often arrives as an expanded or transposed view (loss = out.sum(), SDPA's transpose).
+    dout = dout.contiguous()
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    dispatch.backward(BwdCall(q, k, v, out, dout, lse, dq, dk, dv, softmax_scale, window_left,
+                              window_right, deterministic))
+    return dq, dk, dv
+
+
+def _empty_bwd(q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, deterministic):
+    return _empty_bwd(q, k, v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, softmax_scale, window_left, window_right, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale = softmax_scale
+    ctx.window = (window_left, window_right)
+    ctx.deterministic = deterministic
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, deterministic)
+    return dq, dk, dv, None, None, None, None
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+              window_left: int | None = None, window_right: int | None = None,
+              deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) = flashcuda::fwd, differentiable in q, k, v through out."""
+    return fwd(q, k, v, softmax_scale, window_left, window_right, deterministic)
