@@ -1,0 +1,249 @@
+"""The public API on CUDA against the float64 oracle, with FlashAttention's rule (DESIGN.md §7):
+our max error <= 2x PyTorch's same-dtype error (3x for gradients), plus FA3's rounding floor.
+
+Covers whatever family dispatch picks, then each family forced (FLASHCUDA_FORCE_KERNEL) on the
+cases it can implement, with NaN-filled outputs; packed qkv views, the SDPA shim, autograd from
+the main thread and from another thread, torch.compile(fullgraph=True) and CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashcuda import flash_attn_func, scaled_dot_product_attention, validate
+from flashcuda.ops import dispatch
+from flashcuda.ops.call import BwdCall, FwdCall
+from flashcuda.reference import attention_ref, max_error
+
+pytestmark = pytest.mark.gpu
+
+NEG_INF = float("-inf")
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, window_size)
+CASES = [
+    (2, 128, 128, 8, 8, 64, False, (-1, -1)),
+    (1, 257, 257, 8, 2, 128, True, (-1, -1)),  # GQA, ragged
+    (2, 113, 203, 4, 1, 64, True, (-1, -1)),  # MQA, Sq < Sk
+    (1, 203, 113, 4, 4, 128, False, (32, 8)),  # window, Sq > Sk
+    (1, 97, 143, 6, 3, 72, True, (-1, -1)),  # an unusual head dim
+]
+
+
+def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """FA3's absolute floor: twice the error of merely rounding values near the reference."""
+    finite = ref[torch.isfinite(ref)]
+    if finite.numel() == 0:
+        return 0.0
+    rounded = (finite.to(dtype) + 0.3 - 0.3).double()
+    return 2 * (rounded - finite).abs().max().item()
+
+
+def make(case, dtype, requires_grad=False, seed=0):
+    b, sq, sk, h, hkv, d = case[:6]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype).requires_grad_(
+            requires_grad)
+
+    return r(b, sq, h, d), r(b, sk, hkv, d), r(b, sk, hkv, d)
+
+
+def check_forward(out, lse, q, k, v, causal, window):
+    ref_out, ref_lse = attention_ref(q, k, v, causal=causal, window_size=window)
+    base_out, base_lse = attention_ref(q, k, v, causal=causal, window_size=window, upcast=False)
+    err, base = max_error(out, ref_out), max_error(base_out, ref_out)
+    assert err <= 2 * base + rounding_floor(ref_out, q.dtype), f"out: {err:.3e} vs torch {base:.3e}"
+    err, base = max_error(lse, ref_lse), max_error(base_lse, ref_lse)
+    assert err <= 2 * base + 1e-5, f"lse: {err:.3e} vs torch {base:.3e}"
+
+
+def oracle_grads(q, k, v, dout, causal, window):
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = attention_ref(*leaves, causal=causal, window_size=window)
+    ref = torch.autograd.grad(ref_out, leaves, dout.double())
+    same = [t.detach().requires_grad_() for t in (q, k, v)]
+    base_out, _ = attention_ref(*same, causal=causal, window_size=window, upcast=False)
+    base = torch.autograd.grad(base_out, same, dout)
+    return ref, base
+
+
+def check_grads(grads, ref, base, dtype):
+    for name, g, r, b in zip("qkv", grads, ref, base, strict=True):
+        err, berr = max_error(g, r), max_error(b, r)
+        assert err <= 3 * berr + rounding_floor(r, dtype), f"d{name}: {err:.3e} vs torch {berr:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_api_forward_and_backward_match_oracle(case, dtype):
+    q, k, v = make(case, dtype, requires_grad=True)
+    causal, window = case[6], case[7]
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)
+    assert out.shape == q.shape and out.dtype == dtype and out.device == q.device
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    check_forward(out, lse, q, k, v, causal, window)
+    dout = torch.randn_like(out)
+    out.backward(dout)  # from the main thread: autograd runs it on its device thread
+    for t in (q, k, v):
+        assert t.grad.dtype == dtype and t.grad.shape == t.shape
+    ref, base = oracle_grads(q, k, v, dout, causal, window)
+    check_grads([q.grad, k.grad, v.grad], ref, base, dtype)
+
+
+def _force(monkeypatch, family, call):
+    monkeypatch.setenv(dispatch.FORCE_ENV, family)
+    ((name, reason),) = dispatch.explain(call)
+    assert name == family
+    return reason
+
+
+@pytest.mark.parametrize("family", [*dispatch.FWD_FAMILIES, *dispatch.BWD_FAMILIES])
+def test_each_family_forced(family, monkeypatch):
+    ran, reasons = 0, []
+    for dtype in DTYPES:
+        for case in CASES[1:4]:
+            q, k, v = make(case, dtype, seed=3)
+            causal, window = case[6], case[7]
+            wl, wr = validate.fa_window(window, causal)
+            scale = q.shape[-1] ** -0.5
+            out = torch.full(q.shape, float("nan"), device="cuda", dtype=dtype)
+            lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device="cuda")
+            fwd = FwdCall(q, k, v, out, lse, scale, wl, wr)
+            if family.startswith("fwd_"):
+                reason = _force(monkeypatch, family, fwd)
+                if reason is not None:
+                    reasons.append(f"{dtype} {case[:6]}: {reason}")
+                    continue
+                assert dispatch.forward(fwd) == family
+                check_forward(out, lse, q, k, v, causal, window)
+                ran += 1
+                continue
+            monkeypatch.setenv(dispatch.FORCE_ENV, "portable")  # isolate the backward under test
+            dispatch.forward(fwd)
+            dout = torch.randn_like(out)
+            grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=dtype)
+                     for t in (q, k, v)]
+            bwd = BwdCall(q, k, v, out, dout, lse, *grads, scale, wl, wr, dtype == torch.float16)
+            reason = _force(monkeypatch, family, bwd)
+            if reason is not None:
+                reasons.append(f"{dtype} {case[:6]}: {reason}")
+                continue
+            assert dispatch.backward(bwd) == family
+            ref, base = oracle_grads(q, k, v, dout, causal, window)
+            check_grads(grads, ref, base, dtype)
+            ran += 1
+    if ran == 0:
+        pytest.skip(f"{family} implements none of the cases: " + "; ".join(reasons))
+
+
+def test_packed_qkv_views_without_copy():
+    packed = torch.randn(2, 150, 3, 8, 64, device="cuda", dtype=torch.float16,
+                         requires_grad=True)
+    q, k, v = packed.unbind(dim=2)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    contiguous = [t.detach().contiguous() for t in (q, k, v)]
+    assert torch.equal(out, flash_attn_func(*contiguous, causal=True))
+    check_forward(out, lse, q, k, v, True, (-1, -1))
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref, base = oracle_grads(q, k, v, dout, True, (-1, -1))
+    grads = packed.grad.unbind(dim=2)
+    check_grads(grads, ref, base, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sq,sk", [(128, 128), (100, 180), (180, 100)])
+def test_sdpa_shim(sq, sk, dtype):
+    g = torch.Generator(device="cuda").manual_seed(sq + sk)
+    query = torch.randn(2, 8, sq, 64, device="cuda", generator=g).to(dtype)
+    key = torch.randn(2, 2, sk, 64, device="cuda", generator=g).to(dtype)
+    value = torch.randn(2, 2, sk, 64, device="cuda", generator=g).to(dtype)
+    out = scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+    assert out.shape == query.shape and out.dtype == dtype
+    ref = F.scaled_dot_product_attention(query.double(), key.double(), value.double(),
+                                         is_causal=True, enable_gqa=True)
+    torch_out = F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                               enable_gqa=True)
+    assert max_error(out, ref) <= 2 * max_error(torch_out, ref) + rounding_floor(ref, dtype)
+
+
+def test_backward_from_another_thread():
+    q, k, v = make(CASES[0], torch.bfloat16, requires_grad=True)
+    errors = []
+
+    def work():
+        try:
+            flash_attn_func(q, k, v, causal=True).float().square().sum().backward()
+            torch.cuda.synchronize()
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_edge_cases_on_gpu():
+    # Fully masked rows (causal, Sq > Sk): out 0, lse -inf, zero dq, never NaN.
+    q, k, v = make((1, 80, 20, 4, 2, 64), torch.float16, requires_grad=True)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert (out[:, :60] == 0).all() and (lse[:, :, :60] == NEG_INF).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 60:]).all()
+    out.sum().backward()
+    assert (q.grad[:, :60] == 0).all() and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    # Empty shapes: no launch, right shapes.
+    for b, sq, sk in [(0, 8, 8), (2, 0, 8), (2, 8, 0)]:
+        q, k, v = make((b, sq, sk, 4, 2, 64), torch.float16)
+        out, lse = flash_attn_func(q, k, v, return_lse=True)
+        assert out.shape == q.shape and (out == 0).all() and (lse == NEG_INF).all()
+    # NaN past seqlen_k in the underlying buffer never reaches the output.
+    q, k, v = make((1, 64, 100, 4, 4, 64), torch.float16)
+    pad = torch.full((1, 28, 4, 64), float("nan"), device="cuda", dtype=torch.float16)
+    kb, vb = torch.cat([k, pad], dim=1)[:, :100], torch.cat([v, pad], dim=1)[:, :100]
+    assert torch.equal(flash_attn_func(q, kb, vb), flash_attn_func(q, k, v))
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+
+    def fn(q, k, v):
+        return flash_attn_func(q, k, v, causal=True).float().square().mean()
+
+    compiled = torch.compile(fn, fullgraph=True)
+    q, k, v = make(CASES[1], torch.bfloat16, requires_grad=True)
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    ref_loss = fn(q, k, v)
+    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    torch.testing.assert_close(loss, ref_loss)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_cuda_graph_capture_and_replay():
+    q, k, v = make(CASES[1], torch.float16)
+    static = [t.clone() for t in (q, k, v)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: compile and load outside the capture
+        for _ in range(2):
+            flash_attn_func(*static, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flash_attn_func(*static, causal=True)
+    for seed in (1, 2):
+        fresh = make(CASES[1], torch.float16, seed=seed)
+        for s, f in zip(static, fresh, strict=True):
+            s.copy_(f)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, flash_attn_func(*fresh, causal=True))
