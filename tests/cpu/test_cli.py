@@ -6,10 +6,13 @@ import subprocess
 import sys
 
 
-def test_import_needs_no_cuda():
-    code = "import sys, flashcuda; print(sorted(m for m in sys.modules if m.startswith('cuda')))"
+def test_import_needs_no_gpu_and_loads_no_cuda_module_of_ours():
+    # torch may import cuda.bindings by itself; flashcuda adds neither cuda.core nor NVRTC, and
+    # touches no driver, at import time (this machine has none).
+    code = ("import sys, torch; before = set(sys.modules); import flashcuda; "
+            "print(sorted(m for m in set(sys.modules) - before if m.startswith('cuda')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout  # no CUDA module is imported at import time
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_info_runs_and_says_plainly_when_there_is_no_gpu():
