@@ -1,0 +1,169 @@
+"""Ladder benchmark: achieved GB/s of the memory-bound rungs, TFLOP/s of the matrix rungs, and
+the naive attention pipeline's time and peak memory.
+
+Method (PERFORMANCE.md): random normal inputs; each rung is called `warmup` times first (compile,
+module load and first-touch excluded), then timed `repeats` times, each call between its own
+pair of CUDA events on the current stream; the row reports the median. Memory-bound rungs run on
+~256M elements (1 GiB per fp32 tensor, far past the 60 MB L2, so buffers are not rotated).
+`bytes` is the minimum traffic the rung must move (every input read once, every output written
+once), so GB/s compares directly with the device-to-device copy ceiling (bytes read + written)
+that the caller measures in the same run. FLOPs: 2·M·N·K for a matmul; 4·B·H·Sq·Sk·D for
+attention (the FlashAttention convention; the naive pipeline computes the masked half too, so a
+causal row counts the full 4·B·H·S²·D).
+
+Row keys: rung, dtype, size (human-readable shape), median_ms, then gbps + bytes or tflops +
+flops; attention rows add causal, peak_mem_bytes (torch.cuda.max_memory_allocated after a reset,
+inputs included) and extra_mem_bytes (the part the call itself allocated, output included).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from .. import ladder
+
+MEMORY_ELEMENTS = 1 << 28  # 256M
+QUICK_MEMORY_ELEMENTS = 1 << 25  # 32M: still past L2 for every dtype
+ROW_LENGTH = 4096  # row sum / softmax rows
+SEQLENS = (1024, 2048, 4096, 8192)
+QUICK_SEQLENS = (1024, 2048)
+TOKENS = 16384  # batch = TOKENS // seqlen (PERFORMANCE.md's standard sweep)
+HEAD_DIM = 128
+NHEADS = 2048 // HEAD_DIM
+
+_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    """Median milliseconds of `fn` over `repeats` CUDA-event-timed calls, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _bandwidth_row(rung: str, dtype: torch.dtype, size: str, ms: float, nbytes: int) -> dict:
+    return {"rung": rung, "dtype": _NAMES[dtype], "size": size, "median_ms": ms,
+            "gbps": nbytes / (ms * 1e-3) / 1e9, "bytes": nbytes}
+
+
+def _flops_row(rung: str, dtype: torch.dtype, size: str, ms: float, flops: int) -> dict:
+    return {"rung": rung, "dtype": _NAMES[dtype], "size": size, "median_ms": ms,
+            "tflops": flops / (ms * 1e-3) / 1e12, "flops": flops}
+
+
+def _memory_rows(device: torch.device, dtype: torch.dtype, n: int, warmup: int,
+                 repeats: int) -> list[dict]:
+    es = dtype.itemsize
+    rows: list[dict] = []
+    x = torch.randn(n, device=device, dtype=dtype)
+    y = torch.randn(n, device=device, dtype=dtype)
+    out = torch.empty_like(x)
+    size = str(n)
+    ms = time_ms(lambda: ladder.vector_add(x, y, out=out), warmup, repeats)
+    rows.append(_bandwidth_row("vector_add", dtype, size, ms, 3 * n * es))
+    ms = time_ms(lambda: ladder.scale(x, 1.5, out=out), warmup, repeats)
+    rows.append(_bandwidth_row("scale", dtype, size, ms, 2 * n * es))
+    ms = time_ms(lambda: ladder.exp(x, out=out), warmup, repeats)
+    rows.append(_bandwidth_row("exp", dtype, size, ms, 2 * n * es))
+    ms = time_ms(lambda: ladder.dot(x, y), warmup, repeats)
+    rows.append(_bandwidth_row("dot", dtype, size, ms, 2 * n * es))
+
+    x2 = x.view(n // ROW_LENGTH, ROW_LENGTH)
+    o2 = out.view(n // ROW_LENGTH, ROW_LENGTH)
+    size2 = f"{n // ROW_LENGTH}x{ROW_LENGTH}"
+    sums = torch.empty(n // ROW_LENGTH, device=device, dtype=dtype)
+    ms = time_ms(lambda: ladder.row_sum(x2, out=sums), warmup, repeats)
+    rows.append(_bandwidth_row("row_sum", dtype, size2, ms, (n + n // ROW_LENGTH) * es))
+    ms = time_ms(lambda: ladder.softmax(x2, out=o2), warmup, repeats)
+    rows.append(_bandwidth_row("softmax", dtype, size2, ms, 2 * n * es))
+
+    side = int(n ** 0.5)
+    xs = x[: side * side].view(side, side)
+    os_ = out[: side * side].view(side, side)
+    ms = time_ms(lambda: ladder.transpose(xs, out=os_), warmup, repeats)
+    rows.append(_bandwidth_row("transpose", dtype, f"{side}x{side}", ms, 2 * side * side * es))
+    return rows
+
+
+def _matmul_rows(device: torch.device, quick: bool, warmup: int, repeats: int) -> list[dict]:
+    rows: list[dict] = []
+    cases = [(torch.float32, False, 2048 if quick else 4096),
+             (torch.bfloat16, True, 4096 if quick else 8192),
+             (torch.float16, True, 4096 if quick else 8192)]
+    for dtype, tensor_cores, n in cases:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        c = torch.empty(n, n, device=device, dtype=dtype)
+        ms = time_ms(lambda a=a, b=b, c=c, tc=tensor_cores: ladder.matmul(a, b, out=c, tensor_cores=tc),
+                     warmup, repeats)
+        rung = "matmul_mma" if tensor_cores else "matmul_simt"
+        rows.append(_flops_row(rung, dtype, f"{n}x{n}x{n}", ms, 2 * n ** 3))
+        del a, b, c
+    return rows
+
+
+def _attention_rows(device: torch.device, quick: bool, warmup: int, repeats: int) -> list[dict]:
+    rows: list[dict] = []
+    dtype = torch.bfloat16
+    for seqlen in QUICK_SEQLENS if quick else SEQLENS:
+        batch = max(1, TOKENS // seqlen)
+        q, k, v = (torch.randn(batch, seqlen, NHEADS, HEAD_DIM, device=device, dtype=dtype)
+                   for _ in range(3))
+        size = f"B={batch},S={seqlen},H={NHEADS},D={HEAD_DIM}"
+        flops = 4 * batch * NHEADS * seqlen * seqlen * HEAD_DIM
+        half = flops // 2  # each of the two GEMMs
+
+        ms = time_ms(lambda q=q, k=k: ladder.attention_scores(q, k), warmup, repeats)
+        rows.append(_flops_row("attention_scores", dtype, size, ms, half))
+        scores = ladder.attention_scores(q, k)
+        ms = time_ms(lambda s=scores: ladder.softmax(s, out=s), warmup, repeats)
+        rows.append(_bandwidth_row("attention_softmax", torch.float32, size, ms, 2 * scores.numel() * 4))
+        ms = time_ms(lambda s=scores, v=v: ladder.attention_pv(s, v), warmup, repeats)
+        rows.append(_flops_row("attention_pv", dtype, size, ms, half))
+        del scores
+
+        for causal in (False, True):
+            ms = time_ms(lambda q=q, k=k, v=v, c=causal: ladder.naive_attention(q, k, v, causal=c),
+                         warmup, repeats)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            ladder.naive_attention(q, k, v, causal=causal)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated(device)
+            row = _flops_row("naive_attention", dtype, size, ms, flops)
+            row.update(causal=causal, peak_mem_bytes=peak, extra_mem_bytes=peak - before)
+            rows.append(row)
+        del q, k, v
+    return rows
+
+
+def run_ladder_bench(device: torch.device | str | int, quick: bool) -> list[dict]:
+    """Time every ladder rung on `device`; `quick` shrinks sizes and repeats (~10 s instead of
+    about a minute). Returns one dict per (rung, dtype, size); see the module docstring."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device, got {device}")
+    warmup, repeats = (2, 5) if quick else (3, 20)
+    n = QUICK_MEMORY_ELEMENTS if quick else MEMORY_ELEMENTS
+    rows: list[dict] = []
+    with torch.cuda.device(device):
+        for dtype in (torch.float32, torch.bfloat16):
+            rows += _memory_rows(device, dtype, n, warmup, repeats)
+        rows += _matmul_rows(device, quick, warmup, repeats)
+        rows += _attention_rows(device, quick, warmup, max(3, repeats // 4))
+        torch.cuda.empty_cache()
+    return rows

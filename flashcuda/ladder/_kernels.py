@@ -1,0 +1,157 @@
+"""Every ladder kernel specialisation (the single source of their names and defines), their
+registration for the CPU compile lane, and the launch helpers the entry points share.
+
+Names spell the specialisation: ``ladder_<rung>_<dtype>``, e.g. ``ladder_vector_add_bf16``,
+``ladder_matmul_mma_m16n8k16_fp16``; ``ladder_attention_scores_bf16`` reads bf16 Q, K and writes
+fp32 scores, ``ladder_attention_pv_bf16`` reads fp32 P and bf16 V and writes bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from ..jit import KernelSpec, get_kernel, register
+from ..jit.runtime import CompiledKernel
+
+ARCHS: tuple[str, ...] = ("sm_80", "sm_90a")
+
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_NAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+HALVES = (torch.float16, torch.bfloat16)
+
+ELEMENTWISE_OPS = ("vector_add", "scale", "exp")
+
+# Block size of the 1-D kernels (elementwise, dot, row-wise upper bound): 8 warps.
+BLOCK = 256
+# Stage-1 grid of the dot product: fixed from n, never from the GPU (deterministic sums).
+DOT_MAX_BLOCKS = 1024
+DOT_UNROLL = 4  # vectors per thread per trip in for_strided (vec.cuh)
+# GEMM tiles (gemm.cu, matmul_mma.cu): restated only to size the grids.
+SIMT_TILE = (64, 64)
+SIMT_THREADS = 256
+MMA_TILE = (64, 64)
+MMA_THREADS = 128
+TRANSPOSE_TILE = 32
+TRANSPOSE_BLOCK = (32, 8, 1)
+MAX_GRID_X = 2**31 - 1
+
+
+@functools.cache
+def elementwise_spec(op: str, dtype: torch.dtype) -> KernelSpec:
+    return KernelSpec.make(f"ladder_{op}_{DTYPE_NAME[dtype]}", f"ladder/{op}.cu",
+                           defines={"FC_DTYPE": DTYPE_CODE[dtype]})
+
+
+@functools.cache
+def row_sum_spec(dtype: torch.dtype) -> KernelSpec:
+    return KernelSpec.make(f"ladder_row_sum_{DTYPE_NAME[dtype]}", "ladder/row_sum.cu",
+                           defines={"FC_DTYPE": DTYPE_CODE[dtype]})
+
+
+@functools.cache
+def dot_spec(dtype: torch.dtype, stage: int) -> KernelSpec:
+    role = {1: "partials", 2: "final"}[stage]
+    return KernelSpec.make(f"ladder_dot_{role}_{DTYPE_NAME[dtype]}", "ladder/dot.cu",
+                           defines={"FC_DTYPE": DTYPE_CODE[dtype], "FC_DOT_STAGE": stage})
+
+
+@functools.cache
+def transpose_spec(dtype: torch.dtype) -> KernelSpec:
+    return KernelSpec.make(f"ladder_transpose_{DTYPE_NAME[dtype]}", "ladder/transpose.cu",
+                           defines={"FC_DTYPE": DTYPE_CODE[dtype]})
+
+
+@functools.cache
+def softmax_spec(dtype: torch.dtype) -> KernelSpec:
+    return KernelSpec.make(f"ladder_softmax_{DTYPE_NAME[dtype]}", "ladder/softmax.cu",
+                           defines={"FC_DTYPE": DTYPE_CODE[dtype]})
+
+
+@functools.cache
+def gemm_spec(role: str, dtype: torch.dtype) -> KernelSpec:
+    """The SIMT GEMM (gemm.cu) in one of its three roles: matmul (all `dtype`), attention_scores
+    (`dtype` in, fp32 out), attention_pv (fp32 P, `dtype` V and out)."""
+    f32 = DTYPE_CODE[torch.float32]
+    code = DTYPE_CODE[dtype]
+    types = {"matmul_simt": (code, code, code), "attention_scores": (code, code, f32),
+             "attention_pv": (f32, code, code)}[role]
+    return KernelSpec.make(f"ladder_{role}_{DTYPE_NAME[dtype]}", "ladder/gemm.cu",
+                           defines={"FC_TA": types[0], "FC_TB": types[1], "FC_TC": types[2]})
+
+
+@functools.cache
+def mma_spec(dtype: torch.dtype) -> KernelSpec:
+    return KernelSpec.make(f"ladder_matmul_mma_m16n8k16_{DTYPE_NAME[dtype]}",
+                           "ladder/matmul_mma.cu", defines={"FC_DTYPE": DTYPE_CODE[dtype]})
+
+
+def all_specs() -> list[KernelSpec]:
+    specs: list[KernelSpec] = []
+    for dtype in FLOATS:
+        specs += [elementwise_spec(op, dtype) for op in ELEMENTWISE_OPS]
+        specs += [row_sum_spec(dtype), dot_spec(dtype, 1), dot_spec(dtype, 2),
+                  transpose_spec(dtype), softmax_spec(dtype)]
+        specs += [gemm_spec(role, dtype)
+                  for role in ("matmul_simt", "attention_scores", "attention_pv")]
+    specs += [mma_spec(dtype) for dtype in HALVES]
+    return specs
+
+
+@register
+def variants() -> list[tuple[KernelSpec, tuple[str, ...]]]:
+    """Every ladder specialisation with the targets it is built for (the CPU lane compiles all)."""
+    return [(spec, ARCHS) for spec in all_specs()]
+
+
+# ---- launch helpers -------------------------------------------------------------------------
+
+_occupancy: dict[tuple[int, str, int], int] = {}
+_occupancy_lock = threading.Lock()
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def resident_blocks(kernel: CompiledKernel, threads: int) -> int:
+    """Blocks of `threads` one SM holds at once for `kernel` (its registers and shared memory
+    decide), from the driver's occupancy calculator; 2048 / threads if that is unavailable."""
+    key = (kernel.device_index, kernel.name, threads)
+    found = _occupancy.get(key)
+    if found is None:
+        try:
+            found = int(kernel.kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0))
+        except Exception:  # an older cuda.core or driver: fall back to full occupancy
+            found = 0
+        found = found if found > 0 else max(1, 2048 // threads)
+        with _occupancy_lock:
+            _occupancy[key] = found
+    return found
+
+
+def full_grid(kernel: CompiledKernel, threads: int, work_blocks: int) -> int:
+    """Grid for a grid-stride kernel: enough blocks for the work, at most one full wave."""
+    wave = sm_count(kernel.device_index) * resident_blocks(kernel, threads)
+    return max(1, min(work_blocks, wave))
+
+
+def row_threads(cols: int, dtype: torch.dtype) -> int:
+    """Threads per row-wise block: one 16-byte vector per thread per trip, 32 .. 256."""
+    vectors = -(-cols // (16 // dtype.itemsize))
+    threads = 32
+    while threads < BLOCK and threads < vectors:
+        threads *= 2
+    return threads
+
+
+def kernel_for(spec: KernelSpec, device: torch.device) -> CompiledKernel:
+    return get_kernel(spec, device)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
