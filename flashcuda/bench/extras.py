@@ -1,0 +1,247 @@
+"""What a run records besides the sweep (PERFORMANCE.md, "Also record"; targets 4 and 5).
+
+    first_call    a new process times its first flashcuda forward and backward: "cold" with an
+                  empty FLASHCUDA_CACHE_DIR (NVRTC compile), then "warm" with the same directory
+                  (cache hit + module load). torch import, CUDA context creation and
+                  `import flashcuda` are timed separately and excluded; whatever the first call
+                  itself imports or initialises (cuda.core, the driver API) is included. Targets: cold ≤ 2 s
+                  (compile of one kernel), warm ≤ 50 ms.
+    serving       a serving-size forward (batch 1, 32 heads, seqlen 2048, d128, causal, no grad):
+                  p50/p90/p99 per-call latency, wall-clock and GPU, for flashcuda and each peer.
+    memory        peak extra memory (torch.cuda.max_memory_allocated above the inputs) of
+                  flashcuda against the naive O(S²) pipeline (fp32 scores, softmax, P·V in torch).
+    long_context  a single-head seqlen-65536 causal call (forward + backward) runs; the naive
+                  pipeline would need 16 GiB of fp32 scores for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .peers import Impl
+from .timing import Timer, latency_percentiles, tflops
+
+FIRST_CALL_TARGET_COLD_S = 2.0
+FIRST_CALL_TARGET_WARM_S = 0.050
+SERVING_SHAPE = {"batch": 1, "nheads": 32, "seqlen": 2048, "headdim": 128, "causal": True}
+MEMORY_SHAPE = {"batch": 1, "nheads": 4, "seqlen": 16384, "headdim": 128, "causal": False}
+LONG_SHAPE = {"batch": 1, "nheads": 1, "seqlen": 65536, "headdim": 128, "causal": True}
+
+# Runs in a fresh interpreter; prints one JSON line last.
+_FIRST_CALL_SCRIPT = r"""
+import json, time, sys
+t0 = time.perf_counter()
+import torch
+r = {"import_torch_s": time.perf_counter() - t0}
+t = time.perf_counter()
+torch.zeros(1, device="cuda").add_(1); torch.cuda.synchronize()
+r["cuda_init_s"] = time.perf_counter() - t
+t = time.perf_counter()
+import flashcuda
+r["import_flashcuda_s"] = time.perf_counter() - t
+dt = getattr(torch, sys.argv[1])
+shape = (1, 1024, 16, 128)
+q, k, v = (torch.randn(shape, dtype=dt, device="cuda", requires_grad=True) for _ in range(3))
+dout = torch.randn(shape, dtype=dt, device="cuda")
+def first(fn):
+    torch.cuda.synchronize(); t = time.perf_counter(); out = fn(); torch.cuda.synchronize()
+    return time.perf_counter() - t, out
+def fwd():
+    out = flashcuda.flash_attn_func(q, k, v, causal=True)
+    return out[0] if isinstance(out, tuple) else out
+r["first_fwd_s"], out = first(fwd)
+r["second_fwd_s"], _ = first(fwd)
+try:
+    r["first_bwd_s"], _ = first(lambda: out.backward(dout, retain_graph=True))
+    r["second_bwd_s"], _ = first(lambda: out.backward(dout, retain_graph=True))
+except Exception as exc:
+    r["bwd_error"] = f"{type(exc).__name__}: {exc}"[:400]
+print(json.dumps(r))
+"""
+
+
+def _package_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def _first_call_process(cache_dir: str, dtype_attr: str, timeout_s: float) -> dict:
+    env = dict(os.environ)
+    env["FLASHCUDA_CACHE_DIR"] = cache_dir
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_package_root()), env.get("PYTHONPATH")) if p)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL_SCRIPT, dtype_attr], env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    wall = time.perf_counter() - start
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"status": "failed", "process_s": wall, "returncode": proc.returncode,
+                "error": exception_line(proc.stderr)}
+    return {"status": "ok", "process_s": wall, **json.loads(lines[-1])}
+
+
+_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
+
+
+def exception_line(stderr: str, limit: int = 600) -> str:
+    """The exception line of a child's traceback (the last line is often a compiler log's tail)."""
+    lines = [x.strip() for x in stderr.replace("\x00", "").splitlines() if x.strip()]
+    hits = [x for x in lines if _EXC_LINE.match(x)]
+    return ((hits or lines or ["no output"])[-1])[:limit]
+
+
+def measure_first_call(dtype: str = "bf16", timeout_s: float = 300.0) -> dict:
+    dtype_attr = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+    result: dict = {"shape": [1, 1024, 16, 128], "causal": True, "dtype": dtype,
+                    "targets": {"cold_first_fwd_s": FIRST_CALL_TARGET_COLD_S,
+                                "warm_first_fwd_s": FIRST_CALL_TARGET_WARM_S}}
+    with tempfile.TemporaryDirectory(prefix="flashcuda-bench-cache-") as d:
+        os.chmod(d, 0o700)
+        for phase in ("cold", "warm"):
+            try:
+                result[phase] = _first_call_process(d, dtype_attr, timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a timeout or a crash is a result too
+                result[phase] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+    for phase, key in (("cold", "cold_first_fwd_s"), ("warm", "warm_first_fwd_s")):
+        got = result[phase].get("first_fwd_s")
+        result[phase]["meets_target"] = None if got is None else got <= result["targets"][key]
+    return result
+
+
+def _inputs(shape: dict, dtype: str, requires_grad: bool = False, seed: int = 2):
+    import torch
+
+    from .sweep import torch_dtype
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dims = (shape["batch"], shape["seqlen"], shape["nheads"], shape["headdim"])
+    return [torch.randn(dims, dtype=torch_dtype(dtype), device="cuda", generator=gen)
+            .requires_grad_(requires_grad) for _ in range(4)]
+
+
+def measure_serving(impls: list[Impl], dtype: str = "bf16", n: int = 200) -> dict:
+    import torch
+
+    q, k, v, _ = _inputs(SERVING_SHAPE, dtype)
+    scale = SERVING_SHAPE["headdim"] ** -0.5
+    result: dict = {"shape": SERVING_SHAPE, "dtype": dtype, "mode": "forward, no grad", "impls": {}}
+    for impl in impls:
+        if impl.status != "ok":
+            result["impls"][impl.name] = {"status": "absent"}
+            continue
+        try:
+            with torch.no_grad(), impl.context():
+                prepared = impl.prepare(q, k, v)
+                stats = latency_percentiles(
+                    lambda p=prepared, i=impl: i.forward(*p, SERVING_SHAPE["causal"], scale), n=n)
+            result["impls"][impl.name] = {"status": "ok", **stats}
+        except Exception as exc:  # noqa: BLE001
+            result["impls"][impl.name] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"[:600]}
+    return result
+
+
+def naive_attention(q, k, v, causal: bool, scale: float):
+    """The O(S²) pipeline: fp32 (B, H, S, S) scores, row softmax, P·V."""
+    import torch
+
+    qt, kt, vt = (t.transpose(1, 2).float() for t in (q, k, v))
+    s = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = s.shape[-2:]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(sk - sq + 1)
+        s.masked_fill_(mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, vt).to(q.dtype).transpose(1, 2)
+
+
+def _peak_extra(fn) -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def measure_memory(flashcuda_impl: Impl, dtype: str = "bf16") -> dict:
+    """Peak extra bytes, forward (no grad) and forward + backward, flashcuda against naive."""
+    import torch
+
+    sh = MEMORY_SHAPE
+    scale = sh["headdim"] ** -0.5
+    q, k, v, dout = _inputs(sh, dtype, requires_grad=True)
+    result: dict = {"shape": sh, "dtype": dtype,
+                    "scores_bytes_fp32": sh["batch"] * sh["nheads"] * sh["seqlen"] ** 2 * 4,
+                    "io_bytes": q.numel() * q.element_size(), "impls": {}}
+    impls = {"naive": lambda a, b, c: naive_attention(a, b, c, sh["causal"], scale)}
+    if flashcuda_impl.status == "ok":
+        impls["flashcuda"] = lambda a, b, c: flashcuda_impl.forward(a, b, c, sh["causal"], scale)
+    else:
+        result["impls"]["flashcuda"] = {"status": "absent"}
+    for name, fn in impls.items():
+        entry: dict = {"status": "ok"}
+        try:
+            with torch.no_grad():
+                entry["fwd_peak_extra_bytes"] = _peak_extra(lambda f=fn: f(q, k, v))
+
+            def fwd_bwd(f=fn):
+                f(q, k, v).backward(dout)
+
+            entry["fwd_bwd_peak_extra_bytes"] = _peak_extra(fwd_bwd)
+        except Exception as exc:  # noqa: BLE001
+            entry = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"[:600]}
+        for t in (q, k, v):
+            t.grad = None
+        result["impls"][name] = entry
+        torch.cuda.empty_cache()
+    return result
+
+
+def measure_long_context(flashcuda_impl: Impl, reference: Impl | None, timer: Timer,
+                         dtype: str = "bf16") -> dict:
+    import torch
+
+    from .sweep import attention_flops, out_check
+
+    sh = LONG_SHAPE
+    s = sh["seqlen"]
+    result: dict = {"shape": sh, "dtype": dtype, "naive_scores_bytes_fp32": s * s * 4}
+    if flashcuda_impl.status != "ok":
+        return {**result, "status": "absent"}
+    scale = sh["headdim"] ** -0.5
+    q, k, v, dout = _inputs(sh, dtype, requires_grad=True)
+    try:
+        def fwd():
+            return flashcuda_impl.forward(q, k, v, sh["causal"], scale)
+
+        with torch.no_grad():
+            result["fwd_peak_extra_bytes"] = _peak_extra(fwd)
+            out = fwd()
+        result["finite"] = bool(out.isfinite().all())
+        if reference is not None and reference.status == "ok":
+            with torch.no_grad(), reference.context():
+                ref = reference.forward(*reference.prepare(q, k, v), sh["causal"], scale)
+            result["check"] = {"reference": reference.name, **out_check(out, ref, dtype)}
+            del ref
+        timing = timer(fwd)
+        result["fwd_timing"] = timing.to_dict()
+        result["fwd_tflops"] = tflops(
+            attention_flops(1, 1, s, s, sh["headdim"], sh["causal"]), timing.median_ms)
+        result["fwd_bwd_peak_extra_bytes"] = _peak_extra(lambda: fwd().backward(dout))
+        result["status"] = "ok"
+    except Exception as exc:  # noqa: BLE001
+        result["status"] = "failed"
+        result["error"] = f"{type(exc).__name__}: {exc}"[:600]
+    for t in (q, k, v):
+        t.grad = None
+    torch.cuda.empty_cache()
+    return result

@@ -1,0 +1,369 @@
+"""`flashcuda bench` on the CPU lane: FLOP accounting, run records, plots, peers, parser, tables.
+
+Everything here runs on synthetic numbers; the timing itself is exercised on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from flashcuda.bench import command, record
+from flashcuda.bench.ceilings import judge_rung
+from flashcuda.bench.peers import Impl, discover, load_fa2, load_triton_tutorial
+from flashcuda.bench.report import render_text, summary_table, sweep_table, verdict_lines
+from flashcuda.bench.sweep import (
+    SweepPoint,
+    attention_flops,
+    best_peer,
+    grad_check,
+    out_check,
+    standard_points,
+    visible_pairs,
+)
+from flashcuda.bench.timing import Timing, quantile, summarize, tflops
+
+# ------------------------------------------------------------------------------------------------
+# Synthetic record
+
+
+def _timing(ms: float) -> dict:
+    return Timing(ms, ms * 0.98, ms * 1.03, 50, "cuda_events").to_dict()
+
+
+def _result(flops: float, tf: float | None, status: str = "ok") -> dict:
+    if tf is None:
+        return {"status": status, "error": "boom"} if status == "failed" else {"status": status}
+    ms = flops / (tf * 1e12) * 1e3
+    return {"status": "ok", "timing": _timing(ms), "tflops": tf, "first_call_ms": 1.0}
+
+
+def synthetic_record(wrong_at: int | None = None) -> dict:
+    rec = record.new_record("sweep", ["--quick"], {"dtype": "bf16", "fwd_only": False},
+                            {"method": "cuda_events"}, environment=False)
+    rec["gpu"] = {"name": "Fake H200", "sm_count": 132, "capability": "9.0"}
+    rec["peers"] = {
+        "flashcuda": {"status": "ok", "in_best": False, "label": "flashcuda"},
+        "sdpa_flash": {"status": "ok", "in_best": True},
+        "sdpa_cudnn": {"status": "ok", "in_best": True},
+        "fa2": {"status": "absent", "detail": "ModuleNotFoundError: No module named 'flash_attn'"},
+        "triton_tutorial": {"status": "ok", "in_best": False},
+    }
+    rec["ceilings"] = {"matmul_ref": "matmul_bf16", "results": {
+        "matmul_bf16": {"status": "ok", "tflops": 780.0, "timing": _timing(1.41)},
+        "copy": {"status": "ok", "gbps": 4200.0, "timing": _timing(1.0)}}}
+    for i, p in enumerate(standard_points((1024, 4096), (64, 128))):
+        entry = p.to_dict()
+        ff, fb = p.flops("fwd"), p.flops("bwd")
+        entry["results"] = {
+            "flashcuda": {"fwd": _result(ff, 300.0), "bwd": _result(fb, 150.0)},
+            "sdpa_flash": {"fwd": _result(ff, 300.0), "bwd": _result(fb, 200.0)},
+            "sdpa_cudnn": {"fwd": _result(ff, 600.0), "bwd": _result(fb, 300.0)},
+            "fa2": {"fwd": {"status": "absent"}, "bwd": {"status": "absent"}},
+            "triton_tutorial": {"fwd": _result(ff, 900.0), "bwd": {"status": "skipped"}},
+        }
+        ok = i != wrong_at
+        entry["check"] = {"reference": "sdpa_flash", "ok": ok,
+                          "out": {"max_abs_diff": 0.004 if ok else 1.7, "ok": ok}}
+        entry["seconds"] = 1.0
+        rec["points"].append(entry)
+    return rec
+
+
+# ------------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def test_flops_non_causal():
+    assert attention_flops(2, 3, 1024, 512, 64, False) == 4 * 2 * 3 * 1024 * 512 * 64
+
+
+def test_flops_causal_is_half_and_backward_is_2_5x():
+    full = attention_flops(4, 16, 2048, 2048, 128, False)
+    causal = attention_flops(4, 16, 2048, 2048, 128, True)
+    assert causal == full / 2
+    assert attention_flops(4, 16, 2048, 2048, 128, True, "bwd") == 2.5 * causal
+    with pytest.raises(ValueError):
+        attention_flops(1, 1, 1, 1, 1, False, "sideways")
+
+
+def test_causal_unequal_lengths_counts_bottom_right_pairs():
+    # seqlen_q 2, seqlen_k 4: row 0 sees keys 0..2 (3), row 1 sees 0..3 (4).
+    assert visible_pairs(2, 4, True) == 7
+    # seqlen_q 4, seqlen_k 2: rows 0, 1 see nothing; row 2 sees 1, row 3 sees 2.
+    assert visible_pairs(4, 2, True) == 3
+
+
+def test_standard_sweep_matches_performance_md():
+    pts = standard_points()
+    assert len(pts) == 6 * 2 * 2
+    for p in pts:
+        assert p.batch * p.seqlen == 16384
+        assert p.nheads * p.headdim == 2048
+        assert p.dtype == "bf16"
+    assert SweepPoint(16, 32, 1024, 64, False).flops("fwd") == 4 * 16 * 32 * 1024 * 1024 * 64
+    with pytest.raises(ValueError):
+        standard_points(headdims=(96 + 1,))
+
+
+def test_tflops_and_quantiles():
+    assert tflops(2e12, 1000.0) == pytest.approx(2.0)
+    assert tflops(1.0, 0.0) is None
+    assert quantile([1, 2, 3, 4, 5], 0.5) == 3
+    assert quantile([0, 10], 0.1) == pytest.approx(1.0)
+    t = summarize([float(x) for x in range(1, 102)], "cuda_events")
+    assert (t.median_ms, t.p10_ms, t.p90_ms, t.n) == (51.0, 11.0, 91.0, 101)
+    assert Timing.from_dict(t.to_dict()) == t
+
+
+# ------------------------------------------------------------------------------------------------
+# Correctness spot-check
+
+
+def test_out_check_flags_wrong_and_nan():
+    ref = torch.randn(2, 64, 4, 32).to(torch.bfloat16)
+    assert out_check(ref.clone(), ref, "bf16")["ok"]
+    bad = ref.clone()
+    bad[1, 3, 2, 5] += 1.0
+    res = out_check(bad, ref, "bf16")
+    assert not res["ok"] and res["max_abs_diff"] >= 0.9
+    nan = ref.clone()
+    nan[0, 0, 0, 0] = float("nan")
+    assert not out_check(nan, ref, "bf16")["ok"]
+
+
+def test_grad_check_is_relative():
+    g = [torch.randn(8, 8) * 1e-3 for _ in range(3)]
+    assert grad_check([x * 1.001 for x in g], g, "bf16")["ok"]
+    assert not grad_check([g[0], g[1] * 2, g[2]], g, "bf16")["ok"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Records
+
+
+def test_record_roundtrip_and_required_keys(tmp_path):
+    rec = synthetic_record()
+    rec["points"][0]["results"]["sdpa_cudnn"]["fwd"]["tflops"] = float("nan")
+    assert record.validate_record(rec) == []
+    path = record.write_record(rec, tmp_path)
+    assert path.name.startswith("sweep-") and path.suffix == ".json"
+    text = path.read_text()
+    json.loads(text)  # strict JSON: NaN became null
+    assert "NaN" not in text
+    back = record.load_record(path)
+    assert back["points"][0]["results"]["sdpa_cudnn"]["fwd"]["tflops"] is None
+    assert back["points"][1] == rec["points"][1]
+    assert set(record.REQUIRED_KEYS) <= set(back)
+    assert back["schema_version"] == record.SCHEMA_VERSION
+
+
+def test_record_validation_names_the_problem(tmp_path):
+    rec = synthetic_record()
+    del rec["ceilings"]
+    rec["points"][0]["results"]["flashcuda"]["fwd"]["timing"].pop("p90_ms")
+    problems = record.validate_record(rec)
+    assert any("ceilings" in p for p in problems)
+    assert any("p90_ms" in p for p in problems)
+    (tmp_path / "bad.json").write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match="ceilings"):
+        record.load_record(tmp_path / "bad.json")
+    assert record.validate_record([]) == ["record is not a JSON object"]
+
+
+def test_commit_from_env_without_git(tmp_path):
+    info = record.commit_info(tmp_path, {"FLASHCUDA_COMMIT": "abc1234", "FLASHCUDA_DIRTY": "1"})
+    assert info == {"sha": "abc1234", "dirty": True, "source": "env"}
+    assert record.commit_info(tmp_path, {}) == {"sha": "unknown", "dirty": None, "source": "unknown"}
+    # `git rev-parse HEAD || echo unknown` in a tree without .git prints "HEAD\nunknown"
+    bad = record.commit_info(tmp_path, {"FLASHCUDA_COMMIT": "HEAD\nunknown"})
+    assert bad["sha"] == "unknown" and bad["source"] == "env"
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    assert record.commit_info(tmp_path, {"FLASHCUDA_COMMIT": f"HEAD\n{sha}"})["sha"] == sha
+
+
+def test_commit_from_git():
+    info = record.commit_info()
+    if info["source"] == "git":
+        assert len(info["sha"]) == 40
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots
+
+
+def test_plot_sweep_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from flashcuda.bench.plot import plot_sweep
+
+    path = plot_sweep(synthetic_record(wrong_at=2), tmp_path / "sweep.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert plot_sweep({"points": []}, tmp_path / "none.png") is None
+
+
+def test_plot_ladder_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from flashcuda.bench.plot import plot_ladder
+
+    ceil = synthetic_record()["ceilings"]
+    rows = [{"name": "vector_add", "size": 1 << 28, "gbps": 3800.0},
+            {"name": "matmul", "dtype": "bf16", "tflops": 400.0}]
+    rec = {"ladder": {"rungs": [{**r, "_derived": judge_rung(r, ceil)} for r in rows]}}
+    assert plot_ladder(rec, tmp_path / "ladder.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_judge_rung():
+    ceil = {"matmul_ref": "matmul_bf16", "results": {
+        "matmul_bf16": {"tflops": 800.0}, "matmul_fp32": {"tflops": 50.0}, "copy": {"gbps": 4000.0}}}
+    r = judge_rung({"name": "scale", "bytes": 8e9, "median_ms": 2.0}, ceil)
+    assert r["gbps"] == pytest.approx(4000.0) and r["pct"] == pytest.approx(100.0)
+    r = judge_rung({"rung": "matmul", "dtype": "fp32", "tflops": 25.0}, ceil)
+    assert r["matmul_ref"] == "matmul_fp32" and r["pct"] == pytest.approx(50.0)
+    r = judge_rung({"kernel": "mystery"}, ceil)
+    assert r["label"] == "mystery" and r["pct"] is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Peers
+
+
+def test_missing_peer_is_absent_with_the_import_error():
+    def broken():
+        raise ImportError("No module named 'flash_attn'")
+
+    impls = discover(["fa2"], loaders={"flashcuda": lambda: Impl("flashcuda", "ok"), "fa2": broken})
+    assert [i.name for i in impls] == ["flashcuda", "fa2"]
+    assert impls[1].status == "absent"
+    assert "flash_attn" in impls[1].detail and "ImportError" in impls[1].detail
+    assert impls[1].status_dict()["status"] == "absent"
+
+
+def test_real_loaders_never_fake(monkeypatch):
+    monkeypatch.delenv("FLASHCUDA_TRITON_TUTORIAL", raising=False)
+    tut = load_triton_tutorial()
+    assert tut.status == "absent" and "FLASHCUDA_TRITON_TUTORIAL" in tut.detail
+    fa2 = load_fa2()
+    assert fa2.status in ("ok", "absent")
+    if fa2.status == "absent":
+        assert fa2.forward is None and fa2.detail
+    with pytest.raises(ValueError, match="unknown implementation"):
+        discover(["nope"])
+
+
+def test_math_backend_skipped_when_scores_do_not_fit():
+    math_impl = discover(["sdpa_math"])[1]
+    assert math_impl.name == "sdpa_math"
+    if math_impl.status == "ok":
+        assert math_impl.skip_reason(1, 16, 16384, 16384) is not None  # 16 GiB of scores
+        assert math_impl.skip_reason(16, 16, 1024, 1024) is None
+
+
+def test_best_peer_excludes_flashcuda_and_flagged_peers():
+    rec = synthetic_record()
+    name, tf = best_peer(rec["points"][0], "fwd", rec["peers"])
+    assert (name, tf) == ("sdpa_cudnn", 600.0)  # the Triton tutorial (900) never counts as best
+
+
+# ------------------------------------------------------------------------------------------------
+# Parser and CLI
+
+
+def test_parser_defaults_and_quick():
+    a = command.parse_args([])
+    assert a.mode == "sweep" and a.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
+    assert a.headdims == [64, 128] and a.causals == [False, True] and a.dtype == "bf16"
+    assert a.out == "bench-out" and a.print_summary and not a.fwd_only
+    assert a.extras == list(command.EXTRAS)
+    q = command.parse_args(["--quick"])
+    assert q.seqlens == [1024, 4096] and q.headdims == [64, 128] and q.causals == [False, True]
+
+
+def test_parser_selections():
+    a = command.parse_args(["--seqlens", "1k,2k", "16K", "--headdims", "128", "--causal", "1",
+                            "--dtype", "fp16", "--fwd-only", "--out", "x", "--peers",
+                            "sdpa_cudnn,fa4", "--skip", "memory,long", "--no-print-summary"])
+    assert a.seqlens == [1024, 2048, 16384] and a.headdims == [128] and a.causals == [True]
+    assert a.dtype == "fp16" and a.fwd_only and a.out == "x" and not a.print_summary
+    assert a.peer_names == ["sdpa_cudnn", "fa4"] and a.extras == ["first-call", "serving"]
+    assert command.parse_args(["--no-extras"]).extras == []
+    assert command.parse_args(["--peers", "none"]).peer_names == []
+    assert command.parse_args(["ladder", "--quick"]).mode == "ladder"
+    assert command.parse_args(["show", "r.json"]).record == "r.json"
+
+
+@pytest.mark.parametrize("argv", [["--peers", "fa9"], ["--seqlens", "12x"], ["--causal", "2"],
+                                  ["--skip", "naps"], ["show"], ["--dtype", "fp8"]])
+def test_parser_rejects(argv):
+    with pytest.raises(SystemExit):
+        command.parse_args(argv)
+
+
+def test_main_help_list_and_usage_errors(capsys):
+    assert command.main(["--help"]) == 0
+    assert command.main(["bench", "--list", "--quick", "--headdims", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "1024" in out and "4096" in out
+    assert command.main(["--peers", "fa9"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_main_without_gpu_says_so(capsys):
+    assert command.main(["--quick", "--out", "unused"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().out
+
+
+def test_show_renders_a_saved_record(tmp_path, capsys):
+    path = record.write_record(synthetic_record(), tmp_path)
+    assert command.main(["show", str(path), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "summary" in out and f"record: {path}" in out
+    wrong = record.write_record(synthetic_record(wrong_at=0), tmp_path, "wrong")
+    assert command.main(["show", str(wrong), "--no-plot"]) == 1
+    (tmp_path / "junk.json").write_text("{}")
+    assert command.main(["show", str(tmp_path / "junk.json")]) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Tables
+
+
+def test_summary_table_rendering():
+    rec = synthetic_record(wrong_at=1)
+    text = render_text([summary_table(rec)], width=120)
+    lines = [x for x in text.splitlines() if x.strip()]
+    assert "Fake H200" in text and "780" in text
+    # one row per point: flashcuda 300 fwd vs cuDNN 600 -> 0.50x; 150 bwd vs 300 -> 0.50x
+    rows = [x for x in lines if x.strip().startswith(("64", "128"))]
+    assert len(rows) == len(rec["points"])
+    assert "0.50×" in rows[0] and "600 cudnn" in rows[0] and "ok" in rows[0]
+    assert "WRONG" in rows[1] and "0.50×" not in rows[1]
+    assert max(len(x) for x in lines) <= 100  # compact: the main session sees the tail
+
+
+def test_sweep_table_and_verdict():
+    rec = synthetic_record(wrong_at=0)
+    text = render_text([sweep_table(rec)], width=250)
+    assert "SDPA cuDNN" in text and "Triton tut" in text and "wrong" in text
+    assert "38%" in text  # 300 of 780 TFLOP/s
+    lines = verdict_lines(rec, "x.json")
+    assert any("7/8 ok, 1 wrong" in x for x in lines) and lines[-1] == "record: x.json"
+    assert any("min 0.50×" in x for x in lines)
+
+
+def test_small_numbers_stay_readable():
+    from flashcuda.bench.report import fmt_ratio, fmt_tf
+
+    assert (fmt_tf(1.23), fmt_tf(0.456), fmt_tf(456.7), fmt_tf(None)) == ("1.2", "0.46", "457", "–")
+    assert (fmt_ratio(0.004), fmt_ratio(1.234)) == ("0.004×", "1.23×")
+
+
+def test_no_nan_in_ratio_of_missing_numbers():
+    rec = synthetic_record()
+    rec["points"][0]["results"]["flashcuda"]["fwd"] = {"status": "failed", "error": "boom"}
+    text = render_text([summary_table(rec)], width=120)
+    assert "FAILED" in text and "nan" not in text.lower()
+    assert not math.isnan(0.0)
