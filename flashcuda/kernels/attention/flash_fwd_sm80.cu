@@ -1,0 +1,366 @@
+// Flash attention forward, sm80 tensor-core kernel (the FlashAttention-2 algorithm).
+//
+// Feature matrix
+//   dtypes        fp16, bf16 in and out; fp32 accumulation and softmax
+//   head dims     kHeadDim in {32, 64, 96, 128, 192, 256}; a smaller runtime head_dim (multiple of
+//                 8) runs in the next kernel head dim with columns >= head_dim zero-filled on load
+//                 and not stored
+//   masking       bottom-right aligned band of mask.cuh (causal, sliding window, top-left causal
+//                 as a negative window_right, none); ragged seqlen_q / seqlen_k
+//   heads         MHA, GQA, MQA (kv head = head / (nheads / nheads_kv))
+//   layouts       any (batch, row, head) strides that are multiples of 8 elements, unit last
+//                 stride, 16-byte aligned base pointers (e.g. views of one packed qkv tensor)
+//   outputs       out (B, Sq, H, D), lse (B, H, Sq) float32 natural log
+//   not here      dropout, softcap, alibi, varlen, paged KV, split-KV, backward
+//   arch          sm_80 and newer (runs on Hopper, where the sm90 kernel is the fast one)
+//
+// One CTA per (query block, head, batch), grid (ceil(Sq / kBlockM), H, B), query blocks in
+// reverse order so that with causal masking the longest CTAs start first. kWarps warps split the
+// kBlockM query rows (kWarpRows each), so the softmax of a row never leaves its warp: each row
+// lives in one quad (4 lanes), the reductions are two shuffles.
+//
+// Per key tile j (visited from the last one down, like FA2), with K_j already in flight:
+//     wait K_j; sync | issue V_j | S = Q K_j^T (ldmatrix Q, K; mma.sync) | mask if the tile needs
+//     it | wait V_j; sync | issue K_{j-1} | new row maxima, rescale O | per 16 keys: P = exp2(S -
+//     max) (scale folded into one FFMA) straight from C-fragment into A-fragment registers, then
+//     O += P V_j (ldmatrix.trans) and l += P 1 (see below)
+// so each load overlaps the other GEMM. Deferred normalisation: O / l once, in the epilogue. K and V have one buffer each (kBlockM + 2 kBlockN rows
+// of smem in all); the first sync of an iteration also guarantees every warp is done reading V_{j+1}
+// before V_j overwrites it, the second that every warp is done with K_j before K_{j-1} lands.
+//
+// What masked keys can and cannot do (NaN / Inf in K or V):
+//   * Key tiles no row of the block can see are never loaded.
+//   * Inside a loaded tile, keys outside [key_begin(first row), key_end(last row)) of the block --
+//     beyond seqlen_k, after the last row's band, before the first row's band -- are zero-filled on
+//     load, never read, so any value there never reaches the output.
+//   * A masked (row, key) pair gets score -inf, replacing whatever Q K^T gave: K values never
+//     leak into a row that cannot see them.
+//   * A V row that some row of the block sees is multiplied by p = 0 for the rows that do not see
+//     it; a NaN/Inf there would leak (0 * NaN = NaN), as in FlashAttention.
+// A row that sees no key gets out = 0 and lse = -inf (OnlineSoftmax's guards).
+//
+// Registers (the budget that shapes the code; ptxas report in tests/cpu/test_fwd_sm80_compile.py):
+// at d128 a thread holds O (128 floats) and S (64) and must stay under 255 registers.
+//   * Row sums l come from the tensor cores: one extra mma per 16 keys multiplies P by a ones
+//     fragment into a 4-float accumulator, instead of 2 FADDs per probability. ptxas sank those
+//     FADDs below the P V mmas, keeping every fp32 probability alive (~30 registers of spills);
+//     the mma costs 1/(2 * kHeadDim / 16) more tensor work (3% at d128) and sums the bf16/fp16 P
+//     that actually multiplies V, so out is an exact weighted mean of those weights. The mma also
+//     sums across the quad, so l needs no shuffles.
+//   * The exp2 of a 16-key slice of S feeds its P V mma at once (not a separate softmax pass).
+//   * Global->shared copies keep 3 registers per thread (TileLoader) and the K/V base pointers
+//     are recomputed per tile from two 32-bit indices rather than held across the loop.
+#include "common/types.cuh"
+#include "common/sm80.cuh"
+#include "attention/mask.cuh"
+#include "attention/online_softmax.cuh"
+
+using T = typename dtype_of<FC_DTYPE>::type;
+constexpr int kHeadDim = FC_HEAD_DIM;  // kernel head dim (runtime head_dim <= kHeadDim)
+constexpr int kBlockM = FC_BLOCK_M;    // query rows per CTA
+constexpr int kBlockN = FC_BLOCK_N;    // keys per tile
+constexpr int kWarps = FC_WARPS;
+constexpr int kThreads = kWarps * 32;
+constexpr int kWarpRows = kBlockM / kWarps;  // query rows per warp
+constexpr int kMTiles = kWarpRows / 16;      // m16 tiles per warp
+constexpr int kNTiles = kBlockN / 8;         // n8 tiles of S
+constexpr int kDTiles = kHeadDim / 8;        // n8 tiles of O
+constexpr int kDSteps = kHeadDim / 16;       // k16 steps of Q K^T
+constexpr int kNSteps = kBlockN / 16;        // k16 steps of P V
+// Two 16-bit 1.0s: the B fragment of the row-sum mma.
+constexpr uint32_t kOnes = FC_DTYPE == 1 ? 0x3c003c00u : 0x3f803f80u;
+
+static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm80 kernel: fp16 or bf16");
+static_assert(kWarpRows % 16 == 0 && kWarpRows * kWarps == kBlockM, "rows per warp: 16k");
+static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
+
+using QTile = SwizzledTile<kBlockM, kHeadDim>;
+using KVTile = SwizzledTile<kBlockN, kHeadDim>;
+using QLoader = TileLoader<kBlockM, kHeadDim, kThreads>;
+using KVLoader = TileLoader<kBlockN, kHeadDim, kThreads>;
+constexpr int kSmemQ = 0;
+constexpr int kSmemK = kSmemQ + QTile::kBytes;
+constexpr int kSmemV = kSmemK + KVTile::kBytes;
+constexpr int kSmemBytes = kSmemV + KVTile::kBytes;
+// The host config (flashcuda/ops/fwd_sm80.py) computes the launch's dynamic smem; it must agree.
+static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm80FwdConfig.smem_bytes");
+
+// What each thread holds in registers for its rows, and the tile verbs that work on it.
+struct FwdCta {
+  float o[kMTiles][kDTiles][4];  // O accumulator (C fragments), kWarpRows x kHeadDim per warp
+  float s[kMTiles][kNTiles][4];  // S of the current key tile
+  float l[kMTiles][4];           // row sums of P (C fragment of P x ones: c0 = c1, c2 = c3)
+  OnlineSoftmax row[kMTiles][2]; // running max per owned row: [m tile][0: row g, 1: row g + 8]
+  uint32_t q_lane, k_lane, v_lane;  // this lane's ldmatrix addresses (SwizzledTile::lane_address)
+
+  // ldmatrix lane roles (header of sm80.cuh for the fragment layouts):
+  //   Q (A operand, [row][d]): matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15) in a0..a3 order,
+  //     lane -> row lane % 16, chunk lane / 16.
+  //   K (B operand, stored [key][d]): matrices (keys 0-7, k 0-7), (keys 0-7, k 8-15),
+  //     (keys 8-15, k 0-7), (keys 8-15, k 8-15) = b0, b1 of key tile 2np, then of 2np + 1;
+  //     lane -> key lane % 8 + 8 (lane / 16), chunk (lane / 8) % 2.
+  //   V (B operand, stored [key][d], read transposed): matrices (keys 0-7, d 0-7),
+  //     (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15) = b0, b1 of d tile 2dp, then
+  //     of 2dp + 1; lane -> key lane % 16, chunk lane / 16.
+  __device__ __forceinline__ void init(uint32_t smem, int lane, int warp_row0) {
+    q_lane = QTile::lane_address(smem + kSmemQ, warp_row0 + (lane & 15), lane >> 4);
+    k_lane = KVTile::lane_address(smem + kSmemK, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    v_lane = KVTile::lane_address(smem + kSmemV, lane & 15, lane >> 4);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      row[mt][0].init();
+      row[mt][1].init();
+#pragma unroll
+      for (int e = 0; e < 4; ++e) l[mt][e] = 0.f;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
+    }
+  }
+
+  // ---- S = Q K^T for this warp's rows ----------------------------------------------------------
+  __device__ __forceinline__ void scores() {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kDSteps; ++ks) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+        ldmatrix_x4(a[mt], QTile::at(q_lane, mt * 16, 2 * ks));
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, KVTile::at(k_lane, np * 16, 2 * ks));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
+          mma_16816<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+  }
+
+  // ---- mask: scores of (row, key) pairs the rule hides become -inf ------------------------------
+  // `row0`: the query row of this lane's first C-fragment element; `col0`: its key. Row i sees
+  // exactly the keys [key_begin(i), key_end(i + 1)) (mask.cuh), so each row needs two bounds and
+  // each element two compares against a compile-time column offset.
+  __device__ __forceinline__ void apply_mask(const Mask& mask, int row0, int col0) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = row0 + mt * 16 + h * 8;
+        const int lo = mask.key_begin(i) - col0;    // first visible key, relative to col0
+        const int hi = mask.key_end(i + 1) - col0;  // one past the last
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int j = nt * 8 + c;
+            if (j < lo || j >= hi) s[mt][nt][2 * h + c] = neg_inf();
+          }
+      }
+  }
+
+  // ---- online softmax, part 1: new row maxima; rescale O and l ---------------------------------
+  // Leaves in ref[][] the value each row subtracts (log2 domain) before exp2.
+  __device__ __forceinline__ void rescale(float scale_log2, float (&ref)[kMTiles][2]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = neg_inf();
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        mx = quad_max(mx);
+        // scale_log2 > 0 (checked on the host), so max(s) * scale is the max of the scaled scores.
+        const float corr = row[mt][h].update(mx * scale_log2);
+        ref[mt][h] = row[mt][h].ref();
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o[mt][dt][2 * h] *= corr;
+          o[mt][dt][2 * h + 1] *= corr;
+        }
+        l[mt][2 * h] *= corr;
+        l[mt][2 * h + 1] *= corr;
+      }
+  }
+
+  // ---- online softmax, part 2, fused with O += P V and l += P 1 --------------------------------
+  // Per k16 step: P = exp2(S - ref) of its 16 keys goes from C-fragment registers straight into
+  // the A fragment of the mma with V (key tiles 2kk, 2kk + 1 -> A registers {0, 1}, {2, 3}).
+  __device__ __forceinline__ void exp_accumulate(float scale_log2,
+                                                 const float (&ref)[kMTiles][2]) {
+#pragma unroll
+    for (int kk = 0; kk < kNSteps; ++kk) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float* c = &s[mt][2 * kk + half][2 * h];
+            const float p0 = fast_exp2(fmaf(c[0], scale_log2, -ref[mt][h]));
+            const float p1 = fast_exp2(fmaf(c[1], scale_log2, -ref[mt][h]));
+            a[mt][2 * half + h] = pack2<T>(p0, p1);
+          }
+        mma_16816<T>(l[mt], a[mt], kOnes, kOnes);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, KVTile::at(v_lane, kk * 16, 2 * dp));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<T>(o[mt][2 * dp], a[mt], b[0], b[1]);
+          mma_16816<T>(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+  }
+};
+
+// Where this CTA's key / value tiles come from, and which of their rows are real.
+struct KVSource {
+  const T* k;  // the kernel's k and v (also the readable addresses that the cp.async of
+  const T* v;  // zero-filled chunks names)
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int batch, head_kv;
+  int key_lo, key_hi;  // keys outside [key_lo, key_hi) are zero-filled: no row of the block sees them
+  int head_dim;
+};
+
+// Key tile n: the loop body, written once; masking is its compile-time flag.
+// On entry K_n is in flight (or landed); on exit K_{n-1} is in flight if n > n_first.
+template <bool kMasked>
+__device__ __forceinline__ void attend_key_tile(FwdCta& cta, const KVSource& src,
+                                                const KVLoader& loader, uint32_t smem, int n,
+                                                int n_first, const Mask& mask, int mask_row0,
+                                                int mask_col0, float scale_log2) {
+  const int n0 = n * kBlockN;
+  // This (batch, kv head)'s K and V, recomputed per tile from two 32-bit indices: two 64-bit
+  // pointers held across the loop cost 4 of the few registers left (they spilled).
+  int b = src.batch, hk = src.head_kv;
+  asm volatile("" : "+r"(b), "+r"(hk));  // keeps the compiler from hoisting the products
+  const T* k_bh = src.k + b * src.k_batch_stride + hk * src.k_head_stride;
+  const T* v_bh = src.v + b * src.v_batch_stride + hk * src.v_head_stride;
+
+  cp_async_wait<0>();  // K_n (and Q) landed
+  __syncthreads();     // ... for every thread; and every warp is done reading V_{n+1}
+  loader.load(smem + kSmemV, v_bh, src.v_row_stride, n0, src.key_lo, src.key_hi, src.head_dim,
+              src.v);
+  cp_async_commit();
+  cta.scores();
+  if constexpr (kMasked) cta.apply_mask(mask, mask_row0, n0 + mask_col0);
+  cp_async_wait<0>();  // V_n landed
+  __syncthreads();     // ... for every thread; and every warp is done reading K_n
+  if (n > n_first) {
+    loader.load(smem + kSmemK, k_bh, src.k_row_stride, n0 - kBlockN, src.key_lo, src.key_hi,
+                src.head_dim, src.k);
+    cp_async_commit();
+  }
+  float ref[kMTiles][2];
+  cta.rescale(scale_log2, ref);
+  cta.exp_accumulate(scale_log2, ref);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+FC_KERNEL_NAME(const T* __restrict__ q,  // [B, Sq, H, D]
+               const T* __restrict__ k,  // [B, Sk, Hkv, D]
+               const T* __restrict__ v,  // [B, Sk, Hkv, D]
+               T* __restrict__ out,      // [B, Sq, H, D]
+               float* __restrict__ lse,  // [B, H, Sq]
+               int64_t q_batch_stride, int64_t q_row_stride, int64_t q_head_stride,
+               int64_t k_batch_stride, int64_t k_row_stride, int64_t k_head_stride,
+               int64_t v_batch_stride, int64_t v_row_stride, int64_t v_head_stride,
+               int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride,
+               int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
+               float scale_log2, int window_left, int window_right) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  const unsigned tid = threadIdx.x;
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // heavy (late, causal) blocks first
+  const int head = blockIdx.y;
+  const int b = blockIdx.z;
+  const int head_kv = head / (nheads / nheads_kv);
+  const int m0 = m_block * kBlockM;
+
+  const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
+  const int row_end = min(m0 + kBlockM, seqlen_q);
+  // Keys some row of the block can see, and the key tiles [n_first, n_last] that hold them.
+  const int key_lo = mask.key_begin(m0);
+  const int key_hi = mask.key_end(row_end);
+  const int n_first = key_lo / kBlockN;
+  const int n_last = key_hi > key_lo ? (key_hi - 1) / kBlockN : n_first - 1;
+
+  const uint32_t smem = shared_address(smem_raw);
+  const int lane = static_cast<int>(tid % 32);
+  const int warp_row0 = static_cast<int>(tid / 32) * kWarpRows;  // this warp's first row
+  FwdCta cta;
+  cta.init(smem, lane, warp_row0);
+
+  const KVLoader kv_loader(tid);
+  const KVSource src{k, v, k_batch_stride, k_row_stride, k_head_stride, v_batch_stride,
+                     v_row_stride, v_head_stride, b, head_kv, key_lo, key_hi, head_dim};
+  if (n_first <= n_last) {
+    const QLoader q_loader(tid);
+    const T* q_bh = q + b * q_batch_stride + head * q_head_stride;
+    q_loader.load(smem + kSmemQ, q_bh, q_row_stride, m0, 0, seqlen_q, head_dim, q);
+    const T* k_bh = k + b * k_batch_stride + head_kv * k_head_stride;
+    kv_loader.load(smem + kSmemK, k_bh, k_row_stride, n_last * kBlockN, key_lo, key_hi, head_dim,
+                   k);
+    cp_async_commit();
+  }
+
+  const int mask_row0 = m0 + warp_row0 + (lane >> 2);  // query row of this lane's c0
+  const int mask_col0 = 2 * (lane & 3);                  // key of c0, relative to the tile
+  for (int n = n_last; n >= n_first; --n) {
+    if (mask.tile_needs_mask(m0, kBlockM, n * kBlockN, kBlockN))
+      attend_key_tile<true>(cta, src, kv_loader, smem, n, n_first, mask, mask_row0, mask_col0,
+                            scale_log2);
+    else
+      attend_key_tile<false>(cta, src, kv_loader, smem, n, n_first, mask, mask_row0, mask_col0,
+                             scale_log2);
+  }
+
+  // ---- epilogue: normalise, lse, O through this warp's own rows of the Q tile -----------------
+  // Each warp only ever read its own kWarpRows rows of sQ and has no copy in flight (the last
+  // iteration waited for everything), so it may overwrite them without a CTA barrier.
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t lse_row0 = (static_cast<int64_t>(b) * nheads + head) * seqlen_q;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      OnlineSoftmax& st = cta.row[mt][h];
+      st.l = cta.l[mt][2 * h];  // the mma already summed the row over the quad
+      const float inv = st.inv_sum();
+      const int r = warp_row0 + mt * 16 + h * 8 + g;  // row within the block
+      if (t == 0 && m0 + r < seqlen_q) lse[lse_row0 + m0 + r] = st.lse();
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+        store_shared_32(smem + kSmemQ + QTile::offset(r, dt) + 4 * t,
+                        pack2<T>(cta.o[mt][dt][2 * h] * inv, cta.o[mt][dt][2 * h + 1] * inv));
+    }
+  __syncwarp();
+  using WarpRows = SwizzledTile<kWarpRows, kHeadDim>;
+  static_assert(WarpRows::kChunks % 32 == 0, "epilogue: whole warp iterations");
+  T* o_bh = out + b * o_batch_stride + head * o_head_stride;
+#pragma unroll
+  for (int i = 0; i < WarpRows::kChunks / 32; ++i) {
+    int r, chunk;
+    WarpRows::coords(lane + 32 * i, r, chunk);
+    r += warp_row0;
+    const Bytes16 val = load_shared_16(smem + kSmemQ + QTile::offset(r, chunk));
+    if (m0 + r < seqlen_q && chunk * 8 < head_dim)
+      store_global_16(o_bh + (m0 + r) * o_row_stride + chunk * 8, val);
+  }
+}
