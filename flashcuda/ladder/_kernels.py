@@ -125,8 +125,11 @@ def resident_blocks(kernel: CompiledKernel, threads: int) -> int:
     found = _occupancy.get(key)
     if found is None:
         try:
-            found = int(kernel.kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0))
-        except Exception:  # an older cuda.core or driver: fall back to full occupancy
+            from cuda.bindings import driver
+
+            err, found = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.function, threads, 0)
+            found = int(found) if int(err) == 0 else 0
+        except Exception:  # no usable driver entry point: fall back to full occupancy
             found = 0
         found = found if found > 0 else max(1, 2048 // threads)
         with _occupancy_lock:
