@@ -35,6 +35,7 @@ ARCHS = ("sm_80", "sm_90a")
 DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_GRID_YZ = 65535
+MAX_SEQLEN_SUM = 2**30
 
 # (max dynamic smem per block with opt-in, smem per SM) by compute capability, for when torch's
 # device properties lack them; also the device classes `variants()` plans for.
@@ -168,8 +169,6 @@ def can_implement(call: FwdCall) -> str | None:
     for name in ("k", "v", "out"):
         if getattr(call, name).dtype != call.dtype:
             return f"{name}.dtype {getattr(call, name).dtype} differs from q.dtype {call.dtype}"
-    if call.device.type != "cuda":
-        return f"tensors are on {call.device}, not on a CUDA device"
     d = call.head_dim
     if d % 8 or d > KERNEL_HEAD_DIMS[-1] or d <= 0:
         return f"head_dim {d} is not a multiple of 8 in [8, {KERNEL_HEAD_DIMS[-1]}]"
@@ -179,8 +178,9 @@ def can_implement(call: FwdCall) -> str | None:
         return f"nheads {call.nheads} is not a multiple of nheads_kv {call.nheads_kv}"
     if call.nheads > MAX_GRID_YZ or call.batch > MAX_GRID_YZ:
         return f"nheads {call.nheads} or batch {call.batch} exceeds the grid limit {MAX_GRID_YZ}"
-    if call.seqlen_q + call.seqlen_k >= 2**31:
-        return "seqlen_q + seqlen_k must fit in int32"
+    if call.seqlen_q + call.seqlen_k >= MAX_SEQLEN_SUM:
+        # The mask arithmetic (row + shift +- window, windows clamped to +-(Sq + Sk)) is int32.
+        return f"seqlen_q + seqlen_k = {call.seqlen_q + call.seqlen_k} >= {MAX_SEQLEN_SUM}"
     if not (math.isfinite(call.softmax_scale) and call.softmax_scale > 0):
         return f"softmax_scale must be positive and finite, got {call.softmax_scale}"
     for name in ("q", "k", "v", "out"):
@@ -190,6 +190,8 @@ def can_implement(call: FwdCall) -> str | None:
     if (lse.dtype != torch.float32 or tuple(lse.shape) != (call.batch, call.nheads, call.seqlen_q)
             or not lse.is_contiguous()):
         return "lse must be a contiguous float32 (batch, nheads, seqlen_q) tensor"
+    if call.device.type != "cuda":
+        return f"tensors are on {call.device}, not on a CUDA device"
     cc, per_block, per_sm = _device_info(_device_index(call.device))
     if cc < (8, 0):
         return f"GPU compute capability {cc[0]}.{cc[1]} < 8.0 (no mma.sync bf16 / cp.async)"

@@ -1,0 +1,154 @@
+"""The sm80 forward family on the CPU lane: every variant compiles for sm_80 and sm_90a within its
+register budget, and the config / can_implement logic answers without a GPU.
+
+Register budget. A thread of the FA2 shapes holds O and S in registers: d128 at 128 x 64 with
+4 warps is 128 + 64 fp32 accumulators under a hard cap of 255 registers. FlashAttention 2's own
+kernel at that shape spills (ptxas: 172 bytes spill stores, 112 bytes stack frame, sm_80, FA2
+issue #1630). Ours is held to at most SPILL_BUDGET bytes for the three register-tight shapes below
+(the few values ptxas spills are loop invariants or two row statistics, reloaded once per key tile
+from L1), and to zero everywhere else. Growing past the budget fails this test.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from flashcuda.jit import all_variants, compile_spec
+from flashcuda.ops import fwd_sm80
+from flashcuda.ops.call import FwdCall
+from flashcuda.ops.fwd_sm80 import Sm80FwdConfig, kernel_head_dim, select_config
+
+ARCHS = ("sm_80", "sm_90a")
+SPILL_BUDGET = 64  # bytes of spill stores, and of stack frame
+# (head_dim, block_m, block_n, warps) shapes that live at the 255-register cap (FA2's choices).
+TIGHT = {(64, 128, 128, 4), (96, 128, 64, 4), (128, 128, 64, 4)}
+
+A100 = (166912, 167936)  # (max dynamic smem per block, smem per SM)
+H100 = (232448, 233472)
+SM86 = (101376, 102400)
+
+
+# ---- compile every variant ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reports():
+    import cuda.core  # noqa: F401  (import once here: importing it from several threads races)
+
+    jobs = [(cfg, arch) for cfg in fwd_sm80.configs() for arch in ARCHS]
+
+    def build(job):
+        cfg, arch = job
+        result = compile_spec(cfg.spec(), arch)
+        return (cfg.name, arch), result.resources()[cfg.name]
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return dict(pool.map(build, jobs))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg", fwd_sm80.configs(), ids=lambda c: c.name)
+def test_compiles_within_register_budget(reports, cfg, arch):
+    res = reports[(cfg.name, arch)]
+    assert res.registers <= 255
+    assert res.shared_bytes == 0, "all shared memory is dynamic (Sm80FwdConfig.smem_bytes)"
+    budget = SPILL_BUDGET if (cfg.head_dim, cfg.block_m, cfg.block_n, cfg.warps) in TIGHT else 0
+    assert res.spill_stores <= budget and res.stack_bytes <= budget, (
+        f"{cfg.name} on {arch}: {res.spill_stores} bytes spill stores, {res.spill_loads} bytes "
+        f"spill loads, {res.stack_bytes} bytes stack (budget {budget})")
+
+
+def test_variants_registered():
+    specs = {spec.name: archs for spec, archs in all_variants()}
+    for cfg in fwd_sm80.configs():
+        assert specs[cfg.name] == ARCHS
+    names = [spec.name for spec, _ in fwd_sm80.variants()]
+    assert len(names) == len(set(names))
+
+
+# ---- config: tile choice, shared memory, names ----------------------------------------------------
+
+def test_kernel_head_dim_padding():
+    assert [kernel_head_dim(d) for d in (8, 32, 40, 64, 72, 96, 100, 128, 136, 192, 200, 256)] == \
+        [32, 32, 64, 64, 96, 96, 128, 128, 192, 192, 256, 256]
+    assert kernel_head_dim(264) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tile_choice(dtype):
+    shape = lambda cfg: (cfg.head_dim, cfg.block_m, cfg.block_n, cfg.warps)  # noqa: E731
+    for device in (A100, H100, SM86):
+        assert shape(select_config(dtype, 40, *device)) == (64, 128, 128, 4)
+        assert shape(select_config(dtype, 32, *device)) == (32, 128, 128, 4)
+        assert shape(select_config(dtype, 72, *device)) == (96, 128, 64, 4)
+        assert shape(select_config(dtype, 128, *device)) == (128, 128, 64, 4)
+        assert shape(select_config(dtype, 192, *device)) == (192, 128, 64, 8)
+    # d256: 128 KB tiles only where one block may take them but two 96 KB CTAs do not fit an SM.
+    assert shape(select_config(dtype, 256, *A100)) == (256, 128, 64, 8)
+    assert shape(select_config(dtype, 256, *H100)) == (256, 64, 64, 4)
+    assert shape(select_config(dtype, 256, *SM86)) == (256, 64, 64, 4)
+    for device in (A100, H100, SM86):
+        for d in (8, 64, 96, 128, 160, 192, 256):
+            assert select_config(dtype, d, *device).smem_bytes <= device[0]
+
+
+def test_config_is_the_single_source_of_truth():
+    cfg = Sm80FwdConfig(torch.bfloat16, 128, 128, 64, 4)
+    assert cfg.name == "flash_fwd_sm80_bf16_d128_bm128_bn64_w4"
+    assert cfg.threads == 128
+    assert cfg.smem_bytes == (128 + 2 * 64) * 128 * 2
+    defines = dict(cfg.spec().defines)
+    assert defines == {"FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "128",
+                       "FC_BLOCK_N": "64", "FC_WARPS": "4", "FC_SMEM_BYTES": str(cfg.smem_bytes)}
+    assert cfg.spec().entry_name == cfg.name
+
+
+@pytest.mark.parametrize("args", [
+    (torch.float32, 128, 128, 64, 4),   # dtype
+    (torch.float16, 100, 128, 64, 4),   # head dim not a multiple of 32
+    (torch.float16, 288, 128, 64, 4),   # head dim too large
+    (torch.float16, 128, 96, 64, 4),    # block_m not a multiple of 16 * warps
+    (torch.float16, 128, 128, 40, 4),   # block_n not a multiple of 16
+])
+def test_config_rejects_bad_shapes(args):
+    with pytest.raises(ValueError):
+        Sm80FwdConfig(*args)
+
+
+# ---- can_implement on CPU tensors (every check before the device ones) -------------------------
+
+def _call(dtype=torch.bfloat16, B=2, Sq=33, Sk=47, H=4, Hkv=2, D=64, scale=0.125, q=None):
+    q = torch.randn(B, Sq, H, D, dtype=dtype) if q is None else q
+    k = torch.randn(B, Sk, Hkv, q.shape[-1], dtype=dtype)
+    v = torch.randn(B, Sk, Hkv, q.shape[-1], dtype=dtype)
+    out = torch.empty(q.shape, dtype=dtype)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32)
+    return FwdCall(q, k, v, out, lse, scale, None, 0)
+
+
+def test_can_implement_reasons():
+    assert "dtype" in fwd_sm80.can_implement(_call(dtype=torch.float32))
+    assert "head_dim" in fwd_sm80.can_implement(_call(D=12))
+    assert "head_dim" in fwd_sm80.can_implement(_call(D=264))
+    assert "nheads_kv" in fwd_sm80.can_implement(_call(H=3, Hkv=2))
+    assert "softmax_scale" in fwd_sm80.can_implement(_call(scale=-1.0))
+    assert "softmax_scale" in fwd_sm80.can_implement(_call(scale=float("inf")))
+    # A 16-byte-misaligned view (offset of one element) and a stride that is not a multiple of 8.
+    big = torch.randn(2, 33, 4, 72, dtype=torch.bfloat16)
+    assert "16-byte" in fwd_sm80.can_implement(_call(q=big[..., 1:65]))
+    odd = torch.randn(2, 33, 4, 68, dtype=torch.bfloat16)[..., :64]
+    assert "multiple of 8" in fwd_sm80.can_implement(_call(q=odd))
+    bad_lse = _call()
+    bad_lse.lse = torch.empty(2, 4, 34)
+    assert "lse" in fwd_sm80.can_implement(bad_lse)
+    # A well-formed call fails only on the device check here.
+    assert "CUDA" in fwd_sm80.can_implement(_call())
+    assert "CUDA" in fwd_sm80.can_implement(_call(dtype=torch.float16, D=40))
+
+
+def test_run_refuses_what_it_cannot_implement():
+    with pytest.raises(NotImplementedError, match="flash_fwd_sm80"):
+        fwd_sm80.run(_call(dtype=torch.float32))
