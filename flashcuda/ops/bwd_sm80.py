@@ -44,6 +44,8 @@ class BwdSm80Config:
     dq_warps_m: warp rows of the main kernel's dQ GEMM (block_m x head_dim); 0 picks the grid whose
                 warp tile reads the fewest shared bytes
     dq_passes:  column passes of that GEMM per warp (fewer live fp32 accumulators)
+    dp_group:   query n-tiles (of 8) of dP^T computed at a time in the main kernel; 0 = all
+                (block_m / 8). Fewer live registers; each extra group reloads the warp's V rows.
     dq_block_m: query rows per CTA of the deterministic dQ kernel (16 per warp)
     dq_block_n: keys per step of the deterministic dQ kernel
     aux_rows:   rows per CTA of the preprocess and convert kernels
@@ -56,6 +58,7 @@ class BwdSm80Config:
     warps: int
     dq_warps_m: int = 0
     dq_passes: int = 1
+    dp_group: int = 0
     dq_block_m: int = 64
     dq_block_n: int = 64
     aux_rows: int = 64
@@ -75,6 +78,13 @@ class BwdSm80Config:
             raise ValueError("dq_block_m and dq_block_n must be multiples of 16")
         if self.aux_rows % 8:
             raise ValueError(f"aux_rows must be a multiple of 8, got {self.aux_rows}")
+        if self.dp_group == 0:
+            object.__setattr__(self, "dp_group", self.block_m // 8)
+        if self.dp_group % 2 or (self.block_m // 8) % self.dp_group:
+            raise ValueError(
+                f"dp_group must be even and divide block_m / 8 = {self.block_m // 8}, "
+                f"got {self.dp_group}"
+            )
         if self.dq_warps_m == 0:
             object.__setattr__(self, "dq_warps_m", self._best_dq_warps_m())
         wm = self.dq_warps_m
@@ -177,6 +187,7 @@ class BwdSm80Config:
                 FC_WITH_DQ=int(with_dq),
                 FC_DQ_WARPS_M=self.dq_warps_m,
                 FC_DQ_PASSES=self.dq_passes,
+                FC_DP_GROUP=self.dp_group,
                 FC_SMEM_BYTES=self.main_smem_bytes(with_dq),
             ),
         )
@@ -229,13 +240,16 @@ class BwdSm80Config:
 # Tiles per compile-time head dim. block_n = 128 keys (8 warps x 16) keeps dK and dV of 16 keys x D
 # per warp in registers (D / 2 fp32 per thread). block_m = 64 leaves room for the 16 x 64 S^T and
 # dP^T fragments next to them at D >= 96; D <= 64 afford block_m = 128 (fewer K/V-side operand
-# reloads, half the dQ reductions per key). At D = 128 the dQ GEMM runs as 16 x 64 warp tiles in
-# two column passes: with one pass (32 x 32 or 16 x 64 tiles) ptxas spills 4-12 bytes on sm_90a.
+# reloads, half the dQ reductions per key). Register budget (255, no spills; NVRTC 13.0, the GPU
+# image's, and 13.5): with the whole dP^T alive next to P^T and dK/dV, ptxas spilled 4-36 bytes on
+# sm_90a at D = 96 and 128, whatever the dQ warp grid; dP^T in groups of 4 n-tiles (one extra
+# reload of the warp's V rows per step, ~5% more shared reads) fits, D = 96 then at 241 registers.
+# D = 64 uses groups of 8 for the same margin (247 instead of 255 registers on sm_80).
 _TILES: dict[int, dict[str, int]] = {
     32: {"block_m": 128, "block_n": 128, "warps": 8},
-    64: {"block_m": 128, "block_n": 128, "warps": 8},
-    96: {"block_m": 64, "block_n": 128, "warps": 8},
-    128: {"block_m": 64, "block_n": 128, "warps": 8, "dq_warps_m": 4, "dq_passes": 2},
+    64: {"block_m": 128, "block_n": 128, "warps": 8, "dp_group": 8},
+    96: {"block_m": 64, "block_n": 128, "warps": 8, "dp_group": 4},
+    128: {"block_m": 64, "block_n": 128, "warps": 8, "dp_group": 4},
 }
 HEAD_DIMS = tuple(sorted(_TILES))
 

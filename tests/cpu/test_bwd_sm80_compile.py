@@ -106,6 +106,7 @@ def test_dq_warp_grid_minimises_shared_reads():
         {"block_m": 40},  # not a multiple of 16
         {"dq_warps_m": 3},  # does not divide the warps
         {"dq_passes": 3},  # 16-column passes do not tile the warp's columns
+        {"dp_group": 3},  # dP^T groups: even, dividing block_m / 8
         {"dtype": torch.float32},
     ],
 )

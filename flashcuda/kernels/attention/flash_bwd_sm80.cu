@@ -230,8 +230,10 @@ constexpr int kDqWN = kD / kDqWarpsN;
 constexpr int kDqPasses = FC_DQ_PASSES;
 constexpr int kDqPassN = kDqWN / kDqPasses;
 constexpr int kSStride = kBM + 8;            // dS^T tile row stride (elements), same padding rule
+constexpr int kDpGroup = FC_DP_GROUP;        // query n-tiles of dP^T computed at a time
 static_assert(kBN == 16 * kWarps, "each warp owns 16 keys");
 static_assert(kBM % 16 == 0 && kBM / 2 <= kThreads, "query block");
+static_assert(kDpGroup % 2 == 0 && (kBM / 8) % kDpGroup == 0, "dP^T groups");
 static_assert(kDqWarpsM * kDqWarpsN == kWarps && kDqWM % 16 == 0 && kDqPassN % 16 == 0 &&
               kDqPassN * kDqPasses == kDqWN, "dQ warp grid");
 
@@ -262,6 +264,30 @@ __device__ __forceinline__ void probs_t(float (&s)[kBM / 8][4], const float* lse
       if (kMasked && !mask.visible(m0 + nt * 8 + 2 * t + (e & 1), key0 + g + 8 * (e >> 1))) p = 0.f;
       s[nt][e] = p;
     }
+  }
+}
+
+// dS^T = P^T o (dP^T - delta[query]) for the kDpGroup n-tiles g0.. (dp holds just those), packed
+// as the A operand of dK += dS^T Q. With kMasked, a zero P gives a zero dS even where dP is not
+// finite (a masked-out V row may hold anything; in an unmasked tile every key is visible, so a
+// non-finite value there is the caller's).
+template <bool kMasked>
+__device__ __forceinline__ void dsoftmax_t(uint32_t (&ds16)[kBM / 8][2], const float (&p)[kBM / 8][4],
+                                           const float (&dp)[kDpGroup][4], const float* delta, int g0,
+                                           int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < kDpGroup; ++i) {
+    const int nt = g0 + i;
+    const float2 d = *reinterpret_cast<const float2*>(delta + nt * 8 + 2 * t);
+    float ds[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      ds[e] = p[nt][e] * (dp[i][e] - ((e & 1) ? d.y : d.x));
+      if (kMasked && p[nt][e] == 0.f) ds[e] = 0.f;
+    }
+    ds16[nt][0] = pack2<T>(ds[0], ds[1]);
+    ds16[nt][1] = pack2<T>(ds[2], ds[3]);
   }
 }
 
@@ -342,10 +368,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
     const float* s_delta = reinterpret_cast<const float*>(smem + kOffDelta + stage * kBM * 4);
 
     // P^T = exp2(K Q^T * scale_log2 - lse2), masked only on diagonal / ragged tiles.
+    const bool masked = mask.tile_needs_mask(m0, kBM, n0, kBN);
     float p[kBM / 8][4];
     zero(p);
     gemm_tile_tile<kBM / 8>(p, s_k_warp, s_q, lane);
-    if (mask.tile_needs_mask(m0, kBM, n0, kBN)) {
+    if (masked) {
       probs_t<true>(p, s_lse, mask, m0, key0, scale_log2, lane);
     } else {
       probs_t<false>(p, s_lse, mask, m0, key0, scale_log2, lane);
@@ -360,21 +387,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
     }
     gemm_regs_tile<kBM / 16>(acc_dv, a16, s_do, lane);
 
-    // dP^T = V dO^T;  dS^T = P^T o (dP^T - delta). A zero P gives a zero dS even when dP is not
-    // finite (masked-out V rows may hold anything).
-    float dp[kBM / 8][4];
-    zero(dp);
-    gemm_tile_tile<kBM / 8>(dp, s_v_warp, s_do, lane);
+    // dP^T = V dO^T;  dS^T = P^T o (dP^T - delta), in groups of kDpGroup query n-tiles so only
+    // one group of dP^T is alive next to P^T, dK and dV (each extra group reloads V's rows).
 #pragma unroll
-    for (int nt = 0; nt < kBM / 8; ++nt) {
-      const float2 d = *reinterpret_cast<const float2*>(s_delta + nt * 8 + 2 * t);
-      float ds[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        ds[e] = p[nt][e] == 0.f ? 0.f : p[nt][e] * (dp[nt][e] - ((e & 1) ? d.y : d.x));
+    for (int g0 = 0; g0 < kBM / 8; g0 += kDpGroup) {
+      float dp[kDpGroup][4];
+      zero(dp);
+      gemm_tile_tile<kDpGroup>(dp, s_v_warp, s_do + g0 * 8 * kRowStride * 2, lane);
+      if (masked) {
+        dsoftmax_t<true>(a16, p, dp, s_delta, g0, lane);
+      } else {
+        dsoftmax_t<false>(a16, p, dp, s_delta, g0, lane);
       }
-      a16[nt][0] = pack2<T>(ds[0], ds[1]);
-      a16[nt][1] = pack2<T>(ds[2], ds[3]);
     }
 
     // dK += dS^T Q
@@ -550,7 +574,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     float p[kBN / 8][4];
     zero(p);
     gemm_tile_tile<kBN / 8>(p, s_q_warp, s_k, lane);
-    if (mask.tile_needs_mask(m0, kBM, n0, kBN)) {
+    const bool masked = mask.tile_needs_mask(m0, kBM, n0, kBN);
+    if (masked) {
       probs<true>(p, l2, mask, row0, n0, scale_log2, lane);
     } else {
       probs<false>(p, l2, mask, row0, n0, scale_log2, lane);
@@ -564,7 +589,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
       float ds[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        ds[e] = p[nt][e] == 0.f ? 0.f : p[nt][e] * (dp[nt][e] - dl[e >> 1]);
+        ds[e] = p[nt][e] * (dp[nt][e] - dl[e >> 1]);
+        if (masked && p[nt][e] == 0.f) ds[e] = 0.f;  // as dsoftmax_t: masked-out V may be non-finite
       }
       a16[nt][0] = pack2<T>(ds[0], ds[1]);
       a16[nt][1] = pack2<T>(ds[2], ds[3]);
