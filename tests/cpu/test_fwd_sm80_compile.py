@@ -4,9 +4,10 @@ register budget, and the config / can_implement logic answers without a GPU.
 Register budget. A thread of the FA2 shapes holds O and S in registers: d128 at 128 x 64 with
 4 warps is 128 + 64 fp32 accumulators under a hard cap of 255 registers. FlashAttention 2's own
 kernel at that shape spills (ptxas: 172 bytes spill stores, 112 bytes stack frame, sm_80, FA2
-issue #1630). Ours is held to at most SPILL_BUDGET bytes for the three register-tight shapes below
-(the few values ptxas spills are loop invariants or two row statistics, reloaded once per key tile
-from L1), and to zero everywhere else. Growing past the budget fails this test.
+issue #1630). Ours, with NVRTC 13.0: d128 spills 20 bytes (sm_80) / 12 bytes (sm_90a) -- the key
+loop counter and one loop invariant, reloaded from L1 once per key tile -- and d96 16 bytes on
+sm_90a; every other variant spills nothing. The register-tight shapes are held to SPILL_BUDGET
+bytes, every other shape to zero; growing past that fails this test.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from flashcuda.ops.call import FwdCall
 from flashcuda.ops.fwd_sm80 import Sm80FwdConfig, kernel_head_dim, select_config
 
 ARCHS = ("sm_80", "sm_90a")
-SPILL_BUDGET = 64  # bytes of spill stores, and of stack frame
+SPILL_BUDGET = 32  # bytes of spill stores, and of stack frame
 # (head_dim, block_m, block_n, warps) shapes that live at the 255-register cap (FA2's choices).
-TIGHT = {(64, 128, 128, 4), (96, 128, 64, 4), (128, 128, 64, 4)}
+TIGHT = {(96, 128, 64, 4), (128, 128, 64, 4)}
 
 A100 = (166912, 167936)  # (max dynamic smem per block, smem per SM)
 H100 = (232448, 233472)
