@@ -23,3 +23,16 @@ def test_info_runs_and_says_plainly_when_there_is_no_gpu():
 
     if not torch.cuda.is_available():
         assert "none usable here" in out.stdout
+
+
+def test_demo_without_gpu_runs_the_portable_path_and_compiles_for_sm90a():
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    out = subprocess.run([sys.executable, "-m", "flashcuda", "demo"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = " ".join(out.stdout.split())
+    assert "portable" in text and "-> ok" in text
+    assert "for sm_90a" in text and "need an NVIDIA GPU" in text
