@@ -1,7 +1,7 @@
 """Module load per (device, primary context) and launch on torch's current stream.
 
 Load and launch go straight through the driver API (cuda.bindings.driver: cuModuleLoadData,
-cuLaunchKernel with one packed parameter buffer): importing cuda.core alone costs ~100 ms, which a
+cuLaunchKernel with pointers into one packed argument buffer): importing cuda.core alone costs ~100 ms, which a
 cache hit in a new process cannot afford (target 50 ms); cuda.core is used for NVRTC compiles only.
 
     kernel = get_kernel(spec, device)          # compile (or cache hit) + load, memoised
@@ -34,8 +34,6 @@ _SCALARS: dict[type, tuple[str, int]] = {
     np.float32: ("f", 4),
 }
 _DEFAULT_SMEM_LIMIT = 48 * 1024
-# cuLaunchKernel's `extra` markers (cuda.h: CU_LAUNCH_PARAM_END / _BUFFER_POINTER / _BUFFER_SIZE).
-_PARAM_END, _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE = 0, 1, 2
 
 _lock = threading.RLock()
 _cache: DiskCache | None = None
@@ -107,12 +105,22 @@ def _make_current(device_index: int) -> None:
         _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
-def pack_args(name: str, args: tuple) -> bytes:
-    """Kernel arguments as one buffer laid out like the C parameter list (natural alignment):
+def pack_code(a) -> str:
+    """struct code of one kernel argument (see pack_args)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or a is None:
+        return "Q"
+    return _SCALARS[type(a)][0]
+
+
+def pack_args(name: str, args: tuple) -> tuple[bytes, list[int]]:
+    """Kernel arguments packed at natural alignment, and each one's offset in the buffer:
     tensors -> 8-byte device pointers, None -> null pointer, numpy scalars at their own width."""
     import torch
 
     buf = bytearray()
+    offsets = []
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             code, size, value = "Q", 8, a.data_ptr()
@@ -126,9 +134,9 @@ def pack_args(name: str, args: tuple) -> bytes:
                 "or fixed-width numpy scalars (np.int32, np.int64, np.float32, ...)"
             )
         buf += b"\0" * (-len(buf) % size)
+        offsets.append(len(buf))
         buf += struct.pack("<" + code, value)
-    buf += b"\0" * (-len(buf) % 8)
-    return bytes(buf)
+    return bytes(buf), offsets
 
 
 @dataclass
@@ -141,6 +149,7 @@ class CompiledKernel:
     smem_limit: int = _DEFAULT_SMEM_LIMIT
     cache_hit: bool = False
     load_seconds: float = 0.0
+    abi_checked: bool = False
 
     @property
     def name(self) -> str:
@@ -152,6 +161,27 @@ class CompiledKernel:
 
         a = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attr}")
         return int(_check(driver.cuFuncGetAttribute(a, self.function), f"cuFuncGetAttribute({attr})"))
+
+    def check_abi(self, args: tuple, packed: bytes, offsets: list[int]) -> None:
+        """Compare the packed arguments with the kernel's own parameter list (cuFuncGetParamInfo,
+        CUDA 12.4+): count, offsets and sizes. A Python/C mismatch would otherwise read garbage."""
+        from cuda.bindings import driver
+
+        if not hasattr(driver, "cuFuncGetParamInfo"):
+            return
+        for i, off in enumerate(offsets):
+            err, k_off, k_size = driver.cuFuncGetParamInfo(self.function, i)
+            if int(err) != 0:
+                raise TypeError(f"kernel {self.name}: got {len(args)} arguments, the kernel takes {i}")
+            size = struct.calcsize("<" + pack_code(args[i]))
+            if k_off != off or k_size != size:
+                raise TypeError(
+                    f"kernel {self.name}: argument {i} ({type(args[i]).__name__}) packed at offset "
+                    f"{off}, {size} bytes; the kernel expects offset {k_off}, {k_size} bytes"
+                )
+        err, _, _ = driver.cuFuncGetParamInfo(self.function, len(offsets))
+        if int(err) == 0:
+            raise TypeError(f"kernel {self.name}: got {len(args)} arguments, the kernel takes more")
 
     def _raise_smem_limit(self, nbytes: int) -> None:
         from cuda.bindings import driver
@@ -171,10 +201,15 @@ class CompiledKernel:
                 raise ValueError(
                     f"kernel {self.name}: argument {i} is on {a.device}, expected cuda:{self.device_index}"
                 )
-        params = ctypes.create_string_buffer(pack_args(self.name, args))
-        size = ctypes.c_size_t(len(params) - 1)  # create_string_buffer adds a NUL
-        extra = (ctypes.c_void_p * 5)(_PARAM_BUFFER_POINTER, ctypes.addressof(params),
-                                      _PARAM_BUFFER_SIZE, ctypes.addressof(size), _PARAM_END)
+        # kernelParams: an array of pointers to each argument's bytes; the driver reads each
+        # parameter's size from the cubin, so no buffer size has to match the kernel's.
+        packed, offsets = pack_args(self.name, args)
+        if not self.abi_checked:
+            self.check_abi(args, packed, offsets)
+            self.abi_checked = True
+        params = ctypes.create_string_buffer(packed, max(len(packed), 1))
+        base = ctypes.addressof(params)
+        pointers = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         _make_current(self.device_index)
@@ -183,7 +218,7 @@ class CompiledKernel:
         if stream is None:
             stream = torch.cuda.current_stream(self.device_index)
         _check(driver.cuLaunchKernel(self.function, *grid, *block, shared_mem,
-                                     driver.CUstream(stream.cuda_stream), 0, ctypes.addressof(extra)),
+                                     driver.CUstream(stream.cuda_stream), ctypes.addressof(pointers), 0),
                f"launching {self.name} grid={grid} block={block} smem={shared_mem}")
 
 
