@@ -11,6 +11,8 @@
 #              off so every tensor is its own allocation and an overrun is visible
 #   latency    first-call latency: compile in a fresh cache, cache hit in a new process
 #   bench      flashcuda bench --quick;   bench-full: the standard sweep;   ladder: ladder rungs
+# Each step runs under a timeout (TESTS_TIMEOUT, SANITIZE_TIMEOUT per tool, BENCH_TIMEOUT) so one
+# hung step cannot eat the whole call.
 # Logs and records go to $OUT (the device tool's folder) or ./gpu-lane-out. A short table is last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,14 +32,14 @@ for step in "${steps[@]}"; do
     info)
       python3 -m flashcuda info | tee "$OUT/info.txt"; rc=$? ;;
     tests)
-      python3 -m pytest -m gpu tests/gpu -q -x --maxfail=20 -p no:cacheprovider \
+      timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu tests/gpu -q --maxfail=60 -p no:cacheprovider \
         --junitxml="$OUT/gpu-tests.xml" ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -n 60 > "$OUT/gpu-tests.log"
       rc=${PIPESTATUS[0]}; tail -n 25 "$OUT/gpu-tests.log" ;;
     sanitize)
       rc=0
       for tool in memcheck racecheck synccheck initcheck; do
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 99 \
-          --print-limit 20 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_sanitize.py \
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+          --report-api-errors no --print-limit 20 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_sanitize.py \
           ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-$tool.log" 2>&1
         r=$?; echo "compute-sanitizer $tool: rc=$r  $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/sanitize-$tool.log" | tail -n 2 | tr '\n' ' ')"
         [ $r -ne 0 ] && rc=$r
@@ -47,7 +49,7 @@ for step in "${steps[@]}"; do
       { python3 scripts/jit_latency.py --kernel smoke; python3 scripts/jit_latency.py --kernel flash; } \
         > "$OUT/latency.jsonl"; rc=$?; cat "$OUT/latency.jsonl" ;;
     bench)
-      python3 -m flashcuda bench --quick --out "$OUT/bench" > "$OUT/bench.log" 2>&1; rc=$?; tail -n 40 "$OUT/bench.log" ;;
+      timeout "${BENCH_TIMEOUT:-300}" python3 -m flashcuda bench --quick --out "$OUT/bench" > "$OUT/bench.log" 2>&1; rc=$?; tail -n 40 "$OUT/bench.log" ;;
     bench-full)
       python3 -m flashcuda bench --out "$OUT/bench" > "$OUT/bench.log" 2>&1; rc=$?; tail -n 60 "$OUT/bench.log" ;;
     ladder)
