@@ -33,7 +33,7 @@ for step in "${steps[@]}"; do
       python3 -m flashcuda info | tee "$OUT/info.txt"; rc=$? ;;
     tests)
       timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu tests/gpu -q --maxfail=60 -p no:cacheprovider \
-        --junitxml="$OUT/gpu-tests.xml" ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -n 60 > "$OUT/gpu-tests.log"
+        --tb=short --junitxml="$OUT/gpu-tests.xml" ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/gpu-tests.log" 2>&1
       rc=${PIPESTATUS[0]}; tail -n 25 "$OUT/gpu-tests.log" ;;
     sanitize)
       rc=0
