@@ -81,7 +81,7 @@ def test_large_dynamic_shared_memory(tmp_path):
         "  for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = float(i);\n"
         "  __syncthreads();\n"
         "  for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = buf[n - 1 - i];\n}\n")
-    spec = KernelSpec.make("smem_roundtrip_test", str(src))
+    spec = KernelSpec.make("smem_roundtrip_test", str(src), entry="smem_roundtrip")
     n = 100 * 1024 // 4  # 100 KiB, above the 48 KiB default
     y = torch.full((n,), float("nan"), device="cuda")
     get_kernel(spec, y.device).launch((1,), (256,), y, np.int32(n), shared_mem=n * 4)

@@ -73,12 +73,15 @@ def test_forward_family_bounds(family, dtype, shape):
         pytest.skip(reason)
     mod.run(call)
     ref, ref_lse = attention_ref(q, k, v, window=(shape[6], shape[7]))
+    # Loose bounds (bf16 keeps 8 bits; the sm80 kernel's row sums add the bf16-rounded P that
+    # multiplies V, which moves lse by up to 2^-8): an indexing bug is off by O(1).
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert not out.isnan().any()
     assert (out.double() - ref).abs().max().item() < tol
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
-    assert (lse[finite].double() - ref_lse[finite]).abs().max().item() < 1e-3 if finite.any() else True
+    if finite.any():
+        assert (lse[finite].double() - ref_lse[finite]).abs().max().item() < 10 * tol
 
 
 @pytest.mark.parametrize("family,dtype", [("bwd_sm80", torch.bfloat16), ("bwd_simt", torch.float32)])
