@@ -15,6 +15,7 @@ refused: their width is ambiguous, and a wrong width silently corrupts every lat
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import struct
 import threading
@@ -114,29 +115,43 @@ def pack_code(a) -> str:
     return _SCALARS[type(a)][0]
 
 
-def pack_args(name: str, args: tuple) -> tuple[bytes, list[int]]:
+@functools.lru_cache(maxsize=1024)
+def _layout(codes: str) -> tuple[struct.Struct, tuple[int, ...]]:
+    """A C parameter list's layout: native alignment ('@') is the C rule, so each argument's
+    offset is the size of the prefix before it, rounded up to its own alignment."""
+    offsets = []
+    for i, c in enumerate(codes):
+        size = struct.calcsize(c)
+        prefix = struct.calcsize("@" + codes[:i]) if i else 0
+        offsets.append(prefix + (-prefix % size))
+    return struct.Struct("@" + codes), tuple(offsets)
+
+
+def pack_args(name: str, args: tuple) -> tuple[bytes, tuple[int, ...]]:
     """Kernel arguments packed at natural alignment, and each one's offset in the buffer:
     tensors -> 8-byte device pointers, None -> null pointer, numpy scalars at their own width."""
     import torch
 
-    buf = bytearray()
-    offsets = []
+    codes = []
+    values = []
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
-            code, size, value = "Q", 8, a.data_ptr()
+            codes.append("Q")
+            values.append(a.data_ptr())
         elif a is None:
-            code, size, value = "Q", 8, 0
-        elif type(a) in _SCALARS:
-            (code, size), value = _SCALARS[type(a)], a.item()
+            codes.append("Q")
+            values.append(0)
         else:
-            raise TypeError(
-                f"kernel {name}: argument {i} has type {type(a).__name__}; pass tensors, None, "
-                "or fixed-width numpy scalars (np.int32, np.int64, np.float32, ...)"
-            )
-        buf += b"\0" * (-len(buf) % size)
-        offsets.append(len(buf))
-        buf += struct.pack("<" + code, value)
-    return bytes(buf), offsets
+            code = _SCALARS.get(type(a))
+            if code is None:
+                raise TypeError(
+                    f"kernel {name}: argument {i} has type {type(a).__name__}; pass tensors, None, "
+                    "or fixed-width numpy scalars (np.int32, np.int64, np.float32, ...)"
+                )
+            codes.append(code[0])
+            values.append(a.item())
+    layout, offsets = _layout("".join(codes))
+    return layout.pack(*values), offsets
 
 
 @dataclass

@@ -38,11 +38,9 @@ def _empty_fwd(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-@torch.library.custom_op("flashcuda::fwd", mutates_args=())
-def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-        window_left: int | None, window_right: int | None,
-        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    validate.check_qkv(q, k, v)
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+              window_left: int | None, window_right: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """allocate -> dispatch; q, k, v already validated."""
     out, lse = _empty_fwd(q)
     if out.numel() == 0:
         return out, lse
@@ -52,6 +50,14 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
         return out, lse
     dispatch.forward(FwdCall(q, k, v, out, lse, softmax_scale, window_left, window_right))
     return out, lse
+
+
+@torch.library.custom_op("flashcuda::fwd", mutates_args=())
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+        window_left: int | None, window_right: int | None,
+        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    validate.check_qkv(q, k, v)
+    return _fwd_impl(q, k, v, softmax_scale, window_left, window_right)
 
 
 @fwd.register_fake
@@ -111,5 +117,15 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
               window_left: int | None = None, window_right: int | None = None,
               deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) = flashcuda::fwd, differentiable in q, k, v through out."""
+    """(out, lse) = flashcuda::fwd, differentiable in q, k, v through out. q, k, v validated.
+
+    Eager calls that need no gradient skip the custom-op wrapper and run the same body
+    directly: the wrapper costs more host time than a short kernel takes (serving-size calls),
+    and its first call imports torch._dynamo (seconds). Under torch.compile, or when autograd
+    must record the call, the op itself runs.
+    """
+    if not torch.compiler.is_compiling() and not (
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    ):
+        return _fwd_impl(q, k, v, softmax_scale, window_left, window_right)
     return fwd(q, k, v, softmax_scale, window_left, window_right, deterministic)

@@ -111,8 +111,30 @@ def _dispatch(call: FwdCall | BwdCall, direction: str) -> str:
     return run_families(call, direction)
 
 
+def _plan_key(call: FwdCall | BwdCall, direction: str) -> tuple:
+    """Everything can_implement looks at: two calls with equal keys get the same family."""
+    tensors = [call.q, call.k, call.v]
+    if isinstance(call, BwdCall):
+        tensors += [call.out, call.dout]
+        extra = (call.deterministic,)
+    else:
+        extra = ()
+    return (direction, os.environ.get(FORCE_ENV, ""), call.dtype, call.device, call.window_left,
+            call.window_right, call.softmax_scale > 0, *extra,
+            *((tuple(t.shape), t.stride(), t.data_ptr() % 16) for t in tensors))
+
+
+# plan key -> family module that can run it (the first choice, checked once).
+_plans: dict[tuple, ModuleType] = {}
+
+
 def run_families(call: FwdCall | BwdCall, direction: str) -> str:
     """Run `call` with the first family in order of preference that can implement it."""
+    key = _plan_key(call, direction)
+    module = _plans.get(key)
+    if module is not None:
+        module.run(call)  # run() re-checks can_implement: a stale plan cannot run a wrong kernel
+        return module.__name__.rsplit(".", 1)[-1]
     what = _describe(call)
     reasons: list[str] = []
     for name, reason in _candidates(call):
@@ -128,6 +150,9 @@ def run_families(call: FwdCall | BwdCall, direction: str) -> str:
             if isinstance(module, str):  # explain() already reported it; unreachable
                 raise RuntimeError(module)
             module.run(call)
+            if len(_plans) > 4096:
+                _plans.clear()
+            _plans[key] = module
         return name
     raise NotImplementedError(
         f"no flashcuda {direction} kernel can run {what}: " + "; ".join(reasons))
@@ -146,4 +171,5 @@ def backward(call: BwdCall) -> str:
 def _reset() -> None:
     """Forget imported families (tests)."""
     _modules.clear()
+    _plans.clear()
     logger.debug("dispatch: family cache cleared")
