@@ -65,6 +65,21 @@ def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, deterministic):
     return _empty_fwd(q)
 
 
+def _bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, window_left: int | None,
+              window_right: int | None,
+              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """allocate -> dispatch; inputs already validated."""
+    dq, dk, dv = _empty_bwd(q, k, v)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    dout = dout.contiguous()
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    dispatch.backward(BwdCall(q, k, v, out, dout, lse, dq, dk, dv, softmax_scale, window_left,
+                              window_right, deterministic))
+    return dq, dk, dv
+
+
 @torch.library.custom_op("flashcuda::bwd", mutates_args=())
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, window_left: int | None,
@@ -72,16 +87,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     validate.check_qkv(q, k, v)
     validate.check_bwd(dout, q, out, lse)
-    dq, dk, dv = _empty_bwd(q, k, v)
-    if dq.numel() == 0 or dk.numel() == 0:
-        # No query row sees any key: every gradient is zero.
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    # dout often arrives as an expanded or transposed view (loss = out.sum(), SDPA's transpose).
-    dout = dout.contiguous()
-    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    dispatch.backward(BwdCall(q, k, v, out, dout, lse, dq, dk, dv, softmax_scale, window_left,
-                              window_right, deterministic))
-    return dq, dk, dv
+    return _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
+                     deterministic)
 
 
 def _empty_bwd(q: torch.Tensor, k: torch.Tensor,
@@ -104,14 +111,35 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, _dlse, backward_fn=bwd):
     q, k, v, out, lse = ctx.saved_tensors
     deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, deterministic)
+    dq, dk, dv = backward_fn(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window,
+                             deterministic)
     return dq, dk, dv, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """Eager-mode autograd with the custom ops' own bodies, context setup and backward.
+
+    The custom-op dispatch costs ~150 us of host time per call in torch 2.11-2.13 (more than a
+    short kernel takes), so eager calls go through this thin Function; torch.compile traces the
+    flashcuda::fwd / flashcuda::bwd ops and their register_autograd formula instead.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, deterministic):
+        out, lse = _fwd_impl(q, k, v, softmax_scale, window_left, window_right)
+        _setup_context(ctx, (q, k, v, softmax_scale, window_left, window_right, deterministic),
+                       (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse, backward_fn=_bwd_impl)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
@@ -119,13 +147,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
               deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) = flashcuda::fwd, differentiable in q, k, v through out. q, k, v validated.
 
-    Eager calls that need no gradient skip the custom-op wrapper and run the same body
-    directly: the wrapper costs more host time than a short kernel takes (serving-size calls),
-    and its first call imports torch._dynamo (seconds). Under torch.compile, or when autograd
-    must record the call, the op itself runs.
+    Eager calls skip the custom-op wrapper and run the same bodies (directly, or through
+    _EagerAttention when autograd must record the call): the wrapper costs more host time than
+    a short kernel takes, and its first call imports torch._dynamo (seconds). Under
+    torch.compile the op itself is traced.
     """
-    if not torch.compiler.is_compiling() and not (
-        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    ):
-        return _fwd_impl(q, k, v, softmax_scale, window_left, window_right)
-    return fwd(q, k, v, softmax_scale, window_left, window_right, deterministic)
+    if torch.compiler.is_compiling():
+        return fwd(q, k, v, softmax_scale, window_left, window_right, deterministic)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(q, k, v, softmax_scale, window_left, window_right,
+                                     deterministic)
+    return _fwd_impl(q, k, v, softmax_scale, window_left, window_right)
