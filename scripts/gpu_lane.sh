@@ -9,6 +9,7 @@
 #   sanitize   compute-sanitizer memcheck + racecheck (+ synccheck, initcheck) on the boundary-shape
 #              suite (tests/gpu/test_sanitize.py; SANITIZE_K narrows it), torch's caching allocator
 #              off so every tensor is its own allocation and an overrun is visible
+#   host       host-side microseconds per call (scripts/host_overhead.py)
 #   latency    first-call latency: compile in a fresh cache, cache hit in a new process
 #   bench      flashcuda bench --quick;   bench-full: the standard sweep;   ladder: ladder rungs
 # Each step runs under a timeout (TESTS_TIMEOUT, SANITIZE_TIMEOUT per tool, BENCH_TIMEOUT) so one
@@ -45,13 +46,15 @@ for step in "${steps[@]}"; do
         [ $r -ne 0 ] && rc=$r
       done
       cat "$OUT"/sanitize-*.log > "$OUT/sanitize.log"; rm -f "$OUT"/sanitize-*.log ;;
+    host)
+      python3 scripts/host_overhead.py > "$OUT/host-overhead.txt" 2>&1; rc=$?; head -n 3 "$OUT/host-overhead.txt" ;;
     latency)
       { python3 scripts/jit_latency.py --kernel smoke; python3 scripts/jit_latency.py --kernel flash; } \
         > "$OUT/latency.jsonl"; rc=$?; cat "$OUT/latency.jsonl" ;;
     bench)
       timeout "${BENCH_TIMEOUT:-300}" python3 -m flashcuda bench --quick --out "$OUT/bench" > "$OUT/bench.log" 2>&1; rc=$?; tail -n 40 "$OUT/bench.log" ;;
     bench-full)
-      python3 -m flashcuda bench --out "$OUT/bench" > "$OUT/bench.log" 2>&1; rc=$?; tail -n 60 "$OUT/bench.log" ;;
+      timeout "${BENCH_TIMEOUT:-540}" python3 -m flashcuda bench --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; rc=$?; tail -n 60 "$OUT/bench.log" ;;
     ladder)
       python3 -m flashcuda bench ladder --out "$OUT/bench" > "$OUT/ladder.log" 2>&1; rc=$?; tail -n 40 "$OUT/ladder.log" ;;
     *)
