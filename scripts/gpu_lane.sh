@@ -21,7 +21,7 @@ OUT=${OUT:-$PWD/gpu-lane-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export FLASHCUDA_CACHE_DIR=${FLASHCUDA_CACHE_DIR:-/tmp/flashcuda-lane-cache}
-export FLASHCUDA_TEST_SHARED_CACHE=1 FLASHCUDA_GPU_LANE=1
+export FLASHCUDA_TEST_SHARED_CACHE=1
 export FLASHCUDA_COMMIT=${FLASHCUDA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(info tests sanitize latency bench)

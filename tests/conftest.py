@@ -23,11 +23,6 @@ def _cuda_usable() -> tuple[bool, str]:
 
 def pytest_collection_modifyitems(config, items):
     ok, why = _cuda_usable()
-    if ok and os.environ.get("FLASHCUDA_GPU_LANE") != "1":
-        # Temporary, this session: device time is scarce and reserved for the main session's
-        # batched runs through scripts/gpu_lane.sh. Helpers: do not run on the device; report.
-        ok, why = False, ("device time is reserved for the main session: run the GPU lane only via "
-                          "scripts/gpu_lane.sh (helpers: stop using the device; report instead)")
     if ok:
         return
     skip = pytest.mark.skip(reason=f"GPU lane: {why}")
