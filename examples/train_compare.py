@@ -3,8 +3,8 @@ same initial weights and data, and compare the loss curves (issue 5's end-to-end
 
     python examples/train_compare.py --steps 300 --out train-compare     # on a GPU
 
-Model: 4 layers, d_model 512, 8 heads of 64 (GQA 8:2 in the flashcuda run is not used: both runs
-use the same plain multi-head layout), seqlen 512, batch 16, bf16 autocast, AdamW. Data: a fixed
+Model: 4 layers, d_model 512, 8 heads of 64, seqlen 512, batch 16, bf16 autocast, AdamW; q, k, v
+reach flashcuda as strided views of the packed qkv projection. Data: a fixed
 random first-order Markov chain over 512 tokens (learnable: the loss falls from ln 512 = 6.24 toward
 the chain's entropy), same batches for both runs. Writes <out>/train-compare.json and .png; exits 1
 if the two curves differ by more than the noise band (mean |difference| over the last 50 steps >

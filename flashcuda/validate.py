@@ -22,6 +22,10 @@ MAX_HEAD_DIM = 256
 INT32_LIMIT = 2**31  # batch, seqlen, heads: kernels index them with int32
 SEQ_SUM_LIMIT = 2**30  # seqlen_q + seqlen_k: window arithmetic (i + shift +- window) in int32
 INT64_LIMIT = 2**63  # element offsets: kernels index memory with int64
+FLOAT32_MAX = 3.4028234663852886e38
+LOG2E = 1.4426950408889634
+# The kernels take softmax_scale * log2(e) as a float32: beyond this it would round to inf.
+MAX_SOFTMAX_SCALE = FLOAT32_MAX / LOG2E / (1 + 2**-20)
 _DEVICE_TYPES = ("cuda", "cpu", "meta")
 
 _DIMS_BSHD = {"q": ("batch", "seqlen_q", "nheads", "headdim"),
@@ -156,6 +160,9 @@ def softmax_scale(scale: object, head_dim: int, name: str = "softmax_scale") -> 
         raise TypeError(f"{name}: expected a float or None, got {type(scale).__name__} {scale!r}")
     if not math.isfinite(scale):
         raise ValueError(f"{name}: expected a finite number, got {scale}")
+    if abs(scale) > MAX_SOFTMAX_SCALE:
+        raise ValueError(f"{name}: expected a magnitude at most {MAX_SOFTMAX_SCALE:.4g} (the "
+                         f"kernels take {name} * log2(e) as a float32), got {scale}")
     return float(scale)
 
 
