@@ -20,6 +20,7 @@ _KERNEL_MODULES = (
     "flashcuda.ops.fwd_simt",
     "flashcuda.ops.bwd_simt",
     "flashcuda.ops.fwd_sm80",
+    "flashcuda.ops.fwd_sm90",
     "flashcuda.ops.bwd_sm80",
     "flashcuda.ops.softmax_state",
 )

@@ -8,7 +8,9 @@ cache hit in a new process cannot afford (target 50 ms); cuda.core is used for N
     kernel.launch(grid, block, q, k, np.int32(n), np.float32(scale), shared_mem=bytes)
 
 Arguments: torch tensors go as device pointers, None as a null pointer, numpy scalars
-(np.int32, np.int64, np.uint32, np.float32) at their own width. Plain Python ints and floats are
+(np.int32, np.int64, np.uint32, np.float32) at their own width, and any object with a
+`__cuda_tensor_map__()` method (flashcuda.jit.tensor_map.TensorMap) as its 128 bytes at 64-byte
+alignment, for a `const __grid_constant__` CUtensorMap parameter. Plain Python ints and floats are
 refused: their width is ambiguous, and a wrong width silently corrupts every later parameter.
 """
 
@@ -34,6 +36,13 @@ _SCALARS: dict[type, tuple[str, int]] = {
     np.int32: ("i", 4), np.uint32: ("I", 4), np.int64: ("q", 8), np.uint64: ("Q", 8),
     np.float32: ("f", 4),
 }
+# pack code -> (struct format, size, alignment): the C rule for each parameter type. 'M' is a
+# CUtensorMap (CUDA's `alignas(64) unsigned long long opaque[16]`), packed as raw bytes.
+_CODES: dict[str, tuple[str, int, int]] = {
+    "i": ("i", 4, 4), "I": ("I", 4, 4), "q": ("q", 8, 8), "Q": ("Q", 8, 8), "f": ("f", 4, 4),
+    "M": ("128s", 128, 64),
+}
+TENSOR_MAP_BYTES = 128
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 
 _lock = threading.RLock()
@@ -106,30 +115,49 @@ def _make_current(device_index: int) -> None:
         _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+def _is_tensor_map(a) -> bool:
+    return hasattr(type(a), "__cuda_tensor_map__")
+
+
 def pack_code(a) -> str:
-    """struct code of one kernel argument (see pack_args)."""
+    """Pack code of one kernel argument (see pack_args and _CODES)."""
     import torch
 
     if isinstance(a, torch.Tensor) or a is None:
         return "Q"
+    if _is_tensor_map(a):
+        return "M"
     return _SCALARS[type(a)][0]
+
+
+def pack_size(code: str) -> int:
+    """Bytes a kernel parameter of pack code `code` occupies."""
+    return _CODES[code][1]
 
 
 @functools.lru_cache(maxsize=1024)
 def _layout(codes: str) -> tuple[struct.Struct, tuple[int, ...]]:
-    """A C parameter list's layout: native alignment ('@') is the C rule, so each argument's
-    offset is the size of the prefix before it, rounded up to its own alignment."""
+    """A C parameter list's layout: each argument's offset is the end of the one before it,
+    rounded up to its own alignment (_CODES); explicit pad bytes keep the struct unaligned ('=')."""
+    fmt = ["="]
     offsets = []
-    for i, c in enumerate(codes):
-        size = struct.calcsize(c)
-        prefix = struct.calcsize("@" + codes[:i]) if i else 0
-        offsets.append(prefix + (-prefix % size))
-    return struct.Struct("@" + codes), tuple(offsets)
+    pos = 0
+    for c in codes:
+        f, size, align = _CODES[c]
+        pad = -pos % align
+        if pad:
+            fmt.append(f"{pad}x")
+        pos += pad
+        offsets.append(pos)
+        fmt.append(f)
+        pos += size
+    return struct.Struct("".join(fmt)), tuple(offsets)
 
 
 def pack_args(name: str, args: tuple) -> tuple[bytes, tuple[int, ...]]:
     """Kernel arguments packed at natural alignment, and each one's offset in the buffer:
-    tensors -> 8-byte device pointers, None -> null pointer, numpy scalars at their own width."""
+    tensors -> 8-byte device pointers, None -> null pointer, numpy scalars at their own width,
+    tensor maps (`__cuda_tensor_map__()`) -> their 128 bytes at a 64-byte aligned offset."""
     import torch
 
     codes = []
@@ -141,6 +169,13 @@ def pack_args(name: str, args: tuple) -> tuple[bytes, tuple[int, ...]]:
         elif a is None:
             codes.append("Q")
             values.append(0)
+        elif _is_tensor_map(a):
+            raw = bytes(a.__cuda_tensor_map__())
+            if len(raw) != TENSOR_MAP_BYTES:
+                raise TypeError(f"kernel {name}: argument {i} ({type(a).__name__}) gives a "
+                                f"{len(raw)}-byte tensor map, expected {TENSOR_MAP_BYTES}")
+            codes.append("M")
+            values.append(raw)
         else:
             code = _SCALARS.get(type(a))
             if code is None:
@@ -188,7 +223,7 @@ class CompiledKernel:
             err, k_off, k_size = driver.cuFuncGetParamInfo(self.function, i)
             if int(err) != 0:
                 raise TypeError(f"kernel {self.name}: got {len(args)} arguments, the kernel takes {i}")
-            size = struct.calcsize("<" + pack_code(args[i]))
+            size = pack_size(pack_code(args[i]))
             if k_off != off or k_size != size:
                 raise TypeError(
                     f"kernel {self.name}: argument {i} ({type(args[i]).__name__}) packed at offset "

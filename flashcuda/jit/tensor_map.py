@@ -1,0 +1,131 @@
+"""TMA tensor maps (CUtensorMap) for the sm90 kernels, encoded on the host per call.
+
+    m = bshd_map(q, box_rows=128)                 # (B, S, H, D) fp16/bf16 tensor, 128B swizzle
+    kernel.launch(grid, block, m, ..., shared_mem=...)   # a `const __grid_constant__ TmaMap`
+
+A map describes a 4-D box walk over a (B, S, H, D) tensor with dims listed innermost first,
+(D, S, H, B), byte strides (row, head, batch), and a box of (64 elements = one 128-byte swizzled
+row, box_rows, 1, 1): what flashcuda/kernels/common/sm90.cuh calls one chunk of a tile. Elements
+outside the dims are zero-filled by the copy engine (and still count as transaction bytes).
+
+`tiled_problem` checks the driver's rules without a GPU (can_implement uses it); `encode_tiled`
+calls cuTensorMapEncodeTiled; `bshd_map` memoises maps by (address, dtype, shape, strides, box):
+a map holds nothing but those, so a reused address with the same geometry gets the same map.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+SWIZZLE_BYTES = 128
+BOX_COLS = SWIZZLE_BYTES // 2  # 16-bit elements per swizzled row
+MAX_BOX = 256
+MAX_STRIDE = 1 << 40
+MAX_DIM = 1 << 31  # kernel coordinates are int32
+
+
+class TensorMap:
+    """128 opaque bytes of an encoded CUtensorMap; runtime.pack_args packs them 64-aligned."""
+
+    __slots__ = ("raw",)
+    SIZE = 128
+
+    def __init__(self, raw: bytes) -> None:
+        if len(raw) != self.SIZE:
+            raise ValueError(f"TensorMap: expected {self.SIZE} bytes, got {len(raw)}")
+        self.raw = bytes(raw)
+
+    def __cuda_tensor_map__(self) -> bytes:
+        return self.raw
+
+    def __repr__(self) -> str:
+        return f"TensorMap({self.raw[:16].hex()}...)"
+
+
+def bshd_geometry(shape: tuple[int, ...], strides: tuple[int, ...],
+                  elem_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(dims innermost first, byte strides of dims 1..3) of a (B, S, H, D) tensor: dims
+    (D, S, H, B), strides (row, head, batch) in bytes. A size-1 dim's stride is never used (its
+    only coordinate is 0) and may be anything in torch, so it becomes 16, a legal TMA stride."""
+    b, s, h, d = shape
+    dims = (d, s, h, b)
+    byte_strides = []
+    for size, stride in ((s, strides[1]), (h, strides[2]), (b, strides[0])):
+        byte_strides.append(stride * elem_bytes if size > 1 else 16)
+    return dims, tuple(byte_strides)
+
+
+def tiled_problem(address: int, dims: tuple[int, ...], byte_strides: tuple[int, ...],
+                  box: tuple[int, ...], elem_bytes: int, last_stride: int = 1) -> str | None:
+    """Why cuTensorMapEncodeTiled (128B swizzle, no interleave) would refuse this, or None."""
+    if last_stride != 1 and dims[0] > 1:
+        return f"innermost stride must be 1 element, got {last_stride}"
+    if address % 16:
+        return f"address {address:#x} is not 16-byte aligned"
+    for i, n in enumerate(dims):
+        if not 0 < n < MAX_DIM:
+            return f"dim {i} = {n} must be in [1, 2^31)"
+    for i, st in enumerate(byte_strides):
+        if st <= 0 or st % 16 or st >= MAX_STRIDE:
+            return f"byte stride of dim {i + 1} = {st} must be a positive multiple of 16 below 2^40"
+    for i, n in enumerate(box):
+        if not 0 < n <= MAX_BOX:
+            return f"box dim {i} = {n} must be in [1, {MAX_BOX}]"
+    if box[0] * elem_bytes > SWIZZLE_BYTES or (box[0] * elem_bytes) % 16:
+        return f"box inner extent {box[0] * elem_bytes} B must be a multiple of 16, <= 128"
+    return None
+
+
+def bshd_problem(t, box_rows: int) -> str | None:
+    """tiled_problem for the map bshd_map(t, box_rows) would encode (no GPU needed)."""
+    if t.dim() != 4:
+        return f"expected a 4-D (B, S, H, D) tensor, got {t.dim()} dims"
+    elem = t.element_size()
+    dims, strides = bshd_geometry(tuple(t.shape), tuple(t.stride()), elem)
+    return tiled_problem(t.data_ptr(), dims, strides, (BOX_COLS, box_rows, 1, 1), elem,
+                         t.stride(3))
+
+
+def encode_tiled(dtype, address: int, dims: tuple[int, ...], byte_strides: tuple[int, ...],
+                 box: tuple[int, ...]) -> TensorMap:
+    """cuTensorMapEncodeTiled for a 16-bit tensor, 128B swizzle, zero fill, L2 256B promotion."""
+    import torch
+    from cuda.bindings import driver
+
+    from .runtime import _check
+
+    codes = {torch.float16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+             torch.bfloat16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}
+    if dtype not in codes:
+        raise ValueError(f"encode_tiled: dtype must be fp16 or bf16, got {dtype}")
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    cmap = _check(driver.cuTensorMapEncodeTiled(
+        codes[dtype], len(dims), address, [u64(n) for n in dims],
+        [u64(s) for s in byte_strides], [u32(n) for n in box], [u32(1)] * len(dims),
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    ), f"cuTensorMapEncodeTiled(dims={dims}, strides={byte_strides}, box={box})")
+    return TensorMap(ctypes.string_at(cmap.getPtr(), TensorMap.SIZE))
+
+
+@functools.lru_cache(maxsize=256)
+def _bshd_map(dtype, address: int, shape: tuple[int, ...], strides: tuple[int, ...],
+              elem_bytes: int, box_rows: int) -> TensorMap:
+    dims, byte_strides = bshd_geometry(shape, strides, elem_bytes)
+    return encode_tiled(dtype, address, dims, byte_strides, (BOX_COLS, box_rows, 1, 1))
+
+
+def bshd_map(t, box_rows: int) -> TensorMap:
+    """The map of a CUDA (B, S, H, D) fp16/bf16 tensor, box (64 cols, box_rows rows, 1, 1)."""
+    import torch
+
+    from .runtime import _make_current
+
+    if why := bshd_problem(t, box_rows):
+        raise ValueError(f"bshd_map: {why}")
+    _make_current(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return _bshd_map(t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size(),
+                     box_rows)

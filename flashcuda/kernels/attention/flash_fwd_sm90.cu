@@ -1,0 +1,364 @@
+// Flash attention forward, sm90a kernel (the FlashAttention-3 design, first step: correct and
+// simple; compile-verified, gated off in flashcuda/ops/fwd_sm90.py until a GPU run proves it).
+//
+// Feature matrix
+//   dtypes        fp16, bf16 in and out; fp32 accumulation and softmax
+//   head dims     kHeadDim in {64, 128}, exactly (the runtime head dim equals the kernel's)
+//   masking       bottom-right aligned band of mask.cuh (causal, sliding window, none); ragged
+//                 seqlen_q / seqlen_k
+//   heads         MHA, GQA, MQA (kv head = head / (nheads / nheads_kv))
+//   layouts       (batch, row, head) strides that are multiples of 8 elements (16 bytes, a TMA
+//                 rule), unit last stride, 16-byte aligned base pointers
+//   outputs       out (B, Sq, H, D), lse (B, H, Sq) float32 natural log
+//   not yet       ping-pong between consumer warpgroups, softmax overlapped with the next
+//                 Q K^T, persistent tile scheduler, TMA store epilogue, intra-warpgroup overlap
+//   arch          sm_90a only (wgmma, setmaxnreg)
+//
+// One CTA per (query block of kBlockM = 128 rows, head, batch); 3 warpgroups:
+//   warpgroup 0  producer: gives registers back (setmaxnreg.dec to 24); one elected thread
+//                issues TMA: the Q tile once, then per key tile K_j and V_j into a kStages-deep
+//                ring of shared-memory stages, each guarded by mbarriers:
+//                    k_full[s] / v_full[s]    TMA -> consumers (1 arrival + transaction bytes)
+//                    k_empty[s] / v_empty[s]  consumers -> TMA (one arrival per consumer warp)
+//   warpgroups 1, 2  consumers (setmaxnreg.inc to 240): warpgroup c owns query rows
+//                64 (c - 1) .. + 63 of the block, so the softmax of a row never leaves its
+//                warpgroup (a row lives in one quad of one warp, as in the sm80 kernel).
+// Per key tile j (visited from the last one down, masked diagonal tiles first, like sm80):
+//     wait k_full | S = Q K_j^T: kHeadDim / 16 wgmma m64n{kBlockN}k16, Q and K from shared memory
+//     (K-major, 128B swizzle) | wait; release K_j | mask if the tile needs it | row max (2 quad
+//     shuffles), rescale O, P = exp2(S * scale_log2 - m) in registers, per-thread partial row sums
+//     | P -> 16-bit A fragments | wait v_full | O += P V_j: kBlockN / 16 wgmma m64n{kHeadDim}k16,
+//     A from registers, B = V_j from shared memory read MN-major (imm-trans-b = 1: V is stored
+//     [key][d], d contiguous, and B of P V is keys x d) | wait; release V_j
+// Deferred normalisation: O / l once, in the epilogue, which stores O straight from the
+// accumulator registers (4 bytes per lane; a TMA store through shared memory is a later step).
+//
+// Shared memory (sm90.cuh header for the swizzled layout): Q [kBlockM][kHeadDim] and kStages K
+// and V tiles [kBlockN][kHeadDim], each as kHeadDim / 64 chunks of [rows][64] 128-byte rows,
+// every chunk 1024-byte aligned; then the mbarriers. The dynamic allocation has 1024 bytes of
+// slack so the base can be rounded up to 1024.
+//
+// Out-of-range rows: TMA zero-fills rows past seqlen (the tensor maps carry the true bounds), so
+// a key tile may run past seqlen_k (those keys are masked: tile_needs_mask says so) and a query
+// tile past seqlen_q (those rows are never stored). Unlike the sm80 kernel, keys inside seqlen_k
+// but outside every row's band are loaded, not zero-filled; their scores are masked to -inf, but
+// a NaN/Inf in such a V row would leak into the loaded tile's rows through 0 * NaN, as in FA3.
+// A row that sees no key gets out = 0 and lse = -inf (OnlineSoftmax's guards).
+#include "common/types.cuh"
+#include "common/sm90.cuh"
+#include "attention/mask.cuh"
+#include "attention/online_softmax.cuh"
+
+using T = typename dtype_of<FC_DTYPE>::type;
+constexpr int kHeadDim = FC_HEAD_DIM;
+constexpr int kBlockM = FC_BLOCK_M;  // query rows per CTA (64 per consumer warpgroup)
+constexpr int kBlockN = FC_BLOCK_N;  // keys per tile
+constexpr int kStages = FC_STAGES;   // K/V ring depth
+constexpr int kConsumers = kBlockM / 64;            // consumer warpgroups
+constexpr int kThreads = 128 * (1 + kConsumers);    // + the producer warpgroup
+constexpr int kConsumerWarps = 4 * kConsumers;
+constexpr int kProducerRegs = FC_PRODUCER_REGS;
+constexpr int kConsumerRegs = FC_CONSUMER_REGS;
+
+constexpr int kChunkCols = 64;                     // 16-bit elements per 128-byte swizzled row
+constexpr int kChunks = kHeadDim / kChunkCols;     // swizzled chunks per row of a tile
+constexpr int kQChunkBytes = kBlockM * 128;
+constexpr int kKVChunkBytes = kBlockN * 128;
+constexpr int kQBytes = kChunks * kQChunkBytes;
+constexpr int kKVBytes = kChunks * kKVChunkBytes;
+
+constexpr int kSmemQ = 0;
+constexpr int kSmemK = kSmemQ + kQBytes;
+constexpr int kSmemV = kSmemK + kStages * kKVBytes;
+constexpr int kSmemBar = kSmemV + kStages * kKVBytes;
+constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
+constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
+
+static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
+static_assert(kHeadDim == 64 || kHeadDim == 128, "sm90 kernel: head dim 64 or 128");
+static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows");
+static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma n, TMA box rows <= 256");
+static_assert(kBlockN == 64 || kBlockN == 128, "wgmma_ss is instantiated for n = 64, 128");
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "register file");
+// The host config (flashcuda/ops/fwd_sm90.py) computes the launch's dynamic smem; it must agree.
+static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm90FwdConfig.smem_bytes");
+
+// The pipeline's shared-memory addresses (32-bit shared window).
+struct Smem {
+  uint32_t base;  // 1024-byte aligned
+
+  __device__ __forceinline__ uint32_t q() const { return base + kSmemQ; }
+  __device__ __forceinline__ uint32_t k(int s) const { return base + kSmemK + s * kKVBytes; }
+  __device__ __forceinline__ uint32_t v(int s) const { return base + kSmemV + s * kKVBytes; }
+  __device__ __forceinline__ uint32_t bar(int i) const { return base + kSmemBar + 8 * i; }
+  __device__ __forceinline__ uint32_t q_full() const { return bar(0); }
+  __device__ __forceinline__ uint32_t k_full(int s) const { return bar(1 + s); }
+  __device__ __forceinline__ uint32_t v_full(int s) const { return bar(1 + kStages + s); }
+  __device__ __forceinline__ uint32_t k_empty(int s) const { return bar(1 + 2 * kStages + s); }
+  __device__ __forceinline__ uint32_t v_empty(int s) const { return bar(1 + 3 * kStages + s); }
+
+  __device__ __forceinline__ void init_barriers() const {
+    mbar_init(q_full(), 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      mbar_init(k_empty(s), kConsumerWarps);
+      mbar_init(v_empty(s), kConsumerWarps);
+    }
+    fence_barrier_init();
+  }
+};
+
+// Which query rows and key tiles this CTA works on (the same numbers in every role).
+struct Block {
+  int m0, head, head_kv, batch;
+  int n_first, n_last;  // key tiles [n_first, n_last], visited from n_last down
+
+  __device__ __forceinline__ int tiles() const { return n_last - n_first + 1; }
+};
+
+// Tile i of the visit order lives in stage i % kStages; its barriers' phase parity is
+// (i / kStages) & 1.
+__device__ __forceinline__ int stage_of(int i) { return i % kStages; }
+__device__ __forceinline__ uint32_t parity_of(int i) { return (i / kStages) & 1; }
+
+// ---- producer: one thread issues every TMA load -------------------------------------------------
+__device__ __forceinline__ void produce(const Smem& sm, const Block& blk, const TmaMap& map_q,
+                                        const TmaMap& map_k, const TmaMap& map_v) {
+  const int tiles = blk.tiles();
+  if (tiles <= 0) return;
+  mbar_arrive_expect_tx(sm.q_full(), kQBytes);
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c)
+    tma_load_4d(sm.q() + c * kQChunkBytes, map_q, sm.q_full(), c * kChunkCols, blk.m0, blk.head,
+                blk.batch);
+  for (int i = 0; i < tiles; ++i) {
+    const int s = stage_of(i);
+    const uint32_t empty_parity = parity_of(i) ^ 1;  // first pass: stages start empty
+    const int n0 = (blk.n_last - i) * kBlockN;
+    mbar_wait(sm.k_empty(s), empty_parity);
+    mbar_arrive_expect_tx(sm.k_full(s), kKVBytes);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+      tma_load_4d(sm.k(s) + c * kKVChunkBytes, map_k, sm.k_full(s), c * kChunkCols, n0,
+                  blk.head_kv, blk.batch);
+    mbar_wait(sm.v_empty(s), empty_parity);
+    mbar_arrive_expect_tx(sm.v_full(s), kKVBytes);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+      tma_load_4d(sm.v(s) + c * kKVChunkBytes, map_v, sm.v_full(s), c * kChunkCols, n0,
+                  blk.head_kv, blk.batch);
+  }
+}
+
+// ---- consumer: what one thread of a consumer warpgroup holds, and the tile verbs ----------------
+struct Consumer {
+  float o[kHeadDim / 2];   // O accumulator: m64n{kHeadDim} wgmma layout (sm90.cuh header)
+  float s[kBlockN / 2];    // S of the current key tile, then P
+  OnlineSoftmax row[2];    // rows g and g + 8 of this warp's 16; l is this lane's partial sum
+  uint32_t q_rows;         // shared address of this warpgroup's 64 rows of Q (chunk 0)
+
+  __device__ __forceinline__ void init(const Smem& sm, int wg_row0) {
+    q_rows = sm.q() + wg_row0 * 128;  // 64-row offsets stay 1024-byte aligned
+    row[0].init();
+    row[1].init();
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+  }
+
+  // S = Q K^T over kHeadDim / 16 k16 steps; step kk reads 32 bytes at column (kk % 4) * 16 of
+  // chunk kk / 4 of both tiles.
+  __device__ __forceinline__ void scores(uint32_t k_tile) {
+    wgmma_fence_operands(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t col = (kk / 4), within = (kk % 4) * 32;
+      const uint64_t a = smem_desc_k_major_sw128(q_rows + col * kQChunkBytes + within);
+      const uint64_t b = smem_desc_k_major_sw128(k_tile + col * kKVChunkBytes + within);
+      wgmma_ss<kBlockN, T>(s, a, b, kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+  }
+
+  // Scores of (row, key) pairs the rule hides become -inf. `i0`: query row of this lane's first
+  // row; `col0`: key of its first column (n0 + 2t).
+  __device__ __forceinline__ void apply_mask(const Mask& mask, int i0, int col0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = i0 + 8 * h;
+      const int lo = mask.key_begin(i) - col0;    // first visible key, relative to col0
+      const int hi = mask.key_end(i + 1) - col0;  // one past the last
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int key = 8 * j + c;
+          if (key < lo || key >= hi) s[4 * j + 2 * h + c] = neg_inf();
+        }
+    }
+  }
+
+  // Online softmax on this tile: new row maxima (over the quad), rescale O, P = exp2(S - m) in
+  // place, partial row sums into row[h].l (summed over the quad once, in the epilogue).
+  __device__ __forceinline__ void softmax(float scale_log2) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = neg_inf();
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // scale_log2 > 0 (checked on the host), so max(s) * scale is the max of the scaled scores.
+      const float corr = row[h].update(mx * scale_log2);
+      const float ref = row[h].ref();
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        o[4 * j + 2 * h] *= corr;
+        o[4 * j + 2 * h + 1] *= corr;
+      }
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * j + 2 * h + c];
+          x = fast_exp2(fmaf(x, scale_log2, -ref));
+          sum += x;
+        }
+      row[h].add(sum);
+    }
+  }
+
+  // O += P V: P's C fragments of n8 blocks 2kk, 2kk + 1 are the A fragment of k16 step kk;
+  // step kk reads V rows 16kk .. 16kk + 15 (2048 bytes further per step), both d chunks.
+  __device__ __forceinline__ void accumulate(uint32_t v_tile) {
+    uint32_t p[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const float* lo = &s[8 * kk];
+      p[kk][0] = pack2<T>(lo[0], lo[1]);
+      p[kk][1] = pack2<T>(lo[2], lo[3]);
+      p[kk][2] = pack2<T>(lo[4], lo[5]);
+      p[kk][3] = pack2<T>(lo[6], lo[7]);
+    }
+    wgmma_fence_operands(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t b = smem_desc_mn_major_sw128(v_tile + kk * 16 * 128, kKVChunkBytes);
+      wgmma_rs_tb<kHeadDim, T>(o, p[kk], b, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(o);
+  }
+};
+
+// One arrival per consumer warp on an "empty" barrier: every lane's wgmma reading the stage has
+// completed (wgmma_wait<0> in each lane before the __syncwarp).
+__device__ __forceinline__ void release(uint32_t bar) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
+}
+
+// Key tile i of the visit order: the loop body, written once; masking is its compile-time flag.
+template <bool kMasked>
+__device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, const Block& blk,
+                                                const Mask& mask, int i, int row0,
+                                                float scale_log2) {
+  const int s = stage_of(i);
+  const uint32_t parity = parity_of(i);
+  mbar_wait(sm.k_full(s), parity);
+  cs.scores(sm.k(s));
+  release(sm.k_empty(s));
+  if constexpr (kMasked) {
+    const int lane = static_cast<int>(threadIdx.x & 31);
+    cs.apply_mask(mask, row0, (blk.n_last - i) * kBlockN + 2 * (lane & 3));
+  }
+  cs.softmax(scale_log2);
+  mbar_wait(sm.v_full(s), parity);
+  cs.accumulate(sm.v(s));
+  release(sm.v_empty(s));
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (D, Sq, H, B)
+               const __grid_constant__ TmaMap map_k,  // k [B, Sk, Hkv, D]: dims (D, Sk, Hkv, B)
+               const __grid_constant__ TmaMap map_v,  // v [B, Sk, Hkv, D]: dims (D, Sk, Hkv, B)
+               T* __restrict__ out,                   // [B, Sq, H, D]
+               float* __restrict__ lse,               // [B, H, Sq]
+               int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride,
+               int seqlen_q, int seqlen_k, int nheads, int nheads_kv, float scale_log2,
+               int window_left, int window_right) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const Smem sm{(smem_addr(smem_raw) + 1023u) & ~1023u};
+  const int wg = static_cast<int>(threadIdx.x / 128);
+
+  const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
+  Block blk;
+  blk.m0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;  // heavy (late, causal) blocks first
+  blk.head = blockIdx.y;
+  blk.batch = blockIdx.z;
+  blk.head_kv = blk.head / (nheads / nheads_kv);
+  const int row_end = min(blk.m0 + kBlockM, seqlen_q);
+  const int key_lo = mask.key_begin(blk.m0);
+  const int key_hi = mask.key_end(row_end);
+  blk.n_first = key_lo / kBlockN;
+  blk.n_last = key_hi > key_lo ? (key_hi - 1) / kBlockN : blk.n_first - 1;
+
+  if (threadIdx.x == 0) {
+    sm.init_barriers();
+    tma_prefetch(map_q);
+    tma_prefetch(map_k);
+    tma_prefetch(map_v);
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---- producer warpgroup
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x < 32 && elect_one()) produce(sm, blk, map_q, map_k, map_v);
+    return;
+  }
+
+  // ---- consumer warpgroups
+  setmaxnreg_inc<kConsumerRegs>();
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int wg_row0 = (wg - 1) * 64;  // this warpgroup's first row in the block
+  const int warp_row0 = wg_row0 + static_cast<int>((threadIdx.x / 32) % 4) * 16;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blk.m0 + warp_row0 + g;  // query row of this lane's first row (h = 0)
+  Consumer cs;
+  cs.init(sm, wg_row0);
+
+  const int tiles = blk.tiles();
+  if (tiles > 0) mbar_wait(sm.q_full(), 0);
+  for (int i = 0; i < tiles; ++i) {
+    if (mask.tile_needs_mask(blk.m0 + wg_row0, 64, (blk.n_last - i) * kBlockN, kBlockN))
+      attend_key_tile<true>(cs, sm, blk, mask, i, row0, scale_log2);
+    else
+      attend_key_tile<false>(cs, sm, blk, mask, i, row0, scale_log2);
+  }
+
+  // ---- epilogue: finish l over the quad, normalise, store O and lse ---------------------------
+  T* o_bh = out + blk.batch * o_batch_stride + blk.head * o_head_stride;
+  const int64_t lse_row0 = (static_cast<int64_t>(blk.batch) * nheads + blk.head) * seqlen_q;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    OnlineSoftmax& st = cs.row[h];
+    st.l += __shfl_xor_sync(0xffffffffu, st.l, 1);
+    st.l += __shfl_xor_sync(0xffffffffu, st.l, 2);
+    const float inv = st.inv_sum();
+    const int r = row0 + 8 * h;
+    if (r < seqlen_q) {
+      if (t == 0) lse[lse_row0 + r] = st.lse();
+      uint32_t* dst = reinterpret_cast<uint32_t*>(o_bh + r * o_row_stride + 2 * t);
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j)
+        dst[4 * j] = pack2<T>(cs.o[4 * j + 2 * h] * inv, cs.o[4 * j + 2 * h + 1] * inv);
+    }
+  }
+}

@@ -1,0 +1,203 @@
+"""The sm90a forward kernel family (FlashAttention-3 design: TMA, mbarriers, wgmma, a producer
+warpgroup and two consumer warpgroups with setmaxnreg), fp16/bf16, head dims 64 and 128.
+
+Status: compile-verified only (NVRTC, ptxas: no spills, SASS has HGMMA); no GPU has run it yet.
+`can_implement` refuses every call unless FLASHCUDA_ENABLE_SM90=1, so dispatch (which prefers
+fwd_sm90) keeps running fwd_sm80 until tests/gpu/test_fwd_sm90.py passes on the H200.
+
+`Sm90FwdConfig` is the single source of truth of a specialisation: tiles, stages, warpgroups,
+register split, shared memory (the .cu static_asserts the same layout), the name, the defines.
+
+    head dim   block_m x block_n, stages   smem      why
+    64         128 x 128, 2                 81 KB    FA3's 128 x 128 shape, 2 stages first
+    128        128 x 128, 2                 161 KB   FA3 uses 128 x 176 non-causal / 128 x 128
+                                                     causal; 176 waits for a measurement
+Registers: 24 per producer thread, 240 per consumer thread (FA3's split for two consumer
+warpgroups: 128 * 24 + 256 * 240 = 64512 of 65536).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..jit import KernelSpec, get_kernel, register
+from ..jit.tensor_map import bshd_map, bshd_problem
+from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, FwdCall
+from .fwd_sm80 import MAX_GRID_YZ, MAX_SEQLEN_SUM, _device_index, _device_info, _layout_problem
+
+SOURCE = "attention/flash_fwd_sm90.cu"
+ARCHS = ("sm_90a",)
+DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128)
+ENABLE_ENV = "FLASHCUDA_ENABLE_SM90"
+GATED = f"fwd_sm90 is compile-verified only; set {ENABLE_ENV}=1 to try it"
+BARRIER_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Sm90FwdConfig:
+    """One specialisation of flash_fwd_sm90.cu."""
+
+    dtype: torch.dtype
+    head_dim: int
+    block_m: int = 128
+    block_n: int = 128
+    stages: int = 2
+    producer_regs: int = 24
+    consumer_regs: int = 240
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Sm90FwdConfig.dtype: expected fp16 or bf16, got {self.dtype}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"Sm90FwdConfig.head_dim: expected one of {HEAD_DIMS}, "
+                             f"got {self.head_dim}")
+        if self.block_m != 128:
+            raise ValueError(f"Sm90FwdConfig.block_m: expected 128 (two consumer warpgroups), "
+                             f"got {self.block_m}")
+        if self.block_n not in (64, 128):
+            raise ValueError(f"Sm90FwdConfig.block_n: expected 64 or 128, got {self.block_n}")
+        if self.stages < 1:
+            raise ValueError(f"Sm90FwdConfig.stages: expected >= 1, got {self.stages}")
+        if self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers > 65536:
+            raise ValueError("Sm90FwdConfig: register split exceeds the 64K register file")
+
+    @property
+    def consumers(self) -> int:
+        """Consumer warpgroups, 64 query rows each."""
+        return self.block_m // 64
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)
+
+    @property
+    def q_bytes(self) -> int:
+        return self.block_m * self.head_dim * 2
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.block_n * self.head_dim * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """1024 B alignment slack + Q + stages x (K + V) + the mbarriers (as the .cu lays out)."""
+        barriers = 1 + 4 * self.stages
+        return 1024 + self.q_bytes + 2 * self.stages * self.kv_bytes + BARRIER_BYTES * barriers
+
+    @property
+    def name(self) -> str:
+        return (f"flash_fwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
+                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}")
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec.make(self.name, SOURCE, defines={
+            "FC_DTYPE": DTYPE_CODE[self.dtype],
+            "FC_HEAD_DIM": self.head_dim,
+            "FC_BLOCK_M": self.block_m,
+            "FC_BLOCK_N": self.block_n,
+            "FC_STAGES": self.stages,
+            "FC_PRODUCER_REGS": self.producer_regs,
+            "FC_CONSUMER_REGS": self.consumer_regs,
+            "FC_SMEM_BYTES": self.smem_bytes,
+        })
+
+    def grid(self, call: FwdCall) -> tuple[int, int, int]:
+        return (math.ceil(call.seqlen_q / self.block_m), call.nheads, call.batch)
+
+
+def select_config(dtype: torch.dtype, head_dim: int) -> Sm90FwdConfig:
+    return Sm90FwdConfig(dtype, head_dim)
+
+
+def configs() -> list[Sm90FwdConfig]:
+    return [select_config(dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def can_implement(call: FwdCall) -> str | None:
+    """None if this family can run `call`, else the reason it cannot."""
+    if not enabled():
+        return GATED
+    if call.dtype not in DTYPES:
+        return f"dtype {call.dtype} is not fp16/bf16"
+    for name in ("k", "v", "out"):
+        if getattr(call, name).dtype != call.dtype:
+            return f"{name}.dtype {getattr(call, name).dtype} differs from q.dtype {call.dtype}"
+    d = call.head_dim
+    if d not in HEAD_DIMS:
+        return f"head_dim {d} is not one of {HEAD_DIMS}"
+    if call.k.shape[3] != d or call.v.shape[3] != d:
+        return f"k/v head dims {call.k.shape[3]}/{call.v.shape[3]} differ from q's {d}"
+    if call.nheads_kv <= 0 or call.nheads % call.nheads_kv:
+        return f"nheads {call.nheads} is not a multiple of nheads_kv {call.nheads_kv}"
+    if call.nheads > MAX_GRID_YZ or call.batch > MAX_GRID_YZ:
+        return f"nheads {call.nheads} or batch {call.batch} exceeds the grid limit {MAX_GRID_YZ}"
+    if call.seqlen_q + call.seqlen_k >= MAX_SEQLEN_SUM:
+        return f"seqlen_q + seqlen_k = {call.seqlen_q + call.seqlen_k} >= {MAX_SEQLEN_SUM}"
+    if call.seqlen_k == 0:
+        return "seqlen_k is 0 (a tensor map needs non-empty dims; fwd_sm80 handles it)"
+    if not (math.isfinite(call.softmax_scale) and call.softmax_scale > 0):
+        return f"softmax_scale must be positive and finite, got {call.softmax_scale}"
+    if why := _layout_problem("out", call.out):
+        return why
+    cfg = select_config(call.dtype, d)
+    if call.batch and call.seqlen_q and call.nheads:
+        for name, rows in (("q", cfg.block_m), ("k", cfg.block_n), ("v", cfg.block_n)):
+            if why := _layout_problem(name, getattr(call, name)):
+                return why
+            if why := bshd_problem(getattr(call, name), rows):
+                return f"{name}: TMA: {why}"
+    lse = call.lse
+    if (lse.dtype != torch.float32 or tuple(lse.shape) != (call.batch, call.nheads, call.seqlen_q)
+            or not lse.is_contiguous()):
+        return "lse must be a contiguous float32 (batch, nheads, seqlen_q) tensor"
+    if call.device.type != "cuda":
+        return f"tensors are on {call.device}, not on a CUDA device"
+    cc, per_block, _ = _device_info(_device_index(call.device))
+    if cc != (9, 0):
+        return f"GPU compute capability {cc[0]}.{cc[1]} is not 9.0 (sm_90a: wgmma, setmaxnreg)"
+    if cfg.smem_bytes > per_block:
+        return f"{cfg.name} needs {cfg.smem_bytes} bytes of shared memory, the GPU has {per_block}"
+    return None
+
+
+def kernel_args(call: FwdCall, cfg: Sm90FwdConfig) -> tuple:
+    """map_q, map_k, map_v, out, lse, out strides (int64: batch, row, head), seqlen_q, seqlen_k,
+    nheads, nheads_kv (int32), scale_log2 (float32), window_left, window_right (int32)."""
+    wl, wr = call.kernel_windows()
+    o = call.out
+    return (
+        bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n), bshd_map(call.v, cfg.block_n),
+        o, call.lse,
+        np.int64(o.stride(0)), np.int64(o.stride(1)), np.int64(o.stride(2)),
+        np.int32(call.seqlen_q), np.int32(call.seqlen_k), np.int32(call.nheads),
+        np.int32(call.nheads_kv), np.float32(call.softmax_scale * LOG2E), wl, wr,
+    )
+
+
+def run(call: FwdCall) -> None:
+    """Fill call.out and call.lse. Raises NotImplementedError when can_implement(call) says no."""
+    if why := can_implement(call):
+        raise NotImplementedError(f"flash_fwd_sm90 cannot run this call: {why}")
+    if call.batch == 0 or call.seqlen_q == 0 or call.nheads == 0:
+        return
+    cfg = select_config(call.dtype, call.head_dim)
+    kernel = get_kernel(cfg.spec(), call.device)
+    kernel.launch(cfg.grid(call), (cfg.threads, 1, 1), *kernel_args(call, cfg),
+                  shared_mem=cfg.smem_bytes)
+
+
+@register
+def variants() -> Iterator[tuple[KernelSpec, tuple[str, ...]]]:
+    for cfg in configs():
+        yield cfg.spec(), ARCHS
