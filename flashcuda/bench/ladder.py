@@ -1,15 +1,22 @@
 """Ladder benchmark: achieved GB/s of the memory-bound rungs, TFLOP/s of the matrix rungs, and
 the naive attention pipeline's time and peak memory.
 
-Method (PERFORMANCE.md): random normal inputs; each rung is called `warmup` times first (compile,
-module load and first-touch excluded), then timed `repeats` times, each call between its own
-pair of CUDA events on the current stream; the row reports the median. Memory-bound rungs run on
-~256M elements (1 GiB per fp32 tensor, far past the 60 MB L2, so buffers are not rotated).
-`bytes` is the minimum traffic the rung must move (every input read once, every output written
-once), so GB/s compares directly with the device-to-device copy ceiling (bytes read + written)
-that the caller measures in the same run. FLOPs: 2·M·N·K for a matmul; 4·B·H·Sq·Sk·D for
-attention (the FlashAttention convention; the naive pipeline computes the masked half too, so a
-causal row counts the full 4·B·H·S²·D).
+Method (PERFORMANCE.md): random normal inputs; every rung is timed by the same `Timer` as the
+ceilings it is judged against (timing.py: warm-up, a 256 MB L2 flush before each call, one pair of
+CUDA events per call with no host synchronisation between calls, median). That matters for the
+memory-bound rungs: a call that waits for the previous one to finish (`end.synchronize()` after
+each call, as this file did until the rungs were tuned) starts its events on an idle GPU, so the
+Python entry point's host time (checks, dispatch, argument packing: ~60-90 µs per call on the
+H200's host) lands inside the measurement: 40-50% of a 0.15 ms call. With the flush and calls
+queued back to back the GPU runs behind the host and only GPU time is counted.
+
+Memory-bound rungs run on 256M elements in every mode (1 GiB per fp32 tensor, 512 MiB per bf16
+one: 17x the 60 MB L2, and per-call times of 0.25-0.8 ms, next to the copy ceiling's 2 GiB); --quick
+shortens only the timing loop and the matmul / attention sizes. `bytes` is the minimum traffic the
+rung must move (every input read once, every output written once), so GB/s compares directly with
+the device-to-device copy ceiling (bytes read + written) that the caller measures in the same
+run. FLOPs: 2·M·N·K for a matmul; 4·B·H·Sq·Sk·D for attention (the FlashAttention convention; the
+naive pipeline computes the masked half too, so a causal row counts the full 4·B·H·S²·D).
 
 Row keys: rung, dtype, size (human-readable shape), median_ms, then gbps + bytes or tflops +
 flops; attention rows add causal, peak_mem_bytes (torch.cuda.max_memory_allocated after a reset,
@@ -18,15 +25,17 @@ inputs included) and extra_mem_bytes (the part the call itself allocated, output
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 
 import torch
 
 from .. import ladder
+from .timing import Timer
 
-MEMORY_ELEMENTS = 1 << 28  # 256M
-QUICK_MEMORY_ELEMENTS = 1 << 25  # 32M: still past L2 for every dtype
+# 256M elements in both modes: at 32M (the old --quick size, 64-128 MB per tensor) a bf16 scale
+# moved 134 MB in ~31 µs at copy speed, so any per-call overhead and the L2 (60 MB) weighed on it.
+MEMORY_ELEMENTS = 1 << 28
+QUICK_REP_MS = 40.0  # --quick: the timing loop per rung (a full run uses the Timer's own)
 ROW_LENGTH = 4096  # row sum / softmax rows
 SEQLENS = (1024, 2048, 4096, 8192)
 QUICK_SEQLENS = (1024, 2048)
@@ -37,21 +46,9 @@ NHEADS = 2048 // HEAD_DIM
 _NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Median milliseconds of `fn` over `repeats` CUDA-event-timed calls, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def time_ms(timer: Timer, fn: Callable[[], object]) -> float:
+    """Median milliseconds per call of `fn`, measured by `timer` (see the module docstring)."""
+    return timer(fn).median_ms
 
 
 def _bandwidth_row(rung: str, dtype: torch.dtype, size: str, ms: float, nbytes: int) -> dict:
@@ -64,41 +61,40 @@ def _flops_row(rung: str, dtype: torch.dtype, size: str, ms: float, flops: int) 
             "tflops": flops / (ms * 1e-3) / 1e12, "flops": flops}
 
 
-def _memory_rows(device: torch.device, dtype: torch.dtype, n: int, warmup: int,
-                 repeats: int) -> list[dict]:
+def _memory_rows(device: torch.device, dtype: torch.dtype, n: int, timer: Timer) -> list[dict]:
     es = dtype.itemsize
     rows: list[dict] = []
     x = torch.randn(n, device=device, dtype=dtype)
     y = torch.randn(n, device=device, dtype=dtype)
     out = torch.empty_like(x)
     size = str(n)
-    ms = time_ms(lambda: ladder.vector_add(x, y, out=out), warmup, repeats)
+    ms = time_ms(timer, lambda: ladder.vector_add(x, y, out=out))
     rows.append(_bandwidth_row("vector_add", dtype, size, ms, 3 * n * es))
-    ms = time_ms(lambda: ladder.scale(x, 1.5, out=out), warmup, repeats)
+    ms = time_ms(timer, lambda: ladder.scale(x, 1.5, out=out))
     rows.append(_bandwidth_row("scale", dtype, size, ms, 2 * n * es))
-    ms = time_ms(lambda: ladder.exp(x, out=out), warmup, repeats)
+    ms = time_ms(timer, lambda: ladder.exp(x, out=out))
     rows.append(_bandwidth_row("exp", dtype, size, ms, 2 * n * es))
-    ms = time_ms(lambda: ladder.dot(x, y), warmup, repeats)
+    ms = time_ms(timer, lambda: ladder.dot(x, y))
     rows.append(_bandwidth_row("dot", dtype, size, ms, 2 * n * es))
 
     x2 = x.view(n // ROW_LENGTH, ROW_LENGTH)
     o2 = out.view(n // ROW_LENGTH, ROW_LENGTH)
     size2 = f"{n // ROW_LENGTH}x{ROW_LENGTH}"
     sums = torch.empty(n // ROW_LENGTH, device=device, dtype=dtype)
-    ms = time_ms(lambda: ladder.row_sum(x2, out=sums), warmup, repeats)
+    ms = time_ms(timer, lambda: ladder.row_sum(x2, out=sums))
     rows.append(_bandwidth_row("row_sum", dtype, size2, ms, (n + n // ROW_LENGTH) * es))
-    ms = time_ms(lambda: ladder.softmax(x2, out=o2), warmup, repeats)
+    ms = time_ms(timer, lambda: ladder.softmax(x2, out=o2))
     rows.append(_bandwidth_row("softmax", dtype, size2, ms, 2 * n * es))
 
     side = int(n ** 0.5)
     xs = x[: side * side].view(side, side)
     os_ = out[: side * side].view(side, side)
-    ms = time_ms(lambda: ladder.transpose(xs, out=os_), warmup, repeats)
+    ms = time_ms(timer, lambda: ladder.transpose(xs, out=os_))
     rows.append(_bandwidth_row("transpose", dtype, f"{side}x{side}", ms, 2 * side * side * es))
     return rows
 
 
-def _matmul_rows(device: torch.device, quick: bool, warmup: int, repeats: int) -> list[dict]:
+def _matmul_rows(device: torch.device, quick: bool, timer: Timer) -> list[dict]:
     rows: list[dict] = []
     cases = [(torch.float32, False, 2048 if quick else 4096),
              (torch.bfloat16, True, 4096 if quick else 8192),
@@ -107,15 +103,15 @@ def _matmul_rows(device: torch.device, quick: bool, warmup: int, repeats: int) -
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         c = torch.empty(n, n, device=device, dtype=dtype)
-        ms = time_ms(lambda a=a, b=b, c=c, tc=tensor_cores: ladder.matmul(a, b, out=c, tensor_cores=tc),
-                     warmup, repeats)
+        ms = time_ms(timer, lambda a=a, b=b, c=c, tc=tensor_cores:
+                     ladder.matmul(a, b, out=c, tensor_cores=tc))
         rung = "matmul_mma" if tensor_cores else "matmul_simt"
         rows.append(_flops_row(rung, dtype, f"{n}x{n}x{n}", ms, 2 * n ** 3))
         del a, b, c
     return rows
 
 
-def _attention_rows(device: torch.device, quick: bool, warmup: int, repeats: int) -> list[dict]:
+def _attention_rows(device: torch.device, quick: bool, timer: Timer) -> list[dict]:
     rows: list[dict] = []
     dtype = torch.bfloat16
     for seqlen in QUICK_SEQLENS if quick else SEQLENS:
@@ -126,18 +122,18 @@ def _attention_rows(device: torch.device, quick: bool, warmup: int, repeats: int
         flops = 4 * batch * NHEADS * seqlen * seqlen * HEAD_DIM
         half = flops // 2  # each of the two GEMMs
 
-        ms = time_ms(lambda q=q, k=k: ladder.attention_scores(q, k), warmup, repeats)
+        ms = time_ms(timer, lambda q=q, k=k: ladder.attention_scores(q, k))
         rows.append(_flops_row("attention_scores", dtype, size, ms, half))
         scores = ladder.attention_scores(q, k)
-        ms = time_ms(lambda s=scores: ladder.softmax(s, out=s), warmup, repeats)
+        ms = time_ms(timer, lambda s=scores: ladder.softmax(s, out=s))
         rows.append(_bandwidth_row("attention_softmax", torch.float32, size, ms, 2 * scores.numel() * 4))
-        ms = time_ms(lambda s=scores, v=v: ladder.attention_pv(s, v), warmup, repeats)
+        ms = time_ms(timer, lambda s=scores, v=v: ladder.attention_pv(s, v))
         rows.append(_flops_row("attention_pv", dtype, size, ms, half))
         del scores
 
         for causal in (False, True):
-            ms = time_ms(lambda q=q, k=k, v=v, c=causal: ladder.naive_attention(q, k, v, causal=c),
-                         warmup, repeats)
+            ms = time_ms(timer, lambda q=q, k=k, v=v, c=causal:
+                         ladder.naive_attention(q, k, v, causal=c))
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -151,19 +147,23 @@ def _attention_rows(device: torch.device, quick: bool, warmup: int, repeats: int
     return rows
 
 
-def run_ladder_bench(device: torch.device | str | int, quick: bool) -> list[dict]:
-    """Time every ladder rung on `device`; `quick` shrinks sizes and repeats (~10 s instead of
-    about a minute). Returns one dict per (rung, dtype, size); see the module docstring."""
+def run_ladder_bench(device: torch.device | str | int, quick: bool,
+                     timer: Timer | None = None) -> list[dict]:
+    """Time every ladder rung on `device`; `quick` shrinks the matmul / attention sizes and the
+    timing loop (not the memory-bound sizes). `timer`: the run's Timer, so the rungs are timed
+    exactly as the copy ceiling was (default: Timer(), with a shorter loop when quick). Returns
+    one dict per (rung, dtype, size); see the module docstring."""
     device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"device: expected a CUDA device, got {device}")
-    warmup, repeats = (2, 5) if quick else (3, 20)
-    n = QUICK_MEMORY_ELEMENTS if quick else MEMORY_ELEMENTS
+    if timer is None:
+        timer = Timer(rep_ms=QUICK_REP_MS) if quick else Timer()
     rows: list[dict] = []
     with torch.cuda.device(device):
         for dtype in (torch.float32, torch.bfloat16):
-            rows += _memory_rows(device, dtype, n, warmup, repeats)
-        rows += _matmul_rows(device, quick, warmup, repeats)
-        rows += _attention_rows(device, quick, warmup, max(3, repeats // 4))
+            rows += _memory_rows(device, dtype, MEMORY_ELEMENTS, timer)
+            torch.cuda.empty_cache()
+        rows += _matmul_rows(device, quick, timer)
+        rows += _attention_rows(device, quick, timer)
         torch.cuda.empty_cache()
     return rows

@@ -30,12 +30,18 @@ BLOCK = 256
 # Stage-1 grid of the dot product: fixed from n, never from the GPU (deterministic sums).
 DOT_MAX_BLOCKS = 1024
 DOT_UNROLL = 4  # vectors per thread per trip in for_strided (vec.cuh)
+# Vectors each thread of a row-wise block (row sum, softmax) aims for: rowwise.cuh unrolls 4
+# independent 16-byte loads per trip, and softmax.cu keeps up to this many per thread in registers
+# (FC_ROW_VECTORS), so a row of up to 256 x 4 vectors is read once, all of it in flight at once.
+ROW_VECTORS_PER_THREAD = 4
 # GEMM tiles (gemm.cu, matmul_mma.cu): restated only to size the grids.
 SIMT_TILE = (64, 64)
 SIMT_THREADS = 256
 MMA_TILE = (64, 64)
 MMA_THREADS = 128
-TRANSPOSE_TILE = 32
+# Transpose (transpose.cu gets both as FC_TILE / FC_ROWS_PER_PASS): 64 x 64 tiles, 256 threads,
+# 16 elements per thread, all loads in flight before the first shared store.
+TRANSPOSE_TILE = 64
 TRANSPOSE_BLOCK = (32, 8, 1)
 MAX_GRID_X = 2**31 - 1
 
@@ -62,13 +68,15 @@ def dot_spec(dtype: torch.dtype, stage: int) -> KernelSpec:
 @functools.cache
 def transpose_spec(dtype: torch.dtype) -> KernelSpec:
     return KernelSpec.make(f"ladder_transpose_{DTYPE_NAME[dtype]}", "ladder/transpose.cu",
-                           defines={"FC_DTYPE": DTYPE_CODE[dtype]})
+                           defines={"FC_DTYPE": DTYPE_CODE[dtype], "FC_TILE": TRANSPOSE_TILE,
+                                    "FC_ROWS_PER_PASS": TRANSPOSE_BLOCK[1]})
 
 
 @functools.cache
 def softmax_spec(dtype: torch.dtype) -> KernelSpec:
     return KernelSpec.make(f"ladder_softmax_{DTYPE_NAME[dtype]}", "ladder/softmax.cu",
-                           defines={"FC_DTYPE": DTYPE_CODE[dtype]})
+                           defines={"FC_DTYPE": DTYPE_CODE[dtype],
+                                    "FC_ROW_VECTORS": ROW_VECTORS_PER_THREAD})
 
 
 @functools.cache
@@ -144,10 +152,13 @@ def full_grid(kernel: CompiledKernel, threads: int, work_blocks: int) -> int:
 
 
 def row_threads(cols: int, dtype: torch.dtype) -> int:
-    """Threads per row-wise block: one 16-byte vector per thread per trip, 32 .. 256."""
+    """Threads per row-wise block: the smallest power of two in 32 .. 256 that covers the row with
+    ROW_VECTORS_PER_THREAD 16-byte vectors per thread (more per thread only past 256 threads).
+    A 4096-element bf16 row (512 vectors) gets 128 threads x 4 vectors, so the unrolled loads of
+    rowwise.cuh all run (with 256 threads x 2 they did not), and twice as many blocks fit on an SM."""
     vectors = -(-cols // (16 // dtype.itemsize))
     threads = 32
-    while threads < BLOCK and threads < vectors:
+    while threads < BLOCK and threads * ROW_VECTORS_PER_THREAD < vectors:
         threads *= 2
     return threads
 

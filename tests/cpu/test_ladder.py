@@ -197,7 +197,11 @@ def test_dot_grid_depends_on_n_only():
 def test_row_threads():
     assert _kernels.row_threads(0, torch.float32) == 32
     assert _kernels.row_threads(1, torch.float16) == 32
-    assert _kernels.row_threads(4 * 33, torch.float32) == 64
+    # ROW_VECTORS_PER_THREAD = 4 vectors per thread: 33 vectors fit in 32 threads, 132 need 64
+    assert _kernels.row_threads(4 * 33, torch.float32) == 32
+    assert _kernels.row_threads(4 * 4 * 33, torch.float32) == 64
+    assert _kernels.row_threads(4096, torch.float32) == 256  # 1024 vectors: 256 x 4
+    assert _kernels.row_threads(4096, torch.bfloat16) == 128  # 512 vectors: 128 x 4
     assert _kernels.row_threads(1 << 20, torch.bfloat16) == 256
 
 

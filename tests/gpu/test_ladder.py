@@ -294,7 +294,8 @@ def test_transpose_hand(dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (1, 1), (33, 65), (1, 1000), (1000, 1), (257, 4099)])
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (1, 1), (33, 65), (1, 1000), (1000, 1), (257, 4099),
+                                   (64, 64), (65, 129), (128, 63)])  # whole and ragged 64 x 64 tiles
 def test_transpose_shapes(dtype, shape):
     x = randn(*shape, dtype=dtype)
     out = L.transpose(x, out=nans(shape[1], shape[0], dtype=dtype))
@@ -476,6 +477,23 @@ def test_softmax_causal(dtype, sq, sk):
     peer = torch.softmax(x.masked_fill(~visible, -math.inf), dim=-1).nan_to_num(0.0)
     floor = 4 * U[dtype] * amax(expected) + sk * U32
     assert_rule(out, expected, peer, floor, f"causal softmax {sq}x{sk}")
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(6, 4096), (6, 4095), (3, 8193)])
+def test_softmax_register_and_pass_paths(dtype, shape):
+    # rows of <= 4 vectors per thread are held in registers, unless out sits at another offset
+    # within 16 bytes than x (out below starts one element past a 16-byte boundary): then the
+    # three-pass path runs; so do rows of 8193 (1025 or 2049 vectors > 256 threads x 4)
+    x = randn(*shape, dtype=dtype) * 3
+    expected = ref.softmax(x)
+    peer = torch.softmax(x, dim=-1)
+    floor = 4 * U[dtype] * amax(expected) + shape[-1] * U32 * amax(expected)
+    out = L.softmax(x, out=nans(*shape, dtype=dtype))
+    assert_rule(out, expected, peer, floor, f"softmax {shape}")
+    shifted = nans(x.numel() + 1, dtype=dtype)[1:].view(shape)
+    out = L.softmax(x, out=shifted)
+    assert_rule(out, expected, peer, floor, f"softmax {shape}, out misaligned")
 
 
 def test_softmax_rows_sum_to_one_and_shift_invariance():
