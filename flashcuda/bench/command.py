@@ -350,7 +350,8 @@ def run_ladder(args, argv: list[str], console: Console) -> int:
         rec["ladder"] = {"status": "absent", "error": f"{type(exc).__name__}: {exc}", "rungs": []}
     else:
         try:
-            rows = run_ladder_bench(torch.device("cuda", torch.cuda.current_device()), args.quick)
+            rows = run_ladder_bench(torch.device("cuda", torch.cuda.current_device()), args.quick,
+                                    timer=timer)
             rungs = [{**dict(r), "_derived": judge_rung(dict(r), rec["ceilings"])} for r in rows]
             rec["ladder"] = {"status": "ok", "rungs": rungs}
         except Exception as exc:  # noqa: BLE001
