@@ -1,0 +1,193 @@
+"""The sm90a forward family on the CPU lane: every variant compiles for sm_90a with no spills and
+no ptxas performance warnings; when cuobjdump (+ nvdisasm) is at hand, the SASS has HGMMA (the
+wgmma path, not a fallback), the register-A P V form with a transposed B, TMA loads, and the
+kernel's parameter offsets equal what runtime.pack_args produces. Plus the config and the
+can_implement gate.
+
+cuobjdump: taken from $FLASHCUDA_CUOBJDUMP, PATH, or triton's bundled copy; nvdisasm likewise from
+$NVDISASM_PATH / PATH (e.g. `pip install --target /tmp/t nvidia-cuda-cuobjdump
+nvidia-cuda-nvdisasm`, then FLASHCUDA_CUOBJDUMP=/tmp/t/nvidia/cu13/bin/cuobjdump
+NVDISASM_PATH=/tmp/t/nvidia/cu13/bin). Without them those checks skip, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flashcuda.jit import all_variants, compile_spec
+from flashcuda.jit.runtime import pack_args
+from flashcuda.jit.tensor_map import TensorMap
+from flashcuda.ops import dispatch, fwd_sm90
+from flashcuda.ops.call import FwdCall
+from flashcuda.ops.fwd_sm90 import ENABLE_ENV, GATED, Sm90FwdConfig
+
+ARCH = "sm_90a"
+ENTRY_REGS = 168  # 65536 / 384 threads, rounded down to 8: the cap at entry (setmaxnreg moves it)
+
+
+@pytest.fixture(scope="module")
+def builds():
+    import cuda.core  # noqa: F401  (import once here: importing it from several threads races)
+
+    def build(cfg):
+        result = compile_spec(cfg.spec(), ARCH)
+        return cfg.name, result
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return dict(pool.map(build, fwd_sm90.configs()))
+
+
+@pytest.mark.parametrize("cfg", fwd_sm90.configs(), ids=lambda c: c.name)
+def test_sm90_compiles_without_spills(builds, cfg):
+    result = builds[cfg.name]
+    res = result.resources()[cfg.name]
+    assert res.registers <= ENTRY_REGS
+    assert res.shared_bytes == 0, "all shared memory is dynamic (Sm90FwdConfig.smem_bytes)"
+    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res
+    # ptxas says so when it ignores setmaxnreg (C7508) or serialises wgmma (C7510, C7515 ...).
+    assert "warning" not in result.log.lower(), result.log
+
+
+def _cuobjdump() -> str | None:
+    found = os.environ.get("FLASHCUDA_CUOBJDUMP") or shutil.which("cuobjdump")
+    if not found:
+        try:
+            import triton
+
+            candidate = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+            found = str(candidate) if candidate.exists() else None
+        except ImportError:
+            found = None
+    return found
+
+
+def _dump(cubin: bytes, tmp_path: Path, flag: str) -> str:
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (set FLASHCUDA_CUOBJDUMP, or install triton)")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    proc = subprocess.run([tool, flag, str(path)], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0 and "nvdisasm" in proc.stderr:
+        pytest.skip("cuobjdump found no nvdisasm (set NVDISASM_PATH)")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("cfg", fwd_sm90.configs(), ids=lambda c: c.name)
+def test_sm90_sass_uses_wgmma_and_tma(builds, cfg, tmp_path):
+    sass = _dump(builds[cfg.name].cubin, tmp_path, "-sass")
+    hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
+    # Two loop bodies (masked, unmasked), each: head_dim / 16 Q K^T and block_n / 16 P V wgmmas.
+    assert len(hgmma) == 2 * (cfg.head_dim // 16 + cfg.block_n // 16), len(hgmma)
+    # nvdisasm spells bf16 inputs .F32.BF16 and fp16 inputs plain .F32
+    bf16 = cfg.dtype == torch.bfloat16
+    assert all(".F32" in line and ("BF16" in line) == bf16 for line in hgmma)
+    pv = [line for line in hgmma if ".tnspB" in line]
+    assert len(pv) == 2 * (cfg.block_n // 16)
+    assert all(f"64x{cfg.head_dim}x16" in line for line in pv)
+    assert all(re.search(r"HGMMA\S+ R\d+, R\d+, gdesc", line) for line in pv), "A from registers"
+    assert "UTMALDG" in sass
+    assert "USETMAXREG" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
+
+
+def test_sm90_parameter_offsets_match_pack_args(builds, tmp_path):
+    """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout."""
+    cfg = fwd_sm90.configs()[0]
+    elf = _dump(builds[cfg.name].cubin, tmp_path, "-elf")
+    table = {int(o, 16): (int(off, 16), int(size, 16)) for o, off, size in re.findall(
+        r"Ordinal\s*:\s*0x([0-9a-f]+)\s+Offset\s*:\s*0x([0-9a-f]+)\s+Size\s*:\s*0x([0-9a-f]+)",
+        elf)}
+    m = TensorMap(b"\0" * 128)
+    args = (m, m, m, None, None, np.int64(0), np.int64(0), np.int64(0), np.int32(0), np.int32(0),
+            np.int32(0), np.int32(0), np.float32(0), np.int32(0), np.int32(0))
+    _, offsets = pack_args("k", args)
+    assert len(table) == len(args)
+    base = table[0][0]
+    assert [table[i][0] - base for i in range(len(args))] == list(offsets)
+    assert [table[i][1] for i in range(3)] == [128, 128, 128]
+
+
+def test_variants_registered():
+    specs = {spec.name: archs for spec, archs in all_variants()}
+    for cfg in fwd_sm90.configs():
+        assert specs[cfg.name] == (ARCH,)
+
+
+# ---- config ---------------------------------------------------------------------------------------
+
+def test_config_is_the_single_source_of_truth():
+    cfg = Sm90FwdConfig(torch.bfloat16, 128)
+    assert cfg.name == "flash_fwd_sm90_bf16_d128_bm128_bn128_s2"
+    assert cfg.threads == 384 and cfg.consumers == 2
+    assert cfg.smem_bytes == 1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 8 * 9
+    assert dict(cfg.spec().defines) == {
+        "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "128", "FC_BLOCK_N": "128",
+        "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
+        "FC_SMEM_BYTES": str(cfg.smem_bytes)}
+    assert cfg.smem_bytes <= 232448  # H100/H200 opt-in limit per block
+    assert Sm90FwdConfig(torch.float16, 64).smem_bytes == 1024 + 16384 + 4 * 16384 + 72
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(dtype=torch.float32, head_dim=128),
+    dict(dtype=torch.float16, head_dim=96),
+    dict(dtype=torch.float16, head_dim=128, block_m=64),
+    dict(dtype=torch.float16, head_dim=128, block_n=96),
+    dict(dtype=torch.float16, head_dim=128, stages=0),
+    dict(dtype=torch.float16, head_dim=128, consumer_regs=256),
+])
+def test_config_rejects_bad_shapes(kwargs):
+    with pytest.raises(ValueError):
+        Sm90FwdConfig(**kwargs)
+
+
+# ---- can_implement: the gate, then every check before the device ones ---------------------------
+
+def _call(dtype=torch.bfloat16, B=2, Sq=33, Sk=47, H=4, Hkv=2, D=128, scale=0.125, q=None):
+    q = torch.randn(B, Sq, H, D, dtype=dtype) if q is None else q
+    k = torch.randn(B, Sk, Hkv, q.shape[-1], dtype=dtype)
+    v = torch.randn(B, Sk, Hkv, q.shape[-1], dtype=dtype)
+    out = torch.empty(q.shape, dtype=dtype)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32)
+    return FwdCall(q, k, v, out, lse, scale, None, 0)
+
+
+def test_sm90_is_gated_off_by_default(monkeypatch):
+    monkeypatch.delenv(ENABLE_ENV, raising=False)
+    assert fwd_sm90.can_implement(_call()) == GATED
+    reasons = dict(dispatch.explain(_call()))
+    assert reasons["fwd_sm90"] == GATED
+    with pytest.raises(NotImplementedError, match="compile-verified only"):
+        fwd_sm90.run(_call())
+
+
+def test_sm90_can_implement_reasons(monkeypatch):
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    ci = fwd_sm90.can_implement
+    assert "dtype" in ci(_call(dtype=torch.float32))
+    assert "head_dim" in ci(_call(D=96))
+    assert "head_dim" in ci(_call(D=256))
+    assert "nheads_kv" in ci(_call(H=3, Hkv=2))
+    assert "softmax_scale" in ci(_call(scale=-1.0))
+    assert "seqlen_k is 0" in ci(_call(Sk=0))
+    big = torch.randn(2, 33, 4, 136, dtype=torch.bfloat16)
+    assert "16-byte" in ci(_call(q=big[..., 1:129]))
+    odd = torch.randn(2, 33, 4, 132, dtype=torch.bfloat16)[..., :128]
+    assert "multiple of 8" in ci(_call(q=odd))
+    bad_lse = _call()
+    bad_lse.lse = torch.empty(2, 4, 34)
+    assert "lse" in ci(bad_lse)
+    # Well-formed calls fail only on the device check here.
+    assert "CUDA" in ci(_call())
+    assert "CUDA" in ci(_call(dtype=torch.float16, D=64, Sq=1, Sk=1, H=2, Hkv=1))
