@@ -1,0 +1,197 @@
+"""The sm90a forward kernel (flashcuda.ops.fwd_sm90) on the H200: the test that lifts its gate.
+
+Every check runs `fwd_sm90.run(FwdCall(...))` (FLASHCUDA_ENABLE_SM90=1 via monkeypatch) on
+NaN-prefilled out / lse and compares with the float64 oracle flashcuda.reference.attention_ref
+under FlashAttention's rule (DESIGN.md §7):
+
+    max |ours - ref64| <= 2 * max |torch_same_dtype - ref64| + 1e-5      (lse: + 1e-4)
+
+Debug order on a fresh GPU (each step a few seconds; run with -x):
+    pytest -m gpu tests/gpu/test_fwd_sm90.py -x -q -k smoke     # one tile, one head: layouts
+    pytest -m gpu tests/gpu/test_fwd_sm90.py -x -q -k "pipeline or ragged"
+    pytest -m gpu tests/gpu/test_fwd_sm90.py -q
+`test_smoke_*` isolate the pieces: S = Q K^T alone (V = identity rows, so out = softmax(S) picks
+columns), then P V (Q = 0: uniform P, out = mean of V rows), then the full tile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashcuda.ops import dispatch, fwd_sm80, fwd_sm90
+from flashcuda.ops.call import FwdCall
+from flashcuda.reference import attention_ref
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP16 = torch.bfloat16, torch.float16
+FULL = (None, None)
+CAUSAL = (None, 0)
+
+
+@pytest.fixture(autouse=True)
+def _enable_sm90(monkeypatch):
+    monkeypatch.setenv(fwd_sm90.ENABLE_ENV, "1")
+    dispatch._reset()  # the plan cache does not key on the gate
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        pytest.skip(f"sm90a kernel: needs compute capability 9.0, got {major}.{minor}")
+    yield
+    dispatch._reset()
+
+
+def make(B, Sq, Sk, H, Hkv, D, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+def run(module, q, k, v, scale, window):
+    B, Sq, H, D = q.shape
+    out = torch.full((B, Sq, H, D), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, Sq), float("nan"), dtype=torch.float32, device=q.device)
+    call = FwdCall(q, k, v, out, lse, scale, window[0], window[1])
+    why = module.can_implement(call)
+    assert why is None, why
+    module.run(call)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def check(q, k, v, window=FULL, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = run(fwd_sm90, q, k, v, scale, window)
+    ref_out, ref_lse = attention_ref(q, k, v, scale, window=window)
+    tch_out, tch_lse = attention_ref(q, k, v, scale, window=window, upcast=False)
+
+    assert not out.isnan().any(), "unwritten or NaN output"
+    assert not lse.isnan().any(), "unwritten or NaN lse"
+    err = (out.double() - ref_out).abs().max().item()
+    tol = 2 * (tch_out.double() - ref_out).abs().max().item() + 1e-5
+    assert err <= tol, f"out error {err:.3e} > {tol:.3e}"
+    dead = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), dead), "lse -inf pattern differs"
+    if dead.any():
+        assert (out[dead.permute(0, 2, 1)] == 0).all(), "a row that sees no key is not 0"
+    live = ~dead
+    if live.any():
+        err = (lse.double() - ref_lse)[live].abs().max().item()
+        tol = 2 * (tch_lse.double() - ref_lse.double())[live].abs().max().item() + 1e-4
+        assert err <= tol, f"lse error {err:.3e} > {tol:.3e}"
+    return out, lse
+
+
+# ---- smoke: one CTA, one head, one key tile; each GEMM isolated ---------------------------------
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_smoke_scores_only(head_dim):
+    """Q K^T (SS wgmma, K-major 128B swizzle) alone: V row j = e_j (identity on the first
+    head_dim keys), so out[i, j] = P[i, j]; a wrong Q/K descriptor garbles P."""
+    q, k, _ = make(1, 128, head_dim, 1, 1, head_dim, BF16, seed=1)
+    v = torch.eye(head_dim, device="cuda", dtype=BF16)[None, :, None, :].contiguous()
+    out, _ = check(q, k, v)
+    p = torch.softmax((q[0, :, 0].double() @ k[0, :, 0].double().T) * head_dim ** -0.5, dim=-1)
+    assert (out[0, :, 0].double() - p).abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_smoke_pv_only(head_dim):
+    """P V (RS wgmma, V read MN-major, imm-trans-b) alone: Q = 0 gives uniform P, so every
+    output row is the mean of the V rows; a wrong V descriptor (the classic transposition bug)
+    shows as rows that differ or a wrong mean."""
+    _, k, v = make(1, 1, 128, 1, 1, head_dim, BF16, seed=2)
+    q = torch.zeros(1, 128, 1, head_dim, device="cuda", dtype=BF16)
+    out, _ = check(q, k, v)
+    mean = v[0, :, 0].double().mean(dim=0)
+    assert (out[0, :, 0].double() - mean).abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_smoke_one_tile(head_dim, dtype):
+    q, k, v = make(1, 128, 128, 1, 1, head_dim, dtype, seed=3)
+    check(q, k, v)
+    check(q, k, v, CAUSAL)
+
+
+# ---- the pipeline: many key tiles (stage reuse, mbarrier phases) -------------------------------
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pipeline_many_tiles(head_dim):
+    q, k, v = make(1, 128, 128 * 7, 1, 1, head_dim, BF16, seed=4)
+    check(q, k, v)
+    check(q, k, v, CAUSAL)
+
+
+def test_ragged_smallest():
+    q, k, v = make(1, 1, 1, 1, 1, 128, BF16, seed=5)
+    check(q, k, v)
+    q, k, v = make(1, 17, 143, 1, 1, 64, BF16, seed=6)
+    check(q, k, v, CAUSAL)
+
+
+# ---- the grid: sequence lengths, Sq != Sk, causal, GQA, batch ----------------------------------
+
+SEQLENS = [1, 17, 128, 143, 1023, 2048]
+PAIRS = [(a, b) for a in SEQLENS for b in SEQLENS if a == b or (a, b) in
+         {(1, 17), (17, 1), (128, 1023), (1023, 128), (143, 2048), (2048, 143), (17, 2048)}]
+
+
+@pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", PAIRS, ids=[f"q{a}-k{b}" for a, b in PAIRS])
+@pytest.mark.parametrize("dtype,head_dim", [(BF16, 128), (FP16, 64), (BF16, 64), (FP16, 128)],
+                         ids=["bf16-d128", "fp16-d64", "bf16-d64", "fp16-d128"])
+def test_seqlens(dtype, head_dim, seqlens, window):
+    sq, sk = seqlens
+    q, k, v = make(1, sq, sk, 2, 2, head_dim, dtype, seed=sq * 7919 + sk)
+    check(q, k, v, window)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("nheads_kv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_batch(batch, nheads_kv, head_dim):
+    q, k, v = make(batch, 257, 300, 4, nheads_kv, head_dim, BF16, seed=batch * 10 + nheads_kv)
+    check(q, k, v, CAUSAL)
+    check(q, k, v, FULL)
+
+
+def test_windows_and_fully_masked_rows():
+    q, k, v = make(2, 1023, 1023, 2, 1, 64, BF16, seed=7)
+    check(q, k, v, (64, 0))
+    check(q, k, v, (32, 16))
+    q, k, v = make(2, 300, 100, 2, 2, 128, BF16, seed=8)  # rows < 200 see no key
+    out, lse = check(q, k, v, CAUSAL)
+    assert torch.isneginf(lse[:, :, :200]).all() and (out[:, :200] == 0).all()
+
+
+def test_packed_qkv_views():
+    qkv = torch.randn(2, 513, 3, 4, 128, device="cuda", dtype=FP16)
+    q, k, v = qkv.unbind(2)
+    check(q, k, v, CAUSAL)
+
+
+# ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------
+
+@pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_agrees_with_sm80(head_dim, window):
+    q, k, v = make(2, 1023, 2048, 4, 2, head_dim, BF16, seed=9)
+    scale = head_dim ** -0.5
+    ours, ours_lse = run(fwd_sm90, q, k, v, scale, window)
+    theirs, theirs_lse = run(fwd_sm80, q, k, v, scale, window)
+    ref, _ = attention_ref(q, k, v, scale, window=window)
+    tch, _ = attention_ref(q, k, v, scale, window=window, upcast=False)
+    tol = 2 * (tch.double() - ref).abs().max().item() + 1e-5
+    assert (ours.double() - theirs.double()).abs().max().item() <= 2 * tol
+    assert (ours_lse - theirs_lse).abs().max().item() <= 1e-2
+
+
+def test_dispatch_prefers_sm90_when_enabled():
+    q, k, v = make(1, 256, 256, 2, 2, 128, BF16, seed=10)
+    out = torch.empty_like(q)
+    lse = torch.empty(1, 2, 256, device="cuda", dtype=torch.float32)
+    assert dispatch.forward(FwdCall(q, k, v, out, lse, 0.088, None, 0)) == "fwd_sm90"
