@@ -119,7 +119,8 @@ def _plan_key(call: FwdCall | BwdCall, direction: str) -> tuple:
         extra = (call.deterministic,)
     else:
         extra = ()
-    return (direction, os.environ.get(FORCE_ENV, ""), call.dtype, call.device, call.window_left,
+    return (direction, os.environ.get(FORCE_ENV, ""), os.environ.get("FLASHCUDA_ENABLE_SM90", ""),
+            call.dtype, call.device, call.window_left,
             call.window_right, call.softmax_scale > 0, *extra,
             *((tuple(t.shape), t.stride(), t.data_ptr() % 16) for t in tensors))
 
