@@ -139,7 +139,9 @@ def check_qkv(q: object, k: object, v: object, *, names: tuple[str, str, str] = 
                          f"got {seqlen_q} + {seqlen_k} = {seqlen_q + seqlen_k}")
 
     for t, n in ((q, qn), (k, kn), (v, vn)):
-        if t.stride(-1) != 1 and t.shape[-1] != 1:
+        # An empty tensor has no element to read (and .contiguous() leaves its strides as they
+        # are): any call with one launches nothing.
+        if t.stride(-1) != 1 and t.shape[-1] != 1 and t.numel() > 0:
             raise ValueError(f"{n}: expected a contiguous last dimension (stride(-1) == 1), got "
                              f"strides {tuple(t.stride())}; pass {n}.contiguous()")
         if not torch.compiler.is_compiling():  # storage_offset() is opaque to dynamo; the op

@@ -220,3 +220,67 @@ def test_kernel_arguments_are_packed_like_the_c_parameter_list():
         pack_args("k", (None, 5))
     with pytest.raises(TypeError, match="argument 0 has type float"):
         pack_args("k", (1.0,))
+
+
+def _full_disk(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_full_cache_disk_degrades_to_memory_with_one_warning(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from flashcuda.jit import cache as cache_mod
+
+    d = tmp_path / "full"
+    cache = DiskCache(d)
+    assert cache.writable
+    monkeypatch.setattr(cache_mod, "_atomic_write", _full_disk)
+    with caplog.at_level(logging.WARNING, logger="flashcuda"):
+        assert cache.get_or_build("e1", "a" * 64, lambda: b"one") == (b"one", False)
+        assert cache.get_or_build("e2", "b" * 64, lambda: b"two") == (b"two", False)
+        assert cache.get_or_build("e1", "a" * 64, lambda: b"zzz") == (b"one", True)  # memory
+        assert cache.get_or_build("e2", "b" * 64, lambda: b"zzz") == (b"two", True)
+    assert not cache.writable
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "No space left on device" in warnings[0].getMessage()
+    assert "in memory only" in warnings[0].getMessage()
+    assert not _entry_files(d)
+
+
+def test_write_failing_after_the_temp_file_leaves_no_entry_and_no_temp(tmp_path, monkeypatch):
+    """ENOSPC (or any error) at publish time: the temp file is removed, nothing half-written
+    is ever found by the next process, and this process keeps the cubin in memory."""
+    from flashcuda.jit import cache as cache_mod
+
+    d = tmp_path / "fails_at_replace"
+    cache = DiskCache(d)
+    with monkeypatch.context() as m:
+        m.setattr(cache_mod.os, "replace", _full_disk)
+        assert cache.get_or_build("e", "k" * 64, lambda: b"\x7fELFx") == (b"\x7fELFx", False)
+    assert not list(d.glob(".tmp-*")) and not _entry_files(d)
+    assert DiskCache(d).load("e", "k" * 64) is None
+    assert cache.load("e", "k" * 64) == b"\x7fELFx"
+
+
+def test_unwritable_cache_dir_warns_once_and_serves_from_memory(tmp_path, monkeypatch, caplog):
+    """A read-only cache directory (simulated through os.access, so it also holds as root):
+    one warning however many caches and kernels, nothing written, everything served."""
+    import logging
+
+    from flashcuda.jit import cache as cache_mod
+
+    d = tmp_path / "readonly"
+    d.mkdir(mode=0o700)
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="flashcuda"):
+        m.setattr(cache_mod.os, "access", lambda path, mode: False)
+        caches = [DiskCache(d), DiskCache(d)]
+        for i, cache in enumerate(caches):
+            assert not cache.writable
+            assert cache.get_or_build(f"e{i}", str(i) * 64, lambda: b"x") == (b"x", False)
+            assert cache.get_or_build(f"e{i}", str(i) * 64, lambda: b"y") == (b"x", True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "not writable" in warnings[0], warnings
+    assert not list(d.iterdir())

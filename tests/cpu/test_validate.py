@@ -4,6 +4,7 @@ and the actual value."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -209,3 +210,24 @@ def test_shape_dtype_device_helper():
     validate.check_shape_dtype_device(t, "x", shape=(2, 3), dtype=torch.float32, device=t.device)
     with pytest.raises(ValueError, match="x: expected device meta, got cpu"):
         validate.check_shape_dtype_device(t, "x", device=torch.device("meta"))
+
+
+def test_softmax_scale_must_fit_float32():
+    # The kernels take softmax_scale * log2(e) as a float32: a finite double past that would
+    # become inf on the way in.
+    assert validate.softmax_scale(1e38, 64) == 1e38
+    assert validate.softmax_scale(-validate.MAX_SOFTMAX_SCALE, 64) == -validate.MAX_SOFTMAX_SCALE
+    for bad in (3e38, -1e300):
+        with pytest.raises(ValueError, match=r"softmax_scale: expected a magnitude at most "
+                                             rf"2.359e\+38 .*, got {re.escape(str(bad))}"):
+            validate.softmax_scale(bad, 64)
+
+
+def test_empty_tensors_with_a_strided_last_dim_pass():
+    # .contiguous() keeps an empty tensor's strides, and an empty input launches nothing.
+    q, k, v = qkv(b=0)
+    q = torch.empty(0, 5, 4, 32, dtype=torch.float16)[..., ::2]
+    assert q.stride(-1) == 2
+    validate.check_qkv(q, k, v)
+    k2 = torch.empty(2, 0, 2, 32, dtype=torch.float16)[..., ::2]
+    validate.check_qkv(qkv()[0], k2, k2)

@@ -1,0 +1,364 @@
+"""Issue 8 on the GPU lane: concurrency, CUDA graphs, determinism, extreme scores, NaN
+propagation, 64-bit offsets, a short soak, and device mixes (docs/GUARANTEES.md).
+
+Everything goes through the public API (whatever family dispatch picks: sm80 for fp16/bf16,
+SIMT for fp32). Head dims 40/56/64 all run the d64 kernels, so the file compiles few variants.
+Run: FLASHCUDA_TEST_SHARED_CACHE=1 pytest -m gpu tests/gpu/test_reliability.py -q
+(about 30 s on an H200 with a warm kernel cache; the 64-bit cases allocate up to ~16 GiB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+import re
+import threading
+
+import pytest
+import torch
+
+from flashcuda import flash_attn_func
+from flashcuda.ops import dispatch
+from flashcuda.reference import attention_ref, max_error
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+NAN = float("nan")
+
+
+def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """FA3's absolute floor: twice the error of merely rounding values near the reference."""
+    finite = ref[torch.isfinite(ref)]
+    if finite.numel() == 0:
+        return 0.0
+    rounded = (finite.to(dtype) + 0.3 - 0.3).double()
+    return 2 * (rounded - finite).abs().max().item()
+
+
+def make(b, sq, sk, h, hkv, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    return r(b, sq, h, d), r(b, sk, hkv, d), r(b, sk, hkv, d)
+
+
+def check_oracle(out, lse, q, k, v, causal=False, window=(-1, -1), scale=None):
+    """DESIGN.md §7: our error <= 2x torch's same-dtype error (+ rounding floor)."""
+    ref, ref_lse = attention_ref(q, k, v, scale, causal, window)
+    base, base_lse = attention_ref(q, k, v, scale, causal, window, upcast=False)
+    # Floors: FA3's rounding floor, and 1e-5 relative (fp32, whose same-dtype error is tiny;
+    # as tests/gpu/test_simt.py); lse 1e-4 as tests/gpu/test_fwd_sm80.py explains.
+    rel = 1e-5 * (1 + (ref.abs().max().item() if ref.numel() else 0.0))
+    err, berr = max_error(out, ref), max_error(base, ref)
+    assert err <= 2 * berr + rounding_floor(ref, q.dtype) + rel, \
+        f"out: {err:.3e} vs torch {berr:.3e}"
+    finite = ref_lse[torch.isfinite(ref_lse)]
+    rel = 1e-5 * (1 + (finite.abs().max().item() if finite.numel() else 0.0))
+    err, berr = max_error(lse, ref_lse), max_error(base_lse, ref_lse)
+    assert err <= 2 * berr + 1e-4 + rel, f"lse: {err:.3e} vs torch {berr:.3e}"
+
+
+# ---- (a) many threads, different streams and one stream ---------------------------------------
+
+# (b, sq, sk, h, hkv, d, dtype, causal)
+THREAD_CASES = [
+    (2, 130, 130, 4, 2, 64, BF16, True),
+    (1, 77, 301, 4, 4, 64, FP16, False),
+    (2, 200, 100, 2, 1, 40, BF16, True),
+    (1, 97, 64, 2, 2, 64, FP32, True),
+]
+THREADS, ITERS = 8, 12
+
+
+@pytest.mark.parametrize("mode", ["own_streams", "default_stream", "shared_side_stream"])
+def test_threads_give_the_single_threaded_results_bitwise(mode):
+    problems = [(make(*c[:7], seed=i), c[7]) for i, c in enumerate(THREAD_CASES)]
+    expected = [flash_attn_func(q, k, v, causal=causal, return_lse=True)
+                for (q, k, v), causal in problems]  # also compiles and loads every kernel
+    torch.cuda.synchronize()
+    shared = torch.cuda.Stream() if mode == "shared_side_stream" else None
+    barrier = threading.Barrier(THREADS, timeout=60)
+    results: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def work(tid: int) -> None:
+        try:
+            stream = torch.cuda.Stream() if mode == "own_streams" else shared
+            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            with ctx:
+                if stream is not None:
+                    stream.wait_stream(torch.cuda.default_stream())
+                barrier.wait()
+                mine = []
+                for it in range(ITERS):
+                    i = (tid + it) % len(problems)
+                    (q, k, v), causal = problems[i]
+                    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+                    mine.append((i, out, lse))
+                torch.cuda.synchronize()
+            with lock:
+                results.extend(mine)
+        except BaseException as exc:  # surfaced in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not errors, errors
+    torch.cuda.synchronize()
+    assert len(results) == THREADS * ITERS
+    for i, out, lse in results:
+        assert torch.equal(out, expected[i][0]), f"problem {i}: out differs from 1 thread"
+        assert torch.equal(lse, expected[i][1]), f"problem {i}: lse differs from 1 thread"
+
+
+# ---- (b) CUDA graphs: test_api.py::test_cuda_graph_capture_and_replay covers fp16 sm80; this is
+# the SIMT family (fp32) with GQA and a sliding window -----------------------------------------
+
+def test_cuda_graph_replay_equals_eager_simt_window_gqa():
+    shape = (2, 143, 97, 4, 2, 56, FP32)
+    static = [t.clone() for t in make(*shape)]
+    kwargs = dict(window_size=(24, 8), return_lse=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: compile and load outside the capture
+        for _ in range(2):
+            flash_attn_func(*static, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_lse = flash_attn_func(*static, **kwargs)
+    for seed in (1, 2, 3):
+        fresh = make(*shape, seed=seed)
+        for s, f in zip(static, fresh, strict=True):
+            s.copy_(f)
+        graph.replay()
+        torch.cuda.synchronize()
+        out, lse = flash_attn_func(*fresh, **kwargs)
+        assert torch.equal(static_out, out) and torch.equal(static_lse, lse)
+
+
+# ---- (c) forward bitwise deterministic ----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32], ids=str)
+def test_forward_bitwise_deterministic_across_calls(dtype):
+    q, k, v = make(2, 333, 517, 4, 2, 64, dtype, seed=5)
+    noise = make(1, 70, 90, 2, 1, 64, dtype, seed=6)
+    first = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    for rep in range(4):
+        flash_attn_func(*noise, window_size=(rep, 3))  # other work in between, other buffers
+        again = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+# ---- (d) large-magnitude scores stay finite and exact -------------------------------------------
+
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_scores_stay_finite(dtype, causal):
+    """|q.k| * scale up to ~3e4. Integer-valued q, k make every q.k exact in the fp32
+    accumulators, so the softmax is that of the oracle (ties split evenly, every other key at
+    least e^-8 below); without max-subtraction exp would overflow to inf and give NaN."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    b, sq, sk, h, d = 2, 150, 260, 2, 64
+
+    def ints(*shape):
+        return torch.randint(-12, 13, shape, device="cuda", generator=g).to(dtype)
+
+    q, k = ints(b, sq, h, d), ints(b, sk, h, d)
+    v = torch.randn(b, sk, h, d, device="cuda", generator=g).to(dtype)
+    scale = 8.0
+    out, lse = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, scale, causal)
+    live = torch.isfinite(ref_lse)
+    assert ref_lse[live].abs().max().item() > 5e3  # the scores really are large
+    assert torch.isfinite(out).all() and torch.equal(torch.isfinite(lse), live)
+    tol = 1e-5 if dtype == FP32 else 0.0
+    assert max_error(out, ref) <= rounding_floor(ref, dtype) + 1e-3 + tol
+    assert (lse.double() - ref_lse)[live].abs().max().item() <= 1e-5 * 3e4
+    # All scores equal and huge (q.k * scale = 10240 for every key): out is the mean of v.
+    q2 = torch.full((1, 64, 1, d), 2.0, device="cuda", dtype=dtype)
+    k2 = torch.full((1, 256, 1, d), 2.0, device="cuda", dtype=dtype)
+    v2 = torch.randn(1, 256, 1, d, device="cuda", generator=g).to(dtype)
+    out2, lse2 = flash_attn_func(q2, k2, v2, softmax_scale=40.0, return_lse=True)
+    ref2, ref_lse2 = attention_ref(q2, k2, v2, 40.0)
+    assert torch.isfinite(out2).all()
+    assert max_error(out2, ref2) <= rounding_floor(ref2, dtype) + 1e-3
+    assert max_error(lse2, ref_lse2) <= 1e-5 * 10240
+
+
+# ---- (e) NaN in visible inputs reaches only the rows that read it -------------------------------
+
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32], ids=str)
+def test_nan_in_visible_inputs_reaches_only_its_rows(dtype):
+    b, s, h, hkv, d = 2, 128, 4, 2, 64  # query heads 2, 3 use kv head 1
+    q, k, v = make(b, s, s, h, hkv, d, dtype, seed=8)
+    clean = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    clean_full = flash_attn_func(q, k, v, return_lse=True)
+
+    def compare(got, want, touched):
+        """touched: (B, Sq, H) bool of the rows that read the NaN."""
+        out, lse = got
+        assert out[touched].isnan().all(), "a row that reads NaN must be NaN"
+        assert torch.equal(out[~touched], want[0][~touched]), "NaN leaked into another row"
+        lse_touched = touched.permute(0, 2, 1)
+        assert torch.equal(lse[~lse_touched], want[1][~lse_touched])
+
+    rows = torch.zeros(b, s, h, dtype=torch.bool, device="cuda")
+    # NaN in one element of q: exactly that (batch, row, head) row.
+    qn = q.clone()
+    qn[1, 37, 2, 5] = NAN
+    touched = rows.clone()
+    touched[1, 37, 2] = True
+    compare(flash_attn_func(qn, k, v, causal=True, return_lse=True), clean, touched)
+    # NaN in key 50 of kv head 1, batch 0, causal: rows >= 50 of heads 2, 3 see it; rows < 50
+    # mask it (the masked score is -inf whatever q.k gave), as do other heads and batches.
+    kn = k.clone()
+    kn[0, 50, 1, 7] = NAN
+    touched = rows.clone()
+    touched[0, 50:, 2:] = True
+    compare(flash_attn_func(q, kn, v, causal=True, return_lse=True), clean, touched)
+    # NaN in value row 50 of kv head 1, batch 0, no mask: every row of heads 2, 3 in batch 0
+    # (a NaN in one element of v reaches that column of those rows only; the whole row is NaN
+    # here so that every column of the touched rows is). With a mask, a row of the same tile
+    # that does not see key 50 multiplies it by p = 0: sm80 and the portable path give NaN
+    # there, as FlashAttention does; see docs/GUARANTEES.md.
+    vn = v.clone()
+    vn[0, 50, 1, :] = NAN
+    touched = rows.clone()
+    touched[0, :, 2:] = True
+    compare(flash_attn_func(q, k, vn, return_lse=True), clean_full, touched)
+
+
+# ---- (f) 64-bit offsets ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=str)
+def test_batch_stride_past_2_31_elements(dtype):
+    """q, k, v are views of one buffer whose batch stride is 2^31 + 64 elements: batch 1 lives
+    past element 2^31 of each view (the kernels form b * batch_stride in int64). The views start
+    2^31 + 128 elements into a NaN-filled buffer, so an offset wrapped to 32 bits would read NaN
+    inside the allocation rather than fault."""
+    b, s, h, d = 2, 200, 4, 64
+    batch_stride = 2**31 + 64
+    chunk = s * h * d
+    base = 2**31 + 128
+    buf = torch.full((base + batch_stride + 3 * chunk,), NAN, device="cuda", dtype=dtype)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    views = []
+    for i in range(3):
+        t = buf.as_strided((b, s, h, d), (batch_stride, h * d, d, 1), base + i * chunk)
+        t.copy_(torch.randn(t.shape, device="cuda", generator=g).to(dtype))
+        views.append(t)
+    q, k, v = views
+    assert q.storage_offset() + q.stride(0) > 2**31
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    check_oracle(out, lse, q, k, v, causal=True)
+    del buf, views, q, k, v
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=str)
+def test_rows_past_2_31_elements(dtype):
+    """q and out hold 2^31 + 12800 elements (2^25 + 200 rows of 64): the last rows' offsets
+    exceed 2^31. Checked against the oracle on those rows only (bottom-right causal with
+    Sk = 64 < Sq: the last 64 rows see 1..64 keys, every row before them none)."""
+    sq, sk, d, tail = 2**25 + 200, 64, 64, 200
+    g = torch.Generator(device="cuda").manual_seed(10)
+    q = torch.empty(1, sq, 1, d, device="cuda", dtype=dtype).normal_(generator=g)
+    k = torch.randn(1, sk, 1, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(1, sk, 1, d, device="cuda", generator=g).to(dtype)
+    assert q.numel() > 2**31
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    # A slice of the last rows keeps the same visibility: i + Sk - Sq == i' + Sk - tail.
+    check_oracle(out[:, -tail:], lse[:, :, -tail:], q[:, -tail:], k, v, causal=True)
+    assert (out[:, :8] == 0).all() and torch.isneginf(lse[:, :, :8]).all()
+    del q, out, lse
+    torch.cuda.empty_cache()
+
+
+# ---- (g) a short soak -----------------------------------------------------------------------------
+
+def _random_call(rng: random.Random, check: bool) -> None:
+    hkv = rng.randint(1, 3)
+    h = hkv * rng.randint(1, 3)
+    b, sq, sk = rng.randint(1, 3), rng.randint(1, 300), rng.randint(0, 300)
+    d = rng.choice((40, 56, 64))
+    dtype = rng.choice((BF16, FP16, FP32))
+    causal = rng.random() < 0.5
+    window = rng.choice(((-1, -1), (-1, -1), (16, 4), (0, 0), (100, -1)))
+    q, k, v = make(b, sq, sk, h, hkv, d, dtype, seed=rng.randint(0, 2**31))
+    if rng.random() < 0.3:  # a BHSD buffer seen as BSHD: non-contiguous q
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (b, h, sq)
+    if check:
+        check_oracle(out, lse, q, k, v, causal=causal, window=window)
+
+
+def test_soak_random_shapes_memory_flat():
+    rng = random.Random(2024)
+    for dtype in (BF16, FP16, FP32):  # load every kernel and the oracle's cuBLAS workspaces
+        q, k, v = make(1, 33, 65, 2, 1, 64, dtype)
+        check_oracle(*flash_attn_func(q, k, v, return_lse=True), q, k, v)
+    del q, k, v
+    calls = 300
+    for i in range(calls // 2):
+        _random_call(rng, check=i % 10 == 0)
+    torch.cuda.synchronize()
+    gc.collect()
+    middle = torch.cuda.memory_allocated()
+    for i in range(calls // 2, calls):
+        _random_call(rng, check=i % 10 == 0)
+    torch.cuda.synchronize()
+    gc.collect()
+    assert torch.cuda.memory_allocated() == middle, "device memory grew over 150 calls"
+
+
+# ---- (h) devices ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_dispatch(monkeypatch):
+    def refuse(call):
+        raise AssertionError("validation let a bad call reach dispatch")
+
+    monkeypatch.setattr(dispatch, "forward", refuse)
+    monkeypatch.setattr(dispatch, "backward", refuse)
+
+
+def test_cpu_and_gpu_mix_raises_before_launch(no_dispatch):
+    q, k, v = make(1, 16, 16, 2, 2, 64, BF16)
+    gpu = re.escape(str(q.device))
+    with pytest.raises(ValueError, match=rf"^k: expected device {gpu} \(the device of q\), "
+                                         r"got cpu"):
+        flash_attn_func(q, k.cpu(), v.cpu())
+    with pytest.raises(ValueError, match=rf"^v: expected device {gpu} .*got cpu"):
+        flash_attn_func(q, k, v.cpu())
+    with pytest.raises(ValueError, match=rf"^k: expected device cpu \(the device of q\), "
+                                         rf"got {gpu}"):
+        flash_attn_func(q.cpu(), k, v)
+
+
+def test_batch_past_the_grid_limit_raises_before_launch():
+    """batch > 65535 (the grid's y/z limit) passes validation but no family can run it:
+    NotImplementedError listing every family's reason, before any launch (never a CUDA fault)."""
+    q = torch.randn(65536, 1, 1, 64, device="cuda", dtype=BF16)
+    with pytest.raises(NotImplementedError, match=r"no flashcuda fwd kernel can run .*65535"):
+        flash_attn_func(q, q, q)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensors_on_two_gpus_raise_before_launch(no_dispatch):
+    q, k, v = make(1, 16, 16, 2, 2, 64, BF16)
+    with pytest.raises(ValueError, match=r"^k: expected device cuda:0 .*got cuda:1"):
+        flash_attn_func(q, k.to("cuda:1"), v)
+    with pytest.raises(ValueError, match=r"^v: expected device cuda:0 .*got cuda:1"):
+        flash_attn_func(q, k, v.to("cuda:1"))
