@@ -61,10 +61,12 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     window_left, window_right = validate.fa_window(window_size, causal)
     scale = validate.softmax_scale(softmax_scale, q.shape[-1])
     deterministic = validate.check_flag(deterministic, "deterministic")
+    return_attn_probs = validate.check_flag(return_attn_probs, "return_attn_probs")
+    return_lse = validate.check_flag(return_lse, "return_lse")
     out, lse = attention(q, k, v, scale, window_left, window_right, deterministic)
-    if validate.check_flag(return_attn_probs, "return_attn_probs"):
+    if return_attn_probs:
         return out, lse, None
-    if validate.check_flag(return_lse, "return_lse"):
+    if return_lse:
         return out, lse
     return out
 

@@ -333,8 +333,6 @@ def test_int64_offset_limit(rows, stride):
         validate.check_offsets("q", shape, strides)
 
 
-@pytest.mark.xfail(strict=True, reason="api.flash_attn_func checks return_attn_probs / return_lse "
-                   "after the call; fix: check_flag both before attention() (then drop this mark)")
 def test_return_flags_are_checked_before_the_call():
     """A bad return_lse must raise before anything runs (DESIGN: validate -> allocate -> launch)."""
     q = torch.randn(1, 4, 1, 8)
