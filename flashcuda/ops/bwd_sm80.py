@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..jit import KernelSpec, get_kernel, register
-from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, BwdCall, kernel_windows
+from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, BwdCall, kernel_windows, vector_layout_problem
 
 SOURCE = "attention/flash_bwd_sm80.cu"
 ARCHS = ("sm_80", "sm_90a")
@@ -271,16 +271,6 @@ def _device_info(index: int) -> tuple[tuple[int, int], int]:
     return (props.major, props.minor), int(props.shared_memory_per_block_optin)
 
 
-def _layout_problem(name: str, t: torch.Tensor) -> str | None:
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        return f"{name} must have a unit last stride, got strides {tuple(t.stride())}"
-    if any(s % 8 for s, n in zip(t.stride()[:-1], t.shape[:-1], strict=True) if n > 1):
-        return f"{name} strides must be multiples of 8 elements, got {tuple(t.stride())}"
-    if t.data_ptr() % 16:
-        return f"{name} must be 16-byte aligned, got address {t.data_ptr():#x}"
-    return None
-
-
 def can_implement(call: BwdCall) -> str | None:
     """None if this family can run `call`, else the reason it cannot."""
     if call.dtype not in DTYPES:
@@ -322,7 +312,7 @@ def can_implement(call: BwdCall) -> str | None:
     if sq + sk >= MAX_SEQLEN_SUM:
         return f"seqlen_q + seqlen_k = {sq + sk} is too large (< {MAX_SEQLEN_SUM})"
     for name, t in tensors.items():
-        if t.numel() and (why := _layout_problem(name, t)):
+        if t.numel() and (why := vector_layout_problem(name, t)):
             return why
     for name, t in {**tensors, "lse": call.lse}.items():
         if t.device != call.device or t.device.type != "cuda":

@@ -90,6 +90,20 @@ def kernel_windows(seqlen_q: int, seqlen_k: int, window_left: int | None,
     return clamp(window_left), clamp(window_right)
 
 
+def vector_layout_problem(name: str, t: torch.Tensor) -> str | None:
+    """Why a (B, S, H, D) tensor cannot be read with 16-byte vector copies (cp.async, TMA), or
+    None: unit last stride, other strides multiples of 8 elements, 16-byte aligned data."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        return f"{name}: last dimension must be contiguous (stride 1), got stride {t.stride(-1)}"
+    for dim in range(t.dim() - 1):
+        if t.shape[dim] > 1 and t.stride(dim) % 8:
+            return (f"{name}: stride of dimension {dim} must be a multiple of 8 elements "
+                    f"(16 bytes), got {t.stride(dim)}")
+    if t.data_ptr() % 16:
+        return f"{name}: data pointer must be 16-byte aligned, got address {t.data_ptr():#x}"
+    return None
+
+
 def _strides(t: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
     """(batch, row, head) strides in elements of a (B, S, H, D) tensor."""
     return np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2))

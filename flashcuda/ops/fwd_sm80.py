@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..jit import KernelSpec, get_kernel, register
-from .call import DTYPE_CODE, DTYPE_NAME, FwdCall, fwd_kernel_args
+from .call import DTYPE_CODE, DTYPE_NAME, FwdCall, fwd_kernel_args, vector_layout_problem
 
 SOURCE = "attention/flash_fwd_sm80.cu"
 ARCHS = ("sm_80", "sm_90a")
@@ -150,19 +150,6 @@ def config_for(call: FwdCall) -> Sm80FwdConfig:
     return select_config(call.dtype, call.head_dim, per_block, per_sm)
 
 
-def _layout_problem(name: str, t: torch.Tensor) -> str | None:
-    """Why a (B, S, H, D) tensor cannot be read with 16-byte copies, or None."""
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        return f"{name}: last dimension must be contiguous (stride 1), got stride {t.stride(-1)}"
-    for dim in range(3):
-        if t.shape[dim] > 1 and t.stride(dim) % 8:
-            return (f"{name}: stride of dimension {dim} must be a multiple of 8 elements "
-                    f"(16 bytes), got {t.stride(dim)}")
-    if t.data_ptr() % 16:
-        return f"{name}: data pointer must be 16-byte aligned, got address {t.data_ptr():#x}"
-    return None
-
-
 def can_implement(call: FwdCall) -> str | None:
     """None if this family can run `call`, else the reason it cannot."""
     if call.dtype not in DTYPES:
@@ -185,7 +172,7 @@ def can_implement(call: FwdCall) -> str | None:
     if not (math.isfinite(call.softmax_scale) and call.softmax_scale > 0):
         return f"softmax_scale must be positive and finite, got {call.softmax_scale}"
     for name in ("q", "k", "v", "out"):
-        if why := _layout_problem(name, getattr(call, name)):
+        if why := vector_layout_problem(name, getattr(call, name)):
             return why
     lse = call.lse
     if (lse.dtype != torch.float32 or tuple(lse.shape) != (call.batch, call.nheads, call.seqlen_q)

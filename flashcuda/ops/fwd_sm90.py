@@ -28,8 +28,8 @@ import torch
 
 from ..jit import KernelSpec, get_kernel, register
 from ..jit.tensor_map import bshd_map, bshd_problem
-from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, FwdCall
-from .fwd_sm80 import MAX_GRID_YZ, MAX_SEQLEN_SUM, _device_index, _device_info, _layout_problem
+from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, FwdCall, vector_layout_problem
+from .fwd_sm80 import MAX_GRID_YZ, MAX_SEQLEN_SUM, _device_index, _device_info
 
 SOURCE = "attention/flash_fwd_sm90.cu"
 ARCHS = ("sm_90a",)
@@ -148,12 +148,12 @@ def can_implement(call: FwdCall) -> str | None:
         return "seqlen_k is 0 (a tensor map needs non-empty dims; fwd_sm80 handles it)"
     if not (math.isfinite(call.softmax_scale) and call.softmax_scale > 0):
         return f"softmax_scale must be positive and finite, got {call.softmax_scale}"
-    if why := _layout_problem("out", call.out):
+    if why := vector_layout_problem("out", call.out):
         return why
     cfg = select_config(call.dtype, d)
     if call.batch and call.seqlen_q and call.nheads:
         for name, rows in (("q", cfg.block_m), ("k", cfg.block_n), ("v", cfg.block_n)):
-            if why := _layout_problem(name, getattr(call, name)):
+            if why := vector_layout_problem(name, getattr(call, name)):
                 return why
             if why := bshd_problem(getattr(call, name), rows):
                 return f"{name}: TMA: {why}"

@@ -165,7 +165,7 @@ def _call(b=1, sq=16, sk=24, h=4, hkv=2, d=64, dtype=torch.bfloat16, **over):
         ({"lse": torch.zeros(1, 4, 16, dtype=torch.float16)}, "lse must be float32"),
         ({"lse": torch.zeros(1, 4, 15)}, "lse has shape"),
         ({"dout": torch.zeros(1, 16, 4, 64)}, "dout has dtype"),
-        ({"q": torch.zeros(1, 16, 4, 68, dtype=torch.bfloat16)[..., :64]}, "multiples of 8"),
+        ({"q": torch.zeros(1, 16, 4, 68, dtype=torch.bfloat16)[..., :64]}, "multiple of 8 elements"),
         ({"k": torch.zeros(1, 24, 2, 72, dtype=torch.bfloat16)[..., 1:65]}, "16-byte aligned"),
         ({}, "expected a CUDA device"),  # everything else fine: CPU tensors are the last reason
     ],
