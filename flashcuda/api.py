@@ -54,7 +54,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         scores of each row (not differentiable). A row that sees no key gets out 0 and lse -inf.
     """
     validate.check_fa_unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes)
-    q = _last_dim_contiguous(q, "q")
+    validate.check_qkv(q, k, v, strided_last_ok=True)  # before any copy: a bad input never
+    q = _last_dim_contiguous(q, "q")                    # allocates
     k = _last_dim_contiguous(k, "k")
     v = _last_dim_contiguous(v, "v")
     validate.check_qkv(q, k, v)
@@ -95,7 +96,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """
     validate.check_sdpa_unsupported(attn_mask=attn_mask, dropout_p=dropout_p)
     names = ("query", "key", "value")
-    tensors = [_last_dim_contiguous(t, n) for t, n in zip((query, key, value), names, strict=True)]
+    tensors = [validate.check_tensor(t, n) for t, n in zip((query, key, value), names, strict=True)]
     for t, n in zip(tensors, names, strict=True):
         if t.dim() != 4:
             raise ValueError(f"{n}: expected a 4-D tensor (batch, nheads, seqlen, headdim), got "
@@ -105,6 +106,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise ValueError(f"key: expected nheads_kv == nheads={query.shape[1]} (pass "
                          f"enable_gqa=True for grouped-query attention), got {key.shape[1]}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    validate.check_qkv(q, k, v, names=names, bhsd=True, strided_last_ok=True)  # before any copy
+    q, k, v = (_last_dim_contiguous(t, n) for t, n in zip((q, k, v), names, strict=True))
     validate.check_qkv(q, k, v, names=names, bhsd=True)
     is_causal = validate.check_flag(is_causal, "is_causal")
     window_right = q.shape[1] - k.shape[1] if is_causal else None

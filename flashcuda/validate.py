@@ -77,11 +77,13 @@ def check_offsets(name: str, shape: Sequence[int], stride: Sequence[int],
 
 
 def check_qkv(q: object, k: object, v: object, *, names: tuple[str, str, str] = ("q", "k", "v"),
-              bhsd: bool = False) -> None:
+              bhsd: bool = False, strided_last_ok: bool = False) -> None:
     """The three attention inputs, given as (B, S, H, D) tensors (or views).
 
     bhsd=True: the caller's tensors were (B, H, S, D) and q/k/v are their transposed views, so
     messages quote shapes and dimension names in the caller's layout.
+    strided_last_ok=True: everything but the unit last stride (the public API checks first, then
+    copies a strided last dimension, then checks again).
     """
     qn, kn, vn = names
     q, k, v = check_tensor(q, qn), check_tensor(k, kn), check_tensor(v, vn)
@@ -141,7 +143,7 @@ def check_qkv(q: object, k: object, v: object, *, names: tuple[str, str, str] = 
     for t, n in ((q, qn), (k, kn), (v, vn)):
         # An empty tensor has no element to read (and .contiguous() leaves its strides as they
         # are): any call with one launches nothing.
-        if t.stride(-1) != 1 and t.shape[-1] != 1 and t.numel() > 0:
+        if not strided_last_ok and t.stride(-1) != 1 and t.shape[-1] != 1 and t.numel() > 0:
             raise ValueError(f"{n}: expected a contiguous last dimension (stride(-1) == 1), got "
                              f"strides {tuple(t.stride())}; pass {n}.contiguous()")
         if not torch.compiler.is_compiling():  # storage_offset() is opaque to dynamo; the op

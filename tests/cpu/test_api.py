@@ -409,3 +409,13 @@ def test_cpu_tensors_take_the_portable_path_and_say_so_once(monkeypatch, caplog)
     warnings = [r for r in caplog.records if "the CUDA kernels need a CUDA GPU" in r.message]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     assert not call.out.isnan().any()
+
+
+def test_bad_input_is_refused_before_a_strided_last_dimension_is_copied():
+    # A (1, 4, 2, 10**9) view of one float (stride 0 everywhere): copying it would need 32 GB.
+    # The head-dim limit must refuse it first, in both entry points.
+    huge = torch.zeros(1).expand(1, 4, 2, 10**9)
+    with pytest.raises(ValueError, match="headdim"):
+        flashcuda.flash_attn_func(huge, huge, huge)
+    with pytest.raises(ValueError, match="headdim"):
+        flashcuda.scaled_dot_product_attention(huge, huge, huge)
