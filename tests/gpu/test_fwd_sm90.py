@@ -16,6 +16,8 @@ columns), then P V (Q = 0: uniform P, out = mean of V rows), then the full tile.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -23,7 +25,16 @@ from flashcuda.ops import dispatch, fwd_sm80, fwd_sm90
 from flashcuda.ops.call import FwdCall
 from flashcuda.reference import attention_ref
 
-pytestmark = pytest.mark.gpu
+# The kernel has never run on a GPU: a wrong mbarrier phase or byte count hangs rather than fails,
+# so a plain `pytest -m gpu` skips this file until someone opts in to debug it:
+#     FLASHCUDA_ENABLE_SM90=1 pytest -m gpu tests/gpu/test_fwd_sm90.py -x -q -k smoke
+# (run it alone, under `timeout`). Drop this skip once the file passes on a GPU.
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(os.environ.get("FLASHCUDA_ENABLE_SM90") != "1",
+                       reason="sm90 forward is compile-verified only; set FLASHCUDA_ENABLE_SM90=1 "
+                              "to run these (alone, under a timeout: a layout bug can hang)"),
+]
 
 BF16, FP16 = torch.bfloat16, torch.float16
 FULL = (None, None)
