@@ -54,16 +54,11 @@ def repo_root() -> Path:
 
 
 def commit_info(root: Path | None = None, env: dict | None = None) -> dict:
-    """{"sha", "dirty", "source"}: from git when the tree has .git, else FLASHCUDA_COMMIT (and
-    FLASHCUDA_DIRTY=0/1) from the environment (the GPU machine gets a copy of the tree without
-    .git), else sha "unknown"."""
+    """{"sha", "dirty", "source"}: FLASHCUDA_COMMIT (and FLASHCUDA_DIRTY=0/1) from the environment
+    when set (the GPU machine's copy of the tree may carry a stale .git), else from git when the
+    tree has .git, else sha "unknown"."""
     root = root or repo_root()
     env = os.environ if env is None else env
-    if (root / ".git").exists() and shutil.which("git"):
-        sha = _run(["git", "rev-parse", "HEAD"], cwd=root)
-        if sha:
-            status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
-            return {"sha": sha, "dirty": None if status is None else bool(status), "source": "git"}
     raw = env.get("FLASHCUDA_COMMIT", "").strip()
     if raw:
         # `git rev-parse HEAD` in a tree without .git prints "HEAD" (and a `|| echo` fallback adds
@@ -74,6 +69,11 @@ def commit_info(root: Path | None = None, env: dict | None = None) -> dict:
         if sha is None:
             return {"sha": "unknown", "dirty": dirty, "source": "env", "env_value": raw[:100]}
         return {"sha": sha.lower(), "dirty": dirty, "source": "env"}
+    if (root / ".git").exists() and shutil.which("git"):
+        sha = _run(["git", "rev-parse", "HEAD"], cwd=root)
+        if sha:
+            status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
+            return {"sha": sha, "dirty": None if status is None else bool(status), "source": "git"}
     return {"sha": "unknown", "dirty": None, "source": "unknown"}
 
 

@@ -219,12 +219,17 @@ class CompiledKernel:
 
         if not hasattr(driver, "cuFuncGetParamInfo"):
             return
+        # Offsets are compared relative to the first parameter's: ptxas may start the parameter
+        # block past 0 (a kernel taking 64-byte aligned tensor maps had its first at 48, so that
+        # it lands 64-aligned in the constant bank); kernelParams does not depend on where.
+        base = None
         for i, off in enumerate(offsets):
             err, k_off, k_size = driver.cuFuncGetParamInfo(self.function, i)
             if int(err) != 0:
                 raise TypeError(f"kernel {self.name}: got {len(args)} arguments, the kernel takes {i}")
+            base = k_off - off if base is None else base
             size = pack_size(pack_code(args[i]))
-            if k_off != off or k_size != size:
+            if k_off - base != off or k_size != size:
                 raise TypeError(
                     f"kernel {self.name}: argument {i} ({type(args[i]).__name__}) packed at offset "
                     f"{off}, {size} bytes; the kernel expects offset {k_off}, {k_size} bytes"

@@ -185,6 +185,13 @@ def test_commit_from_env_without_git(tmp_path):
     assert record.commit_info(tmp_path, {"FLASHCUDA_COMMIT": f"HEAD\n{sha}"})["sha"] == sha
 
 
+def test_commit_env_wins_over_git():
+    """The GPU machine's copy may carry a stale .git: an explicit FLASHCUDA_COMMIT wins."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    info = record.commit_info(record.repo_root(), {"FLASHCUDA_COMMIT": sha})
+    assert info["sha"] == sha and info["source"] == "env"
+
+
 def test_commit_from_git():
     info = record.commit_info()
     if info["source"] == "git":
