@@ -55,6 +55,8 @@ def test_sm90_compiles_without_spills(builds, cfg):
     assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res
     # ptxas says so when it ignores setmaxnreg (C7508) or serialises wgmma (C7510, C7515 ...).
     assert "warning" not in result.log.lower(), result.log
+    # C7520 & co. are "info" lines: wgmma serialised because it sits on a divergent path.
+    assert "performance loss" not in result.log.lower(), result.log
 
 
 def _cuobjdump() -> str | None:
@@ -87,7 +89,8 @@ def _dump(cubin: bytes, tmp_path: Path, flag: str) -> str:
 def test_sm90_sass_uses_wgmma_and_tma(builds, cfg, tmp_path):
     sass = _dump(builds[cfg.name].cubin, tmp_path, "-sass")
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
-    # Two loop bodies (masked, unmasked), each: head_dim / 16 Q K^T and block_n / 16 P V wgmmas.
+    # The first tile (Q K^T only), the loop body (Q K^T, P V) and the last P V: 2 x head_dim / 16
+    # Q K^T and 2 x block_n / 16 P V wgmmas.
     assert len(hgmma) == 2 * (cfg.head_dim // 16 + cfg.block_n // 16), len(hgmma)
     # nvdisasm spells bf16 inputs .F32.BF16 and fp16 inputs plain .F32
     bf16 = cfg.dtype == torch.bfloat16

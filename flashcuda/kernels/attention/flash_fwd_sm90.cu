@@ -1,5 +1,4 @@
-// Flash attention forward, sm90a kernel (the FlashAttention-3 design, first step: correct and
-// simple; compile-verified, gated off in flashcuda/ops/fwd_sm90.py until a GPU run proves it).
+// Flash attention forward, sm90a kernel (the FlashAttention-3 design).
 //
 // Feature matrix
 //   dtypes        fp16, bf16 in and out; fp32 accumulation and softmax
@@ -10,8 +9,8 @@
 //   layouts       (batch, row, head) strides that are multiples of 8 elements (16 bytes, a TMA
 //                 rule), unit last stride, 16-byte aligned base pointers
 //   outputs       out (B, Sq, H, D), lse (B, H, Sq) float32 natural log
-//   not yet       ping-pong between consumer warpgroups, softmax overlapped with the next
-//                 Q K^T, persistent tile scheduler, TMA store epilogue, intra-warpgroup overlap
+//   not yet       ping-pong between consumer warpgroups, persistent tile scheduler, TMA store
+//                 epilogue
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // One CTA per (query block of kBlockM = 128 rows, head, batch); 3 warpgroups:
@@ -23,13 +22,17 @@
 //   warpgroups 1, 2  consumers (setmaxnreg.inc to 240): warpgroup c owns query rows
 //                64 (c - 1) .. + 63 of the block, so the softmax of a row never leaves its
 //                warpgroup (a row lives in one quad of one warp, as in the sm80 kernel).
-// Per key tile j (visited from the last one down, masked diagonal tiles first, like sm80):
-//     wait k_full | S = Q K_j^T: kHeadDim / 16 wgmma m64n{kBlockN}k16, Q and K from shared memory
-//     (K-major, 128B swizzle) | wait; release K_j | mask if the tile needs it | row max (2 quad
-//     shuffles), rescale O, P = exp2(S * scale_log2 - m) in registers, per-thread partial row sums
-//     | P -> 16-bit A fragments | wait v_full | O += P V_j: kBlockN / 16 wgmma m64n{kHeadDim}k16,
-//     A from registers, B = V_j from shared memory read MN-major (imm-trans-b = 1: V is stored
-//     [key][d], d contiguous, and B of P V is keys x d) | wait; release V_j
+// Per key tile i (visited from the last one down, masked diagonal tiles first, like sm80), with
+// intra-warpgroup overlap (FA3): the softmax of tile i runs while the tensor cores finish
+// O += P_{i-1} V_{i-1}:
+//     wait k_full | issue S_i = Q K_i^T: kHeadDim / 16 wgmma m64n{kBlockN}k16, Q and K from shared
+//     memory (K-major, 128B swizzle) | wait v_full of i-1, issue O += P_{i-1} V_{i-1}: kBlockN / 16
+//     wgmma m64n{kHeadDim}k16, A = P from registers, B = V from shared memory read MN-major
+//     (imm-trans-b = 1: V is stored [key][d], d contiguous, and B of P V is keys x d) | wait for
+//     S_i only (wgmma groups complete in order); release K_i | mask if the tile needs it | row max
+//     (2 quad shuffles), P = exp2(S * scale_log2 - m) in registers, per-thread partial row sums |
+//     wait for P V; release V_{i-1} | rescale O | P_i -> 16-bit A fragments
+// and after the loop, the last tile's P V.
 // Deferred normalisation: O / l once, in the epilogue, which stores O straight from the
 // accumulator registers (4 bytes per lane; a TMA store through shared memory is a later step).
 //
@@ -153,11 +156,15 @@ __device__ __forceinline__ void produce(const Smem& sm, const Block& blk, const 
 }
 
 // ---- consumer: what one thread of a consumer warpgroup holds, and the tile verbs ----------------
+// Intra-warpgroup overlap (FA3): while the tensor cores run O += P_{i-1} V_{i-1}, the warpgroup
+// computes the softmax of tile i, whose S = Q K_i^T was issued just before that GEMM. O is
+// rescaled only once the P V GEMM has drained.
 struct Consumer {
-  float o[kHeadDim / 2];   // O accumulator: m64n{kHeadDim} wgmma layout (sm90.cuh header)
-  float s[kBlockN / 2];    // S of the current key tile, then P
-  OnlineSoftmax row[2];    // rows g and g + 8 of this warp's 16; l is this lane's partial sum
-  uint32_t q_rows;         // shared address of this warpgroup's 64 rows of Q (chunk 0)
+  float o[kHeadDim / 2];        // O accumulator: m64n{kHeadDim} wgmma layout (sm90.cuh header)
+  float s[kBlockN / 2];         // S of the current key tile, then its P (fp32)
+  uint32_t p[kBlockN / 16][4];  // P of the previous tile as 16-bit A fragments of P V
+  OnlineSoftmax row[2];         // rows g and g + 8 of this warp's 16; l is this lane's partial sum
+  uint32_t q_rows;              // shared address of this warpgroup's 64 rows of Q (chunk 0)
 
   __device__ __forceinline__ void init(const Smem& sm, int wg_row0) {
     q_rows = sm.q() + wg_row0 * 128;  // 64-row offsets stay 1024-byte aligned
@@ -167,11 +174,9 @@ struct Consumer {
     for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
   }
 
-  // S = Q K^T over kHeadDim / 16 k16 steps; step kk reads 32 bytes at column (kk % 4) * 16 of
-  // chunk kk / 4 of both tiles.
-  __device__ __forceinline__ void scores(uint32_t k_tile) {
-    wgmma_fence_operands(s);
-    wgmma_fence();
+  // Issue S = Q K^T over kHeadDim / 16 k16 steps (one commit group); step kk reads 32 bytes at
+  // column (kk % 4) * 16 of chunk kk / 4 of both tiles. The caller fenced.
+  __device__ __forceinline__ void issue_scores(uint32_t k_tile) {
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t col = (kk / 4), within = (kk % 4) * 32;
@@ -180,8 +185,27 @@ struct Consumer {
       wgmma_ss<kBlockN, T>(s, a, b, kk > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(s);
+  }
+
+  // Issue O += P V (one commit group): P's C fragments of n8 blocks 2kk, 2kk + 1 are the A
+  // fragment of k16 step kk; step kk reads V rows 16kk .. 16kk + 15 (2048 bytes further per
+  // step), both d chunks.
+  __device__ __forceinline__ void issue_accumulate(uint32_t v_tile) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t b = smem_desc_mn_major_sw128(v_tile + kk * 16 * 128, kKVChunkBytes);
+      wgmma_rs_tb<kHeadDim, T>(o, p[kk], b, 1);
+    }
+    wgmma_commit();
+  }
+
+  // The A registers of an in-flight P V belong to the tensor cores until it drains: keep them
+  // live (and unmoved) up to the wait, so the compiler cannot reuse them for softmax temporaries.
+  __device__ __forceinline__ void hold_p() {
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(p[kk][r])::"memory");
   }
 
   // Scores of (row, key) pairs the rule hides become -inf. `i0`: query row of this lane's first
@@ -202,9 +226,10 @@ struct Consumer {
     }
   }
 
-  // Online softmax on this tile: new row maxima (over the quad), rescale O, P = exp2(S - m) in
-  // place, partial row sums into row[h].l (summed over the quad once, in the epilogue).
-  __device__ __forceinline__ void softmax(float scale_log2) {
+  // Online softmax of this tile: new row maxima (over the quad), P = exp2(S - m) in place,
+  // partial row sums into row[h].l (summed over the quad once, in the epilogue). Returns in
+  // corr[h] the factor O's rows must still be multiplied by (see rescale).
+  __device__ __forceinline__ void softmax(float scale_log2, float (&corr)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = neg_inf();
@@ -213,13 +238,8 @@ struct Consumer {
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       // scale_log2 > 0 (checked on the host), so max(s) * scale is the max of the scaled scores.
-      const float corr = row[h].update(mx * scale_log2);
+      corr[h] = row[h].update(mx * scale_log2);
       const float ref = row[h].ref();
-#pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
-        o[4 * j + 2 * h] *= corr;
-        o[4 * j + 2 * h + 1] *= corr;
-      }
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j)
@@ -233,10 +253,18 @@ struct Consumer {
     }
   }
 
-  // O += P V: P's C fragments of n8 blocks 2kk, 2kk + 1 are the A fragment of k16 step kk;
-  // step kk reads V rows 16kk .. 16kk + 15 (2048 bytes further per step), both d chunks.
-  __device__ __forceinline__ void accumulate(uint32_t v_tile) {
-    uint32_t p[kBlockN / 16][4];
+  __device__ __forceinline__ void rescale(const float (&corr)[2]) {
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        o[4 * j + 2 * h] *= corr[h];
+        o[4 * j + 2 * h + 1] *= corr[h];
+      }
+  }
+
+  // P (fp32, in s) -> 16-bit A fragments.
+  __device__ __forceinline__ void pack_p() {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const float* lo = &s[8 * kk];
@@ -245,44 +273,68 @@ struct Consumer {
       p[kk][2] = pack2<T>(lo[4], lo[5]);
       p[kk][3] = pack2<T>(lo[6], lo[7]);
     }
-    wgmma_fence_operands(o);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t b = smem_desc_mn_major_sw128(v_tile + kk * 16 * 128, kKVChunkBytes);
-      wgmma_rs_tb<kHeadDim, T>(o, p[kk], b, 1);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(o);
   }
 };
 
 // One arrival per consumer warp on an "empty" barrier: every lane's wgmma reading the stage has
-// completed (wgmma_wait<0> in each lane before the __syncwarp).
+// completed (a wgmma_wait in each lane before the __syncwarp).
 __device__ __forceinline__ void release(uint32_t bar) {
   __syncwarp();
   if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
 }
 
-// Key tile i of the visit order: the loop body, written once; masking is its compile-time flag.
-template <bool kMasked>
+// Key tile i of the visit order, the loop body written once:
+//     issue S_i = Q K_i^T | issue O += P_{i-1} V_{i-1} (not for the first tile) | wait S_i,
+//     release K_i | mask if the tile needs it | softmax of S_i | wait P V, release V_{i-1} |
+//     rescale O | P_i -> A fragments
+// The first tile is a compile-time case and masking a warp-uniform runtime branch around
+// apply_mask alone: wgmma issued on a path ptxas sees as divergent gets serialized (C7520).
+template <bool kFirst>
 __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, const Block& blk,
-                                                const Mask& mask, int i, int row0,
+                                                const Mask& mask, int i, int row0, int wg_row0,
                                                 float scale_log2) {
-  const int s = stage_of(i);
-  const uint32_t parity = parity_of(i);
-  mbar_wait(sm.k_full(s), parity);
-  cs.scores(sm.k(s));
-  release(sm.k_empty(s));
-  if constexpr (kMasked) {
-    const int lane = static_cast<int>(threadIdx.x & 31);
-    cs.apply_mask(mask, row0, (blk.n_last - i) * kBlockN + 2 * (lane & 3));
+  const int st = stage_of(i);
+  const int prev = stage_of(i + kStages - 1);
+  mbar_wait(sm.k_full(st), parity_of(i));
+  wgmma_fence_operands(cs.s);
+  wgmma_fence_operands(cs.o);
+  wgmma_fence();
+  cs.issue_scores(sm.k(st));
+  if constexpr (!kFirst) {
+    mbar_wait(sm.v_full(prev), parity_of(i - 1));
+    cs.issue_accumulate(sm.v(prev));
+    wgmma_wait<1>();
+  } else {
+    wgmma_wait<0>();
   }
-  cs.softmax(scale_log2);
-  mbar_wait(sm.v_full(s), parity);
-  cs.accumulate(sm.v(s));
-  release(sm.v_empty(s));
+  wgmma_fence_operands(cs.s);
+  release(sm.k_empty(st));
+  const int n0 = (blk.n_last - i) * kBlockN;
+  if (mask.tile_needs_mask(blk.m0 + wg_row0, 64, n0, kBlockN))
+    cs.apply_mask(mask, row0, n0 + 2 * static_cast<int>(threadIdx.x & 3));
+  float corr[2];
+  cs.softmax(scale_log2, corr);
+  if constexpr (!kFirst) {
+    wgmma_wait<0>();
+    cs.hold_p();
+    wgmma_fence_operands(cs.o);
+    release(sm.v_empty(prev));
+  }
+  cs.rescale(corr);
+  cs.pack_p();
+}
+
+// The last tile's P V, after the loop.
+__device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, int tiles) {
+  const int last = tiles - 1;
+  mbar_wait(sm.v_full(stage_of(last)), parity_of(last));
+  wgmma_fence_operands(cs.o);
+  wgmma_fence();
+  cs.issue_accumulate(sm.v(stage_of(last)));
+  wgmma_wait<0>();
+  cs.hold_p();
+  wgmma_fence_operands(cs.o);
+  release(sm.v_empty(stage_of(last)));
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
@@ -296,7 +348,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
                int window_left, int window_right) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const Smem sm{(smem_addr(smem_raw) + 1023u) & ~1023u};
-  const int wg = static_cast<int>(threadIdx.x / 128);
+  // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
   Block blk;
@@ -335,13 +388,13 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   cs.init(sm, wg_row0);
 
   const int tiles = blk.tiles();
-  if (tiles > 0) mbar_wait(sm.q_full(), 0);
-  for (int i = 0; i < tiles; ++i) {
-    if (mask.tile_needs_mask(blk.m0 + wg_row0, 64, (blk.n_last - i) * kBlockN, kBlockN))
-      attend_key_tile<true>(cs, sm, blk, mask, i, row0, scale_log2);
-    else
-      attend_key_tile<false>(cs, sm, blk, mask, i, row0, scale_log2);
+  if (tiles > 0) {
+    mbar_wait(sm.q_full(), 0);
+    attend_key_tile<true>(cs, sm, blk, mask, 0, row0, wg_row0, scale_log2);
   }
+  for (int i = 1; i < tiles; ++i)
+    attend_key_tile<false>(cs, sm, blk, mask, i, row0, wg_row0, scale_log2);
+  if (tiles > 0) drain(cs, sm, tiles);
 
   // ---- epilogue: finish l over the quad, normalise, store O and lse ---------------------------
   T* o_bh = out + blk.batch * o_batch_stride + blk.head * o_head_stride;
