@@ -29,7 +29,7 @@ import torch
 from ..jit import KernelSpec, get_kernel, register
 from ..jit.tensor_map import bshd_map, bshd_problem
 from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, FwdCall, vector_layout_problem
-from .fwd_sm80 import MAX_GRID_YZ, MAX_SEQLEN_SUM, _device_index, _device_info
+from .fwd_sm80 import MAX_SEQLEN_SUM, _device_index, _device_info
 
 SOURCE = "attention/flash_fwd_sm90.cu"
 ARCHS = ("sm_90a",)
@@ -88,7 +88,7 @@ class Sm90FwdConfig:
     @property
     def smem_bytes(self) -> int:
         """1024 B alignment slack + Q + stages x (K + V) + the mbarriers (as the .cu lays out)."""
-        barriers = 1 + 4 * self.stages
+        barriers = 2 + 4 * self.stages
         return 1024 + self.q_bytes + 2 * self.stages * self.kv_bytes + BARRIER_BYTES * barriers
 
     @property
@@ -108,8 +108,13 @@ class Sm90FwdConfig:
             "FC_SMEM_BYTES": self.smem_bytes,
         })
 
-    def grid(self, call: FwdCall) -> tuple[int, int, int]:
-        return (math.ceil(call.seqlen_q / self.block_m), call.nheads, call.batch)
+    def work_tiles(self, call: FwdCall) -> int:
+        """(query block, head, batch) tiles the persistent CTAs walk."""
+        return math.ceil(call.seqlen_q / self.block_m) * call.nheads * call.batch
+
+    def grid(self, call: FwdCall, sms: int) -> tuple[int, int, int]:
+        """Persistent: one CTA per SM (one fits: 384 threads with 240-register consumers)."""
+        return (max(1, min(self.work_tiles(call), sms)), 1, 1)
 
 
 def select_config(dtype: torch.dtype, head_dim: int) -> Sm90FwdConfig:
@@ -140,8 +145,6 @@ def can_implement(call: FwdCall) -> str | None:
         return f"k/v head dims {call.k.shape[3]}/{call.v.shape[3]} differ from q's {d}"
     if call.nheads_kv <= 0 or call.nheads % call.nheads_kv:
         return f"nheads {call.nheads} is not a multiple of nheads_kv {call.nheads_kv}"
-    if call.nheads > MAX_GRID_YZ or call.batch > MAX_GRID_YZ:
-        return f"nheads {call.nheads} or batch {call.batch} exceeds the grid limit {MAX_GRID_YZ}"
     if call.seqlen_q + call.seqlen_k >= MAX_SEQLEN_SUM:
         return f"seqlen_q + seqlen_k = {call.seqlen_q + call.seqlen_k} >= {MAX_SEQLEN_SUM}"
     if call.seqlen_k == 0:
@@ -151,6 +154,8 @@ def can_implement(call: FwdCall) -> str | None:
     if why := vector_layout_problem("out", call.out):
         return why
     cfg = select_config(call.dtype, d)
+    if cfg.work_tiles(call) >= 2**31:
+        return f"{cfg.work_tiles(call)} work tiles exceed the kernel's int32 tile index"
     if call.batch and call.seqlen_q and call.nheads:
         for name, rows in (("q", cfg.block_m), ("k", cfg.block_n), ("v", cfg.block_n)):
             if why := vector_layout_problem(name, getattr(call, name)):
@@ -173,7 +178,8 @@ def can_implement(call: FwdCall) -> str | None:
 
 def kernel_args(call: FwdCall, cfg: Sm90FwdConfig) -> tuple:
     """map_q, map_k, map_v, out, lse, out strides (int64: batch, row, head), seqlen_q, seqlen_k,
-    nheads, nheads_kv (int32), scale_log2 (float32), window_left, window_right (int32)."""
+    nheads, nheads_kv (int32), scale_log2 (float32), window_left, window_right, batch, by_block
+    (int32; by_block: the causal / window schedule, see Schedule in the .cu)."""
     wl, wr = call.kernel_windows()
     o = call.out
     return (
@@ -182,6 +188,7 @@ def kernel_args(call: FwdCall, cfg: Sm90FwdConfig) -> tuple:
         np.int64(o.stride(0)), np.int64(o.stride(1)), np.int64(o.stride(2)),
         np.int32(call.seqlen_q), np.int32(call.seqlen_k), np.int32(call.nheads),
         np.int32(call.nheads_kv), np.float32(call.softmax_scale * LOG2E), wl, wr,
+        np.int32(call.batch), np.int32(call.is_local),
     )
 
 
@@ -193,7 +200,8 @@ def run(call: FwdCall) -> None:
         return
     cfg = select_config(call.dtype, call.head_dim)
     kernel = get_kernel(cfg.spec(), call.device)
-    kernel.launch(cfg.grid(call), (cfg.threads, 1, 1), *kernel_args(call, cfg),
+    sms = torch.cuda.get_device_properties(_device_index(call.device)).multi_processor_count
+    kernel.launch(cfg.grid(call, sms), (cfg.threads, 1, 1), *kernel_args(call, cfg),
                   shared_mem=cfg.smem_bytes)
 
 

@@ -113,7 +113,8 @@ def test_sm90_parameter_offsets_match_pack_args(builds, tmp_path):
         elf)}
     m = TensorMap(b"\0" * 128)
     args = (m, m, m, None, None, np.int64(0), np.int64(0), np.int64(0), np.int32(0), np.int32(0),
-            np.int32(0), np.int32(0), np.float32(0), np.int32(0), np.int32(0))
+            np.int32(0), np.int32(0), np.float32(0), np.int32(0), np.int32(0), np.int32(0),
+            np.int32(0))
     _, offsets = pack_args("k", args)
     assert len(table) == len(args)
     base = table[0][0]
@@ -133,13 +134,13 @@ def test_config_is_the_single_source_of_truth():
     cfg = Sm90FwdConfig(torch.bfloat16, 128)
     assert cfg.name == "flash_fwd_sm90_bf16_d128_bm128_bn128_s2"
     assert cfg.threads == 384 and cfg.consumers == 2
-    assert cfg.smem_bytes == 1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 8 * 9
+    assert cfg.smem_bytes == 1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 8 * 10
     assert dict(cfg.spec().defines) == {
         "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "128", "FC_BLOCK_N": "128",
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
         "FC_SMEM_BYTES": str(cfg.smem_bytes)}
     assert cfg.smem_bytes <= 232448  # H100/H200 opt-in limit per block
-    assert Sm90FwdConfig(torch.float16, 64).smem_bytes == 1024 + 16384 + 4 * 16384 + 72
+    assert Sm90FwdConfig(torch.float16, 64).smem_bytes == 1024 + 16384 + 4 * 16384 + 80
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -185,6 +185,25 @@ def test_packed_qkv_views():
     check(q, k, v, CAUSAL)
 
 
+# ---- the persistent schedule: more work tiles than SMs, so each CTA runs several -------------
+
+@pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_persistent_many_work_tiles(head_dim, window):
+    """384 work tiles over at most 132 CTAs: the K/V ring and the Q barrier run on across work
+    tiles of different heads, batches and lengths."""
+    q, k, v = make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=11)
+    check(q, k, v, window)
+
+
+def test_persistent_with_empty_work_tiles():
+    """Causal with seqlen_q > seqlen_k: the first blocks of every head see no key (zero key
+    tiles, no Q load) between blocks that do; 480 work tiles."""
+    q, k, v = make(2, 700, 300, 40, 8, 128, FP16, seed=12)
+    out, lse = check(q, k, v, CAUSAL)
+    assert torch.isneginf(lse[:, :, :400]).all() and (out[:, :400] == 0).all()
+
+
 # ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])

@@ -13,10 +13,14 @@
 //                 epilogue
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
-// One CTA per (query block of kBlockM = 128 rows, head, batch); 3 warpgroups:
+// Persistent: one CTA per SM (grid = min(work tiles, SMs)) walks work tiles of (query block of
+// kBlockM = 128 rows, head, batch) in the order of `Schedule`; while its consumers finish one
+// work tile (last P V, epilogue), the producer already loads the next one's Q, K and V.
+// 3 warpgroups:
 //   warpgroup 0  producer: gives registers back (setmaxnreg.dec to 24); one elected thread
-//                issues TMA: the Q tile once, then per key tile K_j and V_j into a kStages-deep
-//                ring of shared-memory stages, each guarded by mbarriers:
+//                issues TMA: per work tile the Q tile (once its last Q K^T is done: q_empty),
+//                then per key tile K_j and V_j into a kStages-deep ring of shared-memory stages
+//                (the ring runs on across work tiles), each guarded by mbarriers:
 //                    k_full[s] / v_full[s]    TMA -> consumers (1 arrival + transaction bytes)
 //                    k_empty[s] / v_empty[s]  consumers -> TMA (one arrival per consumer warp)
 //   warpgroups 1, 2  consumers (setmaxnreg.inc to 240): warpgroup c owns query rows
@@ -74,7 +78,7 @@ constexpr int kSmemQ = 0;
 constexpr int kSmemK = kSmemQ + kQBytes;
 constexpr int kSmemV = kSmemK + kStages * kKVBytes;
 constexpr int kSmemBar = kSmemV + kStages * kKVBytes;
-constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
+constexpr int kBarriers = 2 + 4 * kStages;  // q_full, q_empty, k_full[], v_full[], k_empty[], v_empty[]
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -95,13 +99,15 @@ struct Smem {
   __device__ __forceinline__ uint32_t v(int s) const { return base + kSmemV + s * kKVBytes; }
   __device__ __forceinline__ uint32_t bar(int i) const { return base + kSmemBar + 8 * i; }
   __device__ __forceinline__ uint32_t q_full() const { return bar(0); }
-  __device__ __forceinline__ uint32_t k_full(int s) const { return bar(1 + s); }
-  __device__ __forceinline__ uint32_t v_full(int s) const { return bar(1 + kStages + s); }
-  __device__ __forceinline__ uint32_t k_empty(int s) const { return bar(1 + 2 * kStages + s); }
-  __device__ __forceinline__ uint32_t v_empty(int s) const { return bar(1 + 3 * kStages + s); }
+  __device__ __forceinline__ uint32_t q_empty() const { return bar(1); }
+  __device__ __forceinline__ uint32_t k_full(int s) const { return bar(2 + s); }
+  __device__ __forceinline__ uint32_t v_full(int s) const { return bar(2 + kStages + s); }
+  __device__ __forceinline__ uint32_t k_empty(int s) const { return bar(2 + 2 * kStages + s); }
+  __device__ __forceinline__ uint32_t v_empty(int s) const { return bar(2 + 3 * kStages + s); }
 
   __device__ __forceinline__ void init_barriers() const {
     mbar_init(q_full(), 1);
+    mbar_init(q_empty(), kConsumerWarps);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbar_init(k_full(s), 1);
@@ -113,7 +119,7 @@ struct Smem {
   }
 };
 
-// Which query rows and key tiles this CTA works on (the same numbers in every role).
+// One work tile: which query rows and key tiles it covers (the same numbers in every role).
 struct Block {
   int m0, head, head_kv, batch;
   int n_first, n_last;  // key tiles [n_first, n_last], visited from n_last down
@@ -121,37 +127,79 @@ struct Block {
   __device__ __forceinline__ int tiles() const { return n_last - n_first + 1; }
 };
 
-// Tile i of the visit order lives in stage i % kStages; its barriers' phase parity is
-// (i / kStages) & 1.
-__device__ __forceinline__ int stage_of(int i) { return i % kStages; }
-__device__ __forceinline__ uint32_t parity_of(int i) { return (i / kStages) & 1; }
+// The persistent schedule: CTA c takes work tiles c, c + gridDim.x, ... of one fixed order.
+//   by_head (uniform cost: no causal / window): head-major, the query blocks of one head next to
+//            each other, so CTAs running at the same time share that head's K and V in L2;
+//   by_block (causal, window): query-block-major from the last (heaviest) block down, so every
+//            CTA gets a mix of heavy and light tiles (longest first) and no CTA ends late.
+struct Schedule {
+  int num_m, nheads, nheads_kv, batch;
+  int by_block;
+
+  __device__ __forceinline__ int total() const { return num_m * nheads * batch; }
+
+  __device__ __forceinline__ Block block(int t, const Mask& mask) const {
+    int m, bh;
+    if (by_block) {
+      const int heads = nheads * batch;
+      m = num_m - 1 - t / heads;
+      bh = t % heads;
+    } else {
+      m = num_m - 1 - t % num_m;
+      bh = t / num_m;
+    }
+    Block blk;
+    blk.m0 = m * kBlockM;
+    blk.head = bh % nheads;
+    blk.batch = bh / nheads;
+    blk.head_kv = blk.head / (nheads / nheads_kv);
+    const int row_end = min(blk.m0 + kBlockM, mask.seqlen_q);
+    const int key_lo = mask.key_begin(blk.m0);
+    const int key_hi = mask.key_end(row_end);
+    blk.n_first = key_lo / kBlockN;
+    blk.n_last = key_hi > key_lo ? (key_hi - 1) / kBlockN : blk.n_first - 1;
+    return blk;
+  }
+};
+
+// Ring index r (K/V tiles counted over all of a CTA's work tiles) lives in stage r % kStages;
+// its barriers' phase parity is (r / kStages) & 1.
+__device__ __forceinline__ int stage_of(int r) { return r % kStages; }
+__device__ __forceinline__ uint32_t parity_of(int r) { return (r / kStages) & 1; }
 
 // ---- producer: one thread issues every TMA load -------------------------------------------------
-__device__ __forceinline__ void produce(const Smem& sm, const Block& blk, const TmaMap& map_q,
-                                        const TmaMap& map_k, const TmaMap& map_v) {
-  const int tiles = blk.tiles();
-  if (tiles <= 0) return;
-  mbar_arrive_expect_tx(sm.q_full(), kQBytes);
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c)
-    tma_load_4d(sm.q() + c * kQChunkBytes, map_q, sm.q_full(), c * kChunkCols, blk.m0, blk.head,
-                blk.batch);
-  for (int i = 0; i < tiles; ++i) {
-    const int s = stage_of(i);
-    const uint32_t empty_parity = parity_of(i) ^ 1;  // first pass: stages start empty
-    const int n0 = (blk.n_last - i) * kBlockN;
-    mbar_wait(sm.k_empty(s), empty_parity);
-    mbar_arrive_expect_tx(sm.k_full(s), kKVBytes);
+__device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, const Mask& mask,
+                                        const TmaMap& map_q, const TmaMap& map_k,
+                                        const TmaMap& map_v) {
+  int ring = 0, q_round = 0;
+  for (int t = blockIdx.x; t < sched.total(); t += gridDim.x) {
+    const Block blk = sched.block(t, mask);
+    const int tiles = blk.tiles();
+    if (tiles <= 0) continue;
+    mbar_wait(sm.q_empty(), (q_round & 1) ^ 1);  // first round: Q starts empty
+    mbar_arrive_expect_tx(sm.q_full(), kQBytes);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c)
-      tma_load_4d(sm.k(s) + c * kKVChunkBytes, map_k, sm.k_full(s), c * kChunkCols, n0,
-                  blk.head_kv, blk.batch);
-    mbar_wait(sm.v_empty(s), empty_parity);
-    mbar_arrive_expect_tx(sm.v_full(s), kKVBytes);
+      tma_load_4d(sm.q() + c * kQChunkBytes, map_q, sm.q_full(), c * kChunkCols, blk.m0,
+                  blk.head, blk.batch);
+    for (int i = 0; i < tiles; ++i, ++ring) {
+      const int s = stage_of(ring);
+      const uint32_t empty_parity = parity_of(ring) ^ 1;  // first pass: stages start empty
+      const int n0 = (blk.n_last - i) * kBlockN;
+      mbar_wait(sm.k_empty(s), empty_parity);
+      mbar_arrive_expect_tx(sm.k_full(s), kKVBytes);
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c)
-      tma_load_4d(sm.v(s) + c * kKVChunkBytes, map_v, sm.v_full(s), c * kChunkCols, n0,
-                  blk.head_kv, blk.batch);
+      for (int c = 0; c < kChunks; ++c)
+        tma_load_4d(sm.k(s) + c * kKVChunkBytes, map_k, sm.k_full(s), c * kChunkCols, n0,
+                    blk.head_kv, blk.batch);
+      mbar_wait(sm.v_empty(s), empty_parity);
+      mbar_arrive_expect_tx(sm.v_full(s), kKVBytes);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        tma_load_4d(sm.v(s) + c * kKVChunkBytes, map_v, sm.v_full(s), c * kChunkCols, n0,
+                    blk.head_kv, blk.batch);
+    }
+    ++q_round;
   }
 }
 
@@ -291,17 +339,17 @@ __device__ __forceinline__ void release(uint32_t bar) {
 // apply_mask alone: wgmma issued on a path ptxas sees as divergent gets serialized (C7520).
 template <bool kFirst>
 __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, const Block& blk,
-                                                const Mask& mask, int i, int row0, int wg_row0,
-                                                float scale_log2) {
-  const int st = stage_of(i);
-  const int prev = stage_of(i + kStages - 1);
-  mbar_wait(sm.k_full(st), parity_of(i));
+                                                const Mask& mask, int i, int ring, int row0,
+                                                int wg_row0, float scale_log2) {
+  const int st = stage_of(ring);
+  const int prev = stage_of(ring + kStages - 1);
+  mbar_wait(sm.k_full(st), parity_of(ring));
   wgmma_fence_operands(cs.s);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
   cs.issue_scores(sm.k(st));
   if constexpr (!kFirst) {
-    mbar_wait(sm.v_full(prev), parity_of(i - 1));
+    mbar_wait(sm.v_full(prev), parity_of(ring - 1));
     cs.issue_accumulate(sm.v(prev));
     wgmma_wait<1>();
   } else {
@@ -324,9 +372,8 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   cs.pack_p();
 }
 
-// The last tile's P V, after the loop.
-__device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, int tiles) {
-  const int last = tiles - 1;
+// The last tile's P V, after the loop (`last`: its ring index).
+__device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, int last) {
   mbar_wait(sm.v_full(stage_of(last)), parity_of(last));
   wgmma_fence_operands(cs.o);
   wgmma_fence();
@@ -345,23 +392,14 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
                float* __restrict__ lse,               // [B, H, Sq]
                int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride,
                int seqlen_q, int seqlen_k, int nheads, int nheads_kv, float scale_log2,
-               int window_left, int window_right) {
+               int window_left, int window_right, int batch, int by_block) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const Smem sm{(smem_addr(smem_raw) + 1023u) & ~1023u};
   // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
-  Block blk;
-  blk.m0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;  // heavy (late, causal) blocks first
-  blk.head = blockIdx.y;
-  blk.batch = blockIdx.z;
-  blk.head_kv = blk.head / (nheads / nheads_kv);
-  const int row_end = min(blk.m0 + kBlockM, seqlen_q);
-  const int key_lo = mask.key_begin(blk.m0);
-  const int key_hi = mask.key_end(row_end);
-  blk.n_first = key_lo / kBlockN;
-  blk.n_last = key_hi > key_lo ? (key_hi - 1) / kBlockN : blk.n_first - 1;
+  const Schedule sched{(seqlen_q + kBlockM - 1) / kBlockM, nheads, nheads_kv, batch, by_block};
 
   if (threadIdx.x == 0) {
     sm.init_barriers();
@@ -373,7 +411,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 
   if (wg == 0) {  // ---- producer warpgroup
     setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x < 32 && elect_one()) produce(sm, blk, map_q, map_k, map_v);
+    if (threadIdx.x < 32 && elect_one()) produce(sm, sched, mask, map_q, map_k, map_v);
     return;
   }
 
@@ -383,35 +421,43 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   const int wg_row0 = (wg - 1) * 64;  // this warpgroup's first row in the block
   const int warp_row0 = wg_row0 + static_cast<int>((threadIdx.x / 32) % 4) * 16;
   const int g = lane >> 2, t = lane & 3;
-  const int row0 = blk.m0 + warp_row0 + g;  // query row of this lane's first row (h = 0)
-  Consumer cs;
-  cs.init(sm, wg_row0);
+  int ring = 0, q_round = 0;
+  for (int w = blockIdx.x; w < sched.total(); w += gridDim.x) {
+    const Block blk = sched.block(w, mask);
+    const int row0 = blk.m0 + warp_row0 + g;  // query row of this lane's first row (h = 0)
+    Consumer cs;
+    cs.init(sm, wg_row0);
 
-  const int tiles = blk.tiles();
-  if (tiles > 0) {
-    mbar_wait(sm.q_full(), 0);
-    attend_key_tile<true>(cs, sm, blk, mask, 0, row0, wg_row0, scale_log2);
-  }
-  for (int i = 1; i < tiles; ++i)
-    attend_key_tile<false>(cs, sm, blk, mask, i, row0, wg_row0, scale_log2);
-  if (tiles > 0) drain(cs, sm, tiles);
+    const int tiles = blk.tiles();
+    if (tiles > 0) {
+      mbar_wait(sm.q_full(), q_round & 1);
+      attend_key_tile<true>(cs, sm, blk, mask, 0, ring, row0, wg_row0, scale_log2);
+      for (int i = 1; i < tiles; ++i)
+        attend_key_tile<false>(cs, sm, blk, mask, i, ring + i, row0, wg_row0, scale_log2);
+      release(sm.q_empty());  // every Q K^T of this work tile has completed
+      drain(cs, sm, ring + tiles - 1);
+      ring += tiles;
+      ++q_round;
+    }
 
-  // ---- epilogue: finish l over the quad, normalise, store O and lse ---------------------------
-  T* o_bh = out + blk.batch * o_batch_stride + blk.head * o_head_stride;
-  const int64_t lse_row0 = (static_cast<int64_t>(blk.batch) * nheads + blk.head) * seqlen_q;
+    // ---- epilogue: finish l over the quad, normalise, store O and lse (the producer is already
+    // loading the next work tile's Q, K and V)
+    T* o_bh = out + blk.batch * o_batch_stride + blk.head * o_head_stride;
+    const int64_t lse_row0 = (static_cast<int64_t>(blk.batch) * nheads + blk.head) * seqlen_q;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    OnlineSoftmax& st = cs.row[h];
-    st.l += __shfl_xor_sync(0xffffffffu, st.l, 1);
-    st.l += __shfl_xor_sync(0xffffffffu, st.l, 2);
-    const float inv = st.inv_sum();
-    const int r = row0 + 8 * h;
-    if (r < seqlen_q) {
-      if (t == 0) lse[lse_row0 + r] = st.lse();
-      uint32_t* dst = reinterpret_cast<uint32_t*>(o_bh + r * o_row_stride + 2 * t);
+    for (int h = 0; h < 2; ++h) {
+      OnlineSoftmax& st = cs.row[h];
+      st.l += __shfl_xor_sync(0xffffffffu, st.l, 1);
+      st.l += __shfl_xor_sync(0xffffffffu, st.l, 2);
+      const float inv = st.inv_sum();
+      const int r = row0 + 8 * h;
+      if (r < seqlen_q) {
+        if (t == 0) lse[lse_row0 + r] = st.lse();
+        uint32_t* dst = reinterpret_cast<uint32_t*>(o_bh + r * o_row_stride + 2 * t);
 #pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j)
-        dst[4 * j] = pack2<T>(cs.o[4 * j + 2 * h] * inv, cs.o[4 * j + 2 * h + 1] * inv);
+        for (int j = 0; j < kHeadDim / 8; ++j)
+          dst[4 * j] = pack2<T>(cs.o[4 * j + 2 * h] * inv, cs.o[4 * j + 2 * h + 1] * inv);
+      }
     }
   }
 }
