@@ -36,6 +36,7 @@ ARCHS = ("sm_90a",)
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90"
+PERSISTENT_ENV = "FLASHCUDA_SM90_PERSISTENT"
 GATED = f"fwd_sm90 is compile-verified only; set {ENABLE_ENV}=1 to try it"
 BARRIER_BYTES = 8
 
@@ -113,8 +114,13 @@ class Sm90FwdConfig:
         return math.ceil(call.seqlen_q / self.block_m) * call.nheads * call.batch
 
     def grid(self, call: FwdCall, sms: int) -> tuple[int, int, int]:
-        """Persistent: one CTA per SM (one fits: 384 threads with 240-register consumers)."""
-        return (max(1, min(self.work_tiles(call), sms)), 1, 1)
+        """Persistent: one CTA per SM (one fits: 384 threads with 240-register consumers).
+        With FLASHCUDA_SM90_PERSISTENT=0, one CTA per work tile (the same kernel runs its loop
+        once), the hardware scheduler balancing: for A/B measurements."""
+        tiles = self.work_tiles(call)
+        if os.environ.get(PERSISTENT_ENV, "1").strip() == "0":
+            return (max(1, tiles), 1, 1)
+        return (max(1, min(tiles, sms)), 1, 1)
 
 
 def select_config(dtype: torch.dtype, head_dim: int) -> Sm90FwdConfig:
