@@ -87,9 +87,51 @@ def bshd_problem(t, box_rows: int) -> str | None:
                          t.stride(3))
 
 
+# cuTensorMapEncodeTiled's enum values (cuda.h; checked against cuda.bindings in the CPU lane).
+_DTYPE_CODES = {"torch.float16": 6, "torch.bfloat16": 9}
+_INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_NONE = 0, 3, 3, 0
+
+
+@functools.cache
+def _libcuda_encode():
+    """libcuda's cuTensorMapEncodeTiled through ctypes (~1 us a call; the cuda.bindings wrapper
+    builds a Python object per dim and costs tens of us), or None if it cannot be loaded."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    except (OSError, AttributeError):
+        return None
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p,
+                   u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def encode_tiled(dtype, address: int, dims: tuple[int, ...], byte_strides: tuple[int, ...],
                  box: tuple[int, ...]) -> TensorMap:
     """cuTensorMapEncodeTiled for a 16-bit tensor, 128B swizzle, zero fill, L2 256B promotion."""
+    code = _DTYPE_CODES.get(str(dtype))
+    if code is None:
+        raise ValueError(f"encode_tiled: dtype must be fp16 or bf16, got {dtype}")
+    fn = _libcuda_encode()
+    if fn is None:
+        return _encode_tiled_bindings(dtype, address, dims, byte_strides, box)
+    rank = len(dims)
+    out = ctypes.create_string_buffer(TensorMap.SIZE + 64)
+    aligned = (ctypes.addressof(out) + 63) & ~63  # CUtensorMap is 64-byte aligned
+    err = fn(aligned, code, rank, address, (ctypes.c_uint64 * rank)(*dims),
+             (ctypes.c_uint64 * (rank - 1))(*byte_strides), (ctypes.c_uint32 * rank)(*box),
+             (ctypes.c_uint32 * rank)(*([1] * rank)), _INTERLEAVE_NONE, _SWIZZLE_128B,
+             _L2_PROMOTION_256B, _OOB_FILL_NONE)
+    if err != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled(dims={dims}, strides={byte_strides}, "
+                           f"box={box}) failed: CUresult {err}")
+    return TensorMap(ctypes.string_at(aligned, TensorMap.SIZE))
+
+
+def _encode_tiled_bindings(dtype, address: int, dims: tuple[int, ...],
+                           byte_strides: tuple[int, ...], box: tuple[int, ...]) -> TensorMap:
+    """encode_tiled through cuda.bindings (where libcuda.so.1 cannot be opened by name)."""
     import torch
     from cuda.bindings import driver
 
@@ -97,8 +139,6 @@ def encode_tiled(dtype, address: int, dims: tuple[int, ...], byte_strides: tuple
 
     codes = {torch.float16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
              torch.bfloat16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}
-    if dtype not in codes:
-        raise ValueError(f"encode_tiled: dtype must be fp16 or bf16, got {dtype}")
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     cmap = _check(driver.cuTensorMapEncodeTiled(
         codes[dtype], len(dims), address, [u64(n) for n in dims],

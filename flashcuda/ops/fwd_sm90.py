@@ -1,9 +1,9 @@
 """The sm90a forward kernel family (FlashAttention-3 design: TMA, mbarriers, wgmma, a producer
 warpgroup and two consumer warpgroups with setmaxnreg), fp16/bf16, head dims 64 and 128.
 
-Status: compile-verified only (NVRTC, ptxas: no spills, SASS has HGMMA); no GPU has run it yet.
-`can_implement` refuses every call unless FLASHCUDA_ENABLE_SM90=1, so dispatch (which prefers
-fwd_sm90) keeps running fwd_sm80 until tests/gpu/test_fwd_sm90.py passes on the H200.
+Status: proven on the H200 (tests/gpu/test_fwd_sm90.py against the float64 oracle; records in
+docs/EVIDENCE.md); dispatch prefers it on compute capability 9.0. FLASHCUDA_ENABLE_SM90=0 turns it
+off (dispatch then runs fwd_sm80); FLASHCUDA_SM90_PERSISTENT=0 launches one CTA per work tile.
 
 `Sm90FwdConfig` is the single source of truth of a specialisation: tiles, stages, warpgroups,
 register split, shared memory (the .cu static_asserts the same layout), the name, the defines.
@@ -37,7 +37,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90"
 PERSISTENT_ENV = "FLASHCUDA_SM90_PERSISTENT"
-GATED = f"fwd_sm90 is compile-verified only; set {ENABLE_ENV}=1 to try it"
+GATED = f"fwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 
 
@@ -132,7 +132,8 @@ def configs() -> list[Sm90FwdConfig]:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """On unless FLASHCUDA_ENABLE_SM90 is 0 / false / no / off."""
+    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def can_implement(call: FwdCall) -> str | None:
@@ -183,14 +184,18 @@ def can_implement(call: FwdCall) -> str | None:
 
 
 def kernel_args(call: FwdCall, cfg: Sm90FwdConfig) -> tuple:
-    """map_q, map_k, map_v, out, lse, out strides (int64: batch, row, head), seqlen_q, seqlen_k,
-    nheads, nheads_kv (int32), scale_log2 (float32), window_left, window_right, batch, by_block
-    (int32; by_block: the causal / window schedule, see Schedule in the .cu)."""
+    """map_q, map_k, map_v, out, lse, then `constant_args`."""
+    return (bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n),
+            bshd_map(call.v, cfg.block_n), call.out, call.lse, *constant_args(call))
+
+
+def constant_args(call: FwdCall) -> tuple:
+    """out strides (int64: batch, row, head), seqlen_q, seqlen_k, nheads, nheads_kv (int32),
+    scale_log2 (float32), window_left, window_right, batch, by_block (int32; by_block: the
+    causal / window schedule, see Schedule in the .cu): what a call's layout fixes."""
     wl, wr = call.kernel_windows()
     o = call.out
     return (
-        bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n), bshd_map(call.v, cfg.block_n),
-        o, call.lse,
         np.int64(o.stride(0)), np.int64(o.stride(1)), np.int64(o.stride(2)),
         np.int32(call.seqlen_q), np.int32(call.seqlen_k), np.int32(call.nheads),
         np.int32(call.nheads_kv), np.float32(call.softmax_scale * LOG2E), wl, wr,
@@ -198,17 +203,60 @@ def kernel_args(call: FwdCall, cfg: Sm90FwdConfig) -> tuple:
     )
 
 
-def run(call: FwdCall) -> None:
-    """Fill call.out and call.lse. Raises NotImplementedError when can_implement(call) says no."""
+@dataclass(frozen=True)
+class _Plan:
+    """What a call's layout decides once: config, kernel, grid, the constant arguments."""
+
+    cfg: Sm90FwdConfig
+    kernel: object
+    grid: tuple[int, int, int]
+    constants: tuple
+
+
+_EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
+_plans: dict[tuple, _Plan | str] = {}
+
+
+def _plan_key(call: FwdCall) -> tuple:
+    """Everything can_implement and the plan read, except the data addresses (only their
+    alignment, which TMA and the vector stores care about)."""
+    return (call.dtype, call.device, call.window_left, call.window_right, call.softmax_scale,
+            os.environ.get(ENABLE_ENV, ""), os.environ.get(PERSISTENT_ENV, ""),
+            *((t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16)
+              for t in (call.q, call.k, call.v, call.out, call.lse)))
+
+
+def _plan(call: FwdCall) -> _Plan | str:
+    key = _plan_key(call)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
     if why := can_implement(call):
         raise NotImplementedError(f"flash_fwd_sm90 cannot run this call: {why}")
     if call.batch == 0 or call.seqlen_q == 0 or call.nheads == 0:
+        plan = _EMPTY
+    else:
+        cfg = select_config(call.dtype, call.head_dim)
+        sms = torch.cuda.get_device_properties(_device_index(call.device)).multi_processor_count
+        plan = _Plan(cfg, get_kernel(cfg.spec(), call.device), cfg.grid(call, sms),
+                     constant_args(call))
+    if len(_plans) > 1024:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
+def run(call: FwdCall) -> None:
+    """Fill call.out and call.lse. Raises NotImplementedError when can_implement(call) says no.
+    A repeat call with the same layout reuses its plan (can_implement's verdict included: the plan
+    key holds everything it reads) and only encodes the three tensor maps."""
+    plan = _plan(call)
+    if plan is _EMPTY:
         return
-    cfg = select_config(call.dtype, call.head_dim)
-    kernel = get_kernel(cfg.spec(), call.device)
-    sms = torch.cuda.get_device_properties(_device_index(call.device)).multi_processor_count
-    kernel.launch(cfg.grid(call, sms), (cfg.threads, 1, 1), *kernel_args(call, cfg),
-                  shared_mem=cfg.smem_bytes)
+    cfg = plan.cfg
+    plan.kernel.launch(plan.grid, (cfg.threads, 1, 1), bshd_map(call.q, cfg.block_m),
+                       bshd_map(call.k, cfg.block_n), bshd_map(call.v, cfg.block_n), call.out,
+                       call.lse, *plan.constants, shared_mem=cfg.smem_bytes)
 
 
 @register

@@ -122,6 +122,23 @@ def test_sm90_parameter_offsets_match_pack_args(builds, tmp_path):
     assert [table[i][1] for i in range(3)] == [128, 128, 128]
 
 
+def test_tensor_map_enum_values_match_cuda_bindings():
+    """tensor_map calls libcuda through ctypes with cuda.h's enum values written out."""
+    from cuda.bindings import driver
+
+    from flashcuda.jit import tensor_map as tm
+
+    assert tm._DTYPE_CODES == {
+        "torch.float16": int(driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
+        "torch.bfloat16": int(driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)}
+    assert tm._INTERLEAVE_NONE == int(driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE)
+    assert tm._SWIZZLE_128B == int(driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B)
+    assert tm._L2_PROMOTION_256B == int(
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B)
+    assert tm._OOB_FILL_NONE == int(
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+
 def test_variants_registered():
     specs = {spec.name: archs for spec, archs in all_variants()}
     for cfg in fwd_sm90.configs():
@@ -167,12 +184,15 @@ def _call(dtype=torch.bfloat16, B=2, Sq=33, Sk=47, H=4, Hkv=2, D=128, scale=0.12
     return FwdCall(q, k, v, out, lse, scale, None, 0)
 
 
-def test_sm90_is_gated_off_by_default(monkeypatch):
+def test_sm90_can_be_turned_off(monkeypatch):
     monkeypatch.delenv(ENABLE_ENV, raising=False)
+    assert fwd_sm90.enabled()
+    assert fwd_sm90.can_implement(_call()) != GATED  # CPU tensors: refused for another reason
+    monkeypatch.setenv(ENABLE_ENV, "0")
     assert fwd_sm90.can_implement(_call()) == GATED
     reasons = dict(dispatch.explain(_call()))
     assert reasons["fwd_sm90"] == GATED
-    with pytest.raises(NotImplementedError, match="compile-verified only"):
+    with pytest.raises(NotImplementedError, match="turned off"):
         fwd_sm90.run(_call())
 
 

@@ -16,8 +16,6 @@ columns), then P V (Q = 0: uniform P, out = mean of V rows), then the full tile.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -25,16 +23,7 @@ from flashcuda.ops import dispatch, fwd_sm80, fwd_sm90
 from flashcuda.ops.call import FwdCall
 from flashcuda.reference import attention_ref
 
-# The kernel has never run on a GPU: a wrong mbarrier phase or byte count hangs rather than fails,
-# so a plain `pytest -m gpu` skips this file until someone opts in to debug it:
-#     FLASHCUDA_ENABLE_SM90=1 pytest -m gpu tests/gpu/test_fwd_sm90.py -x -q -k smoke
-# (run it alone, under `timeout`). Drop this skip once the file passes on a GPU.
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(os.environ.get("FLASHCUDA_ENABLE_SM90") != "1",
-                       reason="sm90 forward is compile-verified only; set FLASHCUDA_ENABLE_SM90=1 "
-                              "to run these (alone, under a timeout: a layout bug can hang)"),
-]
+pytestmark = [pytest.mark.gpu]
 
 BF16, FP16 = torch.bfloat16, torch.float16
 FULL = (None, None)
@@ -194,6 +183,16 @@ def test_persistent_many_work_tiles(head_dim, window):
     tiles of different heads, batches and lengths."""
     q, k, v = make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=11)
     check(q, k, v, window)
+
+
+def test_repeat_layout_reuses_the_plan_with_new_data():
+    """The second call of a layout skips can_implement and re-encodes only the tensor maps: it
+    must read the new tensors, not the first call's."""
+    fwd_sm90._plans.clear()
+    for seed in (13, 14, 15):
+        q, k, v = make(2, 300, 260, 4, 2, 128, BF16, seed=seed)
+        check(q, k, v, CAUSAL)
+    assert len(fwd_sm90._plans) == 1
 
 
 def test_persistent_with_empty_work_tiles():

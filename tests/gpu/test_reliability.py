@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flashcuda import flash_attn_func
-from flashcuda.ops import dispatch
+from flashcuda.ops import dispatch, fwd_sm90
 from flashcuda.reference import attention_ref, max_error
 
 pytestmark = pytest.mark.gpu
@@ -347,10 +347,14 @@ def test_cpu_and_gpu_mix_raises_before_launch(no_dispatch):
         flash_attn_func(q.cpu(), k, v)
 
 
-def test_batch_past_the_grid_limit_raises_before_launch():
-    """batch > 65535 (the grid's y/z limit) passes validation but no family can run it:
+def test_batch_past_the_grid_limit():
+    """batch > 65535 (the grid's y/z limit): the persistent sm90 kernel runs it (and must be
+    right: one key, so out = v exactly); elsewhere no family can, and the call raises
     NotImplementedError listing every family's reason, before any launch (never a CUDA fault)."""
     q = torch.randn(65536, 1, 1, 64, device="cuda", dtype=BF16)
+    if torch.cuda.get_device_capability() == (9, 0) and fwd_sm90.enabled():
+        assert torch.equal(flash_attn_func(q, q, q), q)
+        return
     with pytest.raises(NotImplementedError, match=r"no flashcuda fwd kernel can run .*65535"):
         flash_attn_func(q, q, q)
 
