@@ -13,16 +13,34 @@
 #pragma once
 #include "common/types.cuh"
 
+// exp2 / log2 of the softmax. 16-bit kernels take the MUFU approximations (relative error about
+// 2^-22, far below bf16/fp16 rounding). fp32 kernels (FC_DTYPE 0) take the accurate exp2f /
+// log2f: there the approximation alone, summed over thousands of keys in a backward reduction,
+// measured above 3x PyTorch's own fp32 error (DESIGN.md section 7's rule).
+#if defined(FC_DTYPE) && FC_DTYPE == 0
+#define FC_ACCURATE_EXP 1
+#else
+#define FC_ACCURATE_EXP 0
+#endif
+
 __device__ __forceinline__ float fast_exp2(float x) {
+#if FC_ACCURATE_EXP
+  return exp2f(x);
+#else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
 
 __device__ __forceinline__ float fast_log2(float x) {
+#if FC_ACCURATE_EXP
+  return log2f(x);
+#else
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
 
 constexpr float kLog2e = 1.4426950408889634f;
