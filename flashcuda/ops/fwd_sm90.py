@@ -8,18 +8,20 @@ off (dispatch then runs fwd_sm80); FLASHCUDA_SM90_PERSISTENT=0 launches one CTA 
 `Sm90FwdConfig` is the single source of truth of a specialisation: tiles, stages, warpgroups,
 register split, shared memory (the .cu static_asserts the same layout), the name, the defines.
 
-    head dim   block_m x block_n, stages   smem      why
-    64         128 x 128, 2                 81 KB    FA3's 128 x 128 shape, 2 stages first
-    128        128 x 128, 2                 161 KB   FA3 uses 128 x 176 non-causal / 128 x 128
-                                                     causal; 176 waits for a measurement
-Registers: 24 per producer thread, 240 per consumer thread (FA3's split for two consumer
-warpgroups: 128 * 24 + 256 * 240 = 64512 of 65536).
+    head dim   mask      block_m x block_n, stages   smem     consumers x registers
+    64         any       192 x 128, 2                 89 KB    3 x 160  (FA3's d64 tiles)
+    128        none      128 x 176, 2                 209 KB   2 x 240  (FA3's d128 tiles)
+    128        causal    128 x 128, 2                 161 KB   2 x 240
+    A/B        any       128 x 128, 2 (FLASHCUDA_SM90_TILES=bm128_bn128)
+The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512 and
+128 * 24 + 384 * 160 = 64512 of the 65536-register file.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -59,11 +61,11 @@ class Sm90FwdConfig:
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"Sm90FwdConfig.head_dim: expected one of {HEAD_DIMS}, "
                              f"got {self.head_dim}")
-        if self.block_m != 128:
-            raise ValueError(f"Sm90FwdConfig.block_m: expected 128 (two consumer warpgroups), "
-                             f"got {self.block_m}")
-        if self.block_n not in (64, 128):
-            raise ValueError(f"Sm90FwdConfig.block_n: expected 64 or 128, got {self.block_n}")
+        if self.block_m not in (128, 192):
+            raise ValueError(f"Sm90FwdConfig.block_m: expected 128 or 192 (two or three consumer "
+                             f"warpgroups), got {self.block_m}")
+        if self.block_n not in (64, 128, 176):
+            raise ValueError(f"Sm90FwdConfig.block_n: expected 64, 128 or 176, got {self.block_n}")
         if self.stages < 1:
             raise ValueError(f"Sm90FwdConfig.stages: expected >= 1, got {self.stages}")
         if self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers > 65536:
@@ -123,12 +125,42 @@ class Sm90FwdConfig:
         return (max(1, min(tiles, sms)), 1, 1)
 
 
-def select_config(dtype: torch.dtype, head_dim: int) -> Sm90FwdConfig:
-    return Sm90FwdConfig(dtype, head_dim)
+# (head dim, causal or windowed) -> (block_m, block_n): FlashAttention-3's choices for Hopper
+# (192 x 128 at d64: three consumer warpgroups share each K/V tile; 128 x 176 at d128 without a
+# mask: fewer, longer Q K^T GEMMs), measured against 128 x 128 in docs/perf-notes.md.
+TILES = {(64, False): (192, 128), (64, True): (192, 128),
+         (128, False): (128, 176), (128, True): (128, 128)}
+# Compiled too, for A/B runs: FLASHCUDA_SM90_TILES=bm128_bn128 forces those tiles.
+AB_TILES = ((128, 128),)
+TILES_ENV = "FLASHCUDA_SM90_TILES"
+CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
+
+
+def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int) -> Sm90FwdConfig:
+    return Sm90FwdConfig(dtype, head_dim, block_m, block_n,
+                         consumer_regs=CONSUMER_REGS[block_m // 64])
+
+
+def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False) -> Sm90FwdConfig:
+    """The tiles of TILES, or those FLASHCUDA_SM90_TILES=bm<M>_bn<N> forces (A/B runs)."""
+    forced = os.environ.get(TILES_ENV, "").strip()
+    if forced:
+        m = re.fullmatch(r"bm(\d+)_bn(\d+)", forced)
+        if not m:
+            raise ValueError(f"{TILES_ENV}: expected bm<M>_bn<N> (e.g. bm128_bn128), got {forced!r}")
+        return _config(dtype, head_dim, int(m.group(1)), int(m.group(2)))
+    return _config(dtype, head_dim, *TILES[(head_dim, windowed)])
 
 
 def configs() -> list[Sm90FwdConfig]:
-    return [select_config(dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
+    """Every specialisation dispatch or an A/B run can pick (the CPU lane compiles them all)."""
+    seen: dict[str, Sm90FwdConfig] = {}
+    for dtype in DTYPES:
+        for (d, _), tiles in TILES.items():
+            for bm, bn in (tiles, *AB_TILES):
+                cfg = _config(dtype, d, bm, bn)
+                seen.setdefault(cfg.name, cfg)
+    return list(seen.values())
 
 
 def enabled() -> bool:
@@ -160,7 +192,7 @@ def can_implement(call: FwdCall) -> str | None:
         return f"softmax_scale must be positive and finite, got {call.softmax_scale}"
     if why := vector_layout_problem("out", call.out):
         return why
-    cfg = select_config(call.dtype, d)
+    cfg = select_config(call.dtype, d, call.is_local)
     if cfg.work_tiles(call) >= 2**31:
         return f"{cfg.work_tiles(call)} work tiles exceed the kernel's int32 tile index"
     if call.batch and call.seqlen_q and call.nheads:
@@ -222,6 +254,7 @@ def _plan_key(call: FwdCall) -> tuple:
     alignment, which TMA and the vector stores care about)."""
     return (call.dtype, call.device, call.window_left, call.window_right, call.softmax_scale,
             os.environ.get(ENABLE_ENV, ""), os.environ.get(PERSISTENT_ENV, ""),
+            os.environ.get(TILES_ENV, ""),
             *((t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16)
               for t in (call.q, call.k, call.v, call.out, call.lse)))
 
@@ -236,7 +269,7 @@ def _plan(call: FwdCall) -> _Plan | str:
     if call.batch == 0 or call.seqlen_q == 0 or call.nheads == 0:
         plan = _EMPTY
     else:
-        cfg = select_config(call.dtype, call.head_dim)
+        cfg = select_config(call.dtype, call.head_dim, call.is_local)
         sms = torch.cuda.get_device_properties(_device_index(call.device)).multi_processor_count
         plan = _Plan(cfg, get_kernel(cfg.spec(), call.device), cfg.grid(call, sms),
                      constant_args(call))

@@ -215,3 +215,24 @@ def test_sm90_can_implement_reasons(monkeypatch):
     # Well-formed calls fail only on the device check here.
     assert "CUDA" in ci(_call())
     assert "CUDA" in ci(_call(dtype=torch.float16, D=64, Sq=1, Sk=1, H=2, Hkv=1))
+
+
+def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
+    monkeypatch.delenv(fwd_sm90.TILES_ENV, raising=False)
+    pick = fwd_sm90.select_config
+    assert (pick(torch.bfloat16, 64).block_m, pick(torch.bfloat16, 64).block_n) == (192, 128)
+    assert pick(torch.bfloat16, 64).consumer_regs == 160 and pick(torch.bfloat16, 64).threads == 512
+    assert pick(torch.float16, 128).block_n == 176
+    assert pick(torch.float16, 128, windowed=True).block_n == 128
+    names = {c.name for c in fwd_sm90.configs()}
+    assert {pick(dt, d, w).name for dt in fwd_sm90.DTYPES for d in (64, 128)
+            for w in (False, True)} <= names
+    monkeypatch.setenv(fwd_sm90.TILES_ENV, "bm128_bn128")
+    assert pick(torch.bfloat16, 64).name == "flash_fwd_sm90_bf16_d64_bm128_bn128_s2"
+    assert pick(torch.bfloat16, 64).name in names
+    monkeypatch.setenv(fwd_sm90.TILES_ENV, "128x128")
+    with pytest.raises(ValueError, match="FLASHCUDA_SM90_TILES"):
+        pick(torch.bfloat16, 64)
+    for cfg in fwd_sm90.configs():
+        assert cfg.smem_bytes <= 232448 - 1024, cfg.name  # H100/H200 opt-in limit per block
+        assert cfg.producer_regs * 128 + cfg.consumer_regs * 128 * cfg.consumers <= 65536

@@ -30,9 +30,14 @@ FULL = (None, None)
 CAUSAL = (None, 0)
 
 
-@pytest.fixture(autouse=True)
-def _enable_sm90(monkeypatch):
+@pytest.fixture(autouse=True, params=["default", "bm128_bn128"])
+def _enable_sm90(monkeypatch, request):
+    """Every test runs with the dispatched tiles (fwd_sm90.TILES) and with the A/B tiles."""
     monkeypatch.setenv(fwd_sm90.ENABLE_ENV, "1")
+    if request.param != "default":
+        monkeypatch.setenv(fwd_sm90.TILES_ENV, request.param)
+    else:
+        monkeypatch.delenv(fwd_sm90.TILES_ENV, raising=False)
     dispatch._reset()  # the plan cache does not key on the gate
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):

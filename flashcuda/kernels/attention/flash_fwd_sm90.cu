@@ -14,7 +14,7 @@
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // Persistent: one CTA per SM (grid = min(work tiles, SMs)) walks work tiles of (query block of
-// kBlockM = 128 rows, head, batch) in the order of `Schedule`; while its consumers finish one
+// kBlockM = 128 or 192 rows, head, batch) in the order of `Schedule`; while its consumers finish one
 // work tile (last P V, epilogue), the producer already loads the next one's Q, K and V.
 // 3 warpgroups:
 //   warpgroup 0  producer: gives registers back (setmaxnreg.dec to 24); one elected thread
@@ -23,7 +23,7 @@
 //                (the ring runs on across work tiles), each guarded by mbarriers:
 //                    k_full[s] / v_full[s]    TMA -> consumers (1 arrival + transaction bytes)
 //                    k_empty[s] / v_empty[s]  consumers -> TMA (one arrival per consumer warp)
-//   warpgroups 1, 2  consumers (setmaxnreg.inc to 240): warpgroup c owns query rows
+//   warpgroups 1..  consumers (setmaxnreg.inc to 240 with two, 160 with three): warpgroup c owns query rows
 //                64 (c - 1) .. + 63 of the block, so the softmax of a row never leaves its
 //                warpgroup (a row lives in one quad of one warp, as in the sm80 kernel).
 // Per key tile i (visited from the last one down, masked diagonal tiles first, like sm80), with
@@ -58,7 +58,7 @@
 
 using T = typename dtype_of<FC_DTYPE>::type;
 constexpr int kHeadDim = FC_HEAD_DIM;
-constexpr int kBlockM = FC_BLOCK_M;  // query rows per CTA (64 per consumer warpgroup)
+constexpr int kBlockM = FC_BLOCK_M;  // query rows per work tile (64 per consumer warpgroup)
 constexpr int kBlockN = FC_BLOCK_N;  // keys per tile
 constexpr int kStages = FC_STAGES;   // K/V ring depth
 constexpr int kConsumers = kBlockM / 64;            // consumer warpgroups
@@ -83,9 +83,10 @@ constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
 static_assert(kHeadDim == 64 || kHeadDim == 128, "sm90 kernel: head dim 64 or 128");
-static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows");
+static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups of 64 rows");
 static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma n, TMA box rows <= 256");
-static_assert(kBlockN == 64 || kBlockN == 128, "wgmma_ss is instantiated for n = 64, 128");
+static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 176,
+              "wgmma_ss is instantiated for n = 64, 128, 176");
 static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "register file");
 // The host config (flashcuda/ops/fwd_sm90.py) computes the launch's dynamic smem; it must agree.
 static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm90FwdConfig.smem_bytes");
