@@ -17,6 +17,7 @@ reference at every point, 1 otherwise (absent, failed or wrong somewhere), 2 whe
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,9 @@ from .sweep import (
 
 EXTRAS = ("first-call", "serving", "memory", "long")
 DEFAULT_OUT = "bench-out"
+# Environment switches that change which kernel or tiles run; a record keeps the ones that are set
+# (an A/B of FLASHCUDA_BWD_SM80_CONFIG values must be told apart from its records alone).
+KERNEL_ENV = ("FLASHCUDA_BWD_SM80_CONFIG", "FLASHCUDA_FORCE_KERNEL", "FLASHCUDA_ENABLE_SM90")
 
 
 def parse_size(text: str) -> int:
@@ -137,7 +141,8 @@ def run_config(args: argparse.Namespace) -> dict:
             "tokens_per_batch": 16384, "model_dim": 2048, "layout": "BSHD (SDPA: transposed view)",
             "forward_mode": "training forward (inputs require grad)",
             "backward": "out.backward(dout, retain_graph=True) alone",
-            "flops": "fwd 4·B·H·Sq·Sk·D, halved when causal (Sq == Sk); bwd 2.5 × fwd"}
+            "flops": "fwd 4·B·H·Sq·Sk·D, halved when causal (Sq == Sk); bwd 2.5 × fwd",
+            "kernel_env": {k: os.environ[k] for k in KERNEL_ENV if os.environ.get(k)}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,12 +10,17 @@ Kernels: kernels/attention/flash_bwd_sm80.cu (one source, four parts picked by F
 
 `BwdSm80Config` is the single source of truth for tile sizes and shared-memory bytes: it renders the
 constexprs the .cu sees (which static_asserts its own layout against FC_SMEM_BYTES) and names every
-specialisation, e.g. ``flash_bwd_sm80_bf16_d128_bm64_bn128_w8``.
+specialisation, e.g. ``flash_bwd_sm80_bf16_d128_bm64_bn128_w8``. Which configuration runs is data:
+CONFIG_TABLE (per compile-time head dim, optionally dtype and mask) maps to a tag such as
+``bm64_bn128_w8``; FLASHCUDA_BWD_SM80_CONFIG overrides it for A/B runs (``bm64_bn64_w4``, or
+``d64=bm128_bn64_w4,d128=bm64_bn64_w4``), and CANDIDATES lists the tags compiled ahead for that.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import re
+from dataclasses import dataclass, replace
 from functools import cache
 from math import lcm
 
@@ -34,6 +39,14 @@ PART_PRE, PART_MAIN, PART_DQ, PART_CONVERT = 0, 1, 2, 3
 MAX_SEQLEN_SUM = 1 << 29
 
 
+# Occupancy arithmetic (ctas_per_sm): H100 / H200 have 228 KB of shared memory per SM (227 KB per
+# CTA at most), A100 164 KB (163 KB); every resident CTA also holds 1 KB reserved by the system.
+H100_SMEM_PER_SM = 233472
+A100_SMEM_PER_SM = 167936
+RESERVED_SMEM_PER_CTA = 1024
+REGISTERS_PER_SM = 65536
+
+
 @dataclass(frozen=True)
 class BwdSm80Config:
     """Tiles of one backward specialisation.
@@ -41,14 +54,25 @@ class BwdSm80Config:
     head_dim:   compile-time head dim (a runtime head dim <= it, multiple of 8, is zero-padded)
     block_m:    query rows per step of the main kernel
     block_n:    keys per CTA of the main kernel; each warp owns 16 keys, so block_n = 16 * warps
-    dq_warps_m: warp rows of the main kernel's dQ GEMM (block_m x head_dim); 0 picks the grid whose
-                warp tile reads the fewest shared bytes
-    dq_passes:  column passes of that GEMM per warp (fewer live fp32 accumulators)
-    dp_group:   query n-tiles (of 8) of dP^T computed at a time in the main kernel; 0 = all
-                (block_m / 8). Fewer live registers; each extra group reloads the warp's V rows.
+    dq_warps_m: warp rows of the main kernel's dQ GEMM (block_m x head_dim); 0 = auto
+    dq_passes:  column passes of that GEMM per warp (fewer live fp32 accumulators); 0 = auto.
+                Auto picks the (warp grid, passes) reading the fewest shared bytes whose
+                accumulators fit max_dq_acc(head_dim) floats per thread.
+    dp_group:   query n-tiles (of 8) of dP^T computed at a time in the main kernel; 0 = auto (4 at
+                D >= 96, 8 at D = 64, all at D <= 32). Fewer live registers; each extra group
+                reloads the warp's V rows.
+    min_blocks: CTAs per SM the main kernel's __launch_bounds__ asks for (caps registers at
+                65536 / (min_blocks * threads)); 0 = auto, 8 / warps (8 warps per SM either way,
+                which with <= 256 threads per CTA caps nothing below 255).
+    dq_red:     vector width of the dQ fp32 reductions on sm_90: 2 (red.v2) or 4 (red.v4, two
+                shuffles per 8 columns to gather 4 consecutive ones); sm_80 always uses 2.
     dq_block_m: query rows per CTA of the deterministic dQ kernel (16 per warp)
     dq_block_n: keys per step of the deterministic dQ kernel
     aux_rows:   rows per CTA of the preprocess and convert kernels
+
+    `tag` spells the main-kernel knobs (block_m, block_n, warps and every knob not at its auto
+    value), e.g. ``bm64_bn64_w4`` or ``bm64_bn128_w8_red4``; `from_tag` parses it back. The tag is
+    what FLASHCUDA_BWD_SM80_CONFIG and CONFIG_TABLE hold.
     """
 
     dtype: torch.dtype
@@ -57,8 +81,10 @@ class BwdSm80Config:
     block_n: int
     warps: int
     dq_warps_m: int = 0
-    dq_passes: int = 1
+    dq_passes: int = 0
     dp_group: int = 0
+    min_blocks: int = 0
+    dq_red: int = 2
     dq_block_m: int = 64
     dq_block_n: int = 64
     aux_rows: int = 64
@@ -68,9 +94,9 @@ class BwdSm80Config:
             raise ValueError(f"dtype must be float16 or bfloat16, got {self.dtype}")
         if self.head_dim % 16 or not 16 <= self.head_dim <= 256:
             raise ValueError(f"head_dim must be a multiple of 16 in [16, 256], got {self.head_dim}")
-        if self.block_n != 16 * self.warps:
+        if self.warps < 1 or self.block_n != 16 * self.warps:
             raise ValueError(f"block_n must be 16 * warps = {16 * self.warps}, got {self.block_n}")
-        if self.block_m % 16 or self.block_m // 2 > 32 * self.warps:
+        if self.block_m < 16 or self.block_m % 16 or self.block_m // 2 > 32 * self.warps:
             raise ValueError(
                 f"block_m must be a multiple of 16 and <= 64 * warps, got {self.block_m}"
             )
@@ -78,27 +104,65 @@ class BwdSm80Config:
             raise ValueError("dq_block_m and dq_block_n must be multiples of 16")
         if self.aux_rows % 8:
             raise ValueError(f"aux_rows must be a multiple of 8, got {self.aux_rows}")
+        if self.dq_red not in (2, 4):
+            raise ValueError(f"dq_red must be 2 or 4, got {self.dq_red}")
+        if self.min_blocks < 0:
+            raise ValueError(f"min_blocks must be >= 0, got {self.min_blocks}")
+        if self.min_blocks == 0:
+            object.__setattr__(self, "min_blocks", _auto_min_blocks(self.warps))
         if self.dp_group == 0:
-            object.__setattr__(self, "dp_group", self.block_m // 8)
+            object.__setattr__(self, "dp_group", _auto_dp_group(self.head_dim, self.block_m))
         if self.dp_group % 2 or (self.block_m // 8) % self.dp_group:
             raise ValueError(
                 f"dp_group must be even and divide block_m / 8 = {self.block_m // 8}, "
                 f"got {self.dp_group}"
             )
-        if self.dq_warps_m == 0:
-            object.__setattr__(self, "dq_warps_m", self._best_dq_warps_m())
-        wm = self.dq_warps_m
-        wn = self.warps // wm if wm > 0 and self.warps % wm == 0 else 0
-        if (
-            wn == 0
-            or self.block_m % (16 * wm)
-            or self.dq_passes < 1
-            or self.head_dim % (16 * wn * self.dq_passes)
+        if self.dq_warps_m == 0 or self.dq_passes == 0:
+            wm, passes = _best_dq_grid(
+                self.head_dim, self.block_m, self.warps, self.dq_warps_m, self.dq_passes
+            )
+            object.__setattr__(self, "dq_warps_m", wm)
+            object.__setattr__(self, "dq_passes", passes)
+        if not _dq_grid_ok(
+            self.head_dim, self.block_m, self.warps, self.dq_warps_m, self.dq_passes
         ):
             raise ValueError(
-                f"dq_warps_m={wm}, dq_passes={self.dq_passes} do not tile the "
+                f"dq_warps_m={self.dq_warps_m}, dq_passes={self.dq_passes} do not tile the "
                 f"{self.block_m} x {self.head_dim} dQ block with {self.warps} warps"
             )
+
+    # -- tags ---------------------------------------------------------------------------------
+    @classmethod
+    def from_tag(cls, dtype: torch.dtype, head_dim: int, tag: str) -> BwdSm80Config:
+        """The configuration a tag spells (ValueError naming the problem otherwise)."""
+        m = _TAG.fullmatch(tag.strip())
+        if m is None:
+            raise ValueError(
+                f"bad sm80 backward config tag {tag!r}: expected bm<M>_bn<N>_w<W> followed by any "
+                "of _dp<G> _dqm<WM> _dqp<P> _mb<B> _red<2|4>, e.g. bm64_bn64_w4 or bm64_bn128_w8_red4"
+            )
+        knobs: dict[str, int] = {}
+        for name, value in _KNOB.findall(m.group(4) or ""):
+            field = _TAG_KNOBS[name]
+            if field in knobs:
+                raise ValueError(f"bad sm80 backward config tag {tag!r}: {name} given twice")
+            knobs[field] = int(value)
+        bm, bn, w = (int(m.group(i)) for i in (1, 2, 3))
+        return cls(dtype, head_dim, bm, bn, w, **knobs)
+
+    @property
+    def tag(self) -> str:
+        auto = BwdSm80Config(self.dtype, self.head_dim, self.block_m, self.block_n, self.warps)
+        out = f"bm{self.block_m}_bn{self.block_n}_w{self.warps}"
+        if self.dp_group != auto.dp_group:
+            out += f"_dp{self.dp_group}"
+        if (self.dq_warps_m, self.dq_passes) != (auto.dq_warps_m, auto.dq_passes):
+            out += f"_dqm{self.dq_warps_m}_dqp{self.dq_passes}"
+        if self.min_blocks != auto.min_blocks:
+            out += f"_mb{self.min_blocks}"
+        if self.dq_red != auto.dq_red:
+            out += f"_red{self.dq_red}"
+        return out
 
     # -- derived sizes ------------------------------------------------------------------------
     @property
@@ -118,24 +182,6 @@ class BwdSm80Config:
         """Shared row stride (elements) of Q/K/V/dO tiles: +16 bytes so ldmatrix is conflict-free."""
         return self.head_dim + 8
 
-    def _best_dq_warps_m(self) -> int:
-        best: tuple[int, int] | None = None
-        for wm in range(1, self.warps + 1):
-            if self.warps % wm:
-                continue
-            wn = self.warps // wm
-            if self.block_m % (16 * wm) or self.head_dim % (16 * wn):
-                continue
-            cost = self.block_m // wm + self.head_dim // wn  # shared bytes per key, A + B
-            if best is None or cost < best[0]:
-                best = (cost, wm)
-        if best is None:
-            raise ValueError(
-                f"no warp grid of {self.warps} warps tiles the {self.block_m} x "
-                f"{self.head_dim} dQ block in 16 x 16 multiples"
-            )
-        return best[1]
-
     def main_smem_bytes(self, with_dq: bool) -> int:
         kv = 2 * self.block_n * self.row_stride * 2  # K, V
         qdo = 2 * 2 * self.block_m * self.row_stride * 2  # Q, dO, two stages each
@@ -154,6 +200,20 @@ class BwdSm80Config:
             return max(self.main_smem_bytes(False), self.dq_smem_bytes())
         return self.main_smem_bytes(True)
 
+    def ctas_per_sm(
+        self,
+        registers: int = 255,
+        smem_per_sm: int = H100_SMEM_PER_SM,
+        with_dq: bool = True,
+    ) -> int:
+        """Resident main-kernel CTAs per SM for a register count (ptxas' report) on an SM with
+        `smem_per_sm` bytes of shared memory (each CTA also takes RESERVED_SMEM_PER_CTA), 64K
+        registers (allocated per warp in units of 256) and at most 64 warps."""
+        regs_per_warp = -(-registers * 32 // 256) * 256
+        by_regs = REGISTERS_PER_SM // (regs_per_warp * self.warps)
+        by_smem = smem_per_sm // (self.main_smem_bytes(with_dq) + RESERVED_SMEM_PER_CTA)
+        return min(by_regs, by_smem, 64 // self.warps, 32)
+
     def seqlen_pad(self, seqlen_q: int) -> int:
         """Rows of the lse2 / delta / dQ-accumulator buffers: every kernel reads whole blocks."""
         step = lcm(self.block_m, self.dq_block_m, self.aux_rows)
@@ -161,7 +221,7 @@ class BwdSm80Config:
 
     # -- specialisations ----------------------------------------------------------------------
     @property
-    def _tag(self) -> str:
+    def _prefix(self) -> str:
         return f"{self.dtype_name}_d{self.head_dim}"
 
     def _defines(self, part: int, **extra: int) -> dict[str, int]:
@@ -173,9 +233,9 @@ class BwdSm80Config:
         }
 
     def main_spec(self, with_dq: bool = True) -> KernelSpec:
-        name = f"flash_bwd_sm80_{self._tag}_bm{self.block_m}_bn{self.block_n}_w{self.warps}" + (
-            "" if with_dq else "_nodq"
-        )
+        # Without dQ there are no reductions: the _nodq kernel of a _red4 tag is the _red2 one.
+        tag = self.tag if with_dq else replace(self, dq_red=2).tag
+        name = f"flash_bwd_sm80_{self._prefix}_{tag}" + ("" if with_dq else "_nodq")
         return KernelSpec.make(
             name,
             SOURCE,
@@ -188,13 +248,15 @@ class BwdSm80Config:
                 FC_DQ_WARPS_M=self.dq_warps_m,
                 FC_DQ_PASSES=self.dq_passes,
                 FC_DP_GROUP=self.dp_group,
+                FC_MIN_BLOCKS=self.min_blocks,
+                FC_DQ_RED_V4=int(with_dq and self.dq_red == 4),
                 FC_SMEM_BYTES=self.main_smem_bytes(with_dq),
             ),
         )
 
     def dq_spec(self) -> KernelSpec:
         name = (
-            f"flash_bwd_dq_sm80_{self._tag}_bm{self.dq_block_m}_bn{self.dq_block_n}"
+            f"flash_bwd_dq_sm80_{self._prefix}_bm{self.dq_block_m}_bn{self.dq_block_n}"
             f"_w{self.dq_warps}"
         )
         return KernelSpec.make(
@@ -211,14 +273,14 @@ class BwdSm80Config:
 
     def pre_spec(self) -> KernelSpec:
         return KernelSpec.make(
-            f"flash_bwd_pre_sm80_{self._tag}_r{self.aux_rows}",
+            f"flash_bwd_pre_sm80_{self._prefix}_r{self.aux_rows}",
             SOURCE,
             defines=self._defines(PART_PRE, FC_BLOCK_M=self.aux_rows),
         )
 
     def convert_spec(self) -> KernelSpec:
         return KernelSpec.make(
-            f"flash_bwd_convert_sm80_{self._tag}_r{self.aux_rows}",
+            f"flash_bwd_convert_sm80_{self._prefix}_r{self.aux_rows}",
             SOURCE,
             defines=self._defines(PART_CONVERT, FC_BLOCK_M=self.aux_rows),
         )
@@ -237,32 +299,161 @@ class BwdSm80Config:
         ]
 
 
-# Tiles per compile-time head dim. block_n = 128 keys (8 warps x 16) keeps dK and dV of 16 keys x D
-# per warp in registers (D / 2 fp32 per thread). block_m = 64 leaves room for the 16 x 64 S^T and
-# dP^T fragments next to them at D >= 96; D <= 64 afford block_m = 128 (fewer K/V-side operand
-# reloads, half the dQ reductions per key). Register budget (255, no spills; NVRTC 13.0, the GPU
-# image's, and 13.5): with the whole dP^T alive next to P^T and dK/dV, ptxas spilled 4-36 bytes on
-# sm_90a at D = 96 and 128, whatever the dQ warp grid; dP^T in groups of 4 n-tiles (one extra
-# reload of the warp's V rows per step, ~5% more shared reads) fits, D = 96 then at 241 registers.
-# D = 64 uses groups of 8 for the same margin (247 instead of 255 registers on sm_80).
-_TILES: dict[int, dict[str, int]] = {
-    32: {"block_m": 128, "block_n": 128, "warps": 8},
-    64: {"block_m": 128, "block_n": 128, "warps": 8, "dp_group": 8},
-    96: {"block_m": 64, "block_n": 128, "warps": 8, "dp_group": 4},
-    128: {"block_m": 64, "block_n": 128, "warps": 8, "dp_group": 4},
+_TAG = re.compile(r"bm(\d+)_bn(\d+)_w(\d+)((?:_(?:dp|dqm|dqp|mb|red)\d+)*)")
+_KNOB = re.compile(r"_(dp|dqm|dqp|mb|red)(\d+)")
+_TAG_KNOBS = {
+    "dp": "dp_group",
+    "dqm": "dq_warps_m",
+    "dqp": "dq_passes",
+    "mb": "min_blocks",
+    "red": "dq_red",
 }
-HEAD_DIMS = tuple(sorted(_TILES))
+
+
+def max_dq_acc(head_dim: int) -> int:
+    """fp32 dQ accumulators a thread may hold next to dK and dV (head_dim floats together)."""
+    return 32 if head_dim >= 96 else 64
+
+
+def _auto_min_blocks(warps: int) -> int:
+    return max(1, 8 // warps)
+
+
+def _auto_dp_group(head_dim: int, block_m: int) -> int:
+    # Register budget (255, no spills; NVRTC 13.0, the GPU image's, and 13.5): with the whole dP^T
+    # alive next to P^T and dK/dV, ptxas spilled 4-36 bytes on sm_90a at D = 96 and 128, whatever
+    # the dQ warp grid; dP^T in groups of 4 n-tiles (one extra reload of the warp's V rows per step,
+    # ~5% more shared reads) fits. D = 64 uses groups of 8 for the same margin.
+    limit = 4 if head_dim >= 96 else 8 if head_dim >= 64 else block_m // 8
+    return min(limit, block_m // 8)
+
+
+def _dq_grid_ok(head_dim: int, block_m: int, warps: int, wm: int, passes: int) -> bool:
+    if wm < 1 or passes < 1 or warps % wm:
+        return False
+    wn = warps // wm
+    return block_m % (16 * wm) == 0 and head_dim % (16 * wn * passes) == 0
+
+
+def _best_dq_grid(
+    head_dim: int, block_m: int, warps: int, wm_fixed: int = 0, passes_fixed: int = 0
+) -> tuple[int, int]:
+    """(dq_warps_m, dq_passes) reading the fewest shared bytes per key (dS^T rows once per pass,
+    K columns once) whose accumulators fit max_dq_acc; 0 = free. Ties: fewer warp rows."""
+    best: tuple[int, int, int] | None = None
+    for wm in [wm_fixed] if wm_fixed else range(1, warps + 1):
+        for passes in [passes_fixed] if passes_fixed else (1, 2, 4, 8):
+            if not _dq_grid_ok(head_dim, block_m, warps, wm, passes):
+                continue
+            rows, cols = block_m // wm, head_dim // (warps // wm)
+            if not passes_fixed and rows * cols // passes // 32 > max_dq_acc(head_dim):
+                continue
+            cost = passes * rows + cols
+            if best is None or cost < best[0]:
+                best = (cost, wm, passes)
+    if best is None:
+        raise ValueError(
+            f"no warp grid of {warps} warps tiles the {block_m} x {head_dim} dQ block in "
+            f"16 x 16 multiples within {max_dq_acc(head_dim)} accumulators per thread"
+        )
+    return best[1], best[2]
+
+
+# Default tiles: (compile-time head dim, dtype or None = any, windowed or None = any) -> tag; the
+# most specific matching key wins ("windowed": causal or any sliding window). block_n = 128 keys
+# (8 warps x 16) keeps dK and dV of 16 keys x D per warp in registers (D / 2 fp32 per thread).
+# block_m = 64 leaves room for the 16 x 64 S^T and dP^T fragments next to them at D >= 96; D <= 64
+# afford block_m = 128 (fewer K/V-side operand reloads, half the dQ reductions per key). Measured
+# (H200, sweep-20261130-002723-10dcd36): 0.77-0.87x FA2; the A/B candidates below await the GPU.
+CONFIG_TABLE: dict[tuple[int, torch.dtype | None, bool | None], str] = {
+    (32, None, None): "bm128_bn128_w8",
+    (64, None, None): "bm128_bn128_w8",
+    (96, None, None): "bm64_bn128_w8",
+    (128, None, None): "bm64_bn128_w8",
+}
+HEAD_DIMS = tuple(sorted({d for d, _, _ in CONFIG_TABLE}))
+
+# Tags compiled ahead (CPU lane, scripts/precompile.py) for A/B runs through CONFIG_ENV; any other
+# valid tag also works (compiled on first use). docs/perf-notes.md (2026-11-30) has the predictions.
+#   bm*_bn64_w4: two 4-warp CTAs per SM on H100/H200 (one 8-warp CTA today), same warp tile
+#   _red4:       dQ reductions as red.global.add.v4.f32 on sm_90
+CANDIDATES: dict[int, tuple[str, ...]] = {
+    64: ("bm128_bn64_w4", "bm64_bn64_w4", "bm128_bn128_w8_red4", "bm128_bn64_w4_red4"),
+    128: ("bm64_bn64_w4", "bm64_bn128_w8_red4", "bm64_bn64_w4_red4"),
+}
+
+# FLASHCUDA_BWD_SM80_CONFIG: "TAG" (every head dim) or "d64=TAG,d128=TAG" (per compile-time head
+# dim; the others keep CONFIG_TABLE's). Empty or "default": the table. A tag that does not tile a
+# head dim raises ValueError (an A/B run must not fall back silently).
+CONFIG_ENV = "FLASHCUDA_BWD_SM80_CONFIG"
+
+
+def _kernel_head_dim(head_dim: int) -> int | None:
+    """The smallest compile-time head dim >= a runtime one (a multiple of 8), or None."""
+    if head_dim <= 0 or head_dim % 8:
+        return None
+    return next((d for d in HEAD_DIMS if head_dim <= d), None)
+
+
+def table_tag(head_dim: int, dtype: torch.dtype, windowed: bool) -> str:
+    """CONFIG_TABLE's tag for a compile-time head dim (KeyError if the table has none)."""
+    for key in ((head_dim, dtype, windowed), (head_dim, dtype, None), (head_dim, None, windowed),
+                (head_dim, None, None)):
+        if key in CONFIG_TABLE:
+            return CONFIG_TABLE[key]
+    raise KeyError(f"CONFIG_TABLE has no entry for head_dim {head_dim}")
+
+
+def parse_override(raw: str) -> dict[int | None, str]:
+    """CONFIG_ENV's value as {compile-time head dim or None (= every head dim): tag}."""
+    raw = raw.strip()
+    if not raw or raw.lower() == "default":
+        return {}
+    out: dict[int | None, str] = {}
+    for part in (p.strip() for p in raw.split(",")):
+        if not part:
+            continue
+        if "=" in part:
+            key, tag = (x.strip() for x in part.split("=", 1))
+            m = re.fullmatch(r"d?(\d+)", key)
+            if m is None or int(m.group(1)) not in HEAD_DIMS:
+                raise ValueError(
+                    f"{CONFIG_ENV}={raw!r}: {key!r} is not a compile-time head dim "
+                    f"(one of {', '.join(f'd{d}' for d in HEAD_DIMS)})"
+                )
+            out[int(m.group(1))] = tag
+        else:
+            out[None] = part
+    return out
 
 
 @cache
-def config_for(dtype: torch.dtype, head_dim: int) -> BwdSm80Config | None:
-    """The configuration for a runtime head dim (the smallest compile-time head dim >= it), or None."""
-    if dtype not in DTYPES or head_dim <= 0 or head_dim % 8:
+def _resolve(dtype: torch.dtype, d: int, windowed: bool, raw: str) -> BwdSm80Config:
+    override = parse_override(raw)
+    tag = override.get(d, override.get(None))
+    if tag is None:
+        return BwdSm80Config.from_tag(dtype, d, table_tag(d, dtype, windowed))
+    try:
+        return BwdSm80Config.from_tag(dtype, d, tag)
+    except ValueError as exc:
+        raise ValueError(f"{CONFIG_ENV}={raw!r} at head_dim {d}: {exc}") from None
+
+
+def config_for(dtype: torch.dtype, head_dim: int, windowed: bool = False) -> BwdSm80Config | None:
+    """The configuration for a runtime head dim (the smallest compile-time head dim >= it), or
+    None if none holds it: CONFIG_ENV's tag when set, else CONFIG_TABLE's."""
+    if dtype not in DTYPES:
         return None
-    for d in HEAD_DIMS:
-        if head_dim <= d:
-            return BwdSm80Config(dtype, d, **_TILES[d])
-    return None
+    d = _kernel_head_dim(head_dim)
+    if d is None:
+        return None
+    return _resolve(dtype, d, bool(windowed), os.environ.get(CONFIG_ENV, ""))
+
+
+def call_config(call: BwdCall) -> BwdSm80Config | None:
+    """config_for a call: its dtype, head dim and mask."""
+    windowed = call.window_left is not None or call.window_right is not None
+    return config_for(call.dtype, call.head_dim, windowed)
 
 
 @cache
@@ -306,7 +497,7 @@ def can_implement(call: BwdCall) -> str | None:
             return f"{name} has shape {tuple(t.shape)}, expected {shape}"
     if hkv == 0 or h % hkv:
         return f"nheads ({h}) must be a multiple of nheads_kv ({hkv})"
-    cfg = config_for(call.dtype, d)
+    cfg = call_config(call)
     if cfg is None:
         return f"head_dim {d} is not supported (multiples of 8 up to {HEAD_DIMS[-1]})"
     if sq + sk >= MAX_SEQLEN_SUM:
@@ -334,7 +525,7 @@ def _strides(t: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
 
 def run(call: BwdCall) -> None:
     """Fill call.dq, call.dk, call.dv. The caller has checked can_implement(call)."""
-    cfg = config_for(call.dtype, call.head_dim)
+    cfg = call_config(call)
     if cfg is None:
         raise NotImplementedError(can_implement(call) or "no sm80 backward configuration")
     b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
@@ -445,15 +636,27 @@ def run(call: BwdCall) -> None:
         )
 
 
-def variants() -> list[tuple[KernelSpec, tuple[str, ...]]]:
-    """Every specialisation this family launches, for the CPU compile lane."""
-    out: list[tuple[KernelSpec, tuple[str, ...]]] = []
+def configs() -> list[BwdSm80Config]:
+    """Every configuration compiled ahead: CONFIG_TABLE's and the A/B CANDIDATES, both dtypes."""
+    out: dict[BwdSm80Config, None] = {}
     for dtype in DTYPES:
-        for d in HEAD_DIMS:
-            cfg = config_for(dtype, d)
-            if cfg is not None:
-                out += [(spec, ARCHS) for spec in cfg.specs()]
-    return out
+        for key, tag in CONFIG_TABLE.items():
+            if key[1] in (None, dtype):
+                out[BwdSm80Config.from_tag(dtype, key[0], tag)] = None
+        for d, tags in CANDIDATES.items():
+            for tag in tags:
+                out[BwdSm80Config.from_tag(dtype, d, tag)] = None
+    return list(out)
+
+
+def variants() -> list[tuple[KernelSpec, tuple[str, ...]]]:
+    """Every specialisation this family launches by default or as an A/B candidate, once each,
+    for the CPU compile lane and scripts/precompile.py."""
+    seen: dict[str, tuple[KernelSpec, tuple[str, ...]]] = {}
+    for cfg in configs():
+        for spec in cfg.specs():
+            seen.setdefault(spec.name, (spec, ARCHS))
+    return list(seen.values())
 
 
 register(variants)

@@ -120,7 +120,7 @@ def _plan_key(call: FwdCall | BwdCall, direction: str) -> tuple:
     else:
         extra = ()
     return (direction, os.environ.get(FORCE_ENV, ""), os.environ.get("FLASHCUDA_ENABLE_SM90", ""),
-            call.dtype, call.device, call.window_left,
+            os.environ.get("FLASHCUDA_BWD_SM80_CONFIG", ""), call.dtype, call.device, call.window_left,
             call.window_right, call.softmax_scale > 0, *extra,
             *((tuple(t.shape), t.stride(), t.data_ptr() % 16) for t in tensors))
 

@@ -302,6 +302,15 @@ def test_parser_selections():
     assert command.parse_args(["show", "r.json"]).record == "r.json"
 
 
+def test_run_config_records_the_kernel_switches(monkeypatch):
+    for name in command.KERNEL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert command.run_config(command.parse_args([]))["kernel_env"] == {}
+    monkeypatch.setenv("FLASHCUDA_BWD_SM80_CONFIG", "d128=bm64_bn64_w4")
+    cfg = command.run_config(command.parse_args(["--quick"]))
+    assert cfg["kernel_env"] == {"FLASHCUDA_BWD_SM80_CONFIG": "d128=bm64_bn64_w4"}
+
+
 @pytest.mark.parametrize("argv", [["--peers", "fa9"], ["--seqlens", "12x"], ["--causal", "2"],
                                   ["--skip", "naps"], ["show"], ["--dtype", "fp8"]])
 def test_parser_rejects(argv):

@@ -3,6 +3,9 @@ the config (the single source of truth for tiles and shared memory) is self-cons
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -14,6 +17,25 @@ from flashcuda.ops.call import BwdCall
 VARIANTS = bwd_sm80.variants()
 H100_SMEM_OPTIN = 227 * 1024
 A100_SMEM_OPTIN = 163 * 1024
+ARCHS = ("sm_80", "sm_90a")
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """ptxas' report of every variant on both archs, compiled in parallel once."""
+    import cuda.core  # noqa: F401  (import once here: importing it from several threads races)
+
+    jobs = [(spec, arch) for spec, archs in VARIANTS for arch in archs]
+
+    def build(job):
+        spec, arch = job
+        result = compile_spec(spec, arch)
+        resources = result.resources()
+        assert spec.entry_name in resources, f"no ptxas report for {spec.entry_name}:\n{result.log}"
+        return (spec.name, arch), resources[spec.entry_name]
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return dict(pool.map(build, jobs))
 
 
 @pytest.mark.parametrize(
@@ -21,13 +43,25 @@ A100_SMEM_OPTIN = 163 * 1024
     [(spec, arch) for spec, archs in VARIANTS for arch in archs],
     ids=lambda x: getattr(x, "name", x),
 )
-def test_variant_compiles_without_spills(spec, arch):
-    result = compile_spec(spec, arch)
-    resources = result.resources()
-    assert spec.entry_name in resources, f"no ptxas report for {spec.entry_name}:\n{result.log}"
-    res = resources[spec.entry_name]
+def test_variant_compiles_without_spills(reports, spec, arch):
+    res = reports[(spec.name, arch)]
     assert not res.spills, f"{spec.name} on {arch}: {res}"
     assert res.registers <= 255
+
+
+@pytest.mark.parametrize("cfg", bwd_sm80.configs(), ids=lambda c: c.spec().name)
+def test_occupancy_on_hopper_and_ampere(reports, cfg):
+    """One 8-warp CTA per SM (255 registers x 256 threads), or two 4-warp CTAs per SM on H100 /
+    H200 (255 x 128 threads each, <= 113 KB of shared memory each); A100's 164 KB fits two
+    4-warp CTAs only below 81 KB (d64 bm64)."""
+    for arch in ARCHS:
+        regs = reports[(cfg.spec().name, arch)].registers
+        h100 = cfg.ctas_per_sm(regs, bwd_sm80.H100_SMEM_PER_SM)
+        a100 = cfg.ctas_per_sm(regs, bwd_sm80.A100_SMEM_PER_SM)
+        assert cfg.warps * h100 == 8, (arch, regs, h100)  # 8 warps per SM on Hopper, every config
+        assert h100 == cfg.min_blocks  # what the launch bounds ask for is what fits
+        if cfg.warps == 4:
+            assert a100 == (2 if cfg.main_smem_bytes(True) + 1024 <= 167936 // 2 else 1)
 
 
 def test_variants_are_registered_and_unique():
@@ -121,6 +155,103 @@ def test_config_is_frozen_and_hashable():
     with pytest.raises(AttributeError):
         cfg.block_m = 32  # type: ignore[misc]
     assert {cfg: 1}[config_for(torch.float16, 64)] == 1
+
+
+def test_dq_grid_auto_bounds_the_accumulators():
+    # 4 warps, d128: 64 x 128 dQ block, 2 x 2 warps of 32 x 64 in 2 passes (32 fp32 per thread)
+    cfg = BwdSm80Config(torch.float16, 128, 64, 64, 4)
+    assert (cfg.dq_warps_m, cfg.dq_passes) == (2, 2)
+    # d64 affords 64 accumulators: one pass
+    cfg = BwdSm80Config(torch.float16, 64, 128, 64, 4)
+    assert cfg.dq_passes == 1
+    for cfg in bwd_sm80.configs():
+        rows = cfg.block_m // cfg.dq_warps_m
+        cols = cfg.head_dim // (cfg.warps // cfg.dq_warps_m)
+        assert rows * cols // cfg.dq_passes // 32 <= bwd_sm80.max_dq_acc(cfg.head_dim)
+
+
+def test_table_keeps_the_measured_defaults():
+    """The tiles measured at 10dcd36 (sweep-20261130-002723) stay the defaults until the A/B."""
+    expect = {
+        32: ("bm128_bn128_w8", 16, 4, 1),
+        64: ("bm128_bn128_w8", 8, 4, 1),
+        96: ("bm64_bn128_w8", 4, 4, 1),
+        128: ("bm64_bn128_w8", 4, 2, 1),
+    }
+    for d, (tag, dp, wm, passes) in expect.items():
+        for dtype in (torch.float16, torch.bfloat16):
+            for windowed in (False, True):
+                cfg = config_for(dtype, d, windowed)
+                assert cfg.tag == tag
+                assert (cfg.dp_group, cfg.dq_warps_m, cfg.dq_passes, cfg.min_blocks, cfg.dq_red) == (
+                    dp, wm, passes, 1, 2)
+
+
+@pytest.mark.parametrize("cfg", bwd_sm80.configs(), ids=lambda c: c.spec().name)
+def test_tags_round_trip(cfg):
+    assert BwdSm80Config.from_tag(cfg.dtype, cfg.head_dim, cfg.tag) == cfg
+    assert cfg.spec().name == f"flash_bwd_sm80_{cfg.dtype_name}_d{cfg.head_dim}_{cfg.tag}"
+
+
+def test_tags_spell_only_the_knobs_off_auto():
+    cfg = BwdSm80Config(torch.bfloat16, 128, 64, 64, 4, dp_group=8, min_blocks=1, dq_red=4)
+    assert cfg.tag == "bm64_bn64_w4_dp8_mb1_red4"
+    cfg = BwdSm80Config(torch.bfloat16, 128, 64, 64, 4, dq_warps_m=1, dq_passes=2)
+    assert cfg.tag == "bm64_bn64_w4_dqm1_dqp2"
+    assert BwdSm80Config.from_tag(torch.bfloat16, 128, cfg.tag) == cfg
+    assert BwdSm80Config.from_tag(torch.bfloat16, 128, "bm64_bn64_w4_dp4").tag == "bm64_bn64_w4"
+    # the _nodq kernel of a _red4 tag is the _red2 one (no reductions without dQ)
+    red4 = BwdSm80Config.from_tag(torch.bfloat16, 128, "bm64_bn128_w8_red4")
+    assert red4.main_spec(False) == config_for(torch.bfloat16, 128).main_spec(False)
+    assert dict(red4.spec().defines)["FC_DQ_RED_V4"] == "1"
+    assert dict(red4.main_spec(False).defines)["FC_DQ_RED_V4"] == "0"
+
+
+@pytest.mark.parametrize(
+    "tag",
+    ["", "bm64", "bm64_bn64_w3", "bm64_bn64_w4_dp3", "bm64_bn64_w4_red8", "bm64_bn64_w4_dp4_dp4",
+     "bm64_bn64_w4_foo2", "bm40_bn64_w4", "bm64_bn64_w4_dqp3"],
+)
+def test_bad_tags_are_rejected(tag):
+    with pytest.raises(ValueError):
+        BwdSm80Config.from_tag(torch.bfloat16, 128, tag)
+
+
+def test_config_env_override(monkeypatch):
+    env = bwd_sm80.CONFIG_ENV
+    monkeypatch.setenv(env, "bm64_bn64_w4")
+    for d in (64, 128):
+        cfg = config_for(torch.bfloat16, d)
+        assert (cfg.tag, cfg.head_dim, cfg.warps) == ("bm64_bn64_w4", d, 4)
+    assert config_for(torch.bfloat16, 72).head_dim == 96  # runtime 72 -> compile-time 96
+    monkeypatch.setenv(env, "d64=bm128_bn64_w4, d128=bm64_bn128_w8_red4")
+    assert config_for(torch.float16, 64).tag == "bm128_bn64_w4"
+    assert config_for(torch.float16, 128, True).tag == "bm64_bn128_w8_red4"
+    assert config_for(torch.float16, 96).tag == "bm64_bn128_w8"  # not overridden: the table
+    for raw in ("default", " ", ""):
+        monkeypatch.setenv(env, raw)
+        assert config_for(torch.float16, 128).tag == "bm64_bn128_w8"
+    for raw in ("bm64_bn64_w3", "d48=bm64_bn64_w4", "d128=bm64_bn64_w4_dp3"):
+        monkeypatch.setenv(env, raw)
+        with pytest.raises(ValueError, match=env):
+            config_for(torch.float16, 128)
+    monkeypatch.setenv(env, "bm64_bn64_w4")
+    assert config_for(torch.float32, 128) is None and config_for(torch.float16, 12) is None
+
+
+def test_config_env_reaches_can_implement(monkeypatch):
+    """An override that cannot run is an error, never a silent fallback to another family."""
+    monkeypatch.setenv(bwd_sm80.CONFIG_ENV, "bm64_bn64_w5")
+    with pytest.raises(ValueError, match="block_n"):
+        bwd_sm80.can_implement(_call())
+
+
+def test_candidates_are_registered_for_both_dtypes():
+    names = {spec.name for spec, _ in VARIANTS}
+    for d, tags in bwd_sm80.CANDIDATES.items():
+        for tag in tags:
+            for dtype in ("fp16", "bf16"):
+                assert f"flash_bwd_sm80_{dtype}_d{d}_{tag}" in names
 
 
 def _call(b=1, sq=16, sk=24, h=4, hkv=2, d=64, dtype=torch.bfloat16, **over):

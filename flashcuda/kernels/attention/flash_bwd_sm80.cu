@@ -231,6 +231,9 @@ constexpr int kDqPasses = FC_DQ_PASSES;
 constexpr int kDqPassN = kDqWN / kDqPasses;
 constexpr int kSStride = kBM + 8;            // dS^T tile row stride (elements), same padding rule
 constexpr int kDpGroup = FC_DP_GROUP;        // query n-tiles of dP^T computed at a time
+constexpr int kMinBlocks = FC_MIN_BLOCKS;    // CTAs per SM the launch bounds ask for
+// dQ reductions as 16-byte red.v4 (PTX 8.1, sm_90 only; sm_80 keeps 8-byte red.v2 / atomics).
+constexpr bool kRedV4 = FC_DQ_RED_V4 && __CUDA_ARCH__ >= 900;
 static_assert(kBN == 16 * kWarps, "each warp owns 16 keys");
 static_assert(kBM % 16 == 0 && kBM / 2 <= kThreads, "query block");
 static_assert(kDpGroup % 2 == 0 && (kBM / 8) % kDpGroup == 0, "dP^T groups");
@@ -291,7 +294,7 @@ __device__ __forceinline__ void dsoftmax_t(uint32_t (&ds16)[kBM / 8][2], const f
   }
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
+extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocks) FC_KERNEL_NAME(
     const T* __restrict__ q,            // [B, Sq, H, D]
     const T* __restrict__ k,            // [B, Sk, Hkv, D]
     const T* __restrict__ v,            // [B, Sk, Hkv, D]
@@ -451,11 +454,27 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
 #pragma unroll
           for (int ni = 0; ni < kDqPassN / 8; ++ni) {
             const int col = n_first + ni * 8 + 2 * t;
-            if (m0 + row < seqlen_q) {
-              red_add_f32x2(dq_rows + row * kD + col, acc_dq[mi][ni][0], acc_dq[mi][ni][1]);
-            }
-            if (m0 + row + 8 < seqlen_q) {
-              red_add_f32x2(dq_rows + (row + 8) * kD + col, acc_dq[mi][ni][2], acc_dq[mi][ni][3]);
+            if constexpr (kRedV4) {
+              // Lanes t and t^1 swap halves so each holds 4 consecutive columns of one row: even t
+              // row g, columns 2t..2t+3; odd t row g+8, columns 2t-2..2t+1. One 16-byte reduction
+              // per lane instead of two 8-byte ones.
+              const bool odd = t & 1;
+              const float* c = acc_dq[mi][ni];
+              const float x = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
+              const float y = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
+              // Selects, not a branch: one warp-wide red.v4 (a branch would issue two half-empty).
+              const int r = row + (odd ? 8 : 0);
+              if (m0 + r < seqlen_q) {
+                red_add_f32x4(dq_rows + r * kD + col - (odd ? 2 : 0), odd ? x : c[0], odd ? y : c[1],
+                              odd ? c[2] : x, odd ? c[3] : y);
+              }
+            } else {
+              if (m0 + row < seqlen_q) {
+                red_add_f32x2(dq_rows + row * kD + col, acc_dq[mi][ni][0], acc_dq[mi][ni][1]);
+              }
+              if (m0 + row + 8 < seqlen_q) {
+                red_add_f32x2(dq_rows + (row + 8) * kD + col, acc_dq[mi][ni][2], acc_dq[mi][ni][3]);
+              }
             }
           }
         }

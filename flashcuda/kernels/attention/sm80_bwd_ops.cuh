@@ -91,6 +91,21 @@ __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
 #endif
 }
 
+// *p += (x, y, z, w) for four consecutive floats (16-byte aligned), result unused: PTX 8.1
+// red .v4.f32, sm_90 only (the sm80 main kernel calls it only under __CUDA_ARCH__ >= 900).
+__device__ __forceinline__ void red_add_f32x4(float* p, float x, float y, float z, float w) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x), "f"(y), "f"(z),
+               "f"(w)
+               : "memory");
+#else
+  atomicAdd(p, x);
+  atomicAdd(p + 1, y);
+  atomicAdd(p + 2, z);
+  atomicAdd(p + 3, w);
+#endif
+}
+
 // 16-byte shared/global accesses.
 struct alignas(16) Vec16 { uint32_t x, y, z, w; };
 
