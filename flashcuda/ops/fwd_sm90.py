@@ -9,8 +9,9 @@ off (dispatch then runs fwd_sm80); FLASHCUDA_SM90_PERSISTENT=0 launches one CTA 
 register split, shared memory (the .cu static_asserts the same layout), the name, the defines.
 
     head dim   mask      block_m x block_n, stages   smem     consumers x registers
-    64         any       192 x 128, 2                 89 KB    3 x 160  (FA3's d64 tiles)
-    128        none      128 x 176, 2                 209 KB   2 x 240  (FA3's d128 tiles)
+    64         none      192 x 128, 2                 89 KB    3 x 160  (FA3's d64 tiles)
+    64         causal    192 x 128 from seqlen_q 8k, else 128 x 128 (81 KB, 2 x 240)
+    128        none      128 x 176 from seqlen_k 2k, 2 209 KB  2 x 240  (FA3's d128 tiles)
     128        causal    128 x 128, 2                 161 KB   2 x 240
     A/B        any       128 x 128, 2 (FLASHCUDA_SM90_TILES=bm128_bn128)
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512 and
@@ -125,12 +126,24 @@ class Sm90FwdConfig:
         return (max(1, min(tiles, sms)), 1, 1)
 
 
-# (head dim, causal or windowed) -> (block_m, block_n): FlashAttention-3's choices for Hopper
-# (192 x 128 at d64: three consumer warpgroups share each K/V tile; 128 x 176 at d128 without a
-# mask: fewer, longer Q K^T GEMMs), measured against 128 x 128 in docs/perf-notes.md.
+# (block_m, block_n) per head dim, mask and length, by measurement (docs/perf-notes.md, "FA3's
+# tiles"): FlashAttention-3's 192 x 128 at d64 (three consumer warpgroups share each K/V tile)
+# wins 12-21% without a mask and at causal 16k but loses 20% at causal 1k (fewer, longer work
+# tiles for the diagonal); 128 x 176 at d128 without a mask wins 2-4% from 4k on.
+LONG = 8192  # causal d64: 192-row tiles from this seqlen_q on
+WIDE = 2048  # d128 without a mask: 176-key tiles from this seqlen_k on
+
+
+def tiles_for(head_dim: int, windowed: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    if head_dim == 64:
+        return (192, 128) if not windowed or seqlen_q >= LONG else (128, 128)
+    return (128, 176) if not windowed and seqlen_k >= WIDE else (128, 128)
+
+
 TILES = {(64, False): (192, 128), (64, True): (192, 128),
-         (128, False): (128, 176), (128, True): (128, 128)}
-# Compiled too, for A/B runs: FLASHCUDA_SM90_TILES=bm128_bn128 forces those tiles.
+         (128, False): (128, 176), (128, True): (128, 128)}  # every shape tiles_for can return
+# Compiled too, for A/B runs: FLASHCUDA_SM90_TILES=bm128_bn128 forces those tiles at every head
+# dim, FLASHCUDA_SM90_TILES=d64=bm192_bn128,d128=bm128_bn176 per head dim.
 AB_TILES = ((128, 128),)
 TILES_ENV = "FLASHCUDA_SM90_TILES"
 CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
@@ -141,15 +154,20 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int) -> Sm
                          consumer_regs=CONSUMER_REGS[block_m // 64])
 
 
-def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False) -> Sm90FwdConfig:
-    """The tiles of TILES, or those FLASHCUDA_SM90_TILES=bm<M>_bn<N> forces (A/B runs)."""
+def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
+                  seqlen_q: int = LONG, seqlen_k: int = WIDE) -> Sm90FwdConfig:
+    """The tiles of tiles_for, or those FLASHCUDA_SM90_TILES=bm<M>_bn<N> forces (A/B runs)."""
     forced = os.environ.get(TILES_ENV, "").strip()
     if forced:
-        m = re.fullmatch(r"bm(\d+)_bn(\d+)", forced)
-        if not m:
-            raise ValueError(f"{TILES_ENV}: expected bm<M>_bn<N> (e.g. bm128_bn128), got {forced!r}")
-        return _config(dtype, head_dim, int(m.group(1)), int(m.group(2)))
-    return _config(dtype, head_dim, *TILES[(head_dim, windowed)])
+        for item in forced.split(","):
+            dim, _, tiles = item.strip().rpartition("=")
+            m = re.fullmatch(r"bm(\d+)_bn(\d+)", tiles)
+            if not m or (dim and not re.fullmatch(r"d\d+", dim)):
+                raise ValueError(f"{TILES_ENV}: expected bm<M>_bn<N> or a comma list of "
+                                 f"d<D>=bm<M>_bn<N> (e.g. d64=bm128_bn128), got {forced!r}")
+            if not dim or dim == f"d{head_dim}":
+                return _config(dtype, head_dim, int(m.group(1)), int(m.group(2)))
+    return _config(dtype, head_dim, *tiles_for(head_dim, windowed, seqlen_q, seqlen_k))
 
 
 def configs() -> list[Sm90FwdConfig]:
@@ -192,7 +210,7 @@ def can_implement(call: FwdCall) -> str | None:
         return f"softmax_scale must be positive and finite, got {call.softmax_scale}"
     if why := vector_layout_problem("out", call.out):
         return why
-    cfg = select_config(call.dtype, d, call.is_local)
+    cfg = select_config(call.dtype, d, call.is_local, call.seqlen_q, call.seqlen_k)
     if cfg.work_tiles(call) >= 2**31:
         return f"{cfg.work_tiles(call)} work tiles exceed the kernel's int32 tile index"
     if call.batch and call.seqlen_q and call.nheads:
@@ -269,7 +287,8 @@ def _plan(call: FwdCall) -> _Plan | str:
     if call.batch == 0 or call.seqlen_q == 0 or call.nheads == 0:
         plan = _EMPTY
     else:
-        cfg = select_config(call.dtype, call.head_dim, call.is_local)
+        cfg = select_config(call.dtype, call.head_dim, call.is_local, call.seqlen_q,
+                            call.seqlen_k)
         sms = torch.cuda.get_device_properties(_device_index(call.device)).multi_processor_count
         plan = _Plan(cfg, get_kernel(cfg.spec(), call.device), cfg.grid(call, sms),
                      constant_args(call))

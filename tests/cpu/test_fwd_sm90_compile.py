@@ -224,12 +224,20 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     assert pick(torch.bfloat16, 64).consumer_regs == 160 and pick(torch.bfloat16, 64).threads == 512
     assert pick(torch.float16, 128).block_n == 176
     assert pick(torch.float16, 128, windowed=True).block_n == 128
+    assert pick(torch.float16, 128, False, 1024, 1024).block_n == 128  # short: 128 x 128
+    assert pick(torch.float16, 64, True, 4096, 4096).block_m == 128  # causal below 8k
+    assert pick(torch.float16, 64, True, 8192, 8192).block_m == 192
     names = {c.name for c in fwd_sm90.configs()}
     assert {pick(dt, d, w).name for dt in fwd_sm90.DTYPES for d in (64, 128)
             for w in (False, True)} <= names
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "bm128_bn128")
     assert pick(torch.bfloat16, 64).name == "flash_fwd_sm90_bf16_d64_bm128_bn128_s2"
     assert pick(torch.bfloat16, 64).name in names
+    monkeypatch.setenv(fwd_sm90.TILES_ENV, "d64=bm192_bn128,d128=bm128_bn176")
+    assert pick(torch.bfloat16, 64, True, 1, 1).block_m == 192
+    assert pick(torch.bfloat16, 128, True, 1, 1).block_n == 176
+    monkeypatch.setenv(fwd_sm90.TILES_ENV, "d64=bm128_bn128")
+    assert pick(torch.bfloat16, 128, False, 4096, 4096).block_n == 176  # d128: the rule
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "128x128")
     with pytest.raises(ValueError, match="FLASHCUDA_SM90_TILES"):
         pick(torch.bfloat16, 64)

@@ -30,9 +30,11 @@ FULL = (None, None)
 CAUSAL = (None, 0)
 
 
-@pytest.fixture(autouse=True, params=["default", "bm128_bn128"])
+@pytest.fixture(autouse=True, params=["default", "bm128_bn128", "d64=bm192_bn128,d128=bm128_bn176"],
+                ids=["tiles-dispatch", "tiles-128x128", "tiles-fa3"])
 def _enable_sm90(monkeypatch, request):
-    """Every test runs with the dispatched tiles (fwd_sm90.TILES) and with the A/B tiles."""
+    """Every test runs with the tiles dispatch picks for its shape, with 128 x 128 everywhere,
+    and with FA3's tiles everywhere (so each specialisation sees every shape)."""
     monkeypatch.setenv(fwd_sm90.ENABLE_ENV, "1")
     if request.param != "default":
         monkeypatch.setenv(fwd_sm90.TILES_ENV, request.param)
