@@ -65,15 +65,30 @@ def test_warmup_loads_every_kernel_and_the_largest_shape(soak):
 
 
 def test_memory_rule(soak):
-    gib = soak.GIB
+    gib, mib = soak.GIB, 1 << 20
     warm = {"allocated": 1000, "reserved": 4 * gib, "max_reserved": 8 * gib, "max_allocated": 0}
-    assert soak.memory_verdict(warm, dict(warm))[0]
-    assert soak.memory_verdict(warm, {**warm, "max_reserved": 11 * gib})[0]  # 1.25 x 8 + 1
-    ok, why = soak.memory_verdict(warm, {**warm, "allocated": 1512})
-    assert not ok and "allocated 1000 -> 1512" in why
-    ok, why = soak.memory_verdict(warm, {**warm, "max_reserved": 11 * gib + 1})
+    verdict = soak.memory_verdict
+    assert verdict(warm, None, dict(warm))[0] and verdict(warm, dict(warm), dict(warm))[0]
+    assert verdict(warm, None, {**warm, "max_reserved": 11 * gib})[0]  # 1.25 x 8 + 1
+    stepped = {**warm, "allocated": 1000 + 32 * mib}  # a workspace touched once, then steady
+    assert verdict(warm, stepped, dict(stepped))[0]
+    ok, why = verdict(warm, stepped, {**stepped, "allocated": 1000 + 32 * mib + 512})
+    assert not ok and "over the second half" in why  # a ramp
+    ok, why = verdict(warm, None, {**warm, "allocated": 1512})
+    assert not ok and "allocated 1000 -> 1512" in why  # no half-way snapshot: the warm-up's
+    big = {**warm, "allocated": 1000 + 65 * mib}
+    ok, why = verdict(warm, big, dict(big))
+    assert not ok and "since the warm-up" in why
+    ok, why = verdict(warm, warm, {**warm, "max_reserved": 11 * gib + 1})
     assert not ok and "max reserved" in why
-    assert soak.memory_verdict(None, None) == (True, "not measured (no CUDA device)")
+    assert verdict(None, None, None) == (True, "not measured (no CUDA device)")
+
+
+@pytest.fixture
+def short_warmup(soak, monkeypatch):
+    """Two warm-up calls instead of all (these tests are about the run's bookkeeping)."""
+    real = soak.warmup_shapes
+    monkeypatch.setattr(soak, "warmup_shapes", lambda *a: real(*a)[:2])
 
 
 def _args(tmp_path, *extra):
@@ -103,7 +118,7 @@ def test_a_run_writes_a_record_and_passes(soak, tmp_path, capsys):
     assert summary["line"].startswith("soak: PASS 6/6 calls") and "not measured" in summary["line"]
 
 
-def test_a_failed_check_fails_the_run(soak, tmp_path, monkeypatch, capsys):
+def test_a_failed_check_fails_the_run(soak, tmp_path, monkeypatch, capsys, short_warmup):
     real = soak.check_call
 
     def one_bad(shape, *args, **kwargs):
@@ -120,13 +135,15 @@ def test_a_failed_check_fails_the_run(soak, tmp_path, monkeypatch, capsys):
     assert "soak: FAIL" in capsys.readouterr().out
 
 
-def test_an_exception_is_recorded_and_the_soak_goes_on(soak, tmp_path, monkeypatch):
+def test_an_exception_is_recorded_and_the_soak_goes_on(soak, tmp_path, monkeypatch,
+                                                      short_warmup):
     real = soak.make_inputs
     calls = []
+    third = 2 + 3  # after the two warm-up calls, the soak's third
 
     def sometimes(shape, device, g):
         calls.append(shape)
-        if len(calls) == 20:
+        if len(calls) == third:
             raise RuntimeError("boom")
         return real(shape, device, g)
 
@@ -137,7 +154,7 @@ def test_an_exception_is_recorded_and_the_soak_goes_on(soak, tmp_path, monkeypat
     assert "RuntimeError: boom" in record["failures"][0]["what"]
 
 
-def test_time_budget_makes_the_run_incomplete(soak, tmp_path):
+def test_time_budget_makes_the_run_incomplete(soak, tmp_path, short_warmup):
     assert soak.main(_args(tmp_path, "--max-seconds", "1e-9")) == 3
     record = json.loads(next(tmp_path.glob("soak-*.json")).read_text())
     assert record["status"] == "incomplete" and record["counts"]["calls"] == 0
