@@ -7,13 +7,18 @@
 #   info       flashcuda info
 #   tests      pytest -m gpu (the whole GPU lane), junit xml + log
 #   sanitize   compute-sanitizer memcheck + racecheck (+ synccheck, initcheck) on the boundary-shape
-#              suite (tests/gpu/test_sanitize.py; SANITIZE_K narrows it), torch's caching allocator
-#              off so every tensor is its own allocation and an overrun is visible
+#              suite (tests/gpu/test_sanitize.py; SANITIZE_K narrows it, e.g. "sm90", "not 65537"),
+#              torch's caching allocator off so every tensor is its own allocation and an overrun is
+#              visible. SANITIZE_TOOLS picks the tools (default "memcheck racecheck synccheck
+#              initcheck"); the tool "none" runs the suite once without a sanitizer (a quick
+#              correctness pass that also fills the kernel cache)
+#   soak       scripts/soak.py: SOAK_CALLS (default 10000) random-shape calls through the API, an
+#              oracle check on a sample, memory flat; record soak-*.json (SOAK_ARGS: more options)
 #   host       host-side microseconds per call (scripts/host_overhead.py)
 #   latency    first-call latency: compile in a fresh cache, cache hit in a new process
 #   bench      flashcuda bench --quick;   bench-full: the standard sweep;   ladder: ladder rungs
-# Each step runs under a timeout (TESTS_TIMEOUT, SANITIZE_TIMEOUT per tool, BENCH_TIMEOUT) so one
-# hung step cannot eat the whole call.
+# Each step runs under a timeout (TESTS_TIMEOUT, SANITIZE_TIMEOUT per tool, SOAK_TIMEOUT,
+# BENCH_TIMEOUT) so one hung step cannot eat the whole call.
 # Logs and records go to $OUT (the device tool's folder) or ./gpu-lane-out. A short table is last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,14 +43,22 @@ for step in "${steps[@]}"; do
       rc=${PIPESTATUS[0]}; tail -n 25 "$OUT/gpu-tests.log" ;;
     sanitize)
       rc=0
-      for tool in memcheck racecheck synccheck initcheck; do
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
-          --report-api-errors no --print-limit 20 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_sanitize.py \
-          ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-$tool.log" 2>&1
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+        if [ "$tool" = none ]; then
+          timeout "${SANITIZE_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
+            tests/gpu/test_sanitize.py ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-$tool.log" 2>&1
+        else
+          PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+            --report-api-errors no --print-limit 20 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_sanitize.py \
+            ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-$tool.log" 2>&1
+        fi
         r=$?; echo "compute-sanitizer $tool: rc=$r  $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/sanitize-$tool.log" | tail -n 2 | tr '\n' ' ')"
         [ $r -ne 0 ] && rc=$r
       done
       cat "$OUT"/sanitize-*.log > "$OUT/sanitize.log"; rm -f "$OUT"/sanitize-*.log ;;
+    soak)
+      timeout "${SOAK_TIMEOUT:-400}" python3 scripts/soak.py --calls "${SOAK_CALLS:-10000}" --max-seconds "${SOAK_MAX_SECONDS:-330}" \
+        --out "$OUT" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1; rc=$?; tail -n 14 "$OUT/soak.log" ;;
     host)
       python3 scripts/host_overhead.py > "$OUT/host-overhead.txt" 2>&1; rc=$?; head -n 3 "$OUT/host-overhead.txt" ;;
     latency)

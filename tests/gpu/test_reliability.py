@@ -21,6 +21,7 @@ import torch
 from flashcuda import flash_attn_func
 from flashcuda.ops import dispatch, fwd_sm90
 from flashcuda.reference import attention_ref, max_error
+from tests.gpu import boundary
 
 pytestmark = pytest.mark.gpu
 
@@ -144,6 +145,75 @@ def test_cuda_graph_replay_equals_eager_simt_window_gqa():
         torch.cuda.synchronize()
         out, lse = flash_attn_func(*fresh, **kwargs)
         assert torch.equal(static_out, out) and torch.equal(static_lse, lse)
+
+
+# The backward captured too: forward + torch.autograd.grad in one graph, replayed on new contents
+# of the static q, k, v and dout. With deterministic=True every output is bitwise the eager one;
+# by default dq is summed with fp32 atomics, so the gradients are held to the oracle rule instead
+# (the forward stays bitwise). Families forced, so each param says what it captures.
+GRAPH_BWD = [
+    pytest.param(BF16, "fwd_sm80,bwd_sm80", True, id="bf16-sm80-deterministic"),
+    pytest.param(BF16, "fwd_sm80,bwd_sm80", False, id="bf16-sm80-atomic-dq"),
+    pytest.param(FP16, "fwd_sm90,bwd_sm80", True, id="fp16-sm90fwd-sm80bwd-deterministic"),
+    pytest.param(FP32, "fwd_simt,bwd_simt", True, id="fp32-simt-deterministic"),
+    pytest.param(FP32, "fwd_simt,bwd_simt", False, id="fp32-simt-atomic-dq"),
+]
+
+
+@pytest.mark.parametrize("dtype,families,deterministic", GRAPH_BWD)
+def test_cuda_graph_backward_replay_equals_eager(dtype, families, deterministic, monkeypatch):
+    if families.startswith("fwd_sm90"):
+        cc = torch.cuda.get_device_capability()
+        if cc != (9, 0):
+            pytest.skip(f"fwd_sm90 needs compute capability 9.0, the GPU has {cc[0]}.{cc[1]}")
+        monkeypatch.setenv("FLASHCUDA_ENABLE_SM90", "1")
+    monkeypatch.setenv(dispatch.FORCE_ENV, families)
+    dispatch._reset()
+    shape = (2, 143, 200, 4, 2, 64, dtype)  # GQA, Sq != Sk, ragged tiles
+    kwargs = dict(causal=True, window_size=(96, -1), deterministic=deterministic)
+
+    def run(q, k, v, dout):
+        out = flash_attn_func(q, k, v, **kwargs)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    def eager(q, k, v, dout):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        return [t.detach() for t in run(*leaves, dout)]
+
+    static = [t.clone().requires_grad_() for t in make(*shape)]
+    static_dout = make(*shape, seed=100)[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: compile and load every kernel outside the capture
+        for _ in range(3):
+            run(*static, static_dout)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(*static, static_dout)
+    try:
+        for seed in (1, 2, 3):
+            fresh = make(*shape, seed=seed)
+            fresh_dout = make(*shape, seed=100 + seed)[0]
+            with torch.no_grad():
+                for s, f in zip(static, fresh, strict=True):
+                    s.copy_(f)
+                static_dout.copy_(fresh_dout)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = eager(*fresh, fresh_dout)
+            assert torch.equal(captured[0], want[0]), f"seed {seed}: out differs from eager"
+            if deterministic:
+                for name, got, ref in zip(("dq", "dk", "dv"), captured[1:], want[1:], strict=True):
+                    assert torch.equal(got, ref), f"seed {seed}: {name} differs from eager"
+            else:
+                ref, base = boundary.oracle_grads(*fresh, fresh_dout, kwargs["causal"],
+                                                  kwargs["window_size"])
+                boundary.check_grads([g.detach() for g in captured[1:]], ref, base, dtype)
+                boundary.check_grads(want[1:], ref, base, dtype)
+    finally:
+        del graph
+        dispatch._reset()
 
 
 # ---- (c) forward bitwise deterministic ----------------------------------------------------------

@@ -1,35 +1,128 @@
-"""Boundary shapes for compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
+"""Boundary shapes for compute-sanitizer (memcheck, racecheck, synccheck, initcheck), and a
+correctness suite in its own right.
 
 scripts/gpu_lane.sh runs this file under each tool with torch's caching allocator off, so each
-tensor is its own allocation and any out-of-bounds access is reported. Every case also checks its
-result against the float64 oracle (loosely: the full tolerance rule lives in the other GPU tests),
-so a kernel that stays in bounds but computes garbage still fails here. Shapes are small (the
-sanitizers slow kernels 10-100x) and sit on tile edges: 1, tile-1, tile+1, primes.
+tensor is its own allocation and any out-of-bounds access is reported. Every case goes through
+the packaged API (`flash_attn_func`, then autograd's backward) with one kernel family forced
+(FLASHCUDA_FORCE_KERNEL; sm90 also with FLASHCUDA_ENABLE_SM90=1), on NaN-prefilled outputs, and is
+checked against the float64 oracle with the project's tolerance rule: tests/gpu/boundary.py holds
+the cases, the layouts, the oracle and the rule.
+
+    test_boundary          per family (sm80, sm90, simt) the issue's boundary list: seqlens 1, 2,
+                           the tiles' edges 31/33, 63/65, 127/129, primes 17, 143, 1021, Sq != Sk,
+                           full / causal / sliding windows, MHA / GQA / MQA, head dims 64, 128 and
+                           32, 40, 96, 256 where the family has them, fp16 / bf16 (fp32 for simt),
+                           batch 0 / seqlen_q 0 / seqlen_k 0, storage offsets, packed-qkv and BHSD
+                           views; "auto": misaligned or odd-strided fp16 / bf16 falls back to simt
+    test_boundary_65537    seqlen 65537, one head, batch 1, forward only
+    test_smoke_kernel_bounds, test_ladder_bounds   the JIT's smoke kernel, the ladder rungs
+
+Test ids say the case: `<family>-<dtype>-b<B>-q<Sq>-k<Sk>-h<H>_<Hkv>-d<D>-<mask>-<layout>[-bwd[-det]]`,
+so SANITIZE_K can pick subsets, e.g. `sm90`, `simt and not 65537`, `q1021`, `bwd`, `packed`.
+Plain GPU: ~100 cases, well under a minute with a warm kernel cache (the fixture below compiles
+what the cache lacks in parallel first); under racecheck expect ~50x.
 """
 
 from __future__ import annotations
 
-import importlib
+import os
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from flashcuda.jit import KernelSpec, get_kernel
-from flashcuda.ops.call import BwdCall, FwdCall
-from flashcuda.reference import attention_ref
+from flashcuda.jit import KernelSpec, device_arch, get_kernel, reset_disk_cache
+from flashcuda.ops import dispatch
+from tests.gpu import boundary
 
 pytestmark = pytest.mark.gpu
 
-# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, window_left, window_right)
-SHAPES = [
-    (1, 1, 1, 1, 1, 64, None, None),
-    (2, 17, 129, 4, 2, 64, None, 0),  # GQA, causal, Sq < Sk
-    (1, 129, 63, 2, 1, 128, None, 0),  # MQA, causal, Sq > Sk: rows that see nothing
-    (1, 65, 65, 2, 2, 40, 16, 0),  # padded head dim, sliding window
-    (1, 127, 131, 2, 2, 128, None, None),
-]
+FAMILIES = ("sm80", "sm90", "simt", "auto")
+PARAMS = [pytest.param(f, c, id=f"{f}-{c.id}") for f in FAMILIES for c in boundary.cases(f)]
+BIG_PARAMS = [pytest.param(f, c, id=f"{f}-{c.id}") for f in FAMILIES
+              for c in boundary.cases(f, big=True)]
 
+
+# ---- one kernel cache for the module, filled up front --------------------------------------------
+
+@pytest.fixture(scope="module")
+def _module_cache(tmp_path_factory):
+    """One cache for the module (conftest's default is one per test, which would compile every
+    kernel once per test), unless the lane's shared cache is in use."""
+    if os.environ.get("FLASHCUDA_TEST_SHARED_CACHE") == "1":
+        yield
+        return
+    d = tmp_path_factory.mktemp("kcache-sanitize")
+    d.chmod(0o700)
+    old = os.environ.get("FLASHCUDA_CACHE_DIR")
+    os.environ["FLASHCUDA_CACHE_DIR"] = str(d)
+    reset_disk_cache()
+    yield
+    if old is None:
+        os.environ.pop("FLASHCUDA_CACHE_DIR", None)
+    else:
+        os.environ["FLASHCUDA_CACHE_DIR"] = old
+    reset_disk_cache()
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(_module_cache):
+    """Overrides conftest.py's per-test cache with the module's one."""
+    yield
+
+
+def _skip_reason(family: str) -> str | None:
+    cc = torch.cuda.get_device_capability()
+    if family == "sm90" and cc != (9, 0):
+        return f"fwd_sm90 needs compute capability 9.0, the GPU has {cc[0]}.{cc[1]}"
+    if family == "sm80" and cc < (8, 0):
+        return f"the sm80 family needs compute capability >= 8.0, the GPU has {cc[0]}.{cc[1]}"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prebuild(_module_cache, request):
+    """Compile every kernel the selected cases launch, in parallel, before the first test.
+    Best effort: whatever fails here compiles on first use and fails there, with its error."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    index = torch.cuda.current_device()
+    specs = set()
+    for item in request.session.items:  # after -k: only what will run
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module and "case" in params:
+            if _skip_reason(params["family"]) is None:
+                specs.update(boundary.specs_for(params["family"], params["case"], index))
+    try:
+        boundary.prebuild(specs, device_arch(index))
+    except Exception as exc:  # best effort, see the docstring
+        warnings.warn(f"parallel prebuild failed ({exc!r}); compiling on first use", stacklevel=1)
+    yield
+
+
+def _run(family, case, monkeypatch):
+    if why := _skip_reason(family):
+        pytest.skip(why)
+    ran = boundary.prepare(monkeypatch, family)
+    try:
+        boundary.run_case(case, "cuda", ran, boundary.expected(family, case))
+    finally:
+        dispatch._reset()
+
+
+@pytest.mark.parametrize("family,case", PARAMS)
+def test_boundary(family, case, monkeypatch):
+    _run(family, case, monkeypatch)
+
+
+@pytest.mark.parametrize("family,case", BIG_PARAMS)
+def test_boundary_65537(family, case, monkeypatch):
+    _run(family, case, monkeypatch)
+
+
+# ---- the JIT's smoke kernel and the ladder rungs -------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 255, 257, 4097])
 def test_smoke_kernel_bounds(n):
@@ -39,72 +132,6 @@ def test_smoke_kernel_bounds(n):
     get_kernel(spec, x.device).launch(((n + 255) // 256,), (256,), x, y, np.float32(2),
                                       np.float32(1), np.int64(n))
     torch.testing.assert_close(y, 2 * x + 1)
-
-
-def _inputs(shape, dtype, seed=0):
-    b, sq, sk, h, hkv, d = shape[:6]
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, sq, h, d, device="cuda", generator=g).to(dtype)
-    k = torch.randn(b, sk, hkv, d, device="cuda", generator=g).to(dtype)
-    v = torch.randn(b, sk, hkv, d, device="cuda", generator=g).to(dtype)
-    return q, k, v
-
-
-def _window(shape):
-    wl, wr = shape[6], shape[7]
-    return (-1 if wl is None else wl, -1 if wr is None else wr)
-
-
-def _family(name):
-    return importlib.import_module(f"flashcuda.ops.{name}")
-
-
-@pytest.mark.parametrize("family,dtype", [("fwd_sm80", torch.bfloat16), ("fwd_simt", torch.float32),
-                                          ("fwd_simt", torch.float16)])
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_forward_family_bounds(family, dtype, shape):
-    mod = _family(family)
-    q, k, v = _inputs(shape, dtype)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device="cuda")
-    call = FwdCall(q, k, v, out, lse, q.shape[-1] ** -0.5, shape[6], shape[7])
-    reason = mod.can_implement(call)
-    if reason:
-        pytest.skip(reason)
-    mod.run(call)
-    ref, ref_lse = attention_ref(q, k, v, window=(shape[6], shape[7]))
-    # Loose bounds (bf16 keeps 8 bits; the sm80 kernel's row sums add the bf16-rounded P that
-    # multiplies V, which moves lse by up to 2^-8): an indexing bug is off by O(1).
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    assert not out.isnan().any()
-    assert (out.double() - ref).abs().max().item() < tol
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite)
-    if finite.any():
-        assert (lse[finite].double() - ref_lse[finite]).abs().max().item() < 10 * tol
-
-
-@pytest.mark.parametrize("family,dtype", [("bwd_sm80", torch.bfloat16), ("bwd_simt", torch.float32)])
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_backward_family_bounds(family, dtype, deterministic, shape):
-    mod = _family(family)
-    q, k, v = _inputs(shape, dtype)
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = attention_ref(q64, k64, v64, window=(shape[6], shape[7]))
-    dout = torch.randn_like(q)
-    ref.backward(dout.double())
-    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    call = BwdCall(q, k, v, ref.detach().to(dtype), dout, ref_lse.float(), *grads,
-                   q.shape[-1] ** -0.5, shape[6], shape[7], deterministic)
-    reason = mod.can_implement(call)
-    if reason:
-        pytest.skip(reason)
-    mod.run(call)
-    tol = 1e-3 if dtype == torch.float32 else 1e-1
-    for got, want in zip(grads, (q64.grad, k64.grad, v64.grad), strict=True):
-        assert not got.isnan().any()
-        assert (got.double() - want).abs().max().item() < tol * (1 + want.abs().max().item())
 
 
 @pytest.mark.parametrize("n", [1, 31, 33, 1025])
