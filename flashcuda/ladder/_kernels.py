@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -73,10 +74,14 @@ def transpose_spec(dtype: torch.dtype) -> KernelSpec:
 
 
 @functools.cache
-def softmax_spec(dtype: torch.dtype) -> KernelSpec:
-    return KernelSpec.make(f"ladder_softmax_{DTYPE_NAME[dtype]}", "ladder/softmax.cu",
+def softmax_spec(dtype: torch.dtype, in_registers: bool = True) -> KernelSpec:
+    """softmax.cu with the row held in registers (`ladder_softmax_<dtype>`) or streamed in two
+    passes (`ladder_softmax_online_<dtype>`); softmax_plan says which a tensor needs."""
+    path = "" if in_registers else "online_"
+    return KernelSpec.make(f"ladder_softmax_{path}{DTYPE_NAME[dtype]}", "ladder/softmax.cu",
                            defines={"FC_DTYPE": DTYPE_CODE[dtype],
-                                    "FC_ROW_VECTORS": ROW_VECTORS_PER_THREAD})
+                                    "FC_ROW_VECTORS": ROW_VECTORS_PER_THREAD,
+                                    "FC_IN_REGISTERS": int(in_registers)})
 
 
 @functools.cache
@@ -102,7 +107,7 @@ def all_specs() -> list[KernelSpec]:
     for dtype in FLOATS:
         specs += [elementwise_spec(op, dtype) for op in ELEMENTWISE_OPS]
         specs += [row_sum_spec(dtype), dot_spec(dtype, 1), dot_spec(dtype, 2),
-                  transpose_spec(dtype), softmax_spec(dtype)]
+                  transpose_spec(dtype), softmax_spec(dtype, True), softmax_spec(dtype, False)]
         specs += [gemm_spec(role, dtype)
                   for role in ("matmul_simt", "attention_scores", "attention_pv")]
     specs += [mma_spec(dtype) for dtype in HALVES]
@@ -161,6 +166,37 @@ def row_threads(cols: int, dtype: torch.dtype) -> int:
     while threads < BLOCK and threads * ROW_VECTORS_PER_THREAD < vectors:
         threads *= 2
     return threads
+
+
+@dataclass(frozen=True)
+class SoftmaxPlan:
+    """How softmax.cu walks a (rows, cols) tensor: which specialisation, and the block.
+
+    in_registers: every row's 16-byte-aligned part fits in `threads` x ROW_VECTORS_PER_THREAD
+    vectors and out sits at x's offset within 16 bytes (then so does every row of out: both
+    pointers move by r * cols elements), so each row is read once into registers; otherwise the
+    two-pass online kernel. threads: the team walking one row (row_threads); a 32-thread team is
+    a warp, and a block then holds BLOCK // 32 rows, one per warp (no block barriers)."""
+
+    in_registers: bool
+    threads: int
+    rows_per_block: int
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (self.threads, self.rows_per_block, 1)
+
+    def blocks(self, rows: int) -> int:
+        return cdiv(rows, self.rows_per_block)
+
+
+def softmax_plan(cols: int, dtype: torch.dtype, x_ptr: int, out_ptr: int) -> SoftmaxPlan:
+    """The SoftmaxPlan for rows of `cols` elements of `dtype` at x_ptr, written at out_ptr."""
+    threads = row_threads(cols, dtype)
+    vectors = cdiv(cols, 16 // dtype.itemsize)  # >= the aligned vectors of any row
+    fits = vectors <= threads * ROW_VECTORS_PER_THREAD
+    in_registers = fits and (x_ptr - out_ptr) % 16 == 0
+    return SoftmaxPlan(in_registers, threads, BLOCK // threads if threads == 32 else 1)
 
 
 def kernel_for(spec: KernelSpec, device: torch.device) -> CompiledKernel:

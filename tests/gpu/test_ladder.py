@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import flashcuda.ladder as L
+from flashcuda.ladder import _kernels
 from flashcuda.ladder import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -494,6 +495,76 @@ def test_softmax_register_and_pass_paths(dtype, shape):
     shifted = nans(x.numel() + 1, dtype=dtype)[1:].view(shape)
     out = L.softmax(x, out=shifted)
     assert_rule(out, expected, peer, floor, f"softmax {shape}, out misaligned")
+
+
+# Row lengths around every boundary of softmax_plan: a warp per row (<= 32 x 4 vectors: 512 fp32,
+# 1024 fp16/bf16), the block per row in registers (<= 256 x 4 vectors: 4096 / 8192), the online
+# kernel beyond; odd lengths give each row its own offset within 16 bytes (scalar heads and tails).
+SOFTMAX_PATH_COLS = [1, 2, 7, 9, 33, 512, 513, 1023, 1025, 4095, 4097, 8191, 8193, 20001]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("cols", SOFTMAX_PATH_COLS)
+@pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (1, 0), (0, 3)])
+def test_softmax_paths_ragged_and_misaligned(dtype, cols, offsets):
+    # x and out are views `offsets` elements into their buffers: equal offsets keep the register
+    # path (with heads), unequal ones take the online kernel. Row 1 is all -inf (zeros, no NaN),
+    # row 2 has one -inf, row 3 is constant.
+    rows = 6
+    ox, oo = offsets
+    bx = randn(rows * cols + 8, dtype=dtype) * 3
+    bo = nans(rows * cols + 8, dtype=dtype)
+    x = bx[ox:ox + rows * cols].view(rows, cols)
+    out = bo[oo:oo + rows * cols].view(rows, cols)
+    x[1] = -math.inf
+    x[2, cols // 2] = -math.inf
+    x[3] = 0.5
+    plan = _kernels.softmax_plan(cols, dtype, x.data_ptr(), out.data_ptr())
+    vectors = -(-cols // (16 // dtype.itemsize))
+    assert plan.in_registers == (ox == oo and vectors <= 256 * 4)
+    L.softmax(x, out=out)
+    expected = ref.softmax(x)
+    assert (out[1] == 0).all(), "an all -inf row is zeros"
+    assert bo[:oo].isnan().all() and bo[oo + rows * cols:].isnan().all(), "wrote outside out"
+    # per element: fp32 exp (fp32: expf, 2 ulp; fp16/bf16: ex2.approx of (x - m) log2 e, under
+    # 2^-17 relative for these |x - m| < 40), an fp32 sum of `cols` terms, one rounding to dtype
+    floor = 4 * U[dtype] * amax(expected) + cols * U32 * amax(expected)
+    peer = torch.softmax(x, dim=-1).nan_to_num(0.0)  # torch: NaN for the -inf row
+    assert_rule(out, expected, peer, floor, f"softmax {dtype} cols={cols} offsets={offsets}")
+    if cols > 1:  # exp(0) = 1 exactly, an exact integer sum: 1 / cols rounded to fp32, then to dtype
+        torch.testing.assert_close(out[3].double(), torch.full((cols,), 1 / cols, device=DEV, dtype=torch.float64),
+                                   rtol=U[dtype] + 2 * U32, atol=0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("cols", [300, 3000, 9000])
+def test_softmax_in_place_and_nan_on_each_path(dtype, cols):
+    x = randn(5, cols, dtype=dtype) * 3
+    x[2, cols - 1] = NAN
+    x[4] = -math.inf
+    x[4, 0] = NAN  # NaN among -inf only: the max is -inf, so the row is zeros (softmax.cu)
+    out = L.softmax(x)
+    assert out[2].isnan().all(), "a NaN among the visible scores makes the row NaN"
+    assert (out[4] == 0).all()
+    assert not out[[0, 1, 3]].isnan().any()
+    y = x.clone()
+    L.softmax(y, out=y)
+    assert torch.equal(y.nan_to_num(7.0), out.nan_to_num(7.0)), "in place == out of place"
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("sq,sk", [(64, 2000), (3, 9000)])
+def test_softmax_causal_block_and_online(dtype, sq, sk):
+    # test_softmax_causal's rows fit a warp; these take a block (2000) and the online kernel (9000)
+    x = randn(2, sq, sk, dtype=dtype) * 3
+    visible = ref.causal_mask(sq, sk, DEV)
+    x = x.masked_fill(~visible, NAN)
+    out = L.softmax(x, causal=True, out=nans(2, sq, sk, dtype=dtype))
+    expected = ref.softmax(x, causal=True)
+    assert not out.isnan().any() and (out[:, ~visible] == 0).all()
+    peer = torch.softmax(x.masked_fill(~visible, -math.inf), dim=-1).nan_to_num(0.0)
+    floor = 4 * U[dtype] * amax(expected) + sk * U32
+    assert_rule(out, expected, peer, floor, f"causal softmax {sq}x{sk}")
 
 
 def test_softmax_rows_sum_to_one_and_shift_invariance():
