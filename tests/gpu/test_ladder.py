@@ -309,6 +309,49 @@ def test_transpose_twice_is_identity(dtype):
     assert torch.equal(L.transpose(L.transpose(x)), x)
 
 
+# Vector tiles (transpose.cu, FC_VECTOR 1) run when every row of x and of out starts on a 16-byte
+# boundary; tiles are 64 x 64 fp32 / 128 x 64 fp16/bf16 elements of x, so these shapes cut tiles
+# in both directions (136 x 72), fill one exactly (128 x 64), are one vector thin (8 x 4096), or
+# need more tiles than the grid has blocks (4096 x 4096 bf16: 2048 tiles, grid-stride).
+VECTOR_TRANSPOSE_SHAPES = [(8, 8), (136, 72), (128, 64), (64, 128), (8, 4096), (4096, 8),
+                           (264, 200), (1032, 1024)]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", VECTOR_TRANSPOSE_SHAPES)
+def test_transpose_vector_tiles(dtype, shape):
+    rows, cols = shape
+    x = randn(rows, cols, dtype=dtype)
+    out = nans(cols, rows, dtype=dtype)
+    assert _kernels.transpose_plan(rows, cols, dtype, x.data_ptr(), out.data_ptr()).vector
+    L.transpose(x, out=out)
+    assert torch.equal(out, x.t())  # a pure copy: bit-identical, and no NaN left unwritten
+
+
+def test_transpose_vector_tiles_grid_stride():
+    x = randn(4096, 4096, dtype=torch.bfloat16)
+    assert torch.equal(L.transpose(x), x.t())
+    assert torch.equal(L.transpose(L.transpose(x)), x)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("offsets", [(1, 0), (0, 1), (1, 1), (2, 2), (8, 8), (8, 0)])
+def test_transpose_views_at_element_offsets(dtype, offsets):
+    # views starting `offsets` elements into a buffer: vector tiles only when both start on a
+    # 16-byte boundary (8 elements in: always; 2 in: fp32 8 bytes, no), scalar tiles otherwise
+    rows, cols = 72, 136
+    ox, oo = offsets
+    bx = randn(rows * cols + 16, dtype=dtype)
+    bo = nans(rows * cols + 16, dtype=dtype)
+    x = bx[ox:ox + rows * cols].view(rows, cols)
+    out = bo[oo:oo + rows * cols].view(cols, rows)
+    aligned = (ox * dtype.itemsize) % 16 == 0 and (oo * dtype.itemsize) % 16 == 0
+    assert _kernels.transpose_plan(rows, cols, dtype, x.data_ptr(), out.data_ptr()).vector == aligned
+    L.transpose(x, out=out)
+    assert torch.equal(out, x.t())
+    assert bo[:oo].isnan().all() and bo[oo + rows * cols:].isnan().all(), "wrote outside out"
+
+
 def test_transpose_invalid():
     with pytest.raises(ValueError, match=r"out: expected shape \(4, 3\)"):
         L.transpose(randn(3, 4), out=randn(3, 4))
