@@ -10,9 +10,11 @@ Python entry point's host time (checks, dispatch, argument packing: ~60-90 µs p
 H200's host) lands inside the measurement: 40-50% of a 0.15 ms call. With the flush and calls
 queued back to back the GPU runs behind the host and only GPU time is counted.
 
-Memory-bound rungs run on 256M elements in every mode (1 GiB per fp32 tensor, 512 MiB per bf16
-one: 17x the 60 MB L2, and per-call times of 0.25-0.8 ms, next to the copy ceiling's 2 GiB); --quick
-shortens only the timing loop and the matmul / attention sizes. `bytes` is the minimum traffic the
+Memory-bound rungs run in fp32, bf16 and fp16 (MEMORY_DTYPES: the 16-bit softmax and transpose
+have their own code paths, which bf16 and fp16 share but for the conversions) on 256M elements in
+every mode (1 GiB per fp32 tensor, 512 MiB per 16-bit one: 17x the 60 MB L2, and per-call times of
+0.25-0.8 ms, next to the copy ceiling's 2 GiB); --quick shortens only the timing loop and the
+matmul / attention sizes. `bytes` is the minimum traffic the
 rung must move (every input read once, every output written once), so GB/s compares directly with
 the device-to-device copy ceiling (bytes read + written) that the caller measures in the same
 run. FLOPs: 2·M·N·K for a matmul; 4·B·H·Sq·Sk·D for attention (the FlashAttention convention; the
@@ -36,6 +38,7 @@ from .timing import Timer
 # moved 134 MB in ~31 µs at copy speed, so any per-call overhead and the L2 (60 MB) weighed on it.
 MEMORY_ELEMENTS = 1 << 28
 QUICK_REP_MS = 40.0  # --quick: the timing loop per rung (a full run uses the Timer's own)
+MEMORY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROW_LENGTH = 4096  # row sum / softmax rows
 SEQLENS = (1024, 2048, 4096, 8192)
 QUICK_SEQLENS = (1024, 2048)
@@ -160,7 +163,7 @@ def run_ladder_bench(device: torch.device | str | int, quick: bool,
         timer = Timer(rep_ms=QUICK_REP_MS) if quick else Timer()
     rows: list[dict] = []
     with torch.cuda.device(device):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in MEMORY_DTYPES:
             rows += _memory_rows(device, dtype, MEMORY_ELEMENTS, timer)
             torch.cuda.empty_cache()
         rows += _matmul_rows(device, quick, timer)

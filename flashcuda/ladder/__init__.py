@@ -8,10 +8,10 @@ benchmarked CUDA kernels, each behind a validated Python entry point.
 | 3 elementwise exp | exp(x) | exp.cu |
 | 5 row sum | row_sum(x) | row_sum.cu (warp shuffle + block reduction, common/reduce.cuh) |
 | 6 dot product | dot(x, y) | dot.cu (deterministic two-pass) |
-| 8 transpose | transpose(x) | transpose.cu (padded shared-memory tiles) |
+| 8 transpose | transpose(x) | transpose.cu (16-byte vector tiles, swizzled; padded scalar tiles otherwise) |
 | matmul | matmul(a, b) | gemm.cu (SIMT, fp32) / matmul_mma.cu (mma.sync, fp16/bf16) |
 | 9 scores | attention_scores(q, k, scale) | gemm.cu |
-| 10 softmax | softmax(x, causal=) | softmax.cu |
+| 10 softmax | softmax(x, causal=) | softmax.cu (row in registers, or two-pass online; a warp per short row) |
 | 11 P·V | attention_pv(p, v) | gemm.cu |
 | 12 naive attention | naive_attention(q, k, v, scale, causal) | the three above |
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -39,8 +40,10 @@ SIMT_TILE = (64, 64)
 SIMT_THREADS = 256
 MMA_TILE = (64, 64)
 MMA_THREADS = 128
-# Transpose (transpose.cu gets both as FC_TILE / FC_ROWS_PER_PASS): 64 x 64 tiles, 256 threads,
-# 16 elements per thread, all loads in flight before the first shared store.
+# Transpose (transpose.cu gets the tile as FC_TILE_ROWS x FC_TILE_COLS, the block as
+# FC_ROWS_PER_PASS): 256 threads. Scalar tiles: 64 x 64 elements, 16 per thread. Vector tiles:
+# 64 x 64 words of shared memory (16 KB), i.e. 64 x 64 fp32 or 128 x 64 fp16/bf16 elements of x
+# (rows x columns), 4 x 16-byte loads per thread; see transpose.cu.
 TRANSPOSE_TILE = 64
 TRANSPOSE_BLOCK = (32, 8, 1)
 MAX_GRID_X = 2**31 - 1
@@ -66,17 +69,26 @@ def dot_spec(dtype: torch.dtype, stage: int) -> KernelSpec:
 
 
 @functools.cache
-def transpose_spec(dtype: torch.dtype) -> KernelSpec:
-    return KernelSpec.make(f"ladder_transpose_{DTYPE_NAME[dtype]}", "ladder/transpose.cu",
-                           defines={"FC_DTYPE": DTYPE_CODE[dtype], "FC_TILE": TRANSPOSE_TILE,
+def transpose_spec(dtype: torch.dtype, vector: bool = False) -> KernelSpec:
+    """transpose.cu's scalar tiles (`ladder_transpose_<dtype>`) or 16-byte vector tiles
+    (`ladder_transpose_vec16_<dtype>`); transpose_plan says which a tensor can take."""
+    rows, cols = transpose_tile(dtype, vector)
+    path = "vec16_" if vector else ""
+    return KernelSpec.make(f"ladder_transpose_{path}{DTYPE_NAME[dtype]}", "ladder/transpose.cu",
+                           defines={"FC_DTYPE": DTYPE_CODE[dtype], "FC_VECTOR": int(vector),
+                                    "FC_TILE_ROWS": rows, "FC_TILE_COLS": cols,
                                     "FC_ROWS_PER_PASS": TRANSPOSE_BLOCK[1]})
 
 
 @functools.cache
-def softmax_spec(dtype: torch.dtype) -> KernelSpec:
-    return KernelSpec.make(f"ladder_softmax_{DTYPE_NAME[dtype]}", "ladder/softmax.cu",
+def softmax_spec(dtype: torch.dtype, in_registers: bool = True) -> KernelSpec:
+    """softmax.cu with the row held in registers (`ladder_softmax_<dtype>`) or streamed in two
+    passes (`ladder_softmax_online_<dtype>`); softmax_plan says which a tensor needs."""
+    path = "" if in_registers else "online_"
+    return KernelSpec.make(f"ladder_softmax_{path}{DTYPE_NAME[dtype]}", "ladder/softmax.cu",
                            defines={"FC_DTYPE": DTYPE_CODE[dtype],
-                                    "FC_ROW_VECTORS": ROW_VECTORS_PER_THREAD})
+                                    "FC_ROW_VECTORS": ROW_VECTORS_PER_THREAD,
+                                    "FC_IN_REGISTERS": int(in_registers)})
 
 
 @functools.cache
@@ -102,7 +114,8 @@ def all_specs() -> list[KernelSpec]:
     for dtype in FLOATS:
         specs += [elementwise_spec(op, dtype) for op in ELEMENTWISE_OPS]
         specs += [row_sum_spec(dtype), dot_spec(dtype, 1), dot_spec(dtype, 2),
-                  transpose_spec(dtype), softmax_spec(dtype)]
+                  transpose_spec(dtype, False), transpose_spec(dtype, True),
+                  softmax_spec(dtype, True), softmax_spec(dtype, False)]
         specs += [gemm_spec(role, dtype)
                   for role in ("matmul_simt", "attention_scores", "attention_pv")]
     specs += [mma_spec(dtype) for dtype in HALVES]
@@ -161,6 +174,65 @@ def row_threads(cols: int, dtype: torch.dtype) -> int:
     while threads < BLOCK and threads * ROW_VECTORS_PER_THREAD < vectors:
         threads *= 2
     return threads
+
+
+def transpose_tile(dtype: torch.dtype, vector: bool) -> tuple[int, int]:
+    """(rows, columns) of x per transpose tile: 64 x 64, or for the vector path 64 words of
+    4 // itemsize elements per tile row (128 x 64 for fp16/bf16)."""
+    if vector:
+        return (TRANSPOSE_TILE * (4 // dtype.itemsize), TRANSPOSE_TILE)
+    return (TRANSPOSE_TILE, TRANSPOSE_TILE)
+
+
+@dataclass(frozen=True)
+class TransposePlan:
+    """How transpose.cu moves a (rows, cols) matrix: vector (16-byte) or scalar tiles, and how
+    many tiles there are (the grid strides over them)."""
+
+    vector: bool
+    tiles: int
+
+
+def transpose_plan(rows: int, cols: int, dtype: torch.dtype, x_ptr: int, out_ptr: int) -> TransposePlan:
+    """16-byte vector tiles when every row of x (cols elements) and of out (rows elements)
+    starts on a 16-byte boundary: both pointers 16-byte aligned, rows and cols multiples of
+    16 // itemsize. Then no 16-byte vector is cut by the matrix edge either. Else scalar tiles."""
+    per_vector = 16 // dtype.itemsize
+    vector = (x_ptr % 16 == 0 and out_ptr % 16 == 0
+              and rows % per_vector == 0 and cols % per_vector == 0)
+    tile_rows, tile_cols = transpose_tile(dtype, vector)
+    return TransposePlan(vector, cdiv(rows, tile_rows) * cdiv(cols, tile_cols))
+
+
+@dataclass(frozen=True)
+class SoftmaxPlan:
+    """How softmax.cu walks a (rows, cols) tensor: which specialisation, and the block.
+
+    in_registers: every row's 16-byte-aligned part fits in `threads` x ROW_VECTORS_PER_THREAD
+    vectors and out sits at x's offset within 16 bytes (then so does every row of out: both
+    pointers move by r * cols elements), so each row is read once into registers; otherwise the
+    two-pass online kernel. threads: the team walking one row (row_threads); a 32-thread team is
+    a warp, and a block then holds BLOCK // 32 rows, one per warp (no block barriers)."""
+
+    in_registers: bool
+    threads: int
+    rows_per_block: int
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (self.threads, self.rows_per_block, 1)
+
+    def blocks(self, rows: int) -> int:
+        return cdiv(rows, self.rows_per_block)
+
+
+def softmax_plan(cols: int, dtype: torch.dtype, x_ptr: int, out_ptr: int) -> SoftmaxPlan:
+    """The SoftmaxPlan for rows of `cols` elements of `dtype` at x_ptr, written at out_ptr."""
+    threads = row_threads(cols, dtype)
+    vectors = cdiv(cols, 16 // dtype.itemsize)  # >= the aligned vectors of any row
+    fits = vectors <= threads * ROW_VECTORS_PER_THREAD
+    in_registers = fits and (x_ptr - out_ptr) % 16 == 0
+    return SoftmaxPlan(in_registers, threads, BLOCK // threads if threads == 32 else 1)
 
 
 def kernel_for(spec: KernelSpec, device: torch.device) -> CompiledKernel:

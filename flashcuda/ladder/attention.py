@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import _checks as check
-from ._kernels import FLOATS, full_grid, kernel_for, row_threads, softmax_spec
+from ._kernels import FLOATS, full_grid, kernel_for, softmax_plan, softmax_spec
 from .matrix import launch_gemm
 
 
@@ -116,10 +116,10 @@ def softmax(x: torch.Tensor, *, causal: bool = False, out: torch.Tensor | None =
         period, offset = seqlen_q, cols - seqlen_q + 1
     else:
         period, offset = 1, cols
-    kernel = kernel_for(softmax_spec(x.dtype), x.device)
-    threads = row_threads(cols, x.dtype)
-    grid = full_grid(kernel, threads, rows)
-    kernel.launch((grid, 1, 1), (threads, 1, 1), x, out, np.int64(rows), np.int64(cols),
+    plan = softmax_plan(cols, x.dtype, x.data_ptr(), out.data_ptr())
+    kernel = kernel_for(softmax_spec(x.dtype, plan.in_registers), x.device)
+    grid = full_grid(kernel, plan.threads * plan.rows_per_block, plan.blocks(rows))
+    kernel.launch((grid, 1, 1), plan.block, x, out, np.int64(rows), np.int64(cols),
                   np.int64(period), np.int64(offset))
     return out
 

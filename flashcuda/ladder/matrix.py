@@ -22,13 +22,13 @@ from ._kernels import (
     SIMT_THREADS,
     SIMT_TILE,
     TRANSPOSE_BLOCK,
-    TRANSPOSE_TILE,
     cdiv,
     dot_spec,
     full_grid,
     gemm_spec,
     kernel_for,
     mma_spec,
+    transpose_plan,
     transpose_spec,
 )
 
@@ -71,7 +71,8 @@ def dot(x: torch.Tensor, y: torch.Tensor, *, out: torch.Tensor | None = None) ->
 
 def transpose(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """out = x.T materialised: a 2-D (rows, cols) x gives a contiguous (cols, rows) tensor, moved
-    through bank-conflict-free shared-memory tiles."""
+    through bank-conflict-free shared-memory tiles, with 16-byte accesses when every row of x and
+    of out starts on a 16-byte boundary (_kernels.transpose_plan)."""
     check.tensor("x", x, ndim=2)
     rows, cols = x.shape
     if out is not None:
@@ -83,10 +84,10 @@ def transpose(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tens
     check.no_overlap(out, x=x)
     if x.numel() == 0:
         return out
-    kernel = kernel_for(transpose_spec(x.dtype), x.device)
-    tiles = cdiv(rows, TRANSPOSE_TILE) * cdiv(cols, TRANSPOSE_TILE)
+    plan = transpose_plan(rows, cols, x.dtype, x.data_ptr(), out.data_ptr())
+    kernel = kernel_for(transpose_spec(x.dtype, plan.vector), x.device)
     threads = TRANSPOSE_BLOCK[0] * TRANSPOSE_BLOCK[1]
-    grid = full_grid(kernel, threads, tiles)
+    grid = full_grid(kernel, threads, plan.tiles)
     kernel.launch((grid, 1, 1), TRANSPOSE_BLOCK, x, out, np.int64(rows), np.int64(cols))
     return out
 

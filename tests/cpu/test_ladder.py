@@ -205,6 +205,50 @@ def test_row_threads():
     assert _kernels.row_threads(1 << 20, torch.bfloat16) == 256
 
 
+def test_softmax_plan():
+    f32, bf16 = torch.float32, torch.bfloat16
+    plan = _kernels.softmax_plan(4096, bf16, 0, 1 << 20)
+    # 512 vectors: 128 threads x 4, in registers, one row per block
+    assert plan == _kernels.SoftmaxPlan(True, 128, 1) and plan.block == (128, 1, 1)
+    assert plan.blocks(65536) == 65536
+    # short rows: a warp per row, 8 rows per block
+    plan = _kernels.softmax_plan(33, f32, 0, 0)
+    assert plan == _kernels.SoftmaxPlan(True, 32, 8) and plan.blocks(17) == 3
+    assert _kernels.softmax_plan(1024, bf16, 0, 0).threads == 32  # 128 vectors = 32 x 4
+    assert _kernels.softmax_plan(1025, bf16, 0, 0).threads == 64
+    # the largest rows held in registers: 256 threads x 4 vectors
+    assert _kernels.softmax_plan(4096, f32, 0, 0).in_registers
+    assert _kernels.softmax_plan(8192, bf16, 0, 0).in_registers
+    assert not _kernels.softmax_plan(4097, f32, 0, 0).in_registers
+    assert not _kernels.softmax_plan(8193, bf16, 0, 0).in_registers
+    # out at another offset within 16 bytes than x (e.g. a view one element in): online
+    assert not _kernels.softmax_plan(100, bf16, 64, 66).in_registers
+    # the same offset (both views one element in, or 16 bytes apart): registers
+    assert _kernels.softmax_plan(100, bf16, 66, 2 + 4096).in_registers
+    assert _kernels.softmax_plan(7, f32, 16, 48).in_registers
+
+
+def test_transpose_plan():
+    f32, bf16 = torch.float32, torch.bfloat16
+    # 16-byte rows in x and out: vector tiles of 64 x 64 fp32 / 128 x 64 bf16 elements of x
+    plan = _kernels.transpose_plan(16384, 16384, bf16, 0, 1 << 29)
+    assert plan.vector and plan.tiles == (16384 // 128) * (16384 // 64)
+    plan = _kernels.transpose_plan(16384, 16384, f32, 0, 1 << 30)
+    assert plan.vector and plan.tiles == 256 * 256
+    assert _kernels.transpose_plan(8, 8, bf16, 0, 0) == _kernels.TransposePlan(True, 1)
+    assert _kernels.transpose_plan(136, 72, bf16, 0, 0) == _kernels.TransposePlan(True, 2 * 2)
+    assert _kernels.transpose_plan(4, 12, f32, 0, 0) == _kernels.TransposePlan(True, 1)
+    # a row of x or of out off a 16-byte boundary, or a pointer off one: scalar 64 x 64 tiles
+    assert _kernels.transpose_plan(8, 12, bf16, 0, 0) == _kernels.TransposePlan(False, 1)
+    assert _kernels.transpose_plan(12, 8, bf16, 0, 0) == _kernels.TransposePlan(False, 1)
+    assert _kernels.transpose_plan(4, 6, f32, 0, 0) == _kernels.TransposePlan(False, 1)
+    assert not _kernels.transpose_plan(64, 64, bf16, 2, 0).vector
+    assert not _kernels.transpose_plan(64, 64, f32, 0, 8).vector
+    assert _kernels.transpose_plan(65, 129, f32, 0, 0) == _kernels.TransposePlan(False, 2 * 3)
+    assert _kernels.transpose_tile(bf16, True) == (128, 64)
+    assert _kernels.transpose_tile(torch.float16, False) == (64, 64)
+
+
 # ---- every variant compiles, without spills --------------------------------------------------
 
 LADDER_VARIANTS = [(spec, arch) for spec, archs in _kernels.variants() for arch in archs]
@@ -213,7 +257,7 @@ LADDER_VARIANTS = [(spec, arch) for spec, archs in _kernels.variants() for arch 
 def test_every_variant_is_registered_and_named():
     registered = {spec.name for spec, _ in all_variants()}
     names = [spec.name for spec, _ in _kernels.variants()]
-    assert len(names) == len(set(names)) == 35
+    assert len(names) == len(set(names)) == 41
     for name in names:
         assert name in registered
         assert name.startswith("ladder_") and name.rsplit("_", 1)[1] in ("fp32", "fp16", "bf16")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import flashcuda.ladder as L
+from flashcuda.ladder import _kernels
 from flashcuda.ladder import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -308,6 +309,49 @@ def test_transpose_twice_is_identity(dtype):
     assert torch.equal(L.transpose(L.transpose(x)), x)
 
 
+# Vector tiles (transpose.cu, FC_VECTOR 1) run when every row of x and of out starts on a 16-byte
+# boundary; tiles are 64 x 64 fp32 / 128 x 64 fp16/bf16 elements of x, so these shapes cut tiles
+# in both directions (136 x 72), fill one exactly (128 x 64), are one vector thin (8 x 4096), or
+# need more tiles than the grid has blocks (4096 x 4096 bf16: 2048 tiles, grid-stride).
+VECTOR_TRANSPOSE_SHAPES = [(8, 8), (136, 72), (128, 64), (64, 128), (8, 4096), (4096, 8),
+                           (264, 200), (1032, 1024)]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", VECTOR_TRANSPOSE_SHAPES)
+def test_transpose_vector_tiles(dtype, shape):
+    rows, cols = shape
+    x = randn(rows, cols, dtype=dtype)
+    out = nans(cols, rows, dtype=dtype)
+    assert _kernels.transpose_plan(rows, cols, dtype, x.data_ptr(), out.data_ptr()).vector
+    L.transpose(x, out=out)
+    assert torch.equal(out, x.t())  # a pure copy: bit-identical, and no NaN left unwritten
+
+
+def test_transpose_vector_tiles_grid_stride():
+    x = randn(4096, 4096, dtype=torch.bfloat16)
+    assert torch.equal(L.transpose(x), x.t())
+    assert torch.equal(L.transpose(L.transpose(x)), x)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("offsets", [(1, 0), (0, 1), (1, 1), (2, 2), (8, 8), (8, 0)])
+def test_transpose_views_at_element_offsets(dtype, offsets):
+    # views starting `offsets` elements into a buffer: vector tiles only when both start on a
+    # 16-byte boundary (8 elements in: always; 2 in: fp32 8 bytes, no), scalar tiles otherwise
+    rows, cols = 72, 136
+    ox, oo = offsets
+    bx = randn(rows * cols + 16, dtype=dtype)
+    bo = nans(rows * cols + 16, dtype=dtype)
+    x = bx[ox:ox + rows * cols].view(rows, cols)
+    out = bo[oo:oo + rows * cols].view(cols, rows)
+    aligned = (ox * dtype.itemsize) % 16 == 0 and (oo * dtype.itemsize) % 16 == 0
+    assert _kernels.transpose_plan(rows, cols, dtype, x.data_ptr(), out.data_ptr()).vector == aligned
+    L.transpose(x, out=out)
+    assert torch.equal(out, x.t())
+    assert bo[:oo].isnan().all() and bo[oo + rows * cols:].isnan().all(), "wrote outside out"
+
+
 def test_transpose_invalid():
     with pytest.raises(ValueError, match=r"out: expected shape \(4, 3\)"):
         L.transpose(randn(3, 4), out=randn(3, 4))
@@ -494,6 +538,76 @@ def test_softmax_register_and_pass_paths(dtype, shape):
     shifted = nans(x.numel() + 1, dtype=dtype)[1:].view(shape)
     out = L.softmax(x, out=shifted)
     assert_rule(out, expected, peer, floor, f"softmax {shape}, out misaligned")
+
+
+# Row lengths around every boundary of softmax_plan: a warp per row (<= 32 x 4 vectors: 512 fp32,
+# 1024 fp16/bf16), the block per row in registers (<= 256 x 4 vectors: 4096 / 8192), the online
+# kernel beyond; odd lengths give each row its own offset within 16 bytes (scalar heads and tails).
+SOFTMAX_PATH_COLS = [1, 2, 7, 9, 33, 512, 513, 1023, 1025, 4095, 4097, 8191, 8193, 20001]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("cols", SOFTMAX_PATH_COLS)
+@pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (1, 0), (0, 3)])
+def test_softmax_paths_ragged_and_misaligned(dtype, cols, offsets):
+    # x and out are views `offsets` elements into their buffers: equal offsets keep the register
+    # path (with heads), unequal ones take the online kernel. Row 1 is all -inf (zeros, no NaN),
+    # row 2 has one -inf, row 3 is constant.
+    rows = 6
+    ox, oo = offsets
+    bx = randn(rows * cols + 8, dtype=dtype) * 3
+    bo = nans(rows * cols + 8, dtype=dtype)
+    x = bx[ox:ox + rows * cols].view(rows, cols)
+    out = bo[oo:oo + rows * cols].view(rows, cols)
+    x[1] = -math.inf
+    x[2, cols // 2] = -math.inf
+    x[3] = 0.5
+    plan = _kernels.softmax_plan(cols, dtype, x.data_ptr(), out.data_ptr())
+    vectors = -(-cols // (16 // dtype.itemsize))
+    assert plan.in_registers == (ox == oo and vectors <= 256 * 4)
+    L.softmax(x, out=out)
+    expected = ref.softmax(x)
+    assert (out[1] == 0).all(), "an all -inf row is zeros"
+    assert bo[:oo].isnan().all() and bo[oo + rows * cols:].isnan().all(), "wrote outside out"
+    # per element: fp32 exp (fp32: expf, 2 ulp; fp16/bf16: ex2.approx of (x - m) log2 e, under
+    # 2^-17 relative for these |x - m| < 40), an fp32 sum of `cols` terms, one rounding to dtype
+    floor = 4 * U[dtype] * amax(expected) + cols * U32 * amax(expected)
+    peer = torch.softmax(x, dim=-1).nan_to_num(0.0)  # torch: NaN for the -inf row
+    assert_rule(out, expected, peer, floor, f"softmax {dtype} cols={cols} offsets={offsets}")
+    if cols > 1:  # exp(0) = 1 exactly, an exact integer sum: 1 / cols rounded to fp32, then to dtype
+        torch.testing.assert_close(out[3].double(), torch.full((cols,), 1 / cols, device=DEV, dtype=torch.float64),
+                                   rtol=U[dtype] + 2 * U32, atol=0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("cols", [300, 3000, 9000])
+def test_softmax_in_place_and_nan_on_each_path(dtype, cols):
+    x = randn(5, cols, dtype=dtype) * 3
+    x[2, cols - 1] = NAN
+    x[4] = -math.inf
+    x[4, 0] = NAN  # NaN among -inf only: the max is -inf, so the row is zeros (softmax.cu)
+    out = L.softmax(x)
+    assert out[2].isnan().all(), "a NaN among the visible scores makes the row NaN"
+    assert (out[4] == 0).all()
+    assert not out[[0, 1, 3]].isnan().any()
+    y = x.clone()
+    L.softmax(y, out=y)
+    assert torch.equal(y.nan_to_num(7.0), out.nan_to_num(7.0)), "in place == out of place"
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("sq,sk", [(64, 2000), (3, 9000)])
+def test_softmax_causal_block_and_online(dtype, sq, sk):
+    # test_softmax_causal's rows fit a warp; these take a block (2000) and the online kernel (9000)
+    x = randn(2, sq, sk, dtype=dtype) * 3
+    visible = ref.causal_mask(sq, sk, DEV)
+    x = x.masked_fill(~visible, NAN)
+    out = L.softmax(x, causal=True, out=nans(2, sq, sk, dtype=dtype))
+    expected = ref.softmax(x, causal=True)
+    assert not out.isnan().any() and (out[:, ~visible] == 0).all()
+    peer = torch.softmax(x.masked_fill(~visible, -math.inf), dim=-1).nan_to_num(0.0)
+    floor = 4 * U[dtype] * amax(expected) + sk * U32
+    assert_rule(out, expected, peer, floor, f"causal softmax {sq}x{sk}")
 
 
 def test_softmax_rows_sum_to_one_and_shift_invariance():

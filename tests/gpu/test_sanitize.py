@@ -150,3 +150,21 @@ def test_ladder_bounds(n):
     b = torch.randn(n % 45 + 1, n % 29 + 1, device="cuda", dtype=torch.bfloat16)
     ref = a.double() @ b.double()
     assert (L.matmul(a, b).double() - ref).abs().max().item() < 0.1 + 0.02 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(8, 8), (136, 72), (8, 1032)])
+def test_ladder_vector_paths_bounds(dtype, shape):
+    # the 16-byte transpose tiles (rows, cols multiples of 8: ragged tiles, a thin matrix) and the
+    # softmax kernels: in registers with a warp (8, 72 cols) or a block (1032) per row, and online
+    # (out one element past x's offset within 16 bytes)
+    import flashcuda.ladder as L
+
+    rows, cols = shape
+    x = torch.randn(rows, cols, device="cuda").to(dtype)
+    assert torch.equal(L.transpose(x), x.t())
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-3}
+    want = x.float().softmax(-1)
+    torch.testing.assert_close(L.softmax(x).float(), want, **tol)
+    shifted = torch.empty(rows * cols + 1, device="cuda", dtype=dtype)[1:].view(rows, cols)
+    torch.testing.assert_close(L.softmax(x, out=shifted).float(), want, **tol)

@@ -61,6 +61,38 @@ template <> __device__ __forceinline__ uint32_t pack2<bf16_t>(float lo, float hi
   return r;
 }
 
+// The inverse of pack2: one 32-bit register of two 16-bit values -> two floats (exact).
+struct Float2 {
+  float lo, hi;
+};
+
+template <typename T> __device__ __forceinline__ Float2 unpack2(uint32_t w);
+
+template <> __device__ __forceinline__ Float2 unpack2<half_t>(uint32_t w) {
+  return {to_float(half_t{static_cast<uint16_t>(w & 0xffffu)}),
+          to_float(half_t{static_cast<uint16_t>(w >> 16)})};
+}
+
+template <> __device__ __forceinline__ Float2 unpack2<bf16_t>(uint32_t w) {
+  return {__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)};
+}
+
+// Elementwise max of two packed pairs (max.f16x2 / max.bf16x2, sm_80+): exact, and like fmaxf a
+// NaN operand loses to a number.
+template <typename T> __device__ __forceinline__ uint32_t max2(uint32_t a, uint32_t b);
+
+template <> __device__ __forceinline__ uint32_t max2<half_t>(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+template <> __device__ __forceinline__ uint32_t max2<bf16_t>(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 // -inf without <cmath>.
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }

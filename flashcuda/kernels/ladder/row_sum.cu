@@ -15,9 +15,10 @@ extern "C" __global__ void __launch_bounds__(256) FC_KERNEL_NAME(const T* __rest
                                                                  T* __restrict__ out,      // [rows]
                                                                  int64_t rows, int64_t cols) {
   __shared__ float scratch[32];
+  const RowTeam team = RowTeam::of_launch(scratch);  // the block (blockDim.y == 1)
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     float acc = 0.f;
-    row_for_each(x + r * cols, cols, [&](float v) { acc += v; });
+    row_for_each(x + r * cols, cols, team, [&](float v) { acc += v; });
     acc = block_reduce_sum(acc, scratch);
     if (threadIdx.x == 0) out[r] = from_float<T>(acc);
   }
