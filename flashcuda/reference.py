@@ -286,3 +286,13 @@ def max_error(actual: torch.Tensor, oracle: torch.Tensor) -> float:
         return float("inf")
     finite = ~inf_o
     return (a[finite] - o[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """FlashAttention-3's absolute tolerance floor: twice the error of merely rounding values near
+    the reference to `dtype` (added to the DESIGN.md §7 rule where the reference is near 0)."""
+    finite = ref[torch.isfinite(ref)]
+    if finite.numel() == 0:
+        return 0.0
+    rounded = (finite.to(dtype) + 0.3 - 0.3).double()
+    return 2 * (rounded - finite).abs().max().item()

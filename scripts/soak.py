@@ -60,7 +60,7 @@ import torch
 import flashcuda
 from flashcuda import flash_attn_func
 from flashcuda.ops import dispatch
-from flashcuda.reference import attention_ref, max_error
+from flashcuda.reference import attention_ref, max_error, rounding_floor
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HEAD_DIMS = (64, 128, 32, 96)
@@ -174,14 +174,6 @@ def make_inputs(shape: Shape, device: str, g: torch.Generator):
 
     return r(shape.sq, shape.h), r(shape.sk, shape.hkv), r(shape.sk, shape.hkv)
 
-
-def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
-    """FA3's absolute floor: twice the error of merely rounding values near the reference."""
-    finite = ref[torch.isfinite(ref)]
-    if finite.numel() == 0:
-        return 0.0
-    rounded = (finite.to(dtype) + 0.3 - 0.3).double()
-    return 2 * (rounded - finite).abs().max().item()
 
 
 def _amax(t: torch.Tensor) -> float:

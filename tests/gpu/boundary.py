@@ -41,7 +41,7 @@ import torch
 from flashcuda import flash_attn_func, validate
 from flashcuda.ops import attention as attention_ops
 from flashcuda.ops import dispatch
-from flashcuda.reference import attention_ref, max_error
+from flashcuda.reference import attention_ref, max_error, rounding_floor
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DTYPE_NAME = {BF16: "bf16", FP16: "fp16", FP32: "fp32"}
@@ -289,14 +289,6 @@ def reference(q, k, v, causal=False, window_size=(-1, -1), upcast=True, rows=ORA
         lses.append(lse)
     return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
 
-
-def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
-    """FA3's absolute floor: twice the error of merely rounding values near the reference."""
-    finite = ref[torch.isfinite(ref)]
-    if finite.numel() == 0:
-        return 0.0
-    rounded = (finite.to(dtype) + 0.3 - 0.3).double()
-    return 2 * (rounded - finite).abs().max().item()
 
 
 def _amax(t: torch.Tensor) -> float:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from flashcuda import flash_attn_func, scaled_dot_product_attention, validate
 from flashcuda.ops import dispatch
 from flashcuda.ops.call import BwdCall, FwdCall
-from flashcuda.reference import attention_ref, max_error
+from flashcuda.reference import attention_ref, max_error, rounding_floor
 
 pytestmark = pytest.mark.gpu
 
@@ -33,14 +33,6 @@ CASES = [
     (1, 97, 143, 6, 3, 72, True, (-1, -1)),  # an unusual head dim
 ]
 
-
-def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
-    """FA3's absolute floor: twice the error of merely rounding values near the reference."""
-    finite = ref[torch.isfinite(ref)]
-    if finite.numel() == 0:
-        return 0.0
-    rounded = (finite.to(dtype) + 0.3 - 0.3).double()
-    return 2 * (rounded - finite).abs().max().item()
 
 
 def make(case, dtype, requires_grad=False, seed=0):

@@ -20,7 +20,7 @@ import torch
 
 from flashcuda import flash_attn_func
 from flashcuda.ops import dispatch, fwd_sm90
-from flashcuda.reference import attention_ref, max_error
+from flashcuda.reference import attention_ref, max_error, rounding_floor
 from tests.gpu import boundary
 
 pytestmark = pytest.mark.gpu
@@ -28,14 +28,6 @@ pytestmark = pytest.mark.gpu
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 NAN = float("nan")
 
-
-def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
-    """FA3's absolute floor: twice the error of merely rounding values near the reference."""
-    finite = ref[torch.isfinite(ref)]
-    if finite.numel() == 0:
-        return 0.0
-    rounded = (finite.to(dtype) + 0.3 - 0.3).double()
-    return 2 * (rounded - finite).abs().max().item()
 
 
 def make(b, sq, sk, h, hkv, d, dtype, seed=0):
