@@ -55,6 +55,7 @@ class Sm90FwdConfig:
     stages: int = 2
     producer_regs: int = 24
     consumer_regs: int = 240
+    pingpong: bool = False  # consumer warpgroups take turns issuing GEMMs (FC_PINGPONG)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -98,7 +99,7 @@ class Sm90FwdConfig:
     @property
     def name(self) -> str:
         return (f"flash_fwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
-                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}")
+                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}{'_pp' if self.pingpong else ''}")
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -110,6 +111,7 @@ class Sm90FwdConfig:
             "FC_PRODUCER_REGS": self.producer_regs,
             "FC_CONSUMER_REGS": self.consumer_regs,
             "FC_SMEM_BYTES": self.smem_bytes,
+            "FC_PINGPONG": int(self.pingpong),
         })
 
     def work_tiles(self, call: FwdCall) -> int:
@@ -149,9 +151,15 @@ TILES_ENV = "FLASHCUDA_SM90_TILES"
 CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
 
 
-def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int) -> Sm90FwdConfig:
+PINGPONG_ENV = "FLASHCUDA_SM90_PINGPONG"  # 1: the ping-pong variants (compiled, A/B; off until measured)
+
+
+def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
+            pingpong: bool | None = None) -> Sm90FwdConfig:
+    if pingpong is None:
+        pingpong = os.environ.get(PINGPONG_ENV, "0").strip() == "1"
     return Sm90FwdConfig(dtype, head_dim, block_m, block_n,
-                         consumer_regs=CONSUMER_REGS[block_m // 64])
+                         consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong)
 
 
 def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
@@ -176,8 +184,9 @@ def configs() -> list[Sm90FwdConfig]:
     for dtype in DTYPES:
         for (d, _), tiles in TILES.items():
             for bm, bn in (tiles, *AB_TILES):
-                cfg = _config(dtype, d, bm, bn)
-                seen.setdefault(cfg.name, cfg)
+                for pingpong in (False, True):
+                    cfg = _config(dtype, d, bm, bn, pingpong)
+                    seen.setdefault(cfg.name, cfg)
     return list(seen.values())
 
 
@@ -272,7 +281,7 @@ def _plan_key(call: FwdCall) -> tuple:
     alignment, which TMA and the vector stores care about)."""
     return (call.dtype, call.device, call.window_left, call.window_right, call.softmax_scale,
             os.environ.get(ENABLE_ENV, ""), os.environ.get(PERSISTENT_ENV, ""),
-            os.environ.get(TILES_ENV, ""),
+            os.environ.get(TILES_ENV, ""), os.environ.get(PINGPONG_ENV, ""),
             *((t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16)
               for t in (call.q, call.k, call.v, call.out, call.lse)))
 

@@ -101,6 +101,7 @@ def test_sm90_sass_uses_wgmma_and_tma(builds, cfg, tmp_path):
     assert all(re.search(r"HGMMA\S+ R\d+, R\d+, gdesc", line) for line in pv), "A from registers"
     assert "UTMALDG" in sass
     assert "USETMAXREG" in sass
+    assert ("BAR.ARV" in sass) == cfg.pingpong, "named-barrier hand-offs exactly in ping-pong"
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
 
 
@@ -155,7 +156,9 @@ def test_config_is_the_single_source_of_truth():
     assert dict(cfg.spec().defines) == {
         "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "128", "FC_BLOCK_N": "128",
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
-        "FC_SMEM_BYTES": str(cfg.smem_bytes)}
+        "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_PINGPONG": "0"}
+    pp = Sm90FwdConfig(torch.bfloat16, 128, pingpong=True)
+    assert pp.name == cfg.name + "_pp" and dict(pp.spec().defines)["FC_PINGPONG"] == "1"
     assert cfg.smem_bytes <= 232448  # H100/H200 opt-in limit per block
     assert Sm90FwdConfig(torch.float16, 64).smem_bytes == 1024 + 16384 + 4 * 16384 + 80
 
@@ -219,7 +222,9 @@ def test_sm90_can_implement_reasons(monkeypatch):
 
 def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     monkeypatch.delenv(fwd_sm90.TILES_ENV, raising=False)
+    monkeypatch.delenv(fwd_sm90.PINGPONG_ENV, raising=False)
     pick = fwd_sm90.select_config
+    assert not pick(torch.bfloat16, 64).pingpong
     assert (pick(torch.bfloat16, 64).block_m, pick(torch.bfloat16, 64).block_n) == (192, 128)
     assert pick(torch.bfloat16, 64).consumer_regs == 160 and pick(torch.bfloat16, 64).threads == 512
     assert pick(torch.float16, 128).block_n == 176
@@ -238,6 +243,8 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     assert pick(torch.bfloat16, 128, True, 1, 1).block_n == 176
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "d64=bm128_bn128")
     assert pick(torch.bfloat16, 128, False, 4096, 4096).block_n == 176  # d128: the rule
+    monkeypatch.setenv(fwd_sm90.PINGPONG_ENV, "1")
+    assert pick(torch.bfloat16, 64).name.endswith("_pp") and pick(torch.bfloat16, 64).name in names
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "128x128")
     with pytest.raises(ValueError, match="FLASHCUDA_SM90_TILES"):
         pick(torch.bfloat16, 64)

@@ -30,16 +30,20 @@ FULL = (None, None)
 CAUSAL = (None, 0)
 
 
-@pytest.fixture(autouse=True, params=["default", "bm128_bn128", "d64=bm192_bn128,d128=bm128_bn176"],
-                ids=["tiles-dispatch", "tiles-128x128", "tiles-fa3"])
+@pytest.fixture(autouse=True, params=["default", "bm128_bn128", "d64=bm192_bn128,d128=bm128_bn176",
+                                      "pingpong"],
+                ids=["tiles-dispatch", "tiles-128x128", "tiles-fa3", "pingpong"])
 def _enable_sm90(monkeypatch, request):
     """Every test runs with the tiles dispatch picks for its shape, with 128 x 128 everywhere,
-    and with FA3's tiles everywhere (so each specialisation sees every shape)."""
+    with FA3's tiles everywhere (so each specialisation sees every shape), and with the ping-pong
+    variants (FLASHCUDA_SM90_PINGPONG=1, dispatch's tiles)."""
     monkeypatch.setenv(fwd_sm90.ENABLE_ENV, "1")
-    if request.param != "default":
+    monkeypatch.delenv(fwd_sm90.TILES_ENV, raising=False)
+    monkeypatch.delenv(fwd_sm90.PINGPONG_ENV, raising=False)
+    if request.param == "pingpong":
+        monkeypatch.setenv(fwd_sm90.PINGPONG_ENV, "1")
+    elif request.param != "default":
         monkeypatch.setenv(fwd_sm90.TILES_ENV, request.param)
-    else:
-        monkeypatch.delenv(fwd_sm90.TILES_ENV, raising=False)
     dispatch._reset()  # the plan cache does not key on the gate
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):

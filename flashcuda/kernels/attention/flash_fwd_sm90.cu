@@ -66,6 +66,7 @@ constexpr int kThreads = 128 * (1 + kConsumers);    // + the producer warpgroup
 constexpr int kConsumerWarps = 4 * kConsumers;
 constexpr int kProducerRegs = FC_PRODUCER_REGS;
 constexpr int kConsumerRegs = FC_CONSUMER_REGS;
+constexpr bool kPingPong = FC_PINGPONG;  // consumer warpgroups take turns issuing their GEMMs
 
 constexpr int kChunkCols = 64;                     // 16-bit elements per 128-byte swizzled row
 constexpr int kChunks = kHeadDim / kChunkCols;     // swizzled chunks per row of a tile
@@ -332,6 +333,26 @@ __device__ __forceinline__ void release(uint32_t bar) {
   if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
 }
 
+// Ping-pong (FA3's warp scheduler barriers): consumer warpgroup c issues its GEMMs only in its
+// turn — bar.sync on named barrier 1 + c, which completes when the previous warpgroup in the
+// round (c - 1) has issued its own and arrived there — so one warpgroup's softmax runs while the
+// next one's GEMMs keep the tensor cores busy. The last warpgroup opens the first round; the first
+// closes the last (turn_close) so every bar.arrive is matched before the CTA exits.
+__device__ __forceinline__ void turn_begin(int c) {
+  if constexpr (kPingPong) named_barrier_sync(1 + c, 256);
+}
+__device__ __forceinline__ void turn_end(int c) {
+  if constexpr (kPingPong) named_barrier_arrive(1 + (c + 1) % kConsumers, 256);
+}
+__device__ __forceinline__ void turn_open(int c) {
+  if constexpr (kPingPong)
+    if (c == kConsumers - 1) named_barrier_arrive(1, 256);
+}
+__device__ __forceinline__ void turn_close(int c) {
+  if constexpr (kPingPong)
+    if (c == 0) named_barrier_sync(1, 256);
+}
+
 // Key tile i of the visit order, the loop body written once:
 //     issue S_i = Q K_i^T | issue O += P_{i-1} V_{i-1} (not for the first tile) | wait S_i,
 //     release K_i | mask if the tile needs it | softmax of S_i | wait P V, release V_{i-1} |
@@ -341,17 +362,19 @@ __device__ __forceinline__ void release(uint32_t bar) {
 template <bool kFirst>
 __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, const Block& blk,
                                                 const Mask& mask, int i, int ring, int row0,
-                                                int wg_row0, float scale_log2) {
+                                                int wg_row0, int c, float scale_log2) {
   const int st = stage_of(ring);
   const int prev = stage_of(ring + kStages - 1);
   mbar_wait(sm.k_full(st), parity_of(ring));
+  if constexpr (!kFirst) mbar_wait(sm.v_full(prev), parity_of(ring - 1));
+  turn_begin(c);
   wgmma_fence_operands(cs.s);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
   cs.issue_scores(sm.k(st));
+  if constexpr (!kFirst) cs.issue_accumulate(sm.v(prev));
+  turn_end(c);
   if constexpr (!kFirst) {
-    mbar_wait(sm.v_full(prev), parity_of(ring - 1));
-    cs.issue_accumulate(sm.v(prev));
     wgmma_wait<1>();
   } else {
     wgmma_wait<0>();
@@ -374,11 +397,13 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
 }
 
 // The last tile's P V, after the loop (`last`: its ring index).
-__device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, int last) {
+__device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, int last, int c) {
   mbar_wait(sm.v_full(stage_of(last)), parity_of(last));
+  turn_begin(c);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
   cs.issue_accumulate(sm.v(stage_of(last)));
+  turn_end(c);
   wgmma_wait<0>();
   cs.hold_p();
   wgmma_fence_operands(cs.o);
@@ -419,10 +444,12 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   // ---- consumer warpgroups
   setmaxnreg_inc<kConsumerRegs>();
   const int lane = static_cast<int>(threadIdx.x & 31);
-  const int wg_row0 = (wg - 1) * 64;  // this warpgroup's first row in the block
+  const int c = wg - 1;               // consumer index
+  const int wg_row0 = c * 64;         // this warpgroup's first row in the block
   const int warp_row0 = wg_row0 + static_cast<int>((threadIdx.x / 32) % 4) * 16;
   const int g = lane >> 2, t = lane & 3;
   int ring = 0, q_round = 0;
+  turn_open(c);
   for (int w = blockIdx.x; w < sched.total(); w += gridDim.x) {
     const Block blk = sched.block(w, mask);
     const int row0 = blk.m0 + warp_row0 + g;  // query row of this lane's first row (h = 0)
@@ -432,11 +459,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
     const int tiles = blk.tiles();
     if (tiles > 0) {
       mbar_wait(sm.q_full(), q_round & 1);
-      attend_key_tile<true>(cs, sm, blk, mask, 0, ring, row0, wg_row0, scale_log2);
+      attend_key_tile<true>(cs, sm, blk, mask, 0, ring, row0, wg_row0, c, scale_log2);
       for (int i = 1; i < tiles; ++i)
-        attend_key_tile<false>(cs, sm, blk, mask, i, ring + i, row0, wg_row0, scale_log2);
+        attend_key_tile<false>(cs, sm, blk, mask, i, ring + i, row0, wg_row0, c, scale_log2);
       release(sm.q_empty());  // every Q K^T of this work tile has completed
-      drain(cs, sm, ring + tiles - 1);
+      drain(cs, sm, ring + tiles - 1, c);
       ring += tiles;
       ++q_round;
     }
@@ -461,4 +488,5 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
       }
     }
   }
+  turn_close(c);
 }

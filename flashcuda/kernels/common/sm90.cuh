@@ -7,7 +7,7 @@
 //   fence_barrier_init / fence_proxy_async                            proxy ordering
 //   wgmma_fence / wgmma_commit / wgmma_wait<N> / wgmma_ss / wgmma_rs_tb  warpgroup MMA
 //   smem_desc_k_major_sw128 / smem_desc_mn_major_sw128                   wgmma matrix descriptors
-//   setmaxnreg_inc<N> / setmaxnreg_dec<N> / elect_one / named_barrier_sync
+//   setmaxnreg_inc<N> / setmaxnreg_dec<N> / elect_one / named_barrier_sync / _arrive
 //
 // Shared-memory tiles are what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and a 64-element
 // (128-byte) inner box of 16-bit values: a [rows][64] block of 128-byte rows in which the eight
@@ -148,6 +148,12 @@ __device__ __forceinline__ bool elect_one() {
 // bar.sync on a named barrier for `threads` threads (a multiple of 32); id 0 is __syncthreads.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// bar.arrive on a named barrier: count this warp's threads towards `threads` without waiting
+// (the producer side of a bar.sync / bar.arrive hand-off between warpgroups).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- wgmma descriptors ------------------------------------------------------------------------
