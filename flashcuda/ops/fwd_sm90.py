@@ -56,6 +56,7 @@ class Sm90FwdConfig:
     producer_regs: int = 24
     consumer_regs: int = 240
     pingpong: bool = False  # consumer warpgroups take turns issuing GEMMs (FC_PINGPONG)
+    snake: bool = False  # snake order of work tiles over the persistent CTAs (FC_SNAKE)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -99,7 +100,8 @@ class Sm90FwdConfig:
     @property
     def name(self) -> str:
         return (f"flash_fwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
-                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}{'_pp' if self.pingpong else ''}")
+                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}{'_pp' if self.pingpong else ''}"
+                f"{'_sn' if self.snake else ''}")
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -112,6 +114,7 @@ class Sm90FwdConfig:
             "FC_CONSUMER_REGS": self.consumer_regs,
             "FC_SMEM_BYTES": self.smem_bytes,
             "FC_PINGPONG": int(self.pingpong),
+            "FC_SNAKE": int(self.snake),
         })
 
     def work_tiles(self, call: FwdCall) -> int:
@@ -151,15 +154,22 @@ TILES_ENV = "FLASHCUDA_SM90_TILES"
 CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
 
 
-PINGPONG_ENV = "FLASHCUDA_SM90_PINGPONG"  # 1: the ping-pong variants (compiled, A/B; off until measured)
+# Variants compiled for A/B runs and off until a GPU has measured them (docs/perf-notes.md):
+PINGPONG_ENV = "FLASHCUDA_SM90_PINGPONG"  # 1: consumer warpgroups take turns issuing GEMMs
+SNAKE_ENV = "FLASHCUDA_SM90_SNAKE"  # 1: snake order of work tiles over the persistent CTAs
+
+
+def _flag(env: str) -> bool:
+    return os.environ.get(env, "0").strip() == "1"
 
 
 def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
-            pingpong: bool | None = None) -> Sm90FwdConfig:
-    if pingpong is None:
-        pingpong = os.environ.get(PINGPONG_ENV, "0").strip() == "1"
+            pingpong: bool | None = None, snake: bool | None = None) -> Sm90FwdConfig:
+    pingpong = _flag(PINGPONG_ENV) if pingpong is None else pingpong
+    snake = _flag(SNAKE_ENV) if snake is None else snake
     return Sm90FwdConfig(dtype, head_dim, block_m, block_n,
-                         consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong)
+                         consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong,
+                         snake=snake)
 
 
 def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
@@ -185,8 +195,9 @@ def configs() -> list[Sm90FwdConfig]:
         for (d, _), tiles in TILES.items():
             for bm, bn in (tiles, *AB_TILES):
                 for pingpong in (False, True):
-                    cfg = _config(dtype, d, bm, bn, pingpong)
-                    seen.setdefault(cfg.name, cfg)
+                    for snake in (False, True):
+                        cfg = _config(dtype, d, bm, bn, pingpong, snake)
+                        seen.setdefault(cfg.name, cfg)
     return list(seen.values())
 
 
@@ -282,6 +293,7 @@ def _plan_key(call: FwdCall) -> tuple:
     return (call.dtype, call.device, call.window_left, call.window_right, call.softmax_scale,
             os.environ.get(ENABLE_ENV, ""), os.environ.get(PERSISTENT_ENV, ""),
             os.environ.get(TILES_ENV, ""), os.environ.get(PINGPONG_ENV, ""),
+            os.environ.get(SNAKE_ENV, ""),
             *((t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16)
               for t in (call.q, call.k, call.v, call.out, call.lse)))
 
