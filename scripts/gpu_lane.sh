@@ -17,6 +17,7 @@
 #   host       host-side microseconds per call (scripts/host_overhead.py)
 #   latency    first-call latency: compile in a fresh cache, cache hit in a new process
 #   bench      flashcuda bench --quick;   bench-full: the standard sweep;   ladder: ladder rungs
+#   ab-sm90    the sm90 forward's opt-in variants (ping-pong, snake order, both) vs the default
 # Each step runs under a timeout (TESTS_TIMEOUT, SANITIZE_TIMEOUT per tool, SOAK_TIMEOUT,
 # BENCH_TIMEOUT) so one hung step cannot eat the whole call.
 # Logs and records go to $OUT (the device tool's folder) or ./gpu-lane-out. A short table is last.
@@ -70,6 +71,18 @@ for step in "${steps[@]}"; do
       timeout "${BENCH_TIMEOUT:-540}" python3 -m flashcuda bench --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; rc=$?; tail -n 60 "$OUT/bench.log" ;;
     ladder)
       python3 -m flashcuda bench ladder --out "$OUT/bench" > "$OUT/ladder.log" 2>&1; rc=$?; tail -n 40 "$OUT/ladder.log" ;;
+    ab-sm90)
+      # the sm90 forward's opt-in variants against the default, two processes each, one table
+      rc=0
+      for v in default pingpong snake both default pingpong snake both; do
+        env -u FLASHCUDA_SM90_PINGPONG -u FLASHCUDA_SM90_SNAKE \
+          $( [ $v = pingpong ] || [ $v = both ] && echo FLASHCUDA_SM90_PINGPONG=1 ) \
+          $( [ $v = snake ] || [ $v = both ] && echo FLASHCUDA_SM90_SNAKE=1 ) \
+          timeout "${AB_TIMEOUT:-90}" python3 -m flashcuda bench --fwd-only --no-extras --no-plot \
+          --peers sdpa_cudnn ${AB_ARGS:---seqlens 1k 4k 16k} --out "$OUT/ab-$v" > /dev/null 2>&1 || rc=$?
+      done
+      python3 scripts/compare_records.py default="$OUT/ab-default" pingpong="$OUT/ab-pingpong" \
+        snake="$OUT/ab-snake" both="$OUT/ab-both" | tee "$OUT/ab-sm90.txt" ;;
     *)
       echo "unknown step $step"; rc=2 ;;
   esac
