@@ -288,3 +288,52 @@ def test_snake_order_balances_causal_work():
         loads = [sum(cost(t) for t in seq) for seq in _kernel_order(num_m * heads, grid, snake)]
         ratio = max(loads) / (sum(loads) / grid)
         assert (ratio > worst) if not snake else (ratio < worst), ratio
+
+
+def _pingpong_program(c: int, consumers: int, turns: int) -> list[tuple[str, int]]:
+    """flash_fwd_sm90.cu's named-barrier operations of consumer warpgroup c, in order
+    (turn_open, per issued GEMM batch turn_begin / turn_end, turn_close)."""
+    ops = [("arrive", 1)] if c == consumers - 1 else []
+    for _ in range(turns):
+        ops += [("sync", 1 + c), ("arrive", 1 + (c + 1) % consumers)]
+    if c == 0:
+        ops.append(("sync", 1))
+    return ops
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("turns", [0, 1, 5])
+def test_pingpong_protocol_completes_and_leaves_no_arrival(consumers, turns):
+    """Model check of the hand-off: bar.sync / bar.arrive of 128 threads each on barriers of 256
+    (two warpgroups per phase). Every interleaving the scheduler could pick is explored; none may
+    deadlock, complete a phase without a waiting warpgroup, or leave an arrival behind."""
+    programs = [_pingpong_program(c, consumers, turns) for c in range(consumers)]
+
+    def explore(pcs, pending, waiting, seen):
+        key = (pcs, pending, waiting)
+        if key in seen:
+            return
+        seen.add(key)
+        if all(pc == len(p) for pc, p in zip(pcs, programs, strict=True)):
+            assert not any(pending) and not any(waiting), "an arrival left unmatched at exit"
+            return
+        moved = False
+        for c, (pc, prog) in enumerate(zip(pcs, programs, strict=True)):
+            if pc == len(prog) or waiting[c]:
+                continue
+            op, bar = prog[pc]
+            pend, wait = list(pending), list(waiting)
+            pend[bar] += 1
+            if op == "sync":
+                wait[c] = bar
+            if pend[bar] == 2:  # the phase completes: 256 threads
+                assert any(w == bar for w in wait), f"barrier {bar}: two arrivals, no waiter"
+                pend[bar] = 0
+                wait = [0 if w == bar else w for w in wait]
+            nxt = list(pcs)
+            nxt[c] += 1
+            moved = True
+            explore(tuple(nxt), tuple(pend), tuple(wait), seen)
+        assert moved, f"deadlock at {pcs} (pending {pending}, waiting {waiting})"
+
+    explore(tuple([0] * consumers), tuple([0] * (consumers + 2)), tuple([0] * consumers), set())
