@@ -39,6 +39,7 @@ ARCHS = ("sm_90a",)
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD"
+DS_ENV = "FLASHCUDA_SM90_BWD_DS"
 GATED = f"bwd_sm90 is gated until its GPU proof (set {ENABLE_ENV}=1 to run it)"
 BARRIER_BYTES = 8
 BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
@@ -55,6 +56,7 @@ class Sm90BwdConfig:
     stages: int = 2
     producer_regs: int = 24
     consumer_regs: int = 240
+    ds_k_major: bool = False  # dS stored [query][key] (the fallback layout, see the .cu)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -109,7 +111,8 @@ class Sm90BwdConfig:
     @property
     def name(self) -> str:
         return (f"flash_bwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
-                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}")
+                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
+                + ("_dsk" if self.ds_k_major else ""))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -121,6 +124,7 @@ class Sm90BwdConfig:
             "FC_PRODUCER_REGS": self.producer_regs,
             "FC_CONSUMER_REGS": self.consumer_regs,
             "FC_SMEM_BYTES": self.smem_bytes,
+            "FC_DS_K_MAJOR": int(self.ds_k_major),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
@@ -139,8 +143,19 @@ class Sm90BwdConfig:
 
 
 def configs() -> list[Sm90BwdConfig]:
-    """Every specialisation dispatch can pick (the CPU lane compiles them all)."""
-    return [Sm90BwdConfig(dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
+    """Every specialisation dispatch or the dS-layout switch can pick (the CPU lane compiles
+    them all)."""
+    return [Sm90BwdConfig(dtype, d, ds_k_major=k) for k in (False, True) for dtype in DTYPES
+            for d in HEAD_DIMS]
+
+
+def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
+    """FA3's tiles; FLASHCUDA_SM90_BWD_DS=k picks the [query][key] dS layout (bring-up A/B:
+    it reads dS K-major, a descriptor kind the forward proved, instead of transposed A)."""
+    raw = os.environ.get(DS_ENV, "").strip().lower()
+    if raw not in ("", "mn", "k"):
+        raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
+    return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k")
 
 
 def enabled() -> bool:
@@ -179,7 +194,7 @@ def can_implement(call: BwdCall) -> str | None:
         return f"seqlen_q + seqlen_k = {sq + sk} >= {bwd_sm80.MAX_SEQLEN_SUM}"
     if sq == 0 or sk == 0 or b == 0 or h == 0:
         return "an empty dim (a tensor map needs non-empty dims; bwd_sm80 handles it)"
-    cfg = Sm90BwdConfig(call.dtype, d)
+    cfg = select_config(call.dtype, d)
     for name, t in tensors.items():
         if why := vector_layout_problem(name, t):
             return why
@@ -208,7 +223,7 @@ def run(call: BwdCall) -> None:
     no. PRE and CONVERT are bwd_sm80's kernels, launched as bwd_sm80.run launches them."""
     if why := can_implement(call):
         raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
-    cfg = Sm90BwdConfig(call.dtype, call.head_dim)
+    cfg = select_config(call.dtype, call.head_dim)
     aux = cfg.aux()
     b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
     h, hkv, d = call.nheads, call.nheads_kv, call.head_dim

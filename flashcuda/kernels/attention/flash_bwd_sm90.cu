@@ -85,8 +85,14 @@ constexpr int kQChunkBytes = kBlockM * 128;
 constexpr int kKVChunkBytes = kBlockN * 128;
 constexpr int kQBytes = kChunks * kQChunkBytes;
 constexpr int kKVBytes = kChunks * kKVChunkBytes;
-constexpr int kDsChunkBytes = kBlockN * 128;                // 64 queries of every key
-constexpr int kDsBytes = (kBlockM / 64) * kDsChunkBytes;
+// dS layout in shared memory (FC_DS_K_MAJOR): 0 = [key][query] (query contiguous, as the
+// accumulator holds dS^T; dQ reads A MN-major, imm-trans-a = 1), chunks of 64 queries x kBlockN
+// keys; 1 = [query][key] (key contiguous, A K-major as the forward's Q; 16-bit scatter stores),
+// chunks of 64 keys x kBlockM queries. Both are kBlockN x kBlockM x 2 bytes. 1 is the fallback
+// that uses only descriptor kinds the forward proved, should transposed A misbehave.
+constexpr bool kDsKMajor = FC_DS_K_MAJOR;
+constexpr int kDsChunkBytes = kDsKMajor ? kBlockM * 128 : kBlockN * 128;
+constexpr int kDsBytes = kBlockM * kBlockN * 2;
 
 // dQ of a step is kBlockM x kHeadDim = kConsumers tiles of 64 x 64: consumer c takes query tile
 // c % kDqTilesM and d tile c / kDqTilesM.
@@ -259,17 +265,25 @@ struct Consumer {
     }
   }
 
-  // dq = dS K for query tile tm, d tile td (one commit group): A = dS^T stored [key][query]
-  // (query contiguous, chunk tm), B = K stored [key][d] (d contiguous, chunk td), both read
-  // MN-major; step kk covers keys 16 kk .. + 15 of the whole block (both consumers' dS).
+  // dq = dS K for query tile tm, d tile td (one commit group); step kk covers keys 16 kk .. + 15
+  // of the whole block (both consumers' dS). B = K stored [key][d] (d contiguous, chunk td), read
+  // MN-major. A = dS: stored [key][query] (chunk tm), read MN-major; or (kDsKMajor) stored
+  // [query][key], rows 64 tm.., read K-major like the forward's Q (32 bytes at column
+  // (kk % 4) * 16 of key chunk kk / 4).
   __device__ __forceinline__ void issue_dq(uint32_t ds, uint32_t k, int tm, int td) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t a =
-          smem_desc_mn_major_sw128(ds + tm * kDsChunkBytes + kk * 16 * 128, kDsChunkBytes);
       const uint64_t b =
           smem_desc_mn_major_sw128(k + td * kKVChunkBytes + kk * 16 * 128, kKVChunkBytes);
-      wgmma_ss_tt<64, T>(dq, a, b, kk > 0);
+      if constexpr (kDsKMajor) {
+        const uint64_t a = smem_desc_k_major_sw128(ds + (kk / 4) * kDsChunkBytes + tm * 64 * 128 +
+                                                   (kk % 4) * 32);
+        wgmma_ss_tb<64, T>(dq, a, b, kk > 0);
+      } else {
+        const uint64_t a =
+            smem_desc_mn_major_sw128(ds + tm * kDsChunkBytes + kk * 16 * 128, kDsChunkBytes);
+        wgmma_ss_tt<64, T>(dq, a, b, kk > 0);
+      }
     }
     wgmma_commit();
   }
@@ -332,9 +346,11 @@ struct Consumer {
     }
   }
 
-  // dS^T (16-bit) -> shared [key][query] in 128B-swizzled chunks of 64 queries: element (key r,
-  // query q) at chunk q / 64, row r, 16-byte unit ((q % 64) / 8) ^ (r % 8). `r0`: key of row g
-  // (r0 % 8 == g). A lane's 4-byte stores of one fragment hit 8 rows x 4 words: 32 banks.
+  // dS^T (16-bit) -> shared. Fragment f of k16 step kk holds (key r, queries q, q + 1).
+  // [key][query] layout: element (r, q) at chunk q / 64, row r, 16-byte unit ((q % 64) / 8) ^
+  // (r % 8); a lane's 4-byte stores of one fragment hit 8 rows x 4 words: 32 banks.
+  // [query][key] layout (kDsKMajor): element (r, q) at chunk r / 64, row q, unit ((r % 64) / 8) ^
+  // (q % 8); two 2-byte stores per fragment. `r0`: key of row g (r0 % 8 == g).
   __device__ __forceinline__ void store_ds(uint32_t ds, int r0, int t) const {
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk)
@@ -342,9 +358,21 @@ struct Consumer {
       for (int f = 0; f < 4; ++f) {
         const int r = r0 + 8 * (f & 1);
         const int q = 16 * kk + 8 * (f >> 1) + 2 * t;  // first of the fragment's two queries
-        const uint32_t unit = static_cast<uint32_t>(((q % 64) / 8) ^ (r % 8));
-        const uint32_t addr = ds + (q / 64) * kDsChunkBytes + r * 128 + unit * 16 + (q % 8) * 2;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds16[kk][f]) : "memory");
+        if constexpr (kDsKMajor) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int qe = q + e;
+            const uint32_t unit = static_cast<uint32_t>(((r % 64) / 8) ^ (qe % 8));
+            const uint32_t addr =
+                ds + (r / 64) * kDsChunkBytes + qe * 128 + unit * 16 + (r % 8) * 2;
+            const uint16_t half = static_cast<uint16_t>(ds16[kk][f] >> (16 * e));
+            asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(addr), "h"(half) : "memory");
+          }
+        } else {
+          const uint32_t unit = static_cast<uint32_t>(((q % 64) / 8) ^ (r % 8));
+          const uint32_t addr = ds + (q / 64) * kDsChunkBytes + r * 128 + unit * 16 + (q % 8) * 2;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds16[kk][f]) : "memory");
+        }
       }
   }
 };
