@@ -112,14 +112,14 @@ def test_dispatch_order_and_plan_key(monkeypatch):
     assert dispatch._plan_key(call, "bwd") != on
 
 
-# ---- config ---------------------------------------------------------------------------------------
+# ---- config --------------------------------------------------------------------------------------
 
 def test_config_is_the_single_source_of_truth():
     cfg = Sm90BwdConfig(torch.bfloat16, 128)
     assert cfg.name == "flash_bwd_sm90_bf16_d128_bm64_bn128_s2"
     assert (cfg.block_m, cfg.block_n, cfg.threads, cfg.consumers) == (64, 128, 384, 2)
     kv, q, ds, stats = 128 * 128 * 2, 64 * 128 * 2, 128 * 64 * 2, 2 * 64 * 4
-    assert cfg.smem_bytes == 1024 + 2 * kv + 2 * (2 * q + stats) + 2 * ds + 8 * 5
+    assert cfg.smem_bytes == 1024 + 2 * kv + 2 * (2 * q + stats) + 2 * ds + 8 * 5  # 5 barriers
     assert dict(cfg.spec().defines) == {
         "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "64", "FC_BLOCK_N": "128",
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",

@@ -12,7 +12,7 @@ autograd gradients of flashcuda.reference.attention_ref under FlashAttention's r
 Debug order on a fresh GPU (each step seconds; run with -x; scripts/sm90_bwd_probe.py prints
 error maps per GEMM, one case per process, if a smoke test fails):
     FLASHCUDA_ENABLE_SM90_BWD=1 pytest -m gpu tests/gpu/test_bwd_sm90.py -x -q -k smoke
-    FLASHCUDA_ENABLE_SM90_BWD=1 pytest -m gpu tests/gpu/test_bwd_sm90.py -x -q -k "pipeline or ragged"
+    FLASHCUDA_ENABLE_SM90_BWD=1 pytest -m gpu tests/gpu/test_bwd_sm90.py -x -q -k "pipeline or rag"
     FLASHCUDA_ENABLE_SM90_BWD=1 pytest -m gpu tests/gpu/test_bwd_sm90.py -q
 `test_smoke_*` isolate the GEMMs of one CTA, one head, one query block: dV = P^T dO alone (Q = 0:
 uniform P), dP^T / dS^T through dK alone, dQ = dS K alone; then the whole tile.
