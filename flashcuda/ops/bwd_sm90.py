@@ -14,8 +14,9 @@ dq_accum * softmax_scale) kernels, unchanged, around this family's MAIN kernel
 shared memory (the .cu static_asserts the same layout), the name, the defines.
 
     head dim   block_m (queries) x block_n (keys), stages   smem      consumers x registers
-    64         128 x 128, 2                                 161 KB    2 x 240 (FA3's d64 tiles)
-    128        64 x 128, 2                                  161 KB    2 x 240 (FA3's d128 tiles)
+    64         128 x 128, 2                                 163 KB    2 x 240 (FA3's d64 tiles)
+    128        64 x 128, 2                                  162 KB    2 x 240 (FA3's d128 tiles)
+FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up A/B, see the .cu).
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512.
 """
 

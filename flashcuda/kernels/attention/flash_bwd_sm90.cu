@@ -25,20 +25,20 @@
 // the group, query block of kBlockM rows) pairs whose rows see the key block (mask.cuh), and keeps
 // dK and dV of its 128 keys in registers throughout. 3 warpgroups:
 //   warpgroup 0  producer (setmaxnreg.dec to 24): one elected thread issues TMA: K and V of the
-//                key block once (kv_full), then per step Q_m and dO_m of the query block into a
+//                key block once (kv_full), then per step Q_m and dO_m of the query block (tensor
+//                maps) and its lse2 and delta rows (cp.async.bulk, kBlockM floats each) into a
 //                2-stage ring:
-//                    full[s]   TMA -> consumers (1 arrival + transaction bytes of Q and dO)
+//                    full[s]   TMA -> consumers (1 arrival + transaction bytes of all four)
 //                    empty[s]  consumers -> TMA (one arrival per consumer warp)
 //   warpgroups 1, 2  consumers (setmaxnreg.inc to 240): consumer c owns keys 64c .. 64c + 63 of
-//                the block (the M of every key-side GEMM), and one 64 x 64 quarter / half of the
-//                step's dQ block.
+//                the block (the M of every key-side GEMM), and one of the two 64 x 64 tiles of
+//                the step's kBlockM x kHeadDim dQ block.
 // Per step (query block m, stage s), each consumer warpgroup:
 //     wait full[s] | issue S^T = K_c Q^T and dP^T = V_c dO^T: 2 x kHeadDim / 16 wgmma
-//     m64n{kBlockM}k16, both operands K-major from shared memory (two commit groups) | load the
-//     lse2 and delta values of this lane's query columns (global, L2) | wait S^T: P^T =
-//     exp2(S^T * scale_log2 - lse2), masked if the tile needs it | wait dP^T: dS^T = P^T o (dP^T -
-//     delta) | P^T, dS^T -> 16-bit A fragments (the accumulator -> A register reuse of the
-//     forward's P V) | issue dV += P^T dO and dK += dS^T Q: 2 x kBlockM / 16 wgmma
+//     m64n{kBlockM}k16, both operands K-major from shared memory (two commit groups) | wait S^T:
+//     P^T = exp2(S^T * scale_log2 - lse2) (lse2, delta: the stage's rows in shared memory),
+//     masked if the tile needs it | wait dP^T: dS^T = P^T o (dP^T - delta) | P^T, dS^T -> 16-bit
+//     A fragments (the accumulator -> A register reuse of the forward's P V) | issue dV += P^T dO and dK += dS^T Q: 2 x kBlockM / 16 wgmma
 //     m64n{kHeadDim}k16, A from registers, B (dO, Q stored [query][d]) read MN-major
 //     (imm-trans-b = 1) | dS^T -> shared ds[m & 1] (16-bit, [key][query], 128B swizzle) | fence,
 //     named barrier of both consumers | issue dQ_c = dS K: 8 wgmma m64n64k16, A = dS read
@@ -55,9 +55,11 @@
 //     K, V     [kBlockN][kHeadDim]            kHeadDim / 64 chunks of kBlockN x 128 B
 //     Q, dO    2 stages x [kBlockM][kHeadDim] kHeadDim / 64 chunks of kBlockM x 128 B
 //     dS       2 x [kBlockN keys][kBlockM queries]  kBlockM / 64 chunks of kBlockN x 128 B
+//     lse2, delta  2 stages x 2 x [kBlockM] fp32
 //     mbarriers kv_full, full[2], empty[2]
-// d128 (kBlockM 64): 32 + 32 + 2 x 32 + 2 x 16 KB = 160 KB; d64 (kBlockM 128): 16 + 16 + 2 x 32
-// + 2 x 32 = 160 KB; + 1 KB alignment slack.
+// d128 (kBlockM 64): K + V 64 KB, Q + dO 64 KB, dS 32 KB, stats 1 KB; d64 (kBlockM 128): K + V
+// 32 KB, Q + dO 64 KB, dS 64 KB, stats 2 KB; + 1 KB alignment slack (162 / 163 KB in all).
+// dS layout: FC_DS_K_MAJOR below (the per-step order above describes the default, 0).
 //
 // Out-of-range rows: TMA zero-fills rows past seqlen_q / seqlen_k. A query row past seqlen_q
 // (inside Sq_pad) has lse2 = +inf from PRE, so its P, dS are 0; a key past seqlen_k is masked
