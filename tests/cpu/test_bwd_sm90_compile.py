@@ -110,6 +110,8 @@ def test_dispatch_order_and_plan_key(monkeypatch):
     on = dispatch._plan_key(call, "bwd")
     monkeypatch.setenv(ENABLE_ENV, "0")
     assert dispatch._plan_key(call, "bwd") != on
+    monkeypatch.setenv(DS_ENV, "k")
+    assert dispatch._plan_key(call, "bwd") != on
 
 
 # ---- config --------------------------------------------------------------------------------------
