@@ -12,6 +12,8 @@ CASE:
     tile   random, one query block: dq, dk, dv
     steps  random, 7 query blocks, causal: dq, dk, dv    -> ring stages, phases, dS double buffer
 ds: mn (default: dS stored [key][query], read with transposed A) or k ([query][key], K-major).
+The watchdog variant runs unless FLASHCUDA_SM90_BWD_WATCHDOG=0: a barrier wait that gives up
+after 2 s leaves NaN in dK / dV (printed as 'n' blocks) instead of hanging.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import torch
 
 os.environ.setdefault("FLASHCUDA_ENABLE_SM90_BWD", "1")
+os.environ.setdefault("FLASHCUDA_SM90_BWD_WATCHDOG", "1")  # a stuck barrier: NaN dK/dV, no hang
 from flashcuda.ops import bwd_sm90  # noqa: E402
 from flashcuda.ops.call import BwdCall  # noqa: E402
 from flashcuda.reference import attention_ref  # noqa: E402
@@ -89,7 +92,7 @@ def main() -> None:
 
     cfg = bwd_sm90.select_config(dt, d)
     layout = "[query][key]" if cfg.ds_k_major else "[key][query]"
-    print(f"{cfg.name}: case {case}, block_m {bm}, dS {layout}")
+    print(f"{cfg.name}: case {case}, block_m {bm}, dS {layout}, watchdog {cfg.watchdog}")
     if case == "dv":
         q = torch.zeros(1, bm, 1, d, device="cuda", dtype=dt)
         k, v, dout = rnd(1, 128, 1, d), rnd(1, 128, 1, d), rnd(1, bm, 1, d)

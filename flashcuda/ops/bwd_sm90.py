@@ -16,7 +16,9 @@ shared memory (the .cu static_asserts the same layout), the name, the defines.
     head dim   block_m (queries) x block_n (keys), stages   smem      consumers x registers
     64         128 x 128, 2                                 163 KB    2 x 240 (FA3's d64 tiles)
     128        64 x 128, 2                                  162 KB    2 x 240 (FA3's d128 tiles)
-FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up A/B, see the .cu).
+FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up A/B, see the .cu);
+FLASHCUDA_SM90_BWD_WATCHDOG=1 runs the variant whose mbarrier waits trap (a launch failure) instead
+of hanging (bring-up).
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512.
 """
 
@@ -41,6 +43,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD"
 DS_ENV = "FLASHCUDA_SM90_BWD_DS"
+WATCHDOG_ENV = "FLASHCUDA_SM90_BWD_WATCHDOG"
 GATED = f"bwd_sm90 is gated until its GPU proof (set {ENABLE_ENV}=1 to run it)"
 BARRIER_BYTES = 8
 BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
@@ -58,6 +61,7 @@ class Sm90BwdConfig:
     producer_regs: int = 24
     consumer_regs: int = 240
     ds_k_major: bool = False  # dS stored [query][key] (the fallback layout, see the .cu)
+    watchdog: bool = False  # mbarrier waits trap after ~2^28 polls (bring-up)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -113,7 +117,7 @@ class Sm90BwdConfig:
     def name(self) -> str:
         return (f"flash_bwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
-                + ("_dsk" if self.ds_k_major else ""))
+                + ("_dsk" if self.ds_k_major else "") + ("_wd" if self.watchdog else ""))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -126,6 +130,7 @@ class Sm90BwdConfig:
             "FC_CONSUMER_REGS": self.consumer_regs,
             "FC_SMEM_BYTES": self.smem_bytes,
             "FC_DS_K_MAJOR": int(self.ds_k_major),
+            "FC_WATCHDOG": int(self.watchdog),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
@@ -146,17 +151,19 @@ class Sm90BwdConfig:
 def configs() -> list[Sm90BwdConfig]:
     """Every specialisation dispatch or the dS-layout switch can pick (the CPU lane compiles
     them all)."""
-    return [Sm90BwdConfig(dtype, d, ds_k_major=k) for k in (False, True) for dtype in DTYPES
-            for d in HEAD_DIMS]
+    return [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w) for w in (False, True)
+            for k in (False, True) for dtype in DTYPES for d in HEAD_DIMS]
 
 
 def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     """FA3's tiles; FLASHCUDA_SM90_BWD_DS=k picks the [query][key] dS layout (bring-up A/B:
-    it reads dS K-major, a descriptor kind the forward proved, instead of transposed A)."""
+    it reads dS K-major, a descriptor kind the forward proved, instead of transposed A);
+    FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging."""
     raw = os.environ.get(DS_ENV, "").strip().lower()
     if raw not in ("", "mn", "k"):
         raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
-    return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k")
+    watchdog = os.environ.get(WATCHDOG_ENV, "").strip() == "1"
+    return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog)
 
 
 def enabled() -> bool:

@@ -22,7 +22,7 @@ from flashcuda.jit import all_variants, compile_spec
 from flashcuda.jit.runtime import pack_args
 from flashcuda.jit.tensor_map import TensorMap
 from flashcuda.ops import bwd_sm90, dispatch
-from flashcuda.ops.bwd_sm90 import DS_ENV, ENABLE_ENV, GATED, Sm90BwdConfig
+from flashcuda.ops.bwd_sm90 import DS_ENV, ENABLE_ENV, GATED, WATCHDOG_ENV, Sm90BwdConfig
 from flashcuda.ops.call import BwdCall
 
 from .test_fwd_sm90_compile import _dump
@@ -112,6 +112,8 @@ def test_dispatch_order_and_plan_key(monkeypatch):
     assert dispatch._plan_key(call, "bwd") != on
     monkeypatch.setenv(DS_ENV, "k")
     assert dispatch._plan_key(call, "bwd") != on
+    monkeypatch.setenv(WATCHDOG_ENV, "1")
+    assert dispatch._plan_key(call, "bwd") != on
 
 
 # ---- config --------------------------------------------------------------------------------------
@@ -125,14 +127,15 @@ def test_config_is_the_single_source_of_truth():
     assert dict(cfg.spec().defines) == {
         "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "64", "FC_BLOCK_N": "128",
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
-        "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_DS_K_MAJOR": "0"}
+        "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_DS_K_MAJOR": "0", "FC_WATCHDOG": "0"}
     d64 = Sm90BwdConfig(torch.float16, 64)
     assert d64.block_m == 128 and d64.name == "flash_bwd_sm90_fp16_d64_bm128_bn128_s2"
     assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True).name.endswith("_dsk")
+    assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True, watchdog=True).name.endswith("_dsk_wd")
     for c in bwd_sm90.configs():
         assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= 65536
-    assert len({c.name for c in bwd_sm90.configs()}) == 8
+    assert len({c.name for c in bwd_sm90.configs()}) == 16
 
 
 def test_seqlen_pad_covers_query_blocks_and_pre_blocks():
@@ -168,6 +171,15 @@ def test_ds_layout_switch(monkeypatch):
     monkeypatch.setenv(DS_ENV, "transposed")
     with pytest.raises(ValueError, match=DS_ENV):
         bwd_sm90.select_config(torch.bfloat16, 64)
+
+
+def test_watchdog_switch(monkeypatch):
+    monkeypatch.delenv(WATCHDOG_ENV, raising=False)
+    monkeypatch.delenv(DS_ENV, raising=False)
+    assert not bwd_sm90.select_config(torch.float16, 128).watchdog
+    monkeypatch.setenv(WATCHDOG_ENV, "1")
+    cfg = bwd_sm90.select_config(torch.float16, 128)
+    assert cfg.watchdog and cfg.name.endswith("_wd") and dict(cfg.spec().defines)["FC_WATCHDOG"] == "1"
 
 
 # ---- can_implement: the gate, then every check before the device ones ---------------------------

@@ -16,7 +16,9 @@ error maps per GEMM, one case per process, if a smoke test fails):
     FLASHCUDA_ENABLE_SM90_BWD=1 pytest -m gpu tests/gpu/test_bwd_sm90.py -q
 `test_smoke_*` isolate the GEMMs of one CTA, one head, one query block: dV = P^T dO alone (Q = 0:
 uniform P), dP^T / dS^T through dK alone, dQ = dS K alone; then the whole tile.
-Every test runs with both dS layouts (FLASHCUDA_SM90_BWD_DS=mn, the default, and =k).
+Every test runs with both dS layouts (FLASHCUDA_SM90_BWD_DS=mn, the default, and =k). For the
+first run add FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that gives up after 2 s poisons dK /
+dV with NaN (a failing test) instead of hanging the GPU.
 """
 
 from __future__ import annotations

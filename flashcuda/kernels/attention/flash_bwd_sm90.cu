@@ -38,12 +38,13 @@
 //     m64n{kBlockM}k16, both operands K-major from shared memory (two commit groups) | wait S^T:
 //     P^T = exp2(S^T * scale_log2 - lse2) (lse2, delta: the stage's rows in shared memory),
 //     masked if the tile needs it | wait dP^T: dS^T = P^T o (dP^T - delta) | P^T, dS^T -> 16-bit
-//     A fragments (the accumulator -> A register reuse of the forward's P V) | issue dV += P^T dO and dK += dS^T Q: 2 x kBlockM / 16 wgmma
-//     m64n{kHeadDim}k16, A from registers, B (dO, Q stored [query][d]) read MN-major
-//     (imm-trans-b = 1) | dS^T -> shared ds[m & 1] (16-bit, [key][query], 128B swizzle) | fence,
-//     named barrier of both consumers | issue dQ_c = dS K: 8 wgmma m64n64k16, A = dS read
-//     MN-major from ds (imm-trans-a = 1), B = K read MN-major (imm-trans-b = 1) | wait all;
-//     release stage s | red.global.add.v2.f32 of the 64 x 64 dQ partial into dq_accum.
+//     A fragments (the accumulator -> A register reuse of the forward's P V) | issue dV += P^T dO
+//     and dK += dS^T Q: 2 x kBlockM / 16 wgmma m64n{kHeadDim}k16, A from registers, B (dO, Q
+//     stored [query][d]) read MN-major (imm-trans-b = 1) | dS^T -> shared ds[m & 1] (16-bit,
+//     [key][query], 128B swizzle) | fence, named barrier of both consumers | issue dQ_c = dS K:
+//     8 wgmma m64n64k16, A = dS read MN-major from ds (imm-trans-a = 1), B = K read MN-major
+//     (imm-trans-b = 1) | wait all; release stage s | red.global.add.v2.f32 of the 64 x 64 dQ
+//     partial into dq_accum.
 // ds is double-buffered so that one named barrier per step suffices: at step m + 1 a consumer
 // writes ds[(m + 1) & 1] while the other may still be reading ds[m & 1] (its step-m dQ), never
 // ds[(m + 1) & 1], whose last reader (its step m - 1 dQ) it finished before arriving at the
@@ -175,6 +176,35 @@ struct Steps {
   __device__ __forceinline__ int m0(int it) const { return (m_first + it % n_m) * kBlockM; }
 };
 
+// Bring-up watchdog (FC_WATCHDOG = 1, FLASHCUDA_SM90_BWD_WATCHDOG=1): a wait that has not
+// completed after 2 s of %globaltimer gives up and marks its thread `stuck` (its later waits
+// return at once), so a wrong phase lets the kernel finish, with NaN in every dK / dV row a stuck
+// consumer thread stores, instead of hanging the GPU. Not a trap: __trap() in the loop makes
+// ptxas give up the setmaxnreg budget (C7512, 1 KB of spills); not printf: a call serializes
+// every wgmma (C7510).
+constexpr bool kWatchdog = FC_WATCHDOG;
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck) {
+  if constexpr (kWatchdog) {
+    if (stuck) return;
+    const uint64_t t0 = global_ns();
+    while (!mbar_try_wait(bar, parity)) {
+      if (global_ns() - t0 > 2000000000ull) {
+        stuck = true;
+        return;
+      }
+    }
+  } else {
+    mbar_wait(bar, parity);
+  }
+}
+
 __device__ __forceinline__ int stage_of(int it) { return it % kStages; }
 __device__ __forceinline__ uint32_t parity_of(int it) { return (it / kStages) & 1; }
 
@@ -184,6 +214,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
                                         const TmaMap& map_v, const TmaMap& map_do,
                                         const float* lse2, const float* delta, int nheads,
                                         int seqlen_q_pad) {
+  bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
   mbar_arrive_expect_tx(sm.kv_full(), 2 * kKVBytes);
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
@@ -195,7 +226,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
   for (int it = 0; it < steps.count(); ++it) {
     const int s = stage_of(it);
     const int h = steps.head(it, head_kv), m0 = steps.m0(it);
-    mbar_wait(sm.empty(s), parity_of(it) ^ 1);  // first pass: stages start empty
+    wait(sm.empty(s), parity_of(it) ^ 1, stuck);  // first pass: stages start empty
     mbar_arrive_expect_tx(sm.full(s), 2 * kQBytes + 2 * kStatBytes);
     const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
     bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
@@ -432,14 +463,15 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 
   Consumer cs;
   cs.init(sm, wg_key0);
-  mbar_wait(sm.kv_full(), 0);  // also when there are no steps: no TMA may outlive the CTA
+  bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
+  wait(sm.kv_full(), 0, stuck);  // also when there are no steps: no TMA may outlive the CTA
 
   for (int it = 0; it < steps.count(); ++it) {
     const int st = stage_of(it);
     const int h = steps.head(it, head_kv), m0 = steps.m0(it);
     const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
 
-    mbar_wait(sm.full(st), parity_of(it));
+    wait(sm.full(st), parity_of(it), stuck);
     wgmma_fence_operands(cs.s);
     wgmma_fence_operands(cs.dp);
     wgmma_fence();
@@ -501,6 +533,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   }
 
   // ---- epilogue: dK * softmax_scale and dV from the accumulators, rows inside seqlen_k
+  // (NaN from a thread the watchdog found stuck)
+  const float v_scale = kWatchdog && stuck ? __int_as_float(0x7fc00000) : 1.f;
+  const float k_scale = softmax_scale * v_scale;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int key = n0 + key_row + 8 * hh;
@@ -511,9 +546,10 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                                                     head_kv * dv_sh + 2 * t);
 #pragma unroll
       for (int j = 0; j < kHeadDim / 8; ++j) {
-        k_dst[4 * j] = pack2<T>(cs.dk[4 * j + 2 * hh] * softmax_scale,
-                                cs.dk[4 * j + 2 * hh + 1] * softmax_scale);
-        v_dst[4 * j] = pack2<T>(cs.dv[4 * j + 2 * hh], cs.dv[4 * j + 2 * hh + 1]);
+        const float* kk = &cs.dk[4 * j + 2 * hh];
+        const float* vv = &cs.dv[4 * j + 2 * hh];
+        k_dst[4 * j] = pack2<T>(kk[0] * k_scale, kk[1] * k_scale);
+        v_dst[4 * j] = pack2<T>(vv[0] * v_scale, vv[1] * v_scale);
       }
     }
   }
