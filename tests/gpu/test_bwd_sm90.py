@@ -7,7 +7,10 @@ Every check runs `bwd_sm90.run(BwdCall(...))` on NaN-prefilled dq / dk / dv, wit
 from the float64 oracle (so no forward kernel is involved), and compares with the float64
 autograd gradients of flashcuda.reference.attention_ref under FlashAttention's rule:
 
-    max |ours - ref64| <= 3 * max |torch_same_dtype - ref64| + rounding_floor(ref64, dtype)
+    max |ours - ref64| <= 3 * max |torch_same_dtype - ref64| + rounding_floor(ref64, dtype) + 1e-5
+
+(the 1e-5, as in test_bwd_sm80.py: where every row sees one key, dS = P (dP - delta) is exactly 0
+in the oracle and in torch, and rounding noise of a few 1e-7 in ours.)
 
 Debug order on a fresh GPU (each step seconds; run with -x; scripts/sm90_bwd_probe.py prints
 error maps per GEMM, one case per process, if a smoke test fails):
@@ -98,7 +101,7 @@ def check(q, k, v, dout, window=FULL, scale=None):
         assert not got.isnan().any(), f"{name}: NaN (unwritten or poisoned)"
         err = (got.double() - ref).abs().max().item()
         torch_err = (low.double() - ref).abs().max().item()
-        tol = 3 * torch_err + rounding_floor(ref, q.dtype)
+        tol = 3 * torch_err + rounding_floor(ref, q.dtype) + 1e-5
         assert err <= tol, f"{name}: max error {err:.3e} > {tol:.3e} (torch {torch_err:.3e})"
     return ours, refs
 
@@ -194,9 +197,11 @@ def test_windows_and_fully_masked_rows():
 
 
 def test_keys_no_row_sees_get_zero_grads():
-    q, k, v, dout = make(1, 100, 300, 2, 2, 128, FP16, seed=10)  # window (0, 0): keys < 200 unseen
-    (_, dk, dv), _ = check(q, k, v, dout, (0, 0))
-    assert (dk[:, :200] == 0).all() and (dv[:, :200] == 0).all()
+    # window (2, 0): row i sees keys i + 198 .. i + 200, so keys < 198 are unseen (a window of
+    # one key would make dS = P (dP - delta) cancel to rounding noise against an exact-0 oracle)
+    q, k, v, dout = make(1, 100, 300, 2, 2, 128, FP16, seed=10)
+    (_, dk, dv), _ = check(q, k, v, dout, (2, 0))
+    assert (dk[:, :198] == 0).all() and (dv[:, :198] == 0).all()
 
 
 def test_packed_qkv_views():
@@ -218,7 +223,7 @@ def test_agrees_with_sm80(head_dim, window):
     ours = run(bwd_sm90, q, k, v, out, dout, lse, scale, window)
     theirs = run(bwd_sm80, q, k, v, out, dout, lse, scale, window)
     for name, a, b, ref, low in zip(("dq", "dk", "dv"), ours, theirs, refs, lows, strict=True):
-        tol = 3 * (low.double() - ref).abs().max().item() + rounding_floor(ref, q.dtype)
+        tol = 3 * (low.double() - ref).abs().max().item() + rounding_floor(ref, q.dtype) + 1e-5
         assert (a.double() - b.double()).abs().max().item() <= 2 * tol, name
 
 
