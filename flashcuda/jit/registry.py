@@ -22,6 +22,7 @@ _KERNEL_MODULES = (
     "flashcuda.ops.fwd_sm80",
     "flashcuda.ops.fwd_sm90",
     "flashcuda.ops.bwd_sm80",
+    "flashcuda.ops.bwd_sm90",
     "flashcuda.ops.softmax_state",
 )
 

@@ -27,7 +27,7 @@ from .._log import log_once, logger
 from .call import DTYPE_NAME, BwdCall, FwdCall
 
 FWD_FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
-BWD_FAMILIES = ("bwd_sm80", "bwd_simt")
+BWD_FAMILIES = ("bwd_sm90", "bwd_sm80", "bwd_simt")
 PORTABLE = "portable"
 FORCE_ENV = "FLASHCUDA_FORCE_KERNEL"
 
@@ -120,6 +120,9 @@ def _plan_key(call: FwdCall | BwdCall, direction: str) -> tuple:
     else:
         extra = ()
     return (direction, os.environ.get(FORCE_ENV, ""), os.environ.get("FLASHCUDA_ENABLE_SM90", ""),
+            os.environ.get("FLASHCUDA_ENABLE_SM90_BWD", ""),
+            os.environ.get("FLASHCUDA_SM90_BWD_DS", ""),
+            os.environ.get("FLASHCUDA_SM90_BWD_WATCHDOG", ""),
             os.environ.get("FLASHCUDA_BWD_SM80_CONFIG", ""), call.dtype, call.device, call.window_left,
             call.window_right, call.softmax_scale > 0, *extra,
             *((tuple(t.shape), t.stride(), t.data_ptr() % 16) for t in tensors))

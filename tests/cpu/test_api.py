@@ -349,7 +349,8 @@ def _fwd_call():
 @pytest.fixture
 def fake_families(monkeypatch):
     fams = {"fwd_sm90": "not built", "fwd_sm80": FakeFamily("needs fp16 or bf16"),
-            "fwd_simt": FakeFamily(None), "bwd_sm80": FakeFamily("needs sm80"),
+            "fwd_simt": FakeFamily(None), "bwd_sm90": "not built",
+            "bwd_sm80": FakeFamily("needs sm80"),
             "bwd_simt": FakeFamily("head dim too large")}
     monkeypatch.setattr(dispatch, "_modules", dict(fams))
     monkeypatch.setattr(_log, "_said_once", set())
@@ -375,7 +376,8 @@ def test_dispatch_lists_every_reason_when_none_can(fake_families):
     bwd = BwdCall(call.q, call.k, call.v, call.out, call.out, call.lse, *(torch.empty_like(t)
                   for t in (call.q, call.k, call.v)), 0.25, None, 0, False)
     with pytest.raises(NotImplementedError, match="no flashcuda bwd kernel can run fp32 d16 "
-                                                  "causal gqa2 on cpu: bwd_sm80: needs sm80; "
+                                                  "causal gqa2 on cpu: bwd_sm90: not built; "
+                                                  "bwd_sm80: needs sm80; "
                                                   "bwd_simt: head dim too large"):
         dispatch.run_families(bwd, "bwd")
 

@@ -1,0 +1,556 @@
+// Flash attention backward, sm90a main kernel (the FlashAttention-3 design), fp16 / bf16.
+//
+// Status: compile-verified only (NVRTC 13.0, sm_90a: no spills, HGMMA in the SASS); gated off
+// (FLASHCUDA_ENABLE_SM90_BWD=1 turns it on) until tests/gpu/test_bwd_sm90.py passes on a GPU.
+//
+// Feature matrix
+//   dtypes        fp16, bf16 in and out; fp32 accumulation; fp32 dQ accumulator
+//   head dims     kHeadDim in {64, 128}, exactly (the runtime head dim equals the kernel's)
+//   masking       bottom-right aligned band of mask.cuh (causal, sliding window, none); ragged
+//                 seqlen_q / seqlen_k
+//   heads         MHA, GQA, MQA: a CTA loops over the query heads of its KV head, dK / dV summed
+//                 over them in registers (as flash_bwd_sm80.cu)
+//   dQ            non-deterministic only: fp32 red.global.add.v2 into dq_accum [B, H, Sq_pad, D]
+//   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
+//                 dk / dv: any (batch, row, head) strides, unit last stride
+//   not yet       TMA bulk reduce-add of dQ, ping-pong / overlap of the two GEMM halves,
+//                 persistent schedule, deterministic dQ (bwd_sm80 has it)
+//   arch          sm_90a only (wgmma, setmaxnreg)
+//
+// This is part MAIN of the backward; flashcuda/ops/bwd_sm90.py runs bwd_sm80's PRE (delta =
+// rowsum(dO o O), lse2 = lse * log2 e, +inf for empty and padding rows, dq_accum = 0) before it
+// and bwd_sm80's CONVERT (dq = dq_accum * softmax_scale) after it, unchanged.
+//
+// One CTA per (key block of kBlockN = 128 keys, KV head, batch); it loops over the (query head of
+// the group, query block of kBlockM rows) pairs whose rows see the key block (mask.cuh), and keeps
+// dK and dV of its 128 keys in registers throughout. 3 warpgroups:
+//   warpgroup 0  producer (setmaxnreg.dec to 24): one elected thread issues TMA: K and V of the
+//                key block once (kv_full), then per step Q_m and dO_m of the query block (tensor
+//                maps) and its lse2 and delta rows (cp.async.bulk, kBlockM floats each) into a
+//                2-stage ring:
+//                    full[s]   TMA -> consumers (1 arrival + transaction bytes of all four)
+//                    empty[s]  consumers -> TMA (one arrival per consumer warp)
+//   warpgroups 1, 2  consumers (setmaxnreg.inc to 240): consumer c owns keys 64c .. 64c + 63 of
+//                the block (the M of every key-side GEMM), and one of the two 64 x 64 tiles of
+//                the step's kBlockM x kHeadDim dQ block.
+// Per step (query block m, stage s), each consumer warpgroup:
+//     wait full[s] | issue S^T = K_c Q^T and dP^T = V_c dO^T: 2 x kHeadDim / 16 wgmma
+//     m64n{kBlockM}k16, both operands K-major from shared memory (two commit groups) | wait S^T:
+//     P^T = exp2(S^T * scale_log2 - lse2) (lse2, delta: the stage's rows in shared memory),
+//     masked if the tile needs it | wait dP^T: dS^T = P^T o (dP^T - delta) | P^T, dS^T -> 16-bit
+//     A fragments (the accumulator -> A register reuse of the forward's P V) | issue dV += P^T dO
+//     and dK += dS^T Q: 2 x kBlockM / 16 wgmma m64n{kHeadDim}k16, A from registers, B (dO, Q
+//     stored [query][d]) read MN-major (imm-trans-b = 1) | dS^T -> shared ds[m & 1] (16-bit,
+//     [key][query], 128B swizzle) | fence, named barrier of both consumers | issue dQ_c = dS K:
+//     8 wgmma m64n64k16, A = dS read MN-major from ds (imm-trans-a = 1), B = K read MN-major
+//     (imm-trans-b = 1) | wait all; release stage s | red.global.add.v2.f32 of the 64 x 64 dQ
+//     partial into dq_accum.
+// ds is double-buffered so that one named barrier per step suffices: at step m + 1 a consumer
+// writes ds[(m + 1) & 1] while the other may still be reading ds[m & 1] (its step-m dQ), never
+// ds[(m + 1) & 1], whose last reader (its step m - 1 dQ) it finished before arriving at the
+// step-m barrier.
+// Epilogue: dK * softmax_scale and dV straight from the accumulator registers (4 bytes per lane).
+//
+// Shared memory (128B-swizzled [rows][64] chunks, as in flash_fwd_sm90.cu / sm90.cuh), each
+// region 1024-byte aligned:
+//     K, V     [kBlockN][kHeadDim]            kHeadDim / 64 chunks of kBlockN x 128 B
+//     Q, dO    2 stages x [kBlockM][kHeadDim] kHeadDim / 64 chunks of kBlockM x 128 B
+//     dS       2 x [kBlockN keys][kBlockM queries]  kBlockM / 64 chunks of kBlockN x 128 B
+//     lse2, delta  2 stages x 2 x [kBlockM] fp32
+//     mbarriers kv_full, full[2], empty[2]
+// d128 (kBlockM 64): K + V 64 KB, Q + dO 64 KB, dS 32 KB, stats 1 KB; d64 (kBlockM 128): K + V
+// 32 KB, Q + dO 64 KB, dS 64 KB, stats 2 KB; + 1 KB alignment slack (162 / 163 KB in all).
+// dS layout: FC_DS_K_MAJOR below (the per-step order above describes the default, 0).
+//
+// Out-of-range rows: TMA zero-fills rows past seqlen_q / seqlen_k. A query row past seqlen_q
+// (inside Sq_pad) has lse2 = +inf from PRE, so its P, dS are 0; a key past seqlen_k is masked
+// (tile_needs_mask); dK / dV rows past seqlen_k are never stored. A masked P is 0 and its dS is
+// forced to 0 even where dP^T is not finite (a V row outside the band may hold anything).
+#include "common/types.cuh"
+#include "common/sm90.cuh"
+#include "attention/mask.cuh"
+#include "attention/online_softmax.cuh"
+
+using T = typename dtype_of<FC_DTYPE>::type;
+constexpr int kHeadDim = FC_HEAD_DIM;
+constexpr int kBlockM = FC_BLOCK_M;  // query rows per step
+constexpr int kBlockN = FC_BLOCK_N;  // keys per CTA
+constexpr int kStages = FC_STAGES;   // Q / dO ring depth
+constexpr int kConsumers = kBlockN / 64;          // consumer warpgroups, 64 keys each
+constexpr int kThreads = 128 * (1 + kConsumers);  // + the producer warpgroup
+constexpr int kConsumerWarps = 4 * kConsumers;
+constexpr int kProducerRegs = FC_PRODUCER_REGS;
+constexpr int kConsumerRegs = FC_CONSUMER_REGS;
+
+constexpr int kChunkCols = 64;                  // 16-bit elements per 128-byte swizzled row
+constexpr int kChunks = kHeadDim / kChunkCols;  // swizzled chunks per row of Q, dO, K, V
+constexpr int kQChunkBytes = kBlockM * 128;
+constexpr int kKVChunkBytes = kBlockN * 128;
+constexpr int kQBytes = kChunks * kQChunkBytes;
+constexpr int kKVBytes = kChunks * kKVChunkBytes;
+// dS layout in shared memory (FC_DS_K_MAJOR): 0 = [key][query] (query contiguous, as the
+// accumulator holds dS^T; dQ reads A MN-major, imm-trans-a = 1), chunks of 64 queries x kBlockN
+// keys; 1 = [query][key] (key contiguous, A K-major as the forward's Q; 16-bit scatter stores),
+// chunks of 64 keys x kBlockM queries. Both are kBlockN x kBlockM x 2 bytes. 1 is the fallback
+// that uses only descriptor kinds the forward proved, should transposed A misbehave.
+constexpr bool kDsKMajor = FC_DS_K_MAJOR;
+constexpr int kDsChunkBytes = kDsKMajor ? kBlockM * 128 : kBlockN * 128;
+constexpr int kDsBytes = kBlockM * kBlockN * 2;
+
+// dQ of a step is kBlockM x kHeadDim = kConsumers tiles of 64 x 64: consumer c takes query tile
+// c % kDqTilesM and d tile c / kDqTilesM.
+constexpr int kDqTilesM = kBlockM / 64;
+
+constexpr int kSmemK = 0;
+constexpr int kSmemV = kSmemK + kKVBytes;
+constexpr int kSmemQ = kSmemV + kKVBytes;
+constexpr int kSmemDO = kSmemQ + kStages * kQBytes;
+constexpr int kSmemDS = kSmemDO + kStages * kQBytes;
+constexpr int kStatBytes = kBlockM * 4;  // lse2 or delta of one query block
+constexpr int kSmemStats = kSmemDS + 2 * kDsBytes;  // stages x (lse2, delta)
+constexpr int kSmemBar = kSmemStats + kStages * 2 * kStatBytes;
+constexpr int kBarriers = 1 + 2 * kStages;  // kv_full, full[], empty[]
+constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
+
+static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
+static_assert(kHeadDim == 64 || kHeadDim == 128, "sm90 kernel: head dim 64 or 128");
+static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
+static_assert(kBlockM == 64 || kBlockM == 128, "wgmma_ss is instantiated for n = 64, 128");
+static_assert(kBlockM * kHeadDim == 64 * 64 * kConsumers, "one 64 x 64 dQ tile per consumer");
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "register file");
+static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm90BwdConfig.smem_bytes");
+
+struct Smem {
+  uint32_t base;  // 1024-byte aligned
+  uint8_t* ptr;   // the same, as a generic pointer (for ordinary loads)
+
+  __device__ __forceinline__ uint32_t k() const { return base + kSmemK; }
+  __device__ __forceinline__ uint32_t v() const { return base + kSmemV; }
+  __device__ __forceinline__ uint32_t q(int s) const { return base + kSmemQ + s * kQBytes; }
+  __device__ __forceinline__ uint32_t dout(int s) const { return base + kSmemDO + s * kQBytes; }
+  __device__ __forceinline__ uint32_t ds(int b) const { return base + kSmemDS + b * kDsBytes; }
+  __device__ __forceinline__ uint32_t lse2(int s) const {
+    return base + kSmemStats + s * 2 * kStatBytes;
+  }
+  __device__ __forceinline__ uint32_t delta(int s) const { return lse2(s) + kStatBytes; }
+  __device__ __forceinline__ const float* lse2_ptr(int s) const {
+    return reinterpret_cast<const float*>(ptr + kSmemStats + s * 2 * kStatBytes);
+  }
+  __device__ __forceinline__ const float* delta_ptr(int s) const {
+    return lse2_ptr(s) + kBlockM;
+  }
+  __device__ __forceinline__ uint32_t bar(int i) const { return base + kSmemBar + 8 * i; }
+  __device__ __forceinline__ uint32_t kv_full() const { return bar(0); }
+  __device__ __forceinline__ uint32_t full(int s) const { return bar(1 + s); }
+  __device__ __forceinline__ uint32_t empty(int s) const { return bar(1 + kStages + s); }
+
+  __device__ __forceinline__ void init_barriers() const {
+    mbar_init(kv_full(), 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), kConsumerWarps);
+    }
+    fence_barrier_init();
+  }
+};
+
+// The steps of a CTA: (query head of the group, query block) pairs, the query blocks that see
+// key block [n0, n0 + kBlockN) (the same numbers in every role).
+struct Steps {
+  int m_first, n_m, group;
+
+  __device__ __forceinline__ Steps(const Mask& mask, int n0, int nheads, int nheads_kv) {
+    // Key j is seen by rows j - shift - window_right .. j - shift + window_left.
+    const int n_end = min(n0 + kBlockN, mask.seqlen_k);
+    const int q_begin = max(0, n0 - mask.shift() - mask.window_right);
+    const int q_end = min(mask.seqlen_q, n_end - 1 - mask.shift() + mask.window_left + 1);
+    m_first = q_begin / kBlockM;
+    n_m = q_end > q_begin ? (q_end - 1) / kBlockM - m_first + 1 : 0;
+    group = nheads / nheads_kv;
+  }
+  __device__ __forceinline__ int count() const { return n_m * group; }
+  __device__ __forceinline__ int head(int it, int head_kv) const {
+    return head_kv * group + it / n_m;
+  }
+  __device__ __forceinline__ int m0(int it) const { return (m_first + it % n_m) * kBlockM; }
+};
+
+// Bring-up watchdog (FC_WATCHDOG = 1, FLASHCUDA_SM90_BWD_WATCHDOG=1): a wait that has not
+// completed after 2 s of %globaltimer gives up and marks its thread `stuck` (its later waits
+// return at once), so a wrong phase lets the kernel finish, with NaN in every dK / dV row a stuck
+// consumer thread stores, instead of hanging the GPU. Not a trap: __trap() in the loop makes
+// ptxas give up the setmaxnreg budget (C7512, 1 KB of spills); not printf: a call serializes
+// every wgmma (C7510).
+constexpr bool kWatchdog = FC_WATCHDOG;
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck) {
+  if constexpr (kWatchdog) {
+    if (stuck) return;
+    const uint64_t t0 = global_ns();
+    while (!mbar_try_wait(bar, parity)) {
+      if (global_ns() - t0 > 2000000000ull) {
+        stuck = true;
+        return;
+      }
+    }
+  } else {
+    mbar_wait(bar, parity);
+  }
+}
+
+__device__ __forceinline__ int stage_of(int it) { return it % kStages; }
+__device__ __forceinline__ uint32_t parity_of(int it) { return (it / kStages) & 1; }
+
+// ---- producer: one thread issues every TMA load -------------------------------------------------
+__device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int n0, int head_kv,
+                                        int batch, const TmaMap& map_q, const TmaMap& map_k,
+                                        const TmaMap& map_v, const TmaMap& map_do,
+                                        const float* lse2, const float* delta, int nheads,
+                                        int seqlen_q_pad) {
+  bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
+  mbar_arrive_expect_tx(sm.kv_full(), 2 * kKVBytes);
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    tma_load_4d(sm.k() + c * kKVChunkBytes, map_k, sm.kv_full(), c * kChunkCols, n0, head_kv,
+                batch);
+    tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.kv_full(), c * kChunkCols, n0, head_kv,
+                batch);
+  }
+  for (int it = 0; it < steps.count(); ++it) {
+    const int s = stage_of(it);
+    const int h = steps.head(it, head_kv), m0 = steps.m0(it);
+    wait(sm.empty(s), parity_of(it) ^ 1, stuck);  // first pass: stages start empty
+    mbar_arrive_expect_tx(sm.full(s), 2 * kQBytes + 2 * kStatBytes);
+    const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
+    bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
+    bulk_load(sm.delta(s), delta + row, kStatBytes, sm.full(s));
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      tma_load_4d(sm.q(s) + c * kQChunkBytes, map_q, sm.full(s), c * kChunkCols, m0, h, batch);
+      tma_load_4d(sm.dout(s) + c * kQChunkBytes, map_do, sm.full(s), c * kChunkCols, m0, h,
+                  batch);
+    }
+  }
+}
+
+__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+}
+
+// One arrival per consumer warp on an "empty" barrier (every lane's wgmma reading the stage has
+// completed: a wgmma_wait in each lane before the __syncwarp).
+__device__ __forceinline__ void release(uint32_t bar) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
+}
+
+// ---- consumer -----------------------------------------------------------------------------------
+// Accumulator element (j, e) of an m64 x n tile (sm90.cuh header): row (here: key) 16 warp + g +
+// 8 (e >> 1), column (here: query or d) 8 j + 2 t + (e & 1).
+struct Consumer {
+  float dk[kHeadDim / 2];          // dK of this warpgroup's 64 keys (m64n{kHeadDim} layout)
+  float dv[kHeadDim / 2];
+  float s[kBlockM / 2];            // S^T, then P^T (fp32)
+  float dp[kBlockM / 2];           // dP^T
+  uint32_t p16[kBlockM / 16][4];   // P^T as the A fragments of dV += P^T dO
+  uint32_t ds16[kBlockM / 16][4];  // dS^T as the A fragments of dK += dS^T Q
+  float dq[32];                    // this consumer's 64 x 64 dQ tile
+  uint32_t k_rows, v_rows;         // shared address of this warpgroup's 64 K / V rows (chunk 0)
+
+  __device__ __forceinline__ void init(const Smem& sm, int wg_key0) {
+    k_rows = sm.k() + wg_key0 * 128;  // 64-row offsets stay 1024-byte aligned
+    v_rows = sm.v() + wg_key0 * 128;
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
+  }
+
+  // acc = X Y^T over kHeadDim / 16 k16 steps (one commit group): X = 64 K or V rows, Y = the
+  // query tile (Q or dO), both K-major (d contiguous); step kk reads 32 bytes at column
+  // (kk % 4) * 16 of chunk kk / 4, as the forward's Q K^T.
+  __device__ __forceinline__ void issue_transposed_scores(float (&acc)[kBlockM / 2], uint32_t x,
+                                                          uint32_t y) {
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t col = kk / 4, within = (kk % 4) * 32;
+      const uint64_t a = smem_desc_k_major_sw128(x + col * kKVChunkBytes + within);
+      const uint64_t b = smem_desc_k_major_sw128(y + col * kQChunkBytes + within);
+      wgmma_ss<kBlockM, T>(acc, a, b, kk > 0);
+    }
+    wgmma_commit();
+  }
+
+  // acc += A Y over kBlockM / 16 k16 steps: A = 16-bit fragments (keys x queries), Y = the query
+  // tile (queries x d) read MN-major (imm-trans-b = 1); step kk reads query rows 16 kk .. + 15
+  // (2048 bytes further per step), every d chunk (kQChunkBytes apart). No commit.
+  __device__ __forceinline__ void issue_key_grad(float (&acc)[kHeadDim / 2],
+                                                 const uint32_t (&a)[kBlockM / 16][4], uint32_t y) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const uint64_t b = smem_desc_mn_major_sw128(y + kk * 16 * 128, kQChunkBytes);
+      wgmma_rs_tb<kHeadDim, T>(acc, a[kk], b, 1);
+    }
+  }
+
+  // dq = dS K for query tile tm, d tile td (one commit group); step kk covers keys 16 kk .. + 15
+  // of the whole block (both consumers' dS). B = K stored [key][d] (d contiguous, chunk td), read
+  // MN-major. A = dS: stored [key][query] (chunk tm), read MN-major; or (kDsKMajor) stored
+  // [query][key], rows 64 tm.., read K-major like the forward's Q (32 bytes at column
+  // (kk % 4) * 16 of key chunk kk / 4).
+  __device__ __forceinline__ void issue_dq(uint32_t ds, uint32_t k, int tm, int td) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t b =
+          smem_desc_mn_major_sw128(k + td * kKVChunkBytes + kk * 16 * 128, kKVChunkBytes);
+      if constexpr (kDsKMajor) {
+        const uint64_t a = smem_desc_k_major_sw128(ds + (kk / 4) * kDsChunkBytes + tm * 64 * 128 +
+                                                   (kk % 4) * 32);
+        wgmma_ss_tb<64, T>(dq, a, b, kk > 0);
+      } else {
+        const uint64_t a =
+            smem_desc_mn_major_sw128(ds + tm * kDsChunkBytes + kk * 16 * 128, kDsChunkBytes);
+        wgmma_ss_tt<64, T>(dq, a, b, kk > 0);
+      }
+    }
+    wgmma_commit();
+  }
+
+  // The A registers of in-flight wgmmas belong to the tensor cores until they drain.
+  __device__ __forceinline__ void hold_fragments() {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        asm volatile("" : "+r"(p16[kk][r])::"memory");
+        asm volatile("" : "+r"(ds16[kk][r])::"memory");
+      }
+  }
+
+  // P^T = exp2(S^T * scale_log2 - lse2[query]); with kMasked, 0 where the key is hidden from the
+  // query. `lse2`: the stage's lse2 (shared) at this lane's column 2t; `key0`: key of row g;
+  // `col0`: query of column 2t.
+  template <bool kMasked>
+  __device__ __forceinline__ void probs(const float* lse2, float scale_log2, const Mask& mask,
+                                        int key0, int col0) {
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+        if (kMasked && !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1))) p = 0.f;
+        s[4 * j + e] = p;
+      }
+    }
+  }
+
+  // dS^T = P^T o (dP^T - delta[query]) into dp's registers; with kMasked, 0 wherever P^T is 0.
+  // `delta`: the stage's delta (shared) at this lane's column 2t.
+  template <bool kMasked>
+  __device__ __forceinline__ void dsoftmax(const float* delta) {
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
+        if (kMasked && s[4 * j + e] == 0.f) ds = 0.f;
+        dp[4 * j + e] = ds;
+      }
+    }
+  }
+
+  // fp32 C fragments -> 16-bit A fragments: n8 blocks 2kk, 2kk + 1 are k16 step kk.
+  __device__ __forceinline__ static void pack(uint32_t (&a)[kBlockM / 16][4],
+                                              const float (&c)[kBlockM / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const float* lo = &c[8 * kk];
+      a[kk][0] = pack2<T>(lo[0], lo[1]);
+      a[kk][1] = pack2<T>(lo[2], lo[3]);
+      a[kk][2] = pack2<T>(lo[4], lo[5]);
+      a[kk][3] = pack2<T>(lo[6], lo[7]);
+    }
+  }
+
+  // dS^T (16-bit) -> shared. Fragment f of k16 step kk holds (key r, queries q, q + 1).
+  // [key][query] layout: element (r, q) at chunk q / 64, row r, 16-byte unit ((q % 64) / 8) ^
+  // (r % 8); a lane's 4-byte stores of one fragment hit 8 rows x 4 words: 32 banks.
+  // [query][key] layout (kDsKMajor): element (r, q) at chunk r / 64, row q, unit ((r % 64) / 8) ^
+  // (q % 8); two 2-byte stores per fragment. `r0`: key of row g (r0 % 8 == g).
+  __device__ __forceinline__ void store_ds(uint32_t ds, int r0, int t) const {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+      for (int f = 0; f < 4; ++f) {
+        const int r = r0 + 8 * (f & 1);
+        const int q = 16 * kk + 8 * (f >> 1) + 2 * t;  // first of the fragment's two queries
+        if constexpr (kDsKMajor) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int qe = q + e;
+            const uint32_t unit = static_cast<uint32_t>(((r % 64) / 8) ^ (qe % 8));
+            const uint32_t addr =
+                ds + (r / 64) * kDsChunkBytes + qe * 128 + unit * 16 + (r % 8) * 2;
+            const uint16_t half = static_cast<uint16_t>(ds16[kk][f] >> (16 * e));
+            asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(addr), "h"(half) : "memory");
+          }
+        } else {
+          const uint32_t unit = static_cast<uint32_t>(((q % 64) / 8) ^ (r % 8));
+          const uint32_t addr = ds + (q / 64) * kDsChunkBytes + r * 128 + unit * 16 + (q % 8) * 2;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds16[kk][f]) : "memory");
+        }
+      }
+  }
+};
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims (D, Sq, H, B)
+               const __grid_constant__ TmaMap map_k,   // k [B, Sk, Hkv, D]
+               const __grid_constant__ TmaMap map_v,   // v [B, Sk, Hkv, D]
+               const __grid_constant__ TmaMap map_do,  // dout [B, Sq, H, D]
+               const float* __restrict__ lse2,         // [B, H, Sq_pad] (PRE)
+               const float* __restrict__ delta,        // [B, H, Sq_pad] (PRE)
+               float* __restrict__ dq_accum,           // [B, H, Sq_pad, D] (PRE zeroed it)
+               T* __restrict__ dk,                     // [B, Sk, Hkv, D]
+               T* __restrict__ dv,                     // [B, Sk, Hkv, D]
+               int64_t dk_sb, int64_t dk_ss, int64_t dk_sh, int64_t dv_sb, int64_t dv_ss,
+               int64_t dv_sh, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
+               int seqlen_q_pad, float scale_log2, float softmax_scale, int window_left,
+               int window_right) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
+  const Smem sm{raw + pad, smem_raw + pad};
+  // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+  const int n0 = blockIdx.x * kBlockN, head_kv = blockIdx.y, batch = blockIdx.z;
+  const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
+  const Steps steps(mask, n0, nheads, nheads_kv);
+
+  if (threadIdx.x == 0) {
+    sm.init_barriers();
+    tma_prefetch(map_q);
+    tma_prefetch(map_k);
+    tma_prefetch(map_v);
+    tma_prefetch(map_do);
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---- producer warpgroup
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x < 32 && elect_one())
+      produce(sm, steps, n0, head_kv, batch, map_q, map_k, map_v, map_do, lse2, delta, nheads,
+              seqlen_q_pad);
+    return;
+  }
+
+  // ---- consumer warpgroups
+  setmaxnreg_inc<kConsumerRegs>();
+  const int c = wg - 1;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int warp = static_cast<int>((threadIdx.x / 32) % 4);  // within the warpgroup
+  const int g = lane >> 2, t = lane & 3;
+  const int wg_key0 = 64 * c;                     // this warpgroup's first key in the block
+  const int key_row = wg_key0 + 16 * warp + g;    // this lane's first key row in the block
+  const int tm = c % kDqTilesM, td = c / kDqTilesM;  // this consumer's dQ tile
+
+  Consumer cs;
+  cs.init(sm, wg_key0);
+  bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
+  wait(sm.kv_full(), 0, stuck);  // also when there are no steps: no TMA may outlive the CTA
+
+  for (int it = 0; it < steps.count(); ++it) {
+    const int st = stage_of(it);
+    const int h = steps.head(it, head_kv), m0 = steps.m0(it);
+    const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
+
+    wait(sm.full(st), parity_of(it), stuck);
+    wgmma_fence_operands(cs.s);
+    wgmma_fence_operands(cs.dp);
+    wgmma_fence();
+    cs.issue_transposed_scores(cs.s, cs.k_rows, sm.q(st));
+    cs.issue_transposed_scores(cs.dp, cs.v_rows, sm.dout(st));
+
+    const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's query columns
+    const float* st_delta = sm.delta_ptr(st) + 2 * t;
+    const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + wg_key0, 64);
+    wgmma_wait<1>();
+    wgmma_fence_operands(cs.s);
+    if (masked) {
+      cs.probs<true>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+    } else {
+      cs.probs<false>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operands(cs.dp);
+    if (masked) {
+      cs.dsoftmax<true>(st_delta);
+    } else {
+      cs.dsoftmax<false>(st_delta);
+    }
+    Consumer::pack(cs.p16, cs.s);
+    Consumer::pack(cs.ds16, cs.dp);
+
+    // dV += P^T dO, dK += dS^T Q (one commit group)
+    wgmma_fence_operands(cs.dv);
+    wgmma_fence_operands(cs.dk);
+    wgmma_fence();
+    cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
+    cs.issue_key_grad(cs.dk, cs.ds16, sm.q(st));
+    wgmma_commit();
+
+    // dS^T -> shared, visible to the async proxy, then both consumers' dS are there.
+    const uint32_t ds = sm.ds(it & 1);
+    cs.store_ds(ds, key_row, t);
+    fence_proxy_async();
+    named_barrier_sync(1, 128 * kConsumers);
+
+    wgmma_fence_operands(cs.dq);
+    wgmma_fence();
+    cs.issue_dq(ds, sm.k(), tm, td);
+    wgmma_wait<0>();
+    cs.hold_fragments();
+    wgmma_fence_operands(cs.dv);
+    wgmma_fence_operands(cs.dk);
+    wgmma_fence_operands(cs.dq);
+    release(sm.empty(st));
+
+    // dq_accum += this consumer's 64 x 64 tile. Rows past seqlen_q (inside Sq_pad) add zeros.
+    float* dq_rows = dq_accum + (bh * seqlen_q_pad + m0 + 64 * tm + 16 * warp + g) * kHeadDim +
+                     64 * td + 2 * t;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      red_add_f32x2(dq_rows + 8 * j, cs.dq[4 * j], cs.dq[4 * j + 1]);
+      red_add_f32x2(dq_rows + 8 * kHeadDim + 8 * j, cs.dq[4 * j + 2], cs.dq[4 * j + 3]);
+    }
+  }
+
+  // ---- epilogue: dK * softmax_scale and dV from the accumulators, rows inside seqlen_k
+  // (NaN from a thread the watchdog found stuck)
+  const float v_scale = kWatchdog && stuck ? __int_as_float(0x7fc00000) : 1.f;
+  const float k_scale = softmax_scale * v_scale;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int key = n0 + key_row + 8 * hh;
+    if (key < seqlen_k) {
+      uint32_t* k_dst = reinterpret_cast<uint32_t*>(dk + batch * dk_sb + key * dk_ss +
+                                                    head_kv * dk_sh + 2 * t);
+      uint32_t* v_dst = reinterpret_cast<uint32_t*>(dv + batch * dv_sb + key * dv_ss +
+                                                    head_kv * dv_sh + 2 * t);
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        const float* kk = &cs.dk[4 * j + 2 * hh];
+        const float* vv = &cs.dv[4 * j + 2 * hh];
+        k_dst[4 * j] = pack2<T>(kk[0] * k_scale, kk[1] * k_scale);
+        v_dst[4 * j] = pack2<T>(vv[0] * v_scale, vv[1] * v_scale);
+      }
+    }
+  }
+}

@@ -1,0 +1,269 @@
+"""The sm90a backward family (FlashAttention-3 design: TMA, mbarriers, wgmma, a producer
+warpgroup and two consumer warpgroups with setmaxnreg), fp16/bf16, head dims 64 and 128,
+non-deterministic dQ.
+
+Status: compile-verified only, gated: can_implement refuses every call unless
+FLASHCUDA_ENABLE_SM90_BWD=1 (a wrong mbarrier phase hangs the GPU; tests/gpu/test_bwd_sm90.py
+lifts the gate). Dispatch order: bwd_sm90 > bwd_sm80 > bwd_simt.
+
+A backward is three launches: bwd_sm80's PRE (delta, lse2, zeroed dq_accum) and CONVERT (dq =
+dq_accum * softmax_scale) kernels, unchanged, around this family's MAIN kernel
+(kernels/attention/flash_bwd_sm90.cu), which writes dK and dV and reduces dQ into dq_accum.
+
+`Sm90BwdConfig` is the single source of truth of a specialisation: tiles, stages, register split,
+shared memory (the .cu static_asserts the same layout), the name, the defines.
+
+    head dim   block_m (queries) x block_n (keys), stages   smem      consumers x registers
+    64         128 x 128, 2                                 163 KB    2 x 240 (FA3's d64 tiles)
+    128        64 x 128, 2                                  162 KB    2 x 240 (FA3's d128 tiles)
+FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up A/B, see the .cu);
+FLASHCUDA_SM90_BWD_WATCHDOG=1 runs the variant whose mbarrier waits trap (a launch failure) instead
+of hanging (bring-up).
+The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from math import lcm
+
+import numpy as np
+import torch
+
+from ..jit import KernelSpec, get_kernel, register
+from ..jit.tensor_map import bshd_map, bshd_problem
+from . import bwd_sm80
+from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, BwdCall, kernel_windows, vector_layout_problem
+
+SOURCE = "attention/flash_bwd_sm90.cu"
+ARCHS = ("sm_90a",)
+DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128)
+ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD"
+DS_ENV = "FLASHCUDA_SM90_BWD_DS"
+WATCHDOG_ENV = "FLASHCUDA_SM90_BWD_WATCHDOG"
+GATED = f"bwd_sm90 is gated until its GPU proof (set {ENABLE_ENV}=1 to run it)"
+BARRIER_BYTES = 8
+BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
+
+
+@dataclass(frozen=True)
+class Sm90BwdConfig:
+    """One specialisation of flash_bwd_sm90.cu (the MAIN kernel)."""
+
+    dtype: torch.dtype
+    head_dim: int
+    block_m: int = 0  # 0: BLOCK_M[head_dim]
+    block_n: int = 128
+    stages: int = 2
+    producer_regs: int = 24
+    consumer_regs: int = 240
+    ds_k_major: bool = False  # dS stored [query][key] (the fallback layout, see the .cu)
+    watchdog: bool = False  # mbarrier waits trap after ~2^28 polls (bring-up)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Sm90BwdConfig.dtype: expected fp16 or bf16, got {self.dtype}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"Sm90BwdConfig.head_dim: expected one of {HEAD_DIMS}, "
+                             f"got {self.head_dim}")
+        if self.block_m == 0:
+            object.__setattr__(self, "block_m", BLOCK_M[self.head_dim])
+        if self.block_n != 128:
+            raise ValueError(f"Sm90BwdConfig.block_n: expected 128 (two consumer warpgroups of "
+                             f"64 keys), got {self.block_n}")
+        if self.block_m not in (64, 128) or self.block_m * self.head_dim != 64 * 64 * 2:
+            raise ValueError(f"Sm90BwdConfig.block_m: expected block_m * head_dim = 8192 (one "
+                             f"64 x 64 dQ tile per consumer), got {self.block_m} at "
+                             f"d{self.head_dim}")
+        if self.stages < 1:
+            raise ValueError(f"Sm90BwdConfig.stages: expected >= 1, got {self.stages}")
+        if self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers > 65536:
+            raise ValueError("Sm90BwdConfig: register split exceeds the 64K register file")
+
+    @property
+    def consumers(self) -> int:
+        """Consumer warpgroups, 64 keys each."""
+        return self.block_n // 64
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)
+
+    @property
+    def q_bytes(self) -> int:
+        return self.block_m * self.head_dim * 2
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.block_n * self.head_dim * 2
+
+    @property
+    def ds_bytes(self) -> int:
+        return self.block_n * self.block_m * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """1024 B alignment slack + K + V + stages x (Q + dO + lse2 + delta) + 2 x dS + the
+        mbarriers (as the .cu lays out)."""
+        barriers = 1 + 2 * self.stages
+        stats = 2 * self.block_m * 4
+        return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
+                + 2 * self.ds_bytes + BARRIER_BYTES * barriers)
+
+    @property
+    def name(self) -> str:
+        return (f"flash_bwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
+                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
+                + ("_dsk" if self.ds_k_major else "") + ("_wd" if self.watchdog else ""))
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec.make(self.name, SOURCE, defines={
+            "FC_DTYPE": DTYPE_CODE[self.dtype],
+            "FC_HEAD_DIM": self.head_dim,
+            "FC_BLOCK_M": self.block_m,
+            "FC_BLOCK_N": self.block_n,
+            "FC_STAGES": self.stages,
+            "FC_PRODUCER_REGS": self.producer_regs,
+            "FC_CONSUMER_REGS": self.consumer_regs,
+            "FC_SMEM_BYTES": self.smem_bytes,
+            "FC_DS_K_MAJOR": int(self.ds_k_major),
+            "FC_WATCHDOG": int(self.watchdog),
+        })
+
+    def aux(self) -> bwd_sm80.BwdSm80Config:
+        """The bwd_sm80 configuration whose PRE and CONVERT kernels this family runs."""
+        cfg = bwd_sm80.config_for(self.dtype, self.head_dim)
+        assert cfg is not None and cfg.head_dim == self.head_dim
+        return cfg
+
+    def seqlen_pad(self, seqlen_q: int) -> int:
+        """Rows of lse2 / delta / dq_accum: whole PRE blocks (aux_rows) and whole query blocks."""
+        step = lcm(self.block_m, self.aux().aux_rows)
+        return -(-seqlen_q // step) * step
+
+    def grid(self, call: BwdCall) -> tuple[int, int, int]:
+        return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
+
+
+def configs() -> list[Sm90BwdConfig]:
+    """Every specialisation dispatch or the dS-layout switch can pick (the CPU lane compiles
+    them all)."""
+    return [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w) for w in (False, True)
+            for k in (False, True) for dtype in DTYPES for d in HEAD_DIMS]
+
+
+def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
+    """FA3's tiles; FLASHCUDA_SM90_BWD_DS=k picks the [query][key] dS layout (bring-up A/B:
+    it reads dS K-major, a descriptor kind the forward proved, instead of transposed A);
+    FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging."""
+    raw = os.environ.get(DS_ENV, "").strip().lower()
+    if raw not in ("", "mn", "k"):
+        raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
+    watchdog = os.environ.get(WATCHDOG_ENV, "").strip() == "1"
+    return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog)
+
+
+def enabled() -> bool:
+    """Off unless FLASHCUDA_ENABLE_SM90_BWD is 1 / true / yes / on."""
+    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def can_implement(call: BwdCall) -> str | None:
+    """None if this family can run `call`, else the reason it cannot."""
+    if not enabled():
+        return GATED
+    if call.dtype not in DTYPES:
+        return f"dtype {call.dtype} is not fp16/bf16"
+    tensors = {"q": call.q, "k": call.k, "v": call.v, "out": call.out, "dout": call.dout,
+               "dq": call.dq, "dk": call.dk, "dv": call.dv}
+    for name, t in tensors.items():
+        if t.dtype != call.dtype:
+            return f"{name}.dtype {t.dtype} differs from q.dtype {call.dtype}"
+    if call.lse.dtype != torch.float32:
+        return f"lse must be float32, got {call.lse.dtype}"
+    b, sq, h, d = call.q.shape
+    sk, hkv = call.seqlen_k, call.nheads_kv
+    if d not in HEAD_DIMS:
+        return f"head_dim {d} is not one of {HEAD_DIMS}"
+    for name, t, shape in (("out", call.out, (b, sq, h, d)), ("dout", call.dout, (b, sq, h, d)),
+                           ("dq", call.dq, (b, sq, h, d)), ("k", call.k, (b, sk, hkv, d)),
+                           ("v", call.v, (b, sk, hkv, d)), ("dk", call.dk, (b, sk, hkv, d)),
+                           ("dv", call.dv, (b, sk, hkv, d)), ("lse", call.lse, (b, h, sq))):
+        if tuple(t.shape) != shape:
+            return f"{name} has shape {tuple(t.shape)}, expected {shape}"
+    if hkv <= 0 or h % hkv:
+        return f"nheads {h} is not a multiple of nheads_kv {hkv}"
+    if call.deterministic:
+        return "deterministic dQ is not implemented here (bwd_sm80 has it)"
+    if sq + sk >= bwd_sm80.MAX_SEQLEN_SUM:
+        return f"seqlen_q + seqlen_k = {sq + sk} >= {bwd_sm80.MAX_SEQLEN_SUM}"
+    if sq == 0 or sk == 0 or b == 0 or h == 0:
+        return "an empty dim (a tensor map needs non-empty dims; bwd_sm80 handles it)"
+    cfg = select_config(call.dtype, d)
+    for name, t in tensors.items():
+        if why := vector_layout_problem(name, t):
+            return why
+    for name, rows in (("q", cfg.block_m), ("dout", cfg.block_m), ("k", cfg.block_n),
+                       ("v", cfg.block_n)):
+        if why := bshd_problem(tensors[name], rows):
+            return f"{name}: TMA: {why}"
+    for name, t in {**tensors, "lse": call.lse}.items():
+        if t.device != call.device or t.device.type != "cuda":
+            return f"{name} is on {t.device}, not on the CUDA device {call.device}"
+    index = call.device.index if call.device.index is not None else torch.cuda.current_device()
+    cc, per_block = bwd_sm80._device_info(index)
+    if cc != (9, 0):
+        return f"GPU compute capability {cc[0]}.{cc[1]} is not 9.0 (sm_90a: wgmma, setmaxnreg)"
+    if cfg.smem_bytes > per_block:
+        return f"{cfg.name} needs {cfg.smem_bytes} bytes of shared memory, the GPU has {per_block}"
+    return None
+
+
+def _strides(t: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
+    return np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2))
+
+
+def run(call: BwdCall) -> None:
+    """Fill call.dq, call.dk, call.dv. Raises NotImplementedError when can_implement(call) says
+    no. PRE and CONVERT are bwd_sm80's kernels, launched as bwd_sm80.run launches them."""
+    if why := can_implement(call):
+        raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
+    cfg = select_config(call.dtype, call.head_dim)
+    aux = cfg.aux()
+    b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
+    h, hkv, d = call.nheads, call.nheads_kv, call.head_dim
+    dev = call.device
+    sq_pad = cfg.seqlen_pad(sq)
+    lse = call.lse if call.lse.stride(-1) == 1 else call.lse.contiguous()
+    lse2 = torch.empty((b, h, sq_pad), dtype=torch.float32, device=dev)
+    delta = torch.empty_like(lse2)
+    dq_accum = torch.empty((b, h, sq_pad, d), dtype=torch.float32, device=dev)
+    wl, wr = kernel_windows(sq, sk, call.window_left, call.window_right)
+    scale = np.float32(call.softmax_scale)
+
+    get_kernel(aux.pre_spec(), dev).launch(
+        (sq_pad // aux.aux_rows, h, b), (bwd_sm80.AUX_THREADS,),
+        call.out, call.dout, lse, lse2, delta, dq_accum,
+        *_strides(call.out), *_strides(call.dout), np.int64(lse.stride(0)),
+        np.int64(lse.stride(1)), np.int32(sq), np.int32(h), np.int32(d), np.int32(sq_pad))
+    get_kernel(cfg.spec(), dev).launch(
+        cfg.grid(call), (cfg.threads, 1, 1),
+        bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n),
+        bshd_map(call.v, cfg.block_n), bshd_map(call.dout, cfg.block_m),
+        lse2, delta, dq_accum, call.dk, call.dv, *_strides(call.dk), *_strides(call.dv),
+        np.int32(sq), np.int32(sk), np.int32(h), np.int32(hkv), np.int32(sq_pad),
+        np.float32(call.softmax_scale * LOG2E), scale, wl, wr,
+        shared_mem=cfg.smem_bytes)
+    get_kernel(aux.convert_spec(), dev).launch(
+        (-(-sq // aux.aux_rows), h, b), (bwd_sm80.AUX_THREADS,),
+        dq_accum, call.dq, *_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
+        np.int32(sq_pad), scale)
+
+
+@register
+def variants() -> Iterator[tuple[KernelSpec, tuple[str, ...]]]:
+    for cfg in configs():
+        yield cfg.spec(), ARCHS

@@ -1,0 +1,235 @@
+"""The sm90a backward family on the CPU lane: every variant compiles for sm_90a with no spills and
+no ptxas warnings or performance-loss lines; when cuobjdump (+ nvdisasm) is at hand, the SASS has
+the expected HGMMA mix (SS for S^T / dP^T, RS with a transposed B for dV / dK, SS with transposed
+operands for dQ), TMA and bulk loads, vector fp32 reductions, and the kernel's parameter offsets
+equal what runtime.pack_args produces. Plus the config and the can_implement gate.
+
+cuobjdump / nvdisasm: as tests/cpu/test_fwd_sm90_compile.py finds them (FLASHCUDA_CUOBJDUMP,
+NVDISASM_PATH, PATH, triton's copy); without them the SASS checks skip, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from flashcuda.jit import all_variants, compile_spec
+from flashcuda.jit.runtime import pack_args
+from flashcuda.jit.tensor_map import TensorMap
+from flashcuda.ops import bwd_sm90, dispatch
+from flashcuda.ops.bwd_sm90 import DS_ENV, ENABLE_ENV, GATED, WATCHDOG_ENV, Sm90BwdConfig
+from flashcuda.ops.call import BwdCall
+
+from .test_fwd_sm90_compile import _dump
+
+ARCH = "sm_90a"
+ENTRY_REGS = 168  # 65536 / 384 threads, rounded down to 8: the cap at entry (setmaxnreg moves it)
+
+
+@pytest.fixture(scope="module")
+def builds():
+    import cuda.core  # noqa: F401  (import once here: importing it from several threads races)
+
+    def build(cfg):
+        return cfg.name, compile_spec(cfg.spec(), ARCH)
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return dict(pool.map(build, bwd_sm90.configs()))
+
+
+@pytest.mark.parametrize("cfg", bwd_sm90.configs(), ids=lambda c: c.name)
+def test_sm90_bwd_compiles_without_spills(builds, cfg):
+    result = builds[cfg.name]
+    res = result.resources()[cfg.name]
+    assert res.registers <= ENTRY_REGS
+    assert res.shared_bytes == 0, "all shared memory is dynamic (Sm90BwdConfig.smem_bytes)"
+    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res
+    assert "warning" not in result.log.lower(), result.log
+    assert "performance loss" not in result.log.lower(), result.log
+    assert not re.search(r"C75\d\d", result.log), result.log
+
+
+@pytest.mark.parametrize("cfg", bwd_sm90.configs(), ids=lambda c: c.name)
+def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
+    sass = _dump(builds[cfg.name].cubin, tmp_path, "-sass")
+    hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
+    d, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
+    # One loop body: S^T and dP^T (d / 16 each), dV and dK (bm / 16 each), dQ (bn / 16).
+    assert len(hgmma) == 2 * (d // 16) + 2 * (bm // 16) + bn // 16, len(hgmma)
+    bf16 = cfg.dtype == torch.bfloat16
+    assert all(".F32" in line and ("BF16" in line) == bf16 for line in hgmma)
+    rs = [line for line in hgmma if re.search(r"HGMMA\S+ R\d+, R\d+, gdesc", line)]
+    assert len(rs) == 2 * (bm // 16), "dV, dK: A from registers"
+    assert all(f"64x{d}x16" in line and ".tnspB" in line and ".tnspA" not in line for line in rs)
+    ss = [line for line in hgmma if line not in rs]
+    scores = [line for line in ss if f"64x{bm}x16" in line and ".tnsp" not in line]
+    dq = [line for line in ss if ".tnspB" in line]
+    if bm != 64:  # at d128 S^T and dQ are both m64n64: tell them apart by the transposes alone
+        assert len(scores) == 2 * (d // 16)
+    assert len(dq) == bn // 16 and all("64x64x16" in line for line in dq)
+    assert all((".tnspA" in line) != cfg.ds_k_major for line in dq)
+    assert "UTMALDG" in sass and "UBLKCP" in sass
+    assert "USETMAXREG" in sass
+    assert "REDG.E.ADD.F32x2" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
+
+
+def test_sm90_bwd_parameter_offsets_match_pack_args(builds, tmp_path):
+    """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout."""
+    cfg = bwd_sm90.configs()[0]
+    elf = _dump(builds[cfg.name].cubin, tmp_path, "-elf")
+    table = {int(o, 16): (int(off, 16), int(size, 16)) for o, off, size in re.findall(
+        r"Ordinal\s*:\s*0x([0-9a-f]+)\s+Offset\s*:\s*0x([0-9a-f]+)\s+Size\s*:\s*0x([0-9a-f]+)",
+        elf)}
+    m = TensorMap(b"\0" * 128)
+    i32, i64 = np.int32(0), np.int64(0)
+    args = (m, m, m, m, None, None, None, None, None, i64, i64, i64, i64, i64, i64, i32, i32,
+            i32, i32, i32, np.float32(0), np.float32(0), i32, i32)
+    _, offsets = pack_args("k", args)
+    assert len(table) == len(args)
+    base = table[0][0]
+    assert [table[i][0] - base for i in range(len(args))] == list(offsets)
+    assert [table[i][1] for i in range(4)] == [128] * 4
+
+
+def test_variants_registered():
+    specs = {spec.name: archs for spec, archs in all_variants()}
+    for cfg in bwd_sm90.configs():
+        assert specs[cfg.name] == (ARCH,)
+
+
+def test_dispatch_order_and_plan_key(monkeypatch):
+    assert dispatch.BWD_FAMILIES == ("bwd_sm90", "bwd_sm80", "bwd_simt")
+    call = _call()
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    on = dispatch._plan_key(call, "bwd")
+    monkeypatch.setenv(ENABLE_ENV, "0")
+    assert dispatch._plan_key(call, "bwd") != on
+    monkeypatch.setenv(DS_ENV, "k")
+    assert dispatch._plan_key(call, "bwd") != on
+    monkeypatch.setenv(WATCHDOG_ENV, "1")
+    assert dispatch._plan_key(call, "bwd") != on
+
+
+# ---- config --------------------------------------------------------------------------------------
+
+def test_config_is_the_single_source_of_truth():
+    cfg = Sm90BwdConfig(torch.bfloat16, 128)
+    assert cfg.name == "flash_bwd_sm90_bf16_d128_bm64_bn128_s2"
+    assert (cfg.block_m, cfg.block_n, cfg.threads, cfg.consumers) == (64, 128, 384, 2)
+    kv, q, ds, stats = 128 * 128 * 2, 64 * 128 * 2, 128 * 64 * 2, 2 * 64 * 4
+    assert cfg.smem_bytes == 1024 + 2 * kv + 2 * (2 * q + stats) + 2 * ds + 8 * 5  # 5 barriers
+    assert dict(cfg.spec().defines) == {
+        "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "64", "FC_BLOCK_N": "128",
+        "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
+        "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_DS_K_MAJOR": "0", "FC_WATCHDOG": "0"}
+    d64 = Sm90BwdConfig(torch.float16, 64)
+    assert d64.block_m == 128 and d64.name == "flash_bwd_sm90_fp16_d64_bm128_bn128_s2"
+    assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True).name.endswith("_dsk")
+    assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True, watchdog=True).name.endswith("_dsk_wd")
+    for c in bwd_sm90.configs():
+        assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
+        assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= 65536
+    assert len({c.name for c in bwd_sm90.configs()}) == 16
+
+
+def test_seqlen_pad_covers_query_blocks_and_pre_blocks():
+    for d in (64, 128):
+        cfg = Sm90BwdConfig(torch.bfloat16, d)
+        for sq in (1, 63, 64, 65, 127, 128, 129, 1023):
+            pad = cfg.seqlen_pad(sq)
+            assert pad >= sq and pad % cfg.block_m == 0 and pad % cfg.aux().aux_rows == 0
+            assert pad < sq + max(cfg.block_m, cfg.aux().aux_rows)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(dtype=torch.float32, head_dim=128),
+    dict(dtype=torch.float16, head_dim=96),
+    dict(dtype=torch.float16, head_dim=128, block_m=128),
+    dict(dtype=torch.float16, head_dim=64, block_m=64),
+    dict(dtype=torch.float16, head_dim=128, block_n=64),
+    dict(dtype=torch.float16, head_dim=128, stages=0),
+    dict(dtype=torch.float16, head_dim=128, consumer_regs=256),
+])
+def test_config_rejects_bad_shapes(kwargs):
+    with pytest.raises(ValueError):
+        Sm90BwdConfig(**kwargs)
+
+
+def test_ds_layout_switch(monkeypatch):
+    monkeypatch.delenv(DS_ENV, raising=False)
+    assert not bwd_sm90.select_config(torch.bfloat16, 128).ds_k_major
+    monkeypatch.setenv(DS_ENV, "k")
+    assert bwd_sm90.select_config(torch.bfloat16, 128).ds_k_major
+    monkeypatch.setenv(DS_ENV, "mn")
+    assert not bwd_sm90.select_config(torch.bfloat16, 64).ds_k_major
+    monkeypatch.setenv(DS_ENV, "transposed")
+    with pytest.raises(ValueError, match=DS_ENV):
+        bwd_sm90.select_config(torch.bfloat16, 64)
+
+
+def test_watchdog_switch(monkeypatch):
+    monkeypatch.delenv(WATCHDOG_ENV, raising=False)
+    monkeypatch.delenv(DS_ENV, raising=False)
+    assert not bwd_sm90.select_config(torch.float16, 128).watchdog
+    monkeypatch.setenv(WATCHDOG_ENV, "1")
+    cfg = bwd_sm90.select_config(torch.float16, 128)
+    assert cfg.watchdog and cfg.name.endswith("_wd") and dict(cfg.spec().defines)["FC_WATCHDOG"] == "1"
+
+
+# ---- can_implement: the gate, then every check before the device ones ---------------------------
+
+def _call(dtype=torch.bfloat16, B=2, Sq=33, Sk=47, H=4, Hkv=2, D=128, q=None,
+          deterministic=False):
+    q = torch.randn(B, Sq, H, D, dtype=dtype) if q is None else q
+    D = q.shape[-1]
+    k = torch.randn(B, Sk, Hkv, D, dtype=dtype)
+    v = torch.randn(B, Sk, Hkv, D, dtype=dtype)
+    out = torch.randn(q.shape, dtype=dtype)
+    dout = torch.randn(q.shape, dtype=dtype)
+    lse = torch.zeros(B, H, Sq, dtype=torch.float32)
+    return BwdCall(q, k, v, out, dout, lse, torch.empty(q.shape, dtype=dtype),
+                   torch.empty_like(k), torch.empty_like(v), 0.125, None, 0, deterministic)
+
+
+def test_sm90_bwd_is_gated_by_default(monkeypatch):
+    monkeypatch.delenv(ENABLE_ENV, raising=False)
+    assert not bwd_sm90.enabled()
+    assert bwd_sm90.can_implement(_call()) == GATED
+    assert dict(dispatch.explain(_call()))["bwd_sm90"] == GATED
+    with pytest.raises(NotImplementedError, match="gated"):
+        bwd_sm90.run(_call())
+    monkeypatch.setenv(ENABLE_ENV, "0")
+    assert bwd_sm90.can_implement(_call()) == GATED
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    assert bwd_sm90.can_implement(_call()) != GATED  # CPU tensors: refused for another reason
+
+
+def test_sm90_bwd_can_implement_reasons(monkeypatch):
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    ci = bwd_sm90.can_implement
+    assert "dtype" in ci(_call(dtype=torch.float32))
+    assert "head_dim" in ci(_call(D=96))
+    assert "head_dim" in ci(_call(D=256))
+    assert "nheads_kv" in ci(_call(H=3, Hkv=2))
+    assert "deterministic" in ci(_call(deterministic=True))
+    assert "empty" in ci(_call(Sk=0))
+    assert "empty" in ci(_call(Sq=0))
+    big = torch.randn(2, 33, 4, 136, dtype=torch.bfloat16)
+    assert "16-byte" in ci(_call(q=big[..., 1:129]))
+    odd = torch.randn(2, 33, 4, 132, dtype=torch.bfloat16)[..., :128]
+    assert "multiple of 8" in ci(_call(q=odd))
+    bad = _call()
+    bad.lse = torch.zeros(2, 4, 34)
+    assert "lse" in ci(bad)
+    bad = _call()
+    bad.dk = torch.empty(2, 47, 2, 128, dtype=torch.float16)
+    assert "dk" in ci(bad)
+    # Well-formed calls fail only on the device check here.
+    assert "CUDA" in ci(_call())
+    assert "CUDA" in ci(_call(dtype=torch.float16, D=64, Sq=1, Sk=1, H=2, Hkv=1))

@@ -1,0 +1,236 @@
+"""The sm90a backward (flashcuda.ops.bwd_sm90) on the H200: the test that lifts its gate.
+
+Skipped as a whole unless FLASHCUDA_ENABLE_SM90_BWD=1 is set in the environment: until this file
+has passed once, a wrong mbarrier phase can hang the GPU, so running it is a deliberate act.
+
+Every check runs `bwd_sm90.run(BwdCall(...))` on NaN-prefilled dq / dk / dv, with out / lse
+from the float64 oracle (so no forward kernel is involved), and compares with the float64
+autograd gradients of flashcuda.reference.attention_ref under FlashAttention's rule:
+
+    max |ours - ref64| <= 3 * max |torch_same_dtype - ref64| + rounding_floor(ref64, dtype) + 1e-5
+
+(the 1e-5, as in test_bwd_sm80.py: where every row sees one key, dS = P (dP - delta) is exactly 0
+in the oracle and in torch, and rounding noise of a few 1e-7 in ours.)
+
+Debug order on a fresh GPU (each step seconds; run with -x; scripts/sm90_bwd_probe.py prints
+error maps per GEMM, one case per process, if a smoke test fails):
+    FLASHCUDA_ENABLE_SM90_BWD=1 pytest -m gpu tests/gpu/test_bwd_sm90.py -x -q -k smoke
+    FLASHCUDA_ENABLE_SM90_BWD=1 pytest -m gpu tests/gpu/test_bwd_sm90.py -x -q -k "pipeline or rag"
+    FLASHCUDA_ENABLE_SM90_BWD=1 pytest -m gpu tests/gpu/test_bwd_sm90.py -q
+`test_smoke_*` isolate the GEMMs of one CTA, one head, one query block: dV = P^T dO alone (Q = 0:
+uniform P), dP^T / dS^T through dK alone, dQ = dS K alone; then the whole tile.
+Every test runs with both dS layouts (FLASHCUDA_SM90_BWD_DS=mn, the default, and =k). For the
+first run add FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that gives up after 2 s poisons dK /
+dV with NaN (a failing test) instead of hanging the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flashcuda.ops import bwd_sm80, bwd_sm90, dispatch
+from flashcuda.ops.call import BwdCall
+from flashcuda.reference import attention_ref, rounding_floor
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(os.environ.get(bwd_sm90.ENABLE_ENV) != "1",
+                       reason=f"gated: set {bwd_sm90.ENABLE_ENV}=1 to run (a wrong mbarrier "
+                              "phase hangs the GPU)"),
+]
+
+BF16, FP16 = torch.bfloat16, torch.float16
+FULL = (None, None)
+CAUSAL = (None, 0)
+
+
+@pytest.fixture(autouse=True, params=["mn", "k"], ids=["ds-mn", "ds-k"])
+def _enable_sm90_bwd(monkeypatch, request):
+    monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
+    monkeypatch.setenv(bwd_sm90.DS_ENV, request.param)
+    dispatch._reset()
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        pytest.skip(f"sm90a kernel: needs compute capability 9.0, got {major}.{minor}")
+    yield
+    dispatch._reset()
+
+
+def make(B, Sq, Sk, H, Hkv, D, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, dout
+
+
+def run(module, q, k, v, out, dout, lse, scale, window):
+    dq = torch.full(q.shape, float("nan"), device=q.device, dtype=q.dtype)
+    dk = torch.full(k.shape, float("nan"), device=q.device, dtype=q.dtype)
+    dv = torch.full(v.shape, float("nan"), device=q.device, dtype=q.dtype)
+    call = BwdCall(q, k, v, out, dout, lse, dq, dk, dv, scale, window[0], window[1], False)
+    why = module.can_implement(call)
+    assert why is None, why
+    module.run(call)
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+def oracle(q, k, v, dout, scale, window):
+    """(out in q's dtype, lse fp32) of the float64 forward, the float64 gradients, and the
+    gradients PyTorch gets in q's dtype (the error baseline)."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out64, lse64 = attention_ref(q64, k64, v64, scale, window=window)
+    out64.backward(dout.double())
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    outl, _ = attention_ref(ql, kl, vl, scale, window=window, upcast=False)
+    outl.backward(dout)
+    return ((out64.detach().to(q.dtype), lse64.detach().float()),
+            (q64.grad, k64.grad, v64.grad), (ql.grad, kl.grad, vl.grad))
+
+
+def check(q, k, v, dout, window=FULL, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    (out, lse), refs, lows = oracle(q, k, v, dout, scale, window)
+    ours = run(bwd_sm90, q, k, v, out, dout, lse, scale, window)
+    for name, got, ref, low in zip(("dq", "dk", "dv"), ours, refs, lows, strict=True):
+        assert not got.isnan().any(), f"{name}: NaN (unwritten or poisoned)"
+        err = (got.double() - ref).abs().max().item()
+        torch_err = (low.double() - ref).abs().max().item()
+        tol = 3 * torch_err + rounding_floor(ref, q.dtype) + 1e-5
+        assert err <= tol, f"{name}: max error {err:.3e} > {tol:.3e} (torch {torch_err:.3e})"
+    return ours, refs
+
+
+# ---- smoke: one CTA, one head, one query block; each GEMM isolated -------------------------------
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_smoke_dv_only(head_dim):
+    """dV = P^T dO (RS wgmma, A = P^T from the S^T accumulators, dO read MN-major) with Q = 0:
+    P is uniform (1 / Sk), so every dV row is the column mean of dO, and a wrong dO descriptor
+    or a wrong P^T fragment shows as rows that differ or a wrong mean."""
+    bm = bwd_sm90.BLOCK_M[head_dim]
+    _, k, v, dout = make(1, bm, 128, 1, 1, head_dim, BF16, seed=1)
+    q = torch.zeros(1, bm, 1, head_dim, device="cuda", dtype=BF16)
+    (_, _, dv), _ = check(q, k, v, dout)
+    mean = dout[0, :, 0].double().sum(0) / 128
+    assert (dv[0, :, 0].double() - mean).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_smoke_scores_and_dk(head_dim):
+    """S^T = K Q^T, dP^T = V dO^T (SS wgmma, K-major) and dK = dS^T Q (RS, Q read MN-major):
+    dK is the first gradient that needs every one of them; dV needs only S^T."""
+    bm = bwd_sm90.BLOCK_M[head_dim]
+    q, k, v, dout = make(1, bm, 128, 1, 1, head_dim, BF16, seed=2)
+    check(q, k, v, dout)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_smoke_dq_only(head_dim):
+    """dQ = dS K (dS through shared memory, the layout FLASHCUDA_SM90_BWD_DS picks, K read
+    MN-major) with K = identity rows on the first head_dim keys: dQ[:, j] = scale * dS[:, j]."""
+    bm = bwd_sm90.BLOCK_M[head_dim]
+    q, _, v, dout = make(1, bm, head_dim, 1, 1, head_dim, BF16, seed=3)
+    k = torch.eye(head_dim, device="cuda", dtype=BF16)[None, :, None, :].contiguous()
+    check(q, k, v, dout)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_smoke_one_tile(head_dim, dtype):
+    q, k, v, dout = make(1, bwd_sm90.BLOCK_M[head_dim], 128, 1, 1, head_dim, dtype, seed=4)
+    check(q, k, v, dout)
+    check(q, k, v, dout, CAUSAL)
+
+
+# ---- the pipeline: many query blocks (stage reuse, mbarrier phases, dS double buffer) ----------
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pipeline_many_query_blocks(head_dim):
+    q, k, v, dout = make(1, 128 * 7, 128, 1, 1, head_dim, BF16, seed=5)
+    check(q, k, v, dout)
+    check(q, k, v, dout, CAUSAL)
+
+
+def test_ragged_smallest():
+    check(*make(1, 1, 1, 1, 1, 128, BF16, seed=6))
+    check(*make(1, 17, 143, 1, 1, 64, BF16, seed=7), CAUSAL)
+
+
+# ---- the grid: sequence lengths, Sq != Sk, masks, GQA, batch -----------------------------------
+
+SEQLENS = [1, 17, 128, 143, 1023, 2048]
+PAIRS = [(a, b) for a in SEQLENS for b in SEQLENS if a == b or (a, b) in
+         {(1, 17), (17, 1), (128, 1023), (1023, 128), (143, 2048), (2048, 143), (17, 2048)}]
+
+
+@pytest.mark.parametrize("window", [FULL, CAUSAL, (100, 20)], ids=["full", "causal", "window"])
+@pytest.mark.parametrize("seqlens", PAIRS, ids=[f"q{a}-k{b}" for a, b in PAIRS])
+@pytest.mark.parametrize("dtype,head_dim", [(BF16, 128), (FP16, 64), (BF16, 64), (FP16, 128)],
+                         ids=["bf16-d128", "fp16-d64", "bf16-d64", "fp16-d128"])
+def test_seqlens(dtype, head_dim, seqlens, window):
+    sq, sk = seqlens
+    check(*make(1, sq, sk, 2, 2, head_dim, dtype, seed=sq * 7919 + sk), window)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("nheads_kv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_batch(batch, nheads_kv, head_dim):
+    q, k, v, dout = make(batch, 257, 300, 4, nheads_kv, head_dim, BF16, seed=batch * 10 + nheads_kv)
+    check(q, k, v, dout, CAUSAL)
+    check(q, k, v, dout, FULL)
+
+
+def test_windows_and_fully_masked_rows():
+    q, k, v, dout = make(2, 1023, 1023, 2, 1, 64, BF16, seed=8)
+    check(q, k, v, dout, (64, 0))
+    check(q, k, v, dout, (32, 16))
+    q, k, v, dout = make(2, 300, 100, 2, 2, 128, BF16, seed=9)  # rows < 200 see no key
+    (dq, _, _), _ = check(q, k, v, dout, CAUSAL)
+    assert (dq[:, :200] == 0).all()
+
+
+def test_keys_no_row_sees_get_zero_grads():
+    # window (2, 0): row i sees keys i + 198 .. i + 200, so keys < 198 are unseen (a window of
+    # one key would make dS = P (dP - delta) cancel to rounding noise against an exact-0 oracle)
+    q, k, v, dout = make(1, 100, 300, 2, 2, 128, FP16, seed=10)
+    (_, dk, dv), _ = check(q, k, v, dout, (2, 0))
+    assert (dk[:, :198] == 0).all() and (dv[:, :198] == 0).all()
+
+
+def test_packed_qkv_views():
+    g = torch.Generator(device="cuda").manual_seed(11)
+    qkv = torch.randn(2, 513, 3, 4, 128, device="cuda", dtype=FP16, generator=g)
+    q, k, v = qkv.unbind(2)
+    dout = torch.randn(2, 513, 4, 128, device="cuda", dtype=FP16, generator=g)
+    check(q, k, v, dout, CAUSAL)
+
+
+# ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------
+
+@pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_agrees_with_sm80(head_dim, window):
+    q, k, v, dout = make(2, 1023, 2048, 4, 2, head_dim, BF16, seed=12)
+    scale = head_dim ** -0.5
+    (out, lse), refs, lows = oracle(q, k, v, dout, scale, window)
+    ours = run(bwd_sm90, q, k, v, out, dout, lse, scale, window)
+    theirs = run(bwd_sm80, q, k, v, out, dout, lse, scale, window)
+    for name, a, b, ref, low in zip(("dq", "dk", "dv"), ours, theirs, refs, lows, strict=True):
+        tol = 3 * (low.double() - ref).abs().max().item() + rounding_floor(ref, q.dtype) + 1e-5
+        assert (a.double() - b.double()).abs().max().item() <= 2 * tol, name
+
+
+def test_dispatch_prefers_sm90_bwd_when_enabled():
+    q, k, v, dout = make(1, 256, 256, 2, 2, 128, BF16, seed=13)
+    out = torch.empty_like(q)
+    lse = torch.zeros(1, 2, 256, device="cuda", dtype=torch.float32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    call = BwdCall(q, k, v, out, dout, lse, dq, dk, dv, 0.088, None, 0, False)
+    assert dispatch.backward(call) == "bwd_sm90"
