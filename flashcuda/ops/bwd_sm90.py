@@ -136,7 +136,9 @@ class Sm90BwdConfig:
     def aux(self) -> bwd_sm80.BwdSm80Config:
         """The bwd_sm80 configuration whose PRE and CONVERT kernels this family runs."""
         cfg = bwd_sm80.config_for(self.dtype, self.head_dim)
-        assert cfg is not None and cfg.head_dim == self.head_dim
+        if cfg is None or cfg.head_dim != self.head_dim:
+            raise RuntimeError(f"{self.name}: bwd_sm80 has no d{self.head_dim} config for its "
+                               f"PRE / CONVERT kernels (got {cfg})")
         return cfg
 
     def seqlen_pad(self, seqlen_q: int) -> int:

@@ -145,11 +145,9 @@ def tiles_for(head_dim: int, windowed: bool, seqlen_q: int, seqlen_k: int) -> tu
     return (128, 176) if not windowed and seqlen_k >= WIDE else (128, 128)
 
 
-TILES = {(64, False): (192, 128), (64, True): (192, 128),
-         (128, False): (128, 176), (128, True): (128, 128)}  # every shape tiles_for can return
-# Compiled too, for A/B runs: FLASHCUDA_SM90_TILES=bm128_bn128 forces those tiles at every head
-# dim, FLASHCUDA_SM90_TILES=d64=bm192_bn128,d128=bm128_bn176 per head dim.
-AB_TILES = ((128, 128),)
+# Every (block_m, block_n) tiles_for returns, per head dim; 128 x 128 is also the A/B baseline
+# (FLASHCUDA_SM90_TILES=bm128_bn128 at every head dim, or d64=bm192_bn128,d128=bm128_bn176 ...).
+SHAPES = {64: ((192, 128), (128, 128)), 128: ((128, 176), (128, 128))}
 TILES_ENV = "FLASHCUDA_SM90_TILES"
 CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
 
@@ -190,15 +188,9 @@ def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
 
 def configs() -> list[Sm90FwdConfig]:
     """Every specialisation dispatch or an A/B run can pick (the CPU lane compiles them all)."""
-    seen: dict[str, Sm90FwdConfig] = {}
-    for dtype in DTYPES:
-        for (d, _), tiles in TILES.items():
-            for bm, bn in (tiles, *AB_TILES):
-                for pingpong in (False, True):
-                    for snake in (False, True):
-                        cfg = _config(dtype, d, bm, bn, pingpong, snake)
-                        seen.setdefault(cfg.name, cfg)
-    return list(seen.values())
+    return [_config(dtype, d, bm, bn, pingpong, snake) for dtype in DTYPES
+            for d, shapes in SHAPES.items() for bm, bn in shapes
+            for pingpong in (False, True) for snake in (False, True)]
 
 
 def enabled() -> bool:
