@@ -95,11 +95,9 @@ _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_NONE = 0, 3, 3, 0
 @functools.cache
 def _libcuda_encode():
     """libcuda's cuTensorMapEncodeTiled through ctypes (~1 us a call; the cuda.bindings wrapper
-    builds a Python object per dim and costs tens of us), or None if it cannot be loaded."""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-    except (OSError, AttributeError):
-        return None
+    builds a Python object per dim and costs tens of us). libcuda.so.1 is the driver library
+    cuda.bindings itself loads, so wherever a kernel can launch it is there."""
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
     u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p,
                    u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -113,42 +111,18 @@ def encode_tiled(dtype, address: int, dims: tuple[int, ...], byte_strides: tuple
     code = _DTYPE_CODES.get(str(dtype))
     if code is None:
         raise ValueError(f"encode_tiled: dtype must be fp16 or bf16, got {dtype}")
-    fn = _libcuda_encode()
-    if fn is None:
-        return _encode_tiled_bindings(dtype, address, dims, byte_strides, box)
     rank = len(dims)
     out = ctypes.create_string_buffer(TensorMap.SIZE + 64)
     aligned = (ctypes.addressof(out) + 63) & ~63  # CUtensorMap is 64-byte aligned
-    err = fn(aligned, code, rank, address, (ctypes.c_uint64 * rank)(*dims),
-             (ctypes.c_uint64 * (rank - 1))(*byte_strides), (ctypes.c_uint32 * rank)(*box),
-             (ctypes.c_uint32 * rank)(*([1] * rank)), _INTERLEAVE_NONE, _SWIZZLE_128B,
-             _L2_PROMOTION_256B, _OOB_FILL_NONE)
+    err = _libcuda_encode()(
+        aligned, code, rank, address, (ctypes.c_uint64 * rank)(*dims),
+        (ctypes.c_uint64 * (rank - 1))(*byte_strides), (ctypes.c_uint32 * rank)(*box),
+        (ctypes.c_uint32 * rank)(*([1] * rank)), _INTERLEAVE_NONE, _SWIZZLE_128B,
+        _L2_PROMOTION_256B, _OOB_FILL_NONE)
     if err != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled(dims={dims}, strides={byte_strides}, "
                            f"box={box}) failed: CUresult {err}")
     return TensorMap(ctypes.string_at(aligned, TensorMap.SIZE))
-
-
-def _encode_tiled_bindings(dtype, address: int, dims: tuple[int, ...],
-                           byte_strides: tuple[int, ...], box: tuple[int, ...]) -> TensorMap:
-    """encode_tiled through cuda.bindings (where libcuda.so.1 cannot be opened by name)."""
-    import torch
-    from cuda.bindings import driver
-
-    from .runtime import _check
-
-    codes = {torch.float16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-             torch.bfloat16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}
-    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
-    cmap = _check(driver.cuTensorMapEncodeTiled(
-        codes[dtype], len(dims), address, [u64(n) for n in dims],
-        [u64(s) for s in byte_strides], [u32(n) for n in box], [u32(1)] * len(dims),
-        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-    ), f"cuTensorMapEncodeTiled(dims={dims}, strides={byte_strides}, box={box})")
-    return TensorMap(ctypes.string_at(cmap.getPtr(), TensorMap.SIZE))
 
 
 @functools.lru_cache(maxsize=256)
