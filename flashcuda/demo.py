@@ -175,10 +175,16 @@ def _cpu(args, console: Console) -> int:
     out = flashcuda.flash_attn_func(q, k, v, causal=args.causal)
     ok = _check(q, k, v, out, args.causal, console)
     try:
-        from .ops import fwd_sm80
+        from .ops import fwd_sm80, fwd_sm90
 
-        # The tile choice for an H100/H200 (227 KiB of shared memory per block).
-        spec = fwd_sm80.select_config(torch.bfloat16, args.headdim, 227 * 1024, 228 * 1024).spec()
+        # The kernel an H100/H200 runs for the GPU demo's problem: the sm90a forward where it
+        # has the head dim, else the sm80 one with its tiles for 227 KiB of shared memory.
+        if args.headdim in fwd_sm90.HEAD_DIMS:
+            cfg = fwd_sm90.select_config(torch.bfloat16, args.headdim, args.causal, args.seqlen,
+                                         args.seqlen)
+        else:
+            cfg = fwd_sm80.select_config(torch.bfloat16, args.headdim, 227 * 1024, 228 * 1024)
+        spec = cfg.spec()
     except Exception:  # the tensor-core family missing: fall back to any registered variant
         from .jit import all_variants
 
