@@ -44,7 +44,9 @@ DEFAULT_OUT = "bench-out"
 # Environment switches that change which kernel or tiles run; a record keeps the ones that are set
 # (an A/B of FLASHCUDA_BWD_SM80_CONFIG values must be told apart from its records alone).
 KERNEL_ENV = ("FLASHCUDA_BWD_SM80_CONFIG", "FLASHCUDA_FORCE_KERNEL", "FLASHCUDA_ENABLE_SM90",
-              "FLASHCUDA_ENABLE_SM90_BWD", "FLASHCUDA_SM90_BWD_DS", "FLASHCUDA_SM90_BWD_WATCHDOG")
+              "FLASHCUDA_SM90_TILES", "FLASHCUDA_SM90_PERSISTENT", "FLASHCUDA_SM90_PINGPONG",
+              "FLASHCUDA_SM90_SNAKE", "FLASHCUDA_ENABLE_SM90_BWD", "FLASHCUDA_SM90_BWD_DS",
+              "FLASHCUDA_SM90_BWD_WATCHDOG")
 
 
 def parse_size(text: str) -> int:

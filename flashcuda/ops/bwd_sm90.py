@@ -2,9 +2,10 @@
 warpgroup and two consumer warpgroups with setmaxnreg), fp16/bf16, head dims 64 and 128,
 non-deterministic dQ.
 
-Status: compile-verified only, gated: can_implement refuses every call unless
-FLASHCUDA_ENABLE_SM90_BWD=1 (a wrong mbarrier phase hangs the GPU; tests/gpu/test_bwd_sm90.py
-lifts the gate). Dispatch order: bwd_sm90 > bwd_sm80 > bwd_simt.
+Status: proven on the H200 (tests/gpu/test_bwd_sm90.py against the float64 oracle, both dS
+layouts; records in docs/EVIDENCE.md); dispatch prefers it on compute capability 9.0:
+bwd_sm90 > bwd_sm80 > bwd_simt. FLASHCUDA_ENABLE_SM90_BWD=0 turns it off; deterministic=True
+goes to bwd_sm80 (this family reduces dQ with atomics).
 
 A backward is three launches: bwd_sm80's PRE (delta, lse2, zeroed dq_accum) and CONVERT (dq =
 dq_accum * softmax_scale) kernels, unchanged, around this family's MAIN kernel
@@ -44,7 +45,7 @@ HEAD_DIMS = (64, 128)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD"
 DS_ENV = "FLASHCUDA_SM90_BWD_DS"
 WATCHDOG_ENV = "FLASHCUDA_SM90_BWD_WATCHDOG"
-GATED = f"bwd_sm90 is gated until its GPU proof (set {ENABLE_ENV}=1 to run it)"
+GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
 
@@ -169,8 +170,8 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
 
 
 def enabled() -> bool:
-    """Off unless FLASHCUDA_ENABLE_SM90_BWD is 1 / true / yes / on."""
-    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """On unless FLASHCUDA_ENABLE_SM90_BWD is 0 / false / no / off."""
+    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def can_implement(call: BwdCall) -> str | None:

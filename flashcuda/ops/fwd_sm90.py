@@ -4,6 +4,9 @@ warpgroup and two consumer warpgroups with setmaxnreg), fp16/bf16, head dims 64 
 Status: proven on the H200 (tests/gpu/test_fwd_sm90.py against the float64 oracle; records in
 docs/EVIDENCE.md); dispatch prefers it on compute capability 9.0. FLASHCUDA_ENABLE_SM90=0 turns it
 off (dispatch then runs fwd_sm80); FLASHCUDA_SM90_PERSISTENT=0 launches one CTA per work tile.
+Scheduling: the consumer warpgroups take turns issuing GEMMs (ping-pong) and, with a causal or
+window mask, persistent CTAs walk the work tiles in snake order; FLASHCUDA_SM90_PINGPONG=0|1 and
+FLASHCUDA_SM90_SNAKE=0|1 override either for A/B runs.
 
 `Sm90FwdConfig` is the single source of truth of a specialisation: tiles, stages, warpgroups,
 register split, shared memory (the .cu static_asserts the same layout), the name, the defines.
@@ -152,19 +155,27 @@ TILES_ENV = "FLASHCUDA_SM90_TILES"
 CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
 
 
-# Variants compiled for A/B runs and off until a GPU has measured them (docs/perf-notes.md):
-PINGPONG_ENV = "FLASHCUDA_SM90_PINGPONG"  # 1: consumer warpgroups take turns issuing GEMMs
-SNAKE_ENV = "FLASHCUDA_SM90_SNAKE"  # 1: snake order of work tiles over the persistent CTAs
+# Scheduling variants, measured on the H200 (docs/perf-notes.md, "ping-pong and snake order"):
+# ping-pong wins everywhere, the snake order only where work per tile differs (causal / window).
+# Both env vars override the rule either way (0 or 1) for A/B runs.
+PINGPONG_ENV = "FLASHCUDA_SM90_PINGPONG"  # consumer warpgroups take turns issuing GEMMs
+SNAKE_ENV = "FLASHCUDA_SM90_SNAKE"  # snake order of work tiles over the persistent CTAs
 
 
-def _flag(env: str) -> bool:
-    return os.environ.get(env, "0").strip() == "1"
+def _flag(env: str, default: bool) -> bool:
+    raw = os.environ.get(env, "").strip().lower()
+    if raw in ("", "auto"):
+        return default
+    if raw in ("1", "0"):
+        return raw == "1"
+    raise ValueError(f"{env}: expected 0, 1 or unset, got {raw!r}")
 
 
 def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
-            pingpong: bool | None = None, snake: bool | None = None) -> Sm90FwdConfig:
-    pingpong = _flag(PINGPONG_ENV) if pingpong is None else pingpong
-    snake = _flag(SNAKE_ENV) if snake is None else snake
+            pingpong: bool | None = None, snake: bool | None = None,
+            windowed: bool = False) -> Sm90FwdConfig:
+    pingpong = _flag(PINGPONG_ENV, True) if pingpong is None else pingpong
+    snake = _flag(SNAKE_ENV, windowed) if snake is None else snake
     return Sm90FwdConfig(dtype, head_dim, block_m, block_n,
                          consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong,
                          snake=snake)
@@ -182,8 +193,10 @@ def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
                 raise ValueError(f"{TILES_ENV}: expected bm<M>_bn<N> or a comma list of "
                                  f"d<D>=bm<M>_bn<N> (e.g. d64=bm128_bn128), got {forced!r}")
             if not dim or dim == f"d{head_dim}":
-                return _config(dtype, head_dim, int(m.group(1)), int(m.group(2)))
-    return _config(dtype, head_dim, *tiles_for(head_dim, windowed, seqlen_q, seqlen_k))
+                return _config(dtype, head_dim, int(m.group(1)), int(m.group(2)),
+                               windowed=windowed)
+    return _config(dtype, head_dim, *tiles_for(head_dim, windowed, seqlen_q, seqlen_k),
+                   windowed=windowed)
 
 
 def configs() -> list[Sm90FwdConfig]:

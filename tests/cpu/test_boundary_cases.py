@@ -72,7 +72,7 @@ def test_forced_family_accepts_its_cases(family, case, monkeypatch):
         assert reason and DEVICE_ONLY.search(reason), f"{bwd}: {reason}"
     if family == "auto":  # the vector-copy families refuse the layout, not the device
         for name, call in (("fwd_sm90", fwd_call), ("fwd_sm80", fwd_call),
-                           ("bwd_sm80", bwd_call)):
+                           ("bwd_sm90", bwd_call), ("bwd_sm80", bwd_call)):
             reason = _reason(name, call)
             assert reason and not DEVICE_ONLY.search(reason), f"{name}: {reason}"
 

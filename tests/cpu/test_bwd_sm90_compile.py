@@ -197,17 +197,15 @@ def _call(dtype=torch.bfloat16, B=2, Sq=33, Sk=47, H=4, Hkv=2, D=128, q=None,
                    torch.empty_like(k), torch.empty_like(v), 0.125, None, 0, deterministic)
 
 
-def test_sm90_bwd_is_gated_by_default(monkeypatch):
+def test_sm90_bwd_is_on_by_default_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv(ENABLE_ENV, raising=False)
-    assert not bwd_sm90.enabled()
-    assert bwd_sm90.can_implement(_call()) == GATED
-    assert dict(dispatch.explain(_call()))["bwd_sm90"] == GATED
-    with pytest.raises(NotImplementedError, match="gated"):
-        bwd_sm90.run(_call())
+    assert bwd_sm90.enabled()
+    assert bwd_sm90.can_implement(_call()) != GATED  # CPU tensors: refused for another reason
     monkeypatch.setenv(ENABLE_ENV, "0")
     assert bwd_sm90.can_implement(_call()) == GATED
-    monkeypatch.setenv(ENABLE_ENV, "1")
-    assert bwd_sm90.can_implement(_call()) != GATED  # CPU tensors: refused for another reason
+    assert dict(dispatch.explain(_call()))["bwd_sm90"] == GATED
+    with pytest.raises(NotImplementedError, match="turned off"):
+        bwd_sm90.run(_call())
 
 
 def test_sm90_bwd_can_implement_reasons(monkeypatch):

@@ -225,7 +225,8 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     monkeypatch.delenv(fwd_sm90.PINGPONG_ENV, raising=False)
     monkeypatch.delenv(fwd_sm90.SNAKE_ENV, raising=False)
     pick = fwd_sm90.select_config
-    assert not pick(torch.bfloat16, 64).pingpong
+    assert pick(torch.bfloat16, 64).pingpong and not pick(torch.bfloat16, 64).snake
+    assert pick(torch.bfloat16, 64, windowed=True).snake  # snake order where tiles differ
     assert (pick(torch.bfloat16, 64).block_m, pick(torch.bfloat16, 64).block_n) == (192, 128)
     assert pick(torch.bfloat16, 64).consumer_regs == 160 and pick(torch.bfloat16, 64).threads == 512
     assert pick(torch.float16, 128).block_n == 176
@@ -237,15 +238,20 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     assert {pick(dt, d, w).name for dt in fwd_sm90.DTYPES for d in (64, 128)
             for w in (False, True)} <= names
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "bm128_bn128")
-    assert pick(torch.bfloat16, 64).name == "flash_fwd_sm90_bf16_d64_bm128_bn128_s2"
+    assert pick(torch.bfloat16, 64).name == "flash_fwd_sm90_bf16_d64_bm128_bn128_s2_pp"
     assert pick(torch.bfloat16, 64).name in names
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "d64=bm192_bn128,d128=bm128_bn176")
     assert pick(torch.bfloat16, 64, True, 1, 1).block_m == 192
     assert pick(torch.bfloat16, 128, True, 1, 1).block_n == 176
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "d64=bm128_bn128")
     assert pick(torch.bfloat16, 128, False, 4096, 4096).block_n == 176  # d128: the rule
-    monkeypatch.setenv(fwd_sm90.PINGPONG_ENV, "1")
-    assert pick(torch.bfloat16, 64).name.endswith("_pp") and pick(torch.bfloat16, 64).name in names
+    monkeypatch.setenv(fwd_sm90.PINGPONG_ENV, "0")
+    monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "1")
+    assert pick(torch.bfloat16, 64).name.endswith("_s2_sn") and pick(torch.bfloat16, 64).name in names
+    monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "yes")
+    with pytest.raises(ValueError, match="FLASHCUDA_SM90_SNAKE"):
+        pick(torch.bfloat16, 64)
+    monkeypatch.delenv(fwd_sm90.SNAKE_ENV)
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "128x128")
     with pytest.raises(ValueError, match="FLASHCUDA_SM90_TILES"):
         pick(torch.bfloat16, 64)

@@ -51,10 +51,11 @@ ALIGNED = ("contig", "offset", "packed", "bhsd")
 LAYOUTS = (*ALIGNED, "misaligned", "oddstride")
 
 # family -> (forward family, backward family) forced through FLASHCUDA_FORCE_KERNEL. The sm90
-# family has no backward of its own: its out / lse feed bwd_sm80. "auto" forces nothing.
+# family's deterministic backward is bwd_sm80's (bwd_sm90 reduces dQ with atomics). "auto"
+# forces nothing.
 FAMILIES = {
     "sm80": ("fwd_sm80", "bwd_sm80"),
-    "sm90": ("fwd_sm90", "bwd_sm80"),
+    "sm90": ("fwd_sm90", "bwd_sm90"),
     "simt": ("fwd_simt", "bwd_simt"),
     "auto": (None, None),
 }
@@ -180,7 +181,8 @@ def supports(family: str, case: Case, dtype: torch.dtype) -> tuple[bool, bool]:
         ok = half and aligned and case.d % 8 == 0
         return ok and case.d <= 256, ok and case.d <= 128
     if family == "sm90":
-        return half and aligned and case.d in (64, 128), half and aligned and case.d <= 128
+        ok = half and aligned and case.d in (64, 128)
+        return ok, ok and not case.det
     if family in ("simt", "auto"):
         return case.d <= 256, case.d <= 256
     raise ValueError(f"family: expected one of {tuple(FAMILIES)}, got {family!r}")
@@ -211,8 +213,6 @@ def cases(family: str, big: bool = False) -> list[Case]:
         if case.launches and not fwd_ok:
             continue
         bwd = case.bwd and (bwd_ok or not case.launches)
-        if family == "sm90" and i % 3:  # bwd_sm80 is the sm80 family's; a third feeds it sm90's out
-            bwd = False
         out.append(dataclasses.replace(case, dtype=dtype, bwd=bwd))
     return out
 

@@ -1,7 +1,5 @@
-"""The sm90a backward (flashcuda.ops.bwd_sm90) on the H200: the test that lifts its gate.
-
-Skipped as a whole unless FLASHCUDA_ENABLE_SM90_BWD=1 is set in the environment: until this file
-has passed once, a wrong mbarrier phase can hang the GPU, so running it is a deliberate act.
+"""The sm90a backward (flashcuda.ops.bwd_sm90) on the H200 (its gate was lifted after this file
+passed in full, lane 8b5e075: docs/EVIDENCE.md).
 
 Every check runs `bwd_sm90.run(BwdCall(...))` on NaN-prefilled dq / dk / dv, with out / lse
 from the float64 oracle (so no forward kernel is involved), and compares with the float64
@@ -14,19 +12,17 @@ in the oracle and in torch, and rounding noise of a few 1e-7 in ours.)
 
 Debug order on a fresh GPU (each step seconds; run with -x; scripts/sm90_bwd_probe.py prints
 error maps per GEMM, one case per process, if a smoke test fails):
-    FLASHCUDA_ENABLE_SM90_BWD=1 pytest -m gpu tests/gpu/test_bwd_sm90.py -x -q -k smoke
-    FLASHCUDA_ENABLE_SM90_BWD=1 pytest -m gpu tests/gpu/test_bwd_sm90.py -x -q -k "pipeline or rag"
-    FLASHCUDA_ENABLE_SM90_BWD=1 pytest -m gpu tests/gpu/test_bwd_sm90.py -q
+    pytest -m gpu tests/gpu/test_bwd_sm90.py -x -q -k smoke
+    pytest -m gpu tests/gpu/test_bwd_sm90.py -x -q -k "pipeline or rag"
+    pytest -m gpu tests/gpu/test_bwd_sm90.py -q
 `test_smoke_*` isolate the GEMMs of one CTA, one head, one query block: dV = P^T dO alone (Q = 0:
 uniform P), dP^T / dS^T through dK alone, dQ = dS K alone; then the whole tile.
-Every test runs with both dS layouts (FLASHCUDA_SM90_BWD_DS=mn, the default, and =k). For the
-first run add FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that gives up after 2 s poisons dK /
-dV with NaN (a failing test) instead of hanging the GPU.
+Every test runs with both dS layouts (FLASHCUDA_SM90_BWD_DS=mn, the default, and =k). After a
+kernel change add FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that gives up after 2 s poisons
+dK / dV with NaN (a failing test) instead of hanging the GPU (scripts/sm90_bwd_bringup.sh).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -35,12 +31,7 @@ from flashcuda.ops import bwd_sm80, bwd_sm90, dispatch
 from flashcuda.ops.call import BwdCall
 from flashcuda.reference import attention_ref, rounding_floor
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(os.environ.get(bwd_sm90.ENABLE_ENV) != "1",
-                       reason=f"gated: set {bwd_sm90.ENABLE_ENV}=1 to run (a wrong mbarrier "
-                              "phase hangs the GPU)"),
-]
+pytestmark = pytest.mark.gpu
 
 BF16, FP16 = torch.bfloat16, torch.float16
 FULL = (None, None)

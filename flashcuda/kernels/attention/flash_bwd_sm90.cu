@@ -1,7 +1,7 @@
 // Flash attention backward, sm90a main kernel (the FlashAttention-3 design), fp16 / bf16.
 //
-// Status: compile-verified only (NVRTC 13.0, sm_90a: no spills, HGMMA in the SASS); gated off
-// (FLASHCUDA_ENABLE_SM90_BWD=1 turns it on) until tests/gpu/test_bwd_sm90.py passes on a GPU.
+// Status: proven on the H200 (tests/gpu/test_bwd_sm90.py, float64 oracle); dispatched by default
+// on compute capability 9.0 (FLASHCUDA_ENABLE_SM90_BWD=0 turns it off). No spills, HGMMA in SASS.
 //
 // Feature matrix
 //   dtypes        fp16, bf16 in and out; fp32 accumulation; fp32 dQ accumulator
