@@ -45,6 +45,7 @@ HEAD_DIMS = (64, 128)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD"
 DS_ENV = "FLASHCUDA_SM90_BWD_DS"
 WATCHDOG_ENV = "FLASHCUDA_SM90_BWD_WATCHDOG"
+FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 1: fence.proxy.async before each stage release (A/B)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
@@ -63,6 +64,7 @@ class Sm90BwdConfig:
     consumer_regs: int = 240
     ds_k_major: bool = False  # dS stored [query][key] (the fallback layout, see the .cu)
     watchdog: bool = False  # mbarrier waits trap after ~2^28 polls (bring-up)
+    release_fence: bool = False  # fence.proxy.async before a stage's release (racecheck A/B)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -118,7 +120,8 @@ class Sm90BwdConfig:
     def name(self) -> str:
         return (f"flash_bwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
-                + ("_dsk" if self.ds_k_major else "") + ("_wd" if self.watchdog else ""))
+                + ("_dsk" if self.ds_k_major else "") + ("_wd" if self.watchdog else "")
+                + ("_rf" if self.release_fence else ""))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -132,6 +135,7 @@ class Sm90BwdConfig:
             "FC_SMEM_BYTES": self.smem_bytes,
             "FC_DS_K_MAJOR": int(self.ds_k_major),
             "FC_WATCHDOG": int(self.watchdog),
+            "FC_RELEASE_FENCE": int(self.release_fence),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
@@ -155,7 +159,8 @@ def configs() -> list[Sm90BwdConfig]:
     """Every specialisation dispatch or the dS-layout switch can pick (the CPU lane compiles
     them all)."""
     return [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w) for w in (False, True)
-            for k in (False, True) for dtype in DTYPES for d in HEAD_DIMS]
+            for k in (False, True) for dtype in DTYPES for d in HEAD_DIMS] + [
+        Sm90BwdConfig(dtype, d, release_fence=True) for dtype in DTYPES for d in HEAD_DIMS]
 
 
 def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
@@ -166,7 +171,9 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     if raw not in ("", "mn", "k"):
         raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
     watchdog = os.environ.get(WATCHDOG_ENV, "").strip() == "1"
-    return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog)
+    fence = os.environ.get(FENCE_ENV, "").strip() == "1"
+    return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
+                         release_fence=fence)
 
 
 def enabled() -> bool:

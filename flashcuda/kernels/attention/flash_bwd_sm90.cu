@@ -183,6 +183,9 @@ struct Steps {
 // ptxas give up the setmaxnreg budget (C7512, 1 KB of spills); not printf: a call serializes
 // every wgmma (C7510).
 constexpr bool kWatchdog = FC_WATCHDOG;
+#ifndef FC_RELEASE_FENCE
+#define FC_RELEASE_FENCE 0  // racecheck A/B (FLASHCUDA_SM90_BWD_FENCE=1), see release()
+#endif
 
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
@@ -247,6 +250,9 @@ __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
 // One arrival per consumer warp on an "empty" barrier (every lane's wgmma reading the stage has
 // completed: a wgmma_wait in each lane before the __syncwarp).
 __device__ __forceinline__ void release(uint32_t bar) {
+#if FC_RELEASE_FENCE
+  fence_proxy_async();  // this lane's generic reads of the stage (lse2, delta) before TMA rewrites
+#endif
   __syncwarp();
   if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
 }

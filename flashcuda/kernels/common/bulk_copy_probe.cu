@@ -7,7 +7,8 @@
 // (one arrival per warp after a __syncwarp, like flash_bwd_sm90.cu's release), and thread 0
 // waits for "empty" before the next round overwrites the buffer: read-after-write and
 // write-after-read both ordered by mbarriers, exactly as the kernels' ring stages.
-// mode 0: as above (correct). mode 1: every thread reads before waiting on "full" (a real race).
+// mode 0: as above. mode 1: every thread reads before waiting on "full" (a real race). mode 2: as
+// mode 0 with a fence.proxy.async after the reads, before the "empty" arrival.
 #include "common/sm90.cuh"
 
 extern "C" __global__ void FC_KERNEL_NAME(const float* __restrict__ src,  // [2][256]
@@ -36,6 +37,7 @@ extern "C" __global__ void FC_KERNEL_NAME(const float* __restrict__ src,  // [2]
       if (mode != 1) x[i] = buf[e];
     }
     for (int i = 0; i < 2; ++i) dst[256 * round + threadIdx.x + 128 * i] = x[i];
+    if (mode == 2) fence_proxy_async();
     __syncwarp();
     if ((threadIdx.x & 31) == 0) mbar_arrive(empty);
   }
