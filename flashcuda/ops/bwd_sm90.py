@@ -45,7 +45,7 @@ HEAD_DIMS = (64, 128)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD"
 DS_ENV = "FLASHCUDA_SM90_BWD_DS"
 WATCHDOG_ENV = "FLASHCUDA_SM90_BWD_WATCHDOG"
-FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 1: fence.proxy.async before each stage release (A/B)
+FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
@@ -64,7 +64,7 @@ class Sm90BwdConfig:
     consumer_regs: int = 240
     ds_k_major: bool = False  # dS stored [query][key] (the fallback layout, see the .cu)
     watchdog: bool = False  # mbarrier waits trap after ~2^28 polls (bring-up)
-    release_fence: bool = False  # fence.proxy.async before a stage's release (racecheck A/B)
+    release_fence: bool = True  # fence.proxy.async before a stage's release (see the .cu)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -121,7 +121,7 @@ class Sm90BwdConfig:
         return (f"flash_bwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + ("_dsk" if self.ds_k_major else "") + ("_wd" if self.watchdog else "")
-                + ("_rf" if self.release_fence else ""))
+                + ("" if self.release_fence else "_nofence"))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -160,7 +160,7 @@ def configs() -> list[Sm90BwdConfig]:
     them all)."""
     return [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w) for w in (False, True)
             for k in (False, True) for dtype in DTYPES for d in HEAD_DIMS] + [
-        Sm90BwdConfig(dtype, d, release_fence=True) for dtype in DTYPES for d in HEAD_DIMS]
+        Sm90BwdConfig(dtype, d, release_fence=False) for dtype in DTYPES for d in HEAD_DIMS]
 
 
 def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
@@ -171,7 +171,7 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     if raw not in ("", "mn", "k"):
         raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
     watchdog = os.environ.get(WATCHDOG_ENV, "").strip() == "1"
-    fence = os.environ.get(FENCE_ENV, "").strip() == "1"
+    fence = os.environ.get(FENCE_ENV, "").strip() != "0"
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
                          release_fence=fence)
 

@@ -128,7 +128,7 @@ def test_config_is_the_single_source_of_truth():
         "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "64", "FC_BLOCK_N": "128",
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
         "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_DS_K_MAJOR": "0", "FC_WATCHDOG": "0",
-        "FC_RELEASE_FENCE": "0"}
+        "FC_RELEASE_FENCE": "1"}
     d64 = Sm90BwdConfig(torch.float16, 64)
     assert d64.block_m == 128 and d64.name == "flash_bwd_sm90_fp16_d64_bm128_bn128_s2"
     assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True).name.endswith("_dsk")

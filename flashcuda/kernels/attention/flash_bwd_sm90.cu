@@ -184,7 +184,7 @@ struct Steps {
 // every wgmma (C7510).
 constexpr bool kWatchdog = FC_WATCHDOG;
 #ifndef FC_RELEASE_FENCE
-#define FC_RELEASE_FENCE 0  // racecheck A/B (FLASHCUDA_SM90_BWD_FENCE=1), see release()
+#define FC_RELEASE_FENCE 1  // FLASHCUDA_SM90_BWD_FENCE=0 drops it (A/B), see release()
 #endif
 
 __device__ __forceinline__ uint64_t global_ns() {
@@ -248,7 +248,13 @@ __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
 }
 
 // One arrival per consumer warp on an "empty" barrier (every lane's wgmma reading the stage has
-// completed: a wgmma_wait in each lane before the __syncwarp).
+// completed: a wgmma_wait in each lane before the __syncwarp). The consumers also read lse2 /
+// delta with ordinary loads, which the producer's next cp.async.bulk (async proxy) overwrites:
+// the proxy fence orders those generic reads before it, as the PTX memory model asks of a
+// generic-then-async access pair. On the H200 it costs nothing measurable (d64 backward was
+// 1-4% faster with it, d128 equal: docs/perf-notes.md). compute-sanitizer racecheck reports this
+// write-after-read with or without the fence (scripts/racecheck_bulk_probe.py shows the same
+// report on a minimal correct ring; docs/GUARANTEES.md).
 __device__ __forceinline__ void release(uint32_t bar) {
 #if FC_RELEASE_FENCE
   fence_proxy_async();  // this lane's generic reads of the stage (lse2, delta) before TMA rewrites
