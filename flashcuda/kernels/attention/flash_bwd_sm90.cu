@@ -252,9 +252,9 @@ __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
 // delta with ordinary loads, which the producer's next cp.async.bulk (async proxy) overwrites:
 // the proxy fence orders those generic reads before it, as the PTX memory model asks of a
 // generic-then-async access pair. On the H200 it costs nothing measurable (d64 backward was
-// 1-4% faster with it, d128 equal: docs/perf-notes.md). compute-sanitizer racecheck reports this
-// write-after-read with or without the fence (scripts/racecheck_bulk_probe.py shows the same
-// report on a minimal correct ring; docs/GUARANTEES.md).
+// 3-4% faster with it from 4k, d128 equal: docs/perf-notes.md). compute-sanitizer racecheck
+// reports this write-after-read with or without the fence (scripts/racecheck_bulk_probe.py shows
+// the same report on a minimal correct ring; docs/GUARANTEES.md).
 __device__ __forceinline__ void release(uint32_t bar) {
 #if FC_RELEASE_FENCE
   fence_proxy_async();  // this lane's generic reads of the stage (lse2, delta) before TMA rewrites
