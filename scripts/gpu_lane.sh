@@ -17,7 +17,10 @@
 #   host       host-side microseconds per call (scripts/host_overhead.py)
 #   latency    first-call latency: compile in a fresh cache, cache hit in a new process
 #   bench      flashcuda bench --quick;   bench-full: the standard sweep;   ladder: ladder rungs
-#   ab-sm90    the sm90 forward's opt-in variants (ping-pong, snake order, both) vs the default
+#   ab-sm90    the sm90 forward's scheduling variants (ping-pong, snake order, both, neither)
+#   ab         any A/B: AB_VARIANTS="label:VAR=VAL[,VAR=VAL] ..." (e.g. "v2:FLASHCUDA_SM90_BWD_DQ=v2
+#              v4:FLASHCUDA_SM90_BWD_DQ=v4"), two processes per variant interleaved, bench
+#              ${AB_ARGS} (default 1k 4k 16k, both head dims, causal both), one table per direction
 # Each step runs under a timeout (TESTS_TIMEOUT, SANITIZE_TIMEOUT per tool, SOAK_TIMEOUT,
 # BENCH_TIMEOUT) so one hung step cannot eat the whole call.
 # Logs and records go to $OUT (the device tool's folder) or ./gpu-lane-out. A short table is last.
@@ -72,17 +75,31 @@ for step in "${steps[@]}"; do
     ladder)
       python3 -m flashcuda bench ladder --out "$OUT/bench" > "$OUT/ladder.log" 2>&1; rc=$?; tail -n 40 "$OUT/ladder.log" ;;
     ab-sm90)
-      # the sm90 forward's opt-in variants against the default, two processes each, one table
+      # the sm90 forward's scheduling switches set explicitly (dispatch's rule: ping-pong on,
+      # snake with a mask), two processes each, one table
       rc=0
-      for v in default pingpong snake both default pingpong snake both; do
-        env -u FLASHCUDA_SM90_PINGPONG -u FLASHCUDA_SM90_SNAKE \
-          $( [ $v = pingpong ] || [ $v = both ] && echo FLASHCUDA_SM90_PINGPONG=1 ) \
-          $( [ $v = snake ] || [ $v = both ] && echo FLASHCUDA_SM90_SNAKE=1 ) \
+      for v in plain pingpong snake both plain pingpong snake both; do
+        pp=0; sn=0
+        { [ $v = pingpong ] || [ $v = both ]; } && pp=1
+        { [ $v = snake ] || [ $v = both ]; } && sn=1
+        FLASHCUDA_SM90_PINGPONG=$pp FLASHCUDA_SM90_SNAKE=$sn \
           timeout "${AB_TIMEOUT:-90}" python3 -m flashcuda bench --fwd-only --no-extras --no-plot \
           --peers sdpa_cudnn ${AB_ARGS:---seqlens 1k 4k 16k} --out "$OUT/ab-$v" > /dev/null 2>&1 || rc=$?
       done
-      python3 scripts/compare_records.py default="$OUT/ab-default" pingpong="$OUT/ab-pingpong" \
+      python3 scripts/compare_records.py plain="$OUT/ab-plain" pingpong="$OUT/ab-pingpong" \
         snake="$OUT/ab-snake" both="$OUT/ab-both" | tee "$OUT/ab-sm90.txt" ;;
+    ab)
+      rc=0; labels=()
+      for rep in 1 2; do
+        for variant in ${AB_VARIANTS:?AB_VARIANTS is empty}; do
+          label=${variant%%:*}; assigns=${variant#*:}
+          [ $rep = 1 ] && labels+=("$label=$OUT/ab-$label")
+          env ${assigns//,/ } timeout "${AB_TIMEOUT:-90}" python3 -m flashcuda bench --no-extras --no-plot \
+            --peers sdpa_cudnn ${AB_ARGS:---seqlens 1k 4k 16k} --out "$OUT/ab-$label" > /dev/null 2>&1 || rc=$?
+        done
+      done
+      { python3 scripts/compare_records.py --direction fwd "${labels[@]}"
+        python3 scripts/compare_records.py --direction bwd "${labels[@]}"; } | tee "$OUT/ab.txt" ;;
     *)
       echo "unknown step $step"; rc=2 ;;
   esac

@@ -45,6 +45,7 @@ HEAD_DIMS = (64, 128)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD"
 DS_ENV = "FLASHCUDA_SM90_BWD_DS"
 WATCHDOG_ENV = "FLASHCUDA_SM90_BWD_WATCHDOG"
+DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"  # v4: dQ reductions as red.v4 (A/B, not yet measured)
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
@@ -65,6 +66,7 @@ class Sm90BwdConfig:
     ds_k_major: bool = False  # dS stored [query][key] (the fallback layout, see the .cu)
     watchdog: bool = False  # mbarrier waits trap after ~2^28 polls (bring-up)
     release_fence: bool = True  # fence.proxy.async before a stage's release (see the .cu)
+    dq_v4: bool = False  # dQ reductions as 16-byte red.v4 after a lane-pair shuffle (A/B)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -121,7 +123,7 @@ class Sm90BwdConfig:
         return (f"flash_bwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + ("_dsk" if self.ds_k_major else "") + ("_wd" if self.watchdog else "")
-                + ("" if self.release_fence else "_nofence"))
+                + ("" if self.release_fence else "_nofence") + ("_dq4" if self.dq_v4 else ""))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -136,6 +138,7 @@ class Sm90BwdConfig:
             "FC_DS_K_MAJOR": int(self.ds_k_major),
             "FC_WATCHDOG": int(self.watchdog),
             "FC_RELEASE_FENCE": int(self.release_fence),
+            "FC_DQ_V4": int(self.dq_v4),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
@@ -160,7 +163,8 @@ def configs() -> list[Sm90BwdConfig]:
     them all)."""
     return [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w) for w in (False, True)
             for k in (False, True) for dtype in DTYPES for d in HEAD_DIMS] + [
-        Sm90BwdConfig(dtype, d, release_fence=False) for dtype in DTYPES for d in HEAD_DIMS]
+        Sm90BwdConfig(dtype, d, release_fence=False) for dtype in DTYPES for d in HEAD_DIMS] + [
+        Sm90BwdConfig(dtype, d, dq_v4=True) for dtype in DTYPES for d in HEAD_DIMS]
 
 
 def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
@@ -172,8 +176,11 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
         raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
     watchdog = os.environ.get(WATCHDOG_ENV, "").strip() == "1"
     fence = os.environ.get(FENCE_ENV, "").strip() != "0"
+    dq = os.environ.get(DQ_ENV, "").strip().lower()
+    if dq not in ("", "v2", "v4"):
+        raise ValueError(f"{DQ_ENV}: expected v2 or v4, got {dq!r}")
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
-                         release_fence=fence)
+                         release_fence=fence, dq_v4=dq == "v4")
 
 
 def enabled() -> bool:

@@ -124,6 +124,7 @@ def _plan_key(call: FwdCall | BwdCall, direction: str) -> tuple:
             os.environ.get("FLASHCUDA_SM90_BWD_DS", ""),
             os.environ.get("FLASHCUDA_SM90_BWD_WATCHDOG", ""),
             os.environ.get("FLASHCUDA_SM90_BWD_FENCE", ""),
+            os.environ.get("FLASHCUDA_SM90_BWD_DQ", ""),
             os.environ.get("FLASHCUDA_BWD_SM80_CONFIG", ""), call.dtype, call.device, call.window_left,
             call.window_right, call.softmax_scale > 0, *extra,
             *((tuple(t.shape), t.stride(), t.data_ptr() % 16) for t in tensors))

@@ -75,7 +75,7 @@ def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
     assert all((".tnspA" in line) != cfg.ds_k_major for line in dq)
     assert "UTMALDG" in sass and "UBLKCP" in sass
     assert "USETMAXREG" in sass
-    assert "REDG.E.ADD.F32x2" in sass
+    assert ("REDG.E.ADD.F32x4" if cfg.dq_v4 else "REDG.E.ADD.F32x2") in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
 
 
@@ -128,7 +128,7 @@ def test_config_is_the_single_source_of_truth():
         "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "64", "FC_BLOCK_N": "128",
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
         "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_DS_K_MAJOR": "0", "FC_WATCHDOG": "0",
-        "FC_RELEASE_FENCE": "1"}
+        "FC_RELEASE_FENCE": "1", "FC_DQ_V4": "0"}
     d64 = Sm90BwdConfig(torch.float16, 64)
     assert d64.block_m == 128 and d64.name == "flash_bwd_sm90_fp16_d64_bm128_bn128_s2"
     assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True).name.endswith("_dsk")
@@ -136,7 +136,7 @@ def test_config_is_the_single_source_of_truth():
     for c in bwd_sm90.configs():
         assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= 65536
-    assert len({c.name for c in bwd_sm90.configs()}) == 20  # dS layout x watchdog x dtype x d, + release fence
+    assert len({c.name for c in bwd_sm90.configs()}) == 24  # dS layout x watchdog x dtype x d, + no fence, + red.v4
 
 
 def test_seqlen_pad_covers_query_blocks_and_pre_blocks():

@@ -48,7 +48,7 @@ def steps(mask, n0, bm, bn, nheads, nheads_kv):  # struct Steps
             for head_kv_h in [it // n_m]]
 
 
-def emulate(q, k, v, out, dout, lse, scale, wl, wr):
+def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq_v4=False):
     B, sq, H, D = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     cfg = Sm90BwdConfig(torch.bfloat16, D)
@@ -124,16 +124,30 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr):
                         tm, td = c % (bm // 64), c // (bm // 64)
                         dq = (ds_t.T @ kt)[64 * tm:64 * tm + 64, 64 * td:64 * td + 64]
                         for warp in range(4):
+                            # the accumulator fragment of every lane: frag[lane][j][e]
+                            frag = [[[dq[16 * warp + (ln >> 2) + 8 * (e >> 1),
+                                         8 * j + 2 * (ln & 3) + (e & 1)] for e in range(4)]
+                                     for j in range(8)] for ln in range(32)]
                             for lane in range(32):
                                 g, t = lane >> 2, lane & 3
                                 base = (bh * sq_pad + m0 + 64 * tm + 16 * warp + g) * D \
                                     + 64 * td + 2 * t
                                 for j in range(8):
-                                    for e in range(4):
-                                        row = 16 * warp + g + 8 * (e >> 1)
-                                        col = 8 * j + 2 * t + (e & 1)
-                                        addr = base + 8 * j + (e & 1) + (8 * D if e >> 1 else 0)
-                                        dq_accum[addr] += dq[row, col]
+                                    c = frag[lane][j]
+                                    if dq_v4:  # FC_DQ_V4: swap halves with lane ^ 1, one red.v4
+                                        odd = t & 1
+                                        pc, p_odd = frag[lane ^ 1][j], (lane ^ 1) & 1
+                                        x = pc[0] if p_odd else pc[2]  # the partner's shfl value
+                                        y = pc[1] if p_odd else pc[3]
+                                        addr = base + (8 * D - 2 if odd else 0) + 8 * j
+                                        vals = (x, y, c[2], c[3]) if odd else (c[0], c[1], x, y)
+                                        assert addr % 4 == 0, "red.v4 needs 16-byte alignment"
+                                        for i in range(4):
+                                            dq_accum[addr + i] += vals[i]
+                                    else:
+                                        for e in range(4):
+                                            addr = base + 8 * j + (e & 1) + (8 * D if e >> 1 else 0)
+                                            dq_accum[addr] += c[e]
                 # epilogue
                 for c in range(bn // 64):
                     for warp in range(4):
@@ -164,8 +178,9 @@ CASES = [  # B, Sq, Sk, H, Hkv, D, window
 ]
 
 
+@pytest.mark.parametrize("dq_v4", [False, True], ids=["red-v2", "red-v4"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-{c[6]}")
-def test_emulated_kernel_matches_autograd(case):
+def test_emulated_kernel_matches_autograd(case, dq_v4):
     B, sq, sk, H, hkv, D, window = case
     g = torch.Generator().manual_seed(sq * 31 + sk)
     q, k, v, dout = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in
@@ -174,7 +189,7 @@ def test_emulated_kernel_matches_autograd(case):
     q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = attention_ref(q64, k64, v64, scale, window=window)
     out.backward(dout)
-    got = emulate(q, k, v, out.detach(), dout, lse.detach(), scale, *window)
+    got = emulate(q, k, v, out.detach(), dout, lse.detach(), scale, *window, dq_v4=dq_v4)
     for name, ours, ref in zip(("dq", "dk", "dv"), got, (q64.grad, k64.grad, v64.grad),
                                strict=True):
         assert not np.isnan(ours).any(), f"{name}: unwritten elements"

@@ -17,7 +17,8 @@ error maps per GEMM, one case per process, if a smoke test fails):
     pytest -m gpu tests/gpu/test_bwd_sm90.py -q
 `test_smoke_*` isolate the GEMMs of one CTA, one head, one query block: dV = P^T dO alone (Q = 0:
 uniform P), dP^T / dS^T through dK alone, dQ = dS K alone; then the whole tile.
-Every test runs with both dS layouts (FLASHCUDA_SM90_BWD_DS=mn, the default, and =k). After a
+Every test runs with both dS layouts (FLASHCUDA_SM90_BWD_DS=mn, the default, and =k) and with
+the red.v4 dQ reductions (FLASHCUDA_SM90_BWD_DQ=v4, not yet measured, off by default). After a
 kernel change add FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that gives up after 2 s poisons
 dK / dV with NaN (a failing test) instead of hanging the GPU (scripts/sm90_bwd_bringup.sh).
 """
@@ -38,10 +39,13 @@ FULL = (None, None)
 CAUSAL = (None, 0)
 
 
-@pytest.fixture(autouse=True, params=["mn", "k"], ids=["ds-mn", "ds-k"])
+@pytest.fixture(autouse=True, params=["mn", "k", "mn-v4"], ids=["ds-mn", "ds-k", "dq-v4"])
 def _enable_sm90_bwd(monkeypatch, request):
+    """Every test with both dS layouts, and with the red.v4 dQ reductions (FLASHCUDA_SM90_BWD_DQ)."""
+    ds, _, dq = request.param.partition("-")
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
-    monkeypatch.setenv(bwd_sm90.DS_ENV, request.param)
+    monkeypatch.setenv(bwd_sm90.DS_ENV, ds)
+    monkeypatch.setenv(bwd_sm90.DQ_ENV, dq)
     dispatch._reset()
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):

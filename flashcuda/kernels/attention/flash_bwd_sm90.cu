@@ -183,6 +183,9 @@ struct Steps {
 // ptxas give up the setmaxnreg budget (C7512, 1 KB of spills); not printf: a call serializes
 // every wgmma (C7510).
 constexpr bool kWatchdog = FC_WATCHDOG;
+#ifndef FC_DQ_V4
+#define FC_DQ_V4 0  // dQ reductions as red.v4 (FLASHCUDA_SM90_BWD_DQ=v4, A/B; not yet measured)
+#endif
 #ifndef FC_RELEASE_FENCE
 #define FC_RELEASE_FENCE 1  // FLASHCUDA_SM90_BWD_FENCE=0 drops it (A/B), see release()
 #endif
@@ -245,6 +248,12 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
 
 __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+}
+
+__device__ __forceinline__ void red_add_f32x4(float* p, float x, float y, float z, float w) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x), "f"(y), "f"(z),
+               "f"(w)
+               : "memory");
 }
 
 // One arrival per consumer warp on an "empty" barrier (every lane's wgmma reading the stage has
@@ -539,8 +548,20 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                      64 * td + 2 * t;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
+#if FC_DQ_V4
+      // Lanes t and t^1 swap halves so each holds 4 consecutive columns of one row: even t row
+      // g, columns 2t..2t+3; odd t row g+8, columns 2t-2..2t+1 (16-byte aligned both ways). One
+      // 16-byte reduction per lane and j instead of two 8-byte ones.
+      const bool odd = t & 1;
+      const float* c = cs.dq + 4 * j;
+      const float x = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
+      const float y = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
+      red_add_f32x4(dq_rows + (odd ? 8 * kHeadDim - 2 : 0) + 8 * j, odd ? x : c[0],
+                    odd ? y : c[1], odd ? c[2] : x, odd ? c[3] : y);
+#else
       red_add_f32x2(dq_rows + 8 * j, cs.dq[4 * j], cs.dq[4 * j + 1]);
       red_add_f32x2(dq_rows + 8 * kHeadDim + 8 * j, cs.dq[4 * j + 2], cs.dq[4 * j + 3]);
+#endif
     }
   }
 
