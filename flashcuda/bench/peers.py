@@ -12,6 +12,10 @@ ever substituted for a missing peer.
     fa2               flash_attn.flash_attn_func (FlashAttention 2).
     fa4               flash_attn.cute.flash_attn_func (FlashAttention 4, CuTe DSL); returns
                       (out, lse) in some versions.
+                      fa2 and fa4 are also looked for in the directories of FLASHCUDA_BENCH_SITE
+                      (os.pathsep-separated, added with site.addsitedir so their .pth files run:
+                      the CuTe DSL needs its own), for wheels installed with `pip --target` on a
+                      machine without network (scripts/fa4_carry.sh).
     triton_tutorial   Triton's python/tutorials/06-fused-attention.py, loaded from the file named by
                       FLASHCUDA_TRITON_TUTORIAL (the tutorial ships in no package). fp16 only,
                       contiguous (B, H, S, D); forward only. Its TMA forward ignores the batch index,
@@ -24,6 +28,8 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import site
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -145,7 +151,21 @@ def load_fa2() -> Impl:
     return Impl("fa2", "ok", f"flash_attn {getattr(mod, '__version__', '?')}", forward)
 
 
+SITE_ENV = "FLASHCUDA_BENCH_SITE"
+
+
+def add_bench_sites() -> list[str]:
+    """site.addsitedir each directory of FLASHCUDA_BENCH_SITE not yet on sys.path; returns them."""
+    added = []
+    for d in os.environ.get(SITE_ENV, "").split(os.pathsep):
+        if d and os.path.isdir(d) and d not in sys.path:
+            site.addsitedir(d)
+            added.append(d)
+    return added
+
+
 def load_fa4() -> Impl:
+    add_bench_sites()
     try:
         fn = importlib.import_module("flash_attn.cute").flash_attn_func
     except Exception as exc:  # noqa: BLE001

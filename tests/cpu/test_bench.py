@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 
 import pytest
 import torch
 
-from flashcuda.bench import command, record
+from flashcuda.bench import command, peers, record
 from flashcuda.bench.ceilings import judge_rung
 from flashcuda.bench.peers import Impl, discover, load_fa2, load_triton_tutorial
 from flashcuda.bench.report import render_text, summary_table, sweep_table, verdict_lines
@@ -383,3 +385,21 @@ def test_no_nan_in_ratio_of_missing_numbers():
     text = render_text([summary_table(rec)], width=120)
     assert "FAILED" in text and "nan" not in text.lower()
     assert not math.isnan(0.0)
+
+
+def test_bench_sites_are_added_with_their_pth_files(tmp_path, monkeypatch):
+    """FLASHCUDA_BENCH_SITE: a `pip --target` directory becomes importable and its .pth runs."""
+    target, extra = tmp_path / "site", tmp_path / "from-pth"
+    target.mkdir()
+    extra.mkdir()
+    (target / "fc_probe_pkg.py").write_text("VALUE = 7\n")
+    (target / "probe.pth").write_text(f"{extra}\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv(peers.SITE_ENV, f"{target}{os.pathsep}{tmp_path / 'missing'}")
+    assert peers.add_bench_sites() == [str(target)]
+    assert str(extra) in sys.path  # the .pth line was processed
+    import fc_probe_pkg  # noqa: PLC0415 (importable only now)
+
+    assert fc_probe_pkg.VALUE == 7
+    assert peers.add_bench_sites() == []  # idempotent
+    sys.modules.pop("fc_probe_pkg", None)

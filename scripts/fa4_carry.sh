@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# FlashAttention 4 as a bench peer on a GPU machine without network, in two consecutive device
+# calls (one call carries at most 64 MiB; the wheels are ~100 MB). On this machine, once:
+#
+#   pip download --no-deps -d .whl flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base \
+#       nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi \
+#       torch-c-dlpack-ext quack-kernels --python-version 3.12 --platform manylinux_2_28_x86_64
+#   mkdir -p .fa4a .fa4b && cp .whl/*.whl .fa4a/ && rm .fa4a/nvidia_cutlass_dsl_libs_cu13-*.whl
+#   split -b 46M .whl/nvidia_cutlass_dsl_libs_cu13-*.whl .fa4a/cu13.part. && mv .fa4a/cu13.part.ab .fa4b/
+#
+# (.whl, .fa4a, .fa4b are git-ignored.) Then, on the device:
+#   call 1, carry [".fa4a"]:  scripts/fa4_carry.sh stash
+#   call 2, carry [".fa4b"]:  scripts/fa4_carry.sh install && FLASHCUDA_BENCH_SITE=/root/fa4 \
+#                               scripts/gpu_lane.sh bench-full
+# The machine must still be warm for call 2 (it keeps /root between calls for ~30 s of idle).
+# The kernel cache (.kcache) does not fit next to .fa4b: call 2 compiles on the device (seconds).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STASH=${FA4_STASH:-/root/stash}
+TARGET=${FA4_TARGET:-/root/fa4}
+# sha256 of nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+CU13_SHA=50191a381d8cc1393373ae0bc879b0aefa9a256c23c22d4fa1c2fe3dfe57bc90
+CU13=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+
+case "${1:-}" in
+  stash)
+    mkdir -p "$STASH"
+    cp .fa4a/* "$STASH"/
+    ls -la "$STASH" ;;
+  install)
+    [ -f "$STASH/cu13.part.aa" ] || { echo "no $STASH/cu13.part.aa: run 'stash' in the previous call" >&2; exit 1; }
+    cat "$STASH/cu13.part.aa" .fa4b/cu13.part.ab > "$STASH/$CU13"
+    echo "$CU13_SHA  $STASH/$CU13" | sha256sum -c -
+    rm -f "$STASH"/cu13.part.*
+    python3 -m pip install -q --no-deps --no-index --target "$TARGET" "$STASH"/*.whl
+    python3 -c "import site; site.addsitedir('$TARGET'); import flash_attn.cute as m; print('fa4 ok:', m.__file__)" ;;
+  *)
+    echo "usage: $0 stash|install" >&2; exit 2 ;;
+esac
