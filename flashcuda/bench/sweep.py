@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from .peers import REFERENCE_ORDER, Impl
-from .timing import Timer, first_call, tflops
+from .timing import Timer, first_call, host_time_us, tflops
 
 TOKENS_PER_BATCH = 16384
 MODEL_DIM = 2048
@@ -224,7 +224,8 @@ def _run_impl(impl: Impl, point: SweepPoint, leaves, dout, scale, timer: Timer, 
             outs[impl.name] = out.detach().to(leaves[0].dtype)
             timing = timer(fwd)
             res["fwd"] = {"status": "ok", "timing": timing.to_dict(), "first_call_ms": first,
-                          "tflops": tflops(flops_fwd, timing.median_ms)}
+                          "tflops": tflops(flops_fwd, timing.median_ms),
+                          "host_us": host_time_us(fwd)}
     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
         res["fwd"] = {"status": "failed", "error": _error_text(exc)}
         res["bwd"] = {"status": "skipped", "error": "forward failed"}
@@ -251,7 +252,8 @@ def _run_impl(impl: Impl, point: SweepPoint, leaves, dout, scale, timer: Timer, 
                 grads[impl.name] = tuple(t.grad.detach().clone() for t in leaves)
             timing = timer(bwd, grad_to_none=leaves)
             res["bwd"] = {"status": "ok", "timing": timing.to_dict(), "first_call_ms": first,
-                          "tflops": tflops(flops_bwd, timing.median_ms)}
+                          "tflops": tflops(flops_bwd, timing.median_ms),
+                          "host_us": host_time_us(bwd, grad_to_none=leaves)}
     except Exception as exc:  # noqa: BLE001
         res["bwd"] = {"status": "failed", "error": _error_text(exc)}
         _sync_quietly()

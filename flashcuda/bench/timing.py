@@ -175,6 +175,35 @@ class Timer:
         return summarize(samples, self.method)
 
 
+def host_time_us(fn: Callable[[], object], grad_to_none=None, calls: int = 20,
+                 spin_ms: float = 50.0) -> float | None:
+    """Median host microseconds of one `fn()` call while the GPU is busy: a spin kernel of about
+    `spin_ms` is queued first, so the calls only enqueue work and never wait for the GPU. A timed
+    call whose host time exceeds the GPU time of (L2 flush + kernel) leaves the GPU idle inside its
+    timed region and is measured as host time — this number shows when that can happen. None if
+    it cannot be measured (the call synchronised, or the spin kernel is unavailable)."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        rate = getattr(props, "clock_rate", 0) or 2_000_000  # kHz; 2 GHz if torch does not say
+        torch.cuda._sleep(int(spin_ms * rate))
+        samples = []
+        for _ in range(calls):
+            _clear_grads(grad_to_none)
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - a diagnostic: never fails a run
+        _clear_grads(grad_to_none)
+        return None
+    _clear_grads(grad_to_none)
+    med = quantile(samples, 0.5)
+    return med if med < spin_ms * 1e3 / calls else None  # longer: some call waited for the GPU
+
+
 def spin_up(ms: float = 500.0) -> None:
     """Keep the GPU busy with matmuls for about `ms`, so the first measurement of a run is not
     taken while the clocks ramp up from idle (345 MHz at rest on the H200, 1980 MHz under load)."""

@@ -403,3 +403,11 @@ def test_bench_sites_are_added_with_their_pth_files(tmp_path, monkeypatch):
     assert fc_probe_pkg.VALUE == 7
     assert peers.add_bench_sites() == []  # idempotent
     sys.modules.pop("fc_probe_pkg", None)
+
+
+def test_host_time_is_none_without_a_gpu():
+    """The host-time diagnostic never fails a run: on a machine without CUDA it records null."""
+    from flashcuda.bench.timing import host_time_us
+
+    calls = []
+    assert host_time_us(lambda: calls.append(1)) is None
