@@ -81,7 +81,10 @@
 //     | named barrier 2 + c (128 threads) | every thread stores its fragment | fence.proxy.async
 //     | named barrier 2 + c | warp 0 issues the 64 row reductions, commit.
 // After its step loop, warp 0 waits for the full completion of its groups (not only their reads),
-// so no bulk operation outlives the CTA's shared memory.
+// so no bulk operation outlives the CTA's shared memory. SASS: UBLKRED takes uniform registers, so
+// ptxas wraps each of the two in an elect / R2UR loop over the active lanes: the 64 reductions
+// issue one after another whichever lanes own them. Unlike red.global.add.f32 (REDG .FTZ), the
+// bulk .add.f32 keeps subnormals (UBLKRED .F32.RN).
 #include "common/types.cuh"
 #include "common/sm90.cuh"
 #include "attention/mask.cuh"
