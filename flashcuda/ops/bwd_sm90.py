@@ -17,9 +17,11 @@ shared memory (the .cu static_asserts the same layout), the name, the defines.
     head dim   block_m (queries) x block_n (keys), stages   smem      consumers x registers
     64         128 x 128, 2                                 163 KB    2 x 240 (FA3's d64 tiles)
     128        64 x 128, 2                                  162 KB    2 x 240 (FA3's d128 tiles)
+(+ 36 KB, 199 / 198 KB, for the dQ staging tiles of FLASHCUDA_SM90_BWD_DQ=bulk.)
 FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up A/B, see the .cu);
 FLASHCUDA_SM90_BWD_WATCHDOG=1 runs the variant whose mbarrier waits trap (a launch failure) instead
-of hanging (bring-up).
+of hanging (bring-up). FLASHCUDA_SM90_BWD_DQ=v4 reduces dQ with red.v4, =bulk with row-wise
+cp.reduce.async.bulk from a shared staging tile (A/B; compiled and CPU-emulated, not yet measured).
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512.
 """
 
@@ -45,11 +47,12 @@ HEAD_DIMS = (64, 128)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD"
 DS_ENV = "FLASHCUDA_SM90_BWD_DS"
 WATCHDOG_ENV = "FLASHCUDA_SM90_BWD_WATCHDOG"
-DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"  # v4: dQ reductions as red.v4 (A/B, not yet measured)
+DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"  # v4: red.v4; bulk: bulk reductions (A/B, not yet measured)
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
+DQ_STAGE_BYTES = 64 * 72 * 4  # one consumer's padded fp32 dQ staging tile (dq_bulk, see the .cu)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Sm90BwdConfig:
     watchdog: bool = False  # mbarrier waits trap after ~2^28 polls (bring-up)
     release_fence: bool = True  # fence.proxy.async before a stage's release (see the .cu)
     dq_v4: bool = False  # dQ reductions as 16-byte red.v4 after a lane-pair shuffle (A/B)
+    dq_bulk: bool = False  # dQ by row-wise bulk reductions from shared staging tiles (A/B)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -83,6 +87,9 @@ class Sm90BwdConfig:
             raise ValueError(f"Sm90BwdConfig.block_m: expected block_m * head_dim = 8192 (one "
                              f"64 x 64 dQ tile per consumer), got {self.block_m} at "
                              f"d{self.head_dim}")
+        if self.dq_v4 and self.dq_bulk:
+            raise ValueError("Sm90BwdConfig.dq_bulk: expected False when dq_v4 is True (one dQ "
+                             "reduction mode), got True")
         if self.stages < 1:
             raise ValueError(f"Sm90BwdConfig.stages: expected >= 1, got {self.stages}")
         if self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers > 65536:
@@ -111,19 +118,21 @@ class Sm90BwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """1024 B alignment slack + K + V + stages x (Q + dO + lse2 + delta) + 2 x dS + the
-        mbarriers (as the .cu lays out)."""
+        """1024 B alignment slack + K + V + stages x (Q + dO + lse2 + delta) + 2 x dS
+        (+ a dQ staging tile per consumer with dq_bulk) + the mbarriers (as the .cu lays out)."""
         barriers = 1 + 2 * self.stages
         stats = 2 * self.block_m * 4
+        staging = self.consumers * DQ_STAGE_BYTES if self.dq_bulk else 0
         return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
-                + 2 * self.ds_bytes + BARRIER_BYTES * barriers)
+                + 2 * self.ds_bytes + staging + BARRIER_BYTES * barriers)
 
     @property
     def name(self) -> str:
         return (f"flash_bwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + ("_dsk" if self.ds_k_major else "") + ("_wd" if self.watchdog else "")
-                + ("" if self.release_fence else "_nofence") + ("_dq4" if self.dq_v4 else ""))
+                + ("" if self.release_fence else "_nofence") + ("_dq4" if self.dq_v4 else "")
+                + ("_dqb" if self.dq_bulk else ""))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -139,6 +148,7 @@ class Sm90BwdConfig:
             "FC_WATCHDOG": int(self.watchdog),
             "FC_RELEASE_FENCE": int(self.release_fence),
             "FC_DQ_V4": int(self.dq_v4),
+            "FC_DQ_BULK": int(self.dq_bulk),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
@@ -164,23 +174,25 @@ def configs() -> list[Sm90BwdConfig]:
     return [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w) for w in (False, True)
             for k in (False, True) for dtype in DTYPES for d in HEAD_DIMS] + [
         Sm90BwdConfig(dtype, d, release_fence=False) for dtype in DTYPES for d in HEAD_DIMS] + [
-        Sm90BwdConfig(dtype, d, dq_v4=True) for dtype in DTYPES for d in HEAD_DIMS]
+        Sm90BwdConfig(dtype, d, dq_v4=True) for dtype in DTYPES for d in HEAD_DIMS] + [
+        Sm90BwdConfig(dtype, d, dq_bulk=True) for dtype in DTYPES for d in HEAD_DIMS]
 
 
 def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     """FA3's tiles; FLASHCUDA_SM90_BWD_DS=k picks the [query][key] dS layout (bring-up A/B:
     it reads dS K-major, a descriptor kind the forward proved, instead of transposed A);
-    FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging."""
+    FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging;
+    FLASHCUDA_SM90_BWD_DQ=v4 / bulk the dQ reduction mode (default v2)."""
     raw = os.environ.get(DS_ENV, "").strip().lower()
     if raw not in ("", "mn", "k"):
         raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
     watchdog = os.environ.get(WATCHDOG_ENV, "").strip() == "1"
     fence = os.environ.get(FENCE_ENV, "").strip() != "0"
     dq = os.environ.get(DQ_ENV, "").strip().lower()
-    if dq not in ("", "v2", "v4"):
-        raise ValueError(f"{DQ_ENV}: expected v2 or v4, got {dq!r}")
+    if dq not in ("", "v2", "v4", "bulk"):
+        raise ValueError(f"{DQ_ENV}: expected v2, v4 or bulk, got {dq!r}")
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
-                         release_fence=fence, dq_v4=dq == "v4")
+                         release_fence=fence, dq_v4=dq == "v4", dq_bulk=dq == "bulk")
 
 
 def enabled() -> bool:

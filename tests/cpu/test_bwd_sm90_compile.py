@@ -1,7 +1,8 @@
 """The sm90a backward family on the CPU lane: every variant compiles for sm_90a with no spills and
 no ptxas warnings or performance-loss lines; when cuobjdump (+ nvdisasm) is at hand, the SASS has
 the expected HGMMA mix (SS for S^T / dP^T, RS with a transposed B for dV / dK, SS with transposed
-operands for dQ), TMA and bulk loads, vector fp32 reductions, and the kernel's parameter offsets
+operands for dQ), TMA and bulk loads, vector fp32 reductions (or bulk reductions with dq_bulk),
+and the kernel's parameter offsets
 equal what runtime.pack_args produces. Plus the config and the can_implement gate.
 
 cuobjdump / nvdisasm: as tests/cpu/test_fwd_sm90_compile.py finds them (FLASHCUDA_CUOBJDUMP,
@@ -22,7 +23,14 @@ from flashcuda.jit import all_variants, compile_spec
 from flashcuda.jit.runtime import pack_args
 from flashcuda.jit.tensor_map import TensorMap
 from flashcuda.ops import bwd_sm90, dispatch
-from flashcuda.ops.bwd_sm90 import DS_ENV, ENABLE_ENV, GATED, WATCHDOG_ENV, Sm90BwdConfig
+from flashcuda.ops.bwd_sm90 import (
+    DQ_ENV,
+    DS_ENV,
+    ENABLE_ENV,
+    GATED,
+    WATCHDOG_ENV,
+    Sm90BwdConfig,
+)
 from flashcuda.ops.call import BwdCall
 
 from .test_fwd_sm90_compile import _dump
@@ -75,7 +83,12 @@ def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
     assert all((".tnspA" in line) != cfg.ds_k_major for line in dq)
     assert "UTMALDG" in sass and "UBLKCP" in sass
     assert "USETMAXREG" in sass
-    assert ("REDG.E.ADD.F32x4" if cfg.dq_v4 else "REDG.E.ADD.F32x2") in sass
+    if cfg.dq_bulk:  # 2 row reductions per lane of warp 0, no per-thread ones
+        assert len(re.findall(r"UBLKRED\.G\.S\.ADD\.F32", sass)) == 2
+        assert "REDG.E.ADD" not in sass
+    else:
+        assert ("REDG.E.ADD.F32x4" if cfg.dq_v4 else "REDG.E.ADD.F32x2") in sass
+        assert "UBLKRED" not in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
 
 
@@ -128,7 +141,7 @@ def test_config_is_the_single_source_of_truth():
         "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "64", "FC_BLOCK_N": "128",
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
         "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_DS_K_MAJOR": "0", "FC_WATCHDOG": "0",
-        "FC_RELEASE_FENCE": "1", "FC_DQ_V4": "0"}
+        "FC_RELEASE_FENCE": "1", "FC_DQ_V4": "0", "FC_DQ_BULK": "0"}
     d64 = Sm90BwdConfig(torch.float16, 64)
     assert d64.block_m == 128 and d64.name == "flash_bwd_sm90_fp16_d64_bm128_bn128_s2"
     assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True).name.endswith("_dsk")
@@ -136,7 +149,33 @@ def test_config_is_the_single_source_of_truth():
     for c in bwd_sm90.configs():
         assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= 65536
-    assert len({c.name for c in bwd_sm90.configs()}) == 24  # dS layout x watchdog x dtype x d, + no fence, + red.v4
+    # dS layout x watchdog x dtype x d, + no fence, + red.v4, + bulk reductions
+    assert len({c.name for c in bwd_sm90.configs()}) == 28
+    bulk = Sm90BwdConfig(torch.bfloat16, 128, dq_bulk=True)
+    assert bulk.name.endswith("_dqb") and dict(bulk.spec().defines)["FC_DQ_BULK"] == "1"
+    assert bulk.smem_bytes == cfg.smem_bytes + 2 * 64 * 72 * 4  # a padded staging tile per consumer
+
+
+def test_dq_modes_are_exclusive():
+    with pytest.raises(ValueError, match="dq_bulk"):
+        Sm90BwdConfig(torch.bfloat16, 64, dq_v4=True, dq_bulk=True)
+
+
+def test_dq_switch(monkeypatch):
+    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV):
+        monkeypatch.delenv(env, raising=False)
+    cfg = bwd_sm90.select_config(torch.bfloat16, 64)
+    assert not cfg.dq_v4 and not cfg.dq_bulk
+    monkeypatch.setenv(DQ_ENV, "v2")
+    assert bwd_sm90.select_config(torch.bfloat16, 64) == cfg
+    monkeypatch.setenv(DQ_ENV, "v4")
+    assert bwd_sm90.select_config(torch.bfloat16, 64).dq_v4
+    monkeypatch.setenv(DQ_ENV, "bulk")
+    cfg = bwd_sm90.select_config(torch.bfloat16, 64)
+    assert cfg.dq_bulk and not cfg.dq_v4 and cfg.name.endswith("_dqb")
+    monkeypatch.setenv(DQ_ENV, "tma")
+    with pytest.raises(ValueError, match=DQ_ENV):
+        bwd_sm90.select_config(torch.bfloat16, 64)
 
 
 def test_seqlen_pad_covers_query_blocks_and_pre_blocks():

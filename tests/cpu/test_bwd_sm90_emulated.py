@@ -1,6 +1,7 @@
 """The sm90 backward's index arithmetic, emulated lane by lane in float64 on the CPU and compared
 with autograd: the step list (Steps), the mask and tile_needs_mask, the lse2 / delta reads of
-probs / dsoftmax, the dQ tile of each consumer and its red.global.add addresses, the epilogue's
+probs / dsoftmax, the dQ tile of each consumer and its red.global.add addresses (or, with
+FC_DQ_BULK, its padded staging-tile stores and row-wise bulk reductions), the epilogue's
 dK / dV addresses, bwd_sm80's PRE (Sq_pad rows, +inf for padding) and CONVERT around it. The
 GEMMs are done as matrices (their operand layouts are tests/cpu/test_bwd_sm90_layouts.py's, the
 fragment reuse is the forward's). Every formula below mirrors a line of flash_bwd_sm90.cu.
@@ -48,7 +49,17 @@ def steps(mask, n0, bm, bn, nheads, nheads_kv):  # struct Steps
             for head_kv_h in [it // n_m]]
 
 
-def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq_v4=False):
+DQ_STAGE_STRIDE = 72  # kDqStageStride: floats per row of a consumer's dQ staging tile
+
+
+def stage_float(warp, lane, j, h, stride=DQ_STAGE_STRIDE):
+    """Consumer::stage_dq: the staging-tile float index of the float2 lane `lane` of warp `warp`
+    stores for n8 block j and row half h (row 16 warp + g + 8 h, columns 8 j + 2 t, + 1)."""
+    g, t = lane >> 2, lane & 3
+    return (16 * warp + g + 8 * h) * stride + 8 * j + 2 * t
+
+
+def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
     B, sq, H, D = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     cfg = Sm90BwdConfig(torch.bfloat16, D)
@@ -85,6 +96,8 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq_v4=False):
                 kt, vt = rows(k, b, head_kv, n0, bn), rows(v, b, head_kv, n0, bn)
                 dk_acc = np.zeros((bn, D))
                 dv_acc = np.zeros((bn, D))
+                # FC_DQ_BULK: a staging tile per consumer, uninitialised shared memory (NaN)
+                stages = [np.full(64 * DQ_STAGE_STRIDE, np.nan) for _ in range(bn // 64)]
                 for it_head, m0 in steps(mask, n0, bm, bn, H, hkv):
                     h = head_kv * group + it_head
                     bh = b * H + h
@@ -122,19 +135,27 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq_v4=False):
                         ds_t[wg_key0:wg_key0 + 64] = d_t
                     for c in range(bn // 64):
                         tm, td = c % (bm // 64), c // (bm // 64)
-                        dq = (ds_t.T @ kt)[64 * tm:64 * tm + 64, 64 * td:64 * td + 64]
+                        stage = stages[c]
+                        dq_tile = (ds_t.T @ kt)[64 * tm:64 * tm + 64, 64 * td:64 * td + 64]
                         for warp in range(4):
                             # the accumulator fragment of every lane: frag[lane][j][e]
-                            frag = [[[dq[16 * warp + (ln >> 2) + 8 * (e >> 1),
-                                         8 * j + 2 * (ln & 3) + (e & 1)] for e in range(4)]
+                            frag = [[[dq_tile[16 * warp + (ln >> 2) + 8 * (e >> 1),
+                                              8 * j + 2 * (ln & 3) + (e & 1)] for e in range(4)]
                                      for j in range(8)] for ln in range(32)]
                             for lane in range(32):
                                 g, t = lane >> 2, lane & 3
+                                if dq == "bulk":  # stage_dq: one float2 per (j, h)
+                                    for j in range(8):
+                                        for h in range(2):
+                                            f = stage_float(warp, lane, j, h)
+                                            assert f % 2 == 0, "st.shared.v2 needs 8-byte alignment"
+                                            stage[f:f + 2] = frag[lane][j][2 * h:2 * h + 2]
+                                    continue
                                 base = (bh * sq_pad + m0 + 64 * tm + 16 * warp + g) * D \
                                     + 64 * td + 2 * t
                                 for j in range(8):
                                     c = frag[lane][j]
-                                    if dq_v4:  # FC_DQ_V4: swap halves with lane ^ 1, one red.v4
+                                    if dq == "v4":  # FC_DQ_V4: swap halves with lane ^ 1, one red.v4
                                         odd = t & 1
                                         pc, p_odd = frag[lane ^ 1][j], (lane ^ 1) & 1
                                         x = pc[0] if p_odd else pc[2]  # the partner's shfl value
@@ -148,6 +169,15 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq_v4=False):
                                         for e in range(4):
                                             addr = base + 8 * j + (e & 1) + (8 * D if e >> 1 else 0)
                                             dq_accum[addr] += c[e]
+                        if dq == "bulk":  # warp 0: lane l reduces rows l and l + 32
+                            tile = (bh * sq_pad + m0 + 64 * tm) * D + 64 * td
+                            for lane in range(32):
+                                for i in range(2):
+                                    r = lane + 32 * i
+                                    src, dst = r * DQ_STAGE_STRIDE, tile + r * D
+                                    assert src % 4 == 0 and dst % 4 == 0, "16-byte alignment"
+                                    assert m0 + 64 * tm + r < sq_pad, "a row past dq_accum's"
+                                    dq_accum[dst:dst + 64] += stage[src:src + 64]
                 # epilogue
                 for c in range(bn // 64):
                     for warp in range(4):
@@ -178,9 +208,9 @@ CASES = [  # B, Sq, Sk, H, Hkv, D, window
 ]
 
 
-@pytest.mark.parametrize("dq_v4", [False, True], ids=["red-v2", "red-v4"])
+@pytest.mark.parametrize("dq", ["v2", "v4", "bulk"], ids=["red-v2", "red-v4", "bulk"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-{c[6]}")
-def test_emulated_kernel_matches_autograd(case, dq_v4):
+def test_emulated_kernel_matches_autograd(case, dq):
     B, sq, sk, H, hkv, D, window = case
     g = torch.Generator().manual_seed(sq * 31 + sk)
     q, k, v, dout = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in
@@ -189,9 +219,24 @@ def test_emulated_kernel_matches_autograd(case, dq_v4):
     q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = attention_ref(q64, k64, v64, scale, window=window)
     out.backward(dout)
-    got = emulate(q, k, v, out.detach(), dout, lse.detach(), scale, *window, dq_v4=dq_v4)
+    got = emulate(q, k, v, out.detach(), dout, lse.detach(), scale, *window, dq=dq)
     for name, ours, ref in zip(("dq", "dk", "dv"), got, (q64.grad, k64.grad, v64.grad),
                                strict=True):
         assert not np.isnan(ours).any(), f"{name}: unwritten elements"
         err = np.abs(ours - ref.numpy()).max()
         assert err < 1e-9, f"{name}: {err:.3e}"
+
+
+def test_dq_staging_stores_are_bank_conflict_free():
+    """stage_dq's claim: each half-warp's 64-bit stores (one j, h) cover the 32 banks once with the
+    72-float row stride; the unpadded stride 64 would not."""
+    for stride in (DQ_STAGE_STRIDE, 64):
+        conflict_free = True
+        for warp in range(4):
+            for j in range(8):
+                for h in range(2):
+                    for half in (range(16), range(16, 32)):
+                        banks = sorted((stage_float(warp, lane, j, h, stride) + e) % 32
+                                       for lane in half for e in range(2))
+                        conflict_free &= banks == list(range(32))
+        assert conflict_free == (stride == DQ_STAGE_STRIDE), stride

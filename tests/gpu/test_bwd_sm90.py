@@ -39,9 +39,11 @@ FULL = (None, None)
 CAUSAL = (None, 0)
 
 
-@pytest.fixture(autouse=True, params=["mn", "k", "mn-v4"], ids=["ds-mn", "ds-k", "dq-v4"])
+@pytest.fixture(autouse=True, params=["mn", "k", "mn-v4", "mn-bulk"],
+                ids=["ds-mn", "ds-k", "dq-v4", "dq-bulk"])
 def _enable_sm90_bwd(monkeypatch, request):
-    """Every test with both dS layouts, and with the red.v4 dQ reductions (FLASHCUDA_SM90_BWD_DQ)."""
+    """Every test with both dS layouts, and with the red.v4 and the bulk dQ reductions
+    (FLASHCUDA_SM90_BWD_DQ)."""
     ds, _, dq = request.param.partition("-")
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     monkeypatch.setenv(bwd_sm90.DS_ENV, ds)

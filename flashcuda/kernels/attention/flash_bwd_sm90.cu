@@ -11,9 +11,11 @@
 //   heads         MHA, GQA, MQA: a CTA loops over the query heads of its KV head, dK / dV summed
 //                 over them in registers (as flash_bwd_sm80.cu)
 //   dQ            non-deterministic only: fp32 red.global.add.v2 into dq_accum [B, H, Sq_pad, D]
+//                 (opt-in: red.v4, FC_DQ_V4; or row-wise bulk reduce-adds from a shared staging
+//                 tile, FC_DQ_BULK, see "dQ by bulk reduction" below)
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
 //                 dk / dv: any (batch, row, head) strides, unit last stride
-//   not yet       TMA bulk reduce-add of dQ, ping-pong / overlap of the two GEMM halves,
+//   not yet       ping-pong / overlap of the two GEMM halves,
 //                 persistent schedule, deterministic dQ (bwd_sm80 has it)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
@@ -57,15 +59,32 @@
 //     Q, dO    2 stages x [kBlockM][kHeadDim] kHeadDim / 64 chunks of kBlockM x 128 B
 //     dS       2 x [kBlockN keys][kBlockM queries]  kBlockM / 64 chunks of kBlockN x 128 B
 //     lse2, delta  2 stages x 2 x [kBlockM] fp32
+//     dQ staging   (FC_DQ_BULK only) kConsumers x [64][72] fp32
 //     mbarriers kv_full, full[2], empty[2]
 // d128 (kBlockM 64): K + V 64 KB, Q + dO 64 KB, dS 32 KB, stats 1 KB; d64 (kBlockM 128): K + V
-// 32 KB, Q + dO 64 KB, dS 64 KB, stats 2 KB; + 1 KB alignment slack (162 / 163 KB in all).
+// 32 KB, Q + dO 64 KB, dS 64 KB, stats 2 KB; + 1 KB alignment slack (162 / 163 KB in all; the
+// FC_DQ_BULK staging adds 36 KB: 198 / 199 KB).
 // dS layout: FC_DS_K_MAJOR below (the per-step order above describes the default, 0).
 //
 // Out-of-range rows: TMA zero-fills rows past seqlen_q / seqlen_k. A query row past seqlen_q
 // (inside Sq_pad) has lse2 = +inf from PRE, so its P, dS are 0; a key past seqlen_k is masked
 // (tile_needs_mask); dK / dV rows past seqlen_k are never stored. A masked P is 0 and its dS is
 // forced to 0 even where dP^T is not finite (a V row outside the band may hold anything).
+//
+// dQ by bulk reduction (FC_DQ_BULK = 1, FLASHCUDA_SM90_BWD_DQ=bulk; compiled and CPU-emulated,
+// not yet measured): instead of 16 red.global.add.v2 per thread and step (2048 per consumer),
+// the consumer stores its 64 x 64 dQ tile into its own padded fp32 staging tile and warp 0 of the
+// warpgroup issues 64 cp.reduce.async.bulk .add.f32 of one 256-byte row each (lane l: rows l and
+// l + 32), one bulk async-group per lane and step (FA3 reduces dQ through TMA for the same
+// reason: far fewer L2 requests). Per step, per consumer:
+//     warp 0: wait until its previous step's reductions have read the tile (wait_group.read)
+//     | named barrier 2 + c (128 threads) | every thread stores its fragment | fence.proxy.async
+//     | named barrier 2 + c | warp 0 issues the 64 row reductions, commit.
+// After its step loop, warp 0 waits for the full completion of its groups (not only their reads),
+// so no bulk operation outlives the CTA's shared memory. SASS: UBLKRED takes uniform registers, so
+// ptxas wraps each of the two in an elect / R2UR loop over the active lanes: the 64 reductions
+// issue one after another whichever lanes own them. Unlike red.global.add.f32 (REDG .FTZ), the
+// bulk .add.f32 keeps subnormals (UBLKRED .F32.RN).
 #include "common/types.cuh"
 #include "common/sm90.cuh"
 #include "attention/mask.cuh"
@@ -108,7 +127,16 @@ constexpr int kSmemDO = kSmemQ + kStages * kQBytes;
 constexpr int kSmemDS = kSmemDO + kStages * kQBytes;
 constexpr int kStatBytes = kBlockM * 4;  // lse2 or delta of one query block
 constexpr int kSmemStats = kSmemDS + 2 * kDsBytes;  // stages x (lse2, delta)
-constexpr int kSmemBar = kSmemStats + kStages * 2 * kStatBytes;
+#ifndef FC_DQ_BULK
+#define FC_DQ_BULK 0  // dQ by bulk reductions from shared staging (FLASHCUDA_SM90_BWD_DQ=bulk)
+#endif
+// dQ staging tile of one consumer (FC_DQ_BULK): 64 rows of 64 fp32 + 8 floats of padding, so the
+// fragment stores are bank-conflict free (Consumer::stage_dq) and every row starts 16-byte
+// aligned, as cp.reduce.async.bulk needs (288 = 18 x 16).
+constexpr int kDqStageStride = 72;  // floats per staging row
+constexpr int kDqStageBytes = 64 * kDqStageStride * 4;
+constexpr int kSmemDqStage = kSmemStats + kStages * 2 * kStatBytes;
+constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes : 0);
 constexpr int kBarriers = 1 + 2 * kStages;  // kv_full, full[], empty[]
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
@@ -119,6 +147,8 @@ static_assert(kBlockM == 64 || kBlockM == 128, "wgmma_ss is instantiated for n =
 static_assert(kBlockM * kHeadDim == 64 * 64 * kConsumers, "one 64 x 64 dQ tile per consumer");
 static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "register file");
 static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm90BwdConfig.smem_bytes");
+static_assert(kSmemDqStage % 16 == 0 && (kDqStageStride * 4) % 16 == 0,
+              "bulk reduction sources are 16-byte aligned");
 
 struct Smem {
   uint32_t base;  // 1024-byte aligned
@@ -138,6 +168,9 @@ struct Smem {
   }
   __device__ __forceinline__ const float* delta_ptr(int s) const {
     return lse2_ptr(s) + kBlockM;
+  }
+  __device__ __forceinline__ uint32_t dq_stage(int c) const {
+    return base + kSmemDqStage + c * kDqStageBytes;
   }
   __device__ __forceinline__ uint32_t bar(int i) const { return base + kSmemBar + 8 * i; }
   __device__ __forceinline__ uint32_t kv_full() const { return bar(0); }
@@ -189,6 +222,7 @@ constexpr bool kWatchdog = FC_WATCHDOG;
 #ifndef FC_RELEASE_FENCE
 #define FC_RELEASE_FENCE 1  // FLASHCUDA_SM90_BWD_FENCE=0 drops it (A/B), see release()
 #endif
+static_assert(!(FC_DQ_V4 && FC_DQ_BULK), "one dQ reduction mode");
 
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
@@ -429,6 +463,28 @@ struct Consumer {
         }
       }
   }
+
+#if FC_DQ_BULK
+  // This consumer's dQ tile -> its staging tile `stage`: element (row, col) at float
+  // row * kDqStageStride + col; lane (g, t) of warp w stores, per j and h, the float2 (row 16w + g
+  // + 8h, columns 8j + 2t, + 1). Banks: a 64-bit store is serviced per half-warp (g % 4 = 0..3,
+  // t = 0..3 within one); its first word, row * 72 + 8j + 2t, is in bank (8 row + 8j + 2t) % 32 =
+  // (8 (g % 4) + 8j + 2t) % 32 (72 = 8 mod 32, 16w + 8h contribute multiples of 32), so the 16
+  // lanes' word pairs 8 (g % 4) + 2t + {0, 1} cover the 32 banks once. Unpadded (stride 64) the
+  // 8g term vanishes: the 4 lanes of equal t would share banks (4-way conflicts).
+  __device__ __forceinline__ void stage_dq(uint32_t stage, int warp, int g, int t) const {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * warp + g + 8 * h, col = 8 * j + 2 * t;
+        const uint32_t addr = stage + (row * kDqStageStride + col) * 4;
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * j + 2 * h]),
+                     "f"(dq[4 * j + 2 * h + 1])
+                     : "memory");
+      }
+  }
+#endif
 };
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
@@ -544,6 +600,26 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     release(sm.empty(st));
 
     // dq_accum += this consumer's 64 x 64 tile. Rows past seqlen_q (inside Sq_pad) add zeros.
+#if FC_DQ_BULK
+    // The tile's rows lie inside Sq_pad (m0 + kBlockM <= Sq_pad) and start 256-byte aligned in
+    // dq_accum (64 td floats into a kHeadDim-float row), so no bounds check and the bulk
+    // reductions' 16-byte alignment holds.
+    const uint32_t stage = sm.dq_stage(c);
+    if (warp == 0) bulk_wait_group_read<0>();  // this lane's previous reductions have read it
+    named_barrier_sync(2 + c, 128);            // ... before anyone overwrites it
+    cs.stage_dq(stage, warp, g, t);
+    fence_proxy_async();  // the generic stores before the async-proxy reads of the reductions
+    named_barrier_sync(2 + c, 128);
+    if (warp == 0) {
+      float* dq_tile = dq_accum + (bh * seqlen_q_pad + m0 + 64 * tm) * kHeadDim + 64 * td;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = lane + 32 * i;
+        bulk_reduce_add_f32(dq_tile + r * kHeadDim, stage + r * kDqStageStride * 4, 64 * 4);
+      }
+      bulk_commit_group();
+    }
+#else
     float* dq_rows = dq_accum + (bh * seqlen_q_pad + m0 + 64 * tm + 16 * warp + g) * kHeadDim +
                      64 * td + 2 * t;
 #pragma unroll
@@ -563,7 +639,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       red_add_f32x2(dq_rows + 8 * kHeadDim + 8 * j, cs.dq[4 * j + 2], cs.dq[4 * j + 3]);
 #endif
     }
+#endif  // FC_DQ_BULK
   }
+#if FC_DQ_BULK
+  if (warp == 0) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
+#endif
 
   // ---- epilogue: dK * softmax_scale and dV from the accumulators, rows inside seqlen_k
   // (NaN from a thread the watchdog found stuck)

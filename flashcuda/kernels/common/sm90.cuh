@@ -4,6 +4,9 @@
 //   tma_prefetch / tma_load_4d               cp.async.bulk.tensor global -> shared, completing on
 //                                            an mbarrier (transaction bytes)
 //   bulk_load                                cp.async.bulk (no tensor map), likewise
+//   bulk_reduce_add_f32 / bulk_commit_group / bulk_wait_group_read<N> / bulk_wait_group<N>
+//                                            cp.reduce.async.bulk shared -> global (add), completing
+//                                            in this thread's bulk async-groups
 //   mbar_init / mbar_arrive / mbar_arrive_expect_tx / mbar_wait      shared-memory mbarriers
 //   fence_barrier_init / fence_proxy_async                            proxy ordering
 //   wgmma_fence / wgmma_commit / wgmma_wait<N> / wgmma_ss / wgmma_rs_tb / wgmma_ss_tt / wgmma_ss_tb
@@ -131,8 +134,37 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
       : "memory");
 }
 
+// Element-wise add of `bytes` (a multiple of 16) contiguous fp32 of shared `src` into global `dst`
+// (both 16-byte aligned), no tensor map (cp.reduce.async.bulk .add.f32; the reduction is atomic
+// per element, like red.global.add). Completion is by bulk async-group, and the groups are the
+// issuing thread's own: that thread commits (bulk_commit_group) and waits (bulk_wait_group*).
+// The shared source must be written, and fenced (fence_proxy_async), before the issue.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+      ::"l"(reinterpret_cast<uint64_t>(dst)), "r"(src), "r"(bytes)
+      : "memory");
+}
+
+// Close this thread's bulk operations issued since its last commit into one bulk async-group.
+__device__ __forceinline__ void bulk_commit_group() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+// Wait until at most N of this thread's bulk async-groups still read their shared source (the
+// source may be rewritten; the global writes may still be in flight).
+template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+// Wait until at most N of this thread's bulk async-groups are incomplete (reads and writes done).
+template <int N> __device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Order this thread's ordinary shared-memory writes before later async-proxy (TMA, wgmma) reads
-// of them; needed before a TMA store or a wgmma reads what st.shared / stmatrix wrote.
+// of them; needed before a TMA store, a bulk reduction or a wgmma reads what st.shared / stmatrix
+// wrote.
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
