@@ -136,6 +136,7 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
                     for c in range(bn // 64):
                         tm, td = c % (bm // 64), c // (bm // 64)
                         stage = stages[c]
+                        writer = [None] * 64  # the warp whose stores filled each staging row
                         dq_tile = (ds_t.T @ kt)[64 * tm:64 * tm + 64, 64 * td:64 * td + 64]
                         for warp in range(4):
                             # the accumulator fragment of every lane: frag[lane][j][e]
@@ -150,6 +151,7 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
                                             f = stage_float(warp, lane, j, h)
                                             assert f % 2 == 0, "st.shared.v2 needs 8-byte alignment"
                                             stage[f:f + 2] = frag[lane][j][2 * h:2 * h + 2]
+                                            writer[f // DQ_STAGE_STRIDE] = warp
                                     continue
                                 base = (bh * sq_pad + m0 + 64 * tm + 16 * warp + g) * D \
                                     + 64 * td + 2 * t
@@ -169,11 +171,11 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
                                         for e in range(4):
                                             addr = base + 8 * j + (e & 1) + (8 * D if e >> 1 else 0)
                                             dq_accum[addr] += c[e]
-                        if dq == "bulk":  # warp 0: lane l reduces rows l and l + 32
-                            tile = (bh * sq_pad + m0 + 64 * tm) * D + 64 * td
-                            for lane in range(32):
-                                for i in range(2):
-                                    r = lane + 32 * i
+                            if dq == "bulk":  # this warp: lane l < 16 reduces row 16 warp + l
+                                tile = (bh * sq_pad + m0 + 64 * tm) * D + 64 * td
+                                for lane in range(16):
+                                    r = 16 * warp + lane
+                                    assert writer[r] == warp, "a row another warp stages"
                                     src, dst = r * DQ_STAGE_STRIDE, tile + r * D
                                     assert src % 4 == 0 and dst % 4 == 0, "16-byte alignment"
                                     assert m0 + 64 * tm + r < sq_pad, "a row past dq_accum's"

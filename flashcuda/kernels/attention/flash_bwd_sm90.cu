@@ -73,18 +73,19 @@
 //
 // dQ by bulk reduction (FC_DQ_BULK = 1, FLASHCUDA_SM90_BWD_DQ=bulk; compiled and CPU-emulated,
 // not yet measured): instead of 16 red.global.add.v2 per thread and step (2048 per consumer),
-// the consumer stores its 64 x 64 dQ tile into its own padded fp32 staging tile and warp 0 of the
-// warpgroup issues 64 cp.reduce.async.bulk .add.f32 of one 256-byte row each (lane l: rows l and
-// l + 32), one bulk async-group per lane and step (FA3 reduces dQ through TMA for the same
-// reason: far fewer L2 requests). Per step, per consumer:
-//     warp 0: wait until its previous step's reductions have read the tile (wait_group.read)
-//     | named barrier 2 + c (128 threads) | every thread stores its fragment | fence.proxy.async
-//     | named barrier 2 + c | warp 0 issues the 64 row reductions, commit.
-// After its step loop, warp 0 waits for the full completion of its groups (not only their reads),
-// so no bulk operation outlives the CTA's shared memory. SASS: UBLKRED takes uniform registers, so
-// ptxas wraps each of the two in an elect / R2UR loop over the active lanes: the 64 reductions
-// issue one after another whichever lanes own them. Unlike red.global.add.f32 (REDG .FTZ), the
-// bulk .add.f32 keeps subnormals (UBLKRED .F32.RN).
+// the consumer stores its 64 x 64 dQ tile into its own padded fp32 staging tile and each warp
+// reduces the 16 rows its own fragments filled: lanes 0..15 issue one cp.reduce.async.bulk
+// .add.f32 of a 256-byte row each, one bulk async-group per lane and step (FA3 reduces dQ
+// through TMA for the same reason: far fewer L2 requests). Per step, per warp:
+//     lanes 0..15 wait until their previous row reductions have read the tile (wait_group.read)
+//     | __syncwarp | every lane stores its fragment | fence.proxy.async | __syncwarp
+//     | lanes 0..15 issue their row reductions, commit.
+// No barrier across warps: a warp's rows are written and read only by that warp. After the step
+// loop the issuing lanes wait for the full completion of their groups (not only their reads), so
+// no bulk operation outlives the CTA's shared memory. SASS: UBLKRED takes uniform registers, so
+// ptxas wraps it in an elect / R2UR loop over the active lanes (16 reductions one after another
+// per warp, the four warps in parallel). Unlike red.global.add.f32 (REDG .FTZ), the bulk .add.f32
+// keeps subnormals (UBLKRED .F32.RN).
 #include "common/types.cuh"
 #include "common/sm90.cuh"
 #include "attention/mask.cuh"
@@ -604,19 +605,19 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     // The tile's rows lie inside Sq_pad (m0 + kBlockM <= Sq_pad) and start 256-byte aligned in
     // dq_accum (64 td floats into a kHeadDim-float row), so no bounds check and the bulk
     // reductions' 16-byte alignment holds.
+    // Each warp owns the 16 staging rows its fragments fill (16 warp .. + 15) and reduces them
+    // itself, so a __syncwarp orders the hand-offs and the other warps never wait: lane l < 16
+    // issues row 16 warp + l.
     const uint32_t stage = sm.dq_stage(c);
-    if (warp == 0) bulk_wait_group_read<0>();  // this lane's previous reductions have read it
-    named_barrier_sync(2 + c, 128);            // ... before anyone overwrites it
+    if (lane < 16) bulk_wait_group_read<0>();  // this lane's previous reduction has read its row
+    __syncwarp();                              // ... before the warp overwrites its rows
     cs.stage_dq(stage, warp, g, t);
     fence_proxy_async();  // the generic stores before the async-proxy reads of the reductions
-    named_barrier_sync(2 + c, 128);
-    if (warp == 0) {
-      float* dq_tile = dq_accum + (bh * seqlen_q_pad + m0 + 64 * tm) * kHeadDim + 64 * td;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = lane + 32 * i;
-        bulk_reduce_add_f32(dq_tile + r * kHeadDim, stage + r * kDqStageStride * 4, 64 * 4);
-      }
+    __syncwarp();
+    if (lane < 16) {
+      const int r = 16 * warp + lane;
+      float* dq_row = dq_accum + (bh * seqlen_q_pad + m0 + 64 * tm + r) * kHeadDim + 64 * td;
+      bulk_reduce_add_f32(dq_row, stage + r * kDqStageStride * 4, 64 * 4);
       bulk_commit_group();
     }
 #else
@@ -642,7 +643,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #endif  // FC_DQ_BULK
   }
 #if FC_DQ_BULK
-  if (warp == 0) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
+  if (lane < 16) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
 #endif
 
   // ---- epilogue: dK * softmax_scale and dV from the accumulators, rows inside seqlen_k
