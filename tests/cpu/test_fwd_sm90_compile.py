@@ -4,10 +4,9 @@ wgmma path, not a fallback), the register-A P V form with a transposed B, TMA lo
 kernel's parameter offsets equal what runtime.pack_args produces. Plus the config and the
 can_implement gate.
 
-cuobjdump: taken from $FLASHCUDA_CUOBJDUMP, PATH, or triton's bundled copy; nvdisasm likewise from
-$NVDISASM_PATH / PATH (e.g. `pip install --target /tmp/t nvidia-cuda-cuobjdump
-nvidia-cuda-nvdisasm`, then FLASHCUDA_CUOBJDUMP=/tmp/t/nvidia/cu13/bin/cuobjdump
-NVDISASM_PATH=/tmp/t/nvidia/cu13/bin). Without them those checks skip, saying so.
+cuobjdump: taken from $FLASHCUDA_CUOBJDUMP, PATH, the nvidia-cuda-cuobjdump wheel that the `test`
+extra installs (with nvidia-cuda-nvdisasm beside it), or triton's bundled copy; nvdisasm from the
+same directory, $NVDISASM_PATH or PATH. Without them those checks skip, saying so.
 """
 
 from __future__ import annotations
@@ -60,8 +59,19 @@ def test_sm90_compiles_without_spills(builds, cfg):
 
 
 def _cuobjdump() -> str | None:
+    """$FLASHCUDA_CUOBJDUMP, PATH, the nvidia-cuda-cuobjdump wheel (the `test` extra installs it,
+    with nvidia-cuda-nvdisasm next to it), or triton's bundled copy."""
     found = os.environ.get("FLASHCUDA_CUOBJDUMP") or shutil.which("cuobjdump")
     if not found:
+        try:
+            import nvidia
+
+            for root in nvidia.__path__:
+                for candidate in sorted(Path(root).glob("cu*/bin/cuobjdump"), reverse=True):
+                    if os.access(candidate, os.X_OK):
+                        return str(candidate)
+        except ImportError:
+            pass
         try:
             import triton
 
