@@ -266,16 +266,34 @@ def summary_table(rec: dict) -> Table:
     t = Table(title=title, box=box.SIMPLE, pad_edge=False, padding=(0, 1), show_edge=False)
     for col in ("hd", "seqlen", "causal", "fwd", "best fwd", "×", "bwd", "best bwd", "×", "check"):
         t.add_column(col, justify="right")
+    marked = False
     for p in rec.get("points") or []:
         row = [str(p["headdim"]), str(p["seqlen"]), _causal(p)]
         for d in ("fwd", "bwd"):
             fc = point_tflops(p, "flashcuda", d)
             bname, bt = best_peer(p, d, peers_meta)
-            row += [fmt_tf(fc), f"{fmt_tf(bt)} {SHORT.get(bname, '')}".strip(),
+            mark = HOST_MARK if host_bound(p, "flashcuda", d) else ""
+            marked |= bool(mark)
+            row += [fmt_tf(fc) + mark, f"{fmt_tf(bt)} {SHORT.get(bname, '')}".strip(),
                     fmt_ratio(ratio(fc, bt)) if _trusted(p) else "WRONG"]
         row.append(check_label(p))
         t.add_row(*row)
+    if marked:
+        t.caption = (f"{HOST_MARK} host-bound: the call's host time (host_us, GPU kept busy) is at "
+                     f"least {HOST_BOUND_SHARE:.0%} of the measured time per call")
     return t
+
+
+HOST_MARK = "†"
+HOST_BOUND_SHARE = 0.8
+
+
+def host_bound(p: dict, impl: str, direction: str) -> bool:
+    """Whether `impl`'s timed calls at point `p` may contain host time: its host microseconds
+    per call (recorded since session 3) reach HOST_BOUND_SHARE of the measured median."""
+    r = ((p.get("results") or {}).get(impl) or {}).get(direction) or {}
+    host, med = r.get("host_us"), (r.get("timing") or {}).get("median_ms")
+    return bool(host and med and host * 1e-3 >= HOST_BOUND_SHARE * med)
 
 
 def verdict_lines(rec: dict, path: str | None = None) -> list[str]:

@@ -411,3 +411,22 @@ def test_host_time_is_none_without_a_gpu():
 
     calls = []
     assert host_time_us(lambda: calls.append(1)) is None
+
+
+def test_summary_marks_host_bound_points():
+    """A point whose recorded host time per call reaches 80% of its measured time gets a mark
+    and the table a caption saying what it means; host_us null or small: no mark."""
+    from flashcuda.bench.report import HOST_MARK, host_bound
+
+    rec = synthetic_record()
+    first, second = rec["points"][0], rec["points"][1]
+    fwd = first["results"]["flashcuda"]["fwd"]
+    fwd["host_us"] = fwd["timing"]["median_ms"] * 1e3 * 0.9
+    second["results"]["flashcuda"]["fwd"]["host_us"] = None
+    second["results"]["flashcuda"]["bwd"]["host_us"] = 1.0
+    assert host_bound(first, "flashcuda", "fwd")
+    assert not host_bound(second, "flashcuda", "fwd") and not host_bound(second, "flashcuda", "bwd")
+    text = render_text([summary_table(rec)], width=140)
+    assert text.count(HOST_MARK) == 2 and "host-bound" in text  # one cell and the caption
+    plain = render_text([summary_table(synthetic_record())], width=140)
+    assert HOST_MARK not in plain and "host-bound" not in plain
