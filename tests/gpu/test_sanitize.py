@@ -25,14 +25,13 @@ what the cache lacks in parallel first); under racecheck expect ~50x.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from flashcuda.jit import KernelSpec, device_arch, get_kernel, reset_disk_cache
+from flashcuda.jit import KernelSpec, device_arch, get_kernel
 from flashcuda.ops import dispatch
 from tests.gpu import boundary
 
@@ -46,28 +45,8 @@ BIG_PARAMS = [pytest.param(f, c, id=f"{f}-{c.id}") for f in FAMILIES
 
 # ---- one kernel cache for the module, filled up front --------------------------------------------
 
-@pytest.fixture(scope="module")
-def _module_cache(tmp_path_factory):
-    """One cache for the module (conftest's default is one per test, which would compile every
-    kernel once per test), unless the lane's shared cache is in use."""
-    if os.environ.get("FLASHCUDA_TEST_SHARED_CACHE") == "1":
-        yield
-        return
-    d = tmp_path_factory.mktemp("kcache-sanitize")
-    d.chmod(0o700)
-    old = os.environ.get("FLASHCUDA_CACHE_DIR")
-    os.environ["FLASHCUDA_CACHE_DIR"] = str(d)
-    reset_disk_cache()
-    yield
-    if old is None:
-        os.environ.pop("FLASHCUDA_CACHE_DIR", None)
-    else:
-        os.environ["FLASHCUDA_CACHE_DIR"] = old
-    reset_disk_cache()
-
-
 @pytest.fixture(autouse=True)
-def _private_cache(_module_cache):
+def _private_cache(module_kernel_cache):
     """Overrides conftest.py's per-test cache with the module's one."""
     yield
 
@@ -82,7 +61,7 @@ def _skip_reason(family: str) -> str | None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _prebuild(_module_cache, request):
+def _prebuild(module_kernel_cache, request):
     """Compile every kernel the selected cases launch, in parallel, before the first test.
     Best effort: whatever fails here compiles on first use and fails there, with its error."""
     if not torch.cuda.is_available():

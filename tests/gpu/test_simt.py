@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from flashcuda.jit import build_cubin, device_arch, reset_disk_cache
+from flashcuda.jit import build_cubin, device_arch
 from flashcuda.ops import bwd_simt, fwd_simt, softmax_state
 from flashcuda.ops.call import BwdCall, FwdCall
 
@@ -92,26 +92,8 @@ CASES = [
 # One kernel cache for the module (the conftest default is one per test, which would compile every
 # kernel once per test), filled up front by parallel NVRTC processes.
 
-@pytest.fixture(scope="module")
-def _module_cache(tmp_path_factory):
-    if os.environ.get("FLASHCUDA_TEST_SHARED_CACHE") == "1":
-        yield
-        return
-    d = tmp_path_factory.mktemp("kcache-simt")
-    d.chmod(0o700)
-    old = os.environ.get("FLASHCUDA_CACHE_DIR")
-    os.environ["FLASHCUDA_CACHE_DIR"] = str(d)
-    reset_disk_cache()
-    yield
-    if old is None:
-        os.environ.pop("FLASHCUDA_CACHE_DIR", None)
-    else:
-        os.environ["FLASHCUDA_CACHE_DIR"] = old
-    reset_disk_cache()
-
-
 @pytest.fixture(autouse=True)
-def _private_cache(_module_cache):
+def _private_cache(module_kernel_cache):
     """Overrides conftest.py's per-test cache with the module's one."""
     yield
 
@@ -127,7 +109,7 @@ def _specs_used():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _prebuild(_module_cache):
+def _prebuild(module_kernel_cache):
     """Compile every kernel the module launches, in parallel processes (a compile through
     cuda.core holds the GIL, so threads would not help), into the cache the tests then hit.
     Best effort: whatever fails here is compiled on first use, and reported there."""
