@@ -2,24 +2,22 @@
 no ptxas warnings or performance-loss lines; when cuobjdump (+ nvdisasm) is at hand, the SASS has
 the expected HGMMA mix (SS for S^T / dP^T, RS with a transposed B for dV / dK, SS with transposed
 operands for dQ), TMA and bulk loads, vector fp32 reductions (or bulk reductions with dq_bulk),
-and the kernel's parameter offsets
-equal what runtime.pack_args produces. Plus the config and the can_implement gate.
+and the kernel's parameter offsets equal what runtime.pack_args produces. Plus the config and the
+can_implement gate.
 
-cuobjdump / nvdisasm: as tests/cpu/test_fwd_sm90_compile.py finds them (FLASHCUDA_CUOBJDUMP,
-NVDISASM_PATH, PATH, triton's copy); without them the SASS checks skip, saying so.
+cuobjdump / nvdisasm: as tests/cpu/sm90_compile.py finds them; without them the SASS checks skip,
+saying so.
 """
 
 from __future__ import annotations
 
-import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from flashcuda.jit import all_variants, compile_spec
+from flashcuda.jit import all_variants
 from flashcuda.jit.runtime import pack_args
 from flashcuda.jit.tensor_map import TensorMap
 from flashcuda.ops import bwd_sm90, dispatch
@@ -33,38 +31,24 @@ from flashcuda.ops.bwd_sm90 import (
 )
 from flashcuda.ops.call import BwdCall
 
-from .test_fwd_sm90_compile import _dump
-
-ARCH = "sm_90a"
-ENTRY_REGS = 168  # 65536 / 384 threads, rounded down to 8: the cap at entry (setmaxnreg moves it)
+from .sm90_compile import ARCH, assert_compiled_clean, build_all, dump
 
 
 @pytest.fixture(scope="module")
 def builds():
-    import cuda.core  # noqa: F401  (import once here: importing it from several threads races)
-
-    def build(cfg):
-        return cfg.name, compile_spec(cfg.spec(), ARCH)
-
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        return dict(pool.map(build, bwd_sm90.configs()))
+    return build_all(bwd_sm90.configs())
 
 
 @pytest.mark.parametrize("cfg", bwd_sm90.configs(), ids=lambda c: c.name)
 def test_sm90_bwd_compiles_without_spills(builds, cfg):
     result = builds[cfg.name]
-    res = result.resources()[cfg.name]
-    assert res.registers <= ENTRY_REGS
-    assert res.shared_bytes == 0, "all shared memory is dynamic (Sm90BwdConfig.smem_bytes)"
-    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res
-    assert "warning" not in result.log.lower(), result.log
-    assert "performance loss" not in result.log.lower(), result.log
+    assert_compiled_clean(result, cfg.name)
     assert not re.search(r"C75\d\d", result.log), result.log
 
 
 @pytest.mark.parametrize("cfg", bwd_sm90.configs(), ids=lambda c: c.name)
 def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
-    sass = _dump(builds[cfg.name].cubin, tmp_path, "-sass")
+    sass = dump(builds[cfg.name].cubin, tmp_path, "-sass")
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
     d, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
     # One loop body: S^T and dP^T (d / 16 each), dV and dK (bm / 16 each), dQ (bn / 16).
@@ -95,7 +79,7 @@ def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
 def test_sm90_bwd_parameter_offsets_match_pack_args(builds, tmp_path):
     """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout."""
     cfg = bwd_sm90.configs()[0]
-    elf = _dump(builds[cfg.name].cubin, tmp_path, "-elf")
+    elf = dump(builds[cfg.name].cubin, tmp_path, "-elf")
     table = {int(o, 16): (int(off, 16), int(size, 16)) for o, off, size in re.findall(
         r"Ordinal\s*:\s*0x([0-9a-f]+)\s+Offset\s*:\s*0x([0-9a-f]+)\s+Size\s*:\s*0x([0-9a-f]+)",
         elf)}

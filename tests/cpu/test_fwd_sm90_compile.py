@@ -4,100 +4,41 @@ wgmma path, not a fallback), the register-A P V form with a transposed B, TMA lo
 kernel's parameter offsets equal what runtime.pack_args produces. Plus the config and the
 can_implement gate.
 
-cuobjdump: taken from $FLASHCUDA_CUOBJDUMP, PATH, the nvidia-cuda-cuobjdump wheel that the `test`
-extra installs (with nvidia-cuda-nvdisasm beside it), or triton's bundled copy; nvdisasm from the
-same directory, $NVDISASM_PATH or PATH. Without them those checks skip, saying so.
+cuobjdump / nvdisasm: as tests/cpu/sm90_compile.py finds them; without them those checks skip,
+saying so.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from flashcuda.jit import all_variants, compile_spec
+from flashcuda.jit import all_variants
 from flashcuda.jit.runtime import pack_args
 from flashcuda.jit.tensor_map import TensorMap
 from flashcuda.ops import dispatch, fwd_sm90
 from flashcuda.ops.call import FwdCall
 from flashcuda.ops.fwd_sm90 import ENABLE_ENV, GATED, Sm90FwdConfig
 
-ARCH = "sm_90a"
-ENTRY_REGS = 168  # 65536 / 384 threads, rounded down to 8: the cap at entry (setmaxnreg moves it)
+from .sm90_compile import ARCH, assert_compiled_clean, build_all, dump
 
 
 @pytest.fixture(scope="module")
 def builds():
-    import cuda.core  # noqa: F401  (import once here: importing it from several threads races)
-
-    def build(cfg):
-        result = compile_spec(cfg.spec(), ARCH)
-        return cfg.name, result
-
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        return dict(pool.map(build, fwd_sm90.configs()))
+    return build_all(fwd_sm90.configs())
 
 
 @pytest.mark.parametrize("cfg", fwd_sm90.configs(), ids=lambda c: c.name)
 def test_sm90_compiles_without_spills(builds, cfg):
-    result = builds[cfg.name]
-    res = result.resources()[cfg.name]
-    assert res.registers <= ENTRY_REGS
-    assert res.shared_bytes == 0, "all shared memory is dynamic (Sm90FwdConfig.smem_bytes)"
-    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res
-    # ptxas says so when it ignores setmaxnreg (C7508) or serialises wgmma (C7510, C7515 ...).
-    assert "warning" not in result.log.lower(), result.log
-    # C7520 & co. are "info" lines: wgmma serialised because it sits on a divergent path.
-    assert "performance loss" not in result.log.lower(), result.log
-
-
-def _cuobjdump() -> str | None:
-    """$FLASHCUDA_CUOBJDUMP, PATH, the nvidia-cuda-cuobjdump wheel (the `test` extra installs it,
-    with nvidia-cuda-nvdisasm next to it), or triton's bundled copy."""
-    found = os.environ.get("FLASHCUDA_CUOBJDUMP") or shutil.which("cuobjdump")
-    if not found:
-        try:
-            import nvidia
-
-            for root in nvidia.__path__:
-                for candidate in sorted(Path(root).glob("cu*/bin/cuobjdump"), reverse=True):
-                    if os.access(candidate, os.X_OK):
-                        return str(candidate)
-        except ImportError:
-            pass
-        try:
-            import triton
-
-            candidate = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-            found = str(candidate) if candidate.exists() else None
-        except ImportError:
-            found = None
-    return found
-
-
-def _dump(cubin: bytes, tmp_path: Path, flag: str) -> str:
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump (set FLASHCUDA_CUOBJDUMP, or install triton)")
-    path = tmp_path / "k.cubin"
-    path.write_bytes(cubin)
-    proc = subprocess.run([tool, flag, str(path)], capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0 and "nvdisasm" in proc.stderr:
-        pytest.skip("cuobjdump found no nvdisasm (set NVDISASM_PATH)")
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    assert_compiled_clean(builds[cfg.name], cfg.name)
 
 
 @pytest.mark.parametrize("cfg", fwd_sm90.configs(), ids=lambda c: c.name)
 def test_sm90_sass_uses_wgmma_and_tma(builds, cfg, tmp_path):
-    sass = _dump(builds[cfg.name].cubin, tmp_path, "-sass")
+    sass = dump(builds[cfg.name].cubin, tmp_path, "-sass")
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
     # The first tile (Q K^T only), the loop body (Q K^T, P V) and the last P V: 2 x head_dim / 16
     # Q K^T and 2 x block_n / 16 P V wgmmas.
@@ -118,7 +59,7 @@ def test_sm90_sass_uses_wgmma_and_tma(builds, cfg, tmp_path):
 def test_sm90_parameter_offsets_match_pack_args(builds, tmp_path):
     """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout."""
     cfg = fwd_sm90.configs()[0]
-    elf = _dump(builds[cfg.name].cubin, tmp_path, "-elf")
+    elf = dump(builds[cfg.name].cubin, tmp_path, "-elf")
     table = {int(o, 16): (int(off, 16), int(size, 16)) for o, off, size in re.findall(
         r"Ordinal\s*:\s*0x([0-9a-f]+)\s+Offset\s*:\s*0x([0-9a-f]+)\s+Size\s*:\s*0x([0-9a-f]+)",
         elf)}

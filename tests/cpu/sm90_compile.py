@@ -1,0 +1,79 @@
+"""What the sm90 compile tests share (test_fwd_sm90_compile.py, test_bwd_sm90_compile.py):
+building every variant once, the clean-compile checks, and reading SASS / ELF with cuobjdump."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from flashcuda.jit import compile_spec
+
+ARCH = "sm_90a"
+ENTRY_REGS = 168  # 65536 / 384 threads, rounded down to 8: the cap at entry (setmaxnreg moves it)
+
+
+def build_all(configs) -> dict:
+    """{config name: CompileResult} for sm_90a, compiled in parallel."""
+    import cuda.core  # noqa: F401  (import once here: importing it from several threads races)
+
+    def build(cfg):
+        return cfg.name, compile_spec(cfg.spec(), ARCH)
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return dict(pool.map(build, configs))
+
+
+def assert_compiled_clean(result, name: str) -> None:
+    """At most the entry register cap, no static shared memory, no spills or stack, and no ptxas
+    warning or performance note."""
+    res = result.resources()[name]
+    assert res.registers <= ENTRY_REGS
+    assert res.shared_bytes == 0, "all shared memory is dynamic (the config's smem_bytes)"
+    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res
+    # ptxas says so when it ignores setmaxnreg (C7508) or serialises wgmma (C7510, C7515 ...).
+    assert "warning" not in result.log.lower(), result.log
+    # C7520 & co. are "info" lines: wgmma serialised because it sits on a divergent path.
+    assert "performance loss" not in result.log.lower(), result.log
+
+
+def cuobjdump() -> str | None:
+    """$FLASHCUDA_CUOBJDUMP, PATH, the nvidia-cuda-cuobjdump wheel (the `test` extra installs it,
+    with nvidia-cuda-nvdisasm next to it, which cuobjdump finds there; else $NVDISASM_PATH or
+    PATH), or triton's bundled copy."""
+    found = os.environ.get("FLASHCUDA_CUOBJDUMP") or shutil.which("cuobjdump")
+    if not found:
+        try:
+            import nvidia
+
+            for root in nvidia.__path__:
+                for candidate in sorted(Path(root).glob("cu*/bin/cuobjdump"), reverse=True):
+                    if os.access(candidate, os.X_OK):
+                        return str(candidate)
+        except ImportError:
+            pass
+        try:
+            import triton
+
+            candidate = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+            found = str(candidate) if candidate.exists() else None
+        except ImportError:
+            found = None
+    return found
+
+
+def dump(cubin: bytes, tmp_path: Path, flag: str) -> str:
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (pip install -e \".[test]\", or set FLASHCUDA_CUOBJDUMP)")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    proc = subprocess.run([tool, flag, str(path)], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0 and "nvdisasm" in proc.stderr:
+        pytest.skip("cuobjdump found no nvdisasm (set NVDISASM_PATH)")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
