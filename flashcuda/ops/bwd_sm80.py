@@ -466,37 +466,10 @@ def can_implement(call: BwdCall) -> str | None:
     """None if this family can run `call`, else the reason it cannot."""
     if call.dtype not in DTYPES:
         return f"dtype {call.dtype} is not supported (float16 / bfloat16 only)"
-    tensors = {
-        "q": call.q,
-        "k": call.k,
-        "v": call.v,
-        "out": call.out,
-        "dout": call.dout,
-        "dq": call.dq,
-        "dk": call.dk,
-        "dv": call.dv,
-    }
-    for name, t in tensors.items():
-        if t.dtype != call.dtype:
-            return f"{name} has dtype {t.dtype}, expected {call.dtype}"
-    if call.lse.dtype != torch.float32:
-        return f"lse must be float32, got {call.lse.dtype}"
-    b, sq, h, d = call.q.shape
-    sk, hkv = call.seqlen_k, call.nheads_kv
-    for name, t, shape in (
-        ("out", call.out, (b, sq, h, d)),
-        ("dout", call.dout, (b, sq, h, d)),
-        ("dq", call.dq, (b, sq, h, d)),
-        ("k", call.k, (b, sk, hkv, d)),
-        ("v", call.v, (b, sk, hkv, d)),
-        ("dk", call.dk, (b, sk, hkv, d)),
-        ("dv", call.dv, (b, sk, hkv, d)),
-        ("lse", call.lse, (b, h, sq)),
-    ):
-        if tuple(t.shape) != shape:
-            return f"{name} has shape {tuple(t.shape)}, expected {shape}"
-    if hkv == 0 or h % hkv:
-        return f"nheads ({h}) must be a multiple of nheads_kv ({hkv})"
+    if why := call.operand_problem():
+        return why
+    tensors = call.operands()
+    sq, sk, d = call.seqlen_q, call.seqlen_k, call.head_dim
     cfg = call_config(call)
     if cfg is None:
         return f"head_dim {d} is not supported (multiples of 8 up to {HEAD_DIMS[-1]})"

@@ -206,25 +206,13 @@ def can_implement(call: BwdCall) -> str | None:
         return GATED
     if call.dtype not in DTYPES:
         return f"dtype {call.dtype} is not fp16/bf16"
-    tensors = {"q": call.q, "k": call.k, "v": call.v, "out": call.out, "dout": call.dout,
-               "dq": call.dq, "dk": call.dk, "dv": call.dv}
-    for name, t in tensors.items():
-        if t.dtype != call.dtype:
-            return f"{name}.dtype {t.dtype} differs from q.dtype {call.dtype}"
-    if call.lse.dtype != torch.float32:
-        return f"lse must be float32, got {call.lse.dtype}"
+    if why := call.operand_problem():
+        return why
+    tensors = call.operands()
     b, sq, h, d = call.q.shape
-    sk, hkv = call.seqlen_k, call.nheads_kv
+    sk = call.seqlen_k
     if d not in HEAD_DIMS:
         return f"head_dim {d} is not one of {HEAD_DIMS}"
-    for name, t, shape in (("out", call.out, (b, sq, h, d)), ("dout", call.dout, (b, sq, h, d)),
-                           ("dq", call.dq, (b, sq, h, d)), ("k", call.k, (b, sk, hkv, d)),
-                           ("v", call.v, (b, sk, hkv, d)), ("dk", call.dk, (b, sk, hkv, d)),
-                           ("dv", call.dv, (b, sk, hkv, d)), ("lse", call.lse, (b, h, sq))):
-        if tuple(t.shape) != shape:
-            return f"{name} has shape {tuple(t.shape)}, expected {shape}"
-    if hkv <= 0 or h % hkv:
-        return f"nheads {h} is not a multiple of nheads_kv {hkv}"
     if call.deterministic:
         return "deterministic dQ is not implemented here (bwd_sm80 has it)"
     if sq + sk >= bwd_sm80.MAX_SEQLEN_SUM:

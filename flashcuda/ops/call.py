@@ -162,3 +162,28 @@ class BwdCall:
     head_dim = property(lambda self: self.q.shape[3])
     dtype = property(lambda self: self.q.dtype)
     device = property(lambda self: self.q.device)
+
+    def operands(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the call in q's dtype, by name (lse, float32, is apart)."""
+        return {"q": self.q, "k": self.k, "v": self.v, "out": self.out, "dout": self.dout,
+                "dq": self.dq, "dk": self.dk, "dv": self.dv}
+
+    def operand_problem(self) -> str | None:
+        """None if every operand has q's dtype and the shape q / k imply (lse float32 of shape
+        (B, H, Sq), nheads a multiple of nheads_kv), else what is wrong."""
+        for name, t in self.operands().items():
+            if t.dtype != self.dtype:
+                return f"{name} has dtype {t.dtype}, expected {self.dtype}"
+        if self.lse.dtype != torch.float32:
+            return f"lse must be float32, got {self.lse.dtype}"
+        b, sq, h, d = self.q.shape
+        sk, hkv = self.seqlen_k, self.nheads_kv
+        for name, t, shape in (("out", self.out, (b, sq, h, d)), ("dout", self.dout, (b, sq, h, d)),
+                               ("dq", self.dq, (b, sq, h, d)), ("k", self.k, (b, sk, hkv, d)),
+                               ("v", self.v, (b, sk, hkv, d)), ("dk", self.dk, (b, sk, hkv, d)),
+                               ("dv", self.dv, (b, sk, hkv, d)), ("lse", self.lse, (b, h, sq))):
+            if tuple(t.shape) != shape:
+                return f"{name} has shape {tuple(t.shape)}, expected {shape}"
+        if hkv == 0 or h % hkv:
+            return f"nheads ({h}) must be a multiple of nheads_kv ({hkv})"
+        return None
