@@ -33,6 +33,25 @@ export FLASHCUDA_CACHE_DIR=${FLASHCUDA_CACHE_DIR:-/tmp/flashcuda-lane-cache}
 export FLASHCUDA_TEST_SHARED_CACHE=1
 export FLASHCUDA_COMMIT=${FLASHCUDA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 steps=("$@")
+
+# run_ab VARIANTS BENCH_ARGS TABLE: each "label:VAR=VAL[,VAR=VAL]" of VARIANTS benched in two
+# processes, interleaved (bench BENCH_ARGS, cuDNN as the peer), then one TFLOP/s table per
+# direction timed into TABLE (scripts/compare_records.py).
+run_ab() {
+  local variant label assigns r=0 labels=()
+  for rep in 1 2; do
+    for variant in $1; do
+      label=${variant%%:*}; assigns=${variant#*:}
+      [ $rep = 1 ] && labels+=("$label=$OUT/ab-$label")
+      env ${assigns//,/ } timeout "${AB_TIMEOUT:-90}" python3 -m flashcuda bench --no-extras \
+        --no-plot --peers sdpa_cudnn $2 --out "$OUT/ab-$label" > /dev/null 2>&1 || r=$?
+    done
+  done
+  { python3 scripts/compare_records.py --direction fwd "${labels[@]}"
+    [[ " $2 " == *" --fwd-only "* ]] || python3 scripts/compare_records.py --direction bwd "${labels[@]}"
+  } | tee "$3"
+  return $r
+}
 [ ${#steps[@]} -eq 0 ] && steps=(info tests sanitize latency bench)
 status=()
 
@@ -76,30 +95,13 @@ for step in "${steps[@]}"; do
       python3 -m flashcuda bench ladder --out "$OUT/bench" > "$OUT/ladder.log" 2>&1; rc=$?; tail -n 40 "$OUT/ladder.log" ;;
     ab-sm90)
       # the sm90 forward's scheduling switches set explicitly (dispatch's rule: ping-pong on,
-      # snake with a mask), two processes each, one table
-      rc=0
-      for v in plain pingpong snake both plain pingpong snake both; do
-        pp=0; sn=0
-        { [ $v = pingpong ] || [ $v = both ]; } && pp=1
-        { [ $v = snake ] || [ $v = both ]; } && sn=1
-        FLASHCUDA_SM90_PINGPONG=$pp FLASHCUDA_SM90_SNAKE=$sn \
-          timeout "${AB_TIMEOUT:-90}" python3 -m flashcuda bench --fwd-only --no-extras --no-plot \
-          --peers sdpa_cudnn ${AB_ARGS:---seqlens 1k 4k 16k} --out "$OUT/ab-$v" > /dev/null 2>&1 || rc=$?
-      done
-      python3 scripts/compare_records.py plain="$OUT/ab-plain" pingpong="$OUT/ab-pingpong" \
-        snake="$OUT/ab-snake" both="$OUT/ab-both" | tee "$OUT/ab-sm90.txt" ;;
+      # snake with a mask)
+      P=FLASHCUDA_SM90_PINGPONG S=FLASHCUDA_SM90_SNAKE
+      run_ab "plain:$P=0,$S=0 pingpong:$P=1,$S=0 snake:$P=0,$S=1 both:$P=1,$S=1" \
+        "--fwd-only ${AB_ARGS:---seqlens 1k 4k 16k}" "$OUT/ab-sm90.txt"; rc=$? ;;
     ab)
-      rc=0; labels=()
-      for rep in 1 2; do
-        for variant in ${AB_VARIANTS:?AB_VARIANTS is empty}; do
-          label=${variant%%:*}; assigns=${variant#*:}
-          [ $rep = 1 ] && labels+=("$label=$OUT/ab-$label")
-          env ${assigns//,/ } timeout "${AB_TIMEOUT:-90}" python3 -m flashcuda bench --no-extras --no-plot \
-            --peers sdpa_cudnn ${AB_ARGS:---seqlens 1k 4k 16k} --out "$OUT/ab-$label" > /dev/null 2>&1 || rc=$?
-        done
-      done
-      { python3 scripts/compare_records.py --direction fwd "${labels[@]}"
-        python3 scripts/compare_records.py --direction bwd "${labels[@]}"; } | tee "$OUT/ab.txt" ;;
+      run_ab "${AB_VARIANTS:?AB_VARIANTS is empty}" "${AB_ARGS:---seqlens 1k 4k 16k}" "$OUT/ab.txt"
+      rc=$? ;;
     *)
       echo "unknown step $step"; rc=2 ;;
   esac

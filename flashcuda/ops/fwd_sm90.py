@@ -163,8 +163,8 @@ SNAKE_ENV = "FLASHCUDA_SM90_SNAKE"  # snake order of work tiles over the persist
 
 
 def _flag(env: str, default: bool) -> bool:
-    raw = os.environ.get(env, "").strip().lower()
-    if raw in ("", "auto"):
+    raw = os.environ.get(env, "").strip()
+    if not raw:
         return default
     if raw in ("1", "0"):
         return raw == "1"
