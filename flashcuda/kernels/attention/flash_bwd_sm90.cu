@@ -88,6 +88,7 @@
 // keeps subnormals (UBLKRED .F32.RN).
 #include "common/types.cuh"
 #include "common/sm90.cuh"
+#include "common/reduce.cuh"
 #include "attention/mask.cuh"
 #include "attention/online_softmax.cuh"
 
@@ -279,16 +280,6 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
                   batch);
     }
   }
-}
-
-__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
-}
-
-__device__ __forceinline__ void red_add_f32x4(float* p, float x, float y, float z, float w) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x), "f"(y), "f"(z),
-               "f"(w)
-               : "memory");
 }
 
 // One arrival per consumer warp on an "empty" barrier (every lane's wgmma reading the stage has

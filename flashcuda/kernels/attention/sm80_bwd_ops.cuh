@@ -1,5 +1,5 @@
 // sm80 PTX wrappers used by the tensor-core backward (flash_bwd_sm80.cu): mma.sync m16n8k16,
-// ldmatrix (plain and .trans), cp.async with zero fill, fp32 global reductions.
+// ldmatrix (plain and .trans), cp.async with zero fill (fp32 global reductions: common/reduce.cuh).
 //
 // Kept apart from common/sm80.cuh (written in parallel for the forward) so the two could land
 // independently; the wrappers are meant to be deduplicated into common/sm80.cuh later.
@@ -13,6 +13,7 @@
 // without .trans lane (g, t) receives row g, cols 2t..2t+1; with .trans rows 2t..2t+1 of col g.
 #pragma once
 #include "common/types.cuh"
+#include "common/reduce.cuh"  // red_add_f32x2 / red_add_f32x4
 
 namespace bwd80 {
 
@@ -78,32 +79,6 @@ __device__ __forceinline__ void cp_async_commit() {
 
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// *p += (x, y) for two consecutive floats (8-byte aligned), result unused: one vector reduction on
-// sm_90 (PTX 8.1 red .v2.f32), two scalar ones before.
-__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
-#else
-  atomicAdd(p, x);
-  atomicAdd(p + 1, y);
-#endif
-}
-
-// *p += (x, y, z, w) for four consecutive floats (16-byte aligned), result unused: PTX 8.1
-// red .v4.f32, sm_90 only (the sm80 main kernel calls it only under __CUDA_ARCH__ >= 900).
-__device__ __forceinline__ void red_add_f32x4(float* p, float x, float y, float z, float w) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x), "f"(y), "f"(z),
-               "f"(w)
-               : "memory");
-#else
-  atomicAdd(p, x);
-  atomicAdd(p + 1, y);
-  atomicAdd(p + 2, z);
-  atomicAdd(p + 3, w);
-#endif
 }
 
 // 16-byte shared/global accesses.

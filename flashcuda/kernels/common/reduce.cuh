@@ -4,6 +4,8 @@
 //                                    result (Width a power of two <= 32; the sm80 flash kernels
 //                                    reduce a score row over the 4 lanes of an mma quad: Width = 4)
 //   block_allreduce(v, scratch, op)  every thread of the block gets the block's result
+//   red_add_f32x2 / red_add_f32x4    fp32 global reductions of 2 / 4 consecutive floats (the
+//                                    backward kernels' dQ accumulation)
 //
 // `op` is a functor with `static T identity()` and `T operator()(T, T)`: SumOp, MaxOp, MinOp.
 // Both are deterministic: the combination order is fixed by the butterfly, and every lane ends with
@@ -71,4 +73,32 @@ __device__ __forceinline__ float block_reduce_sum(float v, float* scratch) {
 }
 __device__ __forceinline__ float block_reduce_max(float v, float* scratch) {
   return block_allreduce(v, scratch, MaxOp<float>());
+}
+
+// ---- fp32 global reductions ----------------------------------------------------------------------
+
+// *p += (x, y) for two consecutive floats (8-byte aligned), result unused: one vector reduction on
+// sm_90 (PTX 8.1 red .v2.f32), two scalar ones before.
+__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+  atomicAdd(p, x);
+  atomicAdd(p + 1, y);
+#endif
+}
+
+// *p += (x, y, z, w) for four consecutive floats (16-byte aligned), result unused: one vector
+// reduction on sm_90 (PTX 8.1 red .v4.f32), four scalar ones before.
+__device__ __forceinline__ void red_add_f32x4(float* p, float x, float y, float z, float w) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x), "f"(y), "f"(z),
+               "f"(w)
+               : "memory");
+#else
+  atomicAdd(p, x);
+  atomicAdd(p + 1, y);
+  atomicAdd(p + 2, z);
+  atomicAdd(p + 3, w);
+#endif
 }
