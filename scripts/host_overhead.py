@@ -1,55 +1,145 @@
-"""Host-side cost of one flashcuda call (validation, custom op, dispatch, launch), on a GPU.
+"""Host-side cost of one flashcuda call (validation, dispatch, tensor maps, launch), on a GPU.
 
-    python scripts/host_overhead.py        # prints per-call microseconds and a cProfile top list
+    python scripts/host_overhead.py [--shape B S H D] [--causal] [--profile]
 
-A tiny problem, so the GPU work is negligible: the wall time per call is the host overhead that
-limits short-sequence throughput (PERFORMANCE.md: cuDNN wins there on launch efficiency).
+Every timing is taken while a spin kernel keeps the GPU busy, so a call only enqueues work and
+never waits: what is measured is the host time that, when it exceeds the GPU time of a short
+call, leaves the GPU idle (the † points of the bench summary). Prints per-call microseconds for
+flashcuda and SDPA's flash backend (forward, forward with autograd, backward), then the cost of
+the pieces of the forward path, then (--profile) a cProfile list of the forward and backward.
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
+import io
 import pstats
+import statistics
 import time
 
 import torch
 
 import flashcuda
+from flashcuda import validate
+from flashcuda.ops import dispatch, fwd_sm90
+from flashcuda.ops.call import FwdCall
+
+
+def spin(ms: float = 300.0) -> None:
+    rate = getattr(torch.cuda.get_device_properties(0), "clock_rate", 0) or 2_000_000
+    torch.cuda._sleep(int(ms * rate))
+
+
+def per_call_us(fn, calls: int = 200, reset=None) -> float:
+    """Median host microseconds of fn() over `calls` calls, the GPU kept busy."""
+    torch.cuda.synchronize()
+    spin()
+    samples = []
+    for _ in range(calls):
+        if reset is not None:
+            reset()
+        t = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def profile(fn, calls: int, reset=None, top: int = 30) -> str:
+    torch.cuda.synchronize()
+    spin(1000.0)
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        if reset is not None:
+            reset()
+        prof.enable()
+        fn()
+        prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue()
 
 
 def main() -> None:
-    q = torch.randn(1, 128, 4, 64, device="cuda", dtype=torch.bfloat16)
-    for _ in range(20):
-        flashcuda.flash_attn_func(q, q, q, causal=True)
-    torch.cuda.synchronize()
-    # 300 distinct tensors in turn: more than the tensor-map cache holds (256), so every sm90 call
-    # encodes its maps, as in training where each step brings new activations.
-    pool = [torch.randn_like(q) for _ in range(300)]
-    turn = iter(range(10**9))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", type=int, nargs=4, default=[32, 512, 16, 128],
+                    metavar=("B", "S", "H", "D"))
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    b, s, h, d = a.shape
+    mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = mk(), mk(), mk()
+    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+    leaves = (ql, kl, vl)
 
-    def fresh():
-        x = pool[next(turn) % len(pool)]
-        return flashcuda.flash_attn_func(x, x, x, causal=True)
+    def clear():
+        for t in leaves:
+            t.grad = None
 
-    for label, fn in [
-        ("flash_attn_func", lambda: flashcuda.flash_attn_func(q, q, q, causal=True)),
-        ("  new tensors", fresh),
-        ("sdpa (torch)", lambda: torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), is_causal=True)),
-    ]:
-        n = 500
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        print(f"{label:20s} {(time.perf_counter() - t) / n * 1e6:8.1f} us per call (host-bound)")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(300):
-        flashcuda.flash_attn_func(q, q, q, causal=True)
-    prof.disable()
+    fc_out = flashcuda.flash_attn_func(ql, kl, vl, causal=a.causal)
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        sd_out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=a.causal)
+    fc_out.backward(dout, retain_graph=True)
+    sd_out.backward(dout.transpose(1, 2), retain_graph=True)
     torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+    def sdpa_fwd():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2),
+                                                                    k.transpose(1, 2),
+                                                                    v.transpose(1, 2),
+                                                                    is_causal=a.causal)
+
+    def sdpa_clear():
+        for t in (qt, kt, vt):
+            t.grad = None
+
+    rows = [
+        ("flashcuda fwd (no grad)", lambda: flashcuda.flash_attn_func(q, k, v, causal=a.causal), None),
+        ("flashcuda fwd (autograd)", lambda: flashcuda.flash_attn_func(ql, kl, vl, causal=a.causal), None),
+        ("flashcuda bwd", lambda: fc_out.backward(dout, retain_graph=True), clear),
+        ("sdpa flash fwd (no grad)", sdpa_fwd, None),
+        ("sdpa flash bwd", lambda: sd_out.backward(dout.transpose(1, 2), retain_graph=True), sdpa_clear),
+    ]
+    print(f"shape {tuple(a.shape)} bf16 causal={a.causal}: host us per call, GPU kept busy")
+    for label, fn, reset in rows:
+        print(f"  {label:28s} {per_call_us(fn, reset=reset):8.1f}")
+
+    # the forward path's pieces
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
+    wr = 0 if a.causal else None
+    call = FwdCall(q, k, v, out, lse, d ** -0.5, None, wr)
+    plan = fwd_sm90._plan(call)
+    cfg = plan.cfg
+    maps = (fwd_sm90.bshd_map(q, cfg.block_m), fwd_sm90.bshd_map(k, cfg.block_n),
+            fwd_sm90.bshd_map(v, cfg.block_n))
+    pieces = [
+        ("validate.check_qkv", lambda: validate.check_qkv(q, k, v)),
+        ("torch.empty out + lse", lambda: (torch.empty_like(q),
+                                           torch.empty(b, h, s, device="cuda", dtype=torch.float32))),
+        ("FwdCall(...)", lambda: FwdCall(q, k, v, out, lse, d ** -0.5, None, wr)),
+        ("dispatch._plan_key", lambda: dispatch._plan_key(call, "fwd")),
+        ("fwd_sm90._plan (hit)", lambda: fwd_sm90._plan(call)),
+        ("bshd_map (memo hit)", lambda: fwd_sm90.bshd_map(q, cfg.block_m)),
+        ("kernel.launch", lambda: plan.kernel.launch(plan.grid, (cfg.threads, 1, 1), *maps, out,
+                                                     lse, *plan.constants,
+                                                     shared_mem=cfg.smem_bytes)),
+        ("fwd_sm90.run", lambda: fwd_sm90.run(call)),
+        ("dispatch.forward", lambda: dispatch.forward(call)),
+        ("torch.cuda.current_stream", lambda: torch.cuda.current_stream(0)),
+    ]
+    print("forward pieces (host us per call)")
+    for label, fn in pieces:
+        print(f"  {label:28s} {per_call_us(fn, calls=300):8.1f}")
+    if a.profile:
+        print(profile(lambda: flashcuda.flash_attn_func(q, k, v, causal=a.causal), 200))
+        print(profile(lambda: fc_out.backward(dout, retain_graph=True), 100, reset=clear))
 
 
 if __name__ == "__main__":
