@@ -55,10 +55,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     """
     validate.check_fa_unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes)
     validate.check_qkv(q, k, v, strided_last_ok=True)  # before any copy: a bad input never
-    q = _last_dim_contiguous(q, "q")                    # allocates
-    k = _last_dim_contiguous(k, "k")
-    v = _last_dim_contiguous(v, "v")
-    validate.check_qkv(q, k, v)
+    qc, kc, vc = (_last_dim_contiguous(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    if qc is not q or kc is not k or vc is not v:  # a copy: check its layout again
+        validate.check_qkv(qc, kc, vc)
+    q, k, v = qc, kc, vc
     window_left, window_right = validate.fa_window(window_size, causal)
     scale = validate.softmax_scale(softmax_scale, q.shape[-1])
     deterministic = validate.check_flag(deterministic, "deterministic")
@@ -107,8 +107,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                          f"enable_gqa=True for grouped-query attention), got {key.shape[1]}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     validate.check_qkv(q, k, v, names=names, bhsd=True, strided_last_ok=True)  # before any copy
-    q, k, v = (_last_dim_contiguous(t, n) for t, n in zip((q, k, v), names, strict=True))
-    validate.check_qkv(q, k, v, names=names, bhsd=True)
+    qc, kc, vc = (_last_dim_contiguous(t, n) for t, n in zip((q, k, v), names, strict=True))
+    if qc is not q or kc is not k or vc is not v:  # a copy: check its layout again
+        validate.check_qkv(qc, kc, vc, names=names, bhsd=True)
+    q, k, v = qc, kc, vc
     is_causal = validate.check_flag(is_causal, "is_causal")
     window_right = q.shape[1] - k.shape[1] if is_causal else None
     softmax_scale = validate.softmax_scale(scale, q.shape[-1], name="scale")

@@ -62,6 +62,10 @@ def profile(fn, calls: int, reset=None, top: int = 30) -> str:
     return s.getvalue()
 
 
+def fwd_lse(q, k, v, causal: bool) -> torch.Tensor:
+    return flashcuda.flash_attn_func(q, k, v, causal=causal, return_lse=True)[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", type=int, nargs=4, default=[32, 512, 16, 128],
@@ -137,6 +141,25 @@ def main() -> None:
     print("forward pieces (host us per call)")
     for label, fn in pieces:
         print(f"  {label:28s} {per_call_us(fn, calls=300):8.1f}")
+
+    # the backward path's pieces (the same call the autograd backward makes)
+    from flashcuda.ops import bwd_sm90
+    from flashcuda.ops.attention import _bwd_impl
+    from flashcuda.ops.call import BwdCall
+
+    o, lse_ = fc_out.detach(), fwd_lse(q, k, v, a.causal)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bcall = BwdCall(q, k, v, o, dout, lse_, dq, dk, dv, d ** -0.5, None, wr, False)
+    bpieces = [
+        ("_bwd_impl (no autograd)", lambda: _bwd_impl(dout, q, k, v, o, lse_, d ** -0.5, None, wr,
+                                                      False)),
+        ("dispatch.backward", lambda: dispatch.backward(bcall)),
+        ("bwd_sm90.run", lambda: bwd_sm90.run(bcall)),
+        ("dispatch._plan_key (bwd)", lambda: dispatch._plan_key(bcall, "bwd")),
+    ]
+    print("backward pieces (host us per call)")
+    for label, fn in bpieces:
+        print(f"  {label:28s} {per_call_us(fn, calls=200):8.1f}")
     if a.profile:
         print(profile(lambda: flashcuda.flash_attn_func(q, k, v, causal=a.causal), 200))
         print(profile(lambda: fc_out.backward(dout, retain_graph=True), 100, reset=clear))

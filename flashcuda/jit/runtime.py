@@ -98,21 +98,54 @@ def _check(result, what: str):
     return result[1] if len(result) == 2 else result[1:]
 
 
+@functools.cache
+def _libcuda():
+    """libcuda's launch-path entry points through ctypes (the hot path of every call: the
+    cuda.bindings wrappers build Python objects per argument and cost several microseconds each;
+    a ctypes call costs about one). libcuda.so.1 is the driver library cuda.bindings loads too."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    vp, u32 = ctypes.c_void_p, ctypes.c_uint32
+    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+    lib.cuCtxGetCurrent.restype = ctypes.c_int
+    lib.cuCtxSetCurrent.argtypes = [vp]
+    lib.cuCtxSetCurrent.restype = ctypes.c_int
+    lib.cuLaunchKernel.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp, vp, vp]
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    return lib
+
+
+def _cu_error(err: int, what: str) -> RuntimeError:
+    from cuda.bindings import driver
+
+    try:
+        code = driver.CUresult(err)
+        _, msg = driver.cuGetErrorString(code)
+        return RuntimeError(f"{what} failed: {code.name} ({msg.decode() if msg else ''})")
+    except ValueError:
+        return RuntimeError(f"{what} failed: CUresult {err}")
+
+
 def _make_current(device_index: int) -> None:
     """Make the device's primary context (the one torch uses) current on this thread. Checked on
     every launch: autograd's backward thread or a user thread may have none, or another device's."""
-    from cuda.bindings import driver
-
     ctx = _contexts.get(device_index)
     if ctx is None:
+        from cuda.bindings import driver
+
         with _lock:
             _check(driver.cuInit(0), "cuInit")
             dev = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
-            ctx = _contexts[device_index] = _check(driver.cuDevicePrimaryCtxRetain(dev),
-                                                   "cuDevicePrimaryCtxRetain")
-    current = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if int(current) != int(ctx):
-        _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            primary = _check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            ctx = _contexts[device_index] = int(primary)
+    lib = _libcuda()
+    current = ctypes.c_void_p()
+    err = lib.cuCtxGetCurrent(ctypes.byref(current))
+    if err:
+        raise _cu_error(err, "cuCtxGetCurrent")
+    if (current.value or 0) != ctx:
+        err = lib.cuCtxSetCurrent(ctx)
+        if err:
+            raise _cu_error(err, "cuCtxSetCurrent")
 
 
 def _is_tensor_map(a) -> bool:
@@ -154,16 +187,25 @@ def _layout(codes: str) -> tuple[struct.Struct, tuple[int, ...]]:
     return struct.Struct("".join(fmt)), tuple(offsets)
 
 
-def pack_args(name: str, args: tuple) -> tuple[bytes, tuple[int, ...]]:
+def pack_args(name: str, args: tuple,
+              device_index: int | None = None) -> tuple[bytes, tuple[int, ...]]:
     """Kernel arguments packed at natural alignment, and each one's offset in the buffer:
     tensors -> 8-byte device pointers, None -> null pointer, numpy scalars at their own width,
-    tensor maps (`__cuda_tensor_map__()`) -> their 128 bytes at a 64-byte aligned offset."""
+    tensor maps (`__cuda_tensor_map__()`) -> their 128 bytes at a 64-byte aligned offset.
+    With `device_index`, every tensor must live on that CUDA device (ValueError otherwise)."""
     import torch
 
     codes = []
     values = []
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
+        scalar = _SCALARS.get(type(a))
+        if scalar is not None:
+            codes.append(scalar[0])
+            values.append(a.item())
+        elif isinstance(a, torch.Tensor):
+            if device_index is not None and a.get_device() != device_index:
+                raise ValueError(f"kernel {name}: argument {i} is on {a.device}, expected "
+                                 f"cuda:{device_index}")
             codes.append("Q")
             values.append(a.data_ptr())
         elif a is None:
@@ -177,16 +219,22 @@ def pack_args(name: str, args: tuple) -> tuple[bytes, tuple[int, ...]]:
             codes.append("M")
             values.append(raw)
         else:
-            code = _SCALARS.get(type(a))
-            if code is None:
-                raise TypeError(
-                    f"kernel {name}: argument {i} has type {type(a).__name__}; pass tensors, None, "
-                    "or fixed-width numpy scalars (np.int32, np.int64, np.float32, ...)"
-                )
-            codes.append(code[0])
-            values.append(a.item())
+            raise TypeError(
+                f"kernel {name}: argument {i} has type {type(a).__name__}; pass tensors, None, "
+                "or fixed-width numpy scalars (np.int32, np.int64, np.float32, ...)"
+            )
     layout, offsets = _layout("".join(codes))
     return layout.pack(*values), offsets
+
+
+def _current_stream_handle(device_index: int) -> int:
+    """torch's current stream on the device, as the driver's handle (an int)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 @dataclass
@@ -200,6 +248,11 @@ class CompiledKernel:
     cache_hit: bool = False
     load_seconds: float = 0.0
     abi_checked: bool = False
+
+    @functools.cached_property
+    def function_handle(self) -> int:
+        """The CUfunction as the integer the driver's C API takes."""
+        return int(self.function)
 
     @property
     def name(self) -> str:
@@ -248,20 +301,12 @@ class CompiledKernel:
 
     def launch(self, grid, block, *args, shared_mem: int = 0, stream=None) -> None:
         """Launch on `stream` (a torch.cuda.Stream) or torch's current stream of the device."""
-        import torch
-        from cuda.bindings import driver
-
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and (a.device.type != "cuda" or a.device.index != self.device_index):
-                raise ValueError(
-                    f"kernel {self.name}: argument {i} is on {a.device}, expected cuda:{self.device_index}"
-                )
-        # kernelParams: an array of pointers to each argument's bytes; the driver reads each
-        # parameter's size from the cubin, so no buffer size has to match the kernel's.
-        packed, offsets = pack_args(self.name, args)
+        packed, offsets = pack_args(self.name, args, self.device_index)
         if not self.abi_checked:
             self.check_abi(args, packed, offsets)
             self.abi_checked = True
+        # kernelParams: an array of pointers to each argument's bytes; the driver reads each
+        # parameter's size from the cubin, so no buffer size has to match the kernel's.
         params = ctypes.create_string_buffer(packed, max(len(packed), 1))
         base = ctypes.addressof(params)
         pointers = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
@@ -270,11 +315,13 @@ class CompiledKernel:
         _make_current(self.device_index)
         if shared_mem > self.smem_limit:
             self._raise_smem_limit(shared_mem)
-        if stream is None:
-            stream = torch.cuda.current_stream(self.device_index)
-        _check(driver.cuLaunchKernel(self.function, *grid, *block, shared_mem,
-                                     driver.CUstream(stream.cuda_stream), ctypes.addressof(pointers), 0),
-               f"launching {self.name} grid={grid} block={block} smem={shared_mem}")
+        handle = (_current_stream_handle(self.device_index) if stream is None
+                  else stream.cuda_stream)
+        err = _libcuda().cuLaunchKernel(self.function_handle, *grid, *block, shared_mem, handle,
+                                        pointers, None)
+        if err:
+            raise _cu_error(err, f"launching {self.name} grid={grid} block={block} "
+                                 f"smem={shared_mem}")
 
 
 def device_arch(device_index: int) -> str:

@@ -10,7 +10,8 @@ outside the dims are zero-filled by the copy engine (and still count as transact
 
 `tiled_problem` checks the driver's rules without a GPU (can_implement uses it); `encode_tiled`
 calls cuTensorMapEncodeTiled; `bshd_map` memoises maps by (address, dtype, shape, strides, box):
-a map holds nothing but those, so a reused address with the same geometry gets the same map.
+a map holds nothing but those, so a reused address with the same geometry gets the same map
+(tested: tests/cpu/test_jit_tensor_map.py).
 """
 
 from __future__ import annotations
@@ -125,21 +126,28 @@ def encode_tiled(dtype, address: int, dims: tuple[int, ...], byte_strides: tuple
     return TensorMap(ctypes.string_at(aligned, TensorMap.SIZE))
 
 
-@functools.lru_cache(maxsize=256)
-def _bshd_map(dtype, address: int, shape: tuple[int, ...], strides: tuple[int, ...],
-              elem_bytes: int, box_rows: int) -> TensorMap:
-    dims, byte_strides = bshd_geometry(shape, strides, elem_bytes)
-    return encode_tiled(dtype, address, dims, byte_strides, (BOX_COLS, box_rows, 1, 1))
+_MEMO_SIZE = 256
+_memo: dict[tuple, TensorMap] = {}
 
 
 def bshd_map(t, box_rows: int) -> TensorMap:
-    """The map of a CUDA (B, S, H, D) fp16/bf16 tensor, box (64 cols, box_rows rows, 1, 1)."""
-    import torch
+    """The map of a CUDA (B, S, H, D) fp16/bf16 tensor, box (64 cols, box_rows rows, 1, 1).
 
+    Memoised by (dtype, address, shape, strides, box): a map holds nothing else, so a hit is
+    exactly the map an encode would give (the hot path of a repeated call: one dict lookup).
+    A miss checks the layout (ValueError naming the rule) and encodes."""
+    key = (t.dtype, t.data_ptr(), t.shape, t.stride(), box_rows)
+    m = _memo.get(key)
+    if m is not None:
+        return m
     from .runtime import _make_current
 
     if why := bshd_problem(t, box_rows):
         raise ValueError(f"bshd_map: {why}")
-    _make_current(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    return _bshd_map(t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size(),
-                     box_rows)
+    _make_current(t.get_device())  # a CUDA tensor's device index
+    dims, byte_strides = bshd_geometry(tuple(t.shape), tuple(t.stride()), t.element_size())
+    m = encode_tiled(t.dtype, t.data_ptr(), dims, byte_strides, (BOX_COLS, box_rows, 1, 1))
+    if len(_memo) >= _MEMO_SIZE:
+        _memo.clear()  # training brings new activations each step: keep the newest only
+    _memo[key] = m
+    return m

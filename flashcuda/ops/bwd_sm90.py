@@ -20,8 +20,9 @@ shared memory (the .cu static_asserts the same layout), the name, the defines.
 (+ 36 KB, 199 / 198 KB, for the dQ staging tiles of FLASHCUDA_SM90_BWD_DQ=bulk.)
 FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up A/B, see the .cu);
 FLASHCUDA_SM90_BWD_WATCHDOG=1 runs the variant whose mbarrier waits trap (a launch failure) instead
-of hanging (bring-up). FLASHCUDA_SM90_BWD_DQ=v4 reduces dQ with red.v4, =bulk with row-wise
-cp.reduce.async.bulk from a shared staging tile (A/B; compiled and CPU-emulated, not yet measured).
+of hanging (bring-up). The dQ reduction into dq_accum (FLASHCUDA_SM90_BWD_DQ): red.v2 (8-byte
+atomics, the default at d64), red.v4 (16-byte, after a lane-pair shuffle; the default at d128) or
+row-wise cp.reduce.async.bulk from a shared staging tile (bulk; measured slower, kept for A/B).
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512.
 """
 
@@ -35,6 +36,7 @@ from math import lcm
 import numpy as np
 import torch
 
+from .._env import env_names, env_values
 from ..jit import KernelSpec, get_kernel, register
 from ..jit.tensor_map import bshd_map, bshd_problem
 from . import bwd_sm80
@@ -47,7 +49,10 @@ HEAD_DIMS = (64, 128)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD"
 DS_ENV = "FLASHCUDA_SM90_BWD_DS"
 WATCHDOG_ENV = "FLASHCUDA_SM90_BWD_WATCHDOG"
-DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"  # v4: red.v4; bulk: bulk reductions (A/B, not yet measured)
+DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"  # v2: red.v2, v4: red.v4, bulk: bulk reductions (A/B)
+# The dQ reduction per head dim, by measurement (docs/perf-notes.md, "dQ reductions measured"):
+# red.v4 wins 2-14% at d128 and loses 3-4% at d64 from 4k; the bulk reductions win at neither.
+DQ_DEFAULT = {64: "v2", 128: "v4"}
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
@@ -168,31 +173,41 @@ class Sm90BwdConfig:
         return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
 
 
+def _dq_mode(dq: str) -> dict[str, bool]:
+    return {"dq_v4": dq == "v4", "dq_bulk": dq == "bulk"}
+
+
 def configs() -> list[Sm90BwdConfig]:
-    """Every specialisation dispatch or the dS-layout switch can pick (the CPU lane compiles
-    them all)."""
-    return [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w) for w in (False, True)
-            for k in (False, True) for dtype in DTYPES for d in HEAD_DIMS] + [
-        Sm90BwdConfig(dtype, d, release_fence=False) for dtype in DTYPES for d in HEAD_DIMS] + [
-        Sm90BwdConfig(dtype, d, dq_v4=True) for dtype in DTYPES for d in HEAD_DIMS] + [
-        Sm90BwdConfig(dtype, d, dq_bulk=True) for dtype in DTYPES for d in HEAD_DIMS]
+    """Every specialisation dispatch or an A/B switch can pick (the CPU lane compiles them all):
+    per dtype and head dim, the default dQ reduction with both dS layouts, with and without the
+    watchdog, and without the release fence; the other two dQ reductions."""
+    out = []
+    for dtype in DTYPES:
+        for d in HEAD_DIMS:
+            default = _dq_mode(DQ_DEFAULT[d])
+            out += [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w, **default)
+                    for w in (False, True) for k in (False, True)]
+            out.append(Sm90BwdConfig(dtype, d, release_fence=False, **default))
+            out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq)) for dq in ("v2", "v4", "bulk")
+                    if dq != DQ_DEFAULT[d]]
+    return out
 
 
 def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     """FA3's tiles; FLASHCUDA_SM90_BWD_DS=k picks the [query][key] dS layout (bring-up A/B:
     it reads dS K-major, a descriptor kind the forward proved, instead of transposed A);
     FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging;
-    FLASHCUDA_SM90_BWD_DQ=v4 / bulk the dQ reduction mode (default v2)."""
+    FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk the dQ reduction mode (default DQ_DEFAULT)."""
     raw = os.environ.get(DS_ENV, "").strip().lower()
     if raw not in ("", "mn", "k"):
         raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
     watchdog = os.environ.get(WATCHDOG_ENV, "").strip() == "1"
     fence = os.environ.get(FENCE_ENV, "").strip() != "0"
-    dq = os.environ.get(DQ_ENV, "").strip().lower()
-    if dq not in ("", "v2", "v4", "bulk"):
+    dq = os.environ.get(DQ_ENV, "").strip().lower() or DQ_DEFAULT.get(head_dim, "v2")
+    if dq not in ("v2", "v4", "bulk"):
         raise ValueError(f"{DQ_ENV}: expected v2, v4 or bulk, got {dq!r}")
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
-                         release_fence=fence, dq_v4=dq == "v4", dq_bulk=dq == "bulk")
+                         release_fence=fence, **_dq_mode(dq))
 
 
 def enabled() -> bool:
@@ -243,41 +258,96 @@ def _strides(t: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
     return np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2))
 
 
-def run(call: BwdCall) -> None:
-    """Fill call.dq, call.dk, call.dv. Raises NotImplementedError when can_implement(call) says
-    no. PRE and CONVERT are bwd_sm80's kernels, launched as bwd_sm80.run launches them."""
+@dataclass(frozen=True)
+class _Plan:
+    """What a call's layout decides once: the config, the three kernels, their grids and the
+    arguments that do not change with the data addresses."""
+
+    cfg: Sm90BwdConfig
+    pre: object
+    main: object
+    convert: object
+    sq_pad: int
+    pre_grid: tuple[int, int, int]
+    main_grid: tuple[int, int, int]
+    convert_grid: tuple[int, int, int]
+    pre_args: tuple
+    main_args: tuple
+    convert_args: tuple
+
+
+_plans: dict[tuple, _Plan] = {}
+_KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV)
+
+
+def _plan_key(call: BwdCall) -> tuple:
+    """Everything can_implement and the plan read, except the data addresses (only their
+    alignment, which TMA and the vector accesses care about)."""
+    return (call.dtype, call.device, call.deterministic, call.window_left, call.window_right,
+            call.softmax_scale, env_values(_KEY_ENV),
+            *((t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
+              for t in (call.q, call.k, call.v, call.out, call.dout, call.lse, call.dq, call.dk,
+                        call.dv)))
+
+
+def _plan(call: BwdCall) -> _Plan:
+    key = _plan_key(call)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
     if why := can_implement(call):
         raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
     cfg = select_config(call.dtype, call.head_dim)
     aux = cfg.aux()
     b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
     h, hkv, d = call.nheads, call.nheads_kv, call.head_dim
-    dev = call.device
     sq_pad = cfg.seqlen_pad(sq)
-    lse = call.lse if call.lse.stride(-1) == 1 else call.lse.contiguous()
-    lse2 = torch.empty((b, h, sq_pad), dtype=torch.float32, device=dev)
-    delta = torch.empty_like(lse2)
-    dq_accum = torch.empty((b, h, sq_pad, d), dtype=torch.float32, device=dev)
     wl, wr = kernel_windows(sq, sk, call.window_left, call.window_right)
     scale = np.float32(call.softmax_scale)
+    dev = call.device
+    plan = _Plan(
+        cfg, get_kernel(aux.pre_spec(), dev), get_kernel(cfg.spec(), dev),
+        get_kernel(aux.convert_spec(), dev), sq_pad,
+        pre_grid=(sq_pad // aux.aux_rows, h, b),
+        main_grid=cfg.grid(call),
+        convert_grid=(-(-sq // aux.aux_rows), h, b),
+        pre_args=(*_strides(call.out), *_strides(call.dout)),
+        main_args=(*_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk),
+                   np.int32(h), np.int32(hkv), np.int32(sq_pad),
+                   np.float32(call.softmax_scale * LOG2E), scale, wl, wr),
+        convert_args=(*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
+                      np.int32(sq_pad), scale))
+    if len(_plans) > 1024:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
 
-    get_kernel(aux.pre_spec(), dev).launch(
-        (sq_pad // aux.aux_rows, h, b), (bwd_sm80.AUX_THREADS,),
-        call.out, call.dout, lse, lse2, delta, dq_accum,
-        *_strides(call.out), *_strides(call.dout), np.int64(lse.stride(0)),
-        np.int64(lse.stride(1)), np.int32(sq), np.int32(h), np.int32(d), np.int32(sq_pad))
-    get_kernel(cfg.spec(), dev).launch(
-        cfg.grid(call), (cfg.threads, 1, 1),
+
+def run(call: BwdCall) -> None:
+    """Fill call.dq, call.dk, call.dv. Raises NotImplementedError when can_implement(call) says
+    no. PRE and CONVERT are bwd_sm80's kernels, launched as bwd_sm80.run launches them. A repeat
+    call with the same layout reuses its plan (can_implement's verdict included: the plan key
+    holds everything it reads)."""
+    plan = _plan(call)
+    cfg = plan.cfg
+    b, h, sq = call.batch, call.nheads, call.seqlen_q
+    lse = call.lse if call.lse.stride(-1) == 1 else call.lse.contiguous()
+    lse2 = torch.empty((b, h, plan.sq_pad), dtype=torch.float32, device=call.device)
+    delta = torch.empty_like(lse2)
+    dq_accum = torch.empty((b, h, plan.sq_pad, call.head_dim), dtype=torch.float32,
+                           device=call.device)
+    plan.pre.launch(
+        plan.pre_grid, (bwd_sm80.AUX_THREADS,),
+        call.out, call.dout, lse, lse2, delta, dq_accum, *plan.pre_args,
+        np.int64(lse.stride(0)), np.int64(lse.stride(1)), np.int32(sq), np.int32(h),
+        np.int32(call.head_dim), np.int32(plan.sq_pad))
+    plan.main.launch(
+        plan.main_grid, (cfg.threads, 1, 1),
         bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n),
         bshd_map(call.v, cfg.block_n), bshd_map(call.dout, cfg.block_m),
-        lse2, delta, dq_accum, call.dk, call.dv, *_strides(call.dk), *_strides(call.dv),
-        np.int32(sq), np.int32(sk), np.int32(h), np.int32(hkv), np.int32(sq_pad),
-        np.float32(call.softmax_scale * LOG2E), scale, wl, wr,
-        shared_mem=cfg.smem_bytes)
-    get_kernel(aux.convert_spec(), dev).launch(
-        (-(-sq // aux.aux_rows), h, b), (bwd_sm80.AUX_THREADS,),
-        dq_accum, call.dq, *_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
-        np.int32(sq_pad), scale)
+        lse2, delta, dq_accum, call.dk, call.dv, *plan.main_args, shared_mem=cfg.smem_bytes)
+    plan.convert.launch(plan.convert_grid, (bwd_sm80.AUX_THREADS,), dq_accum, call.dq,
+                        *plan.convert_args)
 
 
 @register

@@ -23,6 +23,7 @@ import os
 from collections.abc import Iterator
 from types import ModuleType
 
+from .._env import env_names, env_values
 from .._log import log_once, logger
 from .call import DTYPE_NAME, BwdCall, FwdCall
 
@@ -111,6 +112,13 @@ def _dispatch(call: FwdCall | BwdCall, direction: str) -> str:
     return run_families(call, direction)
 
 
+# the switches any family's can_implement reads (part of the plan key)
+_KEY_ENV = env_names(FORCE_ENV, "FLASHCUDA_ENABLE_SM90", "FLASHCUDA_ENABLE_SM90_BWD",
+                     "FLASHCUDA_SM90_BWD_DS", "FLASHCUDA_SM90_BWD_WATCHDOG",
+                     "FLASHCUDA_SM90_BWD_FENCE", "FLASHCUDA_SM90_BWD_DQ",
+                     "FLASHCUDA_BWD_SM80_CONFIG")
+
+
 def _plan_key(call: FwdCall | BwdCall, direction: str) -> tuple:
     """Everything can_implement looks at: two calls with equal keys get the same family."""
     tensors = [call.q, call.k, call.v]
@@ -119,15 +127,9 @@ def _plan_key(call: FwdCall | BwdCall, direction: str) -> tuple:
         extra = (call.deterministic,)
     else:
         extra = ()
-    return (direction, os.environ.get(FORCE_ENV, ""), os.environ.get("FLASHCUDA_ENABLE_SM90", ""),
-            os.environ.get("FLASHCUDA_ENABLE_SM90_BWD", ""),
-            os.environ.get("FLASHCUDA_SM90_BWD_DS", ""),
-            os.environ.get("FLASHCUDA_SM90_BWD_WATCHDOG", ""),
-            os.environ.get("FLASHCUDA_SM90_BWD_FENCE", ""),
-            os.environ.get("FLASHCUDA_SM90_BWD_DQ", ""),
-            os.environ.get("FLASHCUDA_BWD_SM80_CONFIG", ""), call.dtype, call.device, call.window_left,
+    return (direction, env_values(_KEY_ENV), call.dtype, call.device, call.window_left,
             call.window_right, call.softmax_scale > 0, *extra,
-            *((tuple(t.shape), t.stride(), t.data_ptr() % 16) for t in tensors))
+            *((t.shape, t.stride(), t.data_ptr() % 16) for t in tensors))
 
 
 # plan key -> family module that can run it (the first choice, checked once).

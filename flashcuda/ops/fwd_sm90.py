@@ -5,8 +5,8 @@ Status: proven on the H200 (tests/gpu/test_fwd_sm90.py against the float64 oracl
 docs/EVIDENCE.md); dispatch prefers it on compute capability 9.0. FLASHCUDA_ENABLE_SM90=0 turns it
 off (dispatch then runs fwd_sm80); FLASHCUDA_SM90_PERSISTENT=0 launches one CTA per work tile.
 Scheduling: the consumer warpgroups take turns issuing GEMMs (ping-pong) and, with a causal or
-window mask, persistent CTAs walk the work tiles in snake order; FLASHCUDA_SM90_PINGPONG=0|1 and
-FLASHCUDA_SM90_SNAKE=0|1 override either for A/B runs.
+window mask and seqlen_q >= 4k, persistent CTAs walk the work tiles in snake order;
+FLASHCUDA_SM90_PINGPONG=0|1 and FLASHCUDA_SM90_SNAKE=0|1 override either for A/B runs.
 
 `Sm90FwdConfig` is the single source of truth of a specialisation: tiles, stages, warpgroups,
 register split, shared memory (the .cu static_asserts the same layout), the name, the defines.
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._env import env_names, env_values
 from ..jit import KernelSpec, get_kernel, register
 from ..jit.tensor_map import bshd_map, bshd_problem
 from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, FwdCall, vector_layout_problem
@@ -155,11 +156,13 @@ TILES_ENV = "FLASHCUDA_SM90_TILES"
 CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
 
 
-# Scheduling variants, measured on the H200 (docs/perf-notes.md, "ping-pong and snake order"):
-# ping-pong wins everywhere, the snake order only where work per tile differs (causal / window).
+# Scheduling variants, measured on the H200 (docs/perf-notes.md, "ping-pong and snake order",
+# "snake order from 4k"): ping-pong wins everywhere; the snake order only where work per tile
+# differs (causal / window) and from seqlen_q 4k (at 1k it loses 5-14%, at 2k it is even).
 # Both env vars override the rule either way (0 or 1) for A/B runs.
 PINGPONG_ENV = "FLASHCUDA_SM90_PINGPONG"  # consumer warpgroups take turns issuing GEMMs
 SNAKE_ENV = "FLASHCUDA_SM90_SNAKE"  # snake order of work tiles over the persistent CTAs
+SNAKE_FROM = 4096  # seqlen_q from which a masked call walks its tiles in snake order
 
 
 def _flag(env: str, default: bool) -> bool:
@@ -173,9 +176,10 @@ def _flag(env: str, default: bool) -> bool:
 
 def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
             pingpong: bool | None = None, snake: bool | None = None,
-            windowed: bool = False) -> Sm90FwdConfig:
+            windowed: bool = False, seqlen_q: int = LONG) -> Sm90FwdConfig:
     pingpong = _flag(PINGPONG_ENV, True) if pingpong is None else pingpong
-    snake = _flag(SNAKE_ENV, windowed) if snake is None else snake
+    if snake is None:
+        snake = _flag(SNAKE_ENV, windowed and seqlen_q >= SNAKE_FROM)
     return Sm90FwdConfig(dtype, head_dim, block_m, block_n,
                          consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong,
                          snake=snake)
@@ -194,9 +198,9 @@ def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
                                  f"d<D>=bm<M>_bn<N> (e.g. d64=bm128_bn128), got {forced!r}")
             if not dim or dim == f"d{head_dim}":
                 return _config(dtype, head_dim, int(m.group(1)), int(m.group(2)),
-                               windowed=windowed)
+                               windowed=windowed, seqlen_q=seqlen_q)
     return _config(dtype, head_dim, *tiles_for(head_dim, windowed, seqlen_q, seqlen_k),
-                   windowed=windowed)
+                   windowed=windowed, seqlen_q=seqlen_q)
 
 
 def configs() -> list[Sm90FwdConfig]:
@@ -292,14 +296,15 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 _plans: dict[tuple, _Plan | str] = {}
 
 
+_KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV)
+
+
 def _plan_key(call: FwdCall) -> tuple:
     """Everything can_implement and the plan read, except the data addresses (only their
     alignment, which TMA and the vector stores care about)."""
     return (call.dtype, call.device, call.window_left, call.window_right, call.softmax_scale,
-            os.environ.get(ENABLE_ENV, ""), os.environ.get(PERSISTENT_ENV, ""),
-            os.environ.get(TILES_ENV, ""), os.environ.get(PINGPONG_ENV, ""),
-            os.environ.get(SNAKE_ENV, ""),
-            *((t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16)
+            env_values(_KEY_ENV),
+            *((t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
               for t in (call.q, call.k, call.v, call.out, call.lse)))
 
 

@@ -178,6 +178,11 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     pick = fwd_sm90.select_config
     assert pick(torch.bfloat16, 64).pingpong and not pick(torch.bfloat16, 64).snake
     assert pick(torch.bfloat16, 64, windowed=True).snake  # snake order where tiles differ
+    assert pick(torch.bfloat16, 128, True, 4096, 4096).snake  # ... from seqlen_q 4k
+    assert not pick(torch.bfloat16, 128, True, 2048, 8192).snake
+    monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "1")
+    assert pick(torch.bfloat16, 128, True, 1024, 1024).snake  # the A/B override wins
+    monkeypatch.delenv(fwd_sm90.SNAKE_ENV)
     assert (pick(torch.bfloat16, 64).block_m, pick(torch.bfloat16, 64).block_n) == (192, 128)
     assert pick(torch.bfloat16, 64).consumer_regs == 160 and pick(torch.bfloat16, 64).threads == 512
     assert pick(torch.float16, 128).block_n == 176

@@ -103,3 +103,37 @@ def test_bshd_problem_on_views():
     assert "multiple of 16" in bshd_problem(odd, 128)                # head stride 136 B: not
     assert bshd_problem(torch.empty(2, 33, 4, 64, dtype=torch.float16), 128) is None
     assert "4-D" in bshd_problem(torch.empty(33, 64), 128)
+
+
+def test_bshd_map_memo_hits_only_the_same_geometry(monkeypatch):
+    """A repeated call reuses its map (no encode, no layout check); any change of address,
+    shape, strides, dtype or box encodes again; a bad layout is refused before encoding."""
+    from flashcuda.jit import runtime, tensor_map
+
+    encoded = []
+
+    def fake_encode(dtype, address, dims, byte_strides, box):
+        encoded.append((dtype, address, dims, byte_strides, box))
+        return TensorMap(bytes([len(encoded)]) * 128)
+
+    monkeypatch.setattr(tensor_map, "encode_tiled", fake_encode)
+    monkeypatch.setattr(runtime, "_make_current", lambda index: None)
+    monkeypatch.setattr(tensor_map, "_memo", {})
+    base = torch.zeros(2, 40, 3, 64, dtype=torch.bfloat16)
+    m1 = tensor_map.bshd_map(base, 64)
+    assert tensor_map.bshd_map(base, 64) is m1 and len(encoded) == 1
+    assert encoded[0][2:] == ((64, 40, 3, 2), (384, 128, 15360), (BOX_COLS, 64, 1, 1))
+    assert tensor_map.bshd_map(base, 128) is not m1                      # box
+    assert tensor_map.bshd_map(base[:, :39], 64) is not m1               # shape
+    assert tensor_map.bshd_map(base.transpose(0, 1).contiguous().transpose(0, 1), 64) is not m1
+    assert tensor_map.bshd_map(base.to(torch.float16), 64) is not m1     # dtype and address
+    assert len(encoded) == 5
+    misaligned = torch.zeros(2 * 40 * 3 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 40, 3, 64)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        tensor_map.bshd_map(misaligned, 64)
+    assert len(encoded) == 5
+    monkeypatch.setattr(tensor_map, "_MEMO_SIZE", 2)
+    tensor_map._memo.clear()
+    for rows in (16, 32, 48):
+        tensor_map.bshd_map(base, rows)
+    assert len(tensor_map._memo) <= 2

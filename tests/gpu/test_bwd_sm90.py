@@ -18,7 +18,7 @@ error maps per GEMM, one case per process, if a smoke test fails):
 `test_smoke_*` isolate the GEMMs of one CTA, one head, one query block: dV = P^T dO alone (Q = 0:
 uniform P), dP^T / dS^T through dK alone, dQ = dS K alone; then the whole tile.
 Every test runs with both dS layouts (FLASHCUDA_SM90_BWD_DS=mn, the default, and =k) and with
-the red.v4 dQ reductions (FLASHCUDA_SM90_BWD_DQ=v4, not yet measured, off by default). After a
+each dQ reduction (FLASHCUDA_SM90_BWD_DQ=v2, v4 and bulk; the default is v4 at d128, v2 at d64). After a
 kernel change add FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that gives up after 2 s poisons
 dK / dV with NaN (a failing test) instead of hanging the GPU (scripts/sm90_bwd_bringup.sh).
 """
@@ -39,11 +39,11 @@ FULL = (None, None)
 CAUSAL = (None, 0)
 
 
-@pytest.fixture(autouse=True, params=["mn", "k", "mn-v4", "mn-bulk"],
-                ids=["ds-mn", "ds-k", "dq-v4", "dq-bulk"])
+@pytest.fixture(autouse=True, params=["mn-v2", "k", "mn-v4", "mn-bulk"],
+                ids=["dq-v2", "ds-k", "dq-v4", "dq-bulk"])
 def _enable_sm90_bwd(monkeypatch, request):
-    """Every test with both dS layouts, and with the red.v4 and the bulk dQ reductions
-    (FLASHCUDA_SM90_BWD_DQ)."""
+    """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk) in the
+    default dS layout, and with the other dS layout under the default dQ reduction."""
     ds, _, dq = request.param.partition("-")
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     monkeypatch.setenv(bwd_sm90.DS_ENV, ds)
