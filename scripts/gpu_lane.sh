@@ -11,7 +11,8 @@
 #              torch's caching allocator off so every tensor is its own allocation and an overrun is
 #              visible. SANITIZE_TOOLS picks the tools (default "memcheck racecheck synccheck
 #              initcheck"); the tool "none" runs the suite once without a sanitizer (a quick
-#              correctness pass that also fills the kernel cache)
+#              correctness pass that also fills the kernel cache); the log is sanitize.log, or
+#              sanitize-$SANITIZE_LABEL.log
 #   soak       scripts/soak.py: SOAK_CALLS (default 10000) random-shape calls through the API, an
 #              oracle check on a sample, memory flat; record soak-*.json (SOAK_ARGS: more options)
 #   host       host-side microseconds per call (scripts/host_overhead.py)
@@ -69,16 +70,18 @@ for step in "${steps[@]}"; do
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
         if [ "$tool" = none ]; then
           timeout "${SANITIZE_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
-            tests/gpu/test_sanitize.py ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-$tool.log" 2>&1
+            tests/gpu/test_sanitize.py ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-tool-$tool.log" 2>&1
         else
           PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
             --report-api-errors no --print-limit 20 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_sanitize.py \
-            ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-$tool.log" 2>&1
+            ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-tool-$tool.log" 2>&1
         fi
-        r=$?; echo "compute-sanitizer $tool: rc=$r  $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/sanitize-$tool.log" | tail -n 2 | tr '\n' ' ')"
+        r=$?; echo "compute-sanitizer $tool: rc=$r  $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/sanitize-tool-$tool.log" | tail -n 2 | tr '\n' ' ')"
         [ $r -ne 0 ] && rc=$r
       done
-      cat "$OUT"/sanitize-*.log > "$OUT/sanitize.log"; rm -f "$OUT"/sanitize-*.log ;;
+      # one log per step (SANITIZE_LABEL names it when a call runs several sanitize steps)
+      cat "$OUT"/sanitize-tool-*.log > "$OUT/sanitize${SANITIZE_LABEL:+-$SANITIZE_LABEL}.log"
+      rm -f "$OUT"/sanitize-tool-*.log ;;
     soak)
       timeout "${SOAK_TIMEOUT:-400}" python3 scripts/soak.py --calls "${SOAK_CALLS:-10000}" --max-seconds "${SOAK_MAX_SECONDS:-330}" \
         --out "$OUT" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1; rc=$?; tail -n 14 "$OUT/soak.log" ;;

@@ -260,20 +260,17 @@ def _strides(t: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a call's layout decides once: the config, the three kernels, their grids and the
-    arguments that do not change with the data addresses."""
+    """What a call's layout decides once: the config, the three launches with their constant
+    arguments bound (jit.runtime.BoundLaunch), their grids."""
 
     cfg: Sm90BwdConfig
-    pre: object
-    main: object
-    convert: object
     sq_pad: int
+    pre: object  # out, dout, lse, lse2, delta, dq_accum, then constants
+    main: object  # map_q, map_k, map_v, map_dout, lse2, delta, dq_accum, dk, dv, then constants
+    convert: object  # dq_accum, dq, then constants
     pre_grid: tuple[int, int, int]
     main_grid: tuple[int, int, int]
     convert_grid: tuple[int, int, int]
-    pre_args: tuple
-    main_args: tuple
-    convert_args: tuple
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -305,18 +302,24 @@ def _plan(call: BwdCall) -> _Plan:
     wl, wr = kernel_windows(sq, sk, call.window_left, call.window_right)
     scale = np.float32(call.softmax_scale)
     dev = call.device
+    # run() copies a strided lse to a contiguous one: its strides are then (h * sq, sq, 1)
+    lse_strides = call.lse.stride()[:2] if call.lse.stride(-1) == 1 else (h * sq, sq)
     plan = _Plan(
-        cfg, get_kernel(aux.pre_spec(), dev), get_kernel(cfg.spec(), dev),
-        get_kernel(aux.convert_spec(), dev), sq_pad,
+        cfg, sq_pad,
+        pre=get_kernel(aux.pre_spec(), dev).bind("QQQQQQ", (
+            *_strides(call.out), *_strides(call.dout), np.int64(lse_strides[0]),
+            np.int64(lse_strides[1]), np.int32(sq), np.int32(h), np.int32(d),
+            np.int32(sq_pad))),
+        main=get_kernel(cfg.spec(), dev).bind("MMMMQQQQQ", (
+            *_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk), np.int32(h),
+            np.int32(hkv), np.int32(sq_pad), np.float32(call.softmax_scale * LOG2E), scale, wl,
+            wr)),
+        convert=get_kernel(aux.convert_spec(), dev).bind("QQ", (
+            *_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d), np.int32(sq_pad),
+            scale)),
         pre_grid=(sq_pad // aux.aux_rows, h, b),
         main_grid=cfg.grid(call),
-        convert_grid=(-(-sq // aux.aux_rows), h, b),
-        pre_args=(*_strides(call.out), *_strides(call.dout)),
-        main_args=(*_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk),
-                   np.int32(h), np.int32(hkv), np.int32(sq_pad),
-                   np.float32(call.softmax_scale * LOG2E), scale, wl, wr),
-        convert_args=(*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
-                      np.int32(sq_pad), scale))
+        convert_grid=(-(-sq // aux.aux_rows), h, b))
     if len(_plans) > 1024:
         _plans.clear()
     _plans[key] = plan
@@ -330,24 +333,21 @@ def run(call: BwdCall) -> None:
     holds everything it reads)."""
     plan = _plan(call)
     cfg = plan.cfg
-    b, h, sq = call.batch, call.nheads, call.seqlen_q
+    b, h = call.batch, call.nheads
     lse = call.lse if call.lse.stride(-1) == 1 else call.lse.contiguous()
-    lse2 = torch.empty((b, h, plan.sq_pad), dtype=torch.float32, device=call.device)
-    delta = torch.empty_like(lse2)
-    dq_accum = torch.empty((b, h, plan.sq_pad, call.head_dim), dtype=torch.float32,
-                           device=call.device)
-    plan.pre.launch(
-        plan.pre_grid, (bwd_sm80.AUX_THREADS,),
-        call.out, call.dout, lse, lse2, delta, dq_accum, *plan.pre_args,
-        np.int64(lse.stride(0)), np.int64(lse.stride(1)), np.int32(sq), np.int32(h),
-        np.int32(call.head_dim), np.int32(plan.sq_pad))
-    plan.main.launch(
-        plan.main_grid, (cfg.threads, 1, 1),
-        bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n),
-        bshd_map(call.v, cfg.block_n), bshd_map(call.dout, cfg.block_m),
-        lse2, delta, dq_accum, call.dk, call.dv, *plan.main_args, shared_mem=cfg.smem_bytes)
-    plan.convert.launch(plan.convert_grid, (bwd_sm80.AUX_THREADS,), dq_accum, call.dq,
-                        *plan.convert_args)
+    # lse2 (b, h, sq_pad), delta (same) and dq_accum (b, h, sq_pad, d): one allocation
+    rows = b * h * plan.sq_pad
+    scratch = torch.empty(rows * (2 + call.head_dim), dtype=torch.float32, device=call.device)
+    lse2 = scratch[:rows].view(b, h, plan.sq_pad)
+    delta = scratch[rows:2 * rows].view(b, h, plan.sq_pad)
+    dq_accum = scratch[2 * rows:].view(b, h, plan.sq_pad, call.head_dim)
+    plan.pre.launch(plan.pre_grid, (bwd_sm80.AUX_THREADS,), call.out, call.dout, lse, lse2,
+                    delta, dq_accum)
+    plan.main.launch(plan.main_grid, (cfg.threads, 1, 1),
+                     bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n),
+                     bshd_map(call.v, cfg.block_n), bshd_map(call.dout, cfg.block_m),
+                     lse2, delta, dq_accum, call.dk, call.dv, shared_mem=cfg.smem_bytes)
+    plan.convert.launch(plan.convert_grid, (bwd_sm80.AUX_THREADS,), dq_accum, call.dq)
 
 
 @register

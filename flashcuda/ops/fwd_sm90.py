@@ -290,6 +290,7 @@ class _Plan:
     kernel: object
     grid: tuple[int, int, int]
     constants: tuple
+    launcher: object  # kernel.bind: map_q, map_k, map_v, out, lse, then the constants
 
 
 _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
@@ -321,8 +322,9 @@ def _plan(call: FwdCall) -> _Plan | str:
         cfg = select_config(call.dtype, call.head_dim, call.is_local, call.seqlen_q,
                             call.seqlen_k)
         sms = torch.cuda.get_device_properties(_device_index(call.device)).multi_processor_count
-        plan = _Plan(cfg, get_kernel(cfg.spec(), call.device), cfg.grid(call, sms),
-                     constant_args(call))
+        kernel = get_kernel(cfg.spec(), call.device)
+        constants = constant_args(call)
+        plan = _Plan(cfg, kernel, cfg.grid(call, sms), constants, kernel.bind("MMMQQ", constants))
     if len(_plans) > 1024:
         _plans.clear()
     _plans[key] = plan
@@ -337,9 +339,9 @@ def run(call: FwdCall) -> None:
     if plan is _EMPTY:
         return
     cfg = plan.cfg
-    plan.kernel.launch(plan.grid, (cfg.threads, 1, 1), bshd_map(call.q, cfg.block_m),
-                       bshd_map(call.k, cfg.block_n), bshd_map(call.v, cfg.block_n), call.out,
-                       call.lse, *plan.constants, shared_mem=cfg.smem_bytes)
+    plan.launcher.launch(plan.grid, (cfg.threads, 1, 1), bshd_map(call.q, cfg.block_m),
+                         bshd_map(call.k, cfg.block_n), bshd_map(call.v, cfg.block_n), call.out,
+                         call.lse, shared_mem=cfg.smem_bytes)
 
 
 @register

@@ -137,3 +137,55 @@ def test_bshd_map_memo_hits_only_the_same_geometry(monkeypatch):
     for rows in (16, 32, 48):
         tensor_map.bshd_map(base, rows)
     assert len(tensor_map._memo) <= 2
+
+
+class _StubKernel:
+    """A CompiledKernel stand-in: records the kernelParams a launch would pass."""
+
+    name = "k"
+    abi_checked = True
+
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+        self.launches = []
+
+    def _launch_params(self, grid, block, pointers, shared_mem, stream):
+        self.launches.append([pointers[i] for i in range(len(pointers))])
+
+
+def test_bound_launch_packs_like_pack_args():
+    """BoundLaunch writes the same bytes at the same offsets as the generic path, every launch
+    with its own addresses, and refuses what pack_args would or a wrong device."""
+    import ctypes
+    import threading
+
+    from flashcuda.jit.runtime import BoundLaunch
+
+    cpu = torch.zeros(1).get_device()  # -1: the stub kernel "lives" where CPU tensors do
+    kernel = _StubKernel(cpu)
+    tail = (np.int64(5), np.int32(7), np.float32(0.5), np.int32(-1))
+    bound = BoundLaunch(kernel, "MMQQ", tail)
+    for fill in (1, 2):
+        maps = (_map(fill), _map(fill + 10))
+        tensors = (torch.zeros(3), torch.zeros(5))
+        bound.launch((1,), (1,), *maps, *tensors)
+        ref, offsets = pack_args("k", (*maps, *tensors, *tail))
+        buf, _ = bound._buffers()
+        assert bytes(buf.raw[:len(ref)]) == ref
+        # each kernelParams entry points at its argument's bytes in the buffer
+        base = ctypes.addressof(buf)
+        assert [p - base for p in kernel.launches[-1]] == list(offsets)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(bound._buffers()[0]))
+    t.start()
+    t.join()
+    assert seen[0] is not bound._buffers()[0]  # one parameter buffer per thread
+    with pytest.raises(TypeError, match="expected 4 leading"):
+        bound.launch((1,), (1,), _map(1))
+    with pytest.raises(TypeError, match="numpy scalars"):
+        BoundLaunch(kernel, "Q", (torch.zeros(1),))
+    with pytest.raises(ValueError, match="head codes"):
+        BoundLaunch(kernel, "Qi", ())
+    with pytest.raises(ValueError, match="argument 2 is on"):
+        BoundLaunch(_StubKernel(0), "MMQQ", tail).launch((1,), (1,), _map(1), _map(2),
+                                                          torch.zeros(3), torch.zeros(5))
