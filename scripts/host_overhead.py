@@ -62,6 +62,46 @@ def profile(fn, calls: int, reset=None, top: int = 30) -> str:
     return s.getvalue()
 
 
+def launch_costs() -> None:
+    """What one launch costs by itself: the context check, the stream lookup, and a bare
+    cuLaunchKernel of a 4-block kernel (prepared pointers, nothing packed per call) into the
+    busy stream (behind the spin kernel) and into an idle side stream."""
+    import ctypes
+
+    import numpy as np
+
+    from flashcuda.jit import KernelSpec, get_kernel, runtime
+
+    x = torch.randn(1024, device="cuda")
+    y = torch.empty_like(x)
+    kernel = get_kernel(KernelSpec.make("smoke_axpb", "common/smoke.cu"), x.device)
+    bound = kernel.bind("QQ", (np.float32(1), np.float32(0), np.int64(1024)))
+    bound.launch((4,), (256,), x, y)
+    _, pointers = bound._buffers()
+    lib, fn = runtime._libcuda(), kernel.function_handle
+    side = torch.cuda.Stream()
+
+    def bare(stream_handle):
+        return lambda: lib.cuLaunchKernel(fn, 4, 1, 1, 256, 1, 1, 0, stream_handle, pointers,
+                                          None)
+
+    rows = [
+        ("_make_current", lambda: runtime._make_current(0)),
+        ("_current_stream_handle", lambda: runtime._current_stream_handle(0)),
+        ("bare cuLaunchKernel, busy", bare(runtime._current_stream_handle(0))),
+        ("bare cuLaunchKernel, idle", bare(side.cuda_stream)),
+        ("BoundLaunch.launch (smoke)", lambda: bound.launch((4,), (256,), x, y)),
+        ("kernel.launch (smoke)", lambda: kernel.launch((4,), (256,), x, y, np.float32(1),
+                                                        np.float32(0), np.int64(1024))),
+        ("ctypes no-op (cuCtxGetCurrent)", lambda: lib.cuCtxGetCurrent(
+            ctypes.byref(ctypes.c_void_p()))),
+    ]
+    print("launch costs (host us per call)")
+    for label, fn_ in rows:
+        print(f"  {label:28s} {per_call_us(fn_, calls=300):8.1f}")
+    torch.cuda.synchronize()
+
+
 def fwd_lse(q, k, v, causal: bool) -> torch.Tensor:
     return flashcuda.flash_attn_func(q, k, v, causal=causal, return_lse=True)[1]
 
@@ -144,6 +184,7 @@ def main() -> None:
     print("forward pieces (host us per call)")
     for label, fn in pieces:
         print(f"  {label:28s} {per_call_us(fn, calls=300):8.1f}")
+    launch_costs()
 
     # the backward path's pieces (the same call the autograd backward makes)
     from flashcuda.ops import bwd_sm90
