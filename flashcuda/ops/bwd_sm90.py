@@ -279,10 +279,11 @@ _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV)
 
 def _plan_key(call: BwdCall) -> tuple:
     """Everything can_implement and the plan read, except the data addresses (only their
-    alignment, which TMA and the vector accesses care about)."""
+    alignment, which TMA and the vector accesses care about): a hit skips can_implement, so a
+    field missing here would let a call the family refuses reach the kernel."""
     return (call.dtype, call.device, call.deterministic, call.window_left, call.window_right,
             call.softmax_scale, env_values(_KEY_ENV),
-            *((t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
+            *((t.dtype, t.shape, t.stride(), t.data_ptr() % 16, t.get_device())
               for t in (call.q, call.k, call.v, call.out, call.dout, call.lse, call.dq, call.dk,
                         call.dv)))
 

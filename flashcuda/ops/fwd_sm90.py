@@ -302,10 +302,11 @@ _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_
 
 def _plan_key(call: FwdCall) -> tuple:
     """Everything can_implement and the plan read, except the data addresses (only their
-    alignment, which TMA and the vector stores care about)."""
+    alignment, which TMA and the vector stores care about): a hit skips can_implement, so a
+    field missing here would let a call the family refuses reach the kernel."""
     return (call.dtype, call.device, call.window_left, call.window_right, call.softmax_scale,
             env_values(_KEY_ENV),
-            *((t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
+            *((t.dtype, t.shape, t.stride(), t.data_ptr() % 16, t.get_device())
               for t in (call.q, call.k, call.v, call.out, call.lse)))
 
 

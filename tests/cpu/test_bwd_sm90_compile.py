@@ -259,3 +259,33 @@ def test_sm90_bwd_can_implement_reasons(monkeypatch):
     # Well-formed calls fail only on the device check here.
     assert "CUDA" in ci(_call())
     assert "CUDA" in ci(_call(dtype=torch.float16, D=64, Sq=1, Sk=1, H=2, Hkv=1))
+
+
+def test_plan_key_holds_what_can_implement_reads(monkeypatch):
+    """A plan hit skips can_implement: the key must change with every operand's layout,
+    alignment, dtype and device, the switches, the mask and the mode — and stay the same for a
+    call that differs only in where equally aligned data lives."""
+    import dataclasses
+
+    base = _call()
+    key = bwd_sm90._plan_key(base)
+    assert bwd_sm90._plan_key(_call()) == key  # fresh tensors, same layout
+    for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv"):
+        t = getattr(base, name)
+        wide = torch.zeros(t.shape[:-1] + (t.shape[-1] + 8,), dtype=t.dtype)[..., :t.shape[-1]]
+        shifted = torch.zeros(t.numel() + 8, dtype=t.dtype)[8:].view(t.shape)  # +16 bytes
+        odd = torch.zeros(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)      # +2 bytes
+        assert bwd_sm90._plan_key(dataclasses.replace(base, **{name: wide})) != key, name
+        assert bwd_sm90._plan_key(dataclasses.replace(base, **{name: shifted})) == key, name
+        assert bwd_sm90._plan_key(dataclasses.replace(base, **{name: odd})) != key, name
+        assert bwd_sm90._plan_key(dataclasses.replace(base, **{name: t.half()})) != key, name
+    assert bwd_sm90._plan_key(dataclasses.replace(base, lse=base.lse.double())) != key
+    for change in ({"window_left": 5}, {"window_right": None}, {"softmax_scale": 0.5},
+                   {"deterministic": True}):
+        assert bwd_sm90._plan_key(dataclasses.replace(base, **change)) != key, change
+    for env in (ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, bwd_sm90.FENCE_ENV):
+        monkeypatch.setenv(env, "x")
+        assert bwd_sm90._plan_key(base) != key, env
+        monkeypatch.delenv(env)
+    # the device of every operand (CPU tensors give -1, a CUDA tensor its index)
+    assert all(-1 in part for part in key if isinstance(part, tuple) and torch.bfloat16 in part)

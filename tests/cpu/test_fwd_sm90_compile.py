@@ -299,3 +299,31 @@ def test_pingpong_protocol_completes_and_leaves_no_arrival(consumers, turns):
         assert moved, f"deadlock at {pcs} (pending {pending}, waiting {waiting})"
 
     explore(tuple([0] * consumers), tuple([0] * (consumers + 2)), tuple([0] * consumers), set())
+
+
+def test_plan_key_holds_what_can_implement_reads(monkeypatch):
+    """A plan hit skips can_implement: the key must change with every tensor's layout,
+    alignment, dtype and device, the switches, the mask and the scale — and stay the same for a
+    call that differs only in where equally aligned data lives."""
+    import dataclasses
+
+    base = _call()
+    key = fwd_sm90._plan_key(base)
+    assert fwd_sm90._plan_key(_call()) == key  # fresh tensors, same layout
+    for name in ("q", "k", "v", "out"):
+        t = getattr(base, name)
+        wide = torch.zeros(t.shape[:-1] + (t.shape[-1] + 8,), dtype=t.dtype)[..., :t.shape[-1]]
+        shifted = torch.zeros(t.numel() + 8, dtype=t.dtype)[8:].view(t.shape)  # +16 bytes
+        odd = torch.zeros(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)      # +2 bytes
+        assert fwd_sm90._plan_key(dataclasses.replace(base, **{name: wide})) != key, name
+        assert fwd_sm90._plan_key(dataclasses.replace(base, **{name: shifted})) == key, name
+        assert fwd_sm90._plan_key(dataclasses.replace(base, **{name: odd})) != key, name
+        assert fwd_sm90._plan_key(dataclasses.replace(base, **{name: t.half()})) != key, name
+    assert fwd_sm90._plan_key(dataclasses.replace(base, lse=base.lse.double())) != key
+    for change in ({"window_left": 5}, {"window_right": None}, {"softmax_scale": 0.5}):
+        assert fwd_sm90._plan_key(dataclasses.replace(base, **change)) != key, change
+    for env in (ENABLE_ENV, fwd_sm90.PERSISTENT_ENV, fwd_sm90.TILES_ENV, fwd_sm90.PINGPONG_ENV,
+                fwd_sm90.SNAKE_ENV):
+        monkeypatch.setenv(env, "x")
+        assert fwd_sm90._plan_key(base) != key, env
+        monkeypatch.delenv(env)
