@@ -19,6 +19,8 @@
 #   latency    first-call latency: compile in a fresh cache, cache hit in a new process
 #   bench      flashcuda bench --quick;   bench-full: the standard sweep;   ladder: ladder rungs
 #   ab-sm90    the sm90 forward's scheduling variants (ping-pong, snake order, both, neither)
+#   ncu        Nsight Compute sections of the sm90 forward and backward kernels at one shape
+#              (NCU_SHAPE, NCU_ARGS, NCU_KERNELS), ncu.txt
 #   ab         any A/B: AB_VARIANTS="label:VAR=VAL[,VAR=VAL] ..." (e.g. "v2:FLASHCUDA_SM90_BWD_DQ=v2
 #              v4:FLASHCUDA_SM90_BWD_DQ=v4"), two processes per variant interleaved, bench
 #              ${AB_ARGS} (default 1k 4k 16k, both head dims, causal both), one table per direction
@@ -105,6 +107,19 @@ for step in "${steps[@]}"; do
     ab)
       run_ab "${AB_VARIANTS:?AB_VARIANTS is empty}" "${AB_ARGS:---seqlens 1k 4k 16k}" "$OUT/ab.txt"
       rc=$? ;;
+    ncu)
+      # Nsight Compute on the second call's sm90 kernels (scripts/profile_call.py): speed of
+      # light, compute (tensor pipe), warp states (stall reasons), scheduler, memory sections.
+      # NCU_SHAPE (default "4 4096 16 128"), NCU_ARGS (e.g. "--causal"), NCU_KERNELS (regex,
+      # default flash_(fwd|bwd)_sm90); clocks left alone (--clock-control none, METHOD.md).
+      timeout "${NCU_TIMEOUT:-300}" ncu --clock-control none -k "regex:${NCU_KERNELS:-flash_(fwd|bwd)_sm90}" \
+        --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-2}" \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy \
+        python3 scripts/profile_call.py --bwd --shape ${NCU_SHAPE:-4 4096 16 128} ${NCU_ARGS:-} \
+        > "$OUT/ncu.txt" 2>&1; rc=$?
+      grep -E "flash_|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Stall|Warp Cycles Per Issued" \
+        "$OUT/ncu.txt" | head -n 40 ;;
     *)
       echo "unknown step $step"; rc=2 ;;
   esac

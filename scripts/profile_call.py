@@ -1,0 +1,42 @@
+"""One attention call shape, run a few times, for a profiler to capture (ncu, scripts/gpu_lane.sh
+step `ncu`).
+
+    python scripts/profile_call.py --shape 4 4096 16 128 [--causal] [--bwd] [--repeats 3]
+
+Runs flash_attn_func (and with --bwd its backward) `repeats` times on fresh bf16 inputs, then
+synchronises. The first repeat compiles / loads the kernels; a profiler should skip it
+(`ncu --launch-skip`): ncu's kernel filter (-k regex:flash_fwd_sm90 / flash_bwd_sm90) and
+--launch-skip 1 --launch-count 1 pick the second call's kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import flashcuda
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", type=int, nargs=4, default=[4, 4096, 16, 128],
+                    metavar=("B", "S", "H", "D"))
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--bwd", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    b, s, h, d = a.shape
+    for _ in range(a.repeats):
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=a.bwd) for _ in range(3))
+        out = flashcuda.flash_attn_func(q, k, v, causal=a.causal)
+        if a.bwd:
+            out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    print(f"profiled shape {tuple(a.shape)} causal={a.causal} bwd={a.bwd}: "
+          f"{a.repeats} calls done")
+
+
+if __name__ == "__main__":
+    main()
