@@ -22,6 +22,17 @@ def _last_dim_contiguous(t: object, name: str) -> torch.Tensor:
     return t
 
 
+def _checked_qkv(q: object, k: object, v: object, names: tuple[str, str, str] = ("q", "k", "v"),
+                 bhsd: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """validate.check_qkv before any copy (a bad input never allocates), then a strided last
+    dimension copied, and a copy checked again (its strides and offsets are new)."""
+    validate.check_qkv(q, k, v, names=names, bhsd=bhsd, strided_last_ok=True)
+    qc, kc, vc = (_last_dim_contiguous(t, n) for t, n in zip((q, k, v), names, strict=True))
+    if qc is not q or kc is not k or vc is not v:
+        validate.check_qkv(qc, kc, vc, names=names, bhsd=bhsd)
+    return qc, kc, vc
+
+
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                     softmax_scale: float | None = None, causal: bool = False,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -54,11 +65,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         scores of each row (not differentiable). A row that sees no key gets out 0 and lse -inf.
     """
     validate.check_fa_unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes)
-    validate.check_qkv(q, k, v, strided_last_ok=True)  # before any copy: a bad input never
-    qc, kc, vc = (_last_dim_contiguous(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
-    if qc is not q or kc is not k or vc is not v:  # a copy: check its layout again
-        validate.check_qkv(qc, kc, vc)
-    q, k, v = qc, kc, vc
+    q, k, v = _checked_qkv(q, k, v)
     window_left, window_right = validate.fa_window(window_size, causal)
     scale = validate.softmax_scale(softmax_scale, q.shape[-1])
     deterministic = validate.check_flag(deterministic, "deterministic")
@@ -106,11 +113,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise ValueError(f"key: expected nheads_kv == nheads={query.shape[1]} (pass "
                          f"enable_gqa=True for grouped-query attention), got {key.shape[1]}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    validate.check_qkv(q, k, v, names=names, bhsd=True, strided_last_ok=True)  # before any copy
-    qc, kc, vc = (_last_dim_contiguous(t, n) for t, n in zip((q, k, v), names, strict=True))
-    if qc is not q or kc is not k or vc is not v:  # a copy: check its layout again
-        validate.check_qkv(qc, kc, vc, names=names, bhsd=True)
-    q, k, v = qc, kc, vc
+    q, k, v = _checked_qkv(q, k, v, names=names, bhsd=True)
     is_causal = validate.check_flag(is_causal, "is_causal")
     window_right = q.shape[1] - k.shape[1] if is_causal else None
     softmax_scale = validate.softmax_scale(scale, q.shape[-1], name="scale")

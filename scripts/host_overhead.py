@@ -75,9 +75,11 @@ def launch_costs() -> None:
     x = torch.randn(1024, device="cuda")
     y = torch.empty_like(x)
     kernel = get_kernel(KernelSpec.make("smoke_axpb", "common/smoke.cu"), x.device)
-    bound = kernel.bind("QQ", (np.float32(1), np.float32(0), np.int64(1024)))
-    bound.launch((4,), (256,), x, y)
-    _, pointers = bound._buffers()
+    args = (x, y, np.float32(1), np.float32(0), np.int64(1024))
+    kernel.launch((4,), (256,), *args)  # loads the kernel, checks its parameter list
+    packed, offsets = runtime.pack_args(kernel.name, args)
+    params = ctypes.create_string_buffer(packed, len(packed))
+    pointers = (ctypes.c_void_p * len(offsets))(*[ctypes.addressof(params) + o for o in offsets])
     lib, fn = runtime._libcuda(), kernel.function_handle
     side = torch.cuda.Stream()
 
@@ -90,9 +92,7 @@ def launch_costs() -> None:
         ("_current_stream_handle", lambda: runtime._current_stream_handle(0)),
         ("bare cuLaunchKernel, busy", bare(runtime._current_stream_handle(0))),
         ("bare cuLaunchKernel, idle", bare(side.cuda_stream)),
-        ("BoundLaunch.launch (smoke)", lambda: bound.launch((4,), (256,), x, y)),
-        ("kernel.launch (smoke)", lambda: kernel.launch((4,), (256,), x, y, np.float32(1),
-                                                        np.float32(0), np.int64(1024))),
+        ("kernel.launch (smoke)", lambda: kernel.launch((4,), (256,), *args)),
         ("ctypes no-op (cuCtxGetCurrent)", lambda: lib.cuCtxGetCurrent(
             ctypes.byref(ctypes.c_void_p()))),
     ]
@@ -174,9 +174,6 @@ def main() -> None:
         ("kernel.launch", lambda: plan.kernel.launch(plan.grid, (cfg.threads, 1, 1), *maps, out,
                                                      lse, *plan.constants,
                                                      shared_mem=cfg.smem_bytes)),
-        ("bound launch (plan)", lambda: plan.launcher.launch(plan.grid, (cfg.threads, 1, 1),
-                                                              *maps, out, lse,
-                                                              shared_mem=cfg.smem_bytes)),
         ("fwd_sm90.run", lambda: fwd_sm90.run(call)),
         ("dispatch.forward", lambda: dispatch.forward(call)),
         ("torch.cuda.current_stream", lambda: torch.cuda.current_stream(0)),

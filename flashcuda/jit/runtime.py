@@ -1,8 +1,9 @@
 """Module load per (device, primary context) and launch on torch's current stream.
 
-Load and launch go straight through the driver API (cuda.bindings.driver: cuModuleLoadData,
-cuLaunchKernel with pointers into one packed argument buffer): importing cuda.core alone costs ~100 ms, which a
-cache hit in a new process cannot afford (target 50 ms); cuda.core is used for NVRTC compiles only.
+Load and launch go straight through the driver API: cuModuleLoadData by cuda.bindings.driver, and
+the per-call path (context check, cuLaunchKernel with pointers into one packed argument buffer) by
+ctypes into libcuda. Importing cuda.core alone costs ~100 ms, which a cache hit in a new process
+cannot afford (target 50 ms); cuda.core is used for NVRTC compiles only.
 
     kernel = get_kernel(spec, device)          # compile (or cache hit) + load, memoised
     kernel.launch(grid, block, q, k, np.int32(n), np.float32(scale), shared_mem=bytes)
@@ -310,16 +311,6 @@ class CompiledKernel:
         params = ctypes.create_string_buffer(packed, max(len(packed), 1))
         base = ctypes.addressof(params)
         pointers = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
-        self._launch_params(grid, block, pointers, shared_mem, stream)
-
-    def bind(self, head_codes: str, tail: tuple) -> BoundLaunch:
-        """A launcher for calls whose trailing arguments are always `tail` (a plan's constants)
-        and whose leading ones are tensors ('Q') and tensor maps ('M') as `head_codes` says."""
-        return BoundLaunch(self, head_codes, tail)
-
-    def _launch_params(self, grid, block, pointers, shared_mem: int, stream) -> None:
-        """cuLaunchKernel with a ready kernelParams array (the driver copies the arguments
-        before it returns, so the caller may reuse the buffers afterwards)."""
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         _make_current(self.device_index)
@@ -332,75 +323,6 @@ class CompiledKernel:
         if err:
             raise _cu_error(err, f"launching {self.name} grid={grid} block={block} "
                                  f"smem={shared_mem}")
-
-
-_U64 = struct.Struct("=Q")
-
-
-class BoundLaunch:
-    """A kernel launch with its trailing arguments fixed, for the hot path of a planned call.
-
-    The constants are packed once (with the same layout rules and ABI check as
-    CompiledKernel.launch); each launch writes only the leading device pointers and tensor maps
-    into a per-thread copy of the parameter buffer, whose kernelParams pointer array is built
-    once per thread. Threads never share a buffer, and the driver copies the parameters before
-    cuLaunchKernel returns, so a buffer is free again as soon as a launch returns.
-
-        main = kernel.bind("MMQ", (np.int32(n), np.float32(scale)))
-        main.launch(grid, block, map_q, map_k, out, shared_mem=smem)
-    """
-
-    def __init__(self, kernel: CompiledKernel, head_codes: str, tail: tuple) -> None:
-        from .tensor_map import TensorMap
-
-        if any(c not in "QM" for c in head_codes):
-            raise ValueError(f"kernel {kernel.name}: head codes must be Q (tensor) or M (tensor "
-                             f"map), got {head_codes!r}")
-        tail_codes = [pack_code(a) for a in tail]
-        if any(c in "QM" for c in tail_codes):
-            raise TypeError(f"kernel {kernel.name}: bound (constant) arguments must be numpy "
-                            f"scalars, got codes {''.join(tail_codes)!r}")
-        dummy_map = TensorMap(bytes(TENSOR_MAP_BYTES))
-        template_args = tuple(None if c == "Q" else dummy_map for c in head_codes) + tuple(tail)
-        packed, offsets = pack_args(kernel.name, template_args)
-        if not kernel.abi_checked:
-            kernel.check_abi(template_args, packed, offsets)
-            kernel.abi_checked = True
-        self.kernel = kernel
-        self._template = packed
-        self._head = tuple(zip(head_codes, offsets[:len(head_codes)], strict=True))
-        self._offsets = offsets
-        self._local = threading.local()
-
-    def _buffers(self):
-        local = self._local
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = ctypes.create_string_buffer(self._template, len(self._template))
-            base = ctypes.addressof(buf)
-            local.pointers = (ctypes.c_void_p * len(self._offsets))(
-                *[base + o for o in self._offsets])
-        return buf, local.pointers
-
-    def launch(self, grid, block, *head, shared_mem: int = 0, stream=None) -> None:
-        if len(head) != len(self._head):
-            raise TypeError(f"kernel {self.kernel.name}: expected {len(self._head)} leading "
-                            f"arguments, got {len(head)}")
-        buf, pointers = self._buffers()
-        device = self.kernel.device_index
-        for i, ((code, off), a) in enumerate(zip(self._head, head, strict=True)):
-            if code == "Q":
-                if a.get_device() != device:
-                    raise ValueError(f"kernel {self.kernel.name}: argument {i} is on "
-                                     f"{a.device}, expected cuda:{device}")
-                _U64.pack_into(buf, off, a.data_ptr())
-            else:
-                raw = a.__cuda_tensor_map__()
-                if len(raw) != TENSOR_MAP_BYTES:
-                    raise TypeError(f"kernel {self.kernel.name}: argument {i} gives a "
-                                    f"{len(raw)}-byte tensor map, expected {TENSOR_MAP_BYTES}")
-                buf[off:off + TENSOR_MAP_BYTES] = raw
-        self.kernel._launch_params(grid, block, pointers, shared_mem, stream)
 
 
 def device_arch(device_index: int) -> str:

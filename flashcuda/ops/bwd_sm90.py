@@ -40,7 +40,15 @@ from .._env import env_names, env_values
 from ..jit import KernelSpec, get_kernel, register
 from ..jit.tensor_map import bshd_map, bshd_problem
 from . import bwd_sm80
-from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, BwdCall, kernel_windows, vector_layout_problem
+from .call import (
+    DTYPE_CODE,
+    DTYPE_NAME,
+    LOG2E,
+    BwdCall,
+    kernel_windows,
+    layout_key,
+    vector_layout_problem,
+)
 
 SOURCE = "attention/flash_bwd_sm90.cu"
 ARCHS = ("sm_90a",)
@@ -260,17 +268,20 @@ def _strides(t: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a call's layout decides once: the config, the three launches with their constant
-    arguments bound (jit.runtime.BoundLaunch), their grids."""
+    """What a call's layout decides once: the config, the three kernels, their grids and the
+    arguments that do not change with the data addresses."""
 
     cfg: Sm90BwdConfig
     sq_pad: int
-    pre: object  # out, dout, lse, lse2, delta, dq_accum, then constants
-    main: object  # map_q, map_k, map_v, map_dout, lse2, delta, dq_accum, dk, dv, then constants
-    convert: object  # dq_accum, dq, then constants
+    pre: object  # kernel: out, dout, lse, lse2, delta, dq_accum, then pre_args
+    main: object  # kernel: map_q, map_k, map_v, map_dout, lse2, delta, dq_accum, dk, dv, main_args
+    convert: object  # kernel: dq_accum, dq, then convert_args
     pre_grid: tuple[int, int, int]
     main_grid: tuple[int, int, int]
     convert_grid: tuple[int, int, int]
+    pre_args: tuple
+    main_args: tuple
+    convert_args: tuple
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -283,9 +294,8 @@ def _plan_key(call: BwdCall) -> tuple:
     field missing here would let a call the family refuses reach the kernel."""
     return (call.dtype, call.device, call.deterministic, call.window_left, call.window_right,
             call.softmax_scale, env_values(_KEY_ENV),
-            *((t.dtype, t.shape, t.stride(), t.data_ptr() % 16, t.get_device())
-              for t in (call.q, call.k, call.v, call.out, call.dout, call.lse, call.dq, call.dk,
-                        call.dv)))
+            *map(layout_key, (call.q, call.k, call.v, call.out, call.dout, call.lse, call.dq,
+                              call.dk, call.dv)))
 
 
 def _plan(call: BwdCall) -> _Plan:
@@ -306,21 +316,19 @@ def _plan(call: BwdCall) -> _Plan:
     # run() copies a strided lse to a contiguous one: its strides are then (h * sq, sq, 1)
     lse_strides = call.lse.stride()[:2] if call.lse.stride(-1) == 1 else (h * sq, sq)
     plan = _Plan(
-        cfg, sq_pad,
-        pre=get_kernel(aux.pre_spec(), dev).bind("QQQQQQ", (
-            *_strides(call.out), *_strides(call.dout), np.int64(lse_strides[0]),
-            np.int64(lse_strides[1]), np.int32(sq), np.int32(h), np.int32(d),
-            np.int32(sq_pad))),
-        main=get_kernel(cfg.spec(), dev).bind("MMMMQQQQQ", (
-            *_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk), np.int32(h),
-            np.int32(hkv), np.int32(sq_pad), np.float32(call.softmax_scale * LOG2E), scale, wl,
-            wr)),
-        convert=get_kernel(aux.convert_spec(), dev).bind("QQ", (
-            *_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d), np.int32(sq_pad),
-            scale)),
+        cfg, sq_pad, get_kernel(aux.pre_spec(), dev), get_kernel(cfg.spec(), dev),
+        get_kernel(aux.convert_spec(), dev),
         pre_grid=(sq_pad // aux.aux_rows, h, b),
         main_grid=cfg.grid(call),
-        convert_grid=(-(-sq // aux.aux_rows), h, b))
+        convert_grid=(-(-sq // aux.aux_rows), h, b),
+        pre_args=(*_strides(call.out), *_strides(call.dout), np.int64(lse_strides[0]),
+                  np.int64(lse_strides[1]), np.int32(sq), np.int32(h), np.int32(d),
+                  np.int32(sq_pad)),
+        main_args=(*_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk),
+                   np.int32(h), np.int32(hkv), np.int32(sq_pad),
+                   np.float32(call.softmax_scale * LOG2E), scale, wl, wr),
+        convert_args=(*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
+                      np.int32(sq_pad), scale))
     if len(_plans) > 1024:
         _plans.clear()
     _plans[key] = plan
@@ -343,12 +351,14 @@ def run(call: BwdCall) -> None:
     delta = scratch[rows:2 * rows].view(b, h, plan.sq_pad)
     dq_accum = scratch[2 * rows:].view(b, h, plan.sq_pad, call.head_dim)
     plan.pre.launch(plan.pre_grid, (bwd_sm80.AUX_THREADS,), call.out, call.dout, lse, lse2,
-                    delta, dq_accum)
+                    delta, dq_accum, *plan.pre_args)
     plan.main.launch(plan.main_grid, (cfg.threads, 1, 1),
                      bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n),
                      bshd_map(call.v, cfg.block_n), bshd_map(call.dout, cfg.block_m),
-                     lse2, delta, dq_accum, call.dk, call.dv, shared_mem=cfg.smem_bytes)
-    plan.convert.launch(plan.convert_grid, (bwd_sm80.AUX_THREADS,), dq_accum, call.dq)
+                     lse2, delta, dq_accum, call.dk, call.dv, *plan.main_args,
+                     shared_mem=cfg.smem_bytes)
+    plan.convert.launch(plan.convert_grid, (bwd_sm80.AUX_THREADS,), dq_accum, call.dq,
+                        *plan.convert_args)
 
 
 @register

@@ -26,6 +26,12 @@ DTYPE_NAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf1
 LOG2E = 1.4426950408889634
 
 
+def layout_key(t: torch.Tensor) -> tuple:
+    """What a plan cache may rely on about a tensor: dtype, shape, strides, device and the
+    16-byte alignment of its address (TMA and the vector accesses care), not the address."""
+    return (t.dtype, t.shape, t.stride(), t.data_ptr() % 16, t.get_device())
+
+
 @dataclass
 class FwdCall:
     q: torch.Tensor

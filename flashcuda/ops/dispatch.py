@@ -25,7 +25,7 @@ from types import ModuleType
 
 from .._env import env_names, env_values
 from .._log import log_once, logger
-from .call import DTYPE_NAME, BwdCall, FwdCall
+from .call import DTYPE_NAME, BwdCall, FwdCall, layout_key
 
 FWD_FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
 BWD_FAMILIES = ("bwd_sm90", "bwd_sm80", "bwd_simt")
@@ -129,7 +129,7 @@ def _plan_key(call: FwdCall | BwdCall, direction: str) -> tuple:
         extra = ()
     return (direction, env_values(_KEY_ENV), call.dtype, call.device, call.window_left,
             call.window_right, call.softmax_scale > 0, *extra,
-            *((t.shape, t.stride(), t.data_ptr() % 16) for t in tensors))
+            *map(layout_key, tensors))
 
 
 # plan key -> family module that can run it (the first choice, checked once).

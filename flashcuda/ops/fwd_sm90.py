@@ -35,7 +35,7 @@ import torch
 from .._env import env_names, env_values
 from ..jit import KernelSpec, get_kernel, register
 from ..jit.tensor_map import bshd_map, bshd_problem
-from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, FwdCall, vector_layout_problem
+from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, FwdCall, layout_key, vector_layout_problem
 from .fwd_sm80 import MAX_SEQLEN_SUM, _device_index, _device_info
 
 SOURCE = "attention/flash_fwd_sm90.cu"
@@ -290,7 +290,6 @@ class _Plan:
     kernel: object
     grid: tuple[int, int, int]
     constants: tuple
-    launcher: object  # kernel.bind: map_q, map_k, map_v, out, lse, then the constants
 
 
 _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
@@ -306,8 +305,7 @@ def _plan_key(call: FwdCall) -> tuple:
     field missing here would let a call the family refuses reach the kernel."""
     return (call.dtype, call.device, call.window_left, call.window_right, call.softmax_scale,
             env_values(_KEY_ENV),
-            *((t.dtype, t.shape, t.stride(), t.data_ptr() % 16, t.get_device())
-              for t in (call.q, call.k, call.v, call.out, call.lse)))
+            *map(layout_key, (call.q, call.k, call.v, call.out, call.lse)))
 
 
 def _plan(call: FwdCall) -> _Plan | str:
@@ -323,9 +321,8 @@ def _plan(call: FwdCall) -> _Plan | str:
         cfg = select_config(call.dtype, call.head_dim, call.is_local, call.seqlen_q,
                             call.seqlen_k)
         sms = torch.cuda.get_device_properties(_device_index(call.device)).multi_processor_count
-        kernel = get_kernel(cfg.spec(), call.device)
-        constants = constant_args(call)
-        plan = _Plan(cfg, kernel, cfg.grid(call, sms), constants, kernel.bind("MMMQQ", constants))
+        plan = _Plan(cfg, get_kernel(cfg.spec(), call.device), cfg.grid(call, sms),
+                     constant_args(call))
     if len(_plans) > 1024:
         _plans.clear()
     _plans[key] = plan
@@ -340,9 +337,9 @@ def run(call: FwdCall) -> None:
     if plan is _EMPTY:
         return
     cfg = plan.cfg
-    plan.launcher.launch(plan.grid, (cfg.threads, 1, 1), bshd_map(call.q, cfg.block_m),
-                         bshd_map(call.k, cfg.block_n), bshd_map(call.v, cfg.block_n), call.out,
-                         call.lse, shared_mem=cfg.smem_bytes)
+    plan.kernel.launch(plan.grid, (cfg.threads, 1, 1), bshd_map(call.q, cfg.block_m),
+                       bshd_map(call.k, cfg.block_n), bshd_map(call.v, cfg.block_n), call.out,
+                       call.lse, *plan.constants, shared_mem=cfg.smem_bytes)
 
 
 @register
