@@ -111,14 +111,15 @@ for step in "${steps[@]}"; do
       # Nsight Compute on the second call's sm90 kernels (scripts/profile_call.py): speed of
       # light, compute (tensor pipe), warp states (stall reasons), scheduler, memory sections.
       # NCU_SHAPE (default "4 4096 16 128"), NCU_ARGS (e.g. "--causal"), NCU_KERNELS (regex,
-      # default flash_(fwd|bwd)_sm90); clocks left alone (--clock-control none, METHOD.md).
+      # default flash_(fwd|bwd)_sm90), NCU_EXTRA (more ncu options, e.g. --metrics); clocks left
+      # alone (--clock-control none, METHOD.md).
       timeout "${NCU_TIMEOUT:-300}" ncu --clock-control none -k "regex:${NCU_KERNELS:-flash_(fwd|bwd)_sm90}" \
         --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-2}" \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-        --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy \
+        --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy ${NCU_EXTRA:-} \
         python3 scripts/profile_call.py --bwd --shape ${NCU_SHAPE:-4 4096 16 128} ${NCU_ARGS:-} \
         > "$OUT/ncu.txt" 2>&1; rc=$?
-      grep -E "flash_|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Stall|Warp Cycles Per Issued" \
+      grep -E "flash_|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Stall|stalled|pipe_tensor|Warp Cycles Per Issued" \
         "$OUT/ncu.txt" | head -n 40 ;;
     *)
       echo "unknown step $step"; rc=2 ;;

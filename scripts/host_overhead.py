@@ -102,6 +102,85 @@ def launch_costs() -> None:
     torch.cuda.synchronize()
 
 
+def autograd_costs(fc_out, dout, leaves, clear) -> None:
+    """Where the backward's host time goes between `out.backward()` and the kernels: the engine's
+    start (backward() called -> our backward body entered, on autograd's device thread), the body
+    itself, and the engine's end (body returned -> backward() returns); then the same engine
+    around a Function that does nothing (grads allocated, no launch), and torch.autograd.grad."""
+    from flashcuda.ops import attention
+
+    marks = {}
+    inner = attention._bwd_impl
+
+    def timed(*args):
+        marks["enter"] = time.perf_counter()
+        r = inner(*args)
+        marks["leave"] = time.perf_counter()
+        return r
+
+    pre, body, post, total = [], [], [], []
+    orig = attention._EagerAttention.backward
+
+    @staticmethod
+    def backward(ctx, dout_, dlse):
+        return attention._backward(ctx, dout_, dlse, backward_fn=timed)
+
+    attention._EagerAttention.backward = backward
+    try:
+        torch.cuda.synchronize()
+        spin()
+        for _ in range(200):
+            clear()
+            t0 = time.perf_counter()
+            fc_out.backward(dout, retain_graph=True)
+            t1 = time.perf_counter()
+            pre.append((marks["enter"] - t0) * 1e6)
+            body.append((marks["leave"] - marks["enter"]) * 1e6)
+            post.append((t1 - marks["leave"]) * 1e6)
+            total.append((t1 - t0) * 1e6)
+        torch.cuda.synchronize()
+    finally:
+        attention._EagerAttention.backward = orig
+
+    class Nothing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, a, b, c, d):
+            ctx.mark_non_differentiable(lse := torch.empty(q.shape[:3], device=q.device))
+            ctx.save_for_backward(q, k, v)
+            return torch.empty_like(q), lse
+
+        @staticmethod
+        def backward(ctx, dout_, dlse):
+            q, k, v = ctx.saved_tensors
+            return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None,
+                    None, None)
+
+    nothing_out = Nothing.apply(*leaves, 1.0, None, 0, False)[0]
+    rows = [
+        ("backward() -> body entered", statistics.median(pre)),
+        ("body (_bwd_impl, engine thread)", statistics.median(body)),
+        ("body returned -> backward() done", statistics.median(post)),
+        ("backward() total", statistics.median(total)),
+        ("no-op Function backward()", per_call_us(
+            lambda: nothing_out.backward(dout, retain_graph=True), reset=clear)),
+        ("torch.autograd.grad (flashcuda)", per_call_us(
+            lambda: torch.autograd.grad(fc_out, leaves, dout, retain_graph=True))),
+    ]
+    print("autograd costs (host us per call, medians)")
+    for label, v in rows:
+        print(f"  {label:34s} {v:8.1f}")
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    torch.cuda.synchronize()
+    spin()
+    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            clear()
+            fc_out.backward(dout, retain_graph=True)
+    torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
 def fwd_lse(q, k, v, causal: bool) -> torch.Tensor:
     return flashcuda.flash_attn_func(q, k, v, causal=causal, return_lse=True)[1]
 
@@ -201,6 +280,7 @@ def main() -> None:
     print("backward pieces (host us per call)")
     for label, fn in bpieces:
         print(f"  {label:28s} {per_call_us(fn, calls=200):8.1f}")
+    autograd_costs(fc_out, dout, leaves, clear)
     if a.profile:
         print(profile(lambda: flashcuda.flash_attn_func(q, k, v, causal=a.causal), 200))
         print(profile(lambda: fc_out.backward(dout, retain_graph=True), 100, reset=clear))
