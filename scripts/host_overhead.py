@@ -62,6 +62,25 @@ def profile(fn, calls: int, reset=None, top: int = 30) -> str:
     return s.getvalue()
 
 
+def _bare_launch(kernel, grid, block, args, smem):
+    """A launch of `kernel` with its parameters packed once: only the driver call is timed."""
+    import ctypes
+
+    from flashcuda.jit import runtime
+
+    packed, offsets = runtime.pack_args(kernel.name, args)
+    params = ctypes.create_string_buffer(packed, len(packed))
+    pointers = (ctypes.c_void_p * len(offsets))(*[ctypes.addressof(params) + o for o in offsets])
+    lib, fn, stream = runtime._libcuda(), kernel.function_handle, runtime._current_stream_handle(0)
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+
+    def launch():
+        launch.keep = params  # the buffer lives as long as the closure
+        return lib.cuLaunchKernel(fn, *grid, *block, smem, stream, pointers, None)
+
+    return launch
+
+
 def launch_costs() -> None:
     """What one launch costs by itself: the context check, the stream lookup, and a bare
     cuLaunchKernel of a 4-block kernel (prepared pointers, nothing packed per call) into the
@@ -156,6 +175,32 @@ def autograd_costs(fc_out, dout, leaves, clear) -> None:
                     None, None)
 
     nothing_out = Nothing.apply(*leaves, 1.0, None, 0, False)[0]
+    # cProfile of the body where it runs (autograd's device thread; a profiler is per thread)
+    prof = cProfile.Profile()
+
+    def profiled(*args):
+        prof.enable()
+        try:
+            return inner(*args)
+        finally:
+            prof.disable()
+
+    @staticmethod
+    def backward_profiled(ctx, dout_, dlse):
+        return attention._backward(ctx, dout_, dlse, backward_fn=profiled)
+
+    attention._EagerAttention.backward = backward_profiled
+    try:
+        torch.cuda.synchronize()
+        spin(1000.0)
+        for _ in range(100):
+            clear()
+            fc_out.backward(dout, retain_graph=True)
+        torch.cuda.synchronize()
+    finally:
+        attention._EagerAttention.backward = orig
+    body_profile = io.StringIO()
+    pstats.Stats(prof, stream=body_profile).sort_stats("tottime").print_stats(25)
     rows = [
         ("backward() -> body entered", statistics.median(pre)),
         ("body (_bwd_impl, engine thread)", statistics.median(body)),
@@ -173,12 +218,14 @@ def autograd_costs(fc_out, dout, leaves, clear) -> None:
 
     torch.cuda.synchronize()
     spin()
-    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+    with tprofile(activities=[ProfilerActivity.CPU]) as tprof:
         for _ in range(20):
             clear()
             fc_out.backward(dout, retain_graph=True)
     torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    print("the backward body on autograd's thread, cProfile of 100 calls:")
+    print(body_profile.getvalue())
 
 
 def fwd_lse(q, k, v, causal: bool) -> torch.Tensor:
@@ -253,6 +300,9 @@ def main() -> None:
         ("kernel.launch", lambda: plan.kernel.launch(plan.grid, (cfg.threads, 1, 1), *maps, out,
                                                      lse, *plan.constants,
                                                      shared_mem=cfg.smem_bytes)),
+        ("  same, bare cuLaunchKernel", _bare_launch(plan.kernel, plan.grid, (cfg.threads, 1, 1),
+                                                     (*maps, out, lse, *plan.constants),
+                                                     cfg.smem_bytes)),
         ("fwd_sm90.run", lambda: fwd_sm90.run(call)),
         ("dispatch.forward", lambda: dispatch.forward(call)),
         ("torch.cuda.current_stream", lambda: torch.cuda.current_stream(0)),

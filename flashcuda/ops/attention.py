@@ -109,9 +109,14 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.window = (window_left, window_right)
     ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse)
+    # lse's gradient is never used: without this, autograd fills a zero (B, H, Sq) tensor for it
+    # on every backward (an allocation and a launch before ours, on the backward's critical path)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, _dlse, backward_fn=bwd):
+    if dout is None:  # no gradient reached out (grads are not materialised): none for q, k, v
+        return None, None, None, None, None, None, None
     q, k, v, out, lse = ctx.saved_tensors
     deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
     dq, dk, dv = backward_fn(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window,

@@ -421,3 +421,26 @@ def test_bad_input_is_refused_before_a_strided_last_dimension_is_copied():
         flashcuda.flash_attn_func(huge, huge, huge)
     with pytest.raises(ValueError, match="headdim"):
         flashcuda.scaled_dot_product_attention(huge, huge, huge)
+
+
+def test_backward_gets_no_materialised_lse_gradient(monkeypatch):
+    """lse is non-differentiable: the eager backward receives None for it, so autograd allocates
+    and fills no zero (B, H, Sq) tensor on the backward's critical path; out's gradient arrives."""
+    from flashcuda.ops import attention
+
+    seen = []
+    inner = attention._backward
+
+    def spy(ctx, dout, dlse, backward_fn):
+        seen.append((dout, dlse))
+        return inner(ctx, dout, dlse, backward_fn=backward_fn)
+
+    monkeypatch.setattr(attention, "_backward", spy)
+    q, k, v = (torch.randn(1, 7, 2, 32, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    out, lse = attention._EagerAttention.apply(q, k, v, 32 ** -0.5, None, 0, False)
+    dout = torch.randn_like(out)
+    (dq,) = torch.autograd.grad(out, (q,), dout)
+    assert len(seen) == 1
+    assert seen[0][1] is None
+    assert torch.equal(seen[0][0], dout)
+    assert dq.shape == q.shape and torch.isfinite(dq).all()
