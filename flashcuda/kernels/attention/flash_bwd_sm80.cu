@@ -167,9 +167,18 @@ __device__ __forceinline__ void store_rows(T* __restrict__ dst, int64_t ld, cons
 #if FC_PART == 0
 // ---------------------------------------------------------------------------------------------
 // Preprocess. grid (seqlen_q_pad / FC_BLOCK_M, nheads, batch), 256 threads.
+// Each row of O and dO is read as 16-byte chunks by a group of kLanesPerRow lanes (kChunks rounded
+// up to a power of two; lanes past head_dim read nothing) and reduced by shuffles inside the
+// group. Every load of the CTA is issued before the first use (registers ov / dv), and the dQ
+// accumulator is zeroed while they are in flight: a row per warp at a time (the first version)
+// left the kernel latency-bound at ~1/3 of the memory bandwidth.
 constexpr int kRows = FC_BLOCK_M;
 constexpr int kThreads = 256;
+constexpr int kLanesPerRow = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+constexpr int kRowsPerPass = kThreads / kLanesPerRow;
+constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
 static_assert(kRows % 8 == 0, "rows per CTA");
+static_assert(kChunks <= 32, "one 16-byte chunk per lane covers at most 256 columns");
 
 extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     const T* __restrict__ out,          // [B, Sq, H, D]
@@ -180,38 +189,49 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     float* __restrict__ dq_accum,       // [B, H, Sq_pad, kD] or null
     int64_t o_sb, int64_t o_ss, int64_t o_sh, int64_t do_sb, int64_t do_ss, int64_t do_sh,
     int64_t lse_sb, int64_t lse_sh, int seqlen_q, int nheads, int head_dim, int seqlen_q_pad) {
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x;
+  const int sub = tid % kLanesPerRow;  // this lane's chunk of the row
+  const int col = sub * 8;
   const int m0 = blockIdx.x * kRows, h = blockIdx.y, b = blockIdx.z;
   const int64_t bh = static_cast<int64_t>(b) * nheads + h;
-  for (int r = warp; r < kRows; r += kThreads / 32) {
-    const int row = m0 + r;
-    float acc = 0.f;
-    if (row < seqlen_q) {
-      const T* o = out + b * o_sb + row * o_ss + h * o_sh;
-      const T* d = dout + b * do_sb + row * do_ss + h * do_sh;
-      for (int c = lane * 2; c < head_dim; c += 64) {
-        const uint32_t ov = *reinterpret_cast<const uint32_t*>(o + c);
-        const uint32_t dv = *reinterpret_cast<const uint32_t*>(d + c);
-        const T o0{static_cast<uint16_t>(ov & 0xffff)}, o1{static_cast<uint16_t>(ov >> 16)};
-        const T d0{static_cast<uint16_t>(dv & 0xffff)}, d1{static_cast<uint16_t>(dv >> 16)};
-        acc += to_float(o0) * to_float(d0) + to_float(o1) * to_float(d1);
-      }
-    }
+  uint4 ov[kPasses], dv[kPasses];
+  float l[kPasses];
 #pragma unroll
-    for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-    if (lane == 0) {
-      float l2 = pos_inf();
-      if (row < seqlen_q) {
-        const float l = lse[b * lse_sb + h * lse_sh + row];
-        if (l != neg_inf()) l2 = l * kLog2e;
+  for (int p = 0; p < kPasses; ++p) {
+    const int r = p * kRowsPerPass + tid / kLanesPerRow, row = m0 + r;
+    ov[p] = dv[p] = make_uint4(0u, 0u, 0u, 0u);
+    l[p] = neg_inf();
+    if (r < kRows && row < seqlen_q) {
+      if (col < head_dim) {
+        ov[p] = *reinterpret_cast<const uint4*>(out + b * o_sb + row * o_ss + h * o_sh + col);
+        dv[p] = *reinterpret_cast<const uint4*>(dout + b * do_sb + row * do_ss + h * do_sh + col);
       }
-      delta[bh * seqlen_q_pad + row] = row < seqlen_q ? acc : 0.f;
-      lse2[bh * seqlen_q_pad + row] = l2;
+      if (sub == 0) l[p] = lse[b * lse_sb + h * lse_sh + row];
     }
   }
   if (dq_accum != nullptr) {
     float4* dst = reinterpret_cast<float4*>(dq_accum + (bh * seqlen_q_pad + m0) * kD);
     for (int i = tid; i < kRows * kD / 4; i += kThreads) dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const uint32_t o4[4] = {ov[p].x, ov[p].y, ov[p].z, ov[p].w};
+    const uint32_t d4[4] = {dv[p].x, dv[p].y, dv[p].z, dv[p].w};
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const Float2 o = unpack2<T>(o4[i]), d = unpack2<T>(d4[i]);
+      acc += o.lo * d.lo + o.hi * d.hi;
+    }
+#pragma unroll
+    for (int s = kLanesPerRow / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+    const int r = p * kRowsPerPass + tid / kLanesPerRow, row = m0 + r;
+    if (sub == 0 && r < kRows) {
+      // +inf for padding rows and rows with no visible key (lse -inf): P = 0 there, never NaN
+      const float l2 = (row < seqlen_q && l[p] != neg_inf()) ? l[p] * kLog2e : pos_inf();
+      delta[bh * seqlen_q_pad + row] = row < seqlen_q ? acc : 0.f;
+      lse2[bh * seqlen_q_pad + row] = l2;
+    }
   }
 }
 
