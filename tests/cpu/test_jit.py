@@ -191,6 +191,49 @@ def test_process_killed_mid_compile_blocks_nothing(tmp_path):
     assert time.monotonic() - start < 20  # did not wait for a dead process's lock
 
 
+
+_HOLD = textwrap.dedent("""
+    import fcntl, os, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    print("LOCKED", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_lock_held_past_the_timeout_compiles_without_it(tmp_path, monkeypatch, caplog):
+    """A live process holding an entry's lock for longer than LOCK_TIMEOUT_S (a hung compiler):
+    the waiter warns once, builds without the lock and writes a valid entry (atomic writes), and
+    does not wait for the holder."""
+    import logging
+
+    from flashcuda.jit import cache as cache_module
+
+    d = tmp_path / "hung"
+    cache = DiskCache(d)
+    lock = d / ("entry-" + "k" * 20 + ".lock")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(lock)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "LOCKED"
+        monkeypatch.setattr(cache_module, "LOCK_TIMEOUT_S", 0.5)
+        blob = b"\x7fELF" + b"h" * 5000
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            data, hit = cache.get_or_build("entry", "k" * 64, lambda: blob)
+        elapsed = time.monotonic() - start
+        assert (data, hit) == (blob, False)
+        assert 0.5 <= elapsed < 10, elapsed
+        warned = [r for r in caplog.records if "compiling without it" in r.getMessage()]
+        assert len(warned) == 1
+        assert holder.poll() is None  # the holder still holds the lock
+        assert DiskCache(d).load("entry", "k" * 64) == blob
+        assert not list(d.glob(".tmp-*"))
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_uncreatable_cache_dir_degrades_to_memory(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")

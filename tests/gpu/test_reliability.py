@@ -300,6 +300,58 @@ def test_nan_in_visible_inputs_reaches_only_its_rows(dtype):
     compare(flash_attn_func(q, k, vn, return_lse=True), clean_full, touched)
 
 
+
+@pytest.mark.parametrize("family,dtype", [pytest.param("sm80", BF16, id="sm80-bf16"),
+                                          pytest.param("sm90", FP16, id="sm90-fp16"),
+                                          pytest.param("simt", FP32, id="simt-fp32")])
+def test_nan_in_q_backward_reaches_only_what_reads_it(family, dtype, monkeypatch):
+    """NaN in one element of q (batch 1, row 37, head 1; causal, no GQA): the backward gives a
+    non-finite dq on that row only, non-finite dk / dv on the keys row 37 sees (0..37: each sums
+    a NaN term), and every gradient of the other heads and batch equal to the clean call's
+    bitwise (deterministic backward, so equal means equal). dk / dv of keys 38.. are not checked:
+    they multiply row 37's q by dS = 0 inside a GEMM, which IEEE makes NaN (tile-granular, as in
+    FlashAttention)."""
+    cc = torch.cuda.get_device_capability()
+    if family == "sm90" and cc != (9, 0):
+        pytest.skip(f"bwd_sm90 needs compute capability 9.0, the GPU has {cc[0]}.{cc[1]}")
+    b, s, h, d, r = 2, 100, 2, 64, 37
+    ran = boundary.prepare(monkeypatch, family)
+    try:
+        q, k, v = make(b, s, s, h, h, d, dtype, seed=12)
+        dout = make(b, s, s, h, h, d, dtype, seed=13)[0]
+        deterministic = family != "sm90"  # bwd_sm90 has no deterministic mode
+
+        def grads(qq):
+            leaves = [t.clone().requires_grad_() for t in (qq, k, v)]
+            out = flash_attn_func(*leaves, causal=True, deterministic=deterministic)
+            return torch.autograd.grad(out, leaves, dout)
+
+        clean = grads(q)
+        qn = q.clone()
+        qn[1, r, 1, 5] = NAN
+        dq, dk, dv = grads(qn)
+        fwd, bwd = boundary.FAMILIES[family]
+        assert ran == [("fwd", fwd), ("bwd", bwd)] * 2, f"dispatched {ran}"
+        assert not dq[1, r, 1].isfinite().all(), "dq of the NaN row must not be finite"
+        others = torch.ones(b, s, h, dtype=torch.bool, device="cuda")
+        others[1, r, 1] = False
+        assert dq[others].isfinite().all(), "NaN leaked into dq of another row"
+        for name, g in (("dk", dk), ("dv", dv)):
+            assert not g[1, : r + 1, 1].isfinite().all(dim=-1).any(), \
+                f"{name}: a key row 37 sees must get a non-finite gradient"
+        untouched = [(0, slice(None), slice(None)), (1, slice(None), 0)]  # batch 0; batch 1 head 0
+        for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), clean, strict=True):
+            for idx in untouched:
+                if deterministic:
+                    assert torch.equal(got[idx], want[idx]), f"{name}{idx}: differs from clean"
+                else:
+                    assert got[idx].isfinite().all(), f"{name}{idx}: NaN leaked"
+                    assert torch.allclose(got[idx].float(), want[idx].float(), rtol=1e-2,
+                                          atol=1e-2), f"{name}{idx}: differs from clean"
+    finally:
+        dispatch._reset()
+
+
 # ---- (f) 64-bit offsets ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=str)
@@ -345,6 +397,49 @@ def test_rows_past_2_31_elements(dtype):
     assert (out[:, :8] == 0).all() and torch.isneginf(lse[:, :, :8]).all()
     del q, out, lse
     torch.cuda.empty_cache()
+
+
+
+BIG_BWD = [pytest.param("sm90", BF16, id="sm90-bf16"), pytest.param("sm80", BF16, id="sm80-bf16"),
+           pytest.param("simt", FP32, id="simt-fp32")]
+
+
+@pytest.mark.parametrize("family,dtype", BIG_BWD)
+def test_backward_rows_past_2_31_elements(family, dtype, monkeypatch):
+    """The backward of test_rows_past_2_31_elements' call, with each family forced: q, out, dout
+    and dq hold 2^31 + 12800 elements, so the last rows' offsets (and the fp32 dQ accumulator's,
+    and the preprocess's) exceed 2^31. dq, dk, dv are NaN-prefilled; the last rows' dq and all of
+    dk, dv (only those rows see a key) meet the gradient rule against the oracle on the slice;
+    every other dq row is exactly 0."""
+    cc = torch.cuda.get_device_capability()
+    if family == "sm90" and cc != (9, 0):
+        pytest.skip(f"bwd_sm90 needs compute capability 9.0, the GPU has {cc[0]}.{cc[1]}")
+    sq, sk, d, tail = 2**25 + 200, 64, 64, 200
+    ran = boundary.prepare(monkeypatch, family)
+    try:
+        g = torch.Generator(device="cuda").manual_seed(11)
+        q = torch.empty(1, sq, 1, d, device="cuda", dtype=dtype).normal_(generator=g)
+        k = torch.randn(1, sk, 1, d, device="cuda", generator=g).to(dtype)
+        v = torch.randn(1, sk, 1, d, device="cuda", generator=g).to(dtype)
+        assert q.numel() > 2**31
+        for t in (q, k, v):
+            t.requires_grad_()
+        out = flash_attn_func(q, k, v, causal=True)
+        dout = torch.empty_like(out).normal_(generator=g)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        fwd, bwd = boundary.FAMILIES[family]
+        assert ran == [("fwd", fwd), ("bwd", bwd)], f"dispatched {ran}"
+        del out
+        qt = q.detach()[:, -tail:]
+        ref, base = boundary.oracle_grads(qt, k.detach(), v.detach(), dout[:, -tail:],
+                                          causal=True)
+        boundary.check_grads((dq[:, -tail:], dk, dv), ref, base, dtype)
+        assert (dq[:, :-tail] == 0).all(), "a row that sees no key must get dq exactly 0"
+    finally:
+        dispatch._reset()
+        q = k = v = dq = dk = dv = dout = None
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 # ---- (g) a short soak -----------------------------------------------------------------------------
