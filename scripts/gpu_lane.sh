@@ -12,7 +12,8 @@
 #              visible. SANITIZE_TOOLS picks the tools (default "memcheck racecheck synccheck
 #              initcheck"); the tool "none" runs the suite once without a sanitizer (a quick
 #              correctness pass that also fills the kernel cache); the log is sanitize.log, or
-#              sanitize-$SANITIZE_LABEL.log
+#              sanitize-$SANITIZE_LABEL.log. SANITIZE_ARGS: more compute-sanitizer options, e.g.
+#              "--kernel-regex kns=flash_" to check flashcuda's kernels only (not the oracle's)
 #   soak       scripts/soak.py: SOAK_CALLS (default 10000) random-shape calls through the API, an
 #              oracle check on a sample, memory flat; record soak-*.json (SOAK_ARGS: more options)
 #   host       host-side microseconds per call (scripts/host_overhead.py)
@@ -74,7 +75,7 @@ for step in "${steps[@]}"; do
           timeout "${SANITIZE_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
             tests/gpu/test_sanitize.py ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-tool-$tool.log" 2>&1
         else
-          PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+          PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" ${SANITIZE_ARGS:-} --error-exitcode 99 \
             --report-api-errors no --print-limit 20 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_sanitize.py \
             ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-tool-$tool.log" 2>&1
         fi
