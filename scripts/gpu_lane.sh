@@ -22,6 +22,8 @@
 #   ab-sm90    the sm90 forward's scheduling variants (ping-pong, snake order, both, neither)
 #   ncu        Nsight Compute sections of the sm90 forward and backward kernels at one shape
 #              (NCU_SHAPE, NCU_ARGS, NCU_KERNELS), ncu.txt
+#   ncu-source warp-stall samples per SASS instruction of one kernel (NCU_KERNELS, default
+#              flash_bwd_sm90): ncu-source.ncu-rep, ncu-source-sass.csv, ncu-source-top.txt
 #   ab         any A/B: AB_VARIANTS="label:VAR=VAL[,VAR=VAL] ..." (e.g. "v2:FLASHCUDA_SM90_BWD_DQ=v2
 #              v4:FLASHCUDA_SM90_BWD_DQ=v4"), two processes per variant interleaved, bench
 #              ${AB_ARGS} (default 1k 4k 16k, both head dims, causal both), one table per direction
@@ -122,6 +124,19 @@ for step in "${steps[@]}"; do
         > "$OUT/ncu.txt" 2>&1; rc=$?
       grep -E "flash_|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Stall|stalled|pipe_tensor|Warp Cycles Per Issued" \
         "$OUT/ncu.txt" | head -n 40 ;;
+    ncu-source)
+      # Warp-stall samples per SASS instruction of one kernel (default the sm90 backward) at
+      # NCU_SHAPE: the report (ncu-source.ncu-rep), its source page as CSV, and the summary
+      # (scripts/ncu_source_summary.py: top instructions, by opcode, by reason)
+      timeout "${NCU_TIMEOUT:-300}" ncu --clock-control none -k "regex:${NCU_KERNELS:-flash_bwd_sm90}" \
+        --launch-skip "${NCU_SKIP:-1}" --launch-count 1 --section SourceCounters \
+        --section WarpStateStats --import-source yes -f -o "$OUT/ncu-source" \
+        python3 scripts/profile_call.py --bwd --shape ${NCU_SHAPE:-4 4096 16 128} ${NCU_ARGS:-} \
+        > "$OUT/ncu-source.log" 2>&1; rc=$?
+      ncu --import "$OUT/ncu-source.ncu-rep" --page source --csv --print-source sass \
+        > "$OUT/ncu-source-sass.csv" 2>> "$OUT/ncu-source.log" || rc=$?
+      python3 scripts/ncu_source_summary.py "$OUT/ncu-source-sass.csv" > "$OUT/ncu-source-top.txt" 2>&1
+      head -n 60 "$OUT/ncu-source-top.txt" ;;
     *)
       echo "unknown step $step"; rc=2 ;;
   esac
