@@ -214,7 +214,8 @@ def autograd_costs(fc_out, dout, leaves, clear) -> None:
     print("autograd costs (host us per call, medians)")
     for label, v in rows:
         print(f"  {label:34s} {v:8.1f}")
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
 
     torch.cuda.synchronize()
     spin()
