@@ -8,6 +8,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ._log import logger  # noqa: E402,F401
-from .api import flash_attn_func, scaled_dot_product_attention  # noqa: E402
+from .api import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention  # noqa: E402
 
-__all__ = ["__version__", "flash_attn_func", "scaled_dot_product_attention"]
+__all__ = ["__version__", "flash_attn_func", "flash_attn_varlen_func",
+           "scaled_dot_product_attention"]

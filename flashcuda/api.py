@@ -79,6 +79,72 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     return out
 
 
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                           return_attn_probs: bool = False, block_table: torch.Tensor | None = None,
+                           return_lse: bool = False):
+    """flash_attn_func on a batch of sequences of different lengths, packed without padding.
+
+    Args:
+        q: (total_q, nheads, headdim): the query tokens of every sequence, one after another.
+        k, v: (total_k, nheads_kv, headdim), likewise.
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 on q's device, cumulative lengths:
+            sequence i is rows cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1 of q and rows
+            cu_seqlens_k[i] .. cu_seqlens_k[i + 1] - 1 of k and v. Non-decreasing from 0 to
+            total_q / total_k; a sequence may be empty.
+        max_seqlen_q, max_seqlen_k: ints, at least the longest sequence.
+        causal, window_size: as flash_attn_func, per sequence (causal aligned to the
+            bottom-right corner of each sequence's own score matrix).
+        Every other argument: as flash_attn_func (block_table: not implemented).
+
+    Returns:
+        out (total_q, nheads, headdim) in q's dtype; with return_lse also lse (nheads, total_q)
+        float32 (FlashAttention's varlen layout); return_attn_probs gives (out, lse, None).
+
+    This first version runs one flash_attn_func call per sequence on views of q, k, v (no
+    input is copied; forward and backward are exact, every kernel family applies), so each
+    sequence costs a call's host time: it suits a few long sequences better than many short
+    ones. It reads cu_seqlens on the host (one device-to-host copy, which waits for the GPU)
+    and is not traceable by torch.compile(fullgraph=True).
+    """
+    validate.check_fa_unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  block_table=block_table)
+    q = validate.check_varlen_rank(q, "q", "q")
+    k = validate.check_varlen_rank(k, "k", "kv")
+    v = validate.check_varlen_rank(v, "v", "kv")
+    q4, k4, v4 = _checked_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    q, k, v = q4[0], k4[0], v4[0]
+    cu_q = validate.cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total=q.shape[0],
+                               total_name="q.shape[0]", device=q.device,
+                               max_seqlen=max_seqlen_q, max_name="max_seqlen_q")
+    cu_k = validate.cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total=k.shape[0],
+                               total_name="k.shape[0]", device=q.device,
+                               max_seqlen=max_seqlen_k, max_name="max_seqlen_k",
+                               batch=len(cu_q) - 1)
+    window_left, window_right = validate.fa_window(window_size, causal)
+    scale = validate.softmax_scale(softmax_scale, q.shape[-1])
+    deterministic = validate.check_flag(deterministic, "deterministic")
+    return_attn_probs = validate.check_flag(return_attn_probs, "return_attn_probs")
+    return_lse = validate.check_flag(return_lse, "return_lse")
+    outs, lses = [q[:0]], [torch.empty((q.shape[1], 0), dtype=torch.float32, device=q.device)]
+    for i in range(len(cu_q) - 1):
+        qi = q[cu_q[i]:cu_q[i + 1]].unsqueeze(0)
+        ki, vi = (t[cu_k[i]:cu_k[i + 1]].unsqueeze(0) for t in (k, v))
+        out_i, lse_i = attention(qi, ki, vi, scale, window_left, window_right, deterministic)
+        outs.append(out_i[0])
+        lses.append(lse_i[0])
+    out, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    if return_attn_probs:
+        return out, lse, None
+    if return_lse:
+        return out, lse
+    return out
+
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, *, scale: float | None = None,

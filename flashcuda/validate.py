@@ -238,3 +238,50 @@ def check_bwd(dout: object, q: torch.Tensor, out: torch.Tensor, lse: torch.Tenso
     check_shape_dtype_device(dout, "dout", shape=q.shape, dtype=q.dtype, device=q.device)
     check_shape_dtype_device(out, "out", shape=q.shape, dtype=q.dtype, device=q.device)
     check_shape_dtype_device(lse, "lse", shape=(b, h, sq), dtype=torch.float32, device=q.device)
+
+
+def check_varlen_rank(t: object, name: str, role: str) -> torch.Tensor:
+    """A packed varlen input: 3-D (total_q, nheads, headdim) or (total_k, nheads_kv, headdim)."""
+    t = check_tensor(t, name)
+    dims = "total_q, nheads, headdim" if role == "q" else "total_k, nheads_kv, headdim"
+    if t.dim() != 3:
+        raise ValueError(f"{name}: expected a 3-D tensor ({dims}), got a {t.dim()}-D tensor of "
+                         f"shape {tuple(t.shape)}")
+    return t
+
+
+def cu_seqlens(cu: object, name: str, *, total: int, total_name: str, device: torch.device,
+               max_seqlen: object, max_name: str, batch: int | None = None) -> list[int]:
+    """FlashAttention's cumulative sequence lengths: a 1-D int32 tensor on the inputs' device,
+    [0, l_0, l_0 + l_1, ..., total] (non-decreasing, batch + 1 entries, the last one the packed
+    length), and `max_seqlen` an int at least the longest l_i. Returns the offsets as host ints
+    (one device-to-host copy)."""
+    cu = check_tensor(cu, name)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype int32, got {_dtype_name(cu.dtype)}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name}: expected a 1-D tensor of batch + 1 >= 1 offsets, got shape "
+                         f"{tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of q), got {cu.device}")
+    if batch is not None and cu.numel() != batch + 1:
+        raise ValueError(f"{name}: expected {batch + 1} entries (batch + 1, as cu_seqlens_q), "
+                         f"got {cu.numel()}")
+    offsets = [int(x) for x in cu.tolist()]
+    if offsets[0] != 0:
+        raise ValueError(f"{name}: expected the first entry 0, got {offsets[0]}")
+    for i in range(len(offsets) - 1):
+        if offsets[i + 1] < offsets[i]:
+            raise ValueError(f"{name}: expected non-decreasing offsets, got {offsets[i]} then "
+                             f"{offsets[i + 1]} at entries {i}, {i + 1}")
+    if offsets[-1] != total:
+        raise ValueError(f"{name}: expected the last entry to equal {total_name} = {total}, got "
+                         f"{offsets[-1]}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"{max_name}: expected an int, got {type(max_seqlen).__name__} "
+                        f"{max_seqlen!r}")
+    longest = max((b - a for a, b in zip(offsets, offsets[1:], strict=False)), default=0)
+    if max_seqlen < longest:
+        raise ValueError(f"{max_name}: expected at least the longest sequence of {name} "
+                         f"({longest}), got {max_seqlen}")
+    return offsets
