@@ -109,8 +109,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     This first version runs one flash_attn_func call per sequence on views of q, k, v (no
     input is copied; forward and backward are exact, every kernel family applies), so each
     sequence costs a call's host time: it suits a few long sequences better than many short
-    ones. It reads cu_seqlens on the host (one device-to-host copy, which waits for the GPU)
-    and is not traceable by torch.compile(fullgraph=True).
+    ones. It reads cu_seqlens on the host (one device-to-host copy, which waits for the GPU),
+    so it is neither traceable by torch.compile(fullgraph=True) nor capturable in a CUDA graph.
     """
     validate.check_fa_unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
                                   block_table=block_table)
