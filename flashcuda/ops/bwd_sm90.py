@@ -22,7 +22,9 @@ FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up
 FLASHCUDA_SM90_BWD_WATCHDOG=1 runs the variant whose mbarrier waits trap (a launch failure) instead
 of hanging (bring-up). The dQ reduction into dq_accum (FLASHCUDA_SM90_BWD_DQ): red.v2 (8-byte
 atomics, the default at d64), red.v4 (16-byte, after a lane-pair shuffle; the default at d128) or
-row-wise cp.reduce.async.bulk from a shared staging tile (bulk; measured slower, kept for A/B).
+row-wise cp.reduce.async.bulk from a shared staging tile (bulk; measured slower, kept for A/B);
+FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step, after its S^T wgmmas, so
+they overlap the tensor cores (implies red.v4; A/B, not yet measured).
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512.
 """
 
@@ -62,6 +64,8 @@ DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"  # v2: red.v2, v4: red.v4, bulk: bulk reduction
 # red.v4 wins 2-14% at d128 and loses 3-4% at d64 from 4k; the bulk reductions win at neither.
 DQ_DEFAULT = {64: "v2", 128: "v4"}
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
+# 1: a step's red.v4 issued at the next step, after its S^T wgmmas (implies v4; A/B, see the .cu)
+DQ_LATE_ENV = "FLASHCUDA_SM90_BWD_DQ_LATE"
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
@@ -84,6 +88,7 @@ class Sm90BwdConfig:
     release_fence: bool = True  # fence.proxy.async before a stage's release (see the .cu)
     dq_v4: bool = False  # dQ reductions as 16-byte red.v4 after a lane-pair shuffle (A/B)
     dq_bulk: bool = False  # dQ by row-wise bulk reductions from shared staging tiles (A/B)
+    dq_late: bool = False  # a step's red.v4 after the next step's S^T issue (needs dq_v4; A/B)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -103,6 +108,9 @@ class Sm90BwdConfig:
         if self.dq_v4 and self.dq_bulk:
             raise ValueError("Sm90BwdConfig.dq_bulk: expected False when dq_v4 is True (one dQ "
                              "reduction mode), got True")
+        if self.dq_late and not self.dq_v4:
+            raise ValueError("Sm90BwdConfig.dq_late: expected False unless dq_v4 (late "
+                             "reductions are red.v4 ones), got True")
         if self.stages < 1:
             raise ValueError(f"Sm90BwdConfig.stages: expected >= 1, got {self.stages}")
         if self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers > 65536:
@@ -145,7 +153,7 @@ class Sm90BwdConfig:
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + ("_dsk" if self.ds_k_major else "") + ("_wd" if self.watchdog else "")
                 + ("" if self.release_fence else "_nofence") + ("_dq4" if self.dq_v4 else "")
-                + ("_dqb" if self.dq_bulk else ""))
+                + ("_dqb" if self.dq_bulk else "") + ("_late" if self.dq_late else ""))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -162,6 +170,7 @@ class Sm90BwdConfig:
             "FC_RELEASE_FENCE": int(self.release_fence),
             "FC_DQ_V4": int(self.dq_v4),
             "FC_DQ_BULK": int(self.dq_bulk),
+            "FC_DQ_LATE": int(self.dq_late),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
@@ -188,7 +197,7 @@ def _dq_mode(dq: str) -> dict[str, bool]:
 def configs() -> list[Sm90BwdConfig]:
     """Every specialisation dispatch or an A/B switch can pick (the CPU lane compiles them all):
     per dtype and head dim, the default dQ reduction with both dS layouts, with and without the
-    watchdog, and without the release fence; the other two dQ reductions."""
+    watchdog, and without the release fence; the other two dQ reductions; the late reductions."""
     out = []
     for dtype in DTYPES:
         for d in HEAD_DIMS:
@@ -198,6 +207,7 @@ def configs() -> list[Sm90BwdConfig]:
             out.append(Sm90BwdConfig(dtype, d, release_fence=False, **default))
             out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq)) for dq in ("v2", "v4", "bulk")
                     if dq != DQ_DEFAULT[d]]
+            out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
     return out
 
 
@@ -205,7 +215,9 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     """FA3's tiles; FLASHCUDA_SM90_BWD_DS=k picks the [query][key] dS layout (bring-up A/B:
     it reads dS K-major, a descriptor kind the forward proved, instead of transposed A);
     FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging;
-    FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk the dQ reduction mode (default DQ_DEFAULT)."""
+    FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk the dQ reduction mode (default DQ_DEFAULT);
+    FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step (with DQ=v4 or unset:
+    it implies v4)."""
     raw = os.environ.get(DS_ENV, "").strip().lower()
     if raw not in ("", "mn", "k"):
         raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
@@ -214,8 +226,17 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     dq = os.environ.get(DQ_ENV, "").strip().lower() or DQ_DEFAULT.get(head_dim, "v2")
     if dq not in ("v2", "v4", "bulk"):
         raise ValueError(f"{DQ_ENV}: expected v2, v4 or bulk, got {dq!r}")
+    late = os.environ.get(DQ_LATE_ENV, "").strip()
+    if late not in ("", "0", "1"):
+        raise ValueError(f"{DQ_LATE_ENV}: expected 0 or 1, got {late!r}")
+    if late == "1":
+        explicit = os.environ.get(DQ_ENV, "").strip().lower()
+        if explicit not in ("", "v4"):
+            raise ValueError(f"{DQ_LATE_ENV}=1: late reductions are red.v4 ones; expected "
+                             f"{DQ_ENV}=v4 or unset, got {explicit}")
+        dq = "v4"
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
-                         release_fence=fence, **_dq_mode(dq))
+                         release_fence=fence, dq_late=late == "1", **_dq_mode(dq))
 
 
 def enabled() -> bool:
@@ -285,7 +306,7 @@ class _Plan:
 
 
 _plans: dict[tuple, _Plan] = {}
-_KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV)
+_KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:

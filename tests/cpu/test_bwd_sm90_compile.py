@@ -125,7 +125,7 @@ def test_config_is_the_single_source_of_truth():
         "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "64", "FC_BLOCK_N": "128",
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
         "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_DS_K_MAJOR": "0", "FC_WATCHDOG": "0",
-        "FC_RELEASE_FENCE": "1", "FC_DQ_V4": "0", "FC_DQ_BULK": "0"}
+        "FC_RELEASE_FENCE": "1", "FC_DQ_V4": "0", "FC_DQ_BULK": "0", "FC_DQ_LATE": "0"}
     d64 = Sm90BwdConfig(torch.float16, 64)
     assert d64.block_m == 128 and d64.name == "flash_bwd_sm90_fp16_d64_bm128_bn128_s2"
     assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True).name.endswith("_dsk")
@@ -134,8 +134,8 @@ def test_config_is_the_single_source_of_truth():
         assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= 65536
     # per dtype and d: dS layout x watchdog and no fence with the default dQ reduction, + the
-    # other two dQ reductions
-    assert len({c.name for c in bwd_sm90.configs()}) == 28
+    # other two dQ reductions, + the late red.v4
+    assert len({c.name for c in bwd_sm90.configs()}) == 32
     bulk = Sm90BwdConfig(torch.bfloat16, 128, dq_bulk=True)
     assert bulk.name.endswith("_dqb") and dict(bulk.spec().defines)["FC_DQ_BULK"] == "1"
     assert bulk.smem_bytes == cfg.smem_bytes + 2 * 64 * 72 * 4  # a padded staging tile per consumer
@@ -163,6 +163,35 @@ def test_dq_switch(monkeypatch):
     monkeypatch.setenv(DQ_ENV, "tma")
     with pytest.raises(ValueError, match=DQ_ENV):
         bwd_sm90.select_config(torch.bfloat16, 64)
+
+
+def test_dq_late_switch(monkeypatch):
+    """FLASHCUDA_SM90_BWD_DQ_LATE=1 picks the late red.v4 variant at both head dims (implying
+    v4 where v2 is the default), refuses an explicit v2 / bulk and values other than 0 / 1; the
+    config refuses late without v4; the variant's name and define say so."""
+    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.DQ_LATE_ENV):
+        monkeypatch.delenv(env, raising=False)
+    assert not bwd_sm90.select_config(torch.bfloat16, 128).dq_late
+    monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "1")
+    for d in (64, 128):
+        cfg = bwd_sm90.select_config(torch.bfloat16, d)
+        assert cfg.dq_late and cfg.dq_v4 and cfg.name.endswith("_dq4_late")
+        assert dict(cfg.spec().defines)["FC_DQ_LATE"] == "1"
+        assert cfg in bwd_sm90.configs()  # compiled by the CPU lane
+    monkeypatch.setenv(DQ_ENV, "v4")
+    assert bwd_sm90.select_config(torch.bfloat16, 64).dq_late
+    for bad in ("v2", "bulk"):
+        monkeypatch.setenv(DQ_ENV, bad)
+        with pytest.raises(ValueError, match=bwd_sm90.DQ_LATE_ENV):
+            bwd_sm90.select_config(torch.bfloat16, 128)
+    monkeypatch.delenv(DQ_ENV)
+    monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "yes")
+    with pytest.raises(ValueError, match=bwd_sm90.DQ_LATE_ENV):
+        bwd_sm90.select_config(torch.bfloat16, 128)
+    monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "0")
+    assert not bwd_sm90.select_config(torch.bfloat16, 128).dq_late
+    with pytest.raises(ValueError, match="dq_late"):
+        Sm90BwdConfig(torch.bfloat16, 128, dq_late=True)
 
 
 def test_seqlen_pad_covers_query_blocks_and_pre_blocks():

@@ -11,8 +11,12 @@
 //   heads         MHA, GQA, MQA: a CTA loops over the query heads of its KV head, dK / dV summed
 //                 over them in registers (as flash_bwd_sm80.cu)
 //   dQ            non-deterministic only: fp32 red.global.add.v2 into dq_accum [B, H, Sq_pad, D]
-//                 (opt-in: red.v4, FC_DQ_V4; or row-wise bulk reduce-adds from a shared staging
-//                 tile, FC_DQ_BULK, see "dQ by bulk reduction" below)
+//                 (red.v4, FC_DQ_V4, the default at d128; or row-wise bulk reduce-adds from a
+//                 shared staging tile, FC_DQ_BULK, see "dQ by bulk reduction" below). FC_DQ_LATE
+//                 (with FC_DQ_V4; A/B, not yet measured): a step's red.v4 are issued at the next
+//                 step, right after its S^T wgmmas (before dP^T's, whose accumulator would not
+//                 fit beside the payload: 384 bytes of spills), so they overlap the tensor cores
+//                 instead of following the dQ wait; the last step's after the loop
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
 //                 dk / dv: any (batch, row, head) strides, unit last stride
 //   not yet       ping-pong / overlap of the two GEMM halves,
@@ -225,6 +229,11 @@ constexpr bool kWatchdog = FC_WATCHDOG;
 #define FC_RELEASE_FENCE 1  // FLASHCUDA_SM90_BWD_FENCE=0 drops it (A/B), see release()
 #endif
 static_assert(!(FC_DQ_V4 && FC_DQ_BULK), "one dQ reduction mode");
+#ifndef FC_DQ_LATE
+#define FC_DQ_LATE 0  // step i's dQ reductions after step i + 1's S^T / dP^T issue (A/B, see below)
+#endif
+static_assert(!FC_DQ_LATE || FC_DQ_V4, "late reductions are red.v4 ones (their payload is made "
+              "of shuffles, not of registers a wgmma defined)");
 
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
@@ -456,6 +465,53 @@ struct Consumer {
       }
   }
 
+#if !FC_DQ_BULK
+  // red.v4 payload: lanes t and t^1 swap halves so each holds 4 consecutive columns of one row
+  // of the dQ tile (even t row g, columns 2t..2t+3; odd t row g+8, columns 2t-2..2t+1; 16-byte
+  // aligned both ways). out[4j..4j+3] are the 4 floats lane (g, t) adds for n8 block j.
+  __device__ __forceinline__ void v4_payload(float (&out)[32], int t) const {
+    const bool odd = t & 1;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float* c = dq + 4 * j;
+      const float x = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
+      const float y = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
+      out[4 * j] = odd ? x : c[0];
+      out[4 * j + 1] = odd ? y : c[1];
+      out[4 * j + 2] = odd ? c[2] : x;
+      out[4 * j + 3] = odd ? c[3] : y;
+    }
+  }
+
+  // 8 red.v4 of a payload into the tile whose row 16 warp + g, column 2t is `dq_rows`.
+  __device__ __forceinline__ static void reduce_v4(float* dq_rows, const float (&p)[32], int t) {
+    const int skew = (t & 1) ? 8 * kHeadDim - 2 : 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      red_add_f32x4(dq_rows + skew + 8 * j, p[4 * j], p[4 * j + 1], p[4 * j + 2], p[4 * j + 3]);
+  }
+
+  // dq_accum += this consumer's 64 x 64 dQ tile; `dq_rows`: the tile's row 16 warp + g, column
+  // 2t. red.v2: two 8-byte reductions per lane and j; red.v4 (FC_DQ_V4): one 16-byte reduction
+  // per lane and j, each right after its lane-pair swap (v4_payload's, interleaved).
+  __device__ __forceinline__ void reduce_dq(float* dq_rows, int t) const {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#if FC_DQ_V4
+      const bool odd = t & 1;
+      const float* c = dq + 4 * j;
+      const float x = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
+      const float y = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
+      red_add_f32x4(dq_rows + (odd ? 8 * kHeadDim - 2 : 0) + 8 * j, odd ? x : c[0],
+                    odd ? y : c[1], odd ? c[2] : x, odd ? c[3] : y);
+#else
+      red_add_f32x2(dq_rows + 8 * j, dq[4 * j], dq[4 * j + 1]);
+      red_add_f32x2(dq_rows + 8 * kHeadDim + 8 * j, dq[4 * j + 2], dq[4 * j + 3]);
+#endif
+    }
+  }
+#endif
+
 #if FC_DQ_BULK
   // This consumer's dQ tile -> its staging tile `stage`: element (row, col) at float
   // row * kDqStageStride + col; lane (g, t) of warp w stores, per j and h, the float2 (row 16w + g
@@ -534,6 +590,10 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   cs.init(sm, wg_key0);
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
   wait(sm.kv_full(), 0, stuck);  // also when there are no steps: no TMA may outlive the CTA
+#if FC_DQ_LATE
+  float* late_rows = nullptr;  // the previous step's dQ rows in dq_accum (FC_DQ_LATE)
+  float late[32];              // ... and its red.v4 payload
+#endif
 
   for (int it = 0; it < steps.count(); ++it) {
     const int st = stage_of(it);
@@ -545,6 +605,18 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_fence_operands(cs.dp);
     wgmma_fence();
     cs.issue_transposed_scores(cs.s, cs.k_rows, sm.q(st));
+#if FC_DQ_LATE
+    // The previous step's dQ reductions, while the tensor cores compute this step's S^T. They
+    // read the payload (shuffles / selects of the dQ accumulator, made right after its wait):
+    // registers a wgmma defined would make ptxas wait for this step's S^T first (C7517).
+    // Before dP^T is issued: its accumulator is not live yet, which keeps dK + dV + S^T + the
+    // payload within the register budget (after it: 384 bytes of spills).
+    if (it > 0) Consumer::reduce_v4(late_rows, late, t);
+    // The payload may sit in dP^T's registers (dead until its wgmma): order those reads before
+    // the wgmma writes them (ptxas would inject this arrive itself, C7519).
+    wgmma_fence_operands(cs.dp);
+    wgmma_fence();
+#endif
     cs.issue_transposed_scores(cs.dp, cs.v_rows, sm.dout(st));
 
     const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's query columns
@@ -614,27 +686,19 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #else
     float* dq_rows = dq_accum + (bh * seqlen_q_pad + m0 + 64 * tm + 16 * warp + g) * kHeadDim +
                      64 * td + 2 * t;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#if FC_DQ_V4
-      // Lanes t and t^1 swap halves so each holds 4 consecutive columns of one row: even t row
-      // g, columns 2t..2t+3; odd t row g+8, columns 2t-2..2t+1 (16-byte aligned both ways). One
-      // 16-byte reduction per lane and j instead of two 8-byte ones.
-      const bool odd = t & 1;
-      const float* c = cs.dq + 4 * j;
-      const float x = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
-      const float y = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
-      red_add_f32x4(dq_rows + (odd ? 8 * kHeadDim - 2 : 0) + 8 * j, odd ? x : c[0],
-                    odd ? y : c[1], odd ? c[2] : x, odd ? c[3] : y);
+#if FC_DQ_LATE
+    late_rows = dq_rows;  // reduced at the next step, after its S^T issue, or below
+    cs.v4_payload(late, t);
 #else
-      red_add_f32x2(dq_rows + 8 * j, cs.dq[4 * j], cs.dq[4 * j + 1]);
-      red_add_f32x2(dq_rows + 8 * kHeadDim + 8 * j, cs.dq[4 * j + 2], cs.dq[4 * j + 3]);
+    cs.reduce_dq(dq_rows, t);
 #endif
-    }
 #endif  // FC_DQ_BULK
   }
 #if FC_DQ_BULK
   if (lane < 16) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
+#endif
+#if FC_DQ_LATE
+  if (steps.count() > 0) Consumer::reduce_v4(late_rows, late, t);  // the last step's
 #endif
 
   // ---- epilogue: dK * softmax_scale and dV from the accumulators, rows inside seqlen_k
