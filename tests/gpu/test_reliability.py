@@ -139,6 +139,42 @@ def test_cuda_graph_replay_equals_eager_simt_window_gqa():
         assert torch.equal(static_out, out) and torch.equal(static_lse, lse)
 
 
+_FIRST_CALL_IN_CAPTURE = """
+import sys, torch
+from flashcuda import flash_attn_func
+dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[sys.argv[1]]
+g = torch.Generator(device="cuda").manual_seed(0)
+q, k, v = (torch.randn(2, 130, 4, 64, device="cuda", generator=g).to(dtype) for _ in range(3))
+graph = torch.cuda.CUDAGraph()
+try:
+    with torch.cuda.graph(graph):  # no warm-up: this is the process's first flashcuda call
+        out = flash_attn_func(q, k, v, causal=True)
+except Exception as exc:
+    print("RAISED", type(exc).__name__, str(exc).splitlines()[0][:300])
+    torch.cuda.synchronize()  # the context must still work
+    print("CONTEXT OK", float(flash_attn_func(q, k, v).float().abs().sum()) > 0)
+    sys.exit(3)
+graph.replay()
+torch.cuda.synchronize()
+print("REPLAY", torch.equal(out, flash_attn_func(q, k, v, causal=True)))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_first_call_inside_cuda_graph_capture(dtype, tmp_path):
+    """A process whose first flashcuda call is inside torch.cuda.graph capture (the kernel is
+    compiled or read from the cache and loaded during the capture): the capture and its replay
+    equal the eager call. Run in a fresh process with the lane's shared kernel cache, so the
+    kernel is not yet loaded."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", _FIRST_CALL_IN_CAPTURE, dtype],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "REPLAY True" in out.stdout, out.stdout + out.stderr[-3000:]
+
 # The backward captured too: forward + torch.autograd.grad in one graph, replayed on new contents
 # of the static q, k, v and dout. With deterministic=True every output is bitwise the eager one;
 # by default dq is summed with fp32 atomics, so the gradients are held to the oracle rule instead
