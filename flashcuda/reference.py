@@ -135,6 +135,27 @@ def _heads_grouped(t: torch.Tensor, nheads_kv: int, dtype: torch.dtype) -> torch
     return t.to(dtype).reshape(b, s, nheads_kv, h // nheads_kv, d).permute(0, 2, 3, 1, 4)
 
 
+def _weighted_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """p @ v where a weight of exactly 0 contributes exactly 0, also against a NaN / Inf value
+    (a plain matmul gives 0 x NaN = NaN: a masked key's V would reach rows that do not see it).
+    Non-finite values are taken out of the product and put back with IEEE's rules on the rows
+    that give them a nonzero weight (weights are >= 0): any NaN, or +Inf with -Inf, gives NaN;
+    +Inf alone +Inf; -Inf alone -Inf."""
+    bad = ~torch.isfinite(v)
+    if not bool(bad.any()):
+        return torch.matmul(p, v)
+    out = torch.matmul(p, torch.where(bad, torch.zeros_like(v), v))
+    seen = (p != 0).to(p.dtype)
+
+    def reached(mask: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(seen, mask.to(p.dtype)) > 0
+
+    pos, neg, nan = reached(v == math.inf), reached(v == -math.inf), reached(torch.isnan(v))
+    out = torch.where(pos, torch.full_like(out, math.inf), out)
+    out = torch.where(neg, torch.full_like(out, -math.inf), out)
+    return torch.where(nan | (pos & neg), torch.full_like(out, math.nan), out)
+
+
 def _kv_tile(t: torch.Tensor, c0: int, c1: int, dtype: torch.dtype) -> torch.Tensor:
     """(B, Sk, Hkv, D)[:, c0:c1] -> (B, Hkv, 1, n, D)."""
     return t[:, c0:c1].to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
@@ -195,7 +216,7 @@ def attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
             ref = torch.where(m == _NEG_INF, torch.zeros_like(m), m)  # OnlineSoftmax::ref
             p = torch.exp2(s - ref[..., None])
             row_sum = row_sum + p.sum(dim=-1)
-            acc = acc * corr[..., None] + torch.matmul(p, _kv_tile(v, c0, c1, acc_dtype))
+            acc = acc * corr[..., None] + _weighted_values(p, _kv_tile(v, c0, c1, acc_dtype))
         # Deferred normalisation (OnlineSoftmax::inv_sum, ::lse): an empty row gives 0 and -inf.
         seen = row_sum > 0
         safe_sum = torch.where(seen, row_sum, torch.ones_like(row_sum))

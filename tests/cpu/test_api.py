@@ -148,6 +148,26 @@ def test_masked_keys_never_reach_the_output():
     torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("value,expect", [(float("nan"), "nan"), (float("inf"), "inf"),
+                                          (float("-inf"), "-inf")])
+def test_nan_in_v_reaches_no_row_that_does_not_see_it(value, expect):
+    """The CPU twin of tests/gpu/test_reliability.py's test, on the portable path: a non-finite
+    V row at key 200 (causal, 256 x 256) reaches rows 200.. only (NaN; +-Inf stays +-Inf, with
+    weights > 0), every other row and head bitwise as in a clean run; +Inf and -Inf in one
+    column seen together give NaN."""
+    q, k, v = inputs((1, 256, 256, 2, 2, 16), torch.float32)
+    clean = flash_attn_func(q, k, v, causal=True)
+    vn = v.clone()
+    vn[0, 200, 1] = value
+    out = flash_attn_func(q, k, vn, causal=True)
+    seen = out[0, 200:, 1]
+    assert (seen.isnan() if expect == "nan" else seen == float(expect)).all()
+    assert torch.equal(out[0, :, 0], clean[0, :, 0])
+    assert torch.equal(out[0, :200, 1], clean[0, :200, 1])
+    vn[0, 230, 1] = -value  # rows 230.. see both signs (or NaN twice)
+    out = flash_attn_func(q, k, vn, causal=True)
+    assert out[0, 230:, 1].isnan().all() and torch.equal(out[0, :200, 1], clean[0, :200, 1])
+
 @pytest.mark.parametrize("sq,sk", [(17, 17), (5, 23), (23, 5), (1, 1), (64, 130)])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("gqa", [False, True])

@@ -431,6 +431,38 @@ def test_nan_in_q_backward_reaches_only_what_reads_it(family, dtype, monkeypatch
         dispatch._reset()
 
 
+LEAKS = "0 x NaN in the P V GEMM reaches rows that do not see the key (docs/GUARANTEES.md §4)"
+
+
+@pytest.mark.parametrize("family,dtype", [
+    pytest.param("sm80", BF16, id="sm80-bf16", marks=pytest.mark.xfail(strict=True, reason=LEAKS)),
+    pytest.param("sm90", BF16, id="sm90-bf16", marks=pytest.mark.xfail(strict=True, reason=LEAKS)),
+    pytest.param("simt", FP32, id="simt-fp32")])
+def test_nan_in_v_reaches_no_row_that_does_not_see_it(family, dtype, monkeypatch):
+    """Issue 4's criterion in its strict form: a NaN row of V at key 200 (causal, 256 x 256) makes
+    the rows that see it (200..255) NaN and leaves every row before it, and the other head,
+    bitwise as in a clean run. Expected to fail (strict xfail) where the forward multiplies
+    masked weights by V inside a GEMM: a pass there means the guarantee now holds — remove the
+    mark and update GUARANTEES.md."""
+    cc = torch.cuda.get_device_capability()
+    if family == "sm90" and cc != (9, 0):
+        pytest.skip(f"fwd_sm90 needs compute capability 9.0, the GPU has {cc[0]}.{cc[1]}")
+    ran = boundary.prepare(monkeypatch, family)
+    try:
+        q, k, v = make(1, 256, 256, 2, 2, 64, dtype, seed=14)
+        clean = flash_attn_func(q, k, v, causal=True)
+        vn = v.clone()
+        vn[0, 200, 1] = NAN
+        out = flash_attn_func(q, k, vn, causal=True)
+        fwd, _ = boundary.FAMILIES[family]
+        assert ran == [("fwd", fwd)] * 2, f"dispatched {ran}"
+        assert out[0, 200:, 1].isnan().all(), "a row that sees the NaN value must be NaN"
+        assert torch.equal(out[0, :, 0], clean[0, :, 0]), "NaN leaked into the other head"
+        assert torch.equal(out[0, :200, 1], clean[0, :200, 1]), "NaN leaked into a row that does " \
+            "not see key 200"
+    finally:
+        dispatch._reset()
+
 # ---- (f) 64-bit offsets ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=str)
