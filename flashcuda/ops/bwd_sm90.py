@@ -24,8 +24,11 @@ of hanging (bring-up). The dQ reduction into dq_accum (FLASHCUDA_SM90_BWD_DQ): r
 atomics, the default at d64), red.v4 (16-byte, after a lane-pair shuffle; the default at d128) or
 row-wise cp.reduce.async.bulk from a shared staging tile (bulk; measured slower, kept for A/B);
 FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step, after its S^T wgmmas, so
-they overlap the tensor cores (implies red.v4; A/B, not yet measured).
-The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512.
+they overlap the tensor cores (implies red.v4; A/B, not yet measured). FLASHCUDA_SM90_BWD_DQ=warp
+is FA3's split: the consumers store the step's dQ tile to shared memory (+ 34 / 36 KB) and a
+warp of the producer warpgroup reduces it with bulk reduce-adds (A/B, not yet measured).
+The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512 (32 with
+FLASHCUDA_SM90_BWD_DQ=warp, whose dQ writer lives there: 65536, the whole register file).
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ HEAD_DIMS = (64, 128)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD"
 DS_ENV = "FLASHCUDA_SM90_BWD_DS"
 WATCHDOG_ENV = "FLASHCUDA_SM90_BWD_WATCHDOG"
-DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"  # v2: red.v2, v4: red.v4, bulk: bulk reductions (A/B)
+# v2: red.v2, v4: red.v4, bulk: bulk reductions by the consumers, warp: by a producer warp (A/B)
+DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"
 # The dQ reduction per head dim, by measurement (docs/perf-notes.md, "dQ reductions measured"):
 # red.v4 wins 2-14% at d128 and loses 3-4% at d64 from 4k; the bulk reductions win at neither.
 DQ_DEFAULT = {64: "v2", 128: "v4"}
@@ -81,7 +85,7 @@ class Sm90BwdConfig:
     block_m: int = 0  # 0: BLOCK_M[head_dim]
     block_n: int = 128
     stages: int = 2
-    producer_regs: int = 24
+    producer_regs: int = 0  # 0: 24, or 32 with dq_warp (its writer warp's loop needs them)
     consumer_regs: int = 240
     ds_k_major: bool = False  # dS stored [query][key] (the fallback layout, see the .cu)
     watchdog: bool = False  # mbarrier waits trap after ~2^28 polls (bring-up)
@@ -89,6 +93,7 @@ class Sm90BwdConfig:
     dq_v4: bool = False  # dQ reductions as 16-byte red.v4 after a lane-pair shuffle (A/B)
     dq_bulk: bool = False  # dQ by row-wise bulk reductions from shared staging tiles (A/B)
     dq_late: bool = False  # a step's red.v4 after the next step's S^T issue (needs dq_v4; A/B)
+    dq_warp: bool = False  # dQ staged in shared memory, reduced by a producer warp (FA3; A/B)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -98,6 +103,8 @@ class Sm90BwdConfig:
                              f"got {self.head_dim}")
         if self.block_m == 0:
             object.__setattr__(self, "block_m", BLOCK_M[self.head_dim])
+        if self.producer_regs == 0:
+            object.__setattr__(self, "producer_regs", 32 if self.dq_warp else 24)
         if self.block_n != 128:
             raise ValueError(f"Sm90BwdConfig.block_n: expected 128 (two consumer warpgroups of "
                              f"64 keys), got {self.block_n}")
@@ -108,6 +115,9 @@ class Sm90BwdConfig:
         if self.dq_v4 and self.dq_bulk:
             raise ValueError("Sm90BwdConfig.dq_bulk: expected False when dq_v4 is True (one dQ "
                              "reduction mode), got True")
+        if self.dq_warp and (self.dq_v4 or self.dq_bulk or self.dq_late):
+            raise ValueError("Sm90BwdConfig.dq_warp: expected False with another dQ mode "
+                             "(dq_v4 / dq_bulk / dq_late), got True")
         if self.dq_late and not self.dq_v4:
             raise ValueError("Sm90BwdConfig.dq_late: expected False unless dq_v4 (late "
                              "reductions are red.v4 ones), got True")
@@ -143,7 +153,13 @@ class Sm90BwdConfig:
         (+ a dQ staging tile per consumer with dq_bulk) + the mbarriers (as the .cu lays out)."""
         barriers = 1 + 2 * self.stages
         stats = 2 * self.block_m * 4
-        staging = self.consumers * DQ_STAGE_BYTES if self.dq_bulk else 0
+        if self.dq_bulk:
+            staging = self.consumers * DQ_STAGE_BYTES
+        elif self.dq_warp:  # the whole step tile, rows padded by 8 floats; dq_full, dq_empty
+            staging = self.block_m * (self.head_dim + 8) * 4
+            barriers += 2
+        else:
+            staging = 0
         return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
                 + 2 * self.ds_bytes + staging + BARRIER_BYTES * barriers)
 
@@ -153,7 +169,8 @@ class Sm90BwdConfig:
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + ("_dsk" if self.ds_k_major else "") + ("_wd" if self.watchdog else "")
                 + ("" if self.release_fence else "_nofence") + ("_dq4" if self.dq_v4 else "")
-                + ("_dqb" if self.dq_bulk else "") + ("_late" if self.dq_late else ""))
+                + ("_dqb" if self.dq_bulk else "") + ("_late" if self.dq_late else "")
+                + ("_dqw" if self.dq_warp else ""))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -171,6 +188,7 @@ class Sm90BwdConfig:
             "FC_DQ_V4": int(self.dq_v4),
             "FC_DQ_BULK": int(self.dq_bulk),
             "FC_DQ_LATE": int(self.dq_late),
+            "FC_DQ_WARP": int(self.dq_warp),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
@@ -191,7 +209,7 @@ class Sm90BwdConfig:
 
 
 def _dq_mode(dq: str) -> dict[str, bool]:
-    return {"dq_v4": dq == "v4", "dq_bulk": dq == "bulk"}
+    return {"dq_v4": dq == "v4", "dq_bulk": dq == "bulk", "dq_warp": dq == "warp"}
 
 
 def configs() -> list[Sm90BwdConfig]:
@@ -205,8 +223,8 @@ def configs() -> list[Sm90BwdConfig]:
             out += [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w, **default)
                     for w in (False, True) for k in (False, True)]
             out.append(Sm90BwdConfig(dtype, d, release_fence=False, **default))
-            out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq)) for dq in ("v2", "v4", "bulk")
-                    if dq != DQ_DEFAULT[d]]
+            out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq))
+                    for dq in ("v2", "v4", "bulk", "warp") if dq != DQ_DEFAULT[d]]
             out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
     return out
 
@@ -215,7 +233,7 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     """FA3's tiles; FLASHCUDA_SM90_BWD_DS=k picks the [query][key] dS layout (bring-up A/B:
     it reads dS K-major, a descriptor kind the forward proved, instead of transposed A);
     FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging;
-    FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk the dQ reduction mode (default DQ_DEFAULT);
+    FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk / warp the dQ reduction mode (default DQ_DEFAULT);
     FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step (with DQ=v4 or unset:
     it implies v4)."""
     raw = os.environ.get(DS_ENV, "").strip().lower()
@@ -224,8 +242,8 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     watchdog = os.environ.get(WATCHDOG_ENV, "").strip() == "1"
     fence = os.environ.get(FENCE_ENV, "").strip() != "0"
     dq = os.environ.get(DQ_ENV, "").strip().lower() or DQ_DEFAULT.get(head_dim, "v2")
-    if dq not in ("v2", "v4", "bulk"):
-        raise ValueError(f"{DQ_ENV}: expected v2, v4 or bulk, got {dq!r}")
+    if dq not in ("v2", "v4", "bulk", "warp"):
+        raise ValueError(f"{DQ_ENV}: expected v2, v4, bulk or warp, got {dq!r}")
     late = os.environ.get(DQ_LATE_ENV, "").strip()
     if late not in ("", "0", "1"):
         raise ValueError(f"{DQ_LATE_ENV}: expected 0 or 1, got {late!r}")

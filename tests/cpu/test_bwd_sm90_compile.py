@@ -70,6 +70,9 @@ def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
     if cfg.dq_bulk:  # one row reduction per lane 0..15 of each warp, no per-thread ones
         assert len(re.findall(r"UBLKRED\.G\.S\.ADD\.F32", sass)) == 1
         assert "REDG.E.ADD" not in sass
+    elif cfg.dq_warp:  # the writer warp's row reductions; the consumers issue none
+        assert re.search(r"UBLKRED\.G\.S\.ADD\.F32", sass)
+        assert "REDG.E.ADD" not in sass
     else:
         assert ("REDG.E.ADD.F32x4" if cfg.dq_v4 else "REDG.E.ADD.F32x2") in sass
         assert "UBLKRED" not in sass
@@ -125,7 +128,8 @@ def test_config_is_the_single_source_of_truth():
         "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "64", "FC_BLOCK_N": "128",
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
         "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_DS_K_MAJOR": "0", "FC_WATCHDOG": "0",
-        "FC_RELEASE_FENCE": "1", "FC_DQ_V4": "0", "FC_DQ_BULK": "0", "FC_DQ_LATE": "0"}
+        "FC_RELEASE_FENCE": "1", "FC_DQ_V4": "0", "FC_DQ_BULK": "0", "FC_DQ_LATE": "0",
+        "FC_DQ_WARP": "0"}
     d64 = Sm90BwdConfig(torch.float16, 64)
     assert d64.block_m == 128 and d64.name == "flash_bwd_sm90_fp16_d64_bm128_bn128_s2"
     assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True).name.endswith("_dsk")
@@ -134,8 +138,11 @@ def test_config_is_the_single_source_of_truth():
         assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= 65536
     # per dtype and d: dS layout x watchdog and no fence with the default dQ reduction, + the
-    # other two dQ reductions, + the late red.v4
-    assert len({c.name for c in bwd_sm90.configs()}) == 32
+    # other dQ reductions (three), + the late red.v4
+    assert len({c.name for c in bwd_sm90.configs()}) == 36
+    warp = Sm90BwdConfig(torch.bfloat16, 128, dq_warp=True)
+    assert warp.name.endswith("_dqw") and dict(warp.spec().defines)["FC_DQ_WARP"] == "1"
+    assert warp.smem_bytes == cfg.smem_bytes + 64 * 136 * 4 + 2 * 8  # the tile, 2 barriers
     bulk = Sm90BwdConfig(torch.bfloat16, 128, dq_bulk=True)
     assert bulk.name.endswith("_dqb") and dict(bulk.spec().defines)["FC_DQ_BULK"] == "1"
     assert bulk.smem_bytes == cfg.smem_bytes + 2 * 64 * 72 * 4  # a padded staging tile per consumer

@@ -39,12 +39,12 @@ FULL = (None, None)
 CAUSAL = (None, 0)
 
 
-@pytest.fixture(autouse=True, params=["mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late"],
-                ids=["dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late"])
+@pytest.fixture(autouse=True, params=["mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late", "mn-warp"],
+                ids=["dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp"])
 def _enable_sm90_bwd(monkeypatch, request):
-    """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk; red.v4
-    issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1) in the default dS layout, and with the
-    other dS layout under the default dQ reduction."""
+    """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp;
+    red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1) in the default dS layout, and with
+    the other dS layout under the default dQ reduction."""
     ds, _, rest = request.param.partition("-")
     dq, _, late = rest.partition("-")
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")

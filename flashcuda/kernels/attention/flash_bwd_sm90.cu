@@ -16,7 +16,10 @@
 //                 (with FC_DQ_V4; A/B, not yet measured): a step's red.v4 are issued at the next
 //                 step, right after its S^T wgmmas (before dP^T's, whose accumulator would not
 //                 fit beside the payload: 384 bytes of spills), so they overlap the tensor cores
-//                 instead of following the dQ wait; the last step's after the loop
+//                 instead of following the dQ wait; the last step's after the loop. FC_DQ_WARP
+//                 (FA3's split; A/B, not yet measured): consumers store the step's dQ tile to
+//                 shared memory and a warp of the producer warpgroup reduces it with bulk
+//                 reduce-adds (write_dq), so no reduction is issued by a consumer
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
 //                 dk / dv: any (batch, row, head) strides, unit last stride
 //   not yet       ping-pong / overlap of the two GEMM halves,
@@ -63,11 +66,12 @@
 //     Q, dO    2 stages x [kBlockM][kHeadDim] kHeadDim / 64 chunks of kBlockM x 128 B
 //     dS       2 x [kBlockN keys][kBlockM queries]  kBlockM / 64 chunks of kBlockN x 128 B
 //     lse2, delta  2 stages x 2 x [kBlockM] fp32
-//     dQ staging   (FC_DQ_BULK only) kConsumers x [64][72] fp32
-//     mbarriers kv_full, full[2], empty[2]
+//     dQ staging   (FC_DQ_BULK only) kConsumers x [64][72] fp32; (FC_DQ_WARP only) one
+//                  [kBlockM][kHeadDim + 8] fp32 tile
+//     mbarriers kv_full, full[2], empty[2] (+ dq_full, dq_empty with FC_DQ_WARP)
 // d128 (kBlockM 64): K + V 64 KB, Q + dO 64 KB, dS 32 KB, stats 1 KB; d64 (kBlockM 128): K + V
 // 32 KB, Q + dO 64 KB, dS 64 KB, stats 2 KB; + 1 KB alignment slack (162 / 163 KB in all; the
-// FC_DQ_BULK staging adds 36 KB: 198 / 199 KB).
+// FC_DQ_BULK staging adds 36 KB: 198 / 199 KB; FC_DQ_WARP's 34 / 36 KB: 196 / 199 KB).
 // dS layout: FC_DS_K_MAJOR below (the per-step order above describes the default, 0).
 //
 // Out-of-range rows: TMA zero-fills rows past seqlen_q / seqlen_k. A query row past seqlen_q
@@ -136,14 +140,24 @@ constexpr int kSmemStats = kSmemDS + 2 * kDsBytes;  // stages x (lse2, delta)
 #ifndef FC_DQ_BULK
 #define FC_DQ_BULK 0  // dQ by bulk reductions from shared staging (FLASHCUDA_SM90_BWD_DQ=bulk)
 #endif
+#ifndef FC_DQ_WARP
+#define FC_DQ_WARP 0  // dQ staged in shared memory, reduced by a producer warp (=warp, see below)
+#endif
 // dQ staging tile of one consumer (FC_DQ_BULK): 64 rows of 64 fp32 + 8 floats of padding, so the
 // fragment stores are bank-conflict free (Consumer::stage_dq) and every row starts 16-byte
 // aligned, as cp.reduce.async.bulk needs (288 = 18 x 16).
 constexpr int kDqStageStride = 72;  // floats per staging row
 constexpr int kDqStageBytes = 64 * kDqStageStride * 4;
 constexpr int kSmemDqStage = kSmemStats + kStages * 2 * kStatBytes;
-constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes : 0);
-constexpr int kBarriers = 1 + 2 * kStages;  // kv_full, full[], empty[]
+// FC_DQ_WARP: the step's whole kBlockM x kHeadDim dQ tile, rows padded by 8 floats (kHeadDim + 8
+// = 8 mod 32 floats: the consumers' float2 stores are bank-conflict free per half-warp, as for the
+// bulk variant's tiles; rows stay 16-byte aligned for the bulk reductions).
+constexpr int kDqWarpStride = kHeadDim + 8;
+constexpr int kDqWarpBytes = kBlockM * kDqWarpStride * 4;
+constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
+                                                    : FC_DQ_WARP ? kDqWarpBytes : 0);
+// kv_full, full[], empty[] (+ dq_full, dq_empty with FC_DQ_WARP)
+constexpr int kBarriers = 1 + 2 * kStages + (FC_DQ_WARP ? 2 : 0);
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -182,6 +196,10 @@ struct Smem {
   __device__ __forceinline__ uint32_t kv_full() const { return bar(0); }
   __device__ __forceinline__ uint32_t full(int s) const { return bar(1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return bar(1 + kStages + s); }
+  // FC_DQ_WARP: the dQ staging tile is full (every consumer warp stored its part) / empty (the
+  // writer warp's bulk reductions have read it)
+  __device__ __forceinline__ uint32_t dq_full() const { return bar(1 + 2 * kStages); }
+  __device__ __forceinline__ uint32_t dq_empty() const { return bar(2 + 2 * kStages); }
 
   __device__ __forceinline__ void init_barriers() const {
     mbar_init(kv_full(), 1);
@@ -189,6 +207,10 @@ struct Smem {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), 1);
       mbar_init(empty(s), kConsumerWarps);
+    }
+    if constexpr (FC_DQ_WARP) {
+      mbar_init(dq_full(), kConsumerWarps);
+      mbar_init(dq_empty(), 1);
     }
     fence_barrier_init();
   }
@@ -228,7 +250,7 @@ constexpr bool kWatchdog = FC_WATCHDOG;
 #ifndef FC_RELEASE_FENCE
 #define FC_RELEASE_FENCE 1  // FLASHCUDA_SM90_BWD_FENCE=0 drops it (A/B), see release()
 #endif
-static_assert(!(FC_DQ_V4 && FC_DQ_BULK), "one dQ reduction mode");
+static_assert(FC_DQ_V4 + FC_DQ_BULK + FC_DQ_WARP <= 1, "one dQ reduction mode");
 #ifndef FC_DQ_LATE
 #define FC_DQ_LATE 0  // step i's dQ reductions after step i + 1's S^T / dP^T issue (A/B, see below)
 #endif
@@ -305,6 +327,32 @@ __device__ __forceinline__ void release(uint32_t bar) {
 #endif
   __syncwarp();
   if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
+}
+
+// ---- dQ writer (FC_DQ_WARP): warp 1 of the producer warpgroup ---------------------------------------
+// Per step: wait until every consumer warp has stored its part of the step's dQ tile (dq_full),
+// reduce the tile's rows into dq_accum with cp.reduce.async.bulk (lane l: rows l, l + 32, ...;
+// one bulk async-group per lane), wait until they have read the staging tile, hand it back
+// (dq_empty). The reductions run beside the consumers' next step; only their issue and the read
+// wait are this warp's. Before returning, every reduction is complete (not only read): no bulk
+// operation outlives the CTA's shared memory.
+__device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int head_kv,
+                                         int batch, float* dq_accum, int nheads,
+                                         int seqlen_q_pad, int lane) {
+  bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
+  for (int it = 0; it < steps.count(); ++it) {
+    const int h = steps.head(it, head_kv), m0 = steps.m0(it);
+    wait(sm.dq_full(), it & 1, stuck);
+    const int64_t row0 = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
+    for (int r = lane; r < kBlockM; r += 32)
+      bulk_reduce_add_f32(dq_accum + (row0 + r) * kHeadDim,
+                          sm.dq_stage(0) + r * kDqWarpStride * 4, kHeadDim * 4);
+    bulk_commit_group();
+    bulk_wait_group_read<0>();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sm.dq_empty());
+  }
+  bulk_wait_group<0>();
 }
 
 // ---- consumer -----------------------------------------------------------------------------------
@@ -533,6 +581,26 @@ struct Consumer {
       }
   }
 #endif
+
+#if FC_DQ_WARP
+  // This consumer's 64 x 64 dQ tile (query tile tm, d tile td) -> the step's staging tile:
+  // element (row, col) at float row * kDqWarpStride + col; lane (g, t) of warp w stores, per j
+  // and h, the float2 (row 64 tm + 16 w + g + 8 h, columns 64 td + 8 j + 2 t, + 1). Banks as in
+  // stage_dq: the stride is 8 mod 32 floats.
+  __device__ __forceinline__ void stage_dq_warp(uint32_t stage, int tm, int td, int warp, int g,
+                                                int t) const {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 64 * tm + 16 * warp + g + 8 * h, col = 64 * td + 8 * j + 2 * t;
+        const uint32_t addr = stage + (row * kDqWarpStride + col) * 4;
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * j + 2 * h]),
+                     "f"(dq[4 * j + 2 * h + 1])
+                     : "memory");
+      }
+  }
+#endif
 };
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
@@ -573,6 +641,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     if (threadIdx.x < 32 && elect_one())
       produce(sm, steps, n0, head_kv, batch, map_q, map_k, map_v, map_do, lse2, delta, nheads,
               seqlen_q_pad);
+#if FC_DQ_WARP
+    else if (threadIdx.x >= 32 && threadIdx.x < 64)
+      write_dq(sm, steps, head_kv, batch, dq_accum, nheads, seqlen_q_pad,
+               static_cast<int>(threadIdx.x & 31));
+#endif
     return;
   }
 
@@ -598,7 +671,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   for (int it = 0; it < steps.count(); ++it) {
     const int st = stage_of(it);
     const int h = steps.head(it, head_kv), m0 = steps.m0(it);
-    const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
+    [[maybe_unused]] const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
 
     wait(sm.full(st), parity_of(it), stuck);
     wgmma_fence_operands(cs.s);
@@ -664,7 +737,15 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     release(sm.empty(st));
 
     // dq_accum += this consumer's 64 x 64 tile. Rows past seqlen_q (inside Sq_pad) add zeros.
-#if FC_DQ_BULK
+#if FC_DQ_WARP
+    // Into the staging tile once the writer warp has read the previous step's (dq_empty; it
+    // starts empty), then visible to the async proxy, then one arrival per warp on dq_full.
+    wait(sm.dq_empty(), (it & 1) ^ 1, stuck);
+    cs.stage_dq_warp(sm.dq_stage(0), tm, td, warp, g, t);
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sm.dq_full());
+#elif FC_DQ_BULK
     // The tile's rows lie inside Sq_pad (m0 + kBlockM <= Sq_pad) and start 256-byte aligned in
     // dq_accum (64 td floats into a kHeadDim-float row), so no bounds check and the bulk
     // reductions' 16-byte alignment holds.
