@@ -33,6 +33,16 @@ def _checked_qkv(q: object, k: object, v: object, names: tuple[str, str, str] = 
     return qc, kc, vc
 
 
+def _returned(out: torch.Tensor, lse: torch.Tensor, return_attn_probs: bool, return_lse: bool):
+    """FlashAttention's return forms: (out, lse, None) with return_attn_probs (the probabilities
+    are never materialised), (out, lse) with return_lse, else out."""
+    if return_attn_probs:
+        return out, lse, None
+    if return_lse:
+        return out, lse
+    return out
+
+
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                     softmax_scale: float | None = None, causal: bool = False,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -72,11 +82,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     return_attn_probs = validate.check_flag(return_attn_probs, "return_attn_probs")
     return_lse = validate.check_flag(return_lse, "return_lse")
     out, lse = attention(q, k, v, scale, window_left, window_right, deterministic)
-    if return_attn_probs:
-        return out, lse, None
-    if return_lse:
-        return out, lse
-    return out
+    return _returned(out, lse, return_attn_probs, return_lse)
 
 
 
@@ -139,11 +145,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         outs.append(out_i[0])
         lses.append(lse_i[0])
     out, lse = torch.cat(outs), torch.cat(lses, dim=1)
-    if return_attn_probs:
-        return out, lse, None
-    if return_lse:
-        return out, lse
-    return out
+    return _returned(out, lse, return_attn_probs, return_lse)
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,

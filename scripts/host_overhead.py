@@ -12,6 +12,7 @@ the pieces of the forward path, then (--profile) a cProfile list of the forward 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -121,6 +122,24 @@ def launch_costs() -> None:
     torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def _backward_fn(fn):
+    """The eager autograd backward runs `fn` in place of _bwd_impl (on autograd's thread)."""
+    from flashcuda.ops import attention
+
+    orig = attention._EagerAttention.backward
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return attention._backward(ctx, dout, dlse, backward_fn=fn)
+
+    attention._EagerAttention.backward = backward
+    try:
+        yield
+    finally:
+        attention._EagerAttention.backward = orig
+
+
 def autograd_costs(fc_out, dout, leaves, clear) -> None:
     """Where the backward's host time goes between `out.backward()` and the kernels: the engine's
     start (backward() called -> our backward body entered, on autograd's device thread), the body
@@ -138,14 +157,7 @@ def autograd_costs(fc_out, dout, leaves, clear) -> None:
         return r
 
     pre, body, post, total = [], [], [], []
-    orig = attention._EagerAttention.backward
-
-    @staticmethod
-    def backward(ctx, dout_, dlse):
-        return attention._backward(ctx, dout_, dlse, backward_fn=timed)
-
-    attention._EagerAttention.backward = backward
-    try:
+    with _backward_fn(timed):
         torch.cuda.synchronize()
         spin()
         for _ in range(200):
@@ -158,8 +170,6 @@ def autograd_costs(fc_out, dout, leaves, clear) -> None:
             post.append((t1 - marks["leave"]) * 1e6)
             total.append((t1 - t0) * 1e6)
         torch.cuda.synchronize()
-    finally:
-        attention._EagerAttention.backward = orig
 
     class Nothing(torch.autograd.Function):
         @staticmethod
@@ -185,20 +195,13 @@ def autograd_costs(fc_out, dout, leaves, clear) -> None:
         finally:
             prof.disable()
 
-    @staticmethod
-    def backward_profiled(ctx, dout_, dlse):
-        return attention._backward(ctx, dout_, dlse, backward_fn=profiled)
-
-    attention._EagerAttention.backward = backward_profiled
-    try:
+    with _backward_fn(profiled):
         torch.cuda.synchronize()
         spin(1000.0)
         for _ in range(100):
             clear()
             fc_out.backward(dout, retain_graph=True)
         torch.cuda.synchronize()
-    finally:
-        attention._EagerAttention.backward = orig
     body_profile = io.StringIO()
     pstats.Stats(prof, stream=body_profile).sort_stats("tottime").print_stats(25)
     rows = [

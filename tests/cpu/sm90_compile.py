@@ -77,3 +77,25 @@ def dump(cubin: bytes, tmp_path: Path, flag: str) -> str:
         pytest.skip("cuobjdump found no nvdisasm (set NVDISASM_PATH)")
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
+
+
+def assert_plan_key_follows_operands(plan_key, base, names) -> tuple:
+    """A plan hit skips can_implement, so `plan_key(call)` must change with each named operand's
+    strides, 16-byte alignment and dtype, and with lse's dtype — and stay the same for fresh
+    tensors of the same layout, or data moved by 16 bytes. Returns the base key."""
+    import dataclasses
+
+    import torch
+
+    key = plan_key(base)
+    for name in names:
+        t = getattr(base, name)
+        wide = torch.zeros(t.shape[:-1] + (t.shape[-1] + 8,), dtype=t.dtype)[..., :t.shape[-1]]
+        shifted = torch.zeros(t.numel() + 8, dtype=t.dtype)[8:].view(t.shape)  # +16 bytes
+        odd = torch.zeros(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)      # +2 bytes
+        assert plan_key(dataclasses.replace(base, **{name: wide})) != key, name
+        assert plan_key(dataclasses.replace(base, **{name: shifted})) == key, name
+        assert plan_key(dataclasses.replace(base, **{name: odd})) != key, name
+        assert plan_key(dataclasses.replace(base, **{name: t.half()})) != key, name
+    assert plan_key(dataclasses.replace(base, lse=base.lse.double())) != key
+    return key

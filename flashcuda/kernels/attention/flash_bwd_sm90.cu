@@ -514,44 +514,50 @@ struct Consumer {
   }
 
 #if !FC_DQ_BULK
-  // red.v4 payload: lanes t and t^1 swap halves so each holds 4 consecutive columns of one row
-  // of the dQ tile (even t row g, columns 2t..2t+3; odd t row g+8, columns 2t-2..2t+1; 16-byte
-  // aligned both ways). out[4j..4j+3] are the 4 floats lane (g, t) adds for n8 block j.
+  // red.v4 payload of n8 block j: lanes t and t^1 swap halves so each holds 4 consecutive
+  // columns of one row of the dQ tile (even t row g, columns 2t..2t+3; odd t row g+8, columns
+  // 2t-2..2t+1; 16-byte aligned both ways): the 4 floats lane (g, t) adds, at v4_skew(t) + 8j
+  // from the lane's `dq_rows`.
+  __device__ __forceinline__ void v4_quad(int j, bool odd, float (&p)[4]) const {
+    const float* c = dq + 4 * j;
+    const float x = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
+    const float y = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
+    p[0] = odd ? x : c[0];
+    p[1] = odd ? y : c[1];
+    p[2] = odd ? c[2] : x;
+    p[3] = odd ? c[3] : y;
+  }
+  __device__ __forceinline__ static int v4_skew(int t) { return (t & 1) ? 8 * kHeadDim - 2 : 0; }
+
+  // The whole tile's payload (FC_DQ_LATE: made at the end of a step, reduced at the next).
   __device__ __forceinline__ void v4_payload(float (&out)[32], int t) const {
-    const bool odd = t & 1;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float* c = dq + 4 * j;
-      const float x = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
-      const float y = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
-      out[4 * j] = odd ? x : c[0];
-      out[4 * j + 1] = odd ? y : c[1];
-      out[4 * j + 2] = odd ? c[2] : x;
-      out[4 * j + 3] = odd ? c[3] : y;
+      float p[4];
+      v4_quad(j, t & 1, p);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out[4 * j + i] = p[i];
     }
   }
 
   // 8 red.v4 of a payload into the tile whose row 16 warp + g, column 2t is `dq_rows`.
   __device__ __forceinline__ static void reduce_v4(float* dq_rows, const float (&p)[32], int t) {
-    const int skew = (t & 1) ? 8 * kHeadDim - 2 : 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      red_add_f32x4(dq_rows + skew + 8 * j, p[4 * j], p[4 * j + 1], p[4 * j + 2], p[4 * j + 3]);
+      red_add_f32x4(dq_rows + v4_skew(t) + 8 * j, p[4 * j], p[4 * j + 1], p[4 * j + 2],
+                    p[4 * j + 3]);
   }
 
   // dq_accum += this consumer's 64 x 64 dQ tile; `dq_rows`: the tile's row 16 warp + g, column
   // 2t. red.v2: two 8-byte reductions per lane and j; red.v4 (FC_DQ_V4): one 16-byte reduction
-  // per lane and j, each right after its lane-pair swap (v4_payload's, interleaved).
+  // per lane and j, each right after its block's lane-pair swap.
   __device__ __forceinline__ void reduce_dq(float* dq_rows, int t) const {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #if FC_DQ_V4
-      const bool odd = t & 1;
-      const float* c = dq + 4 * j;
-      const float x = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
-      const float y = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
-      red_add_f32x4(dq_rows + (odd ? 8 * kHeadDim - 2 : 0) + 8 * j, odd ? x : c[0],
-                    odd ? y : c[1], odd ? c[2] : x, odd ? c[3] : y);
+      float p[4];
+      v4_quad(j, t & 1, p);
+      red_add_f32x4(dq_rows + v4_skew(t) + 8 * j, p[0], p[1], p[2], p[3]);
 #else
       red_add_f32x2(dq_rows + 8 * j, dq[4 * j], dq[4 * j + 1]);
       red_add_f32x2(dq_rows + 8 * kHeadDim + 8 * j, dq[4 * j + 2], dq[4 * j + 3]);
@@ -560,47 +566,30 @@ struct Consumer {
   }
 #endif
 
-#if FC_DQ_BULK
-  // This consumer's dQ tile -> its staging tile `stage`: element (row, col) at float
-  // row * kDqStageStride + col; lane (g, t) of warp w stores, per j and h, the float2 (row 16w + g
-  // + 8h, columns 8j + 2t, + 1). Banks: a 64-bit store is serviced per half-warp (g % 4 = 0..3,
-  // t = 0..3 within one); its first word, row * 72 + 8j + 2t, is in bank (8 row + 8j + 2t) % 32 =
-  // (8 (g % 4) + 8j + 2t) % 32 (72 = 8 mod 32, 16w + 8h contribute multiples of 32), so the 16
-  // lanes' word pairs 8 (g % 4) + 2t + {0, 1} cover the 32 banks once. Unpadded (stride 64) the
-  // 8g term vanishes: the 4 lanes of equal t would share banks (4-way conflicts).
-  __device__ __forceinline__ void stage_dq(uint32_t stage, int warp, int g, int t) const {
+  // This consumer's 64 x 64 dQ tile -> a staging tile of kStride floats per row at `stage`
+  // (FC_DQ_BULK: its own tile, origin 0; FC_DQ_WARP: its place (row0, col0) = (64 tm, 64 td) in
+  // the step's tile): lane (g, t) of warp w stores, per j and h, the float2 (row row0 + 16w + g
+  // + 8h, columns col0 + 8j + 2t, + 1) at float row * kStride + col. Banks: a 64-bit store is
+  // serviced per half-warp (g % 4 = 0..3, t = 0..3 within one); with kStride = 8 mod 32 (72,
+  // 136) its first word is in bank (8 (g % 4) + 8j + 2t + const) % 32 (16w + 8h and the origin
+  // contribute multiples of 32 or the same offset to every lane), so the 16 lanes' word pairs
+  // cover the 32 banks once. Unpadded (stride 64 or 128) the 8g term vanishes: the 4 lanes of
+  // equal t would share banks (4-way conflicts).
+  template <int kStride>
+  __device__ __forceinline__ void stage_dq(uint32_t stage, int row0, int col0, int warp, int g,
+                                           int t) const {
+    static_assert(kStride % 32 == 8, "conflict-free staging rows");
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = 16 * warp + g + 8 * h, col = 8 * j + 2 * t;
-        const uint32_t addr = stage + (row * kDqStageStride + col) * 4;
+        const int row = row0 + 16 * warp + g + 8 * h, col = col0 + 8 * j + 2 * t;
+        const uint32_t addr = stage + (row * kStride + col) * 4;
         asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * j + 2 * h]),
                      "f"(dq[4 * j + 2 * h + 1])
                      : "memory");
       }
   }
-#endif
-
-#if FC_DQ_WARP
-  // This consumer's 64 x 64 dQ tile (query tile tm, d tile td) -> the step's staging tile:
-  // element (row, col) at float row * kDqWarpStride + col; lane (g, t) of warp w stores, per j
-  // and h, the float2 (row 64 tm + 16 w + g + 8 h, columns 64 td + 8 j + 2 t, + 1). Banks as in
-  // stage_dq: the stride is 8 mod 32 floats.
-  __device__ __forceinline__ void stage_dq_warp(uint32_t stage, int tm, int td, int warp, int g,
-                                                int t) const {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 64 * tm + 16 * warp + g + 8 * h, col = 64 * td + 8 * j + 2 * t;
-        const uint32_t addr = stage + (row * kDqWarpStride + col) * 4;
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * j + 2 * h]),
-                     "f"(dq[4 * j + 2 * h + 1])
-                     : "memory");
-      }
-  }
-#endif
 };
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
@@ -741,7 +730,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     // Into the staging tile once the writer warp has read the previous step's (dq_empty; it
     // starts empty), then visible to the async proxy, then one arrival per warp on dq_full.
     wait(sm.dq_empty(), (it & 1) ^ 1, stuck);
-    cs.stage_dq_warp(sm.dq_stage(0), tm, td, warp, g, t);
+    cs.stage_dq<kDqWarpStride>(sm.dq_stage(0), 64 * tm, 64 * td, warp, g, t);
     fence_proxy_async();
     __syncwarp();
     if (lane == 0) mbar_arrive(sm.dq_full());
@@ -755,7 +744,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     const uint32_t stage = sm.dq_stage(c);
     if (lane < 16) bulk_wait_group_read<0>();  // this lane's previous reduction has read its row
     __syncwarp();                              // ... before the warp overwrites its rows
-    cs.stage_dq(stage, warp, g, t);
+    cs.stage_dq<kDqStageStride>(stage, 0, 0, warp, g, t);
     fence_proxy_async();  // the generic stores before the async-proxy reads of the reductions
     __syncwarp();
     if (lane < 16) {
