@@ -70,6 +70,8 @@ DQ_DEFAULT = {64: "v2", 128: "v4"}
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
 # 1: a step's red.v4 issued at the next step, after its S^T wgmmas (implies v4; A/B, see the .cu)
 DQ_LATE_ENV = "FLASHCUDA_SM90_BWD_DQ_LATE"
+# Q / dO ring depth (2: FA3's; 3: one more step of loads in flight, + 32 KB; A/B)
+STAGES_ENV = "FLASHCUDA_SM90_BWD_STAGES"
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
@@ -226,6 +228,7 @@ def configs() -> list[Sm90BwdConfig]:
             out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq))
                     for dq in ("v2", "v4", "bulk", "warp") if dq != DQ_DEFAULT[d]]
             out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
+            out.append(Sm90BwdConfig(dtype, d, stages=3, **default))
     return out
 
 
@@ -235,7 +238,7 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging;
     FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk / warp the dQ reduction mode (default DQ_DEFAULT);
     FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step (with DQ=v4 or unset:
-    it implies v4)."""
+    it implies v4); FLASHCUDA_SM90_BWD_STAGES=2 / 3 the Q / dO ring depth."""
     raw = os.environ.get(DS_ENV, "").strip().lower()
     if raw not in ("", "mn", "k"):
         raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
@@ -253,8 +256,12 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
             raise ValueError(f"{DQ_LATE_ENV}=1: late reductions are red.v4 ones; expected "
                              f"{DQ_ENV}=v4 or unset, got {explicit}")
         dq = "v4"
+    stages = os.environ.get(STAGES_ENV, "").strip() or "2"
+    if stages not in ("2", "3"):
+        raise ValueError(f"{STAGES_ENV}: expected 2 or 3, got {stages!r}")
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
-                         release_fence=fence, dq_late=late == "1", **_dq_mode(dq))
+                         release_fence=fence, dq_late=late == "1", stages=int(stages),
+                         **_dq_mode(dq))
 
 
 def enabled() -> bool:
@@ -324,7 +331,8 @@ class _Plan:
 
 
 _plans: dict[tuple, _Plan] = {}
-_KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV)
+_KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
+                    STAGES_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:

@@ -116,7 +116,7 @@ def _dispatch(call: FwdCall | BwdCall, direction: str) -> str:
 _KEY_ENV = env_names(FORCE_ENV, "FLASHCUDA_ENABLE_SM90", "FLASHCUDA_ENABLE_SM90_BWD",
                      "FLASHCUDA_SM90_BWD_DS", "FLASHCUDA_SM90_BWD_WATCHDOG",
                      "FLASHCUDA_SM90_BWD_FENCE", "FLASHCUDA_SM90_BWD_DQ",
-                     "FLASHCUDA_SM90_BWD_DQ_LATE",
+                     "FLASHCUDA_SM90_BWD_DQ_LATE", "FLASHCUDA_SM90_BWD_STAGES",
                      "FLASHCUDA_BWD_SM80_CONFIG")
 
 

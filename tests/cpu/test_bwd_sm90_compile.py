@@ -144,8 +144,8 @@ def test_config_is_the_single_source_of_truth():
         assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= 65536
     # per dtype and d: dS layout x watchdog and no fence with the default dQ reduction, + the
-    # other dQ reductions (three), + the late red.v4
-    assert len({c.name for c in bwd_sm90.configs()}) == 36
+    # other dQ reductions (three), + the late red.v4, + the three-stage ring
+    assert len({c.name for c in bwd_sm90.configs()}) == 40
     warp = Sm90BwdConfig(torch.bfloat16, 128, dq_warp=True)
     assert warp.name.endswith("_dqw") and dict(warp.spec().defines)["FC_DQ_WARP"] == "1"
     assert warp.smem_bytes == cfg.smem_bytes + 64 * 136 * 4 + 2 * 8  # the tile, 2 barriers
@@ -205,6 +205,29 @@ def test_dq_late_switch(monkeypatch):
     assert not bwd_sm90.select_config(torch.bfloat16, 128).dq_late
     with pytest.raises(ValueError, match="dq_late"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_late=True)
+
+
+def test_stages_switch(monkeypatch):
+    """FLASHCUDA_SM90_BWD_STAGES=3 deepens the Q / dO ring at both head dims (32 KB more shared
+    memory, within the 227 KB of a block), keeps the default dQ mode, and refuses other values."""
+    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.DQ_LATE_ENV,
+                bwd_sm90.STAGES_ENV):
+        monkeypatch.delenv(env, raising=False)
+    two = {d: bwd_sm90.select_config(torch.bfloat16, d) for d in (64, 128)}
+    assert all(cfg.stages == 2 for cfg in two.values())
+    monkeypatch.setenv(bwd_sm90.STAGES_ENV, "3")
+    for d in (64, 128):
+        cfg = bwd_sm90.select_config(torch.bfloat16, d)
+        assert cfg.stages == 3 and "_s3" in cfg.name
+        assert (cfg.dq_v4, cfg.dq_late) == (two[d].dq_v4, two[d].dq_late)
+        assert dict(cfg.spec().defines)["FC_STAGES"] == "3"
+        assert cfg.smem_bytes - two[d].smem_bytes == 2 * cfg.q_bytes + 2 * cfg.block_m * 4 + 16
+        assert cfg.smem_bytes <= 227 * 1024
+        assert cfg in bwd_sm90.configs()  # compiled by the CPU lane
+    for bad in ("1", "4", "two"):
+        monkeypatch.setenv(bwd_sm90.STAGES_ENV, bad)
+        with pytest.raises(ValueError, match=bwd_sm90.STAGES_ENV):
+            bwd_sm90.select_config(torch.bfloat16, 128)
 
 
 def test_seqlen_pad_covers_query_blocks_and_pre_blocks():
@@ -317,7 +340,7 @@ def test_plan_key_holds_what_can_implement_reads(monkeypatch):
                    {"deterministic": True}):
         assert bwd_sm90._plan_key(dataclasses.replace(base, **change)) != key, change
     for env in (ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, bwd_sm90.FENCE_ENV,
-                bwd_sm90.DQ_LATE_ENV):
+                bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV):
         monkeypatch.setenv(env, "x")
         assert bwd_sm90._plan_key(base) != key, env
         monkeypatch.delenv(env)

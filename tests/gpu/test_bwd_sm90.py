@@ -39,18 +39,20 @@ FULL = (None, None)
 CAUSAL = (None, 0)
 
 
-@pytest.fixture(autouse=True, params=["mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late", "mn-warp"],
-                ids=["dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp"])
+@pytest.fixture(autouse=True,
+                params=["mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late", "mn-warp", "mn--s3"],
+                ids=["dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp", "stages3"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp;
-    red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1) in the default dS layout, and with
-    the other dS layout under the default dQ reduction."""
-    ds, _, rest = request.param.partition("-")
-    dq, _, late = rest.partition("-")
+    red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1) in the default dS layout, with
+    the other dS layout under the default dQ reduction, and with a three-deep Q / dO ring
+    (FLASHCUDA_SM90_BWD_STAGES=3) under the defaults."""
+    ds, dq, *flags = (request.param + "-").split("-")[:4]
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     monkeypatch.setenv(bwd_sm90.DS_ENV, ds)
     monkeypatch.setenv(bwd_sm90.DQ_ENV, dq)
-    monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "1" if late else "0")
+    monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "1" if "late" in flags else "0")
+    monkeypatch.setenv(bwd_sm90.STAGES_ENV, "3" if "s3" in flags else "2")
     dispatch._reset()
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
