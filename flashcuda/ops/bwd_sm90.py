@@ -27,8 +27,11 @@ FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step, after its 
 they overlap the tensor cores (implies red.v4; A/B, not yet measured). FLASHCUDA_SM90_BWD_DQ=warp
 is FA3's split: the consumers store the step's dQ tile to shared memory (+ 34 / 36 KB) and a
 warp of the producer warpgroup reduces it with bulk reduce-adds (A/B, not yet measured).
-The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512 (32 with
-FLASHCUDA_SM90_BWD_DQ=warp, whose dQ writer lives there: 65536, the whole register file).
+The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512, the whole
+pool the CTA gets at launch (168 registers per thread at 384 threads: setmaxnreg.inc only takes
+what a setmaxnreg.dec gave back, so a split over the pool hangs the consumers at their inc).
+FLASHCUDA_SM90_BWD_DQ=warp, whose dQ writer lives in the producer warpgroup, needs 32 there
+(24 spill at d64): 128 * 32 + 256 * 232 = 63488.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from .call import (
     BwdCall,
     kernel_windows,
     layout_key,
+    register_pool,
     vector_layout_problem,
 )
 
@@ -88,7 +92,7 @@ class Sm90BwdConfig:
     block_n: int = 128
     stages: int = 2
     producer_regs: int = 0  # 0: 24, or 32 with dq_warp (its writer warp's loop needs them)
-    consumer_regs: int = 240
+    consumer_regs: int = 0  # 0: 240, or 232 with dq_warp (the pool at launch, see register_pool)
     ds_k_major: bool = False  # dS stored [query][key] (the fallback layout, see the .cu)
     watchdog: bool = False  # mbarrier waits trap after ~2^28 polls (bring-up)
     release_fence: bool = True  # fence.proxy.async before a stage's release (see the .cu)
@@ -107,6 +111,8 @@ class Sm90BwdConfig:
             object.__setattr__(self, "block_m", BLOCK_M[self.head_dim])
         if self.producer_regs == 0:
             object.__setattr__(self, "producer_regs", 32 if self.dq_warp else 24)
+        if self.consumer_regs == 0:
+            object.__setattr__(self, "consumer_regs", 232 if self.dq_warp else 240)
         if self.block_n != 128:
             raise ValueError(f"Sm90BwdConfig.block_n: expected 128 (two consumer warpgroups of "
                              f"64 keys), got {self.block_n}")
@@ -125,8 +131,17 @@ class Sm90BwdConfig:
                              "reductions are red.v4 ones), got True")
         if self.stages < 1:
             raise ValueError(f"Sm90BwdConfig.stages: expected >= 1, got {self.stages}")
-        if self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers > 65536:
-            raise ValueError("Sm90BwdConfig: register split exceeds the 64K register file")
+        if self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers > self.register_pool:
+            raise ValueError(f"Sm90BwdConfig: register split {self.producer_regs} / "
+                             f"{self.consumer_regs} exceeds the CTA's pool of "
+                             f"{self.register_pool} registers")
+
+    @property
+    def register_pool(self) -> int:
+        """Registers the CTA holds from launch: the per-thread cap of __launch_bounds__(threads, 1)
+        (65536 / threads, rounded down to 8) times threads. setmaxnreg moves registers between
+        warpgroups inside this pool; an inc that the decs cannot cover waits forever."""
+        return register_pool(self.threads)
 
     @property
     def consumers(self) -> int:

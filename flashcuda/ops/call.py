@@ -193,3 +193,11 @@ class BwdCall:
         if hkv == 0 or h % hkv:
             return f"nheads ({h}) must be a multiple of nheads_kv ({hkv})"
         return None
+
+
+def register_pool(threads: int) -> int:
+    """Registers a CTA of `threads` threads holds from launch under __launch_bounds__(threads, 1):
+    the per-thread cap (65536 / threads, rounded down to 8) times threads. The sm90 kernels'
+    setmaxnreg moves registers between warpgroups inside this pool; an inc that the decs cannot
+    cover waits forever (FLASHCUDA_SM90_BWD_DQ=warp at 32 / 240 over 384 threads did)."""
+    return (65536 // threads) // 8 * 8 * threads

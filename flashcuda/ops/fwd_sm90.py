@@ -35,7 +35,15 @@ import torch
 from .._env import env_names, env_values
 from ..jit import KernelSpec, get_kernel, register
 from ..jit.tensor_map import bshd_map, bshd_problem
-from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, FwdCall, layout_key, vector_layout_problem
+from .call import (
+    DTYPE_CODE,
+    DTYPE_NAME,
+    LOG2E,
+    FwdCall,
+    layout_key,
+    register_pool,
+    vector_layout_problem,
+)
 from .fwd_sm80 import MAX_SEQLEN_SUM, _device_index, _device_info
 
 SOURCE = "attention/flash_fwd_sm90.cu"
@@ -75,8 +83,11 @@ class Sm90FwdConfig:
             raise ValueError(f"Sm90FwdConfig.block_n: expected 64, 128 or 176, got {self.block_n}")
         if self.stages < 1:
             raise ValueError(f"Sm90FwdConfig.stages: expected >= 1, got {self.stages}")
-        if self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers > 65536:
-            raise ValueError("Sm90FwdConfig: register split exceeds the 64K register file")
+        if (self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers
+                > register_pool(128 * (1 + self.consumers))):
+            raise ValueError(f"Sm90FwdConfig: register split {self.producer_regs} / "
+                             f"{self.consumer_regs} exceeds the CTA's pool of "
+                             f"{register_pool(128 * (1 + self.consumers))} registers at launch")
 
     @property
     def consumers(self) -> int:

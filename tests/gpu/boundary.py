@@ -220,13 +220,39 @@ def cases(family: str, big: bool = False) -> list[Case]:
 # ---- inputs ------------------------------------------------------------------------------------
 
 def _randn(shape, dtype, device, g) -> torch.Tensor:
-    return torch.randn(shape, device=device, generator=g).to(dtype)
+    """Drawn on the CPU (`g` is a CPU generator) and copied over: a host-to-device copy marks the
+    memory initialised for compute-sanitizer's initcheck even when it instruments only
+    flashcuda's kernels (memory a torch kernel wrote is then unknown to it)."""
+    return torch.randn(shape, generator=g).to(dtype).to(device)
+
+
+def _to_device(views: tuple[torch.Tensor, ...], device) -> tuple[torch.Tensor, ...]:
+    """The same views (sizes, strides, offsets) over device copies of their CPU storages, one
+    copy per storage (so q, k, v packed into one buffer stay packed), copied host-to-device."""
+    if torch.device(device).type == "cpu":
+        return views
+    moved: dict[int, torch.Tensor] = {}
+    out = []
+    for t in views:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in moved:
+            flat = torch.empty(0, dtype=t.dtype).set_(storage, 0,
+                                                       (storage.nbytes() // t.element_size(),))
+            moved[storage.data_ptr()] = flat.to(device)
+        out.append(moved[storage.data_ptr()].as_strided(t.size(), t.stride(), t.storage_offset()))
+    return tuple(out)
 
 
 def make_inputs(case: Case, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (B, Sq, H, D), k, v (B, Sk, Hkv, D) in the case's layout, seeded."""
+    """q (B, Sq, H, D), k, v (B, Sk, Hkv, D) in the case's layout, seeded; built on the CPU and
+    copied to `device` (see _randn)."""
+    return _to_device(_make_inputs_cpu(case, seed), device)
+
+
+def _make_inputs_cpu(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, sq, sk, h, hkv, d, dtype = case.b, case.sq, case.sk, case.h, case.hkv, case.d, case.dtype
-    g = torch.Generator(device=device).manual_seed(seed)
+    device = "cpu"
+    g = torch.Generator().manual_seed(seed)
     shapes = [(b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d)]
     if case.layout == "contig":
         return tuple(_randn(s, dtype, device, g) for s in shapes)
@@ -408,7 +434,7 @@ def run_case(case: Case, device, ran: list, expect: tuple[str | None, str | None
     check_forward(out.detach(), lse, qd, kd, vd, case.causal, case.window)
     if not case.bwd:
         return
-    g = torch.Generator(device=device).manual_seed(seed + 1)
+    g = torch.Generator().manual_seed(seed + 1)
     dout = _randn(out.shape, case.dtype, device, g)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     bwd_expected = fwd_expected + ([] if expect[1] is None else [("bwd", expect[1])])

@@ -89,7 +89,11 @@ static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroup
 static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma n, TMA box rows <= 256");
 static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 176,
               "wgmma_ss is instantiated for n = 64, 128, 176");
-static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "register file");
+// setmaxnreg moves registers inside the pool the CTA got at launch (65536 / threads rounded down
+// to 8, times threads): an inc the decs cannot cover waits forever.
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <=
+                  (65536 / (128 * (1 + kConsumers))) / 8 * 8 * (128 * (1 + kConsumers)),
+              "register split over the CTA's pool at launch");
 // The host config (flashcuda/ops/fwd_sm90.py) computes the launch's dynamic smem; it must agree.
 static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm90FwdConfig.smem_bytes");
 
