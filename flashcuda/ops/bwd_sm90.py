@@ -69,13 +69,16 @@ WATCHDOG_ENV = "FLASHCUDA_SM90_BWD_WATCHDOG"
 # v2: red.v2, v4: red.v4, bulk: bulk reductions by the consumers, warp: by a producer warp (A/B)
 DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"
 # The dQ reduction per head dim, by measurement (docs/perf-notes.md, "dQ reductions measured"):
-# red.v4 wins 2-14% at d128 and loses 3-4% at d64 from 4k; the bulk reductions win at neither.
-DQ_DEFAULT = {64: "v2", 128: "v4"}
+# red.v4 wins 2-14% over red.v2 at d128 and loses 3-4% at d64 from 4k; the bulk reductions by
+# the consumers win at neither; FA3's split (warp) wins 11-14% over red.v4 at d128 and loses
+# 21-28% to red.v2 at d64 (session 6, same-run A/B).
+DQ_DEFAULT = {64: "v2", 128: "warp"}
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
 # 1: a step's red.v4 issued at the next step, after its S^T wgmmas (implies v4; A/B, see the .cu)
 DQ_LATE_ENV = "FLASHCUDA_SM90_BWD_DQ_LATE"
 # Q / dO ring depth (2: FA3's; 3: one more step of loads in flight, + 32 KB; A/B)
 STAGES_ENV = "FLASHCUDA_SM90_BWD_STAGES"
+STAGES3_DQ = {64: "v2", 128: "v4"}  # the dQ mode of the three-stage A/B (and its default there)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
@@ -243,7 +246,8 @@ def configs() -> list[Sm90BwdConfig]:
             out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq))
                     for dq in ("v2", "v4", "bulk", "warp") if dq != DQ_DEFAULT[d]]
             out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
-            out.append(Sm90BwdConfig(dtype, d, stages=3, **default))
+            # (with red.v4 at d128: the warp split's staging tile and a third stage do not fit)
+            out.append(Sm90BwdConfig(dtype, d, stages=3, **_dq_mode(STAGES3_DQ[d])))
     return out
 
 
@@ -253,13 +257,18 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging;
     FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk / warp the dQ reduction mode (default DQ_DEFAULT);
     FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step (with DQ=v4 or unset:
-    it implies v4); FLASHCUDA_SM90_BWD_STAGES=2 / 3 the Q / dO ring depth."""
+    it implies v4); FLASHCUDA_SM90_BWD_STAGES=2 / 3 the Q / dO ring depth (3: with red.v2 /
+    red.v4 only, default STAGES3_DQ)."""
     raw = os.environ.get(DS_ENV, "").strip().lower()
     if raw not in ("", "mn", "k"):
         raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
     watchdog = os.environ.get(WATCHDOG_ENV, "").strip() == "1"
     fence = os.environ.get(FENCE_ENV, "").strip() != "0"
-    dq = os.environ.get(DQ_ENV, "").strip().lower() or DQ_DEFAULT.get(head_dim, "v2")
+    stages = os.environ.get(STAGES_ENV, "").strip() or "2"
+    if stages not in ("2", "3"):
+        raise ValueError(f"{STAGES_ENV}: expected 2 or 3, got {stages!r}")
+    default_dq = (STAGES3_DQ if stages == "3" else DQ_DEFAULT).get(head_dim, "v2")
+    dq = os.environ.get(DQ_ENV, "").strip().lower() or default_dq
     if dq not in ("v2", "v4", "bulk", "warp"):
         raise ValueError(f"{DQ_ENV}: expected v2, v4, bulk or warp, got {dq!r}")
     late = os.environ.get(DQ_LATE_ENV, "").strip()
@@ -271,9 +280,10 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
             raise ValueError(f"{DQ_LATE_ENV}=1: late reductions are red.v4 ones; expected "
                              f"{DQ_ENV}=v4 or unset, got {explicit}")
         dq = "v4"
-    stages = os.environ.get(STAGES_ENV, "").strip() or "2"
-    if stages not in ("2", "3"):
-        raise ValueError(f"{STAGES_ENV}: expected 2 or 3, got {stages!r}")
+    if stages == "3" and dq in ("warp", "bulk"):
+        raise ValueError(f"{STAGES_ENV}=3: a third Q / dO stage and the dQ staging tiles of "
+                         f"{DQ_ENV}={dq} do not fit in shared memory; expected {DQ_ENV}=v2 / v4 "
+                         f"or unset")
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
                          release_fence=fence, dq_late=late == "1", stages=int(stages),
                          **_dq_mode(dq))

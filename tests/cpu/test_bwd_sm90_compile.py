@@ -161,13 +161,15 @@ def test_dq_modes_are_exclusive():
 
 
 def test_dq_switch(monkeypatch):
-    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV):
+    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV):
         monkeypatch.delenv(env, raising=False)
-    assert bwd_sm90.select_config(torch.bfloat16, 128).dq_v4  # the measured defaults
+    d128 = bwd_sm90.select_config(torch.bfloat16, 128)  # the measured defaults
+    assert d128.dq_warp and not d128.dq_v4 and d128.name.endswith("_dqw")
     cfg = bwd_sm90.select_config(torch.bfloat16, 64)
-    assert not cfg.dq_v4 and not cfg.dq_bulk
+    assert not cfg.dq_v4 and not cfg.dq_bulk and not cfg.dq_warp
     monkeypatch.setenv(DQ_ENV, "v2")
-    assert not bwd_sm90.select_config(torch.bfloat16, 128).dq_v4
+    v2 = bwd_sm90.select_config(torch.bfloat16, 128)
+    assert not v2.dq_v4 and not v2.dq_warp
     assert bwd_sm90.select_config(torch.bfloat16, 64) == cfg
     monkeypatch.setenv(DQ_ENV, "v4")
     assert bwd_sm90.select_config(torch.bfloat16, 64).dq_v4
@@ -210,12 +212,14 @@ def test_dq_late_switch(monkeypatch):
 
 def test_stages_switch(monkeypatch):
     """FLASHCUDA_SM90_BWD_STAGES=3 deepens the Q / dO ring at both head dims (32 KB more shared
-    memory, within the 227 KB of a block), keeps the default dQ mode, and refuses other values."""
+    memory, within the 227 KB of a block) with red.v2 / red.v4 (STAGES3_DQ; the dQ staging tiles
+    of warp / bulk do not fit beside it: refused), and refuses other values."""
     for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.DQ_LATE_ENV,
                 bwd_sm90.STAGES_ENV):
         monkeypatch.delenv(env, raising=False)
-    two = {d: bwd_sm90.select_config(torch.bfloat16, d) for d in (64, 128)}
-    assert all(cfg.stages == 2 for cfg in two.values())
+    assert all(bwd_sm90.select_config(torch.bfloat16, d).stages == 2 for d in (64, 128))
+    two = {d: Sm90BwdConfig(torch.bfloat16, d, **bwd_sm90._dq_mode(bwd_sm90.STAGES3_DQ[d]))
+           for d in (64, 128)}
     monkeypatch.setenv(bwd_sm90.STAGES_ENV, "3")
     for d in (64, 128):
         cfg = bwd_sm90.select_config(torch.bfloat16, d)
@@ -225,6 +229,11 @@ def test_stages_switch(monkeypatch):
         assert cfg.smem_bytes - two[d].smem_bytes == 2 * cfg.q_bytes + 2 * cfg.block_m * 4 + 16
         assert cfg.smem_bytes <= 227 * 1024
         assert cfg in bwd_sm90.configs()  # compiled by the CPU lane
+    for dq in ("warp", "bulk"):
+        monkeypatch.setenv(DQ_ENV, dq)
+        with pytest.raises(ValueError, match=bwd_sm90.STAGES_ENV):
+            bwd_sm90.select_config(torch.bfloat16, 128)
+    monkeypatch.delenv(DQ_ENV)
     for bad in ("1", "4", "two"):
         monkeypatch.setenv(bwd_sm90.STAGES_ENV, bad)
         with pytest.raises(ValueError, match=bwd_sm90.STAGES_ENV):

@@ -46,7 +46,7 @@ def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp;
     red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1) in the default dS layout, with
     the other dS layout under the default dQ reduction, and with a three-deep Q / dO ring
-    (FLASHCUDA_SM90_BWD_STAGES=3) under the defaults."""
+    (FLASHCUDA_SM90_BWD_STAGES=3, whose default dQ mode is bwd_sm90.STAGES3_DQ)."""
     ds, dq, *flags = (request.param + "-").split("-")[:4]
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     monkeypatch.setenv(bwd_sm90.DS_ENV, ds)
