@@ -17,16 +17,18 @@ shared memory (the .cu static_asserts the same layout), the name, the defines.
     head dim   block_m (queries) x block_n (keys), stages   smem      consumers x registers
     64         128 x 128, 2                                 163 KB    2 x 240 (FA3's d64 tiles)
     128        64 x 128, 2                                  162 KB    2 x 240 (FA3's d128 tiles)
-(+ 36 KB, 199 / 198 KB, for the dQ staging tiles of FLASHCUDA_SM90_BWD_DQ=bulk.)
+(+ 36 KB, 199 / 198 KB, for the dQ staging tiles of FLASHCUDA_SM90_BWD_DQ=bulk; + 36 / 34 KB,
+199 / 196 KB, for the staging tile of warp, the d128 default, whose consumers get 232.)
 FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up A/B, see the .cu);
 FLASHCUDA_SM90_BWD_WATCHDOG=1 runs the variant whose mbarrier waits trap (a launch failure) instead
 of hanging (bring-up). The dQ reduction into dq_accum (FLASHCUDA_SM90_BWD_DQ): red.v2 (8-byte
-atomics, the default at d64), red.v4 (16-byte, after a lane-pair shuffle; the default at d128) or
-row-wise cp.reduce.async.bulk from a shared staging tile (bulk; measured slower, kept for A/B);
-FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step, after its S^T wgmmas, so
-they overlap the tensor cores (implies red.v4; A/B, not yet measured). FLASHCUDA_SM90_BWD_DQ=warp
-is FA3's split: the consumers store the step's dQ tile to shared memory (+ 34 / 36 KB) and a
-warp of the producer warpgroup reduces it with bulk reduce-adds (A/B, not yet measured).
+atomics, the default at d64), red.v4 (16-byte, after a lane-pair shuffle), row-wise
+cp.reduce.async.bulk from a shared staging tile by the consumers (bulk; measured slower, kept for
+A/B), or FA3's split (warp, the default at d128: +11-14% over red.v4 there, 21-28% slower than
+red.v2 at d64): the consumers store the step's dQ tile to shared memory (+ 34 / 36 KB) and a warp
+of the producer warpgroup reduces it with bulk reduce-adds. FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a
+step's red.v4 at the next step, after its S^T wgmmas (implies red.v4; measured 1-2% slower).
+FLASHCUDA_SM90_BWD_STAGES=3 deepens the Q / dO ring (no gain measured; not with warp / bulk).
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512, the whole
 pool the CTA gets at launch (168 registers per thread at 384 threads: setmaxnreg.inc only takes
 what a setmaxnreg.dec gave back, so a split over the pool hangs the consumers at their inc).

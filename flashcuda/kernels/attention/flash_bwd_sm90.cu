@@ -11,13 +11,14 @@
 //   heads         MHA, GQA, MQA: a CTA loops over the query heads of its KV head, dK / dV summed
 //                 over them in registers (as flash_bwd_sm80.cu)
 //   dQ            non-deterministic only: fp32 red.global.add.v2 into dq_accum [B, H, Sq_pad, D]
-//                 (red.v4, FC_DQ_V4, the default at d128; or row-wise bulk reduce-adds from a
+//                 (the default at d64; red.v4, FC_DQ_V4; or row-wise bulk reduce-adds from a
 //                 shared staging tile, FC_DQ_BULK, see "dQ by bulk reduction" below). FC_DQ_LATE
-//                 (with FC_DQ_V4; A/B, not yet measured): a step's red.v4 are issued at the next
+//                 (with FC_DQ_V4; A/B, measured 1-2% slower): a step's red.v4 are issued at the next
 //                 step, right after its S^T wgmmas (before dP^T's, whose accumulator would not
 //                 fit beside the payload: 384 bytes of spills), so they overlap the tensor cores
 //                 instead of following the dQ wait; the last step's after the loop. FC_DQ_WARP
-//                 (FA3's split; A/B, not yet measured): consumers store the step's dQ tile to
+//                 (FA3's split; the default at d128, +11-14% over red.v4 there, slower than
+//                 red.v2 at d64; docs/perf-notes.md): consumers store the step's dQ tile to
 //                 shared memory and a warp of the producer warpgroup reduces it with bulk
 //                 reduce-adds (write_dq), so no reduction is issued by a consumer
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
@@ -79,8 +80,8 @@
 // (tile_needs_mask); dK / dV rows past seqlen_k are never stored. A masked P is 0 and its dS is
 // forced to 0 even where dP^T is not finite (a V row outside the band may hold anything).
 //
-// dQ by bulk reduction (FC_DQ_BULK = 1, FLASHCUDA_SM90_BWD_DQ=bulk; compiled and CPU-emulated,
-// not yet measured): instead of 16 red.global.add.v2 per thread and step (2048 per consumer),
+// dQ by bulk reduction (FC_DQ_BULK = 1, FLASHCUDA_SM90_BWD_DQ=bulk; measured slower at both
+// head dims): instead of 16 red.global.add.v2 per thread and step (2048 per consumer),
 // the consumer stores its 64 x 64 dQ tile into its own padded fp32 staging tile and each warp
 // reduces the 16 rows its own fragments filled: lanes 0..15 issue one cp.reduce.async.bulk
 // .add.f32 of a 256-byte row each, one bulk async-group per lane and step (FA3 reduces dQ
@@ -250,7 +251,7 @@ struct Steps {
 // every wgmma (C7510).
 constexpr bool kWatchdog = FC_WATCHDOG;
 #ifndef FC_DQ_V4
-#define FC_DQ_V4 0  // dQ reductions as red.v4 (FLASHCUDA_SM90_BWD_DQ=v4, A/B; not yet measured)
+#define FC_DQ_V4 0  // dQ reductions as red.v4 (FLASHCUDA_SM90_BWD_DQ=v4, A/B)
 #endif
 #ifndef FC_RELEASE_FENCE
 #define FC_RELEASE_FENCE 1  // FLASHCUDA_SM90_BWD_FENCE=0 drops it (A/B), see release()
