@@ -431,6 +431,80 @@ def test_nan_in_q_backward_reaches_only_what_reads_it(family, dtype, monkeypatch
         dispatch._reset()
 
 
+@pytest.mark.parametrize("where", ["k", "v", "dout"])
+@pytest.mark.parametrize("family,dtype", [pytest.param("sm80", BF16, id="sm80-bf16"),
+                                          pytest.param("sm90", FP16, id="sm90-fp16"),
+                                          pytest.param("simt", FP32, id="simt-fp32")])
+def test_nan_in_k_v_dout_backward_reaches_only_what_reads_it(family, dtype, where, monkeypatch):
+    """One NaN element in k (key 50, column 7), v (key 50, column 7) or dout (row 37, column 5)
+    of batch 1, head 1 (causal, MHA, 2 x 100 x 2 x 64). What must be non-finite, by the chain
+    rule: k: dq of every row that sees key 50 (rows 50..: their scores and P are NaN) and dk /
+    dv of key 50; v: dq of rows 50.. (dP = dO v^T and delta = rowsum(dO o O) are NaN there) and
+    dk of key 50 (dv of key 50 = P^T dO stays finite, but it is not checked); dout: dq of row 37
+    (delta of row 37 is NaN), dk of the keys row 37 sees (0..37) and dv of those keys in column
+    5. And in every case the gradients of batch 0 and of head 0 equal the clean call's (bitwise
+    where the backward is deterministic). Gradients of batch 1 head 1 outside those sets are not
+    checked: a row that does not see key 50 still multiplies it by 0 inside a GEMM (0 x NaN =
+    NaN, tile-granular, as in FlashAttention; docs/GUARANTEES.md §4)."""
+    cc = torch.cuda.get_device_capability()
+    if family == "sm90" and cc != (9, 0):
+        pytest.skip(f"bwd_sm90 needs compute capability 9.0, the GPU has {cc[0]}.{cc[1]}")
+    b, s, h, d, key, row = 2, 100, 2, 64, 50, 37
+    ran = boundary.prepare(monkeypatch, family)
+    try:
+        q, k, v = make(b, s, s, h, h, d, dtype, seed=15)
+        dout = make(b, s, s, h, h, d, dtype, seed=16)[0]
+        deterministic = family != "sm90"  # bwd_sm90 has no deterministic mode
+
+        def grads(kk, vv, dd):
+            leaves = [t.clone().requires_grad_() for t in (q, kk, vv)]
+            out = flash_attn_func(*leaves, causal=True, deterministic=deterministic)
+            return torch.autograd.grad(out, leaves, dd)
+
+        clean = grads(k, v, dout)
+        kn, vn, dn = k.clone(), v.clone(), dout.clone()
+        if where == "k":
+            kn[1, key, 1, 7] = NAN
+        elif where == "v":
+            vn[1, key, 1, 7] = NAN
+        else:
+            dn[1, row, 1, 5] = NAN
+        dq, dk, dv = grads(kn, vn, dn)
+        fwd, bwd = boundary.FAMILIES[family]
+        assert ran == [("fwd", fwd), ("bwd", bwd)] * 2, f"dispatched {ran}"
+
+        def nonfinite_rows(g, rows, name):
+            bad = ~g[1, rows, 1].isfinite().all(dim=-1)
+            assert bad.all(), f"{name}[1, {rows}, 1]: {int((~bad).sum())} rows stayed finite"
+
+        if where == "k":
+            nonfinite_rows(dq, slice(key, s), "dq")
+            nonfinite_rows(dk, slice(key, key + 1), "dk")
+            nonfinite_rows(dv, slice(key, key + 1), "dv")
+        elif where == "v":
+            nonfinite_rows(dq, slice(key, s), "dq")
+            nonfinite_rows(dk, slice(key, key + 1), "dk")
+        else:
+            nonfinite_rows(dq, slice(row, row + 1), "dq")
+            others = torch.ones(b, s, h, dtype=torch.bool, device="cuda")
+            others[1, row, 1] = False
+            assert dq[others].isfinite().all(), "dout: NaN leaked into dq of another row"
+            nonfinite_rows(dk, slice(0, row + 1), "dk")
+            assert not dv[1, : row + 1, 1, 5].isfinite().any(), \
+                "dout: dv column 5 of a key row 37 sees must be non-finite"
+        untouched = [(0, slice(None), slice(None)), (1, slice(None), 0)]  # batch 0; batch 1 head 0
+        for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), clean, strict=True):
+            for idx in untouched:
+                if deterministic:
+                    assert torch.equal(got[idx], want[idx]), f"{name}{idx}: differs from clean"
+                else:
+                    assert got[idx].isfinite().all(), f"{name}{idx}: NaN leaked"
+                    assert torch.allclose(got[idx].float(), want[idx].float(), rtol=1e-2,
+                                          atol=1e-2), f"{name}{idx}: differs from clean"
+    finally:
+        dispatch._reset()
+
+
 LEAKS = "0 x NaN in the P V GEMM reaches rows that do not see the key (docs/GUARANTEES.md §4)"
 
 
