@@ -17,12 +17,18 @@ against `smem_bytes`). Tile shapes per head dim follow FA2's measured choices fo
 K and V are single-buffered: FA2's schedule overlaps the V load with Q K^T and the next K load with
 softmax + P V, so a deeper pipeline would only cost shared memory (occupancy). The shapes and the
 "why" column are FA2's measurements, not yet ours.
+
+FLASHCUDA_SM80_FWD_ROWSUM=exact runs the variant whose row sums of P are carried across key tiles
+with round-to-nearest adds (the default accumulates them on the tensor cores over the whole row,
+which leaves lse ~2.4e-4 low at 65537 keys; A/B, not yet measured; see the .cu).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -37,6 +43,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_GRID_YZ = 65535
 MAX_SEQLEN_SUM = 2**30
+ROWSUM_ENV = "FLASHCUDA_SM80_FWD_ROWSUM"  # mma (default) / exact: see Sm80FwdConfig.exact_rowsum
 
 # (max dynamic smem per block with opt-in, smem per SM) by compute capability, for when torch's
 # device properties lack them; also the device classes `variants()` plans for.
@@ -61,6 +68,9 @@ class Sm80FwdConfig:
     block_m: int
     block_n: int
     warps: int
+    # the row sums of P carried across key tiles with round-to-nearest adds (lse exact on long
+    # rows; FLASHCUDA_SM80_FWD_ROWSUM=exact, A/B, see the .cu)
+    exact_rowsum: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -87,7 +97,8 @@ class Sm80FwdConfig:
     @property
     def name(self) -> str:
         return (f"flash_fwd_sm80_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
-                f"_bm{self.block_m}_bn{self.block_n}_w{self.warps}")
+                f"_bm{self.block_m}_bn{self.block_n}_w{self.warps}"
+                + ("_xrs" if self.exact_rowsum else ""))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -97,6 +108,8 @@ class Sm80FwdConfig:
             "FC_BLOCK_N": self.block_n,
             "FC_WARPS": self.warps,
             "FC_SMEM_BYTES": self.smem_bytes,
+            # only when set: the default kernels keep the specs (and cache keys) they had
+            **({"FC_EXACT_ROWSUM": 1} if self.exact_rowsum else {}),
         })
 
     def grid(self, call: FwdCall) -> tuple[int, int, int]:
@@ -145,9 +158,19 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def exact_rowsum() -> bool:
+    """FLASHCUDA_SM80_FWD_ROWSUM: mma (default, the row sums accumulated on the tensor cores
+    across the whole row) or exact (carried across key tiles with round-to-nearest adds)."""
+    raw = os.environ.get(ROWSUM_ENV, "").strip().lower() or "mma"
+    if raw not in ("mma", "exact"):
+        raise ValueError(f"{ROWSUM_ENV}: expected mma or exact, got {raw!r}")
+    return raw == "exact"
+
+
 def config_for(call: FwdCall) -> Sm80FwdConfig:
     _, per_block, per_sm = _device_info(_device_index(call.device))
-    return select_config(call.dtype, call.head_dim, per_block, per_sm)
+    cfg = select_config(call.dtype, call.head_dim, per_block, per_sm)
+    return dataclasses.replace(cfg, exact_rowsum=True) if exact_rowsum() else cfg
 
 
 def can_implement(call: FwdCall) -> str | None:
@@ -202,13 +225,16 @@ def run(call: FwdCall) -> None:
 
 
 def configs() -> list[Sm80FwdConfig]:
-    """Every config `select_config` can return on the device classes of _SMEM_BY_CC."""
+    """Every config `select_config` can return on the device classes of _SMEM_BY_CC, each also
+    with the exact row sums (FLASHCUDA_SM80_FWD_ROWSUM=exact)."""
     seen: dict[str, Sm80FwdConfig] = {}
     for dtype in DTYPES:
         for d in KERNEL_HEAD_DIMS:
             for per_block, per_sm in _SMEM_BY_CC.values():
                 cfg = select_config(dtype, d, per_block, per_sm)
                 seen.setdefault(cfg.name, cfg)
+                exact = dataclasses.replace(cfg, exact_rowsum=True)
+                seen.setdefault(exact.name, exact)
     return list(seen.values())
 
 

@@ -70,6 +70,9 @@ constexpr int kDTiles = kHeadDim / 8;        // n8 tiles of O
 constexpr int kDSteps = kHeadDim / 16;       // k16 steps of Q K^T
 constexpr int kNSteps = kBlockN / 16;        // k16 steps of P V
 // Two 16-bit 1.0s: the B fragment of the row-sum mma.
+#ifndef FC_EXACT_ROWSUM
+#define FC_EXACT_ROWSUM 0
+#endif
 constexpr uint32_t kOnes = FC_DTYPE == 1 ? 0x3c003c00u : 0x3f803f80u;
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm80 kernel: fp16 or bf16");
@@ -91,7 +94,12 @@ static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm80FwdCo
 struct FwdCta {
   float o[kMTiles][kDTiles][4];  // O accumulator (C fragments), kWarpRows x kHeadDim per warp
   float s[kMTiles][kNTiles][4];  // S of the current key tile
-  float l[kMTiles][4];           // row sums of P (C fragment of P x ones: c0 = c1, c2 = c3)
+  // Row sums of P (C fragment of P x ones: c0 = c1, c2 = c3). The tensor cores' fp32
+  // accumulation drops low bits at every k16 step (toward zero), so over a long row the sum
+  // comes out low: 2.42e-4 relative at 65537 keys (session 6). out = O / l does not see it (O's
+  // accumulator loses the same share), lse = m + log l does. FC_EXACT_ROWSUM (A/B, not yet
+  // measured) keeps the running sum in c1 / c3 with round-to-nearest adds per tile instead.
+  float l[kMTiles][4];
   OnlineSoftmax row[kMTiles][2]; // running max per owned row: [m tile][0: row g, 1: row g + 8]
   uint32_t q_lane, k_lane, v_lane;  // this lane's ldmatrix addresses (SwizzledTile::lane_address)
 
@@ -200,6 +208,23 @@ struct FwdCta {
   // the A fragment of the mma with V (key tiles 2kk, 2kk + 1 -> A registers {0, 1}, {2, 3}).
   __device__ __forceinline__ void exp_accumulate(float scale_log2,
                                                  const float (&ref)[kMTiles][2]) {
+#if FC_EXACT_ROWSUM
+    // B of the row-sum mma: ones in its even columns, zeros in its odd ones (lane (g, t) holds
+    // column g), so c1 / c3 only ever gain exact zeros from the mma. Each tile's sum starts
+    // fresh in c0 / c2 and is carried into c1 / c3 with one round-to-nearest add at the start of
+    // the next tile (and in the epilogue): the mma's truncating accumulation then spans the 8
+    // k16 steps of one tile, not every step of the row (see l).
+    const uint32_t ones = (threadIdx.x >> 2) & 1 ? 0u : kOnes;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      l[mt][1] += l[mt][0];
+      l[mt][0] = 0.f;
+      l[mt][3] += l[mt][2];
+      l[mt][2] = 0.f;
+    }
+#else
+    const uint32_t ones = kOnes;
+#endif
 #pragma unroll
     for (int kk = 0; kk < kNSteps; ++kk) {
       uint32_t a[kMTiles][4];
@@ -214,7 +239,7 @@ struct FwdCta {
             const float p1 = fast_exp2(fmaf(c[1], scale_log2, -ref[mt][h]));
             a[mt][2 * half + h] = pack2<T>(p0, p1);
           }
-        mma_16816<T>(l[mt], a[mt], kOnes, kOnes);
+        mma_16816<T>(l[mt], a[mt], ones, ones);
       }
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
@@ -349,7 +374,11 @@ FC_KERNEL_NAME(const T* __restrict__ q,  // [B, Sq, H, D]
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       OnlineSoftmax& st = cta.row[mt][h];
+#if FC_EXACT_ROWSUM
+      st.l = cta.l[mt][2 * h] + cta.l[mt][2 * h + 1];  // this tile's sum + the earlier ones
+#else
       st.l = cta.l[mt][2 * h];  // the mma already summed the row over the quad
+#endif
       const float inv = st.inv_sum();
       const int r = warp_row0 + mt * 16 + h * 8 + g;  // row within the block
       if (t == 0 && m0 + r < seqlen_q) lse[lse_row0 + m0 + r] = st.lse();
