@@ -28,7 +28,10 @@ A/B), or FA3's split (warp, the default at d128: +11-14% over red.v4 there, 21-2
 red.v2 at d64): the consumers store the step's dQ tile to shared memory (+ 34 / 36 KB) and a warp
 of the producer warpgroup reduces it with bulk reduce-adds. FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a
 step's red.v4 at the next step, after its S^T wgmmas (implies red.v4; measured 1-2% slower).
-FLASHCUDA_SM90_BWD_STAGES=3 deepens the Q / dO ring (no gain measured; not with warp / bulk).
+FLASHCUDA_SM90_BWD_DQ=warpflat is the split with unpadded staging rows: one bulk reduction per
+step instead of one per row, at the price of 4-way bank conflicts in the consumers' stores (A/B,
+not yet measured). FLASHCUDA_SM90_BWD_STAGES=3 deepens the Q / dO ring (no gain measured; not
+with warp / bulk).
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512, the whole
 pool the CTA gets at launch (168 registers per thread at 384 threads: setmaxnreg.inc only takes
 what a setmaxnreg.dec gave back, so a split over the pool hangs the consumers at their inc).
@@ -105,6 +108,7 @@ class Sm90BwdConfig:
     dq_bulk: bool = False  # dQ by row-wise bulk reductions from shared staging tiles (A/B)
     dq_late: bool = False  # a step's red.v4 after the next step's S^T issue (needs dq_v4; A/B)
     dq_warp: bool = False  # dQ staged in shared memory, reduced by a producer warp (FA3; A/B)
+    dq_warp_flat: bool = False  # dq_warp with unpadded rows, one bulk reduction per step (A/B)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -131,6 +135,8 @@ class Sm90BwdConfig:
         if self.dq_warp and (self.dq_v4 or self.dq_bulk or self.dq_late):
             raise ValueError("Sm90BwdConfig.dq_warp: expected False with another dQ mode "
                              "(dq_v4 / dq_bulk / dq_late), got True")
+        if self.dq_warp_flat and not self.dq_warp:
+            raise ValueError("Sm90BwdConfig.dq_warp_flat: expected False unless dq_warp, got True")
         if self.dq_late and not self.dq_v4:
             raise ValueError("Sm90BwdConfig.dq_late: expected False unless dq_v4 (late "
                              "reductions are red.v4 ones), got True")
@@ -177,8 +183,9 @@ class Sm90BwdConfig:
         stats = 2 * self.block_m * 4
         if self.dq_bulk:
             staging = self.consumers * DQ_STAGE_BYTES
-        elif self.dq_warp:  # the whole step tile, rows padded by 8 floats; dq_full, dq_empty
-            staging = self.block_m * (self.head_dim + 8) * 4
+        elif self.dq_warp:  # the whole step tile, rows padded by 8 floats (flat: not); dq_full,
+            # dq_empty
+            staging = self.block_m * (self.head_dim + (0 if self.dq_warp_flat else 8)) * 4
             barriers += 2
         else:
             staging = 0
@@ -192,7 +199,7 @@ class Sm90BwdConfig:
                 + ("_dsk" if self.ds_k_major else "") + ("_wd" if self.watchdog else "")
                 + ("" if self.release_fence else "_nofence") + ("_dq4" if self.dq_v4 else "")
                 + ("_dqb" if self.dq_bulk else "") + ("_late" if self.dq_late else "")
-                + ("_dqw" if self.dq_warp else ""))
+                + ("_dqw" if self.dq_warp else "") + ("f" if self.dq_warp_flat else ""))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -211,6 +218,8 @@ class Sm90BwdConfig:
             "FC_DQ_BULK": int(self.dq_bulk),
             "FC_DQ_LATE": int(self.dq_late),
             "FC_DQ_WARP": int(self.dq_warp),
+            # only when set: the other kernels keep the specs (and cache keys) they had
+            **({"FC_DQ_WARP_FLAT": 1} if self.dq_warp_flat else {}),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
@@ -231,7 +240,8 @@ class Sm90BwdConfig:
 
 
 def _dq_mode(dq: str) -> dict[str, bool]:
-    return {"dq_v4": dq == "v4", "dq_bulk": dq == "bulk", "dq_warp": dq == "warp"}
+    return {"dq_v4": dq == "v4", "dq_bulk": dq == "bulk", "dq_warp": dq in ("warp", "warpflat"),
+            "dq_warp_flat": dq == "warpflat"}
 
 
 def configs() -> list[Sm90BwdConfig]:
@@ -246,7 +256,7 @@ def configs() -> list[Sm90BwdConfig]:
                     for w in (False, True) for k in (False, True)]
             out.append(Sm90BwdConfig(dtype, d, release_fence=False, **default))
             out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq))
-                    for dq in ("v2", "v4", "bulk", "warp") if dq != DQ_DEFAULT[d]]
+                    for dq in ("v2", "v4", "bulk", "warp", "warpflat") if dq != DQ_DEFAULT[d]]
             out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
             # (with red.v4 at d128: the warp split's staging tile and a third stage do not fit)
             out.append(Sm90BwdConfig(dtype, d, stages=3, **_dq_mode(STAGES3_DQ[d])))
@@ -257,7 +267,7 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     """FA3's tiles; FLASHCUDA_SM90_BWD_DS=k picks the [query][key] dS layout (bring-up A/B:
     it reads dS K-major, a descriptor kind the forward proved, instead of transposed A);
     FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging;
-    FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk / warp the dQ reduction mode (default DQ_DEFAULT);
+    FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk / warp / warpflat the dQ reduction mode (default DQ_DEFAULT);
     FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step (with DQ=v4 or unset:
     it implies v4); FLASHCUDA_SM90_BWD_STAGES=2 / 3 the Q / dO ring depth (3: with red.v2 /
     red.v4 only, default STAGES3_DQ)."""
@@ -271,8 +281,8 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
         raise ValueError(f"{STAGES_ENV}: expected 2 or 3, got {stages!r}")
     default_dq = (STAGES3_DQ if stages == "3" else DQ_DEFAULT).get(head_dim, "v2")
     dq = os.environ.get(DQ_ENV, "").strip().lower() or default_dq
-    if dq not in ("v2", "v4", "bulk", "warp"):
-        raise ValueError(f"{DQ_ENV}: expected v2, v4, bulk or warp, got {dq!r}")
+    if dq not in ("v2", "v4", "bulk", "warp", "warpflat"):
+        raise ValueError(f"{DQ_ENV}: expected v2, v4, bulk, warp or warpflat, got {dq!r}")
     late = os.environ.get(DQ_LATE_ENV, "").strip()
     if late not in ("", "0", "1"):
         raise ValueError(f"{DQ_LATE_ENV}: expected 0 or 1, got {late!r}")
@@ -282,7 +292,7 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
             raise ValueError(f"{DQ_LATE_ENV}=1: late reductions are red.v4 ones; expected "
                              f"{DQ_ENV}=v4 or unset, got {explicit}")
         dq = "v4"
-    if stages == "3" and dq in ("warp", "bulk"):
+    if stages == "3" and dq in ("warp", "warpflat", "bulk"):
         raise ValueError(f"{STAGES_ENV}=3: a third Q / dO stage and the dQ staging tiles of "
                          f"{DQ_ENV}={dq} do not fit in shared memory; expected {DQ_ENV}=v2 / v4 "
                          f"or unset")

@@ -144,9 +144,13 @@ def test_config_is_the_single_source_of_truth():
         assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= c.register_pool
     # per dtype and d: dS layout x watchdog and no fence with the default dQ reduction, + the
-    # other dQ reductions (three), + the late red.v4, + the three-stage ring
-    assert len({c.name for c in bwd_sm90.configs()}) == 40
+    # other dQ reductions (four), + the late red.v4, + the three-stage ring
+    assert len({c.name for c in bwd_sm90.configs()}) == 44
     warp = Sm90BwdConfig(torch.bfloat16, 128, dq_warp=True)
+    flat = Sm90BwdConfig(torch.bfloat16, 128, dq_warp=True, dq_warp_flat=True)
+    assert flat.name.endswith("_dqwf") and dict(flat.spec().defines)["FC_DQ_WARP_FLAT"] == "1"
+    assert flat.smem_bytes == cfg.smem_bytes + 64 * 128 * 4 + 2 * 8  # unpadded tile, 2 barriers
+    assert "FC_DQ_WARP_FLAT" not in dict(warp.spec().defines)
     assert (warp.producer_regs, warp.consumer_regs, warp.register_pool) == (32, 232, 168 * 384)
     assert warp.name.endswith("_dqw") and dict(warp.spec().defines)["FC_DQ_WARP"] == "1"
     assert warp.smem_bytes == cfg.smem_bytes + 64 * 136 * 4 + 2 * 8  # the tile, 2 barriers
@@ -176,6 +180,13 @@ def test_dq_switch(monkeypatch):
     monkeypatch.setenv(DQ_ENV, "bulk")
     cfg = bwd_sm90.select_config(torch.bfloat16, 64)
     assert cfg.dq_bulk and not cfg.dq_v4 and cfg.name.endswith("_dqb")
+    monkeypatch.setenv(DQ_ENV, "warpflat")
+    for d in (64, 128):
+        flat = bwd_sm90.select_config(torch.bfloat16, d)
+        assert flat.dq_warp and flat.dq_warp_flat and flat.name.endswith("_dqwf")
+        assert flat in bwd_sm90.configs()
+    with pytest.raises(ValueError, match="dq_warp_flat"):
+        Sm90BwdConfig(torch.bfloat16, 64, dq_warp_flat=True)
     monkeypatch.setenv(DQ_ENV, "tma")
     with pytest.raises(ValueError, match=DQ_ENV):
         bwd_sm90.select_config(torch.bfloat16, 64)

@@ -1,7 +1,9 @@
 """The sm90 backward's index arithmetic, emulated lane by lane in float64 on the CPU and compared
 with autograd: the step list (Steps), the mask and tile_needs_mask, the lse2 / delta reads of
 probs / dsoftmax, the dQ tile of each consumer and its red.global.add addresses (or, with
-FC_DQ_BULK, its padded staging-tile stores and row-wise bulk reductions), the epilogue's
+FC_DQ_BULK, its padded staging-tile stores and row-wise bulk reductions; with FC_DQ_WARP, its
+stores into the step's staging tile and the writer warp's row-wise, or with FC_DQ_WARP_FLAT
+single, bulk reductions), the epilogue's
 dK / dV addresses, bwd_sm80's PRE (Sq_pad rows, +inf for padding) and CONVERT around it. The
 GEMMs are done as matrices (their operand layouts are tests/cpu/test_bwd_sm90_layouts.py's, the
 fragment reuse is the forward's). Every formula below mirrors a line of flash_bwd_sm90.cu.
@@ -133,6 +135,11 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
                         dv_acc[wg_key0:wg_key0 + 64] += p_t @ dot
                         dk_acc[wg_key0:wg_key0 + 64] += d_t @ qt
                         ds_t[wg_key0:wg_key0 + 64] = d_t
+                    # FC_DQ_WARP: the step's whole dQ tile, rows padded by 8 floats (flat: not);
+                    # shared memory holds the previous step's tile (or garbage): NaN here, so a
+                    # float no consumer stores this step shows up in dq
+                    wstride = D if dq == "warpflat" else D + 8
+                    wtile = np.full(bm * wstride, np.nan)
                     for c in range(bn // 64):
                         tm, td = c % (bm // 64), c // (bm // 64)
                         stage = stages[c]
@@ -145,6 +152,14 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
                                      for j in range(8)] for ln in range(32)]
                             for lane in range(32):
                                 g, t = lane >> 2, lane & 3
+                                if dq in ("warp", "warpflat"):  # stage_dq at (64 tm, 64 td)
+                                    for j in range(8):
+                                        for h in range(2):
+                                            f = (64 * tm + 16 * warp + g + 8 * h) * wstride \
+                                                + 64 * td + 8 * j + 2 * t
+                                            assert f % 2 == 0, "st.shared.v2 needs 8-byte alignment"
+                                            wtile[f:f + 2] = frag[lane][j][2 * h:2 * h + 2]
+                                    continue
                                 if dq == "bulk":  # stage_dq: one float2 per (j, h)
                                     for j in range(8):
                                         for h in range(2):
@@ -180,6 +195,17 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
                                     assert src % 4 == 0 and dst % 4 == 0, "16-byte alignment"
                                     assert m0 + 64 * tm + r < sq_pad, "a row past dq_accum's"
                                     dq_accum[dst:dst + 64] += stage[src:src + 64]
+                    if dq in ("warp", "warpflat"):  # write_dq, after dq_full
+                        row0 = bh * sq_pad + m0
+                        assert m0 + bm <= sq_pad, "the step's rows past dq_accum's"
+                        if dq == "warpflat":  # one bulk reduction of the whole tile
+                            assert (row0 * D) % 4 == 0, "16-byte alignment"
+                            dq_accum[row0 * D:(row0 + bm) * D] += wtile
+                        else:  # one per row
+                            for r in range(bm):
+                                src, dst = r * wstride, (row0 + r) * D
+                                assert src % 4 == 0 and dst % 4 == 0, "16-byte alignment"
+                                dq_accum[dst:dst + D] += wtile[src:src + D]
                 # epilogue
                 for c in range(bn // 64):
                     for warp in range(4):
@@ -210,7 +236,8 @@ CASES = [  # B, Sq, Sk, H, Hkv, D, window
 ]
 
 
-@pytest.mark.parametrize("dq", ["v2", "v4", "bulk"], ids=["red-v2", "red-v4", "bulk"])
+@pytest.mark.parametrize("dq", ["v2", "v4", "bulk", "warp", "warpflat"],
+                         ids=["red-v2", "red-v4", "bulk", "warp", "warpflat"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-{c[6]}")
 def test_emulated_kernel_matches_autograd(case, dq):
     B, sq, sk, H, hkv, D, window = case

@@ -40,11 +40,13 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True,
-                params=["mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late", "mn-warp", "mn--s3"],
-                ids=["dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp", "stages3"])
+                params=["mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late", "mn-warp", "mn-warpflat",
+                        "mn--s3"],
+                ids=["dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp", "dq-warpflat",
+                     "stages3"])
 def _enable_sm90_bwd(monkeypatch, request):
-    """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp;
-    red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1) in the default dS layout, with
+    """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
+    warpflat; red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1) in the default dS layout, with
     the other dS layout under the default dQ reduction, and with a three-deep Q / dO ring
     (FLASHCUDA_SM90_BWD_STAGES=3, whose default dQ mode is bwd_sm90.STAGES3_DQ)."""
     ds, dq, *flags = (request.param + "-").split("-")[:4]

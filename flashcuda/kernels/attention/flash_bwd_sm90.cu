@@ -153,7 +153,15 @@ constexpr int kSmemDqStage = kSmemStats + kStages * 2 * kStatBytes;
 // FC_DQ_WARP: the step's whole kBlockM x kHeadDim dQ tile, rows padded by 8 floats (kHeadDim + 8
 // = 8 mod 32 floats: the consumers' float2 stores are bank-conflict free per half-warp, as for the
 // bulk variant's tiles; rows stay 16-byte aligned for the bulk reductions).
-constexpr int kDqWarpStride = kHeadDim + 8;
+#ifndef FC_DQ_WARP_FLAT
+#define FC_DQ_WARP_FLAT 0  // FC_DQ_WARP with unpadded rows and one bulk reduction per step (A/B)
+#endif
+// FC_DQ_WARP_FLAT (A/B, not yet measured): rows not padded, so the staging tile is laid out as the
+// step's rows are in dq_accum (kHeadDim floats each, consecutive: one contiguous kBlockM x
+// kHeadDim block) and the writer issues ONE bulk reduction per step instead of kBlockM row
+// reductions (128 of 256 B at d64, where the padded split loses to red.v2). The price: the
+// consumers' float2 stores hit 4-way bank conflicts (see Consumer::stage_dq).
+constexpr int kDqWarpStride = FC_DQ_WARP_FLAT ? kHeadDim : kHeadDim + 8;
 constexpr int kDqWarpBytes = kBlockM * kDqWarpStride * 4;
 constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
                                                     : FC_DQ_WARP ? kDqWarpBytes : 0);
@@ -257,6 +265,7 @@ constexpr bool kWatchdog = FC_WATCHDOG;
 #define FC_RELEASE_FENCE 1  // FLASHCUDA_SM90_BWD_FENCE=0 drops it (A/B), see release()
 #endif
 static_assert(FC_DQ_V4 + FC_DQ_BULK + FC_DQ_WARP <= 1, "one dQ reduction mode");
+static_assert(!FC_DQ_WARP_FLAT || FC_DQ_WARP, "FC_DQ_WARP_FLAT is a form of FC_DQ_WARP");
 #ifndef FC_DQ_LATE
 #define FC_DQ_LATE 0  // step i's dQ reductions after step i + 1's S^T / dP^T issue (A/B, see below)
 #endif
@@ -350,9 +359,14 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
     const int h = steps.head(it, head_kv), m0 = steps.m0(it);
     wait(sm.dq_full(), it & 1, stuck);
     const int64_t row0 = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
-    for (int r = lane; r < kBlockM; r += 32)
-      bulk_reduce_add_f32(dq_accum + (row0 + r) * kHeadDim,
-                          sm.dq_stage(0) + r * kDqWarpStride * 4, kHeadDim * 4);
+    if constexpr (FC_DQ_WARP_FLAT) {
+      if (lane == 0)
+        bulk_reduce_add_f32(dq_accum + row0 * kHeadDim, sm.dq_stage(0), kBlockM * kHeadDim * 4);
+    } else {
+      for (int r = lane; r < kBlockM; r += 32)
+        bulk_reduce_add_f32(dq_accum + (row0 + r) * kHeadDim,
+                            sm.dq_stage(0) + r * kDqWarpStride * 4, kHeadDim * 4);
+    }
     bulk_commit_group();
     bulk_wait_group_read<0>();
     __syncwarp();
@@ -584,7 +598,8 @@ struct Consumer {
   template <int kStride>
   __device__ __forceinline__ void stage_dq(uint32_t stage, int row0, int col0, int warp, int g,
                                            int t) const {
-    static_assert(kStride % 32 == 8, "conflict-free staging rows");
+    static_assert(kStride % 32 == 8 || (FC_DQ_WARP_FLAT && kStride == kHeadDim),
+                  "conflict-free staging rows (or FC_DQ_WARP_FLAT's flat ones)");
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
