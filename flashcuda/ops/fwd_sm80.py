@@ -44,6 +44,7 @@ KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_GRID_YZ = 65535
 MAX_SEQLEN_SUM = 2**30
 ROWSUM_ENV = "FLASHCUDA_SM80_FWD_ROWSUM"  # mma (default) / exact: see Sm80FwdConfig.exact_rowsum
+MASKED_V_ENV = "FLASHCUDA_SM80_FWD_MASKED_V"  # 0 (default) / 1: see Sm80FwdConfig.masked_v
 
 # (max dynamic smem per block with opt-in, smem per SM) by compute capability, for when torch's
 # device properties lack them; also the device classes `variants()` plans for.
@@ -71,6 +72,9 @@ class Sm80FwdConfig:
     # the row sums of P carried across key tiles with round-to-nearest adds (lse exact on long
     # rows; FLASHCUDA_SM80_FWD_ROWSUM=exact, A/B, see the .cu)
     exact_rowsum: bool = False
+    # non-finite V in a partly seen key tile reaches only the rows that see its key
+    # (FLASHCUDA_SM80_FWD_MASKED_V=1, A/B, see the .cu); + a bit table in shared memory
+    masked_v: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -91,14 +95,16 @@ class Sm80FwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Q tile + one K tile + one V tile, 2-byte elements (the .cu static_asserts the same)."""
-        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+        """Q tile + one K tile + one V tile, 2-byte elements (+ with masked_v the bit table: 3 kinds
+        x head_dim columns x block_n / 32 words); the .cu static_asserts the same."""
+        table = 3 * self.head_dim * (self.block_n // 32) * 4 if self.masked_v else 0
+        return (self.block_m + 2 * self.block_n) * self.head_dim * 2 + table
 
     @property
     def name(self) -> str:
         return (f"flash_fwd_sm80_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_w{self.warps}"
-                + ("_xrs" if self.exact_rowsum else ""))
+                + ("_xrs" if self.exact_rowsum else "") + ("_mv" if self.masked_v else ""))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -110,6 +116,7 @@ class Sm80FwdConfig:
             "FC_SMEM_BYTES": self.smem_bytes,
             # only when set: the default kernels keep the specs (and cache keys) they had
             **({"FC_EXACT_ROWSUM": 1} if self.exact_rowsum else {}),
+            **({"FC_MASKED_V": 1} if self.masked_v else {}),
         })
 
     def grid(self, call: FwdCall) -> tuple[int, int, int]:
@@ -167,10 +174,19 @@ def exact_rowsum() -> bool:
     return raw == "exact"
 
 
+def masked_v() -> bool:
+    """FLASHCUDA_SM80_FWD_MASKED_V=1: the variant in which non-finite V in a partly seen key tile
+    reaches only the rows that see its key (0 / unset: the default kernel)."""
+    raw = os.environ.get(MASKED_V_ENV, "").strip() or "0"
+    if raw not in ("0", "1"):
+        raise ValueError(f"{MASKED_V_ENV}: expected 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def config_for(call: FwdCall) -> Sm80FwdConfig:
     _, per_block, per_sm = _device_info(_device_index(call.device))
     cfg = select_config(call.dtype, call.head_dim, per_block, per_sm)
-    return dataclasses.replace(cfg, exact_rowsum=True) if exact_rowsum() else cfg
+    return dataclasses.replace(cfg, exact_rowsum=exact_rowsum(), masked_v=masked_v())
 
 
 def can_implement(call: FwdCall) -> str | None:
@@ -226,15 +242,17 @@ def run(call: FwdCall) -> None:
 
 def configs() -> list[Sm80FwdConfig]:
     """Every config `select_config` can return on the device classes of _SMEM_BY_CC, each also
-    with the exact row sums (FLASHCUDA_SM80_FWD_ROWSUM=exact)."""
+    with the exact row sums (FLASHCUDA_SM80_FWD_ROWSUM=exact) and, separately, with the masked-V
+    treatment (FLASHCUDA_SM80_FWD_MASKED_V=1)."""
     seen: dict[str, Sm80FwdConfig] = {}
     for dtype in DTYPES:
         for d in KERNEL_HEAD_DIMS:
             for per_block, per_sm in _SMEM_BY_CC.values():
                 cfg = select_config(dtype, d, per_block, per_sm)
                 seen.setdefault(cfg.name, cfg)
-                exact = dataclasses.replace(cfg, exact_rowsum=True)
-                seen.setdefault(exact.name, exact)
+                for exact, mv in ((True, False), (False, True)):
+                    variant = dataclasses.replace(cfg, exact_rowsum=exact, masked_v=mv)
+                    seen.setdefault(variant.name, variant)
     return list(seen.values())
 
 

@@ -25,6 +25,7 @@ from flashcuda.ops.fwd_sm80 import Sm80FwdConfig, kernel_head_dim, select_config
 
 ARCHS = ("sm_80", "sm_90a")
 SPILL_BUDGET = 32  # bytes of spill stores, and of stack frame
+MASKED_V_SPILL_BUDGET = 80  # FLASHCUDA_SM80_FWD_MASKED_V=1 variants (A/B, not the default)
 # (head_dim, block_m, block_n, warps) shapes that live at the 255-register cap (FA2's choices).
 TIGHT = {(96, 128, 64, 4), (128, 128, 64, 4)}
 
@@ -60,6 +61,8 @@ def test_compiles_within_register_budget(reports, cfg, arch):
     # The exact-row-sum A/B (FLASHCUDA_SM80_FWD_ROWSUM=exact) costs one register at the cap:
     # d64 spills 16 bytes on sm_90a with it; its A/B decides whether that is acceptable.
     budget = SPILL_BUDGET if tight or (cfg.exact_rowsum and cfg.head_dim == 64) else 0
+    if cfg.masked_v:  # the masked-V A/B: its scan and put-back cost up to 72 bytes at d64 / d128
+        budget = MASKED_V_SPILL_BUDGET
     assert res.spill_stores <= budget and res.stack_bytes <= budget, (
         f"{cfg.name} on {arch}: {res.spill_stores} bytes spill stores, {res.spill_loads} bytes "
         f"spill loads, {res.stack_bytes} bytes stack (budget {budget})")
@@ -88,6 +91,28 @@ def test_rowsum_switch(monkeypatch):
     assert exact in fwd_sm80.configs()  # compiled by the CPU lane
     monkeypatch.setenv(fwd_sm80.ROWSUM_ENV, "fast")
     with pytest.raises(ValueError, match=fwd_sm80.ROWSUM_ENV):
+        fwd_sm80.config_for(call)
+
+
+def test_masked_v_switch(monkeypatch):
+    """FLASHCUDA_SM80_FWD_MASKED_V=1 picks the masked-V variant of the same tiles (name, define,
+    the bit table in shared memory); 0 or unset the default; other values are refused."""
+    q = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16)
+    call = FwdCall(q, q, q, q.clone(), torch.zeros(1, 2, 4), 0.125, None, 0)
+    monkeypatch.setattr(fwd_sm80, "_device_info", lambda index: ((9, 0), *H100))
+    monkeypatch.setattr(fwd_sm80, "_device_index", lambda device: 0)
+    for env in (fwd_sm80.MASKED_V_ENV, fwd_sm80.ROWSUM_ENV):
+        monkeypatch.delenv(env, raising=False)
+    base = fwd_sm80.config_for(call)
+    assert not base.masked_v and "FC_MASKED_V" not in dict(base.spec().defines)
+    monkeypatch.setenv(fwd_sm80.MASKED_V_ENV, "1")
+    mv = fwd_sm80.config_for(call)
+    assert mv.masked_v and mv.name == base.name + "_mv"
+    assert dict(mv.spec().defines)["FC_MASKED_V"] == "1"
+    assert mv.smem_bytes == base.smem_bytes + 3 * 128 * (base.block_n // 32) * 4
+    assert mv in fwd_sm80.configs()
+    monkeypatch.setenv(fwd_sm80.MASKED_V_ENV, "yes")
+    with pytest.raises(ValueError, match=fwd_sm80.MASKED_V_ENV):
         fwd_sm80.config_for(call)
 
 

@@ -86,7 +86,15 @@ using KVLoader = TileLoader<kBlockN, kHeadDim, kThreads>;
 constexpr int kSmemQ = 0;
 constexpr int kSmemK = kSmemQ + QTile::kBytes;
 constexpr int kSmemV = kSmemK + KVTile::kBytes;
-constexpr int kSmemBytes = kSmemV + KVTile::kBytes;
+#ifndef FC_MASKED_V
+#define FC_MASKED_V 0  // non-finite V in a partly seen tile reaches only its rows (A/B, see below)
+#endif
+// FC_MASKED_V: where the non-finite values of a partly seen tile's V are, as bits per key: kind
+// (0 NaN, 1 +Inf, 2 -Inf) x column x kBlockN / 32 words.
+constexpr int kBadWords = kBlockN / 32;
+constexpr int kSmemBad = kSmemV + KVTile::kBytes;
+constexpr int kBadBytes = FC_MASKED_V ? 3 * kHeadDim * kBadWords * 4 : 0;
+constexpr int kSmemBytes = kSmemBad + kBadBytes;
 // The host config (flashcuda/ops/fwd_sm80.py) computes the launch's dynamic smem; it must agree.
 static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm80FwdConfig.smem_bytes");
 
@@ -253,6 +261,60 @@ struct FwdCta {
       }
     }
   }
+
+#if FC_MASKED_V
+  // Slow path, part 2 (see v_tile_take_nonfinite): O element (row i, column c) becomes NaN if a key
+  // row i sees holds NaN in column c, or +Inf and -Inf; else +-Inf if one of its keys holds it.
+  // `row0`: this lane's first row (as apply_mask's); `n0`: the tile's first key; `t`: lane % 4.
+  __device__ __forceinline__ void put_back_nonfinite(const uint32_t* table, const Mask& mask,
+                                                     int row0, int n0, int t) {
+    // Which of the tile's keys each of this lane's rows sees, as bits: seen[mt][h][word].
+    uint32_t seen[kMTiles][2][kBadWords];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = row0 + mt * 16 + h * 8;
+        const int lo = max(mask.key_begin(i) - n0, 0);          // first key of the tile row i sees
+        const int hi = min(mask.key_end(i + 1) - n0, kBlockN);  // one past its last
+#pragma unroll
+        for (int w = 0; w < kBadWords; ++w) {
+          const int a = max(lo - 32 * w, 0), b = min(hi - 32 * w, 32);
+          seen[mt][h][w] = a >= b ? 0u : ((b == 32 ? 0u : (1u << b)) - (1u << a));
+        }
+      }
+    // Column by column (the compiler barrier keeps one column's table words live at a time).
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = 8 * dt + 2 * t + e;
+        uint32_t bits[3][kBadWords];
+#pragma unroll
+        for (int kind = 0; kind < 3; ++kind)
+#pragma unroll
+          for (int w = 0; w < kBadWords; ++w) bits[kind][w] = table[(kind * kHeadDim + c) * kBadWords + w];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint32_t nan = 0, pinf = 0, ninf = 0;
+#pragma unroll
+            for (int w = 0; w < kBadWords; ++w) {
+              nan |= bits[0][w] & seen[mt][h][w];
+              pinf |= bits[1][w] & seen[mt][h][w];
+              ninf |= bits[2][w] & seen[mt][h][w];
+            }
+            // added, not assigned: an Inf an earlier tile put there meets this one's as IEEE says
+            float& acc = o[mt][dt][2 * h + e];
+            if (nan || (pinf && ninf)) acc = __int_as_float(0x7fffffff);
+            else if (pinf) acc += pos_inf();
+            else if (ninf) acc += neg_inf();
+          }
+        asm volatile("" ::: "memory");
+      }
+  }
+#endif
 };
 
 // Where this CTA's key / value tiles come from, and which of their rows are real.
@@ -274,6 +336,62 @@ __device__ __forceinline__ const T* kv_rows(const T* base, int64_t batch_stride,
   asm volatile("" : "+r"(batch), "+r"(head_kv));
   return base + batch * batch_stride + head_kv * head_stride;
 }
+
+#if FC_MASKED_V
+// ---- non-finite V in a partly seen tile (FC_MASKED_V) ----------------------------------------
+// In a tile that some rows of the block see only in part (the causal diagonal, a window edge),
+// P V multiplies a key's V row by p = 0 for the rows that do not see it, and 0 x NaN / Inf is
+// NaN: without care a NaN or Inf in V would reach rows that never see its key. So, in masked
+// tiles only: every thread scans its share of the V tile (16-byte chunks, the copy order); if
+// any value is not finite (one CTA-wide vote), the slow path records each one's (kind, column,
+// key) as a bit, zeroes it for the GEMM, and after the GEMM puts NaN / +Inf / -Inf back into O
+// on exactly the (row, column) pairs whose row sees such a key, with IEEE's rules (NaN wins;
+// +Inf and -Inf together give NaN). The fast path costs one scan and one vote per masked tile.
+// (A seen key whose p underflowed to 0 counts as weighted: IEEE would give 0 x Inf = NaN there.)
+__device__ __forceinline__ uint32_t nonfinite_halves(uint32_t w) {
+  constexpr uint32_t kExp = FC_DTYPE == 1 ? 0x7c00u : 0x7f80u;  // fp16 / bf16 exponent bits
+  return static_cast<uint32_t>((w & kExp) == kExp) | (static_cast<uint32_t>(((w >> 16) & kExp) == kExp) << 1);
+}
+
+__device__ __forceinline__ bool v_tile_has_nonfinite(const uint8_t* v_tile, unsigned tid) {
+  uint32_t bad = 0;
+#pragma unroll 1  // S and O are live here: one chunk at a time
+  for (int e = static_cast<int>(tid); e < KVTile::kChunks; e += kThreads) {
+    int row, chunk;
+    KVTile::coords(e, row, chunk);
+    const uint4 w = *reinterpret_cast<const uint4*>(v_tile + KVTile::offset(row, chunk));
+    bad |= nonfinite_halves(w.x) | nonfinite_halves(w.y) | nonfinite_halves(w.z) |
+           nonfinite_halves(w.w);
+  }
+  return __syncthreads_or(static_cast<int>(bad)) != 0;
+}
+
+// Slow path, part 1: the bit table, and the non-finite values replaced by zeros.
+__device__ __forceinline__ void v_tile_take_nonfinite(uint8_t* v_tile, uint32_t* table,
+                                                      unsigned tid) {
+#pragma unroll 1
+  for (int i = static_cast<int>(tid); i < 3 * kHeadDim * kBadWords; i += kThreads) table[i] = 0u;
+  __syncthreads();
+  constexpr uint16_t kExp = FC_DTYPE == 1 ? 0x7c00u : 0x7f80u;
+  constexpr uint16_t kMant = FC_DTYPE == 1 ? 0x03ffu : 0x007fu;
+#pragma unroll 1
+  for (int e = static_cast<int>(tid); e < KVTile::kChunks; e += kThreads) {
+    int row, chunk;
+    KVTile::coords(e, row, chunk);
+    uint16_t* x = reinterpret_cast<uint16_t*>(v_tile + KVTile::offset(row, chunk));
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint16_t bits = x[k];
+      if ((bits & kExp) != kExp) continue;
+      const int kind = (bits & kMant) ? 0 : (bits & 0x8000u) ? 2 : 1;
+      const int col = chunk * 8 + k;
+      atomicOr(&table[(kind * kHeadDim + col) * kBadWords + row / 32], 1u << (row % 32));
+      x[k] = 0;
+    }
+  }
+  __syncthreads();
+}
+#endif
 
 // Key tile n: the loop body, written once; masking is its compile-time flag.
 // On entry K_n is in flight (or landed); on exit K_{n-1} is in flight if n > n_first.
@@ -305,9 +423,29 @@ __device__ __forceinline__ void attend_key_tile(FwdCta& cta, const KVSource& src
                 src.k_row_stride, n0 - kBlockN, src.key_lo, src.key_hi, src.head_dim, src.k);
     cp_async_commit();
   }
+#if FC_MASKED_V
+  extern __shared__ __align__(128) uint8_t smem_bytes[];
+  bool poisoned = false;
+  if constexpr (kMasked) {
+    poisoned = v_tile_has_nonfinite(smem_bytes + kSmemV, threadIdx.x);
+    if (poisoned)
+      v_tile_take_nonfinite(smem_bytes + kSmemV, reinterpret_cast<uint32_t*>(smem_bytes + kSmemBad),
+                            threadIdx.x);
+  }
+#endif
   float ref[kMTiles][2];
   cta.rescale(scale_log2, ref);
   cta.exp_accumulate(scale_log2, ref);
+#if FC_MASKED_V
+  if constexpr (kMasked) {
+    if (poisoned) {
+      const unsigned tid = threadIdx.x;
+      const int warp = static_cast<int>(tid / 32), lane = static_cast<int>(tid % 32);
+      cta.put_back_nonfinite(reinterpret_cast<const uint32_t*>(smem_bytes + kSmemBad), mask,
+                             m0 + warp * kWarpRows + lane / 4, n0, lane % 4);
+    }
+  }
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
