@@ -206,8 +206,14 @@ struct FwdCta {
           o[mt][dt][2 * h] *= corr;
           o[mt][dt][2 * h + 1] *= corr;
         }
+#if FC_EXACT_ROWSUM
+        // the previous tile's sum (c0 / c2) carried into the running one (c1 / c3), then rescaled
+        l[mt][2 * h + 1] = (l[mt][2 * h + 1] + l[mt][2 * h]) * corr;
+        l[mt][2 * h] = 0.f;
+#else
         l[mt][2 * h] *= corr;
         l[mt][2 * h + 1] *= corr;
+#endif
       }
   }
 
@@ -219,17 +225,10 @@ struct FwdCta {
 #if FC_EXACT_ROWSUM
     // B of the row-sum mma: ones in its even columns, zeros in its odd ones (lane (g, t) holds
     // column g), so c1 / c3 only ever gain exact zeros from the mma. Each tile's sum starts
-    // fresh in c0 / c2 and is carried into c1 / c3 with one round-to-nearest add at the start of
-    // the next tile (and in the epilogue): the mma's truncating accumulation then spans the 8
+    // fresh in c0 / c2 and is carried into c1 / c3 with one round-to-nearest add in the next
+    // tile's rescale (and in the epilogue): the mma's truncating accumulation then spans the
     // k16 steps of one tile, not every step of the row (see l).
     const uint32_t ones = (threadIdx.x >> 2) & 1 ? 0u : kOnes;
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      l[mt][1] += l[mt][0];
-      l[mt][0] = 0.f;
-      l[mt][3] += l[mt][2];
-      l[mt][2] = 0.f;
-    }
 #else
     const uint32_t ones = kOnes;
 #endif
