@@ -9,7 +9,8 @@
 # Extra item kinds: "kernel-times" (scripts/kernel_times.py into $OUT/label/kernel-times.txt).
 # Before the first item, the precompiled kernels carried in .kcache (if any) are copied into the
 # lane's private cache directory. After the last, everything under $OUT is packed into
-# $OUT/all.tgz (the device tool brings back at most 8 files) and each lane's summary is printed.
+# $OUT/all-<pid>.tgz (the device tool brings back at most 8 files; a second invocation in the same
+# call adds its own tarball) and each lane's summary is printed.
 # Environment for the steps (TESTS_TIMEOUT, AB_VARIANTS, ...) passes through.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,4 +36,6 @@ for item in "$@"; do
   fi
 done
 
-cd "$OUT" && tar czf all.tgz --exclude=all.tgz ./* && find . -mindepth 1 ! -name all.tgz -delete
+# One tarball per invocation (all-<pid>.tgz), so two invocations in one device call keep both.
+cd "$OUT" && tar czf "all-$$.tgz" --exclude='all*.tgz' ./* \
+  && find . -mindepth 1 ! -name 'all*.tgz' -delete
