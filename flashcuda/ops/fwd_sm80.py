@@ -21,6 +21,8 @@ softmax + P V, so a deeper pipeline would only cost shared memory (occupancy). T
 FLASHCUDA_SM80_FWD_ROWSUM=exact runs the variant whose row sums of P are carried across key tiles
 with round-to-nearest adds (the default accumulates them on the tensor cores over the whole row,
 which leaves lse ~2.4e-4 low at 65537 keys; A/B, not yet measured; see the .cu).
+FLASHCUDA_SM80_FWD_MASKED_V=1 runs the variant in which a NaN / Inf in V reaches only the rows
+that see its key, also inside partly seen key tiles (A/B, not yet measured; see the .cu).
 """
 
 from __future__ import annotations

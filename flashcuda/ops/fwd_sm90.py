@@ -84,10 +84,10 @@ class Sm90FwdConfig:
         if self.stages < 1:
             raise ValueError(f"Sm90FwdConfig.stages: expected >= 1, got {self.stages}")
         if (self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers
-                > register_pool(128 * (1 + self.consumers))):
+                > register_pool(self.threads)):
             raise ValueError(f"Sm90FwdConfig: register split {self.producer_regs} / "
                              f"{self.consumer_regs} exceeds the CTA's pool of "
-                             f"{register_pool(128 * (1 + self.consumers))} registers at launch")
+                             f"{register_pool(self.threads)} registers at launch")
 
     @property
     def consumers(self) -> int:

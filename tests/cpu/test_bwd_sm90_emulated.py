@@ -2,9 +2,8 @@
 with autograd: the step list (Steps), the mask and tile_needs_mask, the lse2 / delta reads of
 probs / dsoftmax, the dQ tile of each consumer and its red.global.add addresses (or, with
 FC_DQ_BULK, its padded staging-tile stores and row-wise bulk reductions; with FC_DQ_WARP, its
-stores into the step's staging tile and the writer warp's row-wise, or with FC_DQ_WARP_FLAT
-single, bulk reductions), the epilogue's
-dK / dV addresses, bwd_sm80's PRE (Sq_pad rows, +inf for padding) and CONVERT around it. The
+stores into the step's staging tile and the writer warp's bulk reductions, one per row or, with
+FC_DQ_WARP_FLAT, one per step), the epilogue's dK / dV addresses, bwd_sm80's PRE (Sq_pad rows, +inf for padding) and CONVERT around it. The
 GEMMs are done as matrices (their operand layouts are tests/cpu/test_bwd_sm90_layouts.py's, the
 fragment reuse is the forward's). Every formula below mirrors a line of flash_bwd_sm90.cu.
 """

@@ -13,8 +13,8 @@
 //   dQ            non-deterministic only: fp32 red.global.add.v2 into dq_accum [B, H, Sq_pad, D]
 //                 (the default at d64; red.v4, FC_DQ_V4; or row-wise bulk reduce-adds from a
 //                 shared staging tile, FC_DQ_BULK, see "dQ by bulk reduction" below). FC_DQ_LATE
-//                 (with FC_DQ_V4; A/B, measured 1-2% slower): a step's red.v4 are issued at the next
-//                 step, right after its S^T wgmmas (before dP^T's, whose accumulator would not
+//                 (with FC_DQ_V4; A/B, measured 1-2% slower): a step's red.v4 are issued at the
+//                 next step, right after its S^T wgmmas (before dP^T's, whose accumulator would not
 //                 fit beside the payload: 384 bytes of spills), so they overlap the tensor cores
 //                 instead of following the dQ wait; the last step's after the loop. FC_DQ_WARP
 //                 (FA3's split; the default at d128, +11-14% over red.v4 there, slower than
@@ -344,7 +344,7 @@ __device__ __forceinline__ void release(uint32_t bar) {
   if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
 }
 
-// ---- dQ writer (FC_DQ_WARP): warp 1 of the producer warpgroup ---------------------------------------
+// ---- dQ writer (FC_DQ_WARP): warp 1 of the producer warpgroup ----------------------------------
 // Per step: wait until every consumer warp has stored its part of the step's dQ tile (dq_full),
 // reduce the tile's rows into dq_accum with cp.reduce.async.bulk (lane l: rows l, l + 32, ...;
 // one bulk async-group per lane), wait until they have read the staging tile, hand it back

@@ -292,7 +292,8 @@ struct FwdCta {
 #pragma unroll
         for (int kind = 0; kind < 3; ++kind)
 #pragma unroll
-          for (int w = 0; w < kBadWords; ++w) bits[kind][w] = table[(kind * kHeadDim + c) * kBadWords + w];
+          for (int w = 0; w < kBadWords; ++w)
+            bits[kind][w] = table[(kind * kHeadDim + c) * kBadWords + w];
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -347,9 +348,12 @@ __device__ __forceinline__ const T* kv_rows(const T* base, int64_t batch_stride,
 // on exactly the (row, column) pairs whose row sees such a key, with IEEE's rules (NaN wins;
 // +Inf and -Inf together give NaN). The fast path costs one scan and one vote per masked tile.
 // (A seen key whose p underflowed to 0 counts as weighted: IEEE would give 0 x Inf = NaN there.)
-__device__ __forceinline__ uint32_t nonfinite_halves(uint32_t w) {
-  constexpr uint32_t kExp = FC_DTYPE == 1 ? 0x7c00u : 0x7f80u;  // fp16 / bf16 exponent bits
-  return static_cast<uint32_t>((w & kExp) == kExp) | (static_cast<uint32_t>(((w >> 16) & kExp) == kExp) << 1);
+constexpr uint32_t kHalfExp = FC_DTYPE == 1 ? 0x7c00u : 0x7f80u;   // fp16 / bf16 exponent bits
+constexpr uint32_t kHalfMant = FC_DTYPE == 1 ? 0x03ffu : 0x007fu;  // and mantissa bits
+
+// Whether either 16-bit value of `w` is NaN or +-Inf (exponent bits all ones).
+__device__ __forceinline__ bool has_nonfinite(uint32_t w) {
+  return (w & kHalfExp) == kHalfExp || ((w >> 16) & kHalfExp) == kHalfExp;
 }
 
 __device__ __forceinline__ bool v_tile_has_nonfinite(const uint8_t* v_tile, unsigned tid) {
@@ -359,8 +363,7 @@ __device__ __forceinline__ bool v_tile_has_nonfinite(const uint8_t* v_tile, unsi
     int row, chunk;
     KVTile::coords(e, row, chunk);
     const uint4 w = *reinterpret_cast<const uint4*>(v_tile + KVTile::offset(row, chunk));
-    bad |= nonfinite_halves(w.x) | nonfinite_halves(w.y) | nonfinite_halves(w.z) |
-           nonfinite_halves(w.w);
+    bad |= has_nonfinite(w.x) | has_nonfinite(w.y) | has_nonfinite(w.z) | has_nonfinite(w.w);
   }
   return __syncthreads_or(static_cast<int>(bad)) != 0;
 }
@@ -371,8 +374,6 @@ __device__ __forceinline__ void v_tile_take_nonfinite(uint8_t* v_tile, uint32_t*
 #pragma unroll 1
   for (int i = static_cast<int>(tid); i < 3 * kHeadDim * kBadWords; i += kThreads) table[i] = 0u;
   __syncthreads();
-  constexpr uint16_t kExp = FC_DTYPE == 1 ? 0x7c00u : 0x7f80u;
-  constexpr uint16_t kMant = FC_DTYPE == 1 ? 0x03ffu : 0x007fu;
 #pragma unroll 1
   for (int e = static_cast<int>(tid); e < KVTile::kChunks; e += kThreads) {
     int row, chunk;
@@ -381,8 +382,8 @@ __device__ __forceinline__ void v_tile_take_nonfinite(uint8_t* v_tile, uint32_t*
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const uint16_t bits = x[k];
-      if ((bits & kExp) != kExp) continue;
-      const int kind = (bits & kMant) ? 0 : (bits & 0x8000u) ? 2 : 1;
+      if ((bits & kHalfExp) != kHalfExp) continue;
+      const int kind = (bits & kHalfMant) ? 0 : (bits & 0x8000u) ? 2 : 1;
       const int col = chunk * 8 + k;
       atomicOr(&table[(kind * kHeadDim + col) * kBadWords + row / 32], 1u << (row % 32));
       x[k] = 0;
@@ -428,8 +429,8 @@ __device__ __forceinline__ void attend_key_tile(FwdCta& cta, const KVSource& src
   if constexpr (kMasked) {
     poisoned = v_tile_has_nonfinite(smem_bytes + kSmemV, threadIdx.x);
     if (poisoned)
-      v_tile_take_nonfinite(smem_bytes + kSmemV, reinterpret_cast<uint32_t*>(smem_bytes + kSmemBad),
-                            threadIdx.x);
+      v_tile_take_nonfinite(smem_bytes + kSmemV,
+                            reinterpret_cast<uint32_t*>(smem_bytes + kSmemBad), threadIdx.x);
   }
 #endif
   float ref[kMTiles][2];
