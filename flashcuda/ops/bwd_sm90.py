@@ -18,25 +18,25 @@ shared memory (the .cu static_asserts the same layout), the name, the defines.
     64         128 x 128, 2                                 163 KB    2 x 240 (FA3's d64 tiles)
     128        64 x 128, 2                                  162 KB    2 x 240 (FA3's d128 tiles)
 (+ 36 KB, 199 / 198 KB, for the dQ staging tiles of FLASHCUDA_SM90_BWD_DQ=bulk; + 36 / 34 KB,
-199 / 196 KB, for the staging tile of warp, the d128 default, whose consumers get 232.)
+199 / 196 KB, for the staging tile of warp and warpflat, the defaults, whose consumers get 232.)
 FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up A/B, see the .cu);
 FLASHCUDA_SM90_BWD_WATCHDOG=1 runs the variant whose mbarrier waits trap (a launch failure) instead
 of hanging (bring-up). The dQ reduction into dq_accum (FLASHCUDA_SM90_BWD_DQ): red.v2 (8-byte
-atomics, the default at d64), red.v4 (16-byte, after a lane-pair shuffle), row-wise
-cp.reduce.async.bulk from a shared staging tile by the consumers (bulk; measured slower, kept for
-A/B), or FA3's split (warp, the default at d128: +11-14% over red.v4 there, 21-28% slower than
-red.v2 at d64): the consumers store the step's dQ tile to shared memory (+ 34 / 36 KB) and a warp
-of the producer warpgroup reduces it with bulk reduce-adds. FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a
-step's red.v4 at the next step, after its S^T wgmmas (implies red.v4; measured 1-2% slower).
-FLASHCUDA_SM90_BWD_DQ=warpflat is the split with unpadded staging rows: one bulk reduction per
-step instead of one per row, at the price of 4-way bank conflicts in the consumers' stores (A/B,
-not yet measured). FLASHCUDA_SM90_BWD_STAGES=3 deepens the Q / dO ring (no gain measured; not
-with warp / bulk).
+atomics), red.v4 (16-byte, after a lane-pair shuffle), row-wise cp.reduce.async.bulk from a
+shared staging tile by the consumers (bulk; measured slower, kept for A/B), or FA3's split: the
+consumers store the step's dQ tile to shared memory (+ 34 / 36 KB) and a warp of the producer
+warpgroup reduces it with bulk reduce-adds, one per staging row (warp, the default at d128:
++11-14% over red.v4 there, 21-28% slower than red.v2 at d64) or, with unpadded staging rows, one
+per step at the price of 4-way bank conflicts in the consumers' stores (warpflat, the default at
+d64 since session 7: +7-11% over red.v2 there, 2-3% behind warp at d128).
+FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step, after its S^T wgmmas
+(implies red.v4; measured 1-2% slower). FLASHCUDA_SM90_BWD_STAGES=3 deepens the Q / dO ring (no
+gain measured; not with warp / warpflat / bulk).
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512, the whole
 pool the CTA gets at launch (168 registers per thread at 384 threads: setmaxnreg.inc only takes
 what a setmaxnreg.dec gave back, so a split over the pool hangs the consumers at their inc).
-FLASHCUDA_SM90_BWD_DQ=warp, whose dQ writer lives in the producer warpgroup, needs 32 there
-(24 spill at d64): 128 * 32 + 256 * 232 = 63488.
+FLASHCUDA_SM90_BWD_DQ=warp / warpflat, whose dQ writer lives in the producer warpgroup, need 32
+there (24 spill at d64): 128 * 32 + 256 * 232 = 63488.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"
 # red.v4 wins 2-14% over red.v2 at d128 and loses 3-4% at d64 from 4k; the bulk reductions by
 # the consumers win at neither; FA3's split (warp) wins 11-14% over red.v4 at d128 and loses
 # 21-28% to red.v2 at d64 (session 6, same-run A/B).
-DQ_DEFAULT = {64: "v2", 128: "warp"}
+DQ_DEFAULT = {64: "warpflat", 128: "warp"}
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
 # 1: a step's red.v4 issued at the next step, after its S^T wgmmas (implies v4; A/B, see the .cu)
 DQ_LATE_ENV = "FLASHCUDA_SM90_BWD_DQ_LATE"

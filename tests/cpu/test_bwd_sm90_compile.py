@@ -169,12 +169,13 @@ def test_dq_switch(monkeypatch):
         monkeypatch.delenv(env, raising=False)
     d128 = bwd_sm90.select_config(torch.bfloat16, 128)  # the measured defaults
     assert d128.dq_warp and not d128.dq_v4 and d128.name.endswith("_dqw")
-    cfg = bwd_sm90.select_config(torch.bfloat16, 64)
-    assert not cfg.dq_v4 and not cfg.dq_bulk and not cfg.dq_warp
+    d64 = bwd_sm90.select_config(torch.bfloat16, 64)
+    assert d64.dq_warp and d64.dq_warp_flat and d64.name.endswith("_dqwf")
     monkeypatch.setenv(DQ_ENV, "v2")
     v2 = bwd_sm90.select_config(torch.bfloat16, 128)
     assert not v2.dq_v4 and not v2.dq_warp
-    assert bwd_sm90.select_config(torch.bfloat16, 64) == cfg
+    cfg = bwd_sm90.select_config(torch.bfloat16, 64)
+    assert not cfg.dq_v4 and not cfg.dq_bulk and not cfg.dq_warp and cfg in bwd_sm90.configs()
     monkeypatch.setenv(DQ_ENV, "v4")
     assert bwd_sm90.select_config(torch.bfloat16, 64).dq_v4
     monkeypatch.setenv(DQ_ENV, "bulk")

@@ -18,8 +18,8 @@ error maps per GEMM, one case per process, if a smoke test fails):
 `test_smoke_*` isolate the GEMMs of one CTA, one head, one query block: dV = P^T dO alone (Q = 0:
 uniform P), dP^T / dS^T through dK alone, dQ = dS K alone; then the whole tile.
 Every test runs with both dS layouts (FLASHCUDA_SM90_BWD_DS=mn, the default, and =k) and with
-each dQ reduction (FLASHCUDA_SM90_BWD_DQ=v2, v4 and bulk; the default is v4 at d128, v2 at d64). After a
-kernel change add FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that gives up after 2 s poisons
+each dQ reduction (FLASHCUDA_SM90_BWD_DQ=v2, v4, bulk, warp, warpflat; the defaults are warp at
+d128, warpflat at d64). After a kernel change add FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that gives up after 2 s poisons
 dK / dV with NaN (a failing test) instead of hanging the GPU (scripts/sm90_bwd_bringup.sh).
 """
 

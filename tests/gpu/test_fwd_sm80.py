@@ -261,30 +261,31 @@ def test_bitwise_deterministic(window):
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
 
-# ---- exact row sums (FLASHCUDA_SM80_FWD_ROWSUM=exact, A/B) -----------------------------------------
+# ---- row sums: exact (default) and the tensor cores' (FLASHCUDA_SM80_FWD_ROWSUM=mma, A/B) ---------
 
+@pytest.mark.parametrize("mode", ["exact", "mma"])
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (FP16, 128), (BF16, 96), (FP16, 256)],
                          ids=["bf16-d64", "fp16-d128", "bf16-d96", "fp16-d256"])
-def test_exact_rowsum_matches_the_oracle(dtype, head_dim, window, monkeypatch):
-    monkeypatch.setenv(fwd_sm80.ROWSUM_ENV, "exact")
+def test_rowsum_modes_match_the_oracle(dtype, head_dim, window, mode, monkeypatch):
+    monkeypatch.setenv(fwd_sm80.ROWSUM_ENV, mode)
     q, k, v = make(2, 333, 517, 4, 2, head_dim, dtype, seed=17)
     check(q, k, v, window)
 
 
-def test_exact_rowsum_keeps_lse_exact_over_65537_keys(monkeypatch):
-    """The default row sum (one tensor-core accumulator over every k16 step of the row) comes out
-    low by ~2.4e-4 at 65537 keys (docs/GUARANTEES.md §4). With FLASHCUDA_SM80_FWD_ROWSUM=exact
-    the truncating accumulation spans one tile (8 steps) and tiles are carried with
-    round-to-nearest adds: the prediction is an lse error below 2e-5 (tiles: 8 x 2^-24 each;
-    513 carries: ~sqrt(513) x 2^-24; the fp16 P that the mma sums: ~2^-11 / sqrt(65537)); out
-    within the usual rule."""
-    monkeypatch.setenv(fwd_sm80.ROWSUM_ENV, "exact")
+def test_default_rowsum_keeps_lse_exact_over_65537_keys(monkeypatch):
+    """The tensor cores' row sum (one accumulator over every k16 step of the row,
+    FLASHCUDA_SM80_FWD_ROWSUM=mma) came out low by ~2.4e-4 at 65537 keys (docs/GUARANTEES.md §4).
+    The default, exact row sums: the truncating accumulation spans one tile (8 steps) and tiles
+    are carried with round-to-nearest adds: the prediction is an lse error below 2e-5 (tiles:
+    8 x 2^-24 each; 513 carries: ~sqrt(513) x 2^-24; the fp16 P that the mma sums: ~2^-11 /
+    sqrt(65537)); out within the usual rule."""
+    monkeypatch.delenv(fwd_sm80.ROWSUM_ENV, raising=False)
     q, k, v = make(1, 1, 65537, 1, 1, 128, FP16, seed=18)
     _, lse = check(q, k, v)
     _, ref_lse = attention(q, k, v, 128 ** -0.5, FULL, torch.float64)
     err = (lse.double() - ref_lse).abs().max().item()
-    assert err < 2e-5, f"lse error {err:.3e} over 65537 keys with exact row sums"
+    assert err < 2e-5, f"lse error {err:.3e} over 65537 keys with the default (exact) row sums"
 
 
 # ---- non-finite V in partly seen tiles (FLASHCUDA_SM80_FWD_MASKED_V=1, A/B) -----------------------

@@ -39,21 +39,13 @@ pytestmark = pytest.mark.gpu
 
 FAMILIES = ("sm80", "sm90", "simt", "auto")
 PARAMS = [pytest.param(f, c, id=f"{f}-{c.id}") for f in FAMILIES for c in boundary.cases(f)]
-# fwd_sm80 sums each row of P on the tensor cores (P x ones, one fp32 accumulator over every
-# k16 step of the row); their fp32 accumulation truncates, so the row sum loses a share per step
-# and lse comes out low: at 65537 keys (4097 steps) by 2.42e-4 where the bound is 2.32e-4
-# (session 6, a391667; out is unaffected, O's accumulator loses the same share). The fix is
-# opt-in until an A/B prices its spills (FLASHCUDA_SM80_FWD_ROWSUM=exact, docs/perf-notes.md):
-# until it is the default this case is an expected failure that must keep failing (strict).
-_SM80_LONG_ROW = pytest.mark.xfail(
-    strict=True, reason="fwd_sm80's tensor-core row sum truncates: lse low by ~2.4e-4 over "
-    "65537 keys (docs/GUARANTEES.md §4)")
+# (fwd_sm80's lse over 65537 keys failed here while its row sums ran on the tensor cores across
+# the whole row, 2.42e-4 low against a bound of 2.32e-4; the exact row sums, the default since
+# session 7, carry them with round-to-nearest adds: docs/GUARANTEES.md §4.)
 
 
 def _big_param(family, case):
-    long_row = family == "sm80" and case.sq == 1 and case.sk == 65537
-    return pytest.param(family, case, id=f"{family}-{case.id}",
-                        marks=[_SM80_LONG_ROW] if long_row else [])
+    return pytest.param(family, case, id=f"{family}-{case.id}")
 
 
 BIG_PARAMS = [_big_param(f, c) for f in FAMILIES for c in boundary.cases(f, big=True)]

@@ -69,10 +69,12 @@ constexpr int kNTiles = kBlockN / 8;         // n8 tiles of S
 constexpr int kDTiles = kHeadDim / 8;        // n8 tiles of O
 constexpr int kDSteps = kHeadDim / 16;       // k16 steps of Q K^T
 constexpr int kNSteps = kBlockN / 16;        // k16 steps of P V
-// Two 16-bit 1.0s: the B fragment of the row-sum mma.
+// 1: each key tile's row sum carried with round-to-nearest adds (default); 0: the mma sums the
+// whole row (FLASHCUDA_SM80_FWD_ROWSUM=mma, A/B; lse low on long rows, see FwdCta::l).
 #ifndef FC_EXACT_ROWSUM
-#define FC_EXACT_ROWSUM 0
+#define FC_EXACT_ROWSUM 1
 #endif
+// Two 16-bit 1.0s: the B fragment of the row-sum mma.
 constexpr uint32_t kOnes = FC_DTYPE == 1 ? 0x3c003c00u : 0x3f803f80u;
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm80 kernel: fp16 or bf16");
@@ -105,8 +107,9 @@ struct FwdCta {
   // Row sums of P (C fragment of P x ones: c0 = c1, c2 = c3). The tensor cores' fp32
   // accumulation drops low bits at every k16 step (toward zero), so over a long row the sum
   // comes out low: 2.42e-4 relative at 65537 keys (session 6). out = O / l does not see it (O's
-  // accumulator loses the same share), lse = m + log l does. FC_EXACT_ROWSUM (A/B, not yet
-  // measured) keeps the running sum in c1 / c3 with round-to-nearest adds per tile instead.
+  // accumulator loses the same share), lse = m + log l does. So FC_EXACT_ROWSUM (the default
+  // since session 7; 0-2% slower than the whole-row mma sum in the same-run A/B) keeps the
+  // running sum in c1 / c3 with round-to-nearest adds per tile instead.
   float l[kMTiles][4];
   OnlineSoftmax row[kMTiles][2]; // running max per owned row: [m tile][0: row g, 1: row g + 8]
   uint32_t q_lane, k_lane, v_lane;  // this lane's ldmatrix addresses (SwizzledTile::lane_address)
