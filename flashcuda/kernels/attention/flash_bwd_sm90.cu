@@ -154,9 +154,10 @@ constexpr int kSmemDqStage = kSmemStats + kStages * 2 * kStatBytes;
 // = 8 mod 32 floats: the consumers' float2 stores are bank-conflict free per half-warp, as for the
 // bulk variant's tiles; rows stay 16-byte aligned for the bulk reductions).
 #ifndef FC_DQ_WARP_FLAT
-#define FC_DQ_WARP_FLAT 0  // FC_DQ_WARP with unpadded rows and one bulk reduction per step (A/B)
+#define FC_DQ_WARP_FLAT 0  // FC_DQ_WARP with unpadded rows, one bulk reduction per step (d64)
 #endif
-// FC_DQ_WARP_FLAT (A/B, not yet measured): rows not padded, so the staging tile is laid out as the
+// FC_DQ_WARP_FLAT (the d64 default since session 7: +3-10% over red.v2 there, 2-3% behind the
+// padded split at d128): rows not padded, so the staging tile is laid out as the
 // step's rows are in dq_accum (kHeadDim floats each, consecutive: one contiguous kBlockM x
 // kHeadDim block) and the writer issues ONE bulk reduction per step instead of kBlockM row
 // reductions (128 of 256 B at d64, where the padded split loses to red.v2). The price: the
