@@ -25,7 +25,9 @@ from flashcuda.ops.fwd_sm80 import Sm80FwdConfig, kernel_head_dim, select_config
 
 ARCHS = ("sm_80", "sm_90a")
 SPILL_BUDGET = 32  # bytes of spill stores, and of stack frame
-MASKED_V_SPILL_BUDGET = 80  # FLASHCUDA_SM80_FWD_MASKED_V=1 variants (A/B, not the default)
+# FLASHCUDA_SM80_FWD_MASKED_V=1 variants (opt-in): up to 88 bytes (sm_90a d192) since the vote
+# moved into the loop's barrier; the budget catches blow-ups (the first version spilled 1.1-1.7 KB)
+MASKED_V_SPILL_BUDGET = 96
 # (head_dim, block_m, block_n, warps) shapes that live at the 255-register cap (FA2's choices).
 TIGHT = {(96, 128, 64, 4), (128, 128, 64, 4)}
 
@@ -61,7 +63,7 @@ def test_compiles_within_register_budget(reports, cfg, arch):
     # The exact row sums (the default since session 7) cost one register at the cap: d64
     # spills 16 bytes on sm_90a with them; the same-run A/B put the whole cost at 0-2%.
     budget = SPILL_BUDGET if tight or (cfg.exact_rowsum and cfg.head_dim == 64) else 0
-    if cfg.masked_v:  # the masked-V A/B: its scan and put-back cost up to 72 bytes at d64 / d128
+    if cfg.masked_v:  # the masked-V opt-in: its scan and put-back cost up to 88 bytes
         budget = MASKED_V_SPILL_BUDGET
     assert res.spill_stores <= budget and res.stack_bytes <= budget, (
         f"{cfg.name} on {arch}: {res.spill_stores} bytes spill stores, {res.spill_loads} bytes "

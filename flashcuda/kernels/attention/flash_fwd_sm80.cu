@@ -345,11 +345,13 @@ __device__ __forceinline__ const T* kv_rows(const T* base, int64_t batch_stride,
 // In a tile that some rows of the block see only in part (the causal diagonal, a window edge),
 // P V multiplies a key's V row by p = 0 for the rows that do not see it, and 0 x NaN / Inf is
 // NaN: without care a NaN or Inf in V would reach rows that never see its key. So, in masked
-// tiles only: every thread scans its share of the V tile (16-byte chunks, the copy order); if
-// any value is not finite (one CTA-wide vote), the slow path records each one's (kind, column,
-// key) as a bit, zeroes it for the GEMM, and after the GEMM puts NaN / +Inf / -Inf back into O
-// on exactly the (row, column) pairs whose row sees such a key, with IEEE's rules (NaN wins;
-// +Inf and -Inf together give NaN). The fast path costs one scan and one vote per masked tile.
+// tiles only: every thread scans the V chunks it copied itself once its copies landed; if any
+// value is not finite (a CTA-wide vote, in the barrier the loop takes there anyway), the slow
+// path records each one's (kind, column, key) as a bit, zeroes it for the GEMM, and after the
+// GEMM puts NaN / +Inf / -Inf back into O on exactly the (row, column) pairs whose row sees
+// such a key, with IEEE's rules (NaN wins; +Inf and -Inf together give NaN). The fast path
+// costs one scan per masked tile (until session 7 the vote was a barrier of its own after a
+// scan of the whole tile: 7-9% at 1k causal in the A/B).
 // (A seen key whose p underflowed to 0 counts as weighted: IEEE would give 0 x Inf = NaN there.)
 constexpr uint32_t kHalfExp = FC_DTYPE == 1 ? 0x7c00u : 0x7f80u;   // fp16 / bf16 exponent bits
 constexpr uint32_t kHalfMant = FC_DTYPE == 1 ? 0x03ffu : 0x007fu;  // and mantissa bits
@@ -359,16 +361,21 @@ __device__ __forceinline__ bool has_nonfinite(uint32_t w) {
   return (w & kHalfExp) == kHalfExp || ((w >> 16) & kHalfExp) == kHalfExp;
 }
 
-__device__ __forceinline__ bool v_tile_has_nonfinite(const uint8_t* v_tile, unsigned tid) {
+// Whether a value in the V chunks this thread copied (the loader's passes and atoms) is not
+// finite. Called after this thread's cp.async wait, when its own copies are visible to it, so
+// that the CTA's vote rides on the barrier the loop takes there anyway.
+__device__ __forceinline__ bool own_v_chunks_nonfinite(const KVLoader& loader,
+                                                       const uint8_t* v_tile) {
   uint32_t bad = 0;
 #pragma unroll 1  // S and O are live here: one chunk at a time
-  for (int e = static_cast<int>(tid); e < KVTile::kChunks; e += kThreads) {
-    int row, chunk;
-    KVTile::coords(e, row, chunk);
-    const uint4 w = *reinterpret_cast<const uint4*>(v_tile + KVTile::offset(row, chunk));
+  for (int i = 0; i < KVLoader::kPasses * KVLoader::kAtoms; ++i) {
+    const int pass = i / KVLoader::kAtoms, atom = i % KVLoader::kAtoms;
+    const uint4 w = *reinterpret_cast<const uint4*>(
+        v_tile + loader.smem_offset + atom * KVTile::kAtomBytes +
+        pass * KVLoader::kRowsPerPass * KVTile::kAtomCols * 2);
     bad |= has_nonfinite(w.x) | has_nonfinite(w.y) | has_nonfinite(w.z) | has_nonfinite(w.w);
   }
-  return __syncthreads_or(static_cast<int>(bad)) != 0;
+  return bad != 0;
 }
 
 // Slow path, part 1: the bit table, and the non-finite values replaced by zeros.
@@ -396,6 +403,20 @@ __device__ __forceinline__ void v_tile_take_nonfinite(uint8_t* v_tile, uint32_t*
 }
 #endif
 
+// The CTA barrier after V_n landed. With FC_MASKED_V, in masked tiles, it is also the vote on
+// the V tile: true when some thread's own chunks hold a non-finite value (else always false).
+template <bool kMasked>
+__device__ __forceinline__ bool v_landed_barrier(const KVLoader& loader) {
+#if FC_MASKED_V
+  if constexpr (kMasked) {
+    extern __shared__ __align__(128) uint8_t smem_bytes[];
+    return __syncthreads_or(own_v_chunks_nonfinite(loader, smem_bytes + kSmemV)) != 0;
+  }
+#endif
+  __syncthreads();
+  return false;
+}
+
 // Key tile n: the loop body, written once; masking is its compile-time flag.
 // On entry K_n is in flight (or landed); on exit K_{n-1} is in flight if n > n_first.
 template <bool kMasked>
@@ -419,7 +440,9 @@ __device__ __forceinline__ void attend_key_tile(FwdCta& cta, const KVSource& src
     cta.apply_mask(mask, m0 + warp * kWarpRows + lane / 4, n0 + 2 * static_cast<int>(tid % 4));
   }
   cp_async_wait<0>();  // V_n landed
-  __syncthreads();     // ... for every thread; and every warp is done reading K_n
+  // ... for every thread; and every warp is done reading K_n. With FC_MASKED_V the same barrier
+  // votes, in masked tiles, on whether any V value is not finite.
+  const bool poisoned = v_landed_barrier<kMasked>(loader);
   if (n > n_first) {
     loader.load(smem + kSmemK,
                 kv_rows(src.k, src.k_batch_stride, src.k_head_stride, src.batch, src.head_kv),
@@ -428,13 +451,9 @@ __device__ __forceinline__ void attend_key_tile(FwdCta& cta, const KVSource& src
   }
 #if FC_MASKED_V
   extern __shared__ __align__(128) uint8_t smem_bytes[];
-  bool poisoned = false;
-  if constexpr (kMasked) {
-    poisoned = v_tile_has_nonfinite(smem_bytes + kSmemV, threadIdx.x);
-    if (poisoned)
-      v_tile_take_nonfinite(smem_bytes + kSmemV,
-                            reinterpret_cast<uint32_t*>(smem_bytes + kSmemBad), threadIdx.x);
-  }
+  if (kMasked && poisoned)
+    v_tile_take_nonfinite(smem_bytes + kSmemV, reinterpret_cast<uint32_t*>(smem_bytes + kSmemBad),
+                          threadIdx.x);
 #endif
   float ref[kMTiles][2];
   cta.rescale(scale_log2, ref);
