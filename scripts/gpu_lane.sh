@@ -24,6 +24,9 @@
 #              (NCU_SHAPE, NCU_ARGS, NCU_KERNELS), ncu.txt
 #   ncu-source warp-stall samples per SASS instruction of one kernel (NCU_KERNELS, default
 #              flash_bwd_sm90): ncu-source.ncu-rep, ncu-source-sass.csv, ncu-source-top.txt
+#   timeline   the sm90 forward's per-CTA timeline (scripts/sm90_timeline.py) at TIMELINE_SHAPES
+#              (default: the serving shape 1 2048 32 128 and 4 4096 16 128, causal), both
+#              work-tile orders: timeline-*.json / .png, a summary per run
 #   ab         any A/B: AB_VARIANTS="label:VAR=VAL[,VAR=VAL] ..." (e.g. "v2:FLASHCUDA_SM90_BWD_DQ=v2
 #              v4:FLASHCUDA_SM90_BWD_DQ=v4"), two processes per variant interleaved, bench
 #              ${AB_ARGS} (default 1k 4k 16k, both head dims, causal both), one table per direction
@@ -124,6 +127,16 @@ for step in "${steps[@]}"; do
         > "$OUT/ncu.txt" 2>&1; rc=$?
       grep -E "flash_|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Stall|stalled|pipe_tensor|Warp Cycles Per Issued" \
         "$OUT/ncu.txt" | head -n 40 ;;
+    timeline)
+      rc=0
+      IFS=';' read -ra shapes <<< "${TIMELINE_SHAPES:-1 2048 32 128;4 4096 16 128}"
+      for shape in "${shapes[@]}"; do
+        for snake in 0 1; do
+          timeout "${TIMELINE_TIMEOUT:-120}" python3 scripts/sm90_timeline.py --shape $shape --causal \
+            --snake "$snake" --out "$OUT" >> "$OUT/timeline.txt" 2>&1 || rc=$?
+        done
+      done
+      cat "$OUT/timeline.txt" ;;
     ncu-source)
       # Warp-stall samples per SASS instruction of one kernel (default the sm90 backward) at
       # NCU_SHAPE: the report (ncu-source.ncu-rep), its source page as CSV, and the summary

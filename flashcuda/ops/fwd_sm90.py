@@ -23,6 +23,7 @@ The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 645
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -69,6 +70,9 @@ class Sm90FwdConfig:
     consumer_regs: int = 240
     pingpong: bool = False  # consumer warpgroups take turns issuing GEMMs (FC_PINGPONG)
     snake: bool = False  # snake order of work tiles over the persistent CTAs (FC_SNAKE)
+    # profiling variant: two more kernel arguments (a buffer, its slots per consumer) receive
+    # each work tile's start / end time (FC_TIMELINE; scripts/sm90_timeline.py); never dispatched
+    timeline: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -116,7 +120,7 @@ class Sm90FwdConfig:
     def name(self) -> str:
         return (f"flash_fwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}{'_pp' if self.pingpong else ''}"
-                f"{'_sn' if self.snake else ''}")
+                f"{'_sn' if self.snake else ''}{'_tl' if self.timeline else ''}")
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -130,6 +134,7 @@ class Sm90FwdConfig:
             "FC_SMEM_BYTES": self.smem_bytes,
             "FC_PINGPONG": int(self.pingpong),
             "FC_SNAKE": int(self.snake),
+            **({"FC_TIMELINE": 1} if self.timeline else {}),
         })
 
     def work_tiles(self, call: FwdCall) -> int:
@@ -215,10 +220,13 @@ def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
 
 
 def configs() -> list[Sm90FwdConfig]:
-    """Every specialisation dispatch or an A/B run can pick (the CPU lane compiles them all)."""
-    return [_config(dtype, d, bm, bn, pingpong, snake) for dtype in DTYPES
-            for d, shapes in SHAPES.items() for bm, bn in shapes
-            for pingpong in (False, True) for snake in (False, True)]
+    """Every specialisation dispatch or an A/B run can pick (the CPU lane compiles them all),
+    and the timeline variants of the default ping-pong kernels (bf16: scripts/sm90_timeline.py)."""
+    out = [_config(dtype, d, bm, bn, pingpong, snake) for dtype in DTYPES
+           for d, shapes in SHAPES.items() for bm, bn in shapes
+           for pingpong in (False, True) for snake in (False, True)]
+    return out + [dataclasses.replace(c, timeline=True) for c in out
+                  if c.dtype == torch.bfloat16 and c.pingpong]
 
 
 def enabled() -> bool:

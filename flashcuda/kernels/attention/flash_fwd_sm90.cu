@@ -9,8 +9,7 @@
 //   layouts       (batch, row, head) strides that are multiples of 8 elements (16 bytes, a TMA
 //                 rule), unit last stride, 16-byte aligned base pointers
 //   outputs       out (B, Sq, H, D), lse (B, H, Sq) float32 natural log
-//   not yet       ping-pong between consumer warpgroups, persistent tile scheduler, TMA store
-//                 epilogue
+//   not yet       a dynamic (work-stealing) tile scheduler, TMA store epilogue
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // Persistent: one CTA per SM (grid = min(work tiles, SMs)) walks work tiles of (query block of
@@ -68,6 +67,9 @@ constexpr int kProducerRegs = FC_PRODUCER_REGS;
 constexpr int kConsumerRegs = FC_CONSUMER_REGS;
 constexpr bool kPingPong = FC_PINGPONG;  // consumer warpgroups take turns issuing their GEMMs
 constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the CTAs (Schedule)
+#ifndef FC_TIMELINE
+#define FC_TIMELINE 0  // 1: each work tile's start / end time into a buffer (a profiling variant)
+#endif
 
 constexpr int kChunkCols = 64;                     // 16-bit elements per 128-byte swizzled row
 constexpr int kChunks = kHeadDim / kChunkCols;     // swizzled chunks per row of a tile
@@ -435,6 +437,40 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, int last, in
   release(sm.v_empty(stage_of(last)));
 }
 
+#if FC_TIMELINE
+// ---- profiling variant: where each persistent CTA spends its time ------------------------------
+__device__ __forceinline__ uint64_t global_ns() {  // the GPU-wide nanosecond timer
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
+// One entry per work tile a consumer warpgroup finishes, written by its first thread:
+// {smid << 32 | work tile, key tiles, start ns, end ns} (scripts/sm90_timeline.py reads them;
+// entries past timeline_slots are dropped, unused ones stay as the host zeroed them).
+struct Timeline {
+  uint64_t* base;
+  int slots, c, next = 0;
+
+  __device__ __forceinline__ void record(int w, int tiles, uint64_t start) {
+    if ((threadIdx.x & 127) == 0 && next < slots) {
+      uint64_t* e = base + ((static_cast<int64_t>(blockIdx.x) * kConsumers + c) * slots + next) * 4;
+      e[0] = (static_cast<uint64_t>(sm_id()) << 32) | static_cast<uint32_t>(w);
+      e[1] = static_cast<uint64_t>(tiles > 0 ? tiles : 0);
+      e[2] = start;
+      e[3] = global_ns();
+    }
+    ++next;
+  }
+};
+#endif
+
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (D, Sq, H, B)
                const __grid_constant__ TmaMap map_k,  // k [B, Sk, Hkv, D]: dims (D, Sk, Hkv, B)
@@ -443,7 +479,12 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
                float* __restrict__ lse,               // [B, H, Sq]
                int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride,
                int seqlen_q, int seqlen_k, int nheads, int nheads_kv, float scale_log2,
-               int window_left, int window_right, int batch, int by_block) {
+               int window_left, int window_right, int batch, int by_block
+#if FC_TIMELINE
+               // [gridDim.x][kConsumers][timeline_slots][4]: see Timeline
+               , uint64_t* __restrict__ timeline, int timeline_slots
+#endif
+               ) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const Smem sm{(smem_addr(smem_raw) + 1023u) & ~1023u};
   // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
@@ -474,8 +515,14 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   const int warp_row0 = wg_row0 + static_cast<int>((threadIdx.x / 32) % 4) * 16;
   const int g = lane >> 2, t = lane & 3;
   int ring = 0, q_round = 0;
+#if FC_TIMELINE
+  Timeline timeline_rec{timeline, timeline_slots, c};
+#endif
   turn_open(c);
   for (int w = blockIdx.x; w < sched.total(); w = next_work(w)) {
+#if FC_TIMELINE
+    const uint64_t t_start = global_ns();
+#endif
     const Block blk = sched.block(w, mask);
     const int row0 = blk.m0 + warp_row0 + g;  // query row of this lane's first row (h = 0)
     Consumer cs;
@@ -512,6 +559,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
           dst[4 * j] = pack2<T>(cs.o[4 * j + 2 * h] * inv, cs.o[4 * j + 2 * h + 1] * inv);
       }
     }
+#if FC_TIMELINE
+    timeline_rec.record(w, tiles, t_start);
+#endif
   }
   turn_close(c);
 }

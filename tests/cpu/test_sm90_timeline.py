@@ -1,0 +1,68 @@
+"""scripts/sm90_timeline.py's analysis on synthetic timelines (the GPU part runs on the device)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tl():
+    spec = importlib.util.spec_from_file_location("sm90_timeline",
+                                                  ROOT / "scripts" / "sm90_timeline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _buffer(rows, grid, consumers, slots):
+    """rows: (cta, consumer, slot, sm, tile, key_tiles, start, end) -> the kernel's layout."""
+    buf = np.zeros((grid, consumers, slots, 4), dtype=np.uint64)
+    for cta, c, s, sm, tile, tiles, start, end in rows:
+        buf[cta, c, s] = ((sm << 32) | tile, tiles, start, end)
+    return buf.reshape(-1)
+
+
+def test_decode_skips_unused_slots_and_splits_the_first_word(tl):
+    raw = _buffer([(0, 0, 0, 7, 5, 3, 100, 400), (1, 1, 1, 131, 2**31 + 1, 0, 50, 60)], 2, 2, 3)
+    got = tl.decode(raw, 2, 2, 3)
+    assert got == [
+        {"cta": 0, "consumer": 0, "sm": 7, "tile": 5, "key_tiles": 3, "start_ns": 100,
+         "end_ns": 400},
+        {"cta": 1, "consumer": 1, "sm": 131, "tile": 2**31 + 1, "key_tiles": 0, "start_ns": 50,
+         "end_ns": 60},
+    ]
+
+
+def test_summary_recovers_a_linear_cost_and_the_tail(tl):
+    """Durations 2000 + 500 * tiles ns on two CTAs: the fit gives 2 us + 0.5 us per key tile; the
+    makespan and the tail follow from the end times."""
+    rng = np.random.default_rng(3)
+    rows, clock = [], {0: 1000, 1: 1000}
+    for i, tiles in enumerate(rng.integers(1, 17, size=40).tolist()):
+        cta = i % 2
+        start = clock[cta]
+        end = start + 2000 + 500 * tiles
+        clock[cta] = end + 10
+        rows.append((cta, 0, i // 2, cta, i, tiles, start, end))
+    entries = tl.decode(_buffer(rows, 2, 1, 20), 2, 1, 20)
+    s = tl.summarise(entries)
+    assert s["work_tiles"] == 40 and s["ctas"] == 2
+    assert s["fit"]["fixed_us"] == pytest.approx(2.0, abs=1e-6)
+    assert s["fit"]["per_key_tile_us"] == pytest.approx(0.5, abs=1e-9)
+    ends = sorted(clock[c] - 10 - 1000 for c in (0, 1))
+    assert s["makespan_us"] == pytest.approx(ends[-1] / 1e3)
+    assert s["tail_us"] == pytest.approx((ends[-1] - sum(ends) / 2) / 1e3)
+    assert sum(v["count"] for v in s["by_key_tiles"].values()) == 40
+    text = tl.report(s)
+    assert "2.00 us per work tile + 0.500 us per key tile" in text
+
+
+def test_summary_refuses_an_empty_timeline(tl):
+    with pytest.raises(ValueError, match="no timeline entries"):
+        tl.summarise([])
