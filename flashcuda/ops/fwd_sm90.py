@@ -73,6 +73,9 @@ class Sm90FwdConfig:
     # profiling variant: two more kernel arguments (a buffer, its slots per consumer) receive
     # each work tile's start / end time (FC_TIMELINE; scripts/sm90_timeline.py); never dispatched
     timeline: bool = False
+    # NaN / Inf in V reaches only the rows that see its key, also in partly seen tiles
+    # (FLASHCUDA_SM90_FWD_MASKED_V=1, windowed calls only; + a clean V tile per consumer)
+    masked_v: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -114,13 +117,16 @@ class Sm90FwdConfig:
     def smem_bytes(self) -> int:
         """1024 B alignment slack + Q + stages x (K + V) + the mbarriers (as the .cu lays out)."""
         barriers = 2 + 4 * self.stages
-        return 1024 + self.q_bytes + 2 * self.stages * self.kv_bytes + BARRIER_BYTES * barriers
+        clean = self.consumers * self.kv_bytes if self.masked_v else 0
+        return (1024 + self.q_bytes + 2 * self.stages * self.kv_bytes + clean
+                + BARRIER_BYTES * barriers)
 
     @property
     def name(self) -> str:
         return (f"flash_fwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}{'_pp' if self.pingpong else ''}"
-                f"{'_sn' if self.snake else ''}{'_tl' if self.timeline else ''}")
+                f"{'_sn' if self.snake else ''}{'_tl' if self.timeline else ''}"
+                f"{'_mv' if self.masked_v else ''}")
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -135,6 +141,7 @@ class Sm90FwdConfig:
             "FC_PINGPONG": int(self.pingpong),
             "FC_SNAKE": int(self.snake),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
+            **({"FC_MASKED_V": 1} if self.masked_v else {}),
         })
 
     def work_tiles(self, call: FwdCall) -> int:
@@ -168,6 +175,7 @@ def tiles_for(head_dim: int, windowed: bool, seqlen_q: int, seqlen_k: int) -> tu
 # Every (block_m, block_n) tiles_for returns, per head dim; 128 x 128 is also the A/B baseline
 # (FLASHCUDA_SM90_TILES=bm128_bn128 at every head dim, or d64=bm192_bn128,d128=bm128_bn176 ...).
 SHAPES = {64: ((192, 128), (128, 128)), 128: ((128, 176), (128, 128))}
+WINDOWED_TILES = {64: ((192, 128), (128, 128)), 128: ((128, 128),)}  # tiles_for with a window
 TILES_ENV = "FLASHCUDA_SM90_TILES"
 CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
 
@@ -179,6 +187,8 @@ CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
 PINGPONG_ENV = "FLASHCUDA_SM90_PINGPONG"  # consumer warpgroups take turns issuing GEMMs
 SNAKE_ENV = "FLASHCUDA_SM90_SNAKE"  # snake order of work tiles over the persistent CTAs
 SNAKE_FROM = 4096  # seqlen_q from which a masked call walks its tiles in snake order
+# 1: the masked-V variant for windowed calls (opt-in; see the .cu's "masked V")
+MASKED_V_ENV = "FLASHCUDA_SM90_FWD_MASKED_V"
 
 
 def _flag(env: str, default: bool) -> bool:
@@ -192,13 +202,18 @@ def _flag(env: str, default: bool) -> bool:
 
 def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
             pingpong: bool | None = None, snake: bool | None = None,
-            windowed: bool = False, seqlen_q: int = LONG) -> Sm90FwdConfig:
+            windowed: bool = False, seqlen_q: int = LONG,
+            masked_v: bool | None = None) -> Sm90FwdConfig:
     pingpong = _flag(PINGPONG_ENV, True) if pingpong is None else pingpong
     if snake is None:
         snake = _flag(SNAKE_ENV, windowed and seqlen_q >= SNAKE_FROM)
+    if masked_v is None:  # without a window every key below seqlen_k is seen by every row;
+        # built for the windowed tiles only (d128 x 176 with a clean tile per consumer would not fit)
+        masked_v = (windowed and _flag(MASKED_V_ENV, False)
+                    and (block_m, block_n) in WINDOWED_TILES[head_dim])
     return Sm90FwdConfig(dtype, head_dim, block_m, block_n,
                          consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong,
-                         snake=snake)
+                         snake=snake, masked_v=masked_v)
 
 
 def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
@@ -220,13 +235,16 @@ def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
 
 
 def configs() -> list[Sm90FwdConfig]:
-    """Every specialisation dispatch or an A/B run can pick (the CPU lane compiles them all),
-    and the timeline variants of the default ping-pong kernels (bf16: scripts/sm90_timeline.py)."""
+    """Every specialisation dispatch or an A/B run can pick (the CPU lane compiles them all):
+    the timeline variants of the ping-pong kernels (bf16: scripts/sm90_timeline.py) and the
+    masked-V variants of the ping-pong kernels with windowed tiles included."""
     out = [_config(dtype, d, bm, bn, pingpong, snake) for dtype in DTYPES
            for d, shapes in SHAPES.items() for bm, bn in shapes
            for pingpong in (False, True) for snake in (False, True)]
-    return out + [dataclasses.replace(c, timeline=True) for c in out
-                  if c.dtype == torch.bfloat16 and c.pingpong]
+    return (out + [dataclasses.replace(c, timeline=True) for c in out
+                   if c.dtype == torch.bfloat16 and c.pingpong]
+            + [dataclasses.replace(c, masked_v=True) for c in out
+               if c.pingpong and (c.block_m, c.block_n) in WINDOWED_TILES[c.head_dim]])
 
 
 def enabled() -> bool:
@@ -315,7 +333,8 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 _plans: dict[tuple, _Plan | str] = {}
 
 
-_KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV)
+_KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
+                     MASKED_V_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:

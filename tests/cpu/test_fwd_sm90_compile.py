@@ -10,6 +10,7 @@ saying so.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -324,3 +325,32 @@ def test_plan_key_holds_what_can_implement_reads(monkeypatch):
         monkeypatch.setenv(env, "x")
         assert fwd_sm90._plan_key(base) != key, env
         monkeypatch.delenv(env)
+
+
+def test_masked_v_switch(monkeypatch):
+    """FLASHCUDA_SM90_FWD_MASKED_V=1 picks the masked-V variant for windowed calls on the tiles
+    it is built for (name, define, a clean V tile per consumer in shared memory that still fits
+    the H200's 227 KB); calls without a window keep the default kernel; bad values are refused."""
+    for env in (fwd_sm90.TILES_ENV, fwd_sm90.PINGPONG_ENV, fwd_sm90.SNAKE_ENV,
+                fwd_sm90.MASKED_V_ENV):
+        monkeypatch.delenv(env, raising=False)
+    pick = fwd_sm90.select_config
+    base = pick(torch.bfloat16, 128, True, 2048, 2048)
+    assert not base.masked_v and "FC_MASKED_V" not in dict(base.spec().defines)
+    monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "1")
+    names = {c.name for c in fwd_sm90.configs()}
+    for d, sq in ((128, 2048), (64, 2048), (64, 8192)):
+        mv = pick(torch.bfloat16, d, True, sq, sq)
+        assert mv.masked_v and mv.name.endswith("_mv") and mv.name in names
+        assert dict(mv.spec().defines)["FC_MASKED_V"] == "1"
+        plain = pick(torch.bfloat16, d, False, sq, sq)
+        assert not plain.masked_v  # no window: every key below seqlen_k is seen by every row
+        assert mv.smem_bytes == (dataclasses.replace(mv, masked_v=False).smem_bytes
+                                 + mv.consumers * mv.kv_bytes)
+        assert mv.smem_bytes <= 227 * 1024
+    monkeypatch.setenv(fwd_sm90.TILES_ENV, "bm128_bn176")  # forced wide tiles: not built for them
+    assert not pick(torch.bfloat16, 128, True, 2048, 2048).masked_v
+    monkeypatch.delenv(fwd_sm90.TILES_ENV)
+    monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "yes")
+    with pytest.raises(ValueError, match=fwd_sm90.MASKED_V_ENV):
+        pick(torch.bfloat16, 128, True, 2048, 2048)

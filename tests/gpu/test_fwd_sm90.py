@@ -241,3 +241,66 @@ def test_dispatch_prefers_sm90_when_enabled():
     out = torch.empty_like(q)
     lse = torch.empty(1, 2, 256, device="cuda", dtype=torch.float32)
     assert dispatch.forward(FwdCall(q, k, v, out, lse, 0.088, None, 0)) == "fwd_sm90"
+
+
+# ---- non-finite V in partly seen tiles (FLASHCUDA_SM90_FWD_MASKED_V=1, opt-in) --------------------
+
+def _masked_v_or_skip(monkeypatch, q, k, window):
+    """Turn the masked-V variant on; skip under forced tiles it is not built for (d128 x 176)."""
+    monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "1")
+    dispatch._reset()
+    windowed = window != FULL
+    cfg = fwd_sm90.select_config(q.dtype, q.shape[-1], windowed, q.shape[1], k.shape[1])
+    if windowed and not cfg.masked_v:
+        pytest.skip(f"the masked-V variant is not built for {cfg.name}'s tiles")
+    return cfg
+
+
+@pytest.mark.parametrize("window", [FULL, CAUSAL, (37, 5)], ids=["full", "causal", "wl37-wr5"])
+@pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (FP16, 128)], ids=["bf16-d64", "fp16-d128"])
+def test_masked_v_fast_path_is_the_default_kernel_bitwise(dtype, head_dim, window, monkeypatch):
+    """With finite inputs the masked-V variant only adds a scan and a vote per masked tile: out
+    and lse equal the default kernel's bit for bit (and the oracle's rule)."""
+    q, k, v = make(2, 300, 517, 4, 2, head_dim, dtype, seed=19)
+    scale = head_dim ** -0.5
+    monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "0")
+    want = run(fwd_sm90, q, k, v, scale, window)
+    _masked_v_or_skip(monkeypatch, q, k, window)
+    got = check(q, k, v, window)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "inf,-inf"])
+@pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (FP16, 128)], ids=["bf16-d64", "fp16-d128"])
+def test_masked_v_nonfinite_reaches_only_rows_that_see_it(dtype, head_dim, value, monkeypatch):
+    """Causal, 256 x 256: V of key 200 (head 1) holds `value` in columns 3 and 70 % head_dim
+    ("inf,-inf": +Inf in key 200 and -Inf in key 201, same columns). Rows 0..199 of head 1 (they
+    do not see key 200, yet share its tile) and all of head 0 equal a clean run's bit for bit;
+    rows that see the key get what IEEE gives (NaN; +Inf / -Inf in those columns and the clean
+    values elsewhere; NaN where +Inf and -Inf meet, from row 201)."""
+    q, k, v = make(1, 256, 256, 2, 2, head_dim, dtype, seed=20)
+    scale = head_dim ** -0.5
+    cfg = _masked_v_or_skip(monkeypatch, q, k, CAUSAL)
+    assert cfg.masked_v
+    clean, clean_lse = run(fwd_sm90, q, k, v, scale, CAUSAL)
+    vn = v.clone()
+    cols = [3, 70 % head_dim]  # one column in each 64-wide swizzled chunk at d128
+    if value == "inf,-inf":
+        vn[0, 200, 1, cols] = float("inf")
+        vn[0, 201, 1, cols] = float("-inf")
+    else:
+        vn[0, 200, 1, cols] = float(value)
+    out, lse = run(fwd_sm90, q, k, vn, scale, CAUSAL)
+    assert torch.equal(lse, clean_lse), "lse does not involve V"
+    assert torch.equal(out[0, :, 0], clean[0, :, 0]), "the other head changed"
+    assert torch.equal(out[0, :200, 1], clean[0, :200, 1]), "a row that does not see key 200 changed"
+    seen = out[0, 200:, 1]  # (56, D)
+    other = [c for c in range(head_dim) if c not in cols]
+    assert torch.equal(seen[:, other], clean[0, 200:, 1][:, other]), "finite columns changed"
+    if value == "nan":
+        assert seen[:, cols].isnan().all()
+    elif value in ("inf", "-inf"):
+        assert (seen[:, cols] == float(value)).all()
+    else:
+        assert (seen[0, cols] == float("inf")).all(), "row 200 sees only the +Inf key"
+        assert seen[1:, cols].isnan().all(), "rows 201.. see +Inf and -Inf: NaN"

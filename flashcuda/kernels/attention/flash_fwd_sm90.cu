@@ -70,6 +70,9 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: each work tile's start / end time into a buffer (a profiling variant)
 #endif
+#ifndef FC_MASKED_V
+#define FC_MASKED_V 0  // 1: NaN / Inf in V reaches only rows that see its key (see "masked V")
+#endif
 
 constexpr int kChunkCols = 64;                     // 16-bit elements per 128-byte swizzled row
 constexpr int kChunks = kHeadDim / kChunkCols;     // swizzled chunks per row of a tile
@@ -81,7 +84,8 @@ constexpr int kKVBytes = kChunks * kKVChunkBytes;
 constexpr int kSmemQ = 0;
 constexpr int kSmemK = kSmemQ + kQBytes;
 constexpr int kSmemV = kSmemK + kStages * kKVBytes;
-constexpr int kSmemBar = kSmemV + kStages * kKVBytes;
+constexpr int kSmemClean = kSmemV + kStages * kKVBytes;  // FC_MASKED_V: a V tile per consumer
+constexpr int kSmemBar = kSmemClean + (FC_MASKED_V ? kConsumers * kKVBytes : 0);
 constexpr int kBarriers = 2 + 4 * kStages;  // q_full, q_empty, k_full[], v_full[], k_empty[], v_empty[]
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
@@ -106,6 +110,9 @@ struct Smem {
   __device__ __forceinline__ uint32_t q() const { return base + kSmemQ; }
   __device__ __forceinline__ uint32_t k(int s) const { return base + kSmemK + s * kKVBytes; }
   __device__ __forceinline__ uint32_t v(int s) const { return base + kSmemV + s * kKVBytes; }
+  __device__ __forceinline__ uint32_t clean_v(int c) const {
+    return base + kSmemClean + c * kKVBytes;
+  }
   __device__ __forceinline__ uint32_t bar(int i) const { return base + kSmemBar + 8 * i; }
   __device__ __forceinline__ uint32_t q_full() const { return bar(0); }
   __device__ __forceinline__ uint32_t q_empty() const { return bar(1); }
@@ -375,6 +382,170 @@ __device__ __forceinline__ void turn_close(int c) {
     if (c == 0) named_barrier_sync(1, 256);
 }
 
+// ---- masked V (FC_MASKED_V) ---------------------------------------------------------------------
+// In a key tile that some rows of a warpgroup see only in part (the causal diagonal, a window
+// edge), P V multiplies a key's V row by p = 0 for the rows that do not see it, and 0 x NaN / Inf
+// is NaN: a NaN or Inf in V would reach rows that never see its key (FA3 behaves so). The V stage
+// is shared by the consumer warpgroups, whose rows see different keys, and read by wgmma through
+// the async proxy; so each warpgroup decides for itself, for the tiles masked for its own rows:
+// its 128 threads scan the stage and vote (bar.red.or on a named barrier of its own). Fast path
+// (no NaN / Inf): nothing else. Slow path: the warpgroup copies the stage into its own clean tile
+// with every NaN / Inf replaced by 0 (same 1024-byte alignment, so the same swizzle), fences the
+// copy to the async proxy, runs its P V from that copy, and afterwards adds NaN / +Inf / -Inf
+// into the O elements whose row sees a key holding one in that column, read from the stage
+// (IEEE: NaN wins, +Inf + -Inf is NaN, O's earlier value joins the sum). A seen key whose p
+// underflowed to 0 counts as weighted (IEEE would give 0 x Inf = NaN there).
+#if FC_MASKED_V
+constexpr int kVoteBarrier = 8;  // + c; 1 .. kConsumers are the ping-pong turns
+constexpr uint32_t kHalfExp = FC_DTYPE == 1 ? 0x7c00u : 0x7f80u;   // fp16 / bf16 exponent bits
+constexpr uint32_t kHalfMant = FC_DTYPE == 1 ? 0x03ffu : 0x007fu;  // and mantissa bits
+
+__device__ __forceinline__ bool half_nonfinite(uint32_t h) { return (h & kHalfExp) == kHalfExp; }
+
+__device__ __forceinline__ bool word_nonfinite(uint32_t w) {
+  return half_nonfinite(w & 0xffffu) || half_nonfinite(w >> 16);
+}
+
+__device__ __forceinline__ uint32_t word_zero_nonfinite(uint32_t w) {
+  const uint32_t lo = half_nonfinite(w & 0xffffu) ? 0u : (w & 0xffffu);
+  const uint32_t hi = half_nonfinite(w >> 16) ? 0u : (w >> 16);
+  return lo | (hi << 16);
+}
+
+__device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
+  uint4 r;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+  return r;
+}
+
+__device__ __forceinline__ void st_shared_16(uint32_t addr, const uint4& v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_shared_4(uint32_t addr) {
+  uint32_t r;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(r) : "r"(addr));
+  return r;
+}
+
+// True in every thread of warpgroup c if `pred` holds in any of them (a barrier of its own).
+__device__ __forceinline__ bool warpgroup_any(bool pred, int c) {
+  uint32_t any;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, 128, p;\n"
+      "selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any) : "r"(static_cast<uint32_t>(pred)), "r"(kVoteBarrier + c) : "memory");
+  return any != 0;
+}
+
+// Whether the V tile at `v` holds a NaN / Inf (the warpgroup's 128 threads scan every 128th
+// 16-byte unit each, then vote).
+__device__ __forceinline__ bool v_tile_poisoned(uint32_t v, int c) {
+  const int lt = static_cast<int>(threadIdx.x & 127);
+  bool bad = false;
+#pragma unroll 1
+  for (int e = lt; e < kKVBytes / 16; e += 128) {
+    const uint4 w = ld_shared_16(v + 16 * e);
+    bad |= word_nonfinite(w.x) | word_nonfinite(w.y) | word_nonfinite(w.z) | word_nonfinite(w.w);
+  }
+  return warpgroup_any(bad, c);
+}
+
+// Slow path, part 1: the warpgroup's clean copy of the tile, visible to its wgmma.
+__device__ __forceinline__ void copy_clean_v(uint32_t dst, uint32_t v, int c) {
+  const int lt = static_cast<int>(threadIdx.x & 127);
+#pragma unroll 1
+  for (int e = lt; e < kKVBytes / 16; e += 128) {
+    uint4 w = ld_shared_16(v + 16 * e);
+    w.x = word_zero_nonfinite(w.x);
+    w.y = word_zero_nonfinite(w.y);
+    w.z = word_zero_nonfinite(w.z);
+    w.w = word_zero_nonfinite(w.w);
+    st_shared_16(dst + 16 * e, w);
+  }
+  fence_proxy_async();
+  named_barrier_sync(kVoteBarrier + c, 128);
+}
+
+// Byte offset of element (key, d) in a [kBlockN][kHeadDim] tile of 128B-swizzled chunks.
+__device__ __forceinline__ uint32_t v_offset(int key, int d) {
+  const int unit = (d % 64) / 8;
+  return (d / 64) * kKVChunkBytes + key * 128 + ((unit ^ (key & 7)) * 16) + (d % 8) * 2;
+}
+
+__device__ __forceinline__ float half_special(uint32_t h) {  // h is NaN / +-Inf
+  return __int_as_float((h & kHalfMant) ? 0x7fc00000 : (h & 0x8000u) ? 0xff800000 : 0x7f800000);
+}
+
+// Slow path, part 2, once the P V from the clean copy has completed: into each of this thread's
+// O elements (rows row0, row0 + 8; columns 8j + 2t, + 1), the NaN / +-Inf of the keys of this
+// tile (first key n0) that its row sees, from the stage `v`.
+__device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, const Mask& mask,
+                                                   int row0, int n0) {
+  const int t = static_cast<int>(threadIdx.x & 3);
+  int lo[2], hi[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    lo[h] = max(mask.key_begin(row0 + 8 * h) - n0, 0);
+    hi[h] = min(mask.key_end(row0 + 8 * h + 1) - n0, kBlockN);
+  }
+  const int first = min(lo[0], lo[1]), last = max(hi[0], hi[1]);
+#pragma unroll  // o[] indexed by j: keep it in registers
+  for (int j = 0; j < kHeadDim / 8; ++j) {
+    float add[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll 1
+    for (int key = first; key < last; ++key) {
+      const uint32_t w = ld_shared_4(v + v_offset(key, 8 * j + 2 * t));
+      if (!word_nonfinite(w)) continue;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t bits = e ? (w >> 16) : (w & 0xffffu);
+        if (!half_nonfinite(bits)) continue;
+        const float x = half_special(bits);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (key >= lo[h] && key < hi[h]) add[h][e] += x;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) cs.o[4 * j + 2 * h + e] += add[h][e];
+  }
+}
+#endif
+
+// The V tile the P V of visit-order tile i reads: its stage, or (FC_MASKED_V: the tile masked
+// for this warpgroup's rows and holding a NaN / Inf) the warpgroup's clean copy; `poisoned` says
+// which. Warpgroup-uniform: every thread of it takes the same branches and barriers.
+__device__ __forceinline__ uint32_t v_for_pv(const Smem& sm, int stage, const Block& blk,
+                                             const Mask& mask, int i, int wg_row0, int c,
+                                             bool& poisoned) {
+#if FC_MASKED_V
+  const int n0 = (blk.n_last - i) * kBlockN;
+  poisoned = mask.tile_needs_mask(blk.m0 + wg_row0, 64, n0, kBlockN) &&
+             v_tile_poisoned(sm.v(stage), c);
+  if (poisoned) {
+    copy_clean_v(sm.clean_v(c), sm.v(stage), c);
+    return sm.clean_v(c);
+  }
+#else
+  poisoned = false;
+#endif
+  return sm.v(stage);
+}
+
+// After that P V completed, before its stage is released: the slow path's put-back.
+__device__ __forceinline__ void put_back_if(bool poisoned, Consumer& cs, const Smem& sm,
+                                            int stage, const Block& blk, const Mask& mask, int i,
+                                            int row0) {
+#if FC_MASKED_V
+  if (poisoned) put_back_nonfinite(cs, sm.v(stage), mask, row0, (blk.n_last - i) * kBlockN);
+#endif
+}
+
 // Key tile i of the visit order, the loop body written once:
 //     issue S_i = Q K_i^T | issue O += P_{i-1} V_{i-1} (not for the first tile) | wait S_i,
 //     release K_i | mask if the tile needs it | softmax of S_i | wait P V, release V_{i-1} |
@@ -387,18 +558,26 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
                                                 int wg_row0, int c, float scale_log2) {
   const int st = stage_of(ring);
   const int prev = stage_of(ring + kStages - 1);
+  bool poisoned = false;  // (FC_MASKED_V) tile i - 1's P V reads the clean copy: see v_for_pv
+  uint32_t v_prev = sm.v(prev);
   mbar_wait(sm.k_full(st), parity_of(ring));
   // With ping-pong, wait for V before taking the turn (never hold it while waiting for data);
   // without, issue S first and wait for V while that GEMM runs.
-  if constexpr (kPingPong && !kFirst) mbar_wait(sm.v_full(prev), parity_of(ring - 1));
+  if constexpr (kPingPong && !kFirst) {
+    mbar_wait(sm.v_full(prev), parity_of(ring - 1));
+    v_prev = v_for_pv(sm, prev, blk, mask, i - 1, wg_row0, c, poisoned);
+  }
   turn_begin(c);
   wgmma_fence_operands(cs.s);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
   cs.issue_scores(sm.k(st));
   if constexpr (!kFirst) {
-    if constexpr (!kPingPong) mbar_wait(sm.v_full(prev), parity_of(ring - 1));
-    cs.issue_accumulate(sm.v(prev));
+    if constexpr (!kPingPong) {
+      mbar_wait(sm.v_full(prev), parity_of(ring - 1));
+      v_prev = v_for_pv(sm, prev, blk, mask, i - 1, wg_row0, c, poisoned);
+    }
+    cs.issue_accumulate(v_prev);
   }
   turn_end(c);
   if constexpr (!kFirst) {
@@ -417,23 +596,29 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     wgmma_wait<0>();
     cs.hold_p();
     wgmma_fence_operands(cs.o);
+    put_back_if(poisoned, cs, sm, prev, blk, mask, i - 1, row0);
     release(sm.v_empty(prev));
   }
   cs.rescale(corr);
   cs.pack_p();
 }
 
-// The last tile's P V, after the loop (`last`: its ring index).
-__device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, int last, int c) {
+// The last tile's P V, after the loop (`i`: its visit index, `last`: its ring index).
+__device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block& blk,
+                                      const Mask& mask, int i, int last, int row0, int wg_row0,
+                                      int c) {
+  bool poisoned;
   mbar_wait(sm.v_full(stage_of(last)), parity_of(last));
+  const uint32_t v = v_for_pv(sm, stage_of(last), blk, mask, i, wg_row0, c, poisoned);
   turn_begin(c);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
-  cs.issue_accumulate(sm.v(stage_of(last)));
+  cs.issue_accumulate(v);
   turn_end(c);
   wgmma_wait<0>();
   cs.hold_p();
   wgmma_fence_operands(cs.o);
+  put_back_if(poisoned, cs, sm, stage_of(last), blk, mask, i, row0);
   release(sm.v_empty(stage_of(last)));
 }
 
@@ -535,7 +720,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
       for (int i = 1; i < tiles; ++i)
         attend_key_tile<false>(cs, sm, blk, mask, i, ring + i, row0, wg_row0, c, scale_log2);
       release(sm.q_empty());  // every Q K^T of this work tile has completed
-      drain(cs, sm, ring + tiles - 1, c);
+      drain(cs, sm, blk, mask, tiles - 1, ring + tiles - 1, row0, wg_row0, c);
       ring += tiles;
       ++q_round;
     }
