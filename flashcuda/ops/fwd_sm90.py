@@ -237,14 +237,14 @@ def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
 def configs() -> list[Sm90FwdConfig]:
     """Every specialisation dispatch or an A/B run can pick (the CPU lane compiles them all):
     the timeline variants of the ping-pong kernels (bf16: scripts/sm90_timeline.py) and the
-    masked-V variants of the ping-pong kernels with windowed tiles included."""
+    masked-V variants of the kernels with windowed tiles included."""
     out = [_config(dtype, d, bm, bn, pingpong, snake) for dtype in DTYPES
            for d, shapes in SHAPES.items() for bm, bn in shapes
            for pingpong in (False, True) for snake in (False, True)]
     return (out + [dataclasses.replace(c, timeline=True) for c in out
                    if c.dtype == torch.bfloat16 and c.pingpong]
             + [dataclasses.replace(c, masked_v=True) for c in out
-               if c.pingpong and (c.block_m, c.block_n) in WINDOWED_TILES[c.head_dim]])
+               if (c.block_m, c.block_n) in WINDOWED_TILES[c.head_dim]])
 
 
 def enabled() -> bool:

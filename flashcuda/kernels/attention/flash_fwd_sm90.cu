@@ -562,8 +562,10 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   uint32_t v_prev = sm.v(prev);
   mbar_wait(sm.k_full(st), parity_of(ring));
   // With ping-pong, wait for V before taking the turn (never hold it while waiting for data);
-  // without, issue S first and wait for V while that GEMM runs.
-  if constexpr (kPingPong && !kFirst) {
+  // without, issue S first and wait for V while that GEMM runs (but not with FC_MASKED_V: its
+  // scan between the two GEMMs would make ptxas fence the in-flight S wgmma, C7519).
+  constexpr bool kVBeforeTurn = kPingPong || FC_MASKED_V;
+  if constexpr (kVBeforeTurn && !kFirst) {
     mbar_wait(sm.v_full(prev), parity_of(ring - 1));
     v_prev = v_for_pv(sm, prev, blk, mask, i - 1, wg_row0, c, poisoned);
   }
@@ -573,9 +575,9 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   wgmma_fence();
   cs.issue_scores(sm.k(st));
   if constexpr (!kFirst) {
-    if constexpr (!kPingPong) {
+    if constexpr (!kVBeforeTurn) {
       mbar_wait(sm.v_full(prev), parity_of(ring - 1));
-      v_prev = v_for_pv(sm, prev, blk, mask, i - 1, wg_row0, c, poisoned);
+      v_prev = sm.v(prev);  // (the same address; computed here it keeps the SASS of before)
     }
     cs.issue_accumulate(v_prev);
   }
