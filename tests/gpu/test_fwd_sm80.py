@@ -24,6 +24,7 @@ import torch
 
 from flashcuda.ops import fwd_sm80
 from flashcuda.ops.call import FwdCall
+from tests.gpu import masked_v
 
 pytestmark = pytest.mark.gpu
 
@@ -305,7 +306,7 @@ def test_masked_v_fast_path_is_the_default_kernel_bitwise(dtype, head_dim, windo
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "inf,-inf"])
+@pytest.mark.parametrize("value", masked_v.VALUES)
 @pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (FP16, 128)], ids=["bf16-d64", "fp16-d128"])
 def test_masked_v_nonfinite_reaches_only_rows_that_see_it(dtype, head_dim, value, monkeypatch):
     """Causal, 256 x 256: V of key 200 (head 1) holds `value` in columns 3 and 9 ("inf,-inf": +Inf
@@ -317,28 +318,9 @@ def test_masked_v_nonfinite_reaches_only_rows_that_see_it(dtype, head_dim, value
     q, k, v = make(1, 256, 256, 2, 2, head_dim, dtype, seed=20)
     scale = head_dim ** -0.5
     clean, clean_lse = run_ours(q, k, v, scale, CAUSAL)
-    vn = v.clone()
     cols = [3, 9]
-    if value == "inf,-inf":
-        vn[0, 200, 1, cols] = float("inf")
-        vn[0, 201, 1, cols] = float("-inf")
-    else:
-        vn[0, 200, 1, cols] = float(value)
-    out, lse = run_ours(q, k, vn, scale, CAUSAL)
-    assert torch.equal(lse, clean_lse), "lse does not involve V"
-    assert torch.equal(out[0, :, 0], clean[0, :, 0]), "the other head changed"
-    assert torch.equal(out[0, :200, 1], clean[0, :200, 1]), "a row that does not see key 200 changed"
-    seen = out[0, 200:, 1]  # (56, D)
-    other = [c for c in range(head_dim) if c not in cols]
-    assert seen[:, other].isfinite().all(), "a column without a non-finite value went non-finite"
-    assert torch.equal(seen[:, other], clean[0, 200:, 1][:, other]), "finite columns changed"
-    if value == "nan":
-        assert seen[:, cols].isnan().all()
-    elif value in ("inf", "-inf"):
-        assert (seen[:, cols] == float(value)).all()
-    else:
-        assert (seen[0, cols] == float("inf")).all(), "row 200 sees only the +Inf key"
-        assert seen[1:, cols].isnan().all(), "rows 201.. see +Inf and -Inf: NaN"
+    out, lse = run_ours(q, k, masked_v.poison(v, value, cols), scale, CAUSAL)
+    masked_v.assert_reaches_only_its_rows(out, lse, clean, clean_lse, value, cols)
 
 
 # ---- what dispatch sees ----------------------------------------------------------------------------

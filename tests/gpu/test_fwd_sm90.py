@@ -22,6 +22,7 @@ import torch
 from flashcuda.ops import dispatch, fwd_sm80, fwd_sm90
 from flashcuda.ops.call import FwdCall
 from flashcuda.reference import attention_ref
+from tests.gpu import masked_v
 
 pytestmark = [pytest.mark.gpu]
 
@@ -270,7 +271,7 @@ def test_masked_v_fast_path_is_the_default_kernel_bitwise(dtype, head_dim, windo
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "inf,-inf"])
+@pytest.mark.parametrize("value", masked_v.VALUES)
 @pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (FP16, 128)], ids=["bf16-d64", "fp16-d128"])
 def test_masked_v_nonfinite_reaches_only_rows_that_see_it(dtype, head_dim, value, monkeypatch):
     """Causal, 256 x 256: V of key 200 (head 1) holds `value` in columns 3 and 70 % head_dim
@@ -283,24 +284,6 @@ def test_masked_v_nonfinite_reaches_only_rows_that_see_it(dtype, head_dim, value
     cfg = _masked_v_or_skip(monkeypatch, q, k, CAUSAL)
     assert cfg.masked_v
     clean, clean_lse = run(fwd_sm90, q, k, v, scale, CAUSAL)
-    vn = v.clone()
     cols = [3, 70 % head_dim]  # one column in each 64-wide swizzled chunk at d128
-    if value == "inf,-inf":
-        vn[0, 200, 1, cols] = float("inf")
-        vn[0, 201, 1, cols] = float("-inf")
-    else:
-        vn[0, 200, 1, cols] = float(value)
-    out, lse = run(fwd_sm90, q, k, vn, scale, CAUSAL)
-    assert torch.equal(lse, clean_lse), "lse does not involve V"
-    assert torch.equal(out[0, :, 0], clean[0, :, 0]), "the other head changed"
-    assert torch.equal(out[0, :200, 1], clean[0, :200, 1]), "a row that does not see key 200 changed"
-    seen = out[0, 200:, 1]  # (56, D)
-    other = [c for c in range(head_dim) if c not in cols]
-    assert torch.equal(seen[:, other], clean[0, 200:, 1][:, other]), "finite columns changed"
-    if value == "nan":
-        assert seen[:, cols].isnan().all()
-    elif value in ("inf", "-inf"):
-        assert (seen[:, cols] == float(value)).all()
-    else:
-        assert (seen[0, cols] == float("inf")).all(), "row 200 sees only the +Inf key"
-        assert seen[1:, cols].isnan().all(), "rows 201.. see +Inf and -Inf: NaN"
+    out, lse = run(fwd_sm90, q, k, masked_v.poison(v, value, cols), scale, CAUSAL)
+    masked_v.assert_reaches_only_its_rows(out, lse, clean, clean_lse, value, cols)
