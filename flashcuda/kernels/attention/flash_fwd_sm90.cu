@@ -394,7 +394,9 @@ __device__ __forceinline__ void turn_close(int c) {
 // copy to the async proxy, runs its P V from that copy, and afterwards adds NaN / +Inf / -Inf
 // into the O elements whose row sees a key holding one in that column, read from the stage
 // (IEEE: NaN wins, +Inf + -Inf is NaN, O's earlier value joins the sum). A seen key whose p
-// underflowed to 0 counts as weighted (IEEE would give 0 x Inf = NaN there).
+// underflowed to 0 counts as weighted (IEEE would give 0 x Inf = NaN there). A warpgroup that
+// read a stage with generic loads fences them to the async proxy before releasing it (v_empty),
+// so TMA's next write into it cannot overtake them.
 #if FC_MASKED_V
 constexpr int kVoteBarrier = 8;  // + c; 1 .. kConsumers are the ping-pong turns
 constexpr uint32_t kHalfExp = FC_DTYPE == 1 ? 0x7c00u : 0x7f80u;   // fp16 / bf16 exponent bits
@@ -517,32 +519,39 @@ __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, con
 }
 #endif
 
+// What v_for_pv did with a tile's V stage (FC_MASKED_V; always kStageOnly otherwise).
+constexpr int kStageOnly = 0;  // not read here: the tile is not masked for this warpgroup
+constexpr int kScanned = 1;    // scanned (generic reads of the stage), no NaN / Inf
+constexpr int kPoisoned = 2;   // scanned, NaN / Inf found: the P V reads the clean copy
+
 // The V tile the P V of visit-order tile i reads: its stage, or (FC_MASKED_V: the tile masked
-// for this warpgroup's rows and holding a NaN / Inf) the warpgroup's clean copy; `poisoned` says
+// for this warpgroup's rows and holding a NaN / Inf) the warpgroup's clean copy; `seen` says
 // which. Warpgroup-uniform: every thread of it takes the same branches and barriers.
 __device__ __forceinline__ uint32_t v_for_pv(const Smem& sm, int stage, const Block& blk,
                                              const Mask& mask, int i, int wg_row0, int c,
-                                             bool& poisoned) {
+                                             int& seen) {
+  seen = kStageOnly;
 #if FC_MASKED_V
   const int n0 = (blk.n_last - i) * kBlockN;
-  poisoned = mask.tile_needs_mask(blk.m0 + wg_row0, 64, n0, kBlockN) &&
-             v_tile_poisoned(sm.v(stage), c);
-  if (poisoned) {
-    copy_clean_v(sm.clean_v(c), sm.v(stage), c);
-    return sm.clean_v(c);
+  if (mask.tile_needs_mask(blk.m0 + wg_row0, 64, n0, kBlockN)) {
+    seen = v_tile_poisoned(sm.v(stage), c) ? kPoisoned : kScanned;
+    if (seen == kPoisoned) {
+      copy_clean_v(sm.clean_v(c), sm.v(stage), c);
+      return sm.clean_v(c);
+    }
   }
-#else
-  poisoned = false;
 #endif
   return sm.v(stage);
 }
 
-// After that P V completed, before its stage is released: the slow path's put-back.
-__device__ __forceinline__ void put_back_if(bool poisoned, Consumer& cs, const Smem& sm,
-                                            int stage, const Block& blk, const Mask& mask, int i,
-                                            int row0) {
+// After that P V completed, before its stage is released: the slow path's put-back, and the
+// fence that orders this thread's generic reads of the stage before TMA rewrites it.
+__device__ __forceinline__ void put_back_if(int seen, Consumer& cs, const Smem& sm, int stage,
+                                            const Block& blk, const Mask& mask, int i, int row0) {
 #if FC_MASKED_V
-  if (poisoned) put_back_nonfinite(cs, sm.v(stage), mask, row0, (blk.n_last - i) * kBlockN);
+  if (seen == kPoisoned)
+    put_back_nonfinite(cs, sm.v(stage), mask, row0, (blk.n_last - i) * kBlockN);
+  if (seen != kStageOnly) fence_proxy_async();
 #endif
 }
 
@@ -558,7 +567,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
                                                 int wg_row0, int c, float scale_log2) {
   const int st = stage_of(ring);
   const int prev = stage_of(ring + kStages - 1);
-  bool poisoned = false;  // (FC_MASKED_V) tile i - 1's P V reads the clean copy: see v_for_pv
+  int seen = kStageOnly;  // (FC_MASKED_V) what v_for_pv did with tile i - 1's V stage
   uint32_t v_prev = sm.v(prev);
   mbar_wait(sm.k_full(st), parity_of(ring));
   // With ping-pong, wait for V before taking the turn (never hold it while waiting for data);
@@ -567,7 +576,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   constexpr bool kVBeforeTurn = kPingPong || FC_MASKED_V;
   if constexpr (kVBeforeTurn && !kFirst) {
     mbar_wait(sm.v_full(prev), parity_of(ring - 1));
-    v_prev = v_for_pv(sm, prev, blk, mask, i - 1, wg_row0, c, poisoned);
+    v_prev = v_for_pv(sm, prev, blk, mask, i - 1, wg_row0, c, seen);
   }
   turn_begin(c);
   wgmma_fence_operands(cs.s);
@@ -598,7 +607,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     wgmma_wait<0>();
     cs.hold_p();
     wgmma_fence_operands(cs.o);
-    put_back_if(poisoned, cs, sm, prev, blk, mask, i - 1, row0);
+    put_back_if(seen, cs, sm, prev, blk, mask, i - 1, row0);
     release(sm.v_empty(prev));
   }
   cs.rescale(corr);
@@ -609,9 +618,9 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
 __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block& blk,
                                       const Mask& mask, int i, int last, int row0, int wg_row0,
                                       int c) {
-  bool poisoned;
+  int seen;
   mbar_wait(sm.v_full(stage_of(last)), parity_of(last));
-  const uint32_t v = v_for_pv(sm, stage_of(last), blk, mask, i, wg_row0, c, poisoned);
+  const uint32_t v = v_for_pv(sm, stage_of(last), blk, mask, i, wg_row0, c, seen);
   turn_begin(c);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
@@ -620,7 +629,7 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
   wgmma_wait<0>();
   cs.hold_p();
   wgmma_fence_operands(cs.o);
-  put_back_if(poisoned, cs, sm, stage_of(last), blk, mask, i, row0);
+  put_back_if(seen, cs, sm, stage_of(last), blk, mask, i, row0);
   release(sm.v_empty(stage_of(last)));
 }
 
