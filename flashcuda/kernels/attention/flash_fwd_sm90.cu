@@ -520,9 +520,11 @@ __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, con
 #endif
 
 // What v_for_pv did with a tile's V stage (FC_MASKED_V; always kStageOnly otherwise).
-constexpr int kStageOnly = 0;  // not read here: the tile is not masked for this warpgroup
-constexpr int kScanned = 1;    // scanned (generic reads of the stage), no NaN / Inf
-constexpr int kPoisoned = 2;   // scanned, NaN / Inf found: the P V reads the clean copy
+enum VStageUse : int {
+  kStageOnly = 0,  // not read here: the tile is not masked for this warpgroup
+  kScanned = 1,    // scanned (generic reads of the stage), no NaN / Inf
+  kPoisoned = 2,   // scanned, NaN / Inf found: the P V reads the clean copy
+};
 
 // The V tile the P V of visit-order tile i reads: its stage, or (FC_MASKED_V: the tile masked
 // for this warpgroup's rows and holding a NaN / Inf) the warpgroup's clean copy; `seen` says
