@@ -27,3 +27,13 @@ def env_values(prepared: tuple) -> tuple:
         get = _data.get
         return tuple([get(n) for n in prepared])
     return tuple([os.environ.get(n) for n in prepared])
+
+
+def flag(name: str, default: bool) -> bool:
+    """A 0 / 1 switch: `default` when unset or empty; any other value is refused, naming it."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw in ("1", "0"):
+        return raw == "1"
+    raise ValueError(f"{name}: expected 0, 1 or unset, got {raw!r}")

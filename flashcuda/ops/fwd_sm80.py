@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._env import flag
 from ..jit import KernelSpec, get_kernel, register
 from .call import DTYPE_CODE, DTYPE_NAME, FwdCall, fwd_kernel_args, vector_layout_problem
 
@@ -180,10 +181,7 @@ def exact_rowsum() -> bool:
 def masked_v() -> bool:
     """FLASHCUDA_SM80_FWD_MASKED_V=1: the variant in which non-finite V in a partly seen key tile
     reaches only the rows that see its key (0 / unset: the default kernel)."""
-    raw = os.environ.get(MASKED_V_ENV, "").strip() or "0"
-    if raw not in ("0", "1"):
-        raise ValueError(f"{MASKED_V_ENV}: expected 0 or 1, got {raw!r}")
-    return raw == "1"
+    return flag(MASKED_V_ENV, False)
 
 
 def config_for(call: FwdCall) -> Sm80FwdConfig:

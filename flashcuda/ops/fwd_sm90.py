@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._env import env_names, env_values
+from .._env import env_names, env_values, flag
 from ..jit import KernelSpec, get_kernel, register
 from ..jit.tensor_map import bshd_map, bshd_problem
 from .call import (
@@ -191,25 +191,16 @@ SNAKE_FROM = 4096  # seqlen_q from which a masked call walks its tiles in snake 
 MASKED_V_ENV = "FLASHCUDA_SM90_FWD_MASKED_V"
 
 
-def _flag(env: str, default: bool) -> bool:
-    raw = os.environ.get(env, "").strip()
-    if not raw:
-        return default
-    if raw in ("1", "0"):
-        return raw == "1"
-    raise ValueError(f"{env}: expected 0, 1 or unset, got {raw!r}")
-
-
 def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
             pingpong: bool | None = None, snake: bool | None = None,
             windowed: bool = False, seqlen_q: int = LONG,
             masked_v: bool | None = None) -> Sm90FwdConfig:
-    pingpong = _flag(PINGPONG_ENV, True) if pingpong is None else pingpong
+    pingpong = flag(PINGPONG_ENV, True) if pingpong is None else pingpong
     if snake is None:
-        snake = _flag(SNAKE_ENV, windowed and seqlen_q >= SNAKE_FROM)
+        snake = flag(SNAKE_ENV, windowed and seqlen_q >= SNAKE_FROM)
     if masked_v is None:  # without a window every key below seqlen_k is seen by every row;
         # built for the windowed tiles only (d128 x 176 with a clean tile per consumer would not fit)
-        masked_v = (windowed and _flag(MASKED_V_ENV, False)
+        masked_v = (windowed and flag(MASKED_V_ENV, False)
                     and (block_m, block_n) in WINDOWED_TILES[head_dim])
     return Sm90FwdConfig(dtype, head_dim, block_m, block_n,
                          consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong,

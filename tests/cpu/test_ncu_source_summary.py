@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import io
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from . import script_module
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("ncu_source_summary",
-                                                  ROOT / "scripts" / "ncu_source_summary.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module.load("ncu_source_summary")
 
 
 CSV = '''==PROF== a line ncu prints first

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from . import script_module
 
 
 @pytest.fixture(scope="module")
 def tl():
-    spec = importlib.util.spec_from_file_location("sm90_timeline",
-                                                  ROOT / "scripts" / "sm90_timeline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return script_module.load("sm90_timeline")
 
 
 def _buffer(rows, grid, consumers, slots):

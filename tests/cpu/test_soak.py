@@ -3,25 +3,19 @@ run record and the exit status (the loop itself runs on the portable path, `--de
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from . import script_module
 
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("soak_script", ROOT / "scripts" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield script_module.load("soak", "soak_script")
+    sys.modules.pop("soak_script", None)
 
 
 def test_sampler_ranges_and_mix(soak):
@@ -109,10 +103,7 @@ def test_a_run_writes_a_record_and_passes(soak, tmp_path, capsys):
     assert record["memory"]["verdict"].startswith("not measured")
     out = capsys.readouterr().out
     assert "[soak]" in out and out.strip().splitlines()[-1].startswith("soak: PASS  6/6 calls")
-    spec = importlib.util.spec_from_file_location("lane_summary", ROOT / "scripts" /
-                                                  "lane_summary.py")
-    lane = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lane)
+    lane = script_module.load("lane_summary")
     summary = lane.soak_summary(record, path.name)
     assert summary["status"] == "pass" and summary["calls"] == 6
     assert summary["line"].startswith("soak: PASS 6/6 calls") and "not measured" in summary["line"]

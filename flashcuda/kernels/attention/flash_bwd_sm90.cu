@@ -175,12 +175,8 @@ static_assert(kHeadDim == 64 || kHeadDim == 128, "sm90 kernel: head dim 64 or 12
 static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
 static_assert(kBlockM == 64 || kBlockM == 128, "wgmma_ss is instantiated for n = 64, 128");
 static_assert(kBlockM * kHeadDim == 64 * 64 * kConsumers, "one 64 x 64 dQ tile per consumer");
-// setmaxnreg moves registers inside the pool the CTA got at launch (the per-thread cap of
-// __launch_bounds__(kThreads, 1), 65536 / kThreads rounded down to 8, times kThreads): an inc the
-// decs cannot cover waits forever.
-static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <=
-                  (65536 / kThreads) / 8 * 8 * kThreads,
-              "register split over the CTA's pool at launch");
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= register_pool(kThreads),
+              "register split over the CTA's pool at launch (register_pool, sm90.cuh)");
 static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm90BwdConfig.smem_bytes");
 static_assert(kSmemDqStage % 16 == 0 && (kDqStageStride * 4) % 16 == 0,
               "bulk reduction sources are 16-byte aligned");

@@ -56,6 +56,7 @@
 #include "common/sm80.cuh"
 #include "attention/mask.cuh"
 #include "attention/online_softmax.cuh"
+#include "attention/nonfinite.cuh"
 
 using T = typename dtype_of<FC_DTYPE>::type;
 constexpr int kHeadDim = FC_HEAD_DIM;  // kernel head dim (runtime head_dim <= kHeadDim)
@@ -353,14 +354,6 @@ __device__ __forceinline__ const T* kv_rows(const T* base, int64_t batch_stride,
 // costs one scan per masked tile (until session 7 the vote was a barrier of its own after a
 // scan of the whole tile: 7-9% at 1k causal in the A/B).
 // (A seen key whose p underflowed to 0 counts as weighted: IEEE would give 0 x Inf = NaN there.)
-constexpr uint32_t kHalfExp = FC_DTYPE == 1 ? 0x7c00u : 0x7f80u;   // fp16 / bf16 exponent bits
-constexpr uint32_t kHalfMant = FC_DTYPE == 1 ? 0x03ffu : 0x007fu;  // and mantissa bits
-
-// Whether either 16-bit value of `w` is NaN or +-Inf (exponent bits all ones).
-__device__ __forceinline__ bool has_nonfinite(uint32_t w) {
-  return (w & kHalfExp) == kHalfExp || ((w >> 16) & kHalfExp) == kHalfExp;
-}
-
 // Whether a value in the V chunks this thread copied (the loader's passes and atoms) is not
 // finite. Called after this thread's cp.async wait, when its own copies are visible to it, so
 // that the CTA's vote rides on the barrier the loop takes there anyway.
@@ -373,7 +366,8 @@ __device__ __forceinline__ bool own_v_chunks_nonfinite(const KVLoader& loader,
     const uint4 w = *reinterpret_cast<const uint4*>(
         v_tile + loader.smem_offset + atom * KVTile::kAtomBytes +
         pass * KVLoader::kRowsPerPass * KVTile::kAtomCols * 2);
-    bad |= has_nonfinite(w.x) | has_nonfinite(w.y) | has_nonfinite(w.z) | has_nonfinite(w.w);
+    bad |= word_nonfinite<T>(w.x) | word_nonfinite<T>(w.y) | word_nonfinite<T>(w.z) |
+           word_nonfinite<T>(w.w);
   }
   return bad != 0;
 }
@@ -392,8 +386,8 @@ __device__ __forceinline__ void v_tile_take_nonfinite(uint8_t* v_tile, uint32_t*
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const uint16_t bits = x[k];
-      if ((bits & kHalfExp) != kHalfExp) continue;
-      const int kind = (bits & kHalfMant) ? 0 : (bits & 0x8000u) ? 2 : 1;
+      if (!half_nonfinite<T>(bits)) continue;
+      const int kind = nonfinite_kind<T>(bits);
       const int col = chunk * 8 + k;
       atomicOr(&table[(kind * kHeadDim + col) * kBadWords + row / 32], 1u << (row % 32));
       x[k] = 0;

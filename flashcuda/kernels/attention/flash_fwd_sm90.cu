@@ -52,8 +52,10 @@
 // A row that sees no key gets out = 0 and lse = -inf (OnlineSoftmax's guards).
 #include "common/types.cuh"
 #include "common/sm90.cuh"
+#include "common/smem.cuh"
 #include "attention/mask.cuh"
 #include "attention/online_softmax.cuh"
+#include "attention/nonfinite.cuh"
 
 using T = typename dtype_of<FC_DTYPE>::type;
 constexpr int kHeadDim = FC_HEAD_DIM;
@@ -95,11 +97,8 @@ static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroup
 static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma n, TMA box rows <= 256");
 static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 176,
               "wgmma_ss is instantiated for n = 64, 128, 176");
-// setmaxnreg moves registers inside the pool the CTA got at launch (65536 / threads rounded down
-// to 8, times threads): an inc the decs cannot cover waits forever.
-static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <=
-                  (65536 / (128 * (1 + kConsumers))) / 8 * 8 * (128 * (1 + kConsumers)),
-              "register split over the CTA's pool at launch");
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= register_pool(kThreads),
+              "register split over the CTA's pool at launch (register_pool, sm90.cuh)");
 // The host config (flashcuda/ops/fwd_sm90.py) computes the launch's dynamic smem; it must agree.
 static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm90FwdConfig.smem_bytes");
 
@@ -399,39 +398,6 @@ __device__ __forceinline__ void turn_close(int c) {
 // so TMA's next write into it cannot overtake them.
 #if FC_MASKED_V
 constexpr int kVoteBarrier = 8;  // + c; 1 .. kConsumers are the ping-pong turns
-constexpr uint32_t kHalfExp = FC_DTYPE == 1 ? 0x7c00u : 0x7f80u;   // fp16 / bf16 exponent bits
-constexpr uint32_t kHalfMant = FC_DTYPE == 1 ? 0x03ffu : 0x007fu;  // and mantissa bits
-
-__device__ __forceinline__ bool half_nonfinite(uint32_t h) { return (h & kHalfExp) == kHalfExp; }
-
-__device__ __forceinline__ bool word_nonfinite(uint32_t w) {
-  return half_nonfinite(w & 0xffffu) || half_nonfinite(w >> 16);
-}
-
-__device__ __forceinline__ uint32_t word_zero_nonfinite(uint32_t w) {
-  const uint32_t lo = half_nonfinite(w & 0xffffu) ? 0u : (w & 0xffffu);
-  const uint32_t hi = half_nonfinite(w >> 16) ? 0u : (w >> 16);
-  return lo | (hi << 16);
-}
-
-__device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
-  uint4 r;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
-  return r;
-}
-
-__device__ __forceinline__ void st_shared_16(uint32_t addr, const uint4& v) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
-               ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
-
-__device__ __forceinline__ uint32_t ld_shared_4(uint32_t addr) {
-  uint32_t r;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(r) : "r"(addr));
-  return r;
-}
-
 // True in every thread of warpgroup c if `pred` holds in any of them (a barrier of its own).
 __device__ __forceinline__ bool warpgroup_any(bool pred, int c) {
   uint32_t any;
@@ -449,8 +415,9 @@ __device__ __forceinline__ bool v_tile_poisoned(uint32_t v, int c) {
   bool bad = false;
 #pragma unroll 1
   for (int e = lt; e < kKVBytes / 16; e += 128) {
-    const uint4 w = ld_shared_16(v + 16 * e);
-    bad |= word_nonfinite(w.x) | word_nonfinite(w.y) | word_nonfinite(w.z) | word_nonfinite(w.w);
+    const Bytes16 w = load_shared_16(v + 16 * e);
+    bad |= word_nonfinite<T>(w.x) | word_nonfinite<T>(w.y) | word_nonfinite<T>(w.z) |
+           word_nonfinite<T>(w.w);
   }
   return warpgroup_any(bad, c);
 }
@@ -460,12 +427,12 @@ __device__ __forceinline__ void copy_clean_v(uint32_t dst, uint32_t v, int c) {
   const int lt = static_cast<int>(threadIdx.x & 127);
 #pragma unroll 1
   for (int e = lt; e < kKVBytes / 16; e += 128) {
-    uint4 w = ld_shared_16(v + 16 * e);
-    w.x = word_zero_nonfinite(w.x);
-    w.y = word_zero_nonfinite(w.y);
-    w.z = word_zero_nonfinite(w.z);
-    w.w = word_zero_nonfinite(w.w);
-    st_shared_16(dst + 16 * e, w);
+    Bytes16 w = load_shared_16(v + 16 * e);
+    w.x = word_zero_nonfinite<T>(w.x);
+    w.y = word_zero_nonfinite<T>(w.y);
+    w.z = word_zero_nonfinite<T>(w.z);
+    w.w = word_zero_nonfinite<T>(w.w);
+    store_shared_16(dst + 16 * e, w);
   }
   fence_proxy_async();
   named_barrier_sync(kVoteBarrier + c, 128);
@@ -475,10 +442,6 @@ __device__ __forceinline__ void copy_clean_v(uint32_t dst, uint32_t v, int c) {
 __device__ __forceinline__ uint32_t v_offset(int key, int d) {
   const int unit = (d % 64) / 8;
   return (d / 64) * kKVChunkBytes + key * 128 + ((unit ^ (key & 7)) * 16) + (d % 8) * 2;
-}
-
-__device__ __forceinline__ float half_special(uint32_t h) {  // h is NaN / +-Inf
-  return __int_as_float((h & kHalfMant) ? 0x7fc00000 : (h & 0x8000u) ? 0xff800000 : 0x7f800000);
 }
 
 // Slow path, part 2, once the P V from the clean copy has completed: into each of this thread's
@@ -499,13 +462,13 @@ __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, con
     float add[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll 1
     for (int key = first; key < last; ++key) {
-      const uint32_t w = ld_shared_4(v + v_offset(key, 8 * j + 2 * t));
-      if (!word_nonfinite(w)) continue;
+      const uint32_t w = load_shared_32(v + v_offset(key, 8 * j + 2 * t));
+      if (!word_nonfinite<T>(w)) continue;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const uint32_t bits = e ? (w >> 16) : (w & 0xffffu);
-        if (!half_nonfinite(bits)) continue;
-        const float x = half_special(bits);
+        if (!half_nonfinite<T>(bits)) continue;
+        const float x = nonfinite_value<T>(bits);
 #pragma unroll
         for (int h = 0; h < 2; ++h)
           if (key >= lo[h] && key < hi[h]) add[h][e] += x;

@@ -18,6 +18,7 @@
 // lane/4, rows 2(lane%4)..+1 of the stored one).
 #pragma once
 #include "common/types.cuh"
+#include "common/smem.cuh"
 
 // ---- addresses ---------------------------------------------------------------------------------
 
@@ -59,21 +60,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
-}
-
-__device__ __forceinline__ void store_shared_32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-
-struct __align__(16) Bytes16 { uint32_t x, y, z, w; };
-
-__device__ __forceinline__ Bytes16 load_shared_16(uint32_t addr) {
-  Bytes16 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
 }
 
 __device__ __forceinline__ void store_global_16(void* p, const Bytes16& v) {

@@ -171,6 +171,14 @@ __device__ __forceinline__ void fence_proxy_async() {
 
 // ---- warp specialisation ----------------------------------------------------------------------
 
+// Registers a CTA of `threads` threads holds from launch under __launch_bounds__(threads, 1): the
+// per-thread cap (65536 / threads, rounded down to 8) times threads. setmaxnreg moves registers
+// inside this pool; an inc that the decs cannot cover waits forever (flashcuda/ops/call.py
+// register_pool, the host's copy of the rule).
+__host__ __device__ constexpr int register_pool(int threads) {
+  return (65536 / threads) / 8 * 8 * threads;
+}
+
 // Registers per thread for the rest of the kernel: every warp of the warpgroup must execute the
 // same call, and the kernel needs a register cap at entry (__launch_bounds__(threads, 1)).
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
