@@ -21,9 +21,10 @@ softmax + P V, so a deeper pipeline would only cost shared memory (occupancy). T
 The row sums of P are carried across key tiles with round-to-nearest adds (the default since
 session 7: accumulated on the tensor cores over the whole row, FLASHCUDA_SM80_FWD_ROWSUM=mma, they
 leave lse ~2.4e-4 low at 65537 keys; the exact sums cost 0-2% in the same-run A/B; see the .cu).
-FLASHCUDA_SM80_FWD_MASKED_V=1 runs the variant in which a NaN / Inf in V reaches only the rows
-that see its key, also inside partly seen key tiles (opt-in: 1-2% slower on long rows, 7-9% at
-1k causal in the same-run A/B; see the .cu).
+A NaN / Inf in V reaches only the rows that see its key, also inside partly seen key tiles (the
+default since session 8, once its vote rode on the loop's own barrier: 0-4% at 1k causal, 0-2% on
+long rows in the same-run A/B; FLASHCUDA_SM80_FWD_MASKED_V=0 runs the variant without the scan,
+for A/B runs; see the .cu).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_GRID_YZ = 65535
 MAX_SEQLEN_SUM = 2**30
 ROWSUM_ENV = "FLASHCUDA_SM80_FWD_ROWSUM"  # exact (default) / mma (A/B): Sm80FwdConfig.exact_rowsum
-MASKED_V_ENV = "FLASHCUDA_SM80_FWD_MASKED_V"  # 0 (default) / 1: see Sm80FwdConfig.masked_v
+MASKED_V_ENV = "FLASHCUDA_SM80_FWD_MASKED_V"  # 1 (default) / 0 (A/B): Sm80FwdConfig.masked_v
 
 # (max dynamic smem per block with opt-in, smem per SM) by compute capability, for when torch's
 # device properties lack them; also the device classes `variants()` plans for.
@@ -76,9 +77,9 @@ class Sm80FwdConfig:
     # the row sums of P carried across key tiles with round-to-nearest adds (lse exact on long
     # rows; False: FLASHCUDA_SM80_FWD_ROWSUM=mma, the tensor cores' sum over the row, A/B)
     exact_rowsum: bool = True
-    # non-finite V in a partly seen key tile reaches only the rows that see its key
-    # (FLASHCUDA_SM80_FWD_MASKED_V=1, A/B, see the .cu); + a bit table in shared memory
-    masked_v: bool = False
+    # non-finite V in a partly seen key tile reaches only the rows that see its key (default;
+    # False: FLASHCUDA_SM80_FWD_MASKED_V=0, A/B, see the .cu); + a bit table in shared memory
+    masked_v: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -108,7 +109,7 @@ class Sm80FwdConfig:
     def name(self) -> str:
         return (f"flash_fwd_sm80_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_w{self.warps}"
-                + ("" if self.exact_rowsum else "_mrs") + ("_mv" if self.masked_v else ""))
+                + ("" if self.exact_rowsum else "_mrs") + ("" if self.masked_v else "_nomv"))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -120,7 +121,7 @@ class Sm80FwdConfig:
             "FC_SMEM_BYTES": self.smem_bytes,
             # only the A/B variants name their switches (the .cu defaults are the default kernel)
             **({} if self.exact_rowsum else {"FC_EXACT_ROWSUM": 0}),
-            **({"FC_MASKED_V": 1} if self.masked_v else {}),
+            **({} if self.masked_v else {"FC_MASKED_V": 0}),
         })
 
     def grid(self, call: FwdCall) -> tuple[int, int, int]:
@@ -133,8 +134,10 @@ def kernel_head_dim(head_dim: int) -> int | None:
 
 
 def select_config(dtype: torch.dtype, head_dim: int, smem_per_block: int,
-                  smem_per_sm: int) -> Sm80FwdConfig:
-    """The tile choice for a (runtime) head dim on a device with the given shared memory."""
+                  smem_per_sm: int, masked_v: bool = True) -> Sm80FwdConfig:
+    """The tile choice for a (runtime) head dim on a device with the given shared memory (FA2's,
+    made without the masked-V bit table), then the masked-V treatment where its table fits next
+    to those tiles: everywhere on A100 / H100-class parts; not d192 / d256 on 99 KB parts."""
     d = kernel_head_dim(head_dim)
     if d is None:
         raise ValueError(f"head_dim: expected at most {KERNEL_HEAD_DIMS[-1]}, got {head_dim}")
@@ -145,13 +148,14 @@ def select_config(dtype: torch.dtype, head_dim: int, smem_per_block: int,
     elif d == 192:
         shape = (128, 64, 8)
     else:  # FA2's rule for d256: the 128 KB config only where two 96 KB CTAs do not fit an SM
-        big = Sm80FwdConfig(dtype, d, 128, 64, 8)
+        big = Sm80FwdConfig(dtype, d, 128, 64, 8, masked_v=False)
         fits_big = smem_per_block >= big.smem_bytes and smem_per_sm < 2 * 98304
         shape = (128, 64, 8) if fits_big else (64, 64, 4)
-    cfg = Sm80FwdConfig(dtype, d, *shape)
+    cfg = Sm80FwdConfig(dtype, d, *shape, masked_v=False)
     if cfg.smem_bytes > smem_per_block:
-        cfg = Sm80FwdConfig(dtype, d, 64, 64, 4)
-    return cfg
+        cfg = Sm80FwdConfig(dtype, d, 64, 64, 4, masked_v=False)
+    with_table = dataclasses.replace(cfg, masked_v=True)
+    return with_table if masked_v and with_table.smem_bytes <= smem_per_block else cfg
 
 
 @functools.cache
@@ -179,15 +183,15 @@ def exact_rowsum() -> bool:
 
 
 def masked_v() -> bool:
-    """FLASHCUDA_SM80_FWD_MASKED_V=1: the variant in which non-finite V in a partly seen key tile
-    reaches only the rows that see its key (0 / unset: the default kernel)."""
-    return flag(MASKED_V_ENV, False)
+    """Non-finite V in a partly seen key tile reaches only the rows that see its key (unset / 1:
+    the default kernel; FLASHCUDA_SM80_FWD_MASKED_V=0: the A/B variant without the scan)."""
+    return flag(MASKED_V_ENV, True)
 
 
 def config_for(call: FwdCall) -> Sm80FwdConfig:
     _, per_block, per_sm = _device_info(_device_index(call.device))
-    cfg = select_config(call.dtype, call.head_dim, per_block, per_sm)
-    return dataclasses.replace(cfg, exact_rowsum=exact_rowsum(), masked_v=masked_v())
+    cfg = select_config(call.dtype, call.head_dim, per_block, per_sm, masked_v=masked_v())
+    return dataclasses.replace(cfg, exact_rowsum=exact_rowsum())
 
 
 def can_implement(call: FwdCall) -> str | None:
@@ -243,15 +247,15 @@ def run(call: FwdCall) -> None:
 
 def configs() -> list[Sm80FwdConfig]:
     """Every config `select_config` can return on the device classes of _SMEM_BY_CC, each also
-    with the tensor cores' row sums (FLASHCUDA_SM80_FWD_ROWSUM=mma) and, separately, with the
-    masked-V treatment (FLASHCUDA_SM80_FWD_MASKED_V=1)."""
+    with the tensor cores' row sums (FLASHCUDA_SM80_FWD_ROWSUM=mma) and, separately, without the
+    masked-V treatment (FLASHCUDA_SM80_FWD_MASKED_V=0)."""
     seen: dict[str, Sm80FwdConfig] = {}
     for dtype in DTYPES:
         for d in KERNEL_HEAD_DIMS:
             for per_block, per_sm in _SMEM_BY_CC.values():
                 cfg = select_config(dtype, d, per_block, per_sm)
                 seen.setdefault(cfg.name, cfg)
-                for exact, mv in ((False, False), (True, True)):
+                for exact, mv in ((False, True), (True, False)):
                     variant = dataclasses.replace(cfg, exact_rowsum=exact, masked_v=mv)
                     seen.setdefault(variant.name, variant)
     return list(seen.values())

@@ -25,8 +25,9 @@ from flashcuda.ops.fwd_sm80 import Sm80FwdConfig, kernel_head_dim, select_config
 
 ARCHS = ("sm_80", "sm_90a")
 SPILL_BUDGET = 32  # bytes of spill stores, and of stack frame
-# FLASHCUDA_SM80_FWD_MASKED_V=1 variants (opt-in): up to 88 bytes (sm_90a d192) since the vote
-# moved into the loop's barrier; the budget catches blow-ups (the first version spilled 1.1-1.7 KB)
+# Masked-V kernels (the default since session 8): up to 88 bytes (sm_90a d192; d128 56) since the
+# vote moved into the loop's barrier, in the put-back path; the same-run A/B measured d64 / d128 at
+# 0-4% of the variant without it. The budget catches blow-ups (the first version spilled 1.1-1.7 KB)
 MASKED_V_SPILL_BUDGET = 96
 # (head_dim, block_m, block_n, warps) shapes that live at the 255-register cap (FA2's choices).
 TIGHT = {(96, 128, 64, 4), (128, 128, 64, 4)}
@@ -63,7 +64,7 @@ def test_compiles_within_register_budget(reports, cfg, arch):
     # The exact row sums (the default since session 7) cost one register at the cap: d64
     # spills 16 bytes on sm_90a with them; the same-run A/B put the whole cost at 0-2%.
     budget = SPILL_BUDGET if tight or (cfg.exact_rowsum and cfg.head_dim == 64) else 0
-    if cfg.masked_v:  # the masked-V opt-in: its scan and put-back cost up to 88 bytes
+    if cfg.masked_v:  # the masked-V scan and put-back cost up to 88 bytes
         budget = MASKED_V_SPILL_BUDGET
     assert res.spill_stores <= budget and res.stack_bytes <= budget, (
         f"{cfg.name} on {arch}: {res.spill_stores} bytes spill stores, {res.spill_loads} bytes "
@@ -97,8 +98,9 @@ def test_rowsum_switch(monkeypatch):
 
 
 def test_masked_v_switch(monkeypatch):
-    """FLASHCUDA_SM80_FWD_MASKED_V=1 picks the masked-V variant of the same tiles (name, define,
-    the bit table in shared memory); 0 or unset the default; other values are refused."""
+    """Unset or FLASHCUDA_SM80_FWD_MASKED_V=1 picks the masked-V kernel (the default since session
+    8: the .cu's own default, the bit table in shared memory); 0 the A/B variant of the same
+    tiles without it (name, define); other values are refused."""
     q = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16)
     call = FwdCall(q, q, q, q.clone(), torch.zeros(1, 2, 4), 0.125, None, 0)
     monkeypatch.setattr(fwd_sm80, "_device_info", lambda index: ((9, 0), *H100))
@@ -106,16 +108,33 @@ def test_masked_v_switch(monkeypatch):
     for env in (fwd_sm80.MASKED_V_ENV, fwd_sm80.ROWSUM_ENV):
         monkeypatch.delenv(env, raising=False)
     base = fwd_sm80.config_for(call)
-    assert not base.masked_v and "FC_MASKED_V" not in dict(base.spec().defines)
+    assert base.masked_v and "FC_MASKED_V" not in dict(base.spec().defines)
     monkeypatch.setenv(fwd_sm80.MASKED_V_ENV, "1")
-    mv = fwd_sm80.config_for(call)
-    assert mv.masked_v and mv.name == base.name + "_mv"
-    assert dict(mv.spec().defines)["FC_MASKED_V"] == "1"
-    assert mv.smem_bytes == base.smem_bytes + 3 * 128 * (base.block_n // 32) * 4
-    assert mv in fwd_sm80.configs()
+    assert fwd_sm80.config_for(call) == base
+    monkeypatch.setenv(fwd_sm80.MASKED_V_ENV, "0")
+    off = fwd_sm80.config_for(call)
+    assert not off.masked_v and off.name == base.name + "_nomv"
+    assert (off.block_m, off.block_n, off.warps) == (base.block_m, base.block_n, base.warps)
+    assert dict(off.spec().defines)["FC_MASKED_V"] == "0"
+    assert base.smem_bytes == off.smem_bytes + 3 * 128 * (base.block_n // 32) * 4
+    assert off in fwd_sm80.configs()
     monkeypatch.setenv(fwd_sm80.MASKED_V_ENV, "yes")
     with pytest.raises(ValueError, match=fwd_sm80.MASKED_V_ENV):
         fwd_sm80.config_for(call)
+
+
+def test_masked_v_where_its_table_fits():
+    """The tiles are FA2's whatever the masked-V table needs; the table rides along where it fits
+    next to them: every head dim on A100 / H100-class parts, all but d192 / d256 on 99 KB ones."""
+    for device in (A100, H100, SM86):
+        for d in (32, 64, 96, 128, 192, 256):
+            with_table = select_config(torch.bfloat16, d, *device)
+            without = select_config(torch.bfloat16, d, *device, masked_v=False)
+            assert (with_table.block_m, with_table.block_n, with_table.warps) == \
+                (without.block_m, without.block_n, without.warps)
+            assert not without.masked_v
+            assert with_table.masked_v == (device != SM86 or d <= 128), (device, d)
+            assert with_table.smem_bytes <= device[0]
 
 
 def test_variants_registered():
@@ -156,7 +175,7 @@ def test_config_is_the_single_source_of_truth():
     cfg = Sm80FwdConfig(torch.bfloat16, 128, 128, 64, 4)
     assert cfg.name == "flash_fwd_sm80_bf16_d128_bm128_bn64_w4"
     assert cfg.threads == 128
-    assert cfg.smem_bytes == (128 + 2 * 64) * 128 * 2
+    assert cfg.smem_bytes == (128 + 2 * 64) * 128 * 2 + 3 * 128 * (64 // 32) * 4
     defines = dict(cfg.spec().defines)
     assert defines == {"FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "128",
                        "FC_BLOCK_N": "64", "FC_WARPS": "4", "FC_SMEM_BYTES": str(cfg.smem_bytes)}

@@ -289,19 +289,20 @@ def test_default_rowsum_keeps_lse_exact_over_65537_keys(monkeypatch):
     assert err < 2e-5, f"lse error {err:.3e} over 65537 keys with the default (exact) row sums"
 
 
-# ---- non-finite V in partly seen tiles (FLASHCUDA_SM80_FWD_MASKED_V=1, A/B) -----------------------
+# ---- non-finite V in partly seen tiles (masked-V: the default; =0 the A/B variant) ---------------
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL, (37, 5)], ids=["full", "causal", "wl37-wr5"])
 @pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (FP16, 128), (BF16, 96)],
                          ids=["bf16-d64", "fp16-d128", "bf16-d96"])
-def test_masked_v_fast_path_is_the_default_kernel_bitwise(dtype, head_dim, window, monkeypatch):
-    """With finite inputs the masked-V variant only adds a scan and a vote: out and lse equal the
-    default kernel's bit for bit."""
+def test_masked_v_fast_path_is_the_kernel_without_it_bitwise(dtype, head_dim, window,
+                                                             monkeypatch):
+    """With finite inputs the masked-V kernel (the default) only adds a scan and a vote: out and
+    lse equal those of the variant without it (FLASHCUDA_SM80_FWD_MASKED_V=0) bit for bit."""
     q, k, v = make(2, 300, 517, 4, 2, head_dim, dtype, seed=19)
     scale = head_dim ** -0.5
     monkeypatch.setenv(fwd_sm80.MASKED_V_ENV, "0")
     want = run_ours(q, k, v, scale, window)
-    monkeypatch.setenv(fwd_sm80.MASKED_V_ENV, "1")
+    monkeypatch.delenv(fwd_sm80.MASKED_V_ENV)
     got = check(q, k, v, window)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -313,8 +314,8 @@ def test_masked_v_nonfinite_reaches_only_rows_that_see_it(dtype, head_dim, value
     in key 200 and -Inf in key 201, same columns). Rows 0..199 of head 1 (they do not see key
     200, yet share its tile) and all of head 0 equal a clean run's bit for bit; rows that see the
     key get exactly what IEEE gives (NaN; +Inf / -Inf in those columns and finite elsewhere; NaN
-    where +Inf and -Inf meet, from row 201)."""
-    monkeypatch.setenv(fwd_sm80.MASKED_V_ENV, "1")
+    where +Inf and -Inf meet, from row 201). The default kernel, no switch set."""
+    monkeypatch.delenv(fwd_sm80.MASKED_V_ENV, raising=False)
     q, k, v = make(1, 256, 256, 2, 2, head_dim, dtype, seed=20)
     scale = head_dim ** -0.5
     clean, clean_lse = run_ours(q, k, v, scale, CAUSAL)

@@ -90,7 +90,8 @@ constexpr int kSmemQ = 0;
 constexpr int kSmemK = kSmemQ + QTile::kBytes;
 constexpr int kSmemV = kSmemK + KVTile::kBytes;
 #ifndef FC_MASKED_V
-#define FC_MASKED_V 0  // non-finite V in a partly seen tile reaches only its rows (A/B, see below)
+#define FC_MASKED_V 1  // non-finite V in a partly seen tile reaches only its rows (default since
+                       // session 8; 0 = the A/B variant without the scan, see below)
 #endif
 // FC_MASKED_V: where the non-finite values of a partly seen tile's V are, as bits per key: kind
 // (0 NaN, 1 +Inf, 2 -Inf) x column x kBlockN / 32 words.
