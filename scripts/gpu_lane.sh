@@ -16,7 +16,8 @@
 #              "--kernel-regex kns=flash_" to check flashcuda's kernels only (not the oracle's)
 #   soak       scripts/soak.py: SOAK_CALLS (default 10000) random-shape calls through the API, an
 #              oracle check on a sample, memory flat; record soak-*.json (SOAK_ARGS: more options)
-#   host       host-side microseconds per call (scripts/host_overhead.py)
+#   host       host-side microseconds per call (scripts/host_overhead.py; HOST_ARGS, e.g.
+#              "--shape 1 2048 32 128 --causal")
 #   latency    first-call latency: compile in a fresh cache, cache hit in a new process
 #   bench      flashcuda bench --quick;   bench-full: the standard sweep;   ladder: ladder rungs
 #   ab-sm90    the sm90 forward's scheduling variants (ping-pong, snake order, both, neither)
@@ -94,7 +95,7 @@ for step in "${steps[@]}"; do
       timeout "${SOAK_TIMEOUT:-400}" python3 scripts/soak.py --calls "${SOAK_CALLS:-10000}" --max-seconds "${SOAK_MAX_SECONDS:-330}" \
         --out "$OUT" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1; rc=$?; tail -n 14 "$OUT/soak.log" ;;
     host)
-      python3 scripts/host_overhead.py > "$OUT/host-overhead.txt" 2>&1; rc=$?; head -n 3 "$OUT/host-overhead.txt" ;;
+      python3 scripts/host_overhead.py ${HOST_ARGS:-} > "$OUT/host-overhead.txt" 2>&1; rc=$?; head -n 30 "$OUT/host-overhead.txt" ;;
     latency)
       { python3 scripts/jit_latency.py --kernel smoke; python3 scripts/jit_latency.py --kernel flash; } \
         > "$OUT/latency.jsonl"; rc=$?; cat "$OUT/latency.jsonl" ;;
