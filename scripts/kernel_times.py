@@ -1,6 +1,6 @@
 """GPU time of each kernel a forward + backward launches, flashcuda against SDPA's backends.
 
-    python scripts/kernel_times.py [--shapes "32 512 16 128" ...] [--causal both|yes|no]
+    python scripts/kernel_times.py [--shapes "32 512 16 128" 1,2048,32,128 ...] [--causal both|yes|no]
 
 The bench measures a call between events, so host time can hide inside it; this lists what the
 GPU itself spends, per kernel (torch.profiler's CUDA activity, mean of `--repeats` calls after a
@@ -10,6 +10,7 @@ warm-up), and the sum per direction. Shapes are B S H D, bf16, BSHD for flashcud
 from __future__ import annotations
 
 import argparse
+import re
 import collections
 
 import torch
@@ -76,7 +77,7 @@ def main() -> None:
     a = ap.parse_args()
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[a.causal]
     for spec in a.shapes:
-        shape = tuple(int(x) for x in spec.split())
+        shape = tuple(int(x) for x in re.split(r"[\s,x]+", spec.strip()))
         for causal in causals:
             print(f"\n== shape (B, S, H, D) = {shape} bf16 causal={causal}: GPU us per call")
             for name in a.impls:
