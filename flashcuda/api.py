@@ -27,6 +27,8 @@ def _checked_qkv(q: object, k: object, v: object, names: tuple[str, str, str] = 
     """validate.check_qkv before any copy (a bad input never allocates), then a strided last
     dimension copied, and a copy checked again (its strides and offsets are new)."""
     validate.check_qkv(q, k, v, names=names, bhsd=bhsd, strided_last_ok=True)
+    if q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:  # the common case
+        return q, k, v
     qc, kc, vc = (_last_dim_contiguous(t, n) for t, n in zip((q, k, v), names, strict=True))
     if qc is not q or kc is not k or vc is not v:
         validate.check_qkv(qc, kc, vc, names=names, bhsd=bhsd)

@@ -76,6 +76,21 @@ def check_offsets(name: str, shape: Sequence[int], stride: Sequence[int],
         )
 
 
+def _layout_signature(t: object) -> tuple | None:
+    """Everything check_qkv reads of a tensor (dtype, device, shape, strides, storage offset),
+    or None for what the memo leaves alone (not exactly a torch.Tensor: subclasses, fakes)."""
+    if type(t) is not torch.Tensor:
+        return None
+    return (t.dtype, t.device, t.shape, t.stride(), t.storage_offset())
+
+
+# check_qkv's passes: (options, signatures of q, k, v) -> True. A repeat call with the same
+# layouts passes again without the checks (a serving loop's host time is mostly Python); a
+# failure is never stored, so a bad input raises every time.
+_passed: dict[tuple, bool] = {}
+_PASSED_SIZE = 1024
+
+
 def check_qkv(q: object, k: object, v: object, *, names: tuple[str, str, str] = ("q", "k", "v"),
               bhsd: bool = False, strided_last_ok: bool = False) -> None:
     """The three attention inputs, given as (B, S, H, D) tensors (or views).
@@ -85,6 +100,22 @@ def check_qkv(q: object, k: object, v: object, *, names: tuple[str, str, str] = 
     strided_last_ok=True: everything but the unit last stride (the public API checks first, then
     copies a strided last dimension, then checks again).
     """
+    key = None
+    if not torch.compiler.is_compiling():
+        sq, sk, sv = _layout_signature(q), _layout_signature(k), _layout_signature(v)
+        if sq is not None and sk is not None and sv is not None:
+            key = (names, bhsd, strided_last_ok, sq, sk, sv)
+            if key in _passed:
+                return
+    _check_qkv(q, k, v, names, bhsd, strided_last_ok)
+    if key is not None:
+        if len(_passed) >= _PASSED_SIZE:
+            _passed.clear()
+        _passed[key] = True
+
+
+def _check_qkv(q: object, k: object, v: object, names: tuple[str, str, str], bhsd: bool,
+               strided_last_ok: bool) -> None:
     qn, kn, vn = names
     q, k, v = check_tensor(q, qn), check_tensor(k, kn), check_tensor(v, vn)
     dims = _DIMS_BHSD if bhsd else _DIMS_BSHD
@@ -175,6 +206,10 @@ def fa_window(window_size: object, causal: bool) -> tuple[int | None, int | None
     kernel-side pair (window_left, window_right) with None meaning unbounded. causal sets
     window_right = 0 (bottom-right aligned diagonal), as FlashAttention does."""
     causal = check_flag(causal, "causal")
+    if type(window_size) is tuple and len(window_size) == 2:  # the common form, checked cheaply
+        left, right = window_size
+        if type(left) is int and type(right) is int and left >= -1 and right >= -1:
+            return (None if left == -1 else left), (0 if causal else None if right == -1 else right)
     if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence) \
             or len(window_size) != 2:
         raise TypeError(f"window_size: expected a pair (left, right) of ints, -1 meaning "

@@ -304,6 +304,8 @@ def main() -> None:
         ("kernel.launch", lambda: plan.kernel.launch(plan.grid, (cfg.threads, 1, 1), *maps, out,
                                                      lse, *plan.constants,
                                                      shared_mem=cfg.smem_bytes)),
+        ("plan.launch (prepared)", lambda: plan.launch(*(m.raw for m in maps), out.data_ptr(),
+                                                       lse.data_ptr())),
         ("  same, bare cuLaunchKernel", _bare_launch(plan.kernel, plan.grid, (cfg.threads, 1, 1),
                                                      (*maps, out, lse, *plan.constants),
                                                      cfg.smem_bytes)),

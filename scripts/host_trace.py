@@ -47,8 +47,7 @@ def staged_call(q, k, v, causal: bool, marks: list[float]) -> None:
     maps = (fwd_sm90.bshd_map(q, cfg.block_m), fwd_sm90.bshd_map(k, cfg.block_n),
             fwd_sm90.bshd_map(v, cfg.block_n))
     marks.append(now())
-    plan.kernel.launch(plan.grid, (cfg.threads, 1, 1), *maps, out, lse, *plan.constants,
-                       shared_mem=cfg.smem_bytes)
+    plan.launch(*(m.raw for m in maps), out.data_ptr(), lse.data_ptr())
     marks.append(now())
     assert module is fwd_sm90
 

@@ -10,8 +10,8 @@ warm-up), and the sum per direction. Shapes are B S H D, bf16, BSHD for flashcud
 from __future__ import annotations
 
 import argparse
-import re
 import collections
+import re
 
 import torch
 from torch.profiler import ProfilerActivity, profile

@@ -325,6 +325,70 @@ class CompiledKernel:
                                  f"smem={shared_mem}")
 
 
+class PreparedLaunch:
+    """A launch whose grid, block, shared memory, argument kinds and trailing argument values are
+    fixed (what a plan of a kernel family decides once), for the per-call hot path.
+
+        launch = PreparedLaunch(kernel, grid, block, smem, example_args, fixed=len(constants))
+        launch(map_q.raw, map_k.raw, map_v.raw, out.data_ptr(), lse.data_ptr())
+
+    `example_args` are the arguments as kernel.launch takes them; their kinds set the layout (as
+    pack_args packs it, checked against the kernel's parameter list once) and their last `fixed`
+    values are packed once. A call passes the leading values raw (a device pointer as an int for
+    a tensor, a tensor map's 128 bytes, a Python number for a scalar) and packs them with one
+    struct.pack_into into a parameter buffer of the calling thread's (the driver copies the
+    parameters during cuLaunchKernel, so the buffer is free again when the call returns), then
+    launches on torch's current stream. The caller owns the values' meaning: nothing here checks
+    a pointer's device (kernel.launch does; a family's plan key holds the device).
+    """
+
+    def __init__(self, kernel: CompiledKernel, grid, block, shared_mem: int, example_args: tuple,
+                 fixed: int = 0) -> None:
+        packed, offsets = pack_args(kernel.name, example_args, kernel.device_index)
+        if not kernel.abi_checked:
+            kernel.check_abi(example_args, packed, offsets)
+            kernel.abi_checked = True
+        if shared_mem > kernel.smem_limit:
+            _make_current(kernel.device_index)
+            kernel._raise_smem_limit(shared_mem)
+        codes = "".join(pack_code(a) for a in example_args)
+        free = len(codes) - fixed
+        full, self.offsets = _layout(codes)
+        # the leading values' struct ends where the first fixed value starts (its own padding
+        # included), so packing it never writes over the fixed tail
+        self.head = _layout(codes[:free])[0] if free else struct.Struct("=")
+        self.tail = packed[self.offsets[free]:] if fixed else b""
+        self.tail_at = self.offsets[free] if fixed else full.size
+        self.size = full.size
+        self.kernel = kernel
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.block = tuple(block) + (1,) * (3 - len(block))
+        self.shared_mem = shared_mem
+        self._local = threading.local()
+
+    def _buffers(self) -> tuple:
+        """This thread's parameter buffer (fixed tail written) and its kernelParams array."""
+        params = ctypes.create_string_buffer(max(self.size, 1))
+        base = ctypes.addressof(params)
+        ctypes.memmove(base + self.tail_at, self.tail, len(self.tail))
+        pointers = (ctypes.c_void_p * max(len(self.offsets), 1))(*[base + o for o in self.offsets])
+        self._local.buffers = (params, pointers)
+        return params, pointers
+
+    def __call__(self, *values, stream=None) -> None:
+        buffers = getattr(self._local, "buffers", None)
+        params, pointers = buffers if buffers is not None else self._buffers()
+        self.head.pack_into(params, 0, *values)
+        index = self.kernel.device_index
+        _make_current(index)
+        handle = _current_stream_handle(index) if stream is None else stream.cuda_stream
+        err = _libcuda().cuLaunchKernel(self.kernel.function_handle, *self.grid, *self.block,
+                                        self.shared_mem, handle, pointers, None)
+        if err:
+            raise _cu_error(err, f"launching {self.kernel.name} grid={self.grid} "
+                                 f"block={self.block} smem={self.shared_mem}")
+
+
 def device_arch(device_index: int) -> str:
     import torch
 

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from .._env import env_names, env_values
-from ..jit import KernelSpec, get_kernel, register
+from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
 from ..jit.tensor_map import bshd_map, bshd_problem
 from . import bwd_sm80
 from .call import (
@@ -59,7 +59,6 @@ from .call import (
     LOG2E,
     BwdCall,
     kernel_windows,
-    layout_key,
     register_pool,
     vector_layout_problem,
 )
@@ -351,20 +350,15 @@ def _strides(t: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a call's layout decides once: the config, the three kernels, their grids and the
-    arguments that do not change with the data addresses."""
+    """What a call's layout decides once: the config and the three kernels' launches, their
+    grids and every argument that does not change with the data addresses fixed (a call packs
+    only pointers and tensor maps)."""
 
     cfg: Sm90BwdConfig
     sq_pad: int
-    pre: object  # kernel: out, dout, lse, lse2, delta, dq_accum, then pre_args
-    main: object  # kernel: map_q, map_k, map_v, map_dout, lse2, delta, dq_accum, dk, dv, main_args
-    convert: object  # kernel: dq_accum, dq, then convert_args
-    pre_grid: tuple[int, int, int]
-    main_grid: tuple[int, int, int]
-    convert_grid: tuple[int, int, int]
-    pre_args: tuple
-    main_args: tuple
-    convert_args: tuple
+    pre: PreparedLaunch  # out, dout, lse, lse2, delta, dq_accum
+    main: PreparedLaunch  # map_q, map_k, map_v, map_dout, lse2, delta, dq_accum, dk, dv
+    convert: PreparedLaunch  # dq_accum, dq
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -377,9 +371,7 @@ def _plan_key(call: BwdCall) -> tuple:
     alignment, which TMA and the vector accesses care about): a hit skips can_implement, so a
     field missing here would let a call the family refuses reach the kernel."""
     return (call.dtype, call.device, call.deterministic, call.window_left, call.window_right,
-            call.softmax_scale, env_values(_KEY_ENV),
-            *map(layout_key, (call.q, call.k, call.v, call.out, call.dout, call.lse, call.dq,
-                              call.dk, call.dv)))
+            call.softmax_scale, env_values(_KEY_ENV), *call.layouts())
 
 
 def _plan(call: BwdCall) -> _Plan:
@@ -399,20 +391,31 @@ def _plan(call: BwdCall) -> _Plan:
     dev = call.device
     # run() copies a strided lse to a contiguous one: its strides are then (h * sq, sq, 1)
     lse_strides = call.lse.stride()[:2] if call.lse.stride(-1) == 1 else (h * sq, sq)
+    pre_args = (*_strides(call.out), *_strides(call.dout), np.int64(lse_strides[0]),
+                np.int64(lse_strides[1]), np.int32(sq), np.int32(h), np.int32(d),
+                np.int32(sq_pad))
+    main_args = (*_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk),
+                 np.int32(h), np.int32(hkv), np.int32(sq_pad),
+                 np.float32(call.softmax_scale * LOG2E), scale, wl, wr)
+    convert_args = (*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
+                    np.int32(sq_pad), scale)
+    # any tensor of the call stands for a pointer argument's kind (run() passes the addresses)
+    t = call.lse
+    main_maps = tuple(bshd_map(x, rows) for x, rows in ((call.q, cfg.block_m),
+                                                        (call.k, cfg.block_n),
+                                                        (call.v, cfg.block_n),
+                                                        (call.dout, cfg.block_m)))
     plan = _Plan(
-        cfg, sq_pad, get_kernel(aux.pre_spec(), dev), get_kernel(cfg.spec(), dev),
-        get_kernel(aux.convert_spec(), dev),
-        pre_grid=(sq_pad // aux.aux_rows, h, b),
-        main_grid=cfg.grid(call),
-        convert_grid=(-(-sq // aux.aux_rows), h, b),
-        pre_args=(*_strides(call.out), *_strides(call.dout), np.int64(lse_strides[0]),
-                  np.int64(lse_strides[1]), np.int32(sq), np.int32(h), np.int32(d),
-                  np.int32(sq_pad)),
-        main_args=(*_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk),
-                   np.int32(h), np.int32(hkv), np.int32(sq_pad),
-                   np.float32(call.softmax_scale * LOG2E), scale, wl, wr),
-        convert_args=(*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
-                      np.int32(sq_pad), scale))
+        cfg, sq_pad,
+        pre=PreparedLaunch(get_kernel(aux.pre_spec(), dev), (sq_pad // aux.aux_rows, h, b),
+                           (bwd_sm80.AUX_THREADS,), 0, (t,) * 6 + pre_args,
+                           fixed=len(pre_args)),
+        main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call), (cfg.threads, 1, 1),
+                            cfg.smem_bytes, main_maps + (t,) * 5 + main_args,
+                            fixed=len(main_args)),
+        convert=PreparedLaunch(get_kernel(aux.convert_spec(), dev),
+                               (-(-sq // aux.aux_rows), h, b), (bwd_sm80.AUX_THREADS,), 0,
+                               (t,) * 2 + convert_args, fixed=len(convert_args)))
     if len(_plans) > 1024:
         _plans.clear()
     _plans[key] = plan
@@ -434,15 +437,13 @@ def run(call: BwdCall) -> None:
     lse2 = scratch[:rows].view(b, h, plan.sq_pad)
     delta = scratch[rows:2 * rows].view(b, h, plan.sq_pad)
     dq_accum = scratch[2 * rows:].view(b, h, plan.sq_pad, call.head_dim)
-    plan.pre.launch(plan.pre_grid, (bwd_sm80.AUX_THREADS,), call.out, call.dout, lse, lse2,
-                    delta, dq_accum, *plan.pre_args)
-    plan.main.launch(plan.main_grid, (cfg.threads, 1, 1),
-                     bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n),
-                     bshd_map(call.v, cfg.block_n), bshd_map(call.dout, cfg.block_m),
-                     lse2, delta, dq_accum, call.dk, call.dv, *plan.main_args,
-                     shared_mem=cfg.smem_bytes)
-    plan.convert.launch(plan.convert_grid, (bwd_sm80.AUX_THREADS,), dq_accum, call.dq,
-                        *plan.convert_args)
+    lse2_at, delta_at, accum_at = (x.data_ptr() for x in (lse2, delta, dq_accum))
+    plan.pre(call.out.data_ptr(), call.dout.data_ptr(), lse.data_ptr(), lse2_at, delta_at,
+             accum_at)
+    plan.main(bshd_map(call.q, cfg.block_m).raw, bshd_map(call.k, cfg.block_n).raw,
+              bshd_map(call.v, cfg.block_n).raw, bshd_map(call.dout, cfg.block_m).raw,
+              lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
+    plan.convert(accum_at, call.dq.data_ptr())
 
 
 @register

@@ -32,7 +32,7 @@ def layout_key(t: torch.Tensor) -> tuple:
     return (t.dtype, t.shape, t.stride(), t.data_ptr() % 16, t.get_device())
 
 
-@dataclass
+@dataclass(frozen=True)
 class FwdCall:
     q: torch.Tensor
     k: torch.Tensor
@@ -82,6 +82,19 @@ class FwdCall:
 
     def kernel_windows(self) -> tuple[np.int32, np.int32]:
         return kernel_windows(self.seqlen_q, self.seqlen_k, self.window_left, self.window_right)
+
+    def layouts(self) -> tuple:
+        """layout_key of q, k, v, out, lse, computed once per call (dispatch and the family's
+        plan both key on them)."""
+        return _layouts(self, ("q", "k", "v", "out", "lse"))
+
+
+def _layouts(call: object, names: tuple[str, ...]) -> tuple:
+    # calls are frozen: the tensors cannot change under the memo (kept out of the fields)
+    got = call.__dict__.get("_layouts")
+    if got is None:
+        got = call.__dict__["_layouts"] = tuple(layout_key(getattr(call, n)) for n in names)
+    return got
 
 
 def kernel_windows(seqlen_q: int, seqlen_k: int, window_left: int | None,
@@ -136,7 +149,7 @@ def fwd_kernel_args(call: FwdCall) -> tuple:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class BwdCall:
     """Gradients of out = attention(q, k, v). dq/dk/dv are allocated like q/k/v (contiguous, input
     dtype) and must be fully written by `run`. lse is the forward's (B, H, Sq) float32."""
@@ -168,6 +181,10 @@ class BwdCall:
     head_dim = property(lambda self: self.q.shape[3])
     dtype = property(lambda self: self.q.dtype)
     device = property(lambda self: self.q.device)
+
+    def layouts(self) -> tuple:
+        """layout_key of q, k, v, out, dout, lse, dq, dk, dv, computed once per call."""
+        return _layouts(self, ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv"))
 
     def operands(self) -> dict[str, torch.Tensor]:
         """Every tensor of the call in q's dtype, by name (lse, float32, is apart)."""

@@ -25,7 +25,7 @@ from types import ModuleType
 
 from .._env import env_names, env_values
 from .._log import log_once, logger
-from .call import DTYPE_NAME, BwdCall, FwdCall, layout_key
+from .call import DTYPE_NAME, BwdCall, FwdCall
 
 FWD_FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
 BWD_FAMILIES = ("bwd_sm90", "bwd_sm80", "bwd_simt")
@@ -122,15 +122,9 @@ _KEY_ENV = env_names(FORCE_ENV, "FLASHCUDA_ENABLE_SM90", "FLASHCUDA_ENABLE_SM90_
 
 def _plan_key(call: FwdCall | BwdCall, direction: str) -> tuple:
     """Everything can_implement looks at: two calls with equal keys get the same family."""
-    tensors = [call.q, call.k, call.v]
-    if isinstance(call, BwdCall):
-        tensors += [call.out, call.dout]
-        extra = (call.deterministic,)
-    else:
-        extra = ()
+    extra = (call.deterministic,) if isinstance(call, BwdCall) else ()
     return (direction, env_values(_KEY_ENV), call.dtype, call.device, call.window_left,
-            call.window_right, call.softmax_scale > 0, *extra,
-            *map(layout_key, tensors))
+            call.window_right, call.softmax_scale > 0, *extra, *call.layouts())
 
 
 # plan key -> family module that can run it (the first choice, checked once).

@@ -34,14 +34,13 @@ import numpy as np
 import torch
 
 from .._env import env_names, env_values, flag
-from ..jit import KernelSpec, get_kernel, register
+from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
 from ..jit.tensor_map import bshd_map, bshd_problem
 from .call import (
     DTYPE_CODE,
     DTYPE_NAME,
     LOG2E,
     FwdCall,
-    layout_key,
     register_pool,
     vector_layout_problem,
 )
@@ -312,12 +311,14 @@ def constant_args(call: FwdCall) -> tuple:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a call's layout decides once: config, kernel, grid, the constant arguments."""
+    """What a call's layout decides once: config, kernel, grid, the constant arguments, and the
+    launch with those fixed (a call packs only its three tensor maps and two pointers)."""
 
     cfg: Sm90FwdConfig
     kernel: object
     grid: tuple[int, int, int]
     constants: tuple
+    launch: PreparedLaunch
 
 
 _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
@@ -333,8 +334,7 @@ def _plan_key(call: FwdCall) -> tuple:
     alignment, which TMA and the vector stores care about): a hit skips can_implement, so a
     field missing here would let a call the family refuses reach the kernel."""
     return (call.dtype, call.device, call.window_left, call.window_right, call.softmax_scale,
-            env_values(_KEY_ENV),
-            *map(layout_key, (call.q, call.k, call.v, call.out, call.lse)))
+            env_values(_KEY_ENV), *call.layouts())
 
 
 def _plan(call: FwdCall) -> _Plan | str:
@@ -350,8 +350,11 @@ def _plan(call: FwdCall) -> _Plan | str:
         cfg = select_config(call.dtype, call.head_dim, call.is_local, call.seqlen_q,
                             call.seqlen_k)
         sms = torch.cuda.get_device_properties(_device_index(call.device)).multi_processor_count
-        plan = _Plan(cfg, get_kernel(cfg.spec(), call.device), cfg.grid(call, sms),
-                     constant_args(call))
+        kernel, grid, constants = get_kernel(cfg.spec(), call.device), cfg.grid(call, sms), \
+            constant_args(call)
+        launch = PreparedLaunch(kernel, grid, (cfg.threads, 1, 1), cfg.smem_bytes,
+                                kernel_args(call, cfg), fixed=len(constants))
+        plan = _Plan(cfg, kernel, grid, constants, launch)
     if len(_plans) > 1024:
         _plans.clear()
     _plans[key] = plan
@@ -366,9 +369,8 @@ def run(call: FwdCall) -> None:
     if plan is _EMPTY:
         return
     cfg = plan.cfg
-    plan.kernel.launch(plan.grid, (cfg.threads, 1, 1), bshd_map(call.q, cfg.block_m),
-                       bshd_map(call.k, cfg.block_n), bshd_map(call.v, cfg.block_n), call.out,
-                       call.lse, *plan.constants, shared_mem=cfg.smem_bytes)
+    plan.launch(bshd_map(call.q, cfg.block_m).raw, bshd_map(call.k, cfg.block_n).raw,
+                bshd_map(call.v, cfg.block_n).raw, call.out.data_ptr(), call.lse.data_ptr())
 
 
 @register

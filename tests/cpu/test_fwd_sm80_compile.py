@@ -12,6 +12,7 @@ bytes, every other shape to zero; growing past that fails this test.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -217,8 +218,7 @@ def test_can_implement_reasons():
     assert "16-byte" in fwd_sm80.can_implement(_call(q=big[..., 1:65]))
     odd = torch.randn(2, 33, 4, 68, dtype=torch.bfloat16)[..., :64]
     assert "multiple of 8" in fwd_sm80.can_implement(_call(q=odd))
-    bad_lse = _call()
-    bad_lse.lse = torch.empty(2, 4, 34)
+    bad_lse = dataclasses.replace(_call(), lse=torch.empty(2, 4, 34))
     assert "lse" in fwd_sm80.can_implement(bad_lse)
     # A well-formed call fails only on the device check here.
     assert "CUDA" in fwd_sm80.can_implement(_call())

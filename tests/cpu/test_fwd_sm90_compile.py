@@ -170,8 +170,7 @@ def test_sm90_can_implement_reasons(monkeypatch):
     assert "16-byte" in ci(_call(q=big[..., 1:129]))
     odd = torch.randn(2, 33, 4, 132, dtype=torch.bfloat16)[..., :128]
     assert "multiple of 8" in ci(_call(q=odd))
-    bad_lse = _call()
-    bad_lse.lse = torch.empty(2, 4, 34)
+    bad_lse = dataclasses.replace(_call(), lse=torch.empty(2, 4, 34))
     assert "lse" in ci(bad_lse)
     # Well-formed calls fail only on the device check here.
     assert "CUDA" in ci(_call())

@@ -265,6 +265,55 @@ def test_kernel_arguments_are_packed_like_the_c_parameter_list():
         pack_args("k", (1.0,))
 
 
+class _FakeKernel:
+    """What PreparedLaunch reads of a CompiledKernel before any driver call."""
+
+    name = "fake"
+    device_index = -1  # CPU tensors' get_device()
+    abi_checked = True
+    smem_limit = 1 << 20
+
+
+def test_prepared_launch_packs_what_pack_args_packs():
+    """A prepared launch's buffer, once a call packed its leading values into it, holds the bytes
+    pack_args gives for the same arguments: tensor maps 64-aligned, pointers, the fixed scalar
+    tail (int32 after int64 after a pointer: padding included), in every thread's own buffer."""
+    import ctypes
+    import threading
+
+    import numpy as np
+    import torch
+
+    from flashcuda.jit.runtime import PreparedLaunch, pack_args
+    from flashcuda.jit.tensor_map import TensorMap
+
+    rng = np.random.default_rng(3)
+    maps = [TensorMap(bytes(rng.integers(0, 256, 128, dtype=np.uint8))) for _ in range(3)]
+    x, y = torch.zeros(4), torch.zeros(6)
+    tail = (np.int64(-5), np.int32(7), np.float32(0.25), np.int64(1 << 40), np.int32(-1))
+    args = (*maps, x, y, *tail)
+    launch = PreparedLaunch(_FakeKernel(), (3,), (384,), 4096, args, fixed=len(tail))
+    want, offsets = pack_args("fake", args)
+    assert launch.offsets == offsets and launch.size == len(want)
+
+    def packed_here() -> bytes:
+        params, pointers = launch._buffers()
+        launch.head.pack_into(params, 0, *(m.raw for m in maps), x.data_ptr(), y.data_ptr())
+        base = ctypes.addressof(params)
+        assert [pointers[i] - base for i in range(len(offsets))] == list(offsets)
+        return bytes(params)[:launch.size]
+
+    assert packed_here() == want
+    other: list[bytes] = []
+    t = threading.Thread(target=lambda: other.append(packed_here()))
+    t.start()
+    t.join()
+    assert other == [want]
+    everything_fixed = PreparedLaunch(_FakeKernel(), (1,), (32,), 0, args, fixed=len(args))
+    params, _ = everything_fixed._buffers()
+    assert bytes(params)[:everything_fixed.size] == want
+
+
 def _full_disk(*args, **kwargs):
     import errno
 

@@ -3,6 +3,8 @@ and the configs / can_implement answer correctly without a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -119,11 +121,9 @@ def test_simt_bwd_can_implement_reasons_on_cpu():
     call = BwdCall(f.q, f.k, f.v, f.out, torch.randn_like(f.out), f.lse, *grads,
                    softmax_scale=0.125, window_left=None, window_right=0, deterministic=True)
     assert "CUDA" in bwd_simt.can_implement(call)
-    call.lse = torch.empty(2, 4, 6)
-    assert "lse" in bwd_simt.can_implement(call)
-    call.lse = f.lse
-    call.dk = torch.empty(2, 7, 2, 64, dtype=torch.float16)
-    assert "dk" in bwd_simt.can_implement(call)
+    assert "lse" in bwd_simt.can_implement(dataclasses.replace(call, lse=torch.empty(2, 4, 6)))
+    wrong_dk = torch.empty(2, 7, 2, 64, dtype=torch.float16)
+    assert "dk" in bwd_simt.can_implement(dataclasses.replace(call, dk=wrong_dk))
 
 
 def test_online_softmax_rows_validates_before_launch():

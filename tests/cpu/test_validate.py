@@ -23,6 +23,30 @@ def test_valid_inputs_pass():
     validate.check_qkv(*qkv(b=0, sq=0, sk=0, dtype=torch.float32, d=1))
 
 
+def test_a_pass_is_remembered_by_layout_and_a_failure_never(monkeypatch):
+    """check_qkv remembers passes by the tensors' layouts (dtype, device, shape, strides, storage
+    offset) and options: a repeat with new data but the same layouts skips the checks; another
+    layout, other names or another option runs them; an input that fails raises every time."""
+    ran = []
+    inner = validate._check_qkv
+    monkeypatch.setattr(validate, "_check_qkv", lambda *a: (ran.append(a[3:]), inner(*a)))
+    monkeypatch.setattr(validate, "_passed", {})
+    validate.check_qkv(*qkv(sq=11))
+    validate.check_qkv(*qkv(sq=11))  # new tensors, same layouts
+    assert len(ran) == 1
+    validate.check_qkv(*qkv(sq=11), names=("query", "key", "value"))
+    validate.check_qkv(*qkv(sq=11), strided_last_ok=True)
+    validate.check_qkv(*qkv(sq=12))
+    q, k, v = qkv(sq=11)
+    validate.check_qkv(q[:, 1:], k, v)  # another storage offset and shape
+    assert len(ran) == 5
+    bad = qkv(sq=11, hkv=3)  # nheads 4 not a multiple of 3
+    for _ in range(2):
+        with pytest.raises(ValueError, match="nheads_kv"):
+            validate.check_qkv(*bad)
+    assert len(ran) == 7
+
+
 def test_packed_qkv_views_pass():
     packed = torch.randn(2, 9, 3, 4, 32, dtype=torch.float16)
     q, k, v = packed.unbind(dim=2)
