@@ -33,8 +33,9 @@ _NEG_INF = float("-inf")
 
 def _empty_fwd(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, nheads, head_dim = q.shape
-    out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    # new_empty takes q's dtype and device without parsing them (the host path of every call)
+    out = q.new_empty((batch, seqlen_q, nheads, head_dim))
+    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     return out, lse
 
 
