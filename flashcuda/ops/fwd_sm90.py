@@ -180,12 +180,15 @@ CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
 
 
 # Scheduling variants, measured on the H200 (docs/perf-notes.md, "ping-pong and snake order",
-# "snake order from 4k"): ping-pong wins everywhere; the snake order only where work per tile
-# differs (causal / window) and from seqlen_q 4k (at 1k it loses 5-14%, at 2k it is even).
+# "snake order from 4k", "snake order for few rounds"): ping-pong wins everywhere; the snake order
+# only where work per tile differs (causal / window), and there from seqlen_q 4k, or when the
+# work tiles make at most SNAKE_ROUNDS rounds over the SMs (the last round's imbalance is then a
+# large share of the call: -10 to -22% kernel time at 2-6 rounds, -2.5% at 11.6, +1% at 15.5).
 # Both env vars override the rule either way (0 or 1) for A/B runs.
 PINGPONG_ENV = "FLASHCUDA_SM90_PINGPONG"  # consumer warpgroups take turns issuing GEMMs
 SNAKE_ENV = "FLASHCUDA_SM90_SNAKE"  # snake order of work tiles over the persistent CTAs
 SNAKE_FROM = 4096  # seqlen_q from which a masked call walks its tiles in snake order
+SNAKE_ROUNDS = 12  # ... and below it, when its work tiles are at most this many per SM
 # 1: the masked-V variant for windowed calls (opt-in; see the .cu's "masked V")
 MASKED_V_ENV = "FLASHCUDA_SM90_FWD_MASKED_V"
 
@@ -193,10 +196,10 @@ MASKED_V_ENV = "FLASHCUDA_SM90_FWD_MASKED_V"
 def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
             pingpong: bool | None = None, snake: bool | None = None,
             windowed: bool = False, seqlen_q: int = LONG,
-            masked_v: bool | None = None) -> Sm90FwdConfig:
+            masked_v: bool | None = None, few_rounds: bool = False) -> Sm90FwdConfig:
     pingpong = flag(PINGPONG_ENV, True) if pingpong is None else pingpong
     if snake is None:
-        snake = flag(SNAKE_ENV, windowed and seqlen_q >= SNAKE_FROM)
+        snake = flag(SNAKE_ENV, windowed and (seqlen_q >= SNAKE_FROM or few_rounds))
     if masked_v is None:  # without a window every key below seqlen_k is seen by every row;
         # built for the windowed tiles only (d128 x 176 with a clean tile per consumer would not fit)
         masked_v = (windowed and flag(MASKED_V_ENV, False)
@@ -207,8 +210,10 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
 
 
 def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
-                  seqlen_q: int = LONG, seqlen_k: int = WIDE) -> Sm90FwdConfig:
-    """The tiles of tiles_for, or those FLASHCUDA_SM90_TILES=bm<M>_bn<N> forces (A/B runs)."""
+                  seqlen_q: int = LONG, seqlen_k: int = WIDE,
+                  few_rounds: bool = False) -> Sm90FwdConfig:
+    """The tiles of tiles_for, or those FLASHCUDA_SM90_TILES=bm<M>_bn<N> forces (A/B runs).
+    few_rounds: the call's work tiles are at most SNAKE_ROUNDS per SM (see _plan)."""
     forced = os.environ.get(TILES_ENV, "").strip()
     if forced:
         for item in forced.split(","):
@@ -219,9 +224,9 @@ def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
                                  f"d<D>=bm<M>_bn<N> (e.g. d64=bm128_bn128), got {forced!r}")
             if not dim or dim == f"d{head_dim}":
                 return _config(dtype, head_dim, int(m.group(1)), int(m.group(2)),
-                               windowed=windowed, seqlen_q=seqlen_q)
+                               windowed=windowed, seqlen_q=seqlen_q, few_rounds=few_rounds)
     return _config(dtype, head_dim, *tiles_for(head_dim, windowed, seqlen_q, seqlen_k),
-                   windowed=windowed, seqlen_q=seqlen_q)
+                   windowed=windowed, seqlen_q=seqlen_q, few_rounds=few_rounds)
 
 
 def configs() -> list[Sm90FwdConfig]:
@@ -337,6 +342,16 @@ def _plan_key(call: FwdCall) -> tuple:
             env_values(_KEY_ENV), *call.layouts())
 
 
+def plan_config(call: FwdCall, sms: int) -> Sm90FwdConfig:
+    """select_config for the call, told whether its work tiles make few rounds over `sms` SMs
+    (the tiles do not depend on it, so the first choice's count decides)."""
+    args = (call.dtype, call.head_dim, call.is_local, call.seqlen_q, call.seqlen_k)
+    cfg = select_config(*args)
+    if cfg.work_tiles(call) <= SNAKE_ROUNDS * sms:
+        cfg = select_config(*args, few_rounds=True)
+    return cfg
+
+
 def _plan(call: FwdCall) -> _Plan | str:
     key = _plan_key(call)
     plan = _plans.get(key)
@@ -347,9 +362,8 @@ def _plan(call: FwdCall) -> _Plan | str:
     if call.batch == 0 or call.seqlen_q == 0 or call.nheads == 0:
         plan = _EMPTY
     else:
-        cfg = select_config(call.dtype, call.head_dim, call.is_local, call.seqlen_q,
-                            call.seqlen_k)
         sms = torch.cuda.get_device_properties(_device_index(call.device)).multi_processor_count
+        cfg = plan_config(call, sms)
         kernel, grid, constants = get_kernel(cfg.spec(), call.device), cfg.grid(call, sms), \
             constant_args(call)
         launch = PreparedLaunch(kernel, grid, (cfg.threads, 1, 1), cfg.smem_bytes,

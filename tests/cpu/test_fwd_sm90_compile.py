@@ -223,6 +223,32 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
                 <= register_pool(cfg.threads))
 
 
+def test_snake_order_for_few_rounds(monkeypatch):
+    """Below seqlen_q 4k a masked call walks its tiles in snake order when its work tiles make
+    at most SNAKE_ROUNDS rounds over the SMs (the serving shape: 512 tiles on 132 SMs); more
+    rounds, or no mask, keep the plain order; the A/B switch overrides either way."""
+    monkeypatch.delenv(fwd_sm90.TILES_ENV, raising=False)
+    monkeypatch.delenv(fwd_sm90.SNAKE_ENV, raising=False)
+
+    def call(b, s, h, causal=True):
+        q = torch.zeros(b, s, h, 128, dtype=torch.bfloat16)
+        return FwdCall(q, q, q, q, torch.zeros(b, h, s), 0.1, None, 0 if causal else None)
+
+    sms = 132
+    serving = call(1, 2048, 32)  # 16 query blocks x 32 heads = 512 work tiles, 3.9 rounds
+    assert fwd_sm90.plan_config(serving, sms).snake
+    assert fwd_sm90.plan_config(call(3, 2048, 32), sms).snake  # 1536 tiles, 11.6 rounds
+    assert not fwd_sm90.plan_config(call(4, 2048, 32), sms).snake  # 2048 tiles, 15.5 rounds
+    assert not fwd_sm90.plan_config(call(1, 2048, 32, causal=False), sms).snake
+    assert fwd_sm90.plan_config(call(4, 2048, 32), 200).snake  # a larger GPU: fewer rounds
+    monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "0")
+    assert not fwd_sm90.plan_config(serving, sms).snake
+    plain = fwd_sm90.plan_config(serving, sms)
+    monkeypatch.delenv(fwd_sm90.SNAKE_ENV)
+    snake = fwd_sm90.plan_config(serving, sms)
+    assert (plain.block_m, plain.block_n) == (snake.block_m, snake.block_n) == (128, 128)
+
+
 def _kernel_order(total: int, grid: int, snake: bool) -> list[list[int]]:
     """flash_fwd_sm90.cu's next_work, transcribed: the work tiles each CTA visits."""
     order = []
