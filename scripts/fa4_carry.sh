@@ -7,6 +7,8 @@
 #       torch-c-dlpack-ext quack-kernels --python-version 3.12 --platform manylinux_2_28_x86_64
 #   mkdir -p .fa4a .fa4b && cp .whl/*.whl .fa4a/ && rm .fa4a/nvidia_cutlass_dsl_libs_cu13-*.whl
 #   split -b 46M .whl/nvidia_cutlass_dsl_libs_cu13-*.whl .fa4a/cu13.part. && mv .fa4a/cu13.part.ab .fa4b/
+#   mv .fa4a/apache_tvm_ffi-*.whl .fa4a/nvidia_cutlass_dsl_libs_base-*.whl .fa4b/
+# (each half must fit 64 MiB together with the tracked tree, ~9 MB in session 8)
 #
 # (.whl, .fa4a, .fa4b are git-ignored.) Then, on the device:
 #   call 1, carry [".fa4a"]:  scripts/fa4_carry.sh stash
@@ -32,6 +34,7 @@ case "${1:-}" in
     cat "$STASH/cu13.part.aa" .fa4b/cu13.part.ab > "$STASH/$CU13"
     echo "$CU13_SHA  $STASH/$CU13" | sha256sum -c -
     rm -f "$STASH"/cu13.part.*
+    cp .fa4b/*.whl "$STASH"/ 2>/dev/null || true  # small wheels moved to the second half
     python3 -m pip install -q --no-deps --no-index --target "$TARGET" "$STASH"/*.whl
     python3 -c "import site; site.addsitedir('$TARGET'); import flash_attn.cute as m; print('fa4 ok:', m.__file__)" ;;
   *)
