@@ -433,7 +433,7 @@ def run(call: BwdCall) -> None:
     lse = call.lse if call.lse.stride(-1) == 1 else call.lse.contiguous()
     # lse2 (b, h, sq_pad), delta (same) and dq_accum (b, h, sq_pad, d): one allocation
     rows = b * h * plan.sq_pad
-    scratch = torch.empty(rows * (2 + call.head_dim), dtype=torch.float32, device=call.device)
+    scratch = call.q.new_empty(rows * (2 + call.head_dim), dtype=torch.float32)
     lse2 = scratch[:rows].view(b, h, plan.sq_pad)
     delta = scratch[rows:2 * rows].view(b, h, plan.sq_pad)
     dq_accum = scratch[2 * rows:].view(b, h, plan.sq_pad, call.head_dim)

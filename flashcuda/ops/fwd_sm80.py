@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._env import flag
-from ..jit import KernelSpec, get_kernel, register
+from .._env import env_names, env_values, flag
+from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
 from .call import DTYPE_CODE, DTYPE_NAME, FwdCall, fwd_kernel_args, vector_layout_problem
 
 SOURCE = "attention/flash_fwd_sm80.cu"
@@ -233,16 +233,58 @@ def can_implement(call: FwdCall) -> str | None:
     return None
 
 
-def run(call: FwdCall) -> None:
-    """Fill call.out and call.lse. Raises NotImplementedError when can_implement(call) says no."""
+@dataclass(frozen=True)
+class _Plan:
+    """What a call's layout decides once: the config and its launch, every argument but the five
+    data pointers fixed."""
+
+    cfg: Sm80FwdConfig
+    launch: PreparedLaunch
+
+
+_EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
+_plans: dict[tuple, _Plan | str] = {}
+_KEY_ENV = env_names(ROWSUM_ENV, MASKED_V_ENV)
+
+
+def _plan_key(call: FwdCall) -> tuple:
+    """Everything can_implement, config_for and the kernel's arguments read, except the data
+    addresses (only their alignment): a hit skips can_implement, so a field missing here would
+    let a call the family refuses reach the kernel."""
+    return (call.dtype, call.device, call.window_left, call.window_right, call.softmax_scale,
+            env_values(_KEY_ENV), *call.layouts())
+
+
+def _plan(call: FwdCall) -> _Plan | str:
+    key = _plan_key(call)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
     if why := can_implement(call):
         raise NotImplementedError(f"flash_fwd_sm80 cannot run this call: {why}")
     if call.batch == 0 or call.seqlen_q == 0 or call.nheads == 0:
+        plan = _EMPTY
+    else:
+        cfg = config_for(call)
+        args = fwd_kernel_args(call)  # q, k, v, out, lse, then what the layout fixes
+        plan = _Plan(cfg, PreparedLaunch(get_kernel(cfg.spec(), call.device), cfg.grid(call),
+                                         (cfg.threads, 1, 1), cfg.smem_bytes, args,
+                                         fixed=len(args) - 5))
+    if len(_plans) > 1024:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
+def run(call: FwdCall) -> None:
+    """Fill call.out and call.lse. Raises NotImplementedError when can_implement(call) says no.
+    A repeat call with the same layout reuses its plan (can_implement's verdict included: the plan
+    key holds everything it reads) and only packs the five data pointers."""
+    plan = _plan(call)
+    if plan is _EMPTY:
         return
-    cfg = config_for(call)
-    kernel = get_kernel(cfg.spec(), call.device)
-    kernel.launch(cfg.grid(call), (cfg.threads, 1, 1), *fwd_kernel_args(call),
-                  shared_mem=cfg.smem_bytes)
+    plan.launch(call.q.data_ptr(), call.k.data_ptr(), call.v.data_ptr(), call.out.data_ptr(),
+                call.lse.data_ptr())
 
 
 def configs() -> list[Sm80FwdConfig]:

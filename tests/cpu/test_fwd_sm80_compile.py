@@ -228,3 +228,20 @@ def test_can_implement_reasons():
 def test_run_refuses_what_it_cannot_implement():
     with pytest.raises(NotImplementedError, match="flash_fwd_sm80"):
         fwd_sm80.run(_call(dtype=torch.float32))
+
+
+def test_plan_key_holds_what_can_implement_reads(monkeypatch):
+    """A plan hit skips can_implement and packs only the data pointers: the key must change with
+    every tensor's layout, alignment and dtype, the switches, the mask and the scale, and stay
+    the same for a call that differs only in where equally aligned data lives."""
+    from .sm90_compile import assert_plan_key_follows_operands
+
+    base = _call()
+    key = assert_plan_key_follows_operands(fwd_sm80._plan_key, base, ("q", "k", "v", "out"))
+    assert fwd_sm80._plan_key(_call()) == key  # fresh tensors, same layout
+    for change in ({"window_left": 5}, {"window_right": None}, {"softmax_scale": 0.5}):
+        assert fwd_sm80._plan_key(dataclasses.replace(base, **change)) != key, change
+    for env in (fwd_sm80.ROWSUM_ENV, fwd_sm80.MASKED_V_ENV):
+        monkeypatch.setenv(env, "x")
+        assert fwd_sm80._plan_key(base) != key, env
+        monkeypatch.delenv(env)
