@@ -57,18 +57,24 @@ def clean_copy(stage: bytes) -> bytes:  # copy_clean_v (fp16)
 def put_back(stage: bytes, mask: Mask, m0: int, wg_row0: int, n0: int, block_n: int,
              head_dim: int, offset=v_offset):
     """put_back_nonfinite for the 128 threads of one consumer warpgroup:
-    {(row, col): added value} for every O element they hold (0.0 where nothing is added)."""
+    {(row, col): added value} for every O element they hold (0.0 where nothing is added). As the
+    .cu does, each thread walks the keys, then the column groups, adding each non-finite value
+    straight into its O element's slot (here: starting from 0.0)."""
     out = {}
     for warp in range(4):
         for lane in range(32):
             g, t = lane // 4, lane % 4
             row0 = m0 + wg_row0 + warp * 16 + g
+            mine = {}  # the thread's slot of the clean tile: O element index -> value
+            for j in range(head_dim // 8):
+                for h in range(2):
+                    for e in range(2):
+                        mine[4 * j + 2 * h + e] = 0.0
             lo = [max(mask.key_begin(row0 + 8 * h) - n0, 0) for h in range(2)]
             hi = [min(mask.key_end(row0 + 8 * h + 1) - n0, block_n) for h in range(2)]
             first, last = min(lo), max(hi)
-            for j in range(head_dim // 8):
-                add = [[0.0, 0.0], [0.0, 0.0]]
-                for key in range(first, last):
+            for key in range(first, last):
+                for j in range(head_dim // 8):
                     at = offset(key, 8 * j + 2 * t, block_n)
                     w = int.from_bytes(stage[at:at + 4], "little")
                     if not (half_nonfinite(w & 0xFFFF) or half_nonfinite(w >> 16)):
@@ -80,12 +86,13 @@ def put_back(stage: bytes, mask: Mask, m0: int, wg_row0: int, n0: int, block_n: 
                         x = half_special(bits)
                         for h in range(2):
                             if lo[h] <= key < hi[h]:
-                                add[h][e] += x
+                                mine[4 * j + 2 * h + e] += x
+            for j in range(head_dim // 8):
                 for h in range(2):
                     for e in range(2):
                         at_o = (row0 + 8 * h, 8 * j + 2 * t + e)
                         assert at_o not in out, f"O element {at_o} held twice"
-                        out[at_o] = add[h][e]
+                        out[at_o] = mine[4 * j + 2 * h + e]
     return out
 
 
