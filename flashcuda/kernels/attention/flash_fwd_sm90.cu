@@ -405,7 +405,11 @@ __device__ __forceinline__ bool warpgroup_any(bool pred, int c) {
       "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, 128, p;\n"
       "selp.u32 %0, 1, 0, q;\n}\n"
       : "=r"(any) : "r"(static_cast<uint32_t>(pred)), "r"(kVoteBarrier + c) : "memory");
-  return any != 0;
+  // The same in every thread, but ptxas cannot know it from the barrier: read through lane 0 it
+  // is warp-uniform to ptxas, so the V address chosen from it (v_for_pv) stays in uniform
+  // registers and the P V wgmma's descriptors need no R2UR per tile (session 8: without this the
+  // opt-in cost 4-16% on causal calls, also where one tile in 64 is masked).
+  return __shfl_sync(0xffffffffu, any, 0) != 0;
 }
 
 // Whether the V tile at `v` holds a NaN / Inf (the warpgroup's 128 threads scan every 128th
