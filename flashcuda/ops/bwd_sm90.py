@@ -58,6 +58,7 @@ from .call import (
     DTYPE_NAME,
     LOG2E,
     BwdCall,
+    PlanCache,
     kernel_windows,
     register_pool,
     vector_layout_problem,
@@ -361,7 +362,6 @@ class _Plan:
     convert: PreparedLaunch  # dq_accum, dq
 
 
-_plans: dict[tuple, _Plan] = {}
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
                     STAGES_ENV)
 
@@ -374,11 +374,7 @@ def _plan_key(call: BwdCall) -> tuple:
             call.softmax_scale, env_values(_KEY_ENV), *call.layouts())
 
 
-def _plan(call: BwdCall) -> _Plan:
-    key = _plan_key(call)
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
+def _build_plan(call: BwdCall) -> _Plan:
     if why := can_implement(call):
         raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
     cfg = select_config(call.dtype, call.head_dim)
@@ -405,7 +401,7 @@ def _plan(call: BwdCall) -> _Plan:
                                                         (call.k, cfg.block_n),
                                                         (call.v, cfg.block_n),
                                                         (call.dout, cfg.block_m)))
-    plan = _Plan(
+    return _Plan(
         cfg, sq_pad,
         pre=PreparedLaunch(get_kernel(aux.pre_spec(), dev), (sq_pad // aux.aux_rows, h, b),
                            (bwd_sm80.AUX_THREADS,), 0, (t,) * 6 + pre_args,
@@ -416,10 +412,13 @@ def _plan(call: BwdCall) -> _Plan:
         convert=PreparedLaunch(get_kernel(aux.convert_spec(), dev),
                                (-(-sq // aux.aux_rows), h, b), (bwd_sm80.AUX_THREADS,), 0,
                                (t,) * 2 + convert_args, fixed=len(convert_args)))
-    if len(_plans) > 1024:
-        _plans.clear()
-    _plans[key] = plan
-    return plan
+
+
+_plans = PlanCache(_build_plan)
+
+
+def _plan(call: BwdCall) -> _Plan:
+    return _plans.plan(_plan_key(call), call)
 
 
 def run(call: BwdCall) -> None:

@@ -212,6 +212,26 @@ class BwdCall:
         return None
 
 
+class PlanCache(dict):
+    """A kernel family's plans by key (everything its can_implement and launch read), each built
+    once by `build(call)` on the first call with that key; a build that raises stores nothing.
+    Bounded: past `size` entries it starts over (training brings new layouts; the newest stay)."""
+
+    def __init__(self, build, size: int = 1024) -> None:
+        super().__init__()
+        self.build = build
+        self.size = size
+
+    def plan(self, key: tuple, call):
+        got = self.get(key)
+        if got is None:
+            got = self.build(call)
+            if len(self) > self.size:
+                self.clear()
+            self[key] = got
+        return got
+
+
 def register_pool(threads: int) -> int:
     """Registers a CTA of `threads` threads holds from launch under __launch_bounds__(threads, 1):
     the per-thread cap (65536 / threads, rounded down to 8) times threads. The sm90 kernels'

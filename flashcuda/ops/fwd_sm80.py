@@ -40,7 +40,14 @@ import torch
 
 from .._env import env_names, env_values, flag
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
-from .call import DTYPE_CODE, DTYPE_NAME, FwdCall, fwd_kernel_args, vector_layout_problem
+from .call import (
+    DTYPE_CODE,
+    DTYPE_NAME,
+    FwdCall,
+    PlanCache,
+    fwd_kernel_args,
+    vector_layout_problem,
+)
 
 SOURCE = "attention/flash_fwd_sm80.cu"
 ARCHS = ("sm_80", "sm_90a")
@@ -243,7 +250,6 @@ class _Plan:
 
 
 _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
-_plans: dict[tuple, _Plan | str] = {}
 _KEY_ENV = env_names(ROWSUM_ENV, MASKED_V_ENV)
 
 
@@ -255,25 +261,23 @@ def _plan_key(call: FwdCall) -> tuple:
             env_values(_KEY_ENV), *call.layouts())
 
 
-def _plan(call: FwdCall) -> _Plan | str:
-    key = _plan_key(call)
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
+def _build_plan(call: FwdCall) -> _Plan | str:
     if why := can_implement(call):
         raise NotImplementedError(f"flash_fwd_sm80 cannot run this call: {why}")
     if call.batch == 0 or call.seqlen_q == 0 or call.nheads == 0:
-        plan = _EMPTY
-    else:
-        cfg = config_for(call)
-        args = fwd_kernel_args(call)  # q, k, v, out, lse, then what the layout fixes
-        plan = _Plan(cfg, PreparedLaunch(get_kernel(cfg.spec(), call.device), cfg.grid(call),
-                                         (cfg.threads, 1, 1), cfg.smem_bytes, args,
-                                         fixed=len(args) - 5))
-    if len(_plans) > 1024:
-        _plans.clear()
-    _plans[key] = plan
-    return plan
+        return _EMPTY
+    cfg = config_for(call)
+    args = fwd_kernel_args(call)  # q, k, v, out, lse, then what the layout fixes
+    return _Plan(cfg, PreparedLaunch(get_kernel(cfg.spec(), call.device), cfg.grid(call),
+                                     (cfg.threads, 1, 1), cfg.smem_bytes, args,
+                                     fixed=len(args) - 5))
+
+
+_plans = PlanCache(_build_plan)
+
+
+def _plan(call: FwdCall) -> _Plan | str:
+    return _plans.plan(_plan_key(call), call)
 
 
 def run(call: FwdCall) -> None:

@@ -41,6 +41,7 @@ from .call import (
     DTYPE_NAME,
     LOG2E,
     FwdCall,
+    PlanCache,
     register_pool,
     vector_layout_problem,
 )
@@ -327,7 +328,6 @@ class _Plan:
 
 
 _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
-_plans: dict[tuple, _Plan | str] = {}
 
 
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
@@ -352,27 +352,25 @@ def plan_config(call: FwdCall, sms: int) -> Sm90FwdConfig:
     return cfg
 
 
-def _plan(call: FwdCall) -> _Plan | str:
-    key = _plan_key(call)
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
+def _build_plan(call: FwdCall) -> _Plan | str:
     if why := can_implement(call):
         raise NotImplementedError(f"flash_fwd_sm90 cannot run this call: {why}")
     if call.batch == 0 or call.seqlen_q == 0 or call.nheads == 0:
-        plan = _EMPTY
-    else:
-        sms = torch.cuda.get_device_properties(_device_index(call.device)).multi_processor_count
-        cfg = plan_config(call, sms)
-        kernel, grid, constants = get_kernel(cfg.spec(), call.device), cfg.grid(call, sms), \
-            constant_args(call)
-        launch = PreparedLaunch(kernel, grid, (cfg.threads, 1, 1), cfg.smem_bytes,
-                                kernel_args(call, cfg), fixed=len(constants))
-        plan = _Plan(cfg, kernel, grid, constants, launch)
-    if len(_plans) > 1024:
-        _plans.clear()
-    _plans[key] = plan
-    return plan
+        return _EMPTY
+    sms = torch.cuda.get_device_properties(_device_index(call.device)).multi_processor_count
+    cfg = plan_config(call, sms)
+    kernel, grid, constants = get_kernel(cfg.spec(), call.device), cfg.grid(call, sms), \
+        constant_args(call)
+    launch = PreparedLaunch(kernel, grid, (cfg.threads, 1, 1), cfg.smem_bytes,
+                            kernel_args(call, cfg), fixed=len(constants))
+    return _Plan(cfg, kernel, grid, constants, launch)
+
+
+_plans = PlanCache(_build_plan)
+
+
+def _plan(call: FwdCall) -> _Plan | str:
+    return _plans.plan(_plan_key(call), call)
 
 
 def run(call: FwdCall) -> None:

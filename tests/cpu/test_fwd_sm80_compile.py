@@ -72,17 +72,20 @@ def test_compiles_within_register_budget(reports, cfg, arch):
         f"spill loads, {res.stack_bytes} bytes stack (budget {budget})")
 
 
+def _call_on_h100(monkeypatch, head_dim, dtype, window_right):
+    """A small CPU call that config_for plans as on an H100-class device, switches unset."""
+    q = torch.zeros(1, 4, 2, head_dim, dtype=dtype)
+    monkeypatch.setattr(fwd_sm80, "_device_info", lambda index: ((9, 0), *H100))
+    monkeypatch.setattr(fwd_sm80, "_device_index", lambda device: 0)
+    for env in (fwd_sm80.MASKED_V_ENV, fwd_sm80.ROWSUM_ENV):
+        monkeypatch.delenv(env, raising=False)
+    return FwdCall(q, q, q, q.clone(), torch.zeros(1, 2, 4), 0.125, None, window_right)
+
+
 def test_rowsum_switch(monkeypatch):
     """Unset or FLASHCUDA_SM80_FWD_ROWSUM=exact picks the default, exact-row-sum kernel; mma the
     A/B variant of the same tiles (name, define); other values are refused, naming the variable."""
-    from flashcuda.ops.call import FwdCall
-
-    q = torch.zeros(1, 4, 2, 64, dtype=torch.float16)
-    lse = torch.zeros(1, 2, 4)
-    call = FwdCall(q, q, q, q.clone(), lse, 0.125, None, None)
-    monkeypatch.setattr(fwd_sm80, "_device_info", lambda index: ((9, 0), *H100))
-    monkeypatch.setattr(fwd_sm80, "_device_index", lambda device: 0)
-    monkeypatch.delenv(fwd_sm80.ROWSUM_ENV, raising=False)
+    call = _call_on_h100(monkeypatch, 64, torch.float16, None)
     base = fwd_sm80.config_for(call)
     assert base.exact_rowsum and "FC_EXACT_ROWSUM" not in dict(base.spec().defines)
     monkeypatch.setenv(fwd_sm80.ROWSUM_ENV, "exact")
@@ -102,12 +105,7 @@ def test_masked_v_switch(monkeypatch):
     """Unset or FLASHCUDA_SM80_FWD_MASKED_V=1 picks the masked-V kernel (the default since session
     8: the .cu's own default, the bit table in shared memory); 0 the A/B variant of the same
     tiles without it (name, define); other values are refused."""
-    q = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16)
-    call = FwdCall(q, q, q, q.clone(), torch.zeros(1, 2, 4), 0.125, None, 0)
-    monkeypatch.setattr(fwd_sm80, "_device_info", lambda index: ((9, 0), *H100))
-    monkeypatch.setattr(fwd_sm80, "_device_index", lambda device: 0)
-    for env in (fwd_sm80.MASKED_V_ENV, fwd_sm80.ROWSUM_ENV):
-        monkeypatch.delenv(env, raising=False)
+    call = _call_on_h100(monkeypatch, 128, torch.bfloat16, 0)
     base = fwd_sm80.config_for(call)
     assert base.masked_v and "FC_MASKED_V" not in dict(base.spec().defines)
     monkeypatch.setenv(fwd_sm80.MASKED_V_ENV, "1")
@@ -245,3 +243,30 @@ def test_plan_key_holds_what_can_implement_reads(monkeypatch):
         monkeypatch.setenv(env, "x")
         assert fwd_sm80._plan_key(base) != key, env
         monkeypatch.delenv(env)
+
+
+def test_plan_cache_builds_once_stores_no_failure_and_stays_bounded():
+    """PlanCache (the families' plans): one build per key; a build that raises stores nothing,
+    so the same key raises again; past its size it starts over."""
+    from flashcuda.ops.call import PlanCache
+
+    built = []
+
+    def build(call):
+        built.append(call)
+        if call == "bad":
+            raise NotImplementedError("no")
+        return f"plan of {call}"
+
+    plans = PlanCache(build, size=3)
+    assert plans.plan(("a",), "a") == plans.plan(("a",), "a") == "plan of a"
+    assert built == ["a"]
+    for _ in range(2):
+        with pytest.raises(NotImplementedError):
+            plans.plan(("bad",), "bad")
+    assert built == ["a", "bad", "bad"] and ("bad",) not in plans
+    for key in "bcd":
+        plans.plan((key,), key)
+    assert len(plans) == 4
+    plans.plan(("e",), "e")
+    assert list(plans) == [("e",)]
