@@ -76,6 +76,9 @@ class Sm90FwdConfig:
     # NaN / Inf in V reaches only the rows that see its key, also in partly seen tiles
     # (FLASHCUDA_SM90_FWD_MASKED_V=1, windowed calls only; + a clean V tile per consumer)
     masked_v: bool = False
+    # unused shared memory before the barriers (FLASHCUDA_SM90_SMEM_PAD=<KiB>): an A/B variant
+    # that gives the default kernel the masked-V variant's footprint; never chosen by default
+    smem_pad: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -118,7 +121,7 @@ class Sm90FwdConfig:
         """1024 B alignment slack + Q + stages x (K + V) + the mbarriers (as the .cu lays out)."""
         barriers = 2 + 4 * self.stages
         clean = self.consumers * self.kv_bytes if self.masked_v else 0
-        return (1024 + self.q_bytes + 2 * self.stages * self.kv_bytes + clean
+        return (1024 + self.q_bytes + 2 * self.stages * self.kv_bytes + clean + self.smem_pad
                 + BARRIER_BYTES * barriers)
 
     @property
@@ -126,7 +129,8 @@ class Sm90FwdConfig:
         return (f"flash_fwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}{'_pp' if self.pingpong else ''}"
                 f"{'_sn' if self.snake else ''}{'_tl' if self.timeline else ''}"
-                f"{'_mv' if self.masked_v else ''}")
+                f"{'_mv' if self.masked_v else ''}"
+                f"{f'_pad{self.smem_pad // 1024}k' if self.smem_pad else ''}")
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -142,6 +146,7 @@ class Sm90FwdConfig:
             "FC_SNAKE": int(self.snake),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_MASKED_V": 1} if self.masked_v else {}),
+            **({"FC_SMEM_PAD": self.smem_pad} if self.smem_pad else {}),
         })
 
     def work_tiles(self, call: FwdCall) -> int:
@@ -192,6 +197,16 @@ SNAKE_FROM = 4096  # seqlen_q from which a masked call walks its tiles in snake 
 SNAKE_ROUNDS = 12  # ... and below it, when its work tiles are at most this many per SM
 # 1: the masked-V variant for windowed calls (opt-in; see the .cu's "masked V")
 MASKED_V_ENV = "FLASHCUDA_SM90_FWD_MASKED_V"
+SMEM_PAD_ENV = "FLASHCUDA_SM90_SMEM_PAD"  # KiB of unused shared memory (A/B of the footprint)
+
+
+def _smem_pad() -> int:
+    raw = os.environ.get(SMEM_PAD_ENV, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"{SMEM_PAD_ENV}: expected a whole number of KiB, got {raw!r}")
+    return int(raw) * 1024
 
 
 def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
@@ -207,7 +222,7 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
                     and (block_m, block_n) in WINDOWED_TILES[head_dim])
     return Sm90FwdConfig(dtype, head_dim, block_m, block_n,
                          consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong,
-                         snake=snake, masked_v=masked_v)
+                         snake=snake, masked_v=masked_v, smem_pad=_smem_pad())
 
 
 def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
@@ -331,7 +346,7 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 
 
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
-                     MASKED_V_ENV)
+                     MASKED_V_ENV, SMEM_PAD_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:

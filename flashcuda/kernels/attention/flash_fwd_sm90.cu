@@ -75,6 +75,9 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #ifndef FC_MASKED_V
 #define FC_MASKED_V 0  // 1: NaN / Inf in V reaches only rows that see its key (see "masked V")
 #endif
+#ifndef FC_SMEM_PAD
+#define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
+#endif
 
 constexpr int kChunkCols = 64;                     // 16-bit elements per 128-byte swizzled row
 constexpr int kChunks = kHeadDim / kChunkCols;     // swizzled chunks per row of a tile
@@ -87,7 +90,8 @@ constexpr int kSmemQ = 0;
 constexpr int kSmemK = kSmemQ + kQBytes;
 constexpr int kSmemV = kSmemK + kStages * kKVBytes;
 constexpr int kSmemClean = kSmemV + kStages * kKVBytes;  // FC_MASKED_V: a V tile per consumer
-constexpr int kSmemBar = kSmemClean + (FC_MASKED_V ? kConsumers * kKVBytes : 0);
+constexpr int kSmemBar = kSmemClean + (FC_MASKED_V ? kConsumers * kKVBytes : 0) + FC_SMEM_PAD;
+static_assert(FC_SMEM_PAD % 1024 == 0, "padding keeps the barriers 8-byte aligned");
 constexpr int kBarriers = 2 + 4 * kStages;  // q_full, q_empty, k_full[], v_full[], k_empty[], v_empty[]
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
