@@ -1,7 +1,8 @@
 """One attention call shape, run a few times, for a profiler to capture (ncu, scripts/gpu_lane.sh
 step `ncu`).
 
-    python scripts/profile_call.py --shape 4 4096 16 128 [--causal] [--bwd] [--repeats 3]
+    python scripts/profile_call.py --shape 4 4096 16 128 [--causal] [--window L R] [--bwd]
+                                   [--repeats 3]
 
 Runs flash_attn_func (and with --bwd its backward) `repeats` times on fresh bf16 inputs, then
 synchronises. The first repeat compiles / loads the kernels; a profiler should skip it
@@ -23,18 +24,23 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=4, default=[4, 4096, 16, 128],
                     metavar=("B", "S", "H", "D"))
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"),
+                    help="window_size (FlashAttention's; -1 unbounded)")
     ap.add_argument("--bwd", action="store_true")
+    ap.add_argument("--fwd-only", action="store_true", help="no backward, even with --bwd")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     b, s, h, d = a.shape
+    a.bwd = a.bwd and not a.fwd_only
     for _ in range(a.repeats):
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
                                requires_grad=a.bwd) for _ in range(3))
-        out = flashcuda.flash_attn_func(q, k, v, causal=a.causal)
+        out = flashcuda.flash_attn_func(q, k, v, causal=a.causal, window_size=tuple(a.window))
         if a.bwd:
             out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
-    print(f"profiled shape {tuple(a.shape)} causal={a.causal} bwd={a.bwd}: "
+    print(f"profiled shape {tuple(a.shape)} causal={a.causal} window={tuple(a.window)} "
+          f"bwd={a.bwd}: "
           f"{a.repeats} calls done")
 
 
