@@ -24,6 +24,7 @@ _KERNEL_MODULES = (
     "flashcuda.ops.bwd_sm80",
     "flashcuda.ops.bwd_sm90",
     "flashcuda.ops.softmax_state",
+    "flashcuda.ops.mask_check",
 )
 
 

@@ -1,5 +1,6 @@
-"""SIMT flash kernels on the CPU lane: every variant compiles for sm_80 and sm_90a without spills,
-and the configs / can_implement answer correctly without a GPU."""
+"""SIMT flash kernels (and the test kernels of the shared device code: online softmax, mask) on the
+CPU lane: every variant compiles for sm_80 and sm_90a without spills, and the configs /
+can_implement answer correctly without a GPU."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import pytest
 import torch
 
 from flashcuda.jit import compile_spec
-from flashcuda.ops import bwd_simt, fwd_simt, softmax_state
+from flashcuda.ops import bwd_simt, fwd_simt, mask_check, softmax_state
 from flashcuda.ops.call import BwdCall, FwdCall
 
 
 def _all_variants():
     return [(spec, arch)
-            for module in (fwd_simt, bwd_simt, softmax_state)
+            for module in (fwd_simt, bwd_simt, softmax_state, mask_check)
             for spec, archs in module.variants() for arch in archs]
 
 
@@ -40,7 +41,7 @@ def test_simt_representative_variants_compile():
              bwd_simt.config_for(torch.bfloat16, 128).dkdv_spec(),
              bwd_simt.config_for(torch.float32, 256).dq_spec(),
              bwd_simt.config_for(torch.float32, 8).dot_do_o_spec(),
-             softmax_state.spec()]
+             softmax_state.spec(), mask_check.spec()]
     for spec in specs:
         for arch in ("sm_80", "sm_90a"):
             r = compile_spec(spec, arch).resources()[spec.entry_name]
@@ -57,7 +58,7 @@ def test_simt_variant_counts_and_names():
     assert "flash_bwd_dkdv_simt_fp16_d64_bm32_bn32" in bwd
     assert "flash_bwd_dq_simt_bf16_d256_bm16_bn16" in bwd
     assert "flash_bwd_dot_do_o_simt_fp32" in bwd
-    for module in (fwd_simt, bwd_simt, softmax_state):
+    for module in (fwd_simt, bwd_simt, softmax_state, mask_check):
         for _, archs in module.variants():
             assert archs == ("sm_80", "sm_90a")
 

@@ -510,13 +510,11 @@ enum VStageUse : int {
 // The V tile the P V of visit-order tile i reads: its stage, or (FC_MASKED_V: the tile masked
 // for this warpgroup's rows and holding a NaN / Inf) the warpgroup's clean copy; `seen` says
 // which. Warpgroup-uniform: every thread of it takes the same branches and barriers.
-__device__ __forceinline__ uint32_t v_for_pv(const Smem& sm, int stage, const Block& blk,
-                                             const Mask& mask, int i, int wg_row0, int c,
+__device__ __forceinline__ uint32_t v_for_pv(const Smem& sm, int stage, bool masked, int c,
                                              int& seen) {
   seen = kStageOnly;
 #if FC_MASKED_V
-  const int n0 = (blk.n_last - i) * kBlockN;
-  if (mask.tile_needs_mask(blk.m0 + wg_row0, 64, n0, kBlockN)) {
+  if (masked) {
     seen = v_tile_poisoned(sm.v(stage), c) ? kPoisoned : kScanned;
     if (seen == kPoisoned) {
       copy_clean_v(sm.clean_v(c), sm.v(stage), c);
@@ -545,10 +543,13 @@ __device__ __forceinline__ void put_back_if(int seen, Consumer& cs, const Smem& 
 //     rescale O | P_i -> A fragments
 // The first tile is a compile-time case and masking a warp-uniform runtime branch around
 // apply_mask alone: wgmma issued on a path ptxas sees as divergent gets serialized (C7520).
+// `masked` (decided once per work tile) says which visits need the mask for this warpgroup's rows:
+// redoing the band arithmetic per tile cost the masked-V variant 13% at d64 (session 9, ncu).
 template <bool kFirst>
 __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, const Block& blk,
-                                                const Mask& mask, int i, int ring, int row0,
-                                                int wg_row0, int c, float scale_log2) {
+                                                const Mask& mask, const MaskedVisits& masked,
+                                                int i, int ring, int row0, int c,
+                                                float scale_log2) {
   const int st = stage_of(ring);
   const int prev = stage_of(ring + kStages - 1);
   int seen = kStageOnly;  // (FC_MASKED_V) what v_for_pv did with tile i - 1's V stage
@@ -560,7 +561,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   constexpr bool kVBeforeTurn = kPingPong || FC_MASKED_V;
   if constexpr (kVBeforeTurn && !kFirst) {
     mbar_wait(sm.v_full(prev), parity_of(ring - 1));
-    v_prev = v_for_pv(sm, prev, blk, mask, i - 1, wg_row0, c, seen);
+    v_prev = v_for_pv(sm, prev, masked(i - 1), c, seen);
   }
   turn_begin(c);
   wgmma_fence_operands(cs.s);
@@ -582,9 +583,8 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   }
   wgmma_fence_operands(cs.s);
   release(sm.k_empty(st));
-  const int n0 = (blk.n_last - i) * kBlockN;
-  if (mask.tile_needs_mask(blk.m0 + wg_row0, 64, n0, kBlockN))
-    cs.apply_mask(mask, row0, n0 + 2 * static_cast<int>(threadIdx.x & 3));
+  if (masked(i))
+    cs.apply_mask(mask, row0, (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3));
   float corr[2];
   cs.softmax(scale_log2, corr);
   if constexpr (!kFirst) {
@@ -600,11 +600,11 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
 
 // The last tile's P V, after the loop (`i`: its visit index, `last`: its ring index).
 __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block& blk,
-                                      const Mask& mask, int i, int last, int row0, int wg_row0,
-                                      int c) {
+                                      const Mask& mask, const MaskedVisits& masked, int i,
+                                      int last, int row0, int c) {
   int seen;
   mbar_wait(sm.v_full(stage_of(last)), parity_of(last));
-  const uint32_t v = v_for_pv(sm, stage_of(last), blk, mask, i, wg_row0, c, seen);
+  const uint32_t v = v_for_pv(sm, stage_of(last), masked(i), c, seen);
   turn_begin(c);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
@@ -710,12 +710,13 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 
     const int tiles = blk.tiles();
     if (tiles > 0) {
+      const MaskedVisits masked = masked_visits(mask, blk.m0 + wg_row0, 64, blk.n_last, kBlockN);
       mbar_wait(sm.q_full(), q_round & 1);
-      attend_key_tile<true>(cs, sm, blk, mask, 0, ring, row0, wg_row0, c, scale_log2);
+      attend_key_tile<true>(cs, sm, blk, mask, masked, 0, ring, row0, c, scale_log2);
       for (int i = 1; i < tiles; ++i)
-        attend_key_tile<false>(cs, sm, blk, mask, i, ring + i, row0, wg_row0, c, scale_log2);
+        attend_key_tile<false>(cs, sm, blk, mask, masked, i, ring + i, row0, c, scale_log2);
       release(sm.q_empty());  // every Q K^T of this work tile has completed
-      drain(cs, sm, blk, mask, tiles - 1, ring + tiles - 1, row0, wg_row0, c);
+      drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c);
       ring += tiles;
       ++q_round;
     }

@@ -50,3 +50,34 @@ struct Mask {
     return false;
   }
 };
+
+// tile_needs_mask over a run of key tiles, decided once: for rows [row0, row0 + rows) and the
+// key tiles n_first .. n_last of `cols` keys each, visited from n_last down (visit index
+// i = n_last - n), the tiles that need the mask are exactly the first `head` visits (the band's
+// right edge and seqlen_k) and the visits from `tail` on (the band's left edge). A loop then tests
+// two integers per tile instead of redoing the band arithmetic (tests/gpu/test_mask.py checks the
+// equivalence tile by tile, mask_test.cu).
+struct MaskedVisits {
+  int head, tail;
+
+  __device__ __forceinline__ bool operator()(int i) const { return i < head || i >= tail; }
+};
+
+__device__ __forceinline__ int floor_div(int a, int b) {  // b > 0
+  return a >= 0 ? a / b : -((b - 1 - a) / b);
+}
+
+// Derivation: with row_last = min(row0 + rows - 1, seqlen_q - 1), tile n (keys n*cols ..
+// n*cols + cols - 1) needs the mask iff its last key passes R = min(seqlen_k - 1, row0 + shift +
+// window_right), i.e. n >= floor((R + 1) / cols), or its first key precedes L = row_last + shift
+// - window_left, i.e. n < ceil(L / cols).
+__device__ __forceinline__ MaskedVisits masked_visits(const Mask& mask, int row0, int rows,
+                                                      int n_last, int cols) {
+  int row_last = row0 + rows - 1;
+  if (row_last > mask.seqlen_q - 1) row_last = mask.seqlen_q - 1;
+  int r = row0 + mask.shift() + mask.window_right;
+  if (r > mask.seqlen_k - 1) r = mask.seqlen_k - 1;
+  const int n_right = floor_div(r + 1, cols);                                 // first right-masked
+  const int n_left = -floor_div(-(row_last + mask.shift() - mask.window_left), cols);  // ceil
+  return MaskedVisits{n_last - n_right + 1, n_last - n_left + 1};
+}
