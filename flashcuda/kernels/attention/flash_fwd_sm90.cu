@@ -460,9 +460,12 @@ __device__ __forceinline__ uint32_t v_offset(int key, int d) {
 // loop body the fast path runs (unrolled over the head dim's column groups it doubled the
 // kernel's SASS; session 8 measured that variant 4-16% slower on causal calls). Adding each
 // value straight into O gives IEEE's result of adding their sum: NaN stays NaN, +Inf with -Inf
-// is NaN, an infinity absorbs every finite value.
+// is NaN, an infinity absorbs every finite value. It runs after O's rescale by corr (the
+// following tile's correction), so each value is scaled by its row's corr first: for x NaN /
+// +-Inf and corr >= 0, O corr + x corr is (O + x) corr in IEEE arithmetic.
 __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, uint32_t scratch,
-                                                   const Mask& mask, int row0, int n0) {
+                                                   const Mask& mask, int row0, int n0,
+                                                   const float (&corr)[2]) {
   static_assert(128 * (kHeadDim / 2) * 4 <= kKVBytes, "a warpgroup's O fits its clean V tile");
   const int t = static_cast<int>(threadIdx.x & 3);
   const uint32_t mine = scratch + (threadIdx.x & 127) * (kHeadDim / 2) * 4;
@@ -485,12 +488,13 @@ __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, uin
       for (int e = 0; e < 2; ++e) {
         const uint32_t bits = e ? (w >> 16) : (w & 0xffffu);
         if (!half_nonfinite<T>(bits)) continue;
-        const float x = nonfinite_value<T>(bits);
+        const float x = nonfinite_value<T>(bits);  // (scaled below by its row's corr)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (key < lo[h] || key >= hi[h]) continue;
           const uint32_t at = mine + 4 * (4 * j + 2 * h + e);
-          store_shared_32(at, __float_as_uint(__uint_as_float(load_shared_32(at)) + x));
+          const float o_at = __uint_as_float(load_shared_32(at));
+          store_shared_32(at, __float_as_uint(o_at + x * corr[h]));
         }
       }
     }
@@ -525,14 +529,16 @@ __device__ __forceinline__ uint32_t v_for_pv(const Smem& sm, int stage, bool mas
   return sm.v(stage);
 }
 
-// After that P V completed, before its stage is released: the slow path's put-back, and the
-// fence that orders this thread's generic reads of the stage before TMA rewrites it.
+// After that P V completed and O was rescaled by `corr`, before its stage is released: the slow
+// path's put-back, and the fence that orders this thread's generic reads of the stage before TMA
+// rewrites it.
 __device__ __forceinline__ void put_back_if(int seen, Consumer& cs, const Smem& sm, int stage,
                                             const Block& blk, const Mask& mask, int i, int row0,
-                                            int c) {
+                                            int c, const float (&corr)[2]) {
 #if FC_MASKED_V
   if (seen == kPoisoned)
-    put_back_nonfinite(cs, sm.v(stage), sm.clean_v(c), mask, row0, (blk.n_last - i) * kBlockN);
+    put_back_nonfinite(cs, sm.v(stage), sm.clean_v(c), mask, row0, (blk.n_last - i) * kBlockN,
+                       corr);
   if (seen != kStageOnly) fence_proxy_async();
 #endif
 }
@@ -591,11 +597,17 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     wgmma_wait<0>();
     cs.hold_p();
     wgmma_fence_operands(cs.o);
-    put_back_if(seen, cs, sm, prev, blk, mask, i - 1, row0, c);
-    release(sm.v_empty(prev));
+    if constexpr (!FC_MASKED_V) release(sm.v_empty(prev));
   }
   cs.rescale(corr);
   cs.pack_p();
+  // FC_MASKED_V: the put-back's branch comes after the softmax, rescale and packing, not between
+  // them: there it split their basic block, and ptxas could no longer hide the exp2s' latency
+  // behind the rescale and the conversions (session 9: the fast path 11% slower at d64).
+  if constexpr (!kFirst && FC_MASKED_V) {
+    put_back_if(seen, cs, sm, prev, blk, mask, i - 1, row0, c, corr);
+    release(sm.v_empty(prev));
+  }
 }
 
 // The last tile's P V, after the loop (`i`: its visit index, `last`: its ring index).
@@ -613,7 +625,8 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
   wgmma_wait<0>();
   cs.hold_p();
   wgmma_fence_operands(cs.o);
-  put_back_if(seen, cs, sm, stage_of(last), blk, mask, i, row0, c);
+  const float no_rescale[2] = {1.f, 1.f};
+  put_back_if(seen, cs, sm, stage_of(last), blk, mask, i, row0, c, no_rescale);
   release(sm.v_empty(stage_of(last)));
 }
 
