@@ -365,6 +365,12 @@ __device__ __forceinline__ void release(uint32_t bar) {
   if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
 }
 
+// release(bar) unless `keep` (warp-uniform): a predicated arrival, no branch in the caller's block.
+__device__ __forceinline__ void release_unless(uint32_t bar, bool keep) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0 && !keep) mbar_arrive(bar);
+}
+
 // Ping-pong (FA3's warp scheduler barriers): consumer warpgroup c issues its GEMMs only in its
 // turn — bar.sync on named barrier 1 + c, which completes when the previous warpgroup in the
 // round (c - 1) has issued its own and arrived there — so one warpgroup's softmax runs while the
@@ -504,42 +510,39 @@ __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, uin
 }
 #endif
 
-// What v_for_pv did with a tile's V stage (FC_MASKED_V; always kStageOnly otherwise).
-enum VStageUse : int {
-  kStageOnly = 0,  // not read here: the tile is not masked for this warpgroup
-  kScanned = 1,    // scanned (generic reads of the stage), no NaN / Inf
-  kPoisoned = 2,   // scanned, NaN / Inf found: the P V reads the clean copy
-};
-
 // The V tile the P V of visit-order tile i reads: its stage, or (FC_MASKED_V: the tile masked
-// for this warpgroup's rows and holding a NaN / Inf) the warpgroup's clean copy; `seen` says
-// which. Warpgroup-uniform: every thread of it takes the same branches and barriers.
+// for this warpgroup's rows and holding a NaN / Inf) the warpgroup's clean copy; `poisoned` says
+// which. A scan's generic reads of the stage are fenced to the async proxy here, before the
+// stage's release, so TMA's next write into it cannot overtake them (the slow path fences again
+// after its put-back). Warpgroup-uniform: every thread of it takes the same branches and barriers.
 __device__ __forceinline__ uint32_t v_for_pv(const Smem& sm, int stage, bool masked, int c,
-                                             int& seen) {
-  seen = kStageOnly;
+                                             bool& poisoned) {
+  poisoned = false;
 #if FC_MASKED_V
   if (masked) {
-    seen = v_tile_poisoned(sm.v(stage), c) ? kPoisoned : kScanned;
-    if (seen == kPoisoned) {
+    poisoned = v_tile_poisoned(sm.v(stage), c);
+    if (poisoned) {
       copy_clean_v(sm.clean_v(c), sm.v(stage), c);
       return sm.clean_v(c);
     }
+    fence_proxy_async();
   }
 #endif
   return sm.v(stage);
 }
 
-// After that P V completed and O was rescaled by `corr`, before its stage is released: the slow
-// path's put-back, and the fence that orders this thread's generic reads of the stage before TMA
-// rewrites it.
-__device__ __forceinline__ void put_back_if(int seen, Consumer& cs, const Smem& sm, int stage,
-                                            const Block& blk, const Mask& mask, int i, int row0,
-                                            int c, const float (&corr)[2]) {
+// The slow path's end, once that P V completed and O was rescaled by `corr`: the put-back, the
+// fence for its reads of the stage, and the stage's release (held back for this case only).
+__device__ __forceinline__ void put_back_if(bool poisoned, Consumer& cs, const Smem& sm,
+                                            int stage, const Block& blk, const Mask& mask, int i,
+                                            int row0, int c, const float (&corr)[2]) {
 #if FC_MASKED_V
-  if (seen == kPoisoned)
+  if (poisoned) {
     put_back_nonfinite(cs, sm.v(stage), sm.clean_v(c), mask, row0, (blk.n_last - i) * kBlockN,
                        corr);
-  if (seen != kStageOnly) fence_proxy_async();
+    fence_proxy_async();
+    release(sm.v_empty(stage));
+  }
 #endif
 }
 
@@ -558,7 +561,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
                                                 float scale_log2) {
   const int st = stage_of(ring);
   const int prev = stage_of(ring + kStages - 1);
-  int seen = kStageOnly;  // (FC_MASKED_V) what v_for_pv did with tile i - 1's V stage
+  bool poisoned = false;  // (FC_MASKED_V) tile i - 1's V holds a NaN / Inf its P V left out
   uint32_t v_prev = sm.v(prev);
   mbar_wait(sm.k_full(st), parity_of(ring));
   // With ping-pong, wait for V before taking the turn (never hold it while waiting for data);
@@ -567,7 +570,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   constexpr bool kVBeforeTurn = kPingPong || FC_MASKED_V;
   if constexpr (kVBeforeTurn && !kFirst) {
     mbar_wait(sm.v_full(prev), parity_of(ring - 1));
-    v_prev = v_for_pv(sm, prev, masked(i - 1), c, seen);
+    v_prev = v_for_pv(sm, prev, masked(i - 1), c, poisoned);
   }
   turn_begin(c);
   wgmma_fence_operands(cs.s);
@@ -597,26 +600,24 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     wgmma_wait<0>();
     cs.hold_p();
     wgmma_fence_operands(cs.o);
-    if constexpr (!FC_MASKED_V) release(sm.v_empty(prev));
+    release_unless(sm.v_empty(prev), poisoned);
   }
   cs.rescale(corr);
   cs.pack_p();
   // FC_MASKED_V: the put-back's branch comes after the softmax, rescale and packing, not between
   // them: there it split their basic block, and ptxas could no longer hide the exp2s' latency
-  // behind the rescale and the conversions (session 9: the fast path 11% slower at d64).
-  if constexpr (!kFirst && FC_MASKED_V) {
-    put_back_if(seen, cs, sm, prev, blk, mask, i - 1, row0, c, corr);
-    release(sm.v_empty(prev));
-  }
+  // behind the rescale and the conversions (session 9: the fast path 11% slower at d64). The
+  // stage is released where the default kernel releases it, except on the slow path.
+  if constexpr (!kFirst) put_back_if(poisoned, cs, sm, prev, blk, mask, i - 1, row0, c, corr);
 }
 
 // The last tile's P V, after the loop (`i`: its visit index, `last`: its ring index).
 __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block& blk,
                                       const Mask& mask, const MaskedVisits& masked, int i,
                                       int last, int row0, int c) {
-  int seen;
+  bool poisoned;
   mbar_wait(sm.v_full(stage_of(last)), parity_of(last));
-  const uint32_t v = v_for_pv(sm, stage_of(last), masked(i), c, seen);
+  const uint32_t v = v_for_pv(sm, stage_of(last), masked(i), c, poisoned);
   turn_begin(c);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
@@ -625,9 +626,9 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
   wgmma_wait<0>();
   cs.hold_p();
   wgmma_fence_operands(cs.o);
+  release_unless(sm.v_empty(stage_of(last)), poisoned);
   const float no_rescale[2] = {1.f, 1.f};
-  put_back_if(seen, cs, sm, stage_of(last), blk, mask, i, row0, c, no_rescale);
-  release(sm.v_empty(stage_of(last)));
+  put_back_if(poisoned, cs, sm, stage_of(last), blk, mask, i, row0, c, no_rescale);
 }
 
 #if FC_TIMELINE
