@@ -510,40 +510,36 @@ __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, uin
 }
 #endif
 
-// The V tile the P V of visit-order tile i reads: its stage, or (FC_MASKED_V: the tile masked
-// for this warpgroup's rows and holding a NaN / Inf) the warpgroup's clean copy; `poisoned` says
-// which. A scan's generic reads of the stage are fenced to the async proxy here, before the
-// stage's release, so TMA's next write into it cannot overtake them (the slow path fences again
-// after its put-back). Warpgroup-uniform: every thread of it takes the same branches and barriers.
-__device__ __forceinline__ uint32_t v_for_pv(const Smem& sm, int stage, bool masked, int c,
-                                             bool& poisoned) {
-  poisoned = false;
+// The V tile the P V of a masked tile reads (FC_MASKED_V): its stage, or, when the stage holds a
+// NaN / Inf, the warpgroup's clean copy (`poisoned`). Warpgroup-uniform: every thread of it takes
+// the same branches and barriers.
+__device__ __forceinline__ uint32_t scanned_v(const Smem& sm, int stage, int c, bool& poisoned) {
 #if FC_MASKED_V
-  if (masked) {
-    poisoned = v_tile_poisoned(sm.v(stage), c);
-    if (poisoned) {
-      copy_clean_v(sm.clean_v(c), sm.v(stage), c);
-      return sm.clean_v(c);
-    }
-    fence_proxy_async();
+  poisoned = v_tile_poisoned(sm.v(stage), c);
+  if (poisoned) {
+    copy_clean_v(sm.clean_v(c), sm.v(stage), c);
+    return sm.clean_v(c);
   }
+#else
+  poisoned = false;
 #endif
   return sm.v(stage);
 }
 
-// The slow path's end, once that P V completed and O was rescaled by `corr`: the put-back, the
-// fence for its reads of the stage, and the stage's release (held back for this case only).
-__device__ __forceinline__ void put_back_if(bool poisoned, Consumer& cs, const Smem& sm,
-                                            int stage, const Block& blk, const Mask& mask, int i,
-                                            int row0, int c, const float (&corr)[2]) {
+// After the P V from a scanned stage completed and O was rescaled by `corr`: the slow path's
+// put-back, the fence that orders this thread's generic reads of the stage before TMA rewrites
+// it, and the stage's release.
+__device__ __forceinline__ void finish_scanned_v(bool poisoned, Consumer& cs, const Smem& sm,
+                                                 int stage, const Block& blk, const Mask& mask,
+                                                 int i, int row0, int c,
+                                                 const float (&corr)[2]) {
 #if FC_MASKED_V
-  if (poisoned) {
+  if (poisoned)
     put_back_nonfinite(cs, sm.v(stage), sm.clean_v(c), mask, row0, (blk.n_last - i) * kBlockN,
                        corr);
-    fence_proxy_async();
-    release(sm.v_empty(stage));
-  }
+  fence_proxy_async();
 #endif
+  release(sm.v_empty(stage));
 }
 
 // Key tile i of the visit order, the loop body written once:
@@ -554,23 +550,29 @@ __device__ __forceinline__ void put_back_if(bool poisoned, Consumer& cs, const S
 // apply_mask alone: wgmma issued on a path ptxas sees as divergent gets serialized (C7520).
 // `masked` (decided once per work tile) says which visits need the mask for this warpgroup's rows:
 // redoing the band arithmetic per tile cost the masked-V variant 13% at d64 (session 9, ncu).
-template <bool kFirst>
+// kScanPrev (FC_MASKED_V only): tile i - 1 was masked for these rows, so its V stage is scanned
+// before its P V and, after the rescale and packing, the slow path's put-back may run before the
+// stage is released. The caller runs the copy without it on the unmasked run of tiles, so there
+// the loop is the default kernel's (session 9: with the scan's branches in every tile's body the
+// variant cost 4-14%, most of it on tiles that never scan).
+template <bool kFirst, bool kScanPrev>
 __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, const Block& blk,
                                                 const Mask& mask, const MaskedVisits& masked,
                                                 int i, int ring, int row0, int c,
                                                 float scale_log2) {
+  static_assert(!(kFirst && kScanPrev), "the first tile has no previous tile");
   const int st = stage_of(ring);
   const int prev = stage_of(ring + kStages - 1);
-  bool poisoned = false;  // (FC_MASKED_V) tile i - 1's V holds a NaN / Inf its P V left out
+  bool poisoned = false;  // (kScanPrev) tile i - 1's V holds a NaN / Inf its P V left out
   uint32_t v_prev = sm.v(prev);
   mbar_wait(sm.k_full(st), parity_of(ring));
   // With ping-pong, wait for V before taking the turn (never hold it while waiting for data);
-  // without, issue S first and wait for V while that GEMM runs (but not with FC_MASKED_V: its
-  // scan between the two GEMMs would make ptxas fence the in-flight S wgmma, C7519).
-  constexpr bool kVBeforeTurn = kPingPong || FC_MASKED_V;
+  // without, issue S first and wait for V while that GEMM runs (but not before a scan: between
+  // the two GEMMs it would make ptxas fence the in-flight S wgmma, C7519).
+  constexpr bool kVBeforeTurn = kPingPong || kScanPrev;
   if constexpr (kVBeforeTurn && !kFirst) {
     mbar_wait(sm.v_full(prev), parity_of(ring - 1));
-    v_prev = v_for_pv(sm, prev, masked(i - 1), c, poisoned);
+    if constexpr (kScanPrev) v_prev = scanned_v(sm, prev, c, poisoned);
   }
   turn_begin(c);
   wgmma_fence_operands(cs.s);
@@ -600,24 +602,54 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     wgmma_wait<0>();
     cs.hold_p();
     wgmma_fence_operands(cs.o);
-    release_unless(sm.v_empty(prev), poisoned);
+    if constexpr (!kScanPrev) release(sm.v_empty(prev));
   }
   cs.rescale(corr);
   cs.pack_p();
-  // FC_MASKED_V: the put-back's branch comes after the softmax, rescale and packing, not between
-  // them: there it split their basic block, and ptxas could no longer hide the exp2s' latency
-  // behind the rescale and the conversions (session 9: the fast path 11% slower at d64). The
-  // stage is released where the default kernel releases it, except on the slow path.
-  if constexpr (!kFirst) put_back_if(poisoned, cs, sm, prev, blk, mask, i - 1, row0, c, corr);
+  // The slow path's branch comes after the softmax, rescale and packing, not between them: there
+  // it split their basic block, and ptxas no longer hid the exp2s' latency behind the rescale
+  // and the conversions (session 9: 11% at d64).
+  if constexpr (kScanPrev) finish_scanned_v(poisoned, cs, sm, prev, blk, mask, i - 1, row0, c, corr);
+}
+
+// Tiles [i, end) of the visit order, `kScanPrev` for each (see attend_key_tile).
+template <bool kScanPrev>
+__device__ __forceinline__ void attend_key_tiles(Consumer& cs, const Smem& sm, const Block& blk,
+                                                 const Mask& mask, const MaskedVisits& masked,
+                                                 int i, int end, int ring, int row0, int c,
+                                                 float scale_log2) {
+  for (; i < end; ++i)
+    attend_key_tile<false, kScanPrev>(cs, sm, blk, mask, masked, i, ring + i, row0, c,
+                                      scale_log2);
+}
+
+// Every key tile of a work tile after the first. With FC_MASKED_V the visits split into the runs
+// masked_visits describes (masked, unmasked, masked: tile i - 1 decides whether visit i scans), so
+// the scan's code runs only where a scan can happen.
+__device__ __forceinline__ void attend_rest(Consumer& cs, const Smem& sm, const Block& blk,
+                                            const Mask& mask, const MaskedVisits& masked,
+                                            int tiles, int ring, int row0, int c,
+                                            float scale_log2) {
+#if FC_MASKED_V
+  const int head = min(max(masked.head, 0), tiles - 1) + 1;  // visits 1 .. head - 1 scan
+  const int tail = max(min(masked.tail, tiles - 1), head - 1) + 1;  // visits from tail on scan
+  attend_key_tiles<true>(cs, sm, blk, mask, masked, 1, head, ring, row0, c, scale_log2);
+  attend_key_tiles<false>(cs, sm, blk, mask, masked, head, tail, ring, row0, c, scale_log2);
+  attend_key_tiles<true>(cs, sm, blk, mask, masked, tail, tiles, ring, row0, c, scale_log2);
+#else
+  attend_key_tiles<false>(cs, sm, blk, mask, masked, 1, tiles, ring, row0, c, scale_log2);
+#endif
 }
 
 // The last tile's P V, after the loop (`i`: its visit index, `last`: its ring index).
 __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block& blk,
                                       const Mask& mask, const MaskedVisits& masked, int i,
                                       int last, int row0, int c) {
-  bool poisoned;
-  mbar_wait(sm.v_full(stage_of(last)), parity_of(last));
-  const uint32_t v = v_for_pv(sm, stage_of(last), masked(i), c, poisoned);
+  const int stage = stage_of(last);
+  const bool scan = FC_MASKED_V && masked(i);
+  bool poisoned = false;
+  mbar_wait(sm.v_full(stage), parity_of(last));
+  const uint32_t v = scan ? scanned_v(sm, stage, c, poisoned) : sm.v(stage);
   turn_begin(c);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
@@ -626,9 +658,12 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
   wgmma_wait<0>();
   cs.hold_p();
   wgmma_fence_operands(cs.o);
-  release_unless(sm.v_empty(stage_of(last)), poisoned);
-  const float no_rescale[2] = {1.f, 1.f};
-  put_back_if(poisoned, cs, sm, stage_of(last), blk, mask, i, row0, c, no_rescale);
+  if (scan) {
+    const float no_rescale[2] = {1.f, 1.f};
+    finish_scanned_v(poisoned, cs, sm, stage, blk, mask, i, row0, c, no_rescale);
+  } else {
+    release(sm.v_empty(stage));
+  }
 }
 
 #if FC_TIMELINE
@@ -726,9 +761,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
     if (tiles > 0) {
       const MaskedVisits masked = masked_visits(mask, blk.m0 + wg_row0, 64, blk.n_last, kBlockN);
       mbar_wait(sm.q_full(), q_round & 1);
-      attend_key_tile<true>(cs, sm, blk, mask, masked, 0, ring, row0, c, scale_log2);
-      for (int i = 1; i < tiles; ++i)
-        attend_key_tile<false>(cs, sm, blk, mask, masked, i, ring + i, row0, c, scale_log2);
+      attend_key_tile<true, false>(cs, sm, blk, mask, masked, 0, ring, row0, c, scale_log2);
+      attend_rest(cs, sm, blk, mask, masked, tiles, ring, row0, c, scale_log2);
       release(sm.q_empty());  // every Q K^T of this work tile has completed
       drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c);
       ring += tiles;
