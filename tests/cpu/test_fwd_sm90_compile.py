@@ -48,13 +48,15 @@ def test_sm90_sass_uses_wgmma_and_tma(builds, cfg, tmp_path):
     sass = dump(builds[cfg.name].cubin, tmp_path, "-sass")
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
     # The first tile (Q K^T only), the loop body (Q K^T, P V) and the last P V: 2 x head_dim / 16
-    # Q K^T and 2 x block_n / 16 P V wgmmas.
-    assert len(hgmma) == 2 * (cfg.head_dim // 16 + cfg.block_n // 16), len(hgmma)
+    # Q K^T and 2 x block_n / 16 P V wgmmas. The masked-V variant has three copies of the loop
+    # body (masked, unmasked, masked runs of tiles): two more of each.
+    bodies = 3 if cfg.masked_v else 1
+    assert len(hgmma) == (1 + bodies) * (cfg.head_dim // 16 + cfg.block_n // 16), len(hgmma)
     # nvdisasm spells bf16 inputs .F32.BF16 and fp16 inputs plain .F32
     bf16 = cfg.dtype == torch.bfloat16
     assert all(".F32" in line and ("BF16" in line) == bf16 for line in hgmma)
     pv = [line for line in hgmma if ".tnspB" in line]
-    assert len(pv) == 2 * (cfg.block_n // 16)
+    assert len(pv) == (1 + bodies) * (cfg.block_n // 16)
     assert all(f"64x{cfg.head_dim}x16" in line for line in pv)
     assert all(re.search(r"HGMMA\S+ R\d+, R\d+, gdesc", line) for line in pv), "A from registers"
     assert "UTMALDG" in sass
