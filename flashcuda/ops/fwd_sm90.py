@@ -79,6 +79,9 @@ class Sm90FwdConfig:
     # unused shared memory before the barriers (FLASHCUDA_SM90_SMEM_PAD=<KiB>): an A/B variant
     # that gives the default kernel the masked-V variant's footprint; never chosen by default
     smem_pad: int = 0
+    # extra compile-time defines (FLASHCUDA_SM90_FWD_DEFINES="NAME=VALUE,..."): A/B variants of a
+    # kernel knob the .cu documents (e.g. FC_MV_SCAN_UNROLL); never chosen by default
+    defines: tuple = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -130,7 +133,8 @@ class Sm90FwdConfig:
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}{'_pp' if self.pingpong else ''}"
                 f"{'_sn' if self.snake else ''}{'_tl' if self.timeline else ''}"
                 f"{'_mv' if self.masked_v else ''}"
-                f"{f'_pad{self.smem_pad // 1024}k' if self.smem_pad else ''}")
+                f"{f'_pad{self.smem_pad // 1024}k' if self.smem_pad else ''}"
+                + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -147,6 +151,7 @@ class Sm90FwdConfig:
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_MASKED_V": 1} if self.masked_v else {}),
             **({"FC_SMEM_PAD": self.smem_pad} if self.smem_pad else {}),
+            **dict(self.defines),
         })
 
     def work_tiles(self, call: FwdCall) -> int:
@@ -200,6 +205,20 @@ MASKED_V_ENV = "FLASHCUDA_SM90_FWD_MASKED_V"
 SMEM_PAD_ENV = "FLASHCUDA_SM90_SMEM_PAD"  # KiB of unused shared memory (A/B of the footprint)
 
 
+DEFINES_ENV = "FLASHCUDA_SM90_FWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob)
+
+
+def _defines() -> tuple:
+    raw = os.environ.get(DEFINES_ENV, "").strip()
+    out = []
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        name, _, value = item.partition("=")
+        if not re.fullmatch(r"FC_[A-Z0-9_]+", name) or not re.fullmatch(r"-?\d+", value):
+            raise ValueError(f"{DEFINES_ENV}: expected FC_NAME=<integer>[,...], got {raw!r}")
+        out.append((name, int(value)))
+    return tuple(sorted(out))
+
+
 def _smem_pad() -> int:
     raw = os.environ.get(SMEM_PAD_ENV, "").strip()
     if not raw:
@@ -222,7 +241,8 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
                     and (block_m, block_n) in WINDOWED_TILES[head_dim])
     return Sm90FwdConfig(dtype, head_dim, block_m, block_n,
                          consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong,
-                         snake=snake, masked_v=masked_v, smem_pad=_smem_pad())
+                         snake=snake, masked_v=masked_v, smem_pad=_smem_pad(),
+                         defines=_defines())
 
 
 def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
@@ -346,7 +366,7 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 
 
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
-                     MASKED_V_ENV, SMEM_PAD_ENV)
+                     MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:

@@ -75,6 +75,12 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #ifndef FC_MASKED_V
 #define FC_MASKED_V 0  // 1: NaN / Inf in V reaches only rows that see its key (see "masked V")
 #endif
+#ifndef FC_MV_SCAN_UNROLL
+#define FC_MV_SCAN_UNROLL 1  // masked V: 16-byte loads in flight per thread in the scan (A/B knob)
+#endif
+#ifndef FC_MV_SCAN_FENCE
+#define FC_MV_SCAN_FENCE 1  // masked V: fence a clean scan's generic reads before the release (A/B)
+#endif
 #ifndef FC_SMEM_PAD
 #define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
 #endif
@@ -427,7 +433,8 @@ __device__ __forceinline__ bool warpgroup_any(bool pred, int c) {
 __device__ __forceinline__ bool v_tile_poisoned(uint32_t v, int c) {
   const int lt = static_cast<int>(threadIdx.x & 127);
   bool bad = false;
-#pragma unroll 1
+  constexpr int kUnroll = FC_MV_SCAN_UNROLL;
+#pragma unroll kUnroll
   for (int e = lt; e < kKVBytes / 16; e += 128) {
     const Bytes16 w = load_shared_16(v + 16 * e);
     bad |= word_nonfinite<T>(w.x) | word_nonfinite<T>(w.y) | word_nonfinite<T>(w.z) |
@@ -537,7 +544,7 @@ __device__ __forceinline__ void finish_scanned_v(bool poisoned, Consumer& cs, co
   if (poisoned)
     put_back_nonfinite(cs, sm.v(stage), sm.clean_v(c), mask, row0, (blk.n_last - i) * kBlockN,
                        corr);
-  fence_proxy_async();
+  if (FC_MV_SCAN_FENCE || poisoned) fence_proxy_async();
 #endif
   release(sm.v_empty(stage));
 }
