@@ -73,8 +73,9 @@ class Sm90FwdConfig:
     # profiling variant: two more kernel arguments (a buffer, its slots per consumer) receive
     # each work tile's start / end time (FC_TIMELINE; scripts/sm90_timeline.py); never dispatched
     timeline: bool = False
-    # NaN / Inf in V reaches only the rows that see its key, also in partly seen tiles
-    # (FLASHCUDA_SM90_FWD_MASKED_V=1, windowed calls only; + a clean V tile per consumer)
+    # NaN / Inf in V reaches only the rows that see its key, also in partly seen tiles (windowed
+    # calls, by default; FLASHCUDA_SM90_FWD_MASKED_V=0 is the A/B variant; + a clean V tile per
+    # consumer)
     masked_v: bool = False
     # unused shared memory before the barriers (FLASHCUDA_SM90_SMEM_PAD=<KiB>): an A/B variant
     # that gives the default kernel the masked-V variant's footprint; never chosen by default
@@ -200,7 +201,8 @@ PINGPONG_ENV = "FLASHCUDA_SM90_PINGPONG"  # consumer warpgroups take turns issui
 SNAKE_ENV = "FLASHCUDA_SM90_SNAKE"  # snake order of work tiles over the persistent CTAs
 SNAKE_FROM = 4096  # seqlen_q from which a masked call walks its tiles in snake order
 SNAKE_ROUNDS = 12  # ... and below it, when its work tiles are at most this many per SM
-# 1: the masked-V variant for windowed calls (opt-in; see the .cu's "masked V")
+# the masked-V variant for windowed calls: on by default (session 9: 1-5% on causal calls, the
+# scans of the masked tiles); 0 builds the kernel that lets 0 x NaN through (A/B; see the .cu)
 MASKED_V_ENV = "FLASHCUDA_SM90_FWD_MASKED_V"
 SMEM_PAD_ENV = "FLASHCUDA_SM90_SMEM_PAD"  # KiB of unused shared memory (A/B of the footprint)
 
@@ -237,7 +239,7 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
         snake = flag(SNAKE_ENV, windowed and (seqlen_q >= SNAKE_FROM or few_rounds))
     if masked_v is None:  # without a window every key below seqlen_k is seen by every row;
         # built for the windowed tiles only (d128 x 176 with a clean tile per consumer would not fit)
-        masked_v = (windowed and flag(MASKED_V_ENV, False)
+        masked_v = (windowed and flag(MASKED_V_ENV, True)
                     and (block_m, block_n) in WINDOWED_TILES[head_dim])
     return Sm90FwdConfig(dtype, head_dim, block_m, block_n,
                          consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong,

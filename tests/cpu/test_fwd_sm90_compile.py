@@ -355,16 +355,14 @@ def test_plan_key_holds_what_can_implement_reads(monkeypatch):
 
 
 def test_masked_v_switch(monkeypatch):
-    """FLASHCUDA_SM90_FWD_MASKED_V=1 picks the masked-V variant for windowed calls on the tiles
-    it is built for (name, define, a clean V tile per consumer in shared memory that still fits
-    the H200's 227 KB); calls without a window keep the default kernel; bad values are refused."""
+    """Windowed calls get the masked-V variant by default on the tiles it is built for (name,
+    define, a clean V tile per consumer in shared memory that still fits the H200's 227 KB);
+    FLASHCUDA_SM90_FWD_MASKED_V=0 gives the kernel without it (A/B); calls without a window keep
+    the plain kernel; bad values are refused."""
     for env in (fwd_sm90.TILES_ENV, fwd_sm90.PINGPONG_ENV, fwd_sm90.SNAKE_ENV,
                 fwd_sm90.MASKED_V_ENV):
         monkeypatch.delenv(env, raising=False)
     pick = fwd_sm90.select_config
-    base = pick(torch.bfloat16, 128, True, 2048, 2048)
-    assert not base.masked_v and "FC_MASKED_V" not in dict(base.spec().defines)
-    monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "1")
     names = {c.name for c in fwd_sm90.configs()}
     for d, sq in ((128, 2048), (64, 2048), (64, 8192)):
         mv = pick(torch.bfloat16, d, True, sq, sq)
@@ -375,6 +373,10 @@ def test_masked_v_switch(monkeypatch):
         assert mv.smem_bytes == (dataclasses.replace(mv, masked_v=False).smem_bytes
                                  + mv.consumers * mv.kv_bytes)
         assert mv.smem_bytes <= 227 * 1024
+    monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "0")
+    off = pick(torch.bfloat16, 128, True, 2048, 2048)
+    assert not off.masked_v and "FC_MASKED_V" not in dict(off.spec().defines)
+    monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "1")
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "bm128_bn176")  # forced wide tiles: not built for them
     assert not pick(torch.bfloat16, 128, True, 2048, 2048).masked_v
     monkeypatch.delenv(fwd_sm90.TILES_ENV)

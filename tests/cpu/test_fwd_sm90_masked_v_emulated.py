@@ -55,11 +55,12 @@ def clean_copy(stage: bytes) -> bytes:  # copy_clean_v (fp16)
 
 
 def put_back(stage: bytes, mask: Mask, m0: int, wg_row0: int, n0: int, block_n: int,
-             head_dim: int, offset=v_offset):
+             head_dim: int, offset=v_offset, corr=lambda row: 1.0):
     """put_back_nonfinite for the 128 threads of one consumer warpgroup:
     {(row, col): added value} for every O element they hold (0.0 where nothing is added). As the
-    .cu does, each thread walks the keys, then the column groups, adding each non-finite value
-    straight into its O element's slot (here: starting from 0.0)."""
+    .cu does, each thread walks the keys, then the column groups, adding each non-finite value,
+    times its row's corr (the put-back runs after O's rescale), straight into its O element's
+    slot (here: starting from 0.0)."""
     out = {}
     for warp in range(4):
         for lane in range(32):
@@ -73,6 +74,7 @@ def put_back(stage: bytes, mask: Mask, m0: int, wg_row0: int, n0: int, block_n: 
             lo = [max(mask.key_begin(row0 + 8 * h) - n0, 0) for h in range(2)]
             hi = [min(mask.key_end(row0 + 8 * h + 1) - n0, block_n) for h in range(2)]
             first, last = min(lo), max(hi)
+            c = [corr(row0 + 8 * h) for h in range(2)]
             for key in range(first, last):
                 for j in range(head_dim // 8):
                     at = offset(key, 8 * j + 2 * t, block_n)
@@ -86,7 +88,7 @@ def put_back(stage: bytes, mask: Mask, m0: int, wg_row0: int, n0: int, block_n: 
                         x = half_special(bits)
                         for h in range(2):
                             if lo[h] <= key < hi[h]:
-                                mine[4 * j + 2 * h + e] += x
+                                mine[4 * j + 2 * h + e] += x * c[h]
             for j in range(head_dim // 8):
                 for h in range(2):
                     for e in range(2):
@@ -134,12 +136,17 @@ def test_put_back_matches_the_rule(case):
         tile[k, c] = [math.nan, math.inf, -math.inf][int(rng.integers(3))]
     tile[71, 3], tile[72, 3] = math.inf, -math.inf  # +Inf and -Inf in one column
     stage = swizzled_stage(tile)
-    got = put_back(stage, mask, m0, wg_row0, n0, block_n, head_dim)
+    # the next tile's correction of each row: mostly in (0, 1], some rows 1 and some 0 (a later
+    # tile's maximum so far above that 2^(m_old - m_new) underflowed: Inf x 0 is NaN, as (O + x) x 0)
+    corrs = {r: [0.0, 1.0, float(rng.uniform(1e-30, 1.0))][r % 3] for r in range(sq + 64)}
+    got = put_back(stage, mask, m0, wg_row0, n0, block_n, head_dim, corr=corrs.__getitem__)
     assert len(got) == 64 * head_dim
     assert any(not same(x, 0.0) for x in got.values()), "the case puts nothing back"
     assert any(same(x, 0.0) for x in got.values()), "the case leaves nothing untouched"
     for (row, col), x in got.items():
-        want = rule(tile, mask, row, col, n0)
+        want = rule(tile, mask, row, col, n0) * corrs[row]  # (O + x) corr, IEEE
+        if rule(tile, mask, row, col, n0) == 0.0:
+            want = 0.0  # nothing put back: the slot keeps O corr (here 0.0)
         assert same(x, want), f"O ({row}, {col}): added {x}, the rule says {want}"
 
 

@@ -244,10 +244,11 @@ def test_dispatch_prefers_sm90_when_enabled():
     assert dispatch.forward(FwdCall(q, k, v, out, lse, 0.088, None, 0)) == "fwd_sm90"
 
 
-# ---- non-finite V in partly seen tiles (FLASHCUDA_SM90_FWD_MASKED_V=1, opt-in) --------------------
+# ---- non-finite V in partly seen tiles (the masked-V variant: windowed calls' default) -------------
 
 def _masked_v_or_skip(monkeypatch, q, k, window):
-    """Turn the masked-V variant on; skip under forced tiles it is not built for (d128 x 176)."""
+    """The masked-V variant (explicitly on, as by default); skip under forced tiles it is not
+    built for (d128 x 176)."""
     monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "1")
     dispatch._reset()
     windowed = window != FULL

@@ -508,19 +508,21 @@ LEAKS = "0 x NaN in the P V GEMM reaches rows that do not see the key (docs/GUAR
 
 @pytest.mark.parametrize("family,dtype", [
     pytest.param("sm80", BF16, id="sm80-bf16"),
-    pytest.param("sm90", BF16, id="sm90-bf16", marks=pytest.mark.xfail(strict=True, reason=LEAKS)),
+    pytest.param("sm90", BF16, id="sm90-bf16"),
     pytest.param("simt", FP32, id="simt-fp32"),
     pytest.param("sm80-nomv", BF16, id="sm80-no-masked-v-bf16",
                  marks=pytest.mark.xfail(strict=True, reason=LEAKS)),
-    pytest.param("sm90-mv", BF16, id="sm90-masked-v-bf16")])
+    pytest.param("sm90-nomv", BF16, id="sm90-no-masked-v-bf16",
+                 marks=pytest.mark.xfail(strict=True, reason=LEAKS))])
 def test_nan_in_v_reaches_no_row_that_does_not_see_it(family, dtype, monkeypatch):
     """Issue 4's criterion in its strict form: a NaN row of V at key 200 (causal, 256 x 256) makes
     the rows that see it (200..255) NaN and leaves every row before it, and the other head,
     bitwise as in a clean run. Expected to fail (strict xfail) where the forward multiplies
     masked weights by V inside a GEMM: a pass there means the guarantee now holds — remove the
-    mark and update GUARANTEES.md. `-mv`: the sm90 kernel with its opt-in masked-V variant
-    (FLASHCUDA_SM90_FWD_MASKED_V=1), which must pass; `-nomv`: the sm80 kernel without its
-    masked-V treatment (FLASHCUDA_SM80_FWD_MASKED_V=0, the A/B variant), which leaks."""
+    mark and update GUARANTEES.md. The default kernels (sm80, sm90: both with their masked-V
+    treatment) must pass; `-nomv`: the sm80 / sm90 kernel without it
+    (FLASHCUDA_SM80_FWD_MASKED_V=0 / FLASHCUDA_SM90_FWD_MASKED_V=0, the A/B variants), which
+    leak."""
     family, _, variant = family.partition("-")
     cc = torch.cuda.get_device_capability()
     if family == "sm90" and cc != (9, 0):
