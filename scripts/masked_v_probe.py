@@ -5,6 +5,7 @@
 
 For each shape (B,S,H,D, bf16) it times the forward of these arms, switched through the
 environment within one process (every switch is part of fwd_sm90's plan key):
+    full              no mask (the plain kernel)
     causal            the default kernel, causal
     causal-mv         FLASHCUDA_SM90_FWD_MASKED_V=1 (scans masked tiles, clean copy when poisoned)
     causal-pad        the default kernel with the masked-V variant's shared-memory footprint
@@ -56,18 +57,21 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--arms", default="", help="comma list of the arms to keep (default: all)")
     ap.add_argument("--extra", action="append", default=[],
-                    help="NAME:VAR=VALUE[;VAR=VALUE]: one more causal arm with that environment")
+                    help="NAME:VAR=VALUE[;VAR=VALUE]: one more causal arm with that environment "
+                         "(a NAME starting with 'full' runs without a mask)")
     a = ap.parse_args()
     extra = {}
     for item in a.extra:
         name, _, spec = item.partition(":")
-        extra[name] = (dict(kv.split("=", 1) for kv in spec.split(";") if kv), dict(causal=True))
+        extra[name] = (dict(kv.split("=", 1) for kv in spec.split(";") if kv),
+                       dict() if name.startswith("full") else dict(causal=True))
     print(f"{torch.cuda.get_device_name()}  forward ms per call (median of {a.rounds} rounds of "
           f"{a.calls} calls), ratio to the arm it is paired with")
     for b, s, h, d in a.shapes:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         pad_kib = fwd_sm90.select_config(torch.bfloat16, d, True, s, s).consumers * 128 * d * 2 // 1024
         arms = {
+            "full": ({}, dict()),
             "causal": ({}, dict(causal=True)),
             "causal-mv": ({fwd_sm90.MASKED_V_ENV: "1"}, dict(causal=True)),
             "causal-pad": ({fwd_sm90.SMEM_PAD_ENV: str(pad_kib)}, dict(causal=True)),
@@ -94,7 +98,8 @@ def main() -> None:
         flops = 4 * b * h * s * s * d
         print(f"-- {b}x{s}x{h} d{d} (pad {pad_kib} KiB)")
         for name, m in med.items():
-            base = "window" if name.startswith("window") else "causal"
+            base = ("window" if name.startswith("window") else
+                    "full" if name.startswith("full") else "causal")
             if base not in med:
                 base = next(iter(med))
             f = flops / (2 if base == "causal" else 1)

@@ -81,6 +81,21 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #define FC_MV_SCAN_UNROLL 4  // masked V: 16-byte loads in flight per thread in the scan (A/B knob;
                              // session 9: 4 instead of 1 took 1-3 points off the variant's cost)
 #endif
+#ifndef FC_RESCALE_AT_ISSUE
+// 1: O is rescaled by a tile's correction at the next tile's start, before its P V is issued
+// (FA3's order), so nothing after the wait for the P V reads O and ptxas keeps that wait after
+// the softmax; 0: right after the wait (ptxas then hoists the wait above the softmax: session 9)
+#define FC_RESCALE_AT_ISSUE 0
+#endif
+constexpr bool kRescaleAtIssue = FC_RESCALE_AT_ISSUE;
+#ifndef FC_SOFTMAX_IN_ARMS
+// 1: the softmax is written into both arms of the mask branch, so the wait for the P V starts a
+// basic block of its own: ptxas schedules that wait as early as its block allows, and in the
+// block it shared with the softmax it placed it before the first exp2 (every variant, session 9:
+// the intra-warpgroup overlap of the softmax with the P V did not exist in the SASS)
+#define FC_SOFTMAX_IN_ARMS 0
+#endif
+constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 #ifndef FC_SMEM_PAD
 #define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
 #endif
@@ -252,6 +267,7 @@ struct Consumer {
   float s[kBlockN / 2];         // S of the current key tile, then its P (fp32)
   uint32_t p[kBlockN / 16][4];  // P of the previous tile as 16-bit A fragments of P V
   OnlineSoftmax row[2];         // rows g and g + 8 of this warp's 16; l is this lane's partial sum
+  float corr[2];                // the last softmax's correction (kRescaleAtIssue: not yet in O)
   uint32_t q_rows;              // shared address of this warpgroup's 64 rows of Q (chunk 0)
 
   __device__ __forceinline__ void init(const Smem& sm, int wg_row0) {
@@ -473,9 +489,10 @@ __device__ __forceinline__ uint32_t v_offset(int key, int d) {
 // loop body the fast path runs (unrolled over the head dim's column groups it doubled the
 // kernel's SASS; session 8 measured that variant 4-16% slower on causal calls). Adding each
 // value straight into O gives IEEE's result of adding their sum: NaN stays NaN, +Inf with -Inf
-// is NaN, an infinity absorbs every finite value. It runs after O's rescale by corr (the
-// following tile's correction), so each value is scaled by its row's corr first: for x NaN /
-// +-Inf and corr >= 0, O corr + x corr is (O + x) corr in IEEE arithmetic.
+// is NaN, an infinity absorbs every finite value. Where it runs after O's rescale by corr (the
+// following tile's correction; not with kRescaleAtIssue, whose rescale comes later and then
+// passes corr = 1 here), each value is scaled by its row's corr first: for x NaN / +-Inf and
+// corr >= 0, O corr + x corr is (O + x) corr in IEEE arithmetic.
 __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, uint32_t scratch,
                                                    const Mask& mask, int row0, int n0,
                                                    const float (&corr)[2]) {
@@ -581,6 +598,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     mbar_wait(sm.v_full(prev), parity_of(ring - 1));
     if constexpr (kScanPrev) v_prev = scanned_v(sm, prev, c, poisoned);
   }
+  if constexpr (kRescaleAtIssue && !kFirst) cs.rescale(cs.corr);  // O holds P V up to tile i - 2
   turn_begin(c);
   wgmma_fence_operands(cs.s);
   wgmma_fence_operands(cs.o);
@@ -601,22 +619,37 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   }
   wgmma_fence_operands(cs.s);
   release(sm.k_empty(st));
-  if (masked(i))
-    cs.apply_mask(mask, row0, (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3));
-  float corr[2];
-  cs.softmax(scale_log2, corr);
+  if constexpr (kSoftmaxInArms) {
+    if (masked(i)) {
+      cs.apply_mask(mask, row0, (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3));
+      cs.softmax(scale_log2, cs.corr);
+    } else {
+      cs.softmax(scale_log2, cs.corr);
+    }
+  } else {
+    if (masked(i))
+      cs.apply_mask(mask, row0, (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3));
+    cs.softmax(scale_log2, cs.corr);
+  }
   if constexpr (!kFirst) {
     wgmma_wait<0>();
     cs.hold_p();
     wgmma_fence_operands(cs.o);
     if constexpr (!kScanPrev) release(sm.v_empty(prev));
   }
-  cs.rescale(corr);
+  if constexpr (!kRescaleAtIssue) cs.rescale(cs.corr);
   cs.pack_p();
   // The slow path's branch comes after the softmax, rescale and packing, not between them: there
   // it split their basic block, and ptxas no longer hid the exp2s' latency behind the rescale
   // and the conversions (session 9: 11% at d64).
-  if constexpr (kScanPrev) finish_scanned_v(poisoned, cs, sm, prev, blk, mask, i - 1, row0, c, corr);
+  if constexpr (kScanPrev) {
+    const float one[2] = {1.f, 1.f};  // kRescaleAtIssue: O is rescaled later, with the values
+    if constexpr (kRescaleAtIssue) {
+      finish_scanned_v(poisoned, cs, sm, prev, blk, mask, i - 1, row0, c, one);
+    } else {
+      finish_scanned_v(poisoned, cs, sm, prev, blk, mask, i - 1, row0, c, cs.corr);
+    }
+  }
 }
 
 // Tiles [i, end) of the visit order, `kScanPrev` for each (see attend_key_tile).
@@ -657,6 +690,7 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
   bool poisoned = false;
   mbar_wait(sm.v_full(stage), parity_of(last));
   const uint32_t v = scan ? scanned_v(sm, stage, c, poisoned) : sm.v(stage);
+  if constexpr (kRescaleAtIssue) cs.rescale(cs.corr);  // the last tile's correction
   turn_begin(c);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
