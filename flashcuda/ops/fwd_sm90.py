@@ -152,6 +152,7 @@ class Sm90FwdConfig:
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_MASKED_V": 1} if self.masked_v else {}),
             **({"FC_SMEM_PAD": self.smem_pad} if self.smem_pad else {}),
+            "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
             **dict(self.defines),
         })
 
@@ -208,6 +209,12 @@ SMEM_PAD_ENV = "FLASHCUDA_SM90_SMEM_PAD"  # KiB of unused shared memory (A/B of 
 
 
 DEFINES_ENV = "FLASHCUDA_SM90_FWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob)
+# Head dims whose kernel writes the softmax into both arms of the mask branch (FC_SOFTMAX_IN_ARMS,
+# the .cu): ptxas then keeps the P V wait after the exp2s, and the softmax overlaps the P V within
+# the warpgroup. Same-run A/B (session 9, docs/perf-notes.md): d128 +3-8% (16k: 567 -> 610
+# TFLOP/s without a mask, 548 -> 588 causal), d64 -2-4% (its three warpgroups' ping-pong already
+# hides the softmax; the duplicated code costs more than the overlap gives).
+SOFTMAX_IN_ARMS = (128,)
 
 
 def _defines() -> tuple:
