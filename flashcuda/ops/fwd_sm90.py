@@ -7,15 +7,21 @@ off (dispatch then runs fwd_sm80); FLASHCUDA_SM90_PERSISTENT=0 launches one CTA 
 Scheduling: the consumer warpgroups take turns issuing GEMMs (ping-pong) and, with a causal or
 window mask and seqlen_q >= 4k, persistent CTAs walk the work tiles in snake order;
 FLASHCUDA_SM90_PINGPONG=0|1 and FLASHCUDA_SM90_SNAKE=0|1 override either for A/B runs.
+Masked calls (causal, window) run the masked-V variant: a NaN / Inf in V reaches only the rows
+that see its key (+ a clean V tile per consumer; FLASHCUDA_SM90_FWD_MASKED_V=0 for A/B). d128
+kernels write the softmax into both arms of the mask branch (SOFTMAX_IN_ARMS), which keeps
+ptxas's P V wait after the exp2s. FLASHCUDA_SM90_FWD_DEFINES and FLASHCUDA_SM90_SMEM_PAD build
+A/B variants of the .cu's knobs.
 
 `Sm90FwdConfig` is the single source of truth of a specialisation: tiles, stages, warpgroups,
 register split, shared memory (the .cu static_asserts the same layout), the name, the defines.
 
     head dim   mask      block_m x block_n, stages   smem     consumers x registers
     64         none      192 x 128, 2                 89 KB    3 x 160  (FA3's d64 tiles)
-    64         causal    192 x 128 from seqlen_q 8k, else 128 x 128 (81 KB, 2 x 240)
+    64         causal    192 x 128 from seqlen_q 8k, else 128 x 128 (+ a clean V tile per
+                         consumer: 137 / 113 KB)
     128        none      128 x 176 from seqlen_k 2k, 2 209 KB  2 x 240  (FA3's d128 tiles)
-    128        causal    128 x 128, 2                 161 KB   2 x 240
+    128        causal    128 x 128, 2                 226 KB   2 x 240  (161 + 2 clean V tiles)
     A/B        any       128 x 128, 2 (FLASHCUDA_SM90_TILES=bm128_bn128)
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512 and
 128 * 24 + 384 * 160 = 64512 of the 65536-register file.
