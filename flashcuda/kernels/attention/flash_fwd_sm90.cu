@@ -81,13 +81,6 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #define FC_MV_SCAN_UNROLL 4  // masked V: 16-byte loads in flight per thread in the scan (A/B knob;
                              // session 9: 4 instead of 1 took 1-3 points off the variant's cost)
 #endif
-#ifndef FC_RESCALE_AT_ISSUE
-// 1: O is rescaled by a tile's correction at the next tile's start, before its P V is issued
-// (FA3's order), so nothing after the wait for the P V reads O and ptxas keeps that wait after
-// the softmax; 0: right after the wait (ptxas then hoists the wait above the softmax: session 9)
-#define FC_RESCALE_AT_ISSUE 0
-#endif
-constexpr bool kRescaleAtIssue = FC_RESCALE_AT_ISSUE;
 #ifndef FC_SOFTMAX_IN_ARMS
 // 1: the softmax is written into both arms of the mask branch, so the wait for the P V starts a
 // basic block of its own: ptxas schedules that wait as early as its block allows, and in the
@@ -267,7 +260,6 @@ struct Consumer {
   float s[kBlockN / 2];         // S of the current key tile, then its P (fp32)
   uint32_t p[kBlockN / 16][4];  // P of the previous tile as 16-bit A fragments of P V
   OnlineSoftmax row[2];         // rows g and g + 8 of this warp's 16; l is this lane's partial sum
-  float corr[2];                // the last softmax's correction (kRescaleAtIssue: not yet in O)
   uint32_t q_rows;              // shared address of this warpgroup's 64 rows of Q (chunk 0)
 
   __device__ __forceinline__ void init(const Smem& sm, int wg_row0) {
@@ -387,12 +379,6 @@ __device__ __forceinline__ void release(uint32_t bar) {
   if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
 }
 
-// release(bar) unless `keep` (warp-uniform): a predicated arrival, no branch in the caller's block.
-__device__ __forceinline__ void release_unless(uint32_t bar, bool keep) {
-  __syncwarp();
-  if ((threadIdx.x & 31) == 0 && !keep) mbar_arrive(bar);
-}
-
 // Ping-pong (FA3's warp scheduler barriers): consumer warpgroup c issues its GEMMs only in its
 // turn — bar.sync on named barrier 1 + c, which completes when the previous warpgroup in the
 // round (c - 1) has issued its own and arrived there — so one warpgroup's softmax runs while the
@@ -438,7 +424,7 @@ __device__ __forceinline__ bool warpgroup_any(bool pred, int c) {
       "selp.u32 %0, 1, 0, q;\n}\n"
       : "=r"(any) : "r"(static_cast<uint32_t>(pred)), "r"(kVoteBarrier + c) : "memory");
   // The same in every thread, but ptxas cannot know it from the barrier: read through lane 0 it
-  // is warp-uniform to ptxas, so the V address chosen from it (v_for_pv) stays in uniform
+  // is warp-uniform to ptxas, so the V address chosen from it (scanned_v) stays in uniform
   // registers and the P V wgmma's descriptors need no R2UR per tile (session 8: without this the
   // opt-in cost 4-16% on causal calls, also where one tile in 64 is masked).
   return __shfl_sync(0xffffffffu, any, 0) != 0;
@@ -490,9 +476,9 @@ __device__ __forceinline__ uint32_t v_offset(int key, int d) {
 // kernel's SASS; session 8 measured that variant 4-16% slower on causal calls). Adding each
 // value straight into O gives IEEE's result of adding their sum: NaN stays NaN, +Inf with -Inf
 // is NaN, an infinity absorbs every finite value. Where it runs after O's rescale by corr (the
-// following tile's correction; not with kRescaleAtIssue, whose rescale comes later and then
-// passes corr = 1 here), each value is scaled by its row's corr first: for x NaN / +-Inf and
-// corr >= 0, O corr + x corr is (O + x) corr in IEEE arithmetic.
+// following tile's correction; the drain passes corr = 1), each value is scaled by its row's
+// corr first: for x NaN / +-Inf and corr >= 0, O corr + x corr is (O + x) corr in IEEE
+// arithmetic.
 __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, uint32_t scratch,
                                                    const Mask& mask, int row0, int n0,
                                                    const float (&corr)[2]) {
@@ -598,7 +584,6 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     mbar_wait(sm.v_full(prev), parity_of(ring - 1));
     if constexpr (kScanPrev) v_prev = scanned_v(sm, prev, c, poisoned);
   }
-  if constexpr (kRescaleAtIssue && !kFirst) cs.rescale(cs.corr);  // O holds P V up to tile i - 2
   turn_begin(c);
   wgmma_fence_operands(cs.s);
   wgmma_fence_operands(cs.o);
@@ -619,17 +604,18 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   }
   wgmma_fence_operands(cs.s);
   release(sm.k_empty(st));
+  float corr[2];
   if constexpr (kSoftmaxInArms) {
     if (masked(i)) {
       cs.apply_mask(mask, row0, (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3));
-      cs.softmax(scale_log2, cs.corr);
+      cs.softmax(scale_log2, corr);
     } else {
-      cs.softmax(scale_log2, cs.corr);
+      cs.softmax(scale_log2, corr);
     }
   } else {
     if (masked(i))
       cs.apply_mask(mask, row0, (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3));
-    cs.softmax(scale_log2, cs.corr);
+    cs.softmax(scale_log2, corr);
   }
   if constexpr (!kFirst) {
     wgmma_wait<0>();
@@ -637,19 +623,13 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     wgmma_fence_operands(cs.o);
     if constexpr (!kScanPrev) release(sm.v_empty(prev));
   }
-  if constexpr (!kRescaleAtIssue) cs.rescale(cs.corr);
+  cs.rescale(corr);
   cs.pack_p();
   // The slow path's branch comes after the softmax, rescale and packing, not between them: there
   // it split their basic block, and ptxas no longer hid the exp2s' latency behind the rescale
   // and the conversions (session 9: 11% at d64).
-  if constexpr (kScanPrev) {
-    const float one[2] = {1.f, 1.f};  // kRescaleAtIssue: O is rescaled later, with the values
-    if constexpr (kRescaleAtIssue) {
-      finish_scanned_v(poisoned, cs, sm, prev, blk, mask, i - 1, row0, c, one);
-    } else {
-      finish_scanned_v(poisoned, cs, sm, prev, blk, mask, i - 1, row0, c, cs.corr);
-    }
-  }
+  if constexpr (kScanPrev)
+    finish_scanned_v(poisoned, cs, sm, prev, blk, mask, i - 1, row0, c, corr);
 }
 
 // Tiles [i, end) of the visit order, `kScanPrev` for each (see attend_key_tile).
@@ -690,7 +670,6 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
   bool poisoned = false;
   mbar_wait(sm.v_full(stage), parity_of(last));
   const uint32_t v = scan ? scanned_v(sm, stage, c, poisoned) : sm.v(stage);
-  if constexpr (kRescaleAtIssue) cs.rescale(cs.corr);  // the last tile's correction
   turn_begin(c);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
