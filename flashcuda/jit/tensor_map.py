@@ -89,7 +89,7 @@ def bshd_problem(t, box_rows: int) -> str | None:
 
 
 # cuTensorMapEncodeTiled's enum values (cuda.h; checked against cuda.bindings in the CPU lane).
-_DTYPE_CODES = {"torch.float16": 6, "torch.bfloat16": 9}
+_DTYPE_CODES = {"torch.float16": 6, "torch.bfloat16": 9, "torch.float32": 7}
 _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_NONE = 0, 3, 3, 0
 
 
@@ -108,10 +108,11 @@ def _libcuda_encode():
 
 def encode_tiled(dtype, address: int, dims: tuple[int, ...], byte_strides: tuple[int, ...],
                  box: tuple[int, ...]) -> TensorMap:
-    """cuTensorMapEncodeTiled for a 16-bit tensor, 128B swizzle, zero fill, L2 256B promotion."""
+    """cuTensorMapEncodeTiled for an fp16 / bf16 / fp32 tensor, 128B swizzle, zero fill, L2 256B
+    promotion."""
     code = _DTYPE_CODES.get(str(dtype))
     if code is None:
-        raise ValueError(f"encode_tiled: dtype must be fp16 or bf16, got {dtype}")
+        raise ValueError(f"encode_tiled: dtype must be fp16, bf16 or fp32, got {dtype}")
     rank = len(dims)
     out = ctypes.create_string_buffer(TensorMap.SIZE + 64)
     aligned = (ctypes.addressof(out) + 63) & ~63  # CUtensorMap is 64-byte aligned
@@ -149,5 +150,39 @@ def bshd_map(t, box_rows: int) -> TensorMap:
     m = encode_tiled(t.dtype, t.data_ptr(), dims, byte_strides, (BOX_COLS, box_rows, 1, 1))
     if len(_memo) >= _MEMO_SIZE:
         _memo.clear()  # training brings new activations each step: keep the newest only
+    _memo[key] = m
+    return m
+
+
+def rows_f32_problem(t, box_rows: int) -> str | None:
+    """tiled_problem for rows_f32_map(t, box_rows): a contiguous fp32 tensor seen as 2-D
+    (rows = every dim but the last, cols = the last), box (32 fp32 = 128 bytes, box_rows)."""
+    if str(t.dtype) != "torch.float32":
+        return f"expected fp32, got {t.dtype}"
+    if not t.is_contiguous() or t.dim() < 2:
+        return "expected a contiguous tensor of at least 2 dims"
+    cols = t.shape[-1]
+    return tiled_problem(t.data_ptr(), (cols, t.numel() // cols), (cols * 4,),
+                         (SWIZZLE_BYTES // 4, box_rows), 4)
+
+
+def rows_f32_map(t, box_rows: int) -> TensorMap:
+    """The map of a contiguous CUDA fp32 tensor as 2-D (last dim, the rows of all others), box
+    (32 cols, box_rows rows), 128B swizzle: the bwd_sm90 dQ reduction's target (FLASHCUDA_SM90_BWD_DQ
+    =tma). Memoised as bshd_map."""
+    key = ("rows_f32", t.data_ptr(), t.shape, box_rows)
+    m = _memo.get(key)
+    if m is not None:
+        return m
+    from .runtime import _make_current
+
+    if why := rows_f32_problem(t, box_rows):
+        raise ValueError(f"rows_f32_map: {why}")
+    _make_current(t.get_device())
+    cols = t.shape[-1]
+    m = encode_tiled(t.dtype, t.data_ptr(), (cols, t.numel() // cols), (cols * 4,),
+                     (SWIZZLE_BYTES // 4, box_rows))
+    if len(_memo) >= _MEMO_SIZE:
+        _memo.clear()
     _memo[key] = m
     return m

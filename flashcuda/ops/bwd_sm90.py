@@ -29,6 +29,9 @@ warpgroup reduces it with bulk reduce-adds, one per staging row (warp, the defau
 +11-14% over red.v4 there, 21-28% slower than red.v2 at d64) or, with unpadded staging rows, one
 per step at the price of 4-way bank conflicts in the consumers' stores (warpflat, the default at
 d64 since session 7: +7-11% over red.v2 there, 2-3% behind warp at d128).
+FLASHCUDA_SM90_BWD_DQ=tma: the split with the staging tile as kHeadDim / 32 boxes of 128B-swizzled
+fp32 rows, reduced by kHeadDim / 32 tensor-map reductions per step into dq_accum seen as a 2-D
+(head dim, B H Sq_pad) fp32 tensor (map_dq, a fifth tensor map; 2-way store conflicts; 32 KB).
 FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step, after its S^T wgmmas
 (implies red.v4; measured 1-2% slower). FLASHCUDA_SM90_BWD_STAGES=3 deepens the Q / dO ring (no
 gain measured; not with warp / warpflat / bulk).
@@ -51,7 +54,7 @@ import torch
 
 from .._env import env_names, env_values
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
-from ..jit.tensor_map import bshd_map, bshd_problem
+from ..jit.tensor_map import MAX_DIM, bshd_map, bshd_problem, rows_f32_map
 from . import bwd_sm80
 from .call import (
     DTYPE_CODE,
@@ -78,6 +81,7 @@ DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"
 # the consumers win at neither; FA3's split (warp) wins 11-14% over red.v4 at d128 and loses
 # 21-28% to red.v2 at d64 (session 6, same-run A/B).
 DQ_DEFAULT = {64: "warpflat", 128: "warp"}
+DQ_MODES = ("v2", "v4", "bulk", "warp", "warpflat", "tma")
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
 # 1: a step's red.v4 issued at the next step, after its S^T wgmmas (implies v4; A/B, see the .cu)
 DQ_LATE_ENV = "FLASHCUDA_SM90_BWD_DQ_LATE"
@@ -109,6 +113,7 @@ class Sm90BwdConfig:
     dq_late: bool = False  # a step's red.v4 after the next step's S^T issue (needs dq_v4; A/B)
     dq_warp: bool = False  # dQ staged in shared memory, reduced by a producer warp (FA3; A/B)
     dq_warp_flat: bool = False  # dq_warp with unpadded rows, one bulk reduction per step (A/B)
+    dq_tma: bool = False  # dq_warp from 128B-swizzled boxes through a tensor map of dq_accum (A/B)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -137,6 +142,9 @@ class Sm90BwdConfig:
                              "(dq_v4 / dq_bulk / dq_late), got True")
         if self.dq_warp_flat and not self.dq_warp:
             raise ValueError("Sm90BwdConfig.dq_warp_flat: expected False unless dq_warp, got True")
+        if self.dq_tma and (not self.dq_warp or self.dq_warp_flat):
+            raise ValueError("Sm90BwdConfig.dq_tma: expected False unless dq_warp without "
+                             "dq_warp_flat, got True")
         if self.dq_late and not self.dq_v4:
             raise ValueError("Sm90BwdConfig.dq_late: expected False unless dq_v4 (late "
                              "reductions are red.v4 ones), got True")
@@ -185,7 +193,8 @@ class Sm90BwdConfig:
             staging = self.consumers * DQ_STAGE_BYTES
         elif self.dq_warp:  # the whole step tile, rows padded by 8 floats (flat: not); dq_full,
             # dq_empty
-            staging = self.block_m * (self.head_dim + (0 if self.dq_warp_flat else 8)) * 4
+            padded = not (self.dq_warp_flat or self.dq_tma)
+            staging = self.block_m * (self.head_dim + (8 if padded else 0)) * 4
             barriers += 2
         else:
             staging = 0
@@ -199,7 +208,8 @@ class Sm90BwdConfig:
                 + ("_dsk" if self.ds_k_major else "") + ("_wd" if self.watchdog else "")
                 + ("" if self.release_fence else "_nofence") + ("_dq4" if self.dq_v4 else "")
                 + ("_dqb" if self.dq_bulk else "") + ("_late" if self.dq_late else "")
-                + ("_dqw" if self.dq_warp else "") + ("f" if self.dq_warp_flat else ""))
+                + ("_dqw" if self.dq_warp else "") + ("f" if self.dq_warp_flat else "")
+                + ("t" if self.dq_tma else ""))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -220,6 +230,7 @@ class Sm90BwdConfig:
             "FC_DQ_WARP": int(self.dq_warp),
             # only when set: the other kernels keep the specs (and cache keys) they had
             **({"FC_DQ_WARP_FLAT": 1} if self.dq_warp_flat else {}),
+            **({"FC_DQ_TMA": 1} if self.dq_tma else {}),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
@@ -240,8 +251,9 @@ class Sm90BwdConfig:
 
 
 def _dq_mode(dq: str) -> dict[str, bool]:
-    return {"dq_v4": dq == "v4", "dq_bulk": dq == "bulk", "dq_warp": dq in ("warp", "warpflat"),
-            "dq_warp_flat": dq == "warpflat"}
+    return {"dq_v4": dq == "v4", "dq_bulk": dq == "bulk",
+            "dq_warp": dq in ("warp", "warpflat", "tma"), "dq_warp_flat": dq == "warpflat",
+            "dq_tma": dq == "tma"}
 
 
 def configs() -> list[Sm90BwdConfig]:
@@ -256,7 +268,7 @@ def configs() -> list[Sm90BwdConfig]:
                     for w in (False, True) for k in (False, True)]
             out.append(Sm90BwdConfig(dtype, d, release_fence=False, **default))
             out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq))
-                    for dq in ("v2", "v4", "bulk", "warp", "warpflat") if dq != DQ_DEFAULT[d]]
+                    for dq in DQ_MODES if dq != DQ_DEFAULT[d]]
             out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
             # (with red.v4 at d128: the warp split's staging tile and a third stage do not fit)
             out.append(Sm90BwdConfig(dtype, d, stages=3, **_dq_mode(STAGES3_DQ[d])))
@@ -281,8 +293,8 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
         raise ValueError(f"{STAGES_ENV}: expected 2 or 3, got {stages!r}")
     default_dq = (STAGES3_DQ if stages == "3" else DQ_DEFAULT).get(head_dim, "v2")
     dq = os.environ.get(DQ_ENV, "").strip().lower() or default_dq
-    if dq not in ("v2", "v4", "bulk", "warp", "warpflat"):
-        raise ValueError(f"{DQ_ENV}: expected v2, v4, bulk, warp or warpflat, got {dq!r}")
+    if dq not in DQ_MODES:
+        raise ValueError(f"{DQ_ENV}: expected one of {', '.join(DQ_MODES)}, got {dq!r}")
     late = os.environ.get(DQ_LATE_ENV, "").strip()
     if late not in ("", "0", "1"):
         raise ValueError(f"{DQ_LATE_ENV}: expected 0 or 1, got {late!r}")
@@ -292,7 +304,7 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
             raise ValueError(f"{DQ_LATE_ENV}=1: late reductions are red.v4 ones; expected "
                              f"{DQ_ENV}=v4 or unset, got {explicit}")
         dq = "v4"
-    if stages == "3" and dq in ("warp", "warpflat", "bulk"):
+    if stages == "3" and dq in ("warp", "warpflat", "tma", "bulk"):
         raise ValueError(f"{STAGES_ENV}=3: a third Q / dO stage and the dQ staging tiles of "
                          f"{DQ_ENV}={dq} do not fit in shared memory; expected {DQ_ENV}=v2 / v4 "
                          f"or unset")
@@ -340,6 +352,9 @@ def can_implement(call: BwdCall) -> str | None:
     cc, per_block = bwd_sm80._device_info(index)
     if cc != (9, 0):
         return f"GPU compute capability {cc[0]}.{cc[1]} is not 9.0 (sm_90a: wgmma, setmaxnreg)"
+    if cfg.dq_tma and b * h * cfg.seqlen_pad(sq) >= MAX_DIM:
+        return (f"dq_accum's {b * h * cfg.seqlen_pad(sq)} rows exceed the tensor map's int32 "
+                f"coordinates ({DQ_ENV}=tma)")
     if cfg.smem_bytes > per_block:
         return f"{cfg.name} needs {cfg.smem_bytes} bytes of shared memory, the GPU has {per_block}"
     return None
@@ -401,6 +416,8 @@ def _build_plan(call: BwdCall) -> _Plan:
                                                         (call.k, cfg.block_n),
                                                         (call.v, cfg.block_n),
                                                         (call.dout, cfg.block_m)))
+    if cfg.dq_tma:  # any map stands for map_dq's kind (run() passes the call's own)
+        main_maps += main_maps[:1]
     return _Plan(
         cfg, sq_pad,
         pre=PreparedLaunch(get_kernel(aux.pre_spec(), dev), (sq_pad // aux.aux_rows, h, b),
@@ -439,9 +456,11 @@ def run(call: BwdCall) -> None:
     lse2_at, delta_at, accum_at = (x.data_ptr() for x in (lse2, delta, dq_accum))
     plan.pre(call.out.data_ptr(), call.dout.data_ptr(), lse.data_ptr(), lse2_at, delta_at,
              accum_at)
-    plan.main(bshd_map(call.q, cfg.block_m).raw, bshd_map(call.k, cfg.block_n).raw,
-              bshd_map(call.v, cfg.block_n).raw, bshd_map(call.dout, cfg.block_m).raw,
-              lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
+    maps = (bshd_map(call.q, cfg.block_m).raw, bshd_map(call.k, cfg.block_n).raw,
+            bshd_map(call.v, cfg.block_n).raw, bshd_map(call.dout, cfg.block_m).raw)
+    if cfg.dq_tma:
+        maps += (rows_f32_map(dq_accum, cfg.block_m).raw,)
+    plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
     plan.convert(accum_at, call.dq.data_ptr())
 
 

@@ -77,6 +77,9 @@ def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
     if cfg.dq_bulk:  # one row reduction per lane 0..15 of each warp, no per-thread ones
         assert len(re.findall(r"UBLKRED\.G\.S\.ADD\.F32", sass)) == 1
         assert "REDG.E.ADD" not in sass
+    elif cfg.dq_tma:  # the writer's tensor-map reductions, one per 32-column box
+        assert len(re.findall(r"UTMAREDG\.2D\.ADD", sass)) == d // 32
+        assert "REDG.E.ADD" not in sass and "UBLKRED" not in sass
     elif cfg.dq_warp:  # the writer warp's row reductions; the consumers issue none
         assert re.search(r"UBLKRED\.G\.S\.ADD\.F32", sass)
         assert "REDG.E.ADD" not in sass
@@ -86,22 +89,25 @@ def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
 
 
-def test_sm90_bwd_parameter_offsets_match_pack_args(builds, tmp_path):
-    """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout."""
-    cfg = bwd_sm90.configs()[0]
+@pytest.mark.parametrize("dq", ["default", "tma"])
+def test_sm90_bwd_parameter_offsets_match_pack_args(builds, tmp_path, dq):
+    """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout (the tma
+    dQ variant has a fifth tensor map, map_dq)."""
+    cfg = next(c for c in bwd_sm90.configs() if c.dq_tma == (dq == "tma"))
     elf = dump(builds[cfg.name].cubin, tmp_path, "-elf")
     table = {int(o, 16): (int(off, 16), int(size, 16)) for o, off, size in re.findall(
         r"Ordinal\s*:\s*0x([0-9a-f]+)\s+Offset\s*:\s*0x([0-9a-f]+)\s+Size\s*:\s*0x([0-9a-f]+)",
         elf)}
     m = TensorMap(b"\0" * 128)
     i32, i64 = np.int32(0), np.int64(0)
-    args = (m, m, m, m, None, None, None, None, None, i64, i64, i64, i64, i64, i64, i32, i32,
+    maps = (m,) * (5 if cfg.dq_tma else 4)
+    args = (*maps, None, None, None, None, None, i64, i64, i64, i64, i64, i64, i32, i32,
             i32, i32, i32, np.float32(0), np.float32(0), i32, i32)
     _, offsets = pack_args("k", args)
     assert len(table) == len(args)
     base = table[0][0]
     assert [table[i][0] - base for i in range(len(args))] == list(offsets)
-    assert [table[i][1] for i in range(4)] == [128] * 4
+    assert [table[i][1] for i in range(len(maps))] == [128] * len(maps)
 
 
 def test_variants_registered():
@@ -145,8 +151,13 @@ def test_config_is_the_single_source_of_truth():
         assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= c.register_pool
     # per dtype and d: dS layout x watchdog and no fence with the default dQ reduction, + the
-    # other dQ reductions (four), + the late red.v4, + the three-stage ring
-    assert len({c.name for c in bwd_sm90.configs()}) == 44
+    # other dQ reductions (five), + the late red.v4, + the three-stage ring
+    assert len({c.name for c in bwd_sm90.configs()}) == 48
+    tma = Sm90BwdConfig(torch.bfloat16, 128, dq_warp=True, dq_tma=True)
+    assert tma.name.endswith("_dqwt") and dict(tma.spec().defines)["FC_DQ_TMA"] == "1"
+    assert tma.smem_bytes == 1024 + 2 * kv + 2 * (2 * q + stats) + 2 * ds + 64 * 128 * 4 + 8 * 7
+    with pytest.raises(ValueError, match="dq_tma"):
+        Sm90BwdConfig(torch.bfloat16, 128, dq_tma=True)
     warp = Sm90BwdConfig(torch.bfloat16, 128, dq_warp=True)
     flat = Sm90BwdConfig(torch.bfloat16, 128, dq_warp=True, dq_warp_flat=True)
     assert flat.name.endswith("_dqwf") and dict(flat.spec().defines)["FC_DQ_WARP_FLAT"] == "1"
@@ -190,6 +201,11 @@ def test_dq_switch(monkeypatch):
     with pytest.raises(ValueError, match="dq_warp_flat"):
         Sm90BwdConfig(torch.bfloat16, 64, dq_warp_flat=True)
     monkeypatch.setenv(DQ_ENV, "tma")
+    for d in (64, 128):
+        tma = bwd_sm90.select_config(torch.bfloat16, d)
+        assert tma.dq_warp and tma.dq_tma and not tma.dq_warp_flat and tma.name.endswith("_dqwt")
+        assert tma in bwd_sm90.configs()
+    monkeypatch.setenv(DQ_ENV, "tensor")
     with pytest.raises(ValueError, match=DQ_ENV):
         bwd_sm90.select_config(torch.bfloat16, 64)
 

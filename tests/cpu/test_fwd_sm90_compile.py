@@ -91,7 +91,8 @@ def test_tensor_map_enum_values_match_cuda_bindings():
 
     assert tm._DTYPE_CODES == {
         "torch.float16": int(driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
-        "torch.bfloat16": int(driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)}
+        "torch.bfloat16": int(driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16),
+        "torch.float32": int(driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32)}
     assert tm._INTERLEAVE_NONE == int(driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE)
     assert tm._SWIZZLE_128B == int(driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B)
     assert tm._L2_PROMOTION_256B == int(

@@ -138,3 +138,33 @@ def test_bshd_map_memo_hits_only_the_same_geometry(monkeypatch):
         tensor_map.bshd_map(base, rows)
     assert len(tensor_map._memo) <= 2
 
+
+
+def test_rows_f32_map_geometry_and_memo(monkeypatch):
+    """dq_accum (B, H, Sq_pad, D) fp32 as the 2-D map bwd_sm90's tma dQ reduction adds into:
+    dims (D, B H Sq_pad), row stride 4 D bytes, box (32 fp32 = one 128-byte swizzled row,
+    box_rows); memoised by address, shape and box; a non-fp32 or non-contiguous tensor is refused
+    before encoding."""
+    from flashcuda.jit import runtime, tensor_map
+
+    encoded = []
+
+    def fake_encode(dtype, address, dims, byte_strides, box):
+        encoded.append((dtype, address, dims, byte_strides, box))
+        return TensorMap(bytes([len(encoded)]) * 128)
+
+    monkeypatch.setattr(tensor_map, "encode_tiled", fake_encode)
+    monkeypatch.setattr(runtime, "_make_current", lambda index: None)
+    monkeypatch.setattr(tensor_map, "_memo", {})
+    acc = torch.zeros(2, 3, 192, 128, dtype=torch.float32)
+    m = tensor_map.rows_f32_map(acc, 64)
+    assert tensor_map.rows_f32_map(acc, 64) is m and len(encoded) == 1
+    assert encoded[0][0] == torch.float32
+    assert encoded[0][2:] == ((128, 2 * 3 * 192), (512,), (32, 64))
+    assert tensor_map.rows_f32_map(acc, 128) is not m and len(encoded) == 2
+    assert tensor_map.rows_f32_problem(acc, 64) is None
+    assert "fp32" in tensor_map.rows_f32_problem(acc.to(torch.float16), 64)
+    assert "contiguous" in tensor_map.rows_f32_problem(acc.transpose(1, 2), 64)
+    with pytest.raises(ValueError, match="rows_f32_map"):
+        tensor_map.rows_f32_map(acc[..., :64], 64)
+    assert len(encoded) == 2

@@ -18,8 +18,8 @@ error maps per GEMM, one case per process, if a smoke test fails):
 `test_smoke_*` isolate the GEMMs of one CTA, one head, one query block: dV = P^T dO alone (Q = 0:
 uniform P), dP^T / dS^T through dK alone, dQ = dS K alone; then the whole tile.
 Every test runs with both dS layouts (FLASHCUDA_SM90_BWD_DS=mn, the default, and =k) and with
-each dQ reduction (FLASHCUDA_SM90_BWD_DQ=v2, v4, bulk, warp, warpflat; the defaults are warp at
-d128, warpflat at d64). After a kernel change add FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that gives up after 2 s poisons
+each dQ reduction (FLASHCUDA_SM90_BWD_DQ=v2, v4, bulk, warp, warpflat, tma; the defaults are warp
+at d128, warpflat at d64). After a kernel change add FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that gives up after 2 s poisons
 dK / dV with NaN (a failing test) instead of hanging the GPU (scripts/sm90_bwd_bringup.sh).
 """
 
@@ -41,12 +41,12 @@ CAUSAL = (None, 0)
 
 @pytest.fixture(autouse=True,
                 params=["mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late", "mn-warp", "mn-warpflat",
-                        "mn--s3"],
+                        "mn-tma", "mn--s3"],
                 ids=["dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp", "dq-warpflat",
-                     "stages3"])
+                     "dq-tma", "stages3"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
-    warpflat; red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1) in the default dS layout, with
+    warpflat, tma; red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1) in the default dS layout, with
     the other dS layout under the default dQ reduction, and with a three-deep Q / dO ring
     (FLASHCUDA_SM90_BWD_STAGES=3, whose default dQ mode is bwd_sm90.STAGES3_DQ)."""
     ds, dq, *flags = (request.param + "-").split("-")[:4]

@@ -20,7 +20,8 @@
 //                 (FA3's split; the default at d128, +11-14% over red.v4 there, slower than
 //                 red.v2 at d64; docs/perf-notes.md): consumers store the step's dQ tile to
 //                 shared memory and a warp of the producer warpgroup reduces it with bulk
-//                 reduce-adds (write_dq), so no reduction is issued by a consumer
+//                 reduce-adds (write_dq), so no reduction is issued by a consumer; FC_DQ_TMA:
+//                 the same from 128B-swizzled boxes through a tensor map, kHeadDim / 32 per step
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
 //                 dk / dv: any (batch, row, head) strides, unit last stride
 //   not yet       ping-pong / overlap of the two GEMM halves,
@@ -162,7 +163,17 @@ constexpr int kSmemDqStage = kSmemStats + kStages * 2 * kStatBytes;
 // kHeadDim block) and the writer issues ONE bulk reduction per step instead of kBlockM row
 // reductions (128 of 256 B at d64, where the padded split loses to red.v2). The price: the
 // consumers' float2 stores hit 4-way bank conflicts (see Consumer::stage_dq).
-constexpr int kDqWarpStride = FC_DQ_WARP_FLAT ? kHeadDim : kHeadDim + 8;
+#ifndef FC_DQ_TMA
+#define FC_DQ_TMA 0  // FC_DQ_WARP through a tensor map from a 128B-swizzled staging tile (below)
+#endif
+// FC_DQ_TMA (FLASHCUDA_SM90_BWD_DQ=tma): the staging tile is kHeadDim / 32 boxes of kBlockM rows x
+// 32 fp32 (128 bytes, 128B-swizzled as TMA lays them: the 16-byte chunk k of row r sits at chunk
+// k ^ (r % 8)), and the writer issues one tensor-map reduction per box (map_dq: dq_accum as a 2-D
+// (kHeadDim, B H Sq_pad) fp32 tensor): 4 operations per step at d128 (the padded split: 64 row
+// reductions), 2 at d64 (warpflat: 1), with 2-way bank conflicts in the consumers' float2 stores
+// (the padded split: none, warpflat: 4-way). See dq_swizzled.
+constexpr int kDqWarpStride = FC_DQ_WARP_FLAT || FC_DQ_TMA ? kHeadDim : kHeadDim + 8;
+constexpr int kDqBoxBytes = kBlockM * 128;  // FC_DQ_TMA: one box of 32 fp32 columns
 constexpr int kDqWarpBytes = kBlockM * kDqWarpStride * 4;
 constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
                                                     : FC_DQ_WARP ? kDqWarpBytes : 0);
@@ -263,6 +274,9 @@ constexpr bool kWatchdog = FC_WATCHDOG;
 #endif
 static_assert(FC_DQ_V4 + FC_DQ_BULK + FC_DQ_WARP <= 1, "one dQ reduction mode");
 static_assert(!FC_DQ_WARP_FLAT || FC_DQ_WARP, "FC_DQ_WARP_FLAT is a form of FC_DQ_WARP");
+static_assert(!FC_DQ_TMA || (FC_DQ_WARP && !FC_DQ_WARP_FLAT), "FC_DQ_TMA is a form of FC_DQ_WARP");
+static_assert(!FC_DQ_TMA || kSmemDqStage % 1024 == 0,
+              "128B-swizzled TMA boxes start 1024-byte aligned");
 #ifndef FC_DQ_LATE
 #define FC_DQ_LATE 0  // step i's dQ reductions after step i + 1's S^T / dP^T issue (A/B, see below)
 #endif
@@ -349,14 +363,22 @@ __device__ __forceinline__ void release(uint32_t bar) {
 // wait are this warp's. Before returning, every reduction is complete (not only read): no bulk
 // operation outlives the CTA's shared memory.
 __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int head_kv,
-                                         int batch, float* dq_accum, int nheads,
-                                         int seqlen_q_pad, int lane) {
+                                         int batch, float* dq_accum, const TmaMap* map_dq,
+                                         int nheads, int seqlen_q_pad, int lane) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
   for (int it = 0; it < steps.count(); ++it) {
     const int h = steps.head(it, head_kv), m0 = steps.m0(it);
     wait(sm.dq_full(), it & 1, stuck);
     const int64_t row0 = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
-    if constexpr (FC_DQ_WARP_FLAT) {
+    if constexpr (FC_DQ_TMA) {
+      // row0 < 2^31: the host checks B H Sq_pad against the tensor map's int32 coordinates
+      if (lane == 0) {
+#pragma unroll
+        for (int b = 0; b < kHeadDim / 32; ++b)
+          tma_reduce_add_2d(*map_dq, sm.dq_stage(0) + b * kDqBoxBytes, 32 * b,
+                            static_cast<int>(row0));
+      }
+    } else if constexpr (FC_DQ_WARP_FLAT) {
       if (lane == 0)
         bulk_reduce_add_f32(dq_accum + row0 * kHeadDim, sm.dq_stage(0), kBlockM * kHeadDim * 4);
     } else {
@@ -370,6 +392,17 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
     if (lane == 0) mbar_arrive(sm.dq_empty());
   }
   bulk_wait_group<0>();
+}
+
+// FC_DQ_TMA: Consumer::stage_dq's fragments go into the 128B-swizzled boxes of the staging tile: (row, col) ->
+// box col / 32, row `row`, 16-byte chunk ((col % 32) / 4) ^ (row % 8), word col % 4. Banks: a
+// half-warp's 16 float2 stores (g % 4 = 0..3, t = 0..3) fall in chunks (2 (j % 4) + t / 2) ^ g
+// (row % 8 = g: the other row terms are multiples of 8): 4 distinct chunks of 16 bytes for 128
+// bytes of data, 2-way conflicts.
+__device__ __forceinline__ uint32_t dq_swizzled(uint32_t stage, int row, int col) {
+  const int cc = col & 31;
+  return stage + (col >> 5) * kDqBoxBytes + row * 128 + ((((cc >> 2) ^ (row & 7))) << 4) +
+         ((cc & 3) << 2);
 }
 
 // ---- consumer -----------------------------------------------------------------------------------
@@ -595,14 +628,15 @@ struct Consumer {
   template <int kStride>
   __device__ __forceinline__ void stage_dq(uint32_t stage, int row0, int col0, int warp, int g,
                                            int t) const {
-    static_assert(kStride % 32 == 8 || (FC_DQ_WARP_FLAT && kStride == kHeadDim),
+    static_assert(kStride % 32 == 8 || ((FC_DQ_WARP_FLAT || FC_DQ_TMA) && kStride == kHeadDim),
                   "conflict-free staging rows (or FC_DQ_WARP_FLAT's flat ones)");
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + 16 * warp + g + 8 * h, col = col0 + 8 * j + 2 * t;
-        const uint32_t addr = stage + (row * kStride + col) * 4;
+        const uint32_t addr =
+            FC_DQ_TMA ? dq_swizzled(stage, row, col) : stage + (row * kStride + col) * 4;
         asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * j + 2 * h]),
                      "f"(dq[4 * j + 2 * h + 1])
                      : "memory");
@@ -615,6 +649,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                const __grid_constant__ TmaMap map_k,   // k [B, Sk, Hkv, D]
                const __grid_constant__ TmaMap map_v,   // v [B, Sk, Hkv, D]
                const __grid_constant__ TmaMap map_do,  // dout [B, Sq, H, D]
+#if FC_DQ_TMA
+               const __grid_constant__ TmaMap map_dq,  // dq_accum as (D, B H Sq_pad) fp32
+#endif
                const float* __restrict__ lse2,         // [B, H, Sq_pad] (PRE)
                const float* __restrict__ delta,        // [B, H, Sq_pad] (PRE)
                float* __restrict__ dq_accum,           // [B, H, Sq_pad, D] (PRE zeroed it)
@@ -640,6 +677,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     tma_prefetch(map_k);
     tma_prefetch(map_v);
     tma_prefetch(map_do);
+#if FC_DQ_TMA
+    tma_prefetch(map_dq);
+#endif
   }
   __syncthreads();
 
@@ -650,8 +690,13 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
               seqlen_q_pad);
 #if FC_DQ_WARP
     else if (threadIdx.x >= 32 && threadIdx.x < 64)
-      write_dq(sm, steps, head_kv, batch, dq_accum, nheads, seqlen_q_pad,
-               static_cast<int>(threadIdx.x & 31));
+      write_dq(sm, steps, head_kv, batch, dq_accum,
+#if FC_DQ_TMA
+               &map_dq,
+#else
+               nullptr,
+#endif
+               nheads, seqlen_q_pad, static_cast<int>(threadIdx.x & 31));
 #endif
     return;
   }

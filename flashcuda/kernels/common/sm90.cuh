@@ -146,6 +146,18 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, ui
       : "memory");
 }
 
+// Element-wise add of the fp32 box of `map` at coordinates (c0 innermost, c1) from shared `src`
+// (1024-byte aligned, laid out as the map's swizzle says) into global memory
+// (cp.reduce.async.bulk.tensor .add.tile; atomic per element). Completion by bulk async-group,
+// as bulk_reduce_add_f32; the shared source must be written and fenced before the issue.
+__device__ __forceinline__ void tma_reduce_add_2d(const TmaMap& map, uint32_t src, int c0,
+                                                  int c1) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], "
+      "[%3];\n" ::"l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(src)
+      : "memory");
+}
+
 // Close this thread's bulk operations issued since its last commit into one bulk async-group.
 __device__ __forceinline__ void bulk_commit_group() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
