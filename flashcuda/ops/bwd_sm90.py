@@ -29,7 +29,8 @@ warpgroup reduces it with bulk reduce-adds, one per staging row (warp, the defau
 +11-14% over red.v4 there, 21-28% slower than red.v2 at d64) or, with unpadded staging rows, one
 per step at the price of 4-way bank conflicts in the consumers' stores (warpflat, the default at
 d64 since session 7: +7-11% over red.v2 there, 2-3% behind warp at d128).
-FLASHCUDA_SM90_BWD_DQ=tma: the split with the staging tile as kHeadDim / 32 boxes of 128B-swizzled
+FLASHCUDA_SM90_BWD_DQ=tma (the default at both head dims since session 10: +2.0-2.3% over warp
+at d128, +1.6-2.7% over warpflat at d64, same-run A/B): the split with the staging tile as kHeadDim / 32 boxes of 128B-swizzled
 fp32 rows, reduced by kHeadDim / 32 tensor-map reductions per step into dq_accum seen as a 2-D
 (head dim, B H Sq_pad) fp32 tensor (map_dq, a fifth tensor map; 2-way store conflicts; 32 KB).
 FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step, after its S^T wgmmas
@@ -80,7 +81,8 @@ DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"
 # red.v4 wins 2-14% over red.v2 at d128 and loses 3-4% at d64 from 4k; the bulk reductions by
 # the consumers win at neither; FA3's split (warp) wins 11-14% over red.v4 at d128 and loses
 # 21-28% to red.v2 at d64 (session 6, same-run A/B).
-DQ_DEFAULT = {64: "warpflat", 128: "warp"}
+# Session 10: the tensor-map reduction (tma) over both, +2-3% at every point of a same-run A/B.
+DQ_DEFAULT = {64: "tma", 128: "tma"}
 DQ_MODES = ("v2", "v4", "bulk", "warp", "warpflat", "tma")
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
 # 1: a step's red.v4 issued at the next step, after its S^T wgmmas (implies v4; A/B, see the .cu)
@@ -279,7 +281,8 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     """FA3's tiles; FLASHCUDA_SM90_BWD_DS=k picks the [query][key] dS layout (bring-up A/B:
     it reads dS K-major, a descriptor kind the forward proved, instead of transposed A);
     FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging;
-    FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk / warp / warpflat the dQ reduction mode (default DQ_DEFAULT);
+    FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk / warp / warpflat / tma the dQ reduction mode (default
+    DQ_DEFAULT);
     FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step (with DQ=v4 or unset:
     it implies v4); FLASHCUDA_SM90_BWD_STAGES=2 / 3 the Q / dO ring depth (3: with red.v2 /
     red.v4 only, default STAGES3_DQ)."""

@@ -179,10 +179,13 @@ def test_dq_modes_are_exclusive():
 def test_dq_switch(monkeypatch):
     for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV):
         monkeypatch.delenv(env, raising=False)
-    d128 = bwd_sm90.select_config(torch.bfloat16, 128)  # the measured defaults
-    assert d128.dq_warp and not d128.dq_v4 and d128.name.endswith("_dqw")
-    d64 = bwd_sm90.select_config(torch.bfloat16, 64)
-    assert d64.dq_warp and d64.dq_warp_flat and d64.name.endswith("_dqwf")
+    for d in (64, 128):  # the measured default: the tensor-map split
+        cfg = bwd_sm90.select_config(torch.bfloat16, d)
+        assert cfg.dq_warp and cfg.dq_tma and not cfg.dq_v4 and cfg.name.endswith("_dqwt")
+    monkeypatch.setenv(DQ_ENV, "warp")
+    warp = bwd_sm90.select_config(torch.bfloat16, 128)
+    assert warp.dq_warp and not warp.dq_tma and not warp.dq_warp_flat and warp.name.endswith("_dqw")
+    assert warp in bwd_sm90.configs()
     monkeypatch.setenv(DQ_ENV, "v2")
     v2 = bwd_sm90.select_config(torch.bfloat16, 128)
     assert not v2.dq_v4 and not v2.dq_warp

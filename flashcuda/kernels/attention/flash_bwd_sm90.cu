@@ -11,17 +11,19 @@
 //   heads         MHA, GQA, MQA: a CTA loops over the query heads of its KV head, dK / dV summed
 //                 over them in registers (as flash_bwd_sm80.cu)
 //   dQ            non-deterministic only: fp32 red.global.add.v2 into dq_accum [B, H, Sq_pad, D]
-//                 (the default at d64; red.v4, FC_DQ_V4; or row-wise bulk reduce-adds from a
+//                 (the kernel's own default, an A/B on the host; red.v4, FC_DQ_V4; or row-wise bulk reduce-adds from a
 //                 shared staging tile, FC_DQ_BULK, see "dQ by bulk reduction" below). FC_DQ_LATE
 //                 (with FC_DQ_V4; A/B, measured 1-2% slower): a step's red.v4 are issued at the
 //                 next step, right after its S^T wgmmas (before dP^T's, whose accumulator would not
 //                 fit beside the payload: 384 bytes of spills), so they overlap the tensor cores
 //                 instead of following the dQ wait; the last step's after the loop. FC_DQ_WARP
-//                 (FA3's split; the default at d128, +11-14% over red.v4 there, slower than
-//                 red.v2 at d64; docs/perf-notes.md): consumers store the step's dQ tile to
+//                 (FA3's split; +11-14% over red.v4 at d128, slower than red.v2 at d64;
+//                 docs/perf-notes.md): consumers store the step's dQ tile to
 //                 shared memory and a warp of the producer warpgroup reduces it with bulk
-//                 reduce-adds (write_dq), so no reduction is issued by a consumer; FC_DQ_TMA:
-//                 the same from 128B-swizzled boxes through a tensor map, kHeadDim / 32 per step
+//                 reduce-adds (write_dq), so no reduction is issued by a consumer; FC_DQ_TMA
+//                 (the default at both head dims since session 10, +2-3% over the split's row
+//                 reductions): the same from 128B-swizzled boxes through a tensor map,
+//                 kHeadDim / 32 reductions per step
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
 //                 dk / dv: any (batch, row, head) strides, unit last stride
 //   not yet       ping-pong / overlap of the two GEMM halves,
