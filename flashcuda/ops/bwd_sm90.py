@@ -18,21 +18,22 @@ shared memory (the .cu static_asserts the same layout), the name, the defines.
     64         128 x 128, 2                                 163 KB    2 x 240 (FA3's d64 tiles)
     128        64 x 128, 2                                  162 KB    2 x 240 (FA3's d128 tiles)
 (+ 36 KB, 199 / 198 KB, for the dQ staging tiles of FLASHCUDA_SM90_BWD_DQ=bulk; + 36 / 34 KB,
-199 / 196 KB, for the staging tile of warp and warpflat, the defaults, whose consumers get 232.)
+199 / 196 KB, for the staging tile of warp and warpflat; + 32 KB, 195 / 194 KB, for tma's, the
+default; the consumers of warp / warpflat / tma get 232.)
 FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up A/B, see the .cu);
 FLASHCUDA_SM90_BWD_WATCHDOG=1 runs the variant whose mbarrier waits trap (a launch failure) instead
 of hanging (bring-up). The dQ reduction into dq_accum (FLASHCUDA_SM90_BWD_DQ): red.v2 (8-byte
 atomics), red.v4 (16-byte, after a lane-pair shuffle), row-wise cp.reduce.async.bulk from a
 shared staging tile by the consumers (bulk; measured slower, kept for A/B), or FA3's split: the
-consumers store the step's dQ tile to shared memory (+ 34 / 36 KB) and a warp of the producer
-warpgroup reduces it with bulk reduce-adds, one per staging row (warp, the default at d128:
-+11-14% over red.v4 there, 21-28% slower than red.v2 at d64) or, with unpadded staging rows, one
-per step at the price of 4-way bank conflicts in the consumers' stores (warpflat, the default at
-d64 since session 7: +7-11% over red.v2 there, 2-3% behind warp at d128).
-FLASHCUDA_SM90_BWD_DQ=tma (the default at both head dims since session 10: +2.0-2.3% over warp
-at d128, +1.6-2.7% over warpflat at d64, same-run A/B): the split with the staging tile as kHeadDim / 32 boxes of 128B-swizzled
-fp32 rows, reduced by kHeadDim / 32 tensor-map reductions per step into dq_accum seen as a 2-D
-(head dim, B H Sq_pad) fp32 tensor (map_dq, a fifth tensor map; 2-way store conflicts; 32 KB).
+consumers store the step's dQ tile to shared memory and a warp of the producer warpgroup
+reduces it: with bulk reduce-adds, one per staging row (warp: +11-14% over red.v4 at d128,
+21-28% slower than red.v2 at d64), or, with unpadded staging rows, one per step at the price of
+4-way bank conflicts in the consumers' stores (warpflat: +7-11% over red.v2 at d64, 2-3% behind
+warp at d128), or (tma, the default at both head dims since session 10: +1.5-2.8% over warp at
+d128, +2.0-2.9% over warpflat at d64, same-run A/B) from a staging tile laid out as kHeadDim / 32
+boxes of 128B-swizzled fp32 rows with kHeadDim / 32 tensor-map reductions per step into dq_accum
+seen as a 2-D (head dim, B H Sq_pad) fp32 tensor (map_dq, a fifth tensor map; 2-way store
+conflicts).
 FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step, after its S^T wgmmas
 (implies red.v4; measured 1-2% slower). FLASHCUDA_SM90_BWD_STAGES=3 deepens the Q / dO ring (no
 gain measured; not with warp / warpflat / bulk).
@@ -81,7 +82,7 @@ DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"
 # red.v4 wins 2-14% over red.v2 at d128 and loses 3-4% at d64 from 4k; the bulk reductions by
 # the consumers win at neither; FA3's split (warp) wins 11-14% over red.v4 at d128 and loses
 # 21-28% to red.v2 at d64 (session 6, same-run A/B).
-# Session 10: the tensor-map reduction (tma) over both, +2-3% at every point of a same-run A/B.
+# Session 10: the tensor-map reduction (tma) at both, +1.5-2.9% at every point of a same-run A/B.
 DQ_DEFAULT = {64: "tma", 128: "tma"}
 DQ_MODES = ("v2", "v4", "bulk", "warp", "warpflat", "tma")
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)

@@ -21,7 +21,7 @@
 //                 docs/perf-notes.md): consumers store the step's dQ tile to
 //                 shared memory and a warp of the producer warpgroup reduces it with bulk
 //                 reduce-adds (write_dq), so no reduction is issued by a consumer; FC_DQ_TMA
-//                 (the default at both head dims since session 10, +2-3% over the split's row
+//                 (the default at both head dims since session 10, +1.5-2.9% over the split's row
 //                 reductions): the same from 128B-swizzled boxes through a tensor map,
 //                 kHeadDim / 32 reductions per step
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
