@@ -7,7 +7,9 @@
                   itself imports or initialises (cuda.core, the driver API) is included. Targets: cold ≤ 2 s
                   (compile of one kernel), warm ≤ 50 ms.
     serving       a serving-size forward (batch 1, 32 heads, seqlen 2048, d128, causal, no grad):
-                  p50/p90/p99 per-call latency, wall-clock and GPU, for flashcuda and each peer.
+                  p50/p90/p99 per-call latency, wall-clock and GPU, for flashcuda and each peer;
+                  and the same call replayed from a CUDA graph (graph p50/p90/p99: the kernels
+                  alone, as a serving stack that captures its decode step sees them).
     memory        peak extra memory (torch.cuda.max_memory_allocated above the inputs) of
                   flashcuda against the naive O(S²) pipeline (fp32 scores, softmax, P·V in torch).
     long_context  a single-head seqlen-65536 causal call (forward + backward) runs; the naive
@@ -26,7 +28,7 @@ import time
 from pathlib import Path
 
 from .peers import Impl
-from .timing import Timer, latency_percentiles, tflops
+from .timing import Timer, graph_latency, latency_percentiles, tflops
 
 FIRST_CALL_TARGET_COLD_S = 2.0
 FIRST_CALL_TARGET_WARM_S = 0.050
@@ -140,9 +142,18 @@ def measure_serving(impls: list[Impl], dtype: str = "bf16", n: int = 200) -> dic
                 prepared = impl.prepare(q, k, v)
                 stats = latency_percentiles(
                     lambda p=prepared, i=impl: i.forward(*p, SERVING_SHAPE["causal"], scale), n=n)
-            result["impls"][impl.name] = {"status": "ok", **stats}
+            entry = {"status": "ok", **stats}
         except Exception as exc:  # noqa: BLE001
             result["impls"][impl.name] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"[:600]}
+            continue
+        try:  # the same call replayed from a CUDA graph: kernels alone, no host work
+            with torch.no_grad(), impl.context():
+                entry.update(graph_latency(
+                    lambda p=prepared, i=impl: i.forward(*p, SERVING_SHAPE["causal"], scale), n=n))
+        except Exception as exc:  # noqa: BLE001
+            torch.cuda.synchronize()
+            entry["graph_error"] = f"{type(exc).__name__}: {exc}"[:600]
+        result["impls"][impl.name] = entry
     return result
 
 

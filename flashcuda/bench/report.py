@@ -202,17 +202,22 @@ def extras_tables(rec: dict) -> list:
         sh = sv.get("shape") or {}
         t = Table(title=f"Serving latency ({sh.get('batch')}×{sh.get('nheads')} heads, seqlen "
                   f"{sh.get('seqlen')}, d{sh.get('headdim')}, causal, no grad), ms", box=box.SIMPLE_HEAD)
-        for col in ("impl", "wall p50", "wall p90", "wall p99", "gpu p50", "gpu p99"):
+        for col in ("impl", "wall p50", "wall p90", "wall p99", "gpu p50", "gpu p99",
+                    "graph p50"):
             t.add_column(col, justify="right")
         errors = []
         for name, r in (sv.get("impls") or {}).items():
             if r.get("status") != "ok":
-                t.add_row(LABELS.get(name, name), r.get("status", "?"), "", "", "", "")
+                t.add_row(LABELS.get(name, name), r.get("status", "?"), "", "", "", "", "")
                 if r.get("error"):
                     errors.append(f"serving {name}: {r['error']}")
                 continue
+            graph = (f"{r['graph_p50_ms']:.3f}" if "graph_p50_ms" in r
+                     else "failed" if r.get("graph_error") else "")
+            if r.get("graph_error"):
+                errors.append(f"serving {name}, CUDA graph: {r['graph_error']}")
             t.add_row(LABELS.get(name, name), *(f"{r[k]:.3f}" for k in (
-                "wall_p50_ms", "wall_p90_ms", "wall_p99_ms", "gpu_p50_ms", "gpu_p99_ms")))
+                "wall_p50_ms", "wall_p90_ms", "wall_p99_ms", "gpu_p50_ms", "gpu_p99_ms")), graph)
         out += [t, *errors]
     mem = ex.get("memory")
     if mem:

@@ -260,3 +260,36 @@ def latency_percentiles(fn: Callable[[], object], n: int = 200, warmup: int = 20
         for q in (50, 90, 99):
             out[f"{label}_p{q}_ms"] = quantile(samples, q / 100)
     return out
+
+
+def graph_latency(fn: Callable[[], object], n: int = 200, warmup: int = 3) -> dict:
+    """Serving latency as a CUDA-graph serving stack sees it: one call captured in a CUDA graph
+    (torch.cuda.graph, after `warmup` calls on a side stream, torch's capture recipe), then `n`
+    replays queued back to back, each between two CUDA events: the GPU time of the call's own
+    kernels with no host work in it (a replay's launch is one driver call). No L2 flush, as in
+    latency_percentiles. Returns graph_p50/p90/p99 in ms; raises whatever capture raises (a
+    peer that cannot be captured is recorded as such by the caller)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(warmup):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(n)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    samples = [start.elapsed_time(end) for start, end in events]
+    del graph
+    return {"graph_n": n, **{f"graph_p{q}_ms": quantile(samples, q / 100) for q in (50, 90, 99)}}

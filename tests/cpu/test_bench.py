@@ -430,3 +430,21 @@ def test_summary_marks_host_bound_points():
     assert text.count(HOST_MARK) == 2 and "host-bound" in text  # one cell and the caption
     plain = render_text([summary_table(synthetic_record())], width=140)
     assert HOST_MARK not in plain and "host-bound" not in plain
+
+
+def test_serving_table_shows_graph_replay_and_its_failure():
+    """The serving extra's CUDA-graph column: a replay p50 where capture worked, "failed" plus the
+    error line where it did not, empty for records written before the column existed."""
+    from flashcuda.bench.report import extras_tables
+
+    row = {"status": "ok", "n": 200, "wall_p50_ms": 0.15, "wall_p90_ms": 0.16, "wall_p99_ms": 0.2,
+           "gpu_p50_ms": 0.13, "gpu_p90_ms": 0.14, "gpu_p99_ms": 0.18}
+    rec = synthetic_record()
+    rec["extras"] = {"serving": {"shape": {"batch": 1, "nheads": 32, "seqlen": 2048,
+                                           "headdim": 128, "causal": True},
+                                 "impls": {"flashcuda": {**row, "graph_p50_ms": 0.0741},
+                                           "sdpa_cudnn": {**row, "graph_error": "RuntimeError: x"},
+                                           "sdpa_flash": dict(row)}}}
+    text = render_text(extras_tables(rec), width=160)
+    assert "graph p50" in text and "0.074" in text
+    assert "failed" in text and "serving sdpa_cudnn, CUDA graph: RuntimeError: x" in text

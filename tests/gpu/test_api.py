@@ -228,6 +228,16 @@ def test_torch_compile_fullgraph():
         torch.testing.assert_close(a, b)
 
 
+def test_bench_graph_latency_times_replays():
+    """The bench's CUDA-graph serving column (flashcuda.bench.timing.graph_latency) captures a
+    flashcuda forward and times its replays."""
+    from flashcuda.bench.timing import graph_latency
+
+    q, k, v = make(CASES[1], torch.float16)
+    r = graph_latency(lambda: flash_attn_func(q, k, v, causal=True), n=20)
+    assert r["graph_n"] == 20 and 0 < r["graph_p50_ms"] <= r["graph_p99_ms"] < 1000
+
+
 def test_cuda_graph_capture_and_replay():
     q, k, v = make(CASES[1], torch.float16)
     static = [t.clone() for t in (q, k, v)]
