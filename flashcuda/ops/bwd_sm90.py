@@ -90,6 +90,8 @@ FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage r
 DQ_LATE_ENV = "FLASHCUDA_SM90_BWD_DQ_LATE"
 # Q / dO ring depth (2: FA3's; 3: one more step of loads in flight, + 32 KB; A/B)
 STAGES_ENV = "FLASHCUDA_SM90_BWD_STAGES"
+# 1: FA3's GEMM order in a step (dV | dS -> shared | dQ, dK; the dQ epilogue beside dK; A/B)
+DQ_EARLY_ENV = "FLASHCUDA_SM90_BWD_DQ_EARLY"
 STAGES3_DQ = {64: "v2", 128: "v4"}  # the dQ mode of the three-stage A/B (and its default there)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
@@ -117,6 +119,7 @@ class Sm90BwdConfig:
     dq_warp: bool = False  # dQ staged in shared memory, reduced by a producer warp (FA3; A/B)
     dq_warp_flat: bool = False  # dq_warp with unpadded rows, one bulk reduction per step (A/B)
     dq_tma: bool = False  # dq_warp from 128B-swizzled boxes through a tensor map of dq_accum (A/B)
+    dq_early: bool = False  # FA3's GEMM order: dQ before dK, the dQ epilogue beside dK (A/B)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -148,6 +151,9 @@ class Sm90BwdConfig:
         if self.dq_tma and (not self.dq_warp or self.dq_warp_flat):
             raise ValueError("Sm90BwdConfig.dq_tma: expected False unless dq_warp without "
                              "dq_warp_flat, got True")
+        if self.dq_early and self.dq_late:
+            raise ValueError("Sm90BwdConfig.dq_early: expected False with dq_late (a late "
+                             "reduction leaves its step), got True")
         if self.dq_late and not self.dq_v4:
             raise ValueError("Sm90BwdConfig.dq_late: expected False unless dq_v4 (late "
                              "reductions are red.v4 ones), got True")
@@ -212,7 +218,7 @@ class Sm90BwdConfig:
                 + ("" if self.release_fence else "_nofence") + ("_dq4" if self.dq_v4 else "")
                 + ("_dqb" if self.dq_bulk else "") + ("_late" if self.dq_late else "")
                 + ("_dqw" if self.dq_warp else "") + ("f" if self.dq_warp_flat else "")
-                + ("t" if self.dq_tma else ""))
+                + ("t" if self.dq_tma else "") + ("_early" if self.dq_early else ""))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -234,6 +240,7 @@ class Sm90BwdConfig:
             # only when set: the other kernels keep the specs (and cache keys) they had
             **({"FC_DQ_WARP_FLAT": 1} if self.dq_warp_flat else {}),
             **({"FC_DQ_TMA": 1} if self.dq_tma else {}),
+            **({"FC_DQ_EARLY": 1} if self.dq_early else {}),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
@@ -273,6 +280,7 @@ def configs() -> list[Sm90BwdConfig]:
             out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq))
                     for dq in DQ_MODES if dq != DQ_DEFAULT[d]]
             out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
+            out.append(Sm90BwdConfig(dtype, d, dq_early=True, **default))
             # (with red.v4 at d128: the warp split's staging tile and a third stage do not fit)
             out.append(Sm90BwdConfig(dtype, d, stages=3, **_dq_mode(STAGES3_DQ[d])))
     return out
@@ -299,6 +307,9 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     dq = os.environ.get(DQ_ENV, "").strip().lower() or default_dq
     if dq not in DQ_MODES:
         raise ValueError(f"{DQ_ENV}: expected one of {', '.join(DQ_MODES)}, got {dq!r}")
+    early = os.environ.get(DQ_EARLY_ENV, "").strip()
+    if early not in ("", "0", "1"):
+        raise ValueError(f"{DQ_EARLY_ENV}: expected 0 or 1, got {early!r}")
     late = os.environ.get(DQ_LATE_ENV, "").strip()
     if late not in ("", "0", "1"):
         raise ValueError(f"{DQ_LATE_ENV}: expected 0 or 1, got {late!r}")
@@ -312,9 +323,11 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
         raise ValueError(f"{STAGES_ENV}=3: a third Q / dO stage and the dQ staging tiles of "
                          f"{DQ_ENV}={dq} do not fit in shared memory; expected {DQ_ENV}=v2 / v4 "
                          f"or unset")
+    if early == "1" and late == "1":
+        raise ValueError(f"{DQ_EARLY_ENV}=1 and {DQ_LATE_ENV}=1: expected at most one of them")
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
                          release_fence=fence, dq_late=late == "1", stages=int(stages),
-                         **_dq_mode(dq))
+                         dq_early=early == "1", **_dq_mode(dq))
 
 
 def enabled() -> bool:
@@ -382,7 +395,7 @@ class _Plan:
 
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
-                    STAGES_ENV)
+                    STAGES_ENV, DQ_EARLY_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:

@@ -151,8 +151,13 @@ def test_config_is_the_single_source_of_truth():
         assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= c.register_pool
     # per dtype and d: dS layout x watchdog and no fence with the default dQ reduction, + the
-    # other dQ reductions (five), + the late red.v4, + the three-stage ring
-    assert len({c.name for c in bwd_sm90.configs()}) == 48
+    # other dQ reductions (five), + the late red.v4, + FA3's GEMM order, + the three-stage ring
+    assert len({c.name for c in bwd_sm90.configs()}) == 52
+    early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
+    assert early.name.endswith("_early") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
+    assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
+    with pytest.raises(ValueError, match="dq_early"):
+        Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
     tma = Sm90BwdConfig(torch.bfloat16, 128, dq_warp=True, dq_tma=True)
     assert tma.name.endswith("_dqwt") and dict(tma.spec().defines)["FC_DQ_TMA"] == "1"
     assert tma.smem_bytes == 1024 + 2 * kv + 2 * (2 * q + stats) + 2 * ds + 64 * 128 * 4 + 8 * 7
@@ -388,3 +393,28 @@ def test_plan_key_holds_what_can_implement_reads(monkeypatch):
         monkeypatch.delenv(env)
     # the device of every operand (CPU tensors give -1, a CUDA tensor its index)
     assert all(-1 in part for part in key if isinstance(part, tuple) and torch.bfloat16 in part)
+
+
+def test_dq_early_switch(monkeypatch):
+    """FLASHCUDA_SM90_BWD_DQ_EARLY=1 picks FA3's GEMM order over the default dQ mode at both
+    head dims (a compiled variant), refuses other values and the late reductions beside it, and
+    is part of the plan key."""
+    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
+                bwd_sm90.DQ_LATE_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "1")
+    for d in (64, 128):
+        cfg = bwd_sm90.select_config(torch.bfloat16, d)
+        assert cfg.dq_early and cfg.dq_tma and cfg in bwd_sm90.configs()
+    call = _call()
+    on = dispatch._plan_key(call, "bwd")
+    monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "0")
+    assert not bwd_sm90.select_config(torch.bfloat16, 128).dq_early
+    assert dispatch._plan_key(call, "bwd") != on
+    monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "yes")
+    with pytest.raises(ValueError, match=bwd_sm90.DQ_EARLY_ENV):
+        bwd_sm90.select_config(torch.bfloat16, 128)
+    monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "1")
+    monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "1")
+    with pytest.raises(ValueError, match="at most one"):
+        bwd_sm90.select_config(torch.bfloat16, 128)

@@ -282,6 +282,10 @@ static_assert(!FC_DQ_TMA || kSmemDqStage % 1024 == 0,
 #ifndef FC_DQ_LATE
 #define FC_DQ_LATE 0  // step i's dQ reductions after step i + 1's S^T / dP^T issue (A/B, see below)
 #endif
+#ifndef FC_DQ_EARLY
+#define FC_DQ_EARLY 0  // FA3's GEMM order: dQ before dK, its epilogue beside dK (A/B, see the loop)
+#endif
+static_assert(!FC_DQ_EARLY || !FC_DQ_LATE, "FC_DQ_EARLY retires dQ inside its own step");
 static_assert(!FC_DQ_LATE || FC_DQ_V4, "late reductions are red.v4 ones (their payload is made "
               "of shuffles, not of registers a wgmma defined)");
 
@@ -479,13 +483,20 @@ struct Consumer {
 
   // The A registers of in-flight wgmmas belong to the tensor cores until they drain.
   __device__ __forceinline__ void hold_fragments() {
+    hold_p();
+    hold_ds();
+  }
+  __device__ __forceinline__ void hold_p() {
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        asm volatile("" : "+r"(p16[kk][r])::"memory");
-        asm volatile("" : "+r"(ds16[kk][r])::"memory");
-      }
+      for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(p16[kk][r])::"memory");
+  }
+  __device__ __forceinline__ void hold_ds() {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(ds16[kk][r])::"memory");
   }
 
   // P^T = exp2(S^T * scale_log2 - lse2[query]); with kMasked, 0 where the key is hidden from the
@@ -766,6 +777,28 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     Consumer::pack(cs.p16, cs.s);
     Consumer::pack(cs.ds16, cs.dp);
 
+#if FC_DQ_EARLY
+    // FA3's order: dV (a group), dS^T -> shared + barrier, dQ (a group), dK (a group); the dQ
+    // epilogue below runs once dV and dQ are done, while the tensor cores still compute dK.
+    wgmma_fence_operands(cs.dv);
+    wgmma_fence();
+    cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
+    wgmma_commit();
+    const uint32_t ds = sm.ds(it & 1);
+    cs.store_ds(ds, key_row, t);
+    fence_proxy_async();
+    named_barrier_sync(1, 128 * kConsumers);
+    wgmma_fence_operands(cs.dq);
+    wgmma_fence_operands(cs.dk);
+    wgmma_fence();
+    cs.issue_dq(ds, sm.k(), tm, td);
+    cs.issue_key_grad(cs.dk, cs.ds16, sm.q(st));
+    wgmma_commit();
+    wgmma_wait<1>();  // dV and dQ (groups retire in order); dK may still run
+    cs.hold_p();
+    wgmma_fence_operands(cs.dv);
+    wgmma_fence_operands(cs.dq);
+#else
     // dV += P^T dO, dK += dS^T Q (one commit group)
     wgmma_fence_operands(cs.dv);
     wgmma_fence_operands(cs.dk);
@@ -789,6 +822,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_fence_operands(cs.dk);
     wgmma_fence_operands(cs.dq);
     release(sm.empty(st));
+#endif
 
     // dq_accum += this consumer's 64 x 64 tile. Rows past seqlen_q (inside Sq_pad) add zeros.
 #if FC_DQ_WARP
@@ -828,6 +862,12 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     cs.reduce_dq(dq_rows, t);
 #endif
 #endif  // FC_DQ_BULK
+#if FC_DQ_EARLY
+    wgmma_wait<0>();  // dK: then Q / dO of the stage and the dS^T fragments are free
+    cs.hold_ds();
+    wgmma_fence_operands(cs.dk);
+    release(sm.empty(st));
+#endif
   }
 #if FC_DQ_BULK
   if (lane < 16) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
