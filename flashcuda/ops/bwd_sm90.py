@@ -34,6 +34,11 @@ d128, +2.0-2.9% over warpflat at d64, same-run A/B) from a staging tile laid out
 boxes of 128B-swizzled fp32 rows with kHeadDim / 32 tensor-map reductions per step into dq_accum
 seen as a 2-D (head dim, B H Sq_pad) fp32 tensor (map_dq, a fifth tensor map; 2-way store
 conflicts).
+The order of a step's GEMMs (FLASHCUDA_SM90_BWD_DQ_EARLY): FA3's, the default with the default
+dQ reduction since session 10 — dV, dS^T to shared memory and the consumers' barrier, dQ, dK,
+then the dQ epilogue once dV and dQ are done (wgmma_wait<1>) while the tensor cores still run dK
+(+3.7-4.3% at d128 16k, +0.4-1.8% at d64, same-run A/B); =0 the previous order (dV + dK, dS^T,
+barrier, dQ, wait for all, then the epilogue), =1 FA3's with an A/B reduction too.
 FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step, after its S^T wgmmas
 (implies red.v4; measured 1-2% slower). FLASHCUDA_SM90_BWD_STAGES=3 deepens the Q / dO ring (no
 gain measured; not with warp / warpflat / bulk).
@@ -90,7 +95,9 @@ FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage r
 DQ_LATE_ENV = "FLASHCUDA_SM90_BWD_DQ_LATE"
 # Q / dO ring depth (2: FA3's; 3: one more step of loads in flight, + 32 KB; A/B)
 STAGES_ENV = "FLASHCUDA_SM90_BWD_STAGES"
-# 1: FA3's GEMM order in a step (dV | dS -> shared | dQ, dK; the dQ epilogue beside dK; A/B)
+# FA3's GEMM order in a step (dV | dS -> shared | dQ, dK; the dQ epilogue beside dK): the default
+# with the default dQ reduction since session 10 (+0.4-4.3%, +3.7-4.3% at d128 16k, same-run
+# A/B); 0 restores the previous order (dV + dK | dS -> shared | dQ; A/B), 1 forces it elsewhere
 DQ_EARLY_ENV = "FLASHCUDA_SM90_BWD_DQ_EARLY"
 STAGES3_DQ = {64: "v2", 128: "v4"}  # the dQ mode of the three-stage A/B (and its default there)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
@@ -119,7 +126,7 @@ class Sm90BwdConfig:
     dq_warp: bool = False  # dQ staged in shared memory, reduced by a producer warp (FA3; A/B)
     dq_warp_flat: bool = False  # dq_warp with unpadded rows, one bulk reduction per step (A/B)
     dq_tma: bool = False  # dq_warp from 128B-swizzled boxes through a tensor map of dq_accum (A/B)
-    dq_early: bool = False  # FA3's GEMM order: dQ before dK, the dQ epilogue beside dK (A/B)
+    dq_early: bool = False  # FA3's GEMM order: dQ before dK, the dQ epilogue beside dK
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -273,14 +280,18 @@ def configs() -> list[Sm90BwdConfig]:
     out = []
     for dtype in DTYPES:
         for d in HEAD_DIMS:
-            default = _dq_mode(DQ_DEFAULT[d])
-            out += [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w, **default)
+            default = {**_dq_mode(DQ_DEFAULT[d]), "dq_early": True}
+            # (the [query][key] dS layout keeps the previous order: with it and the watchdog,
+            # FA3's order spills 16 bytes at d64)
+            out += [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w,
+                                  **{**default, "dq_early": not k})
                     for w in (False, True) for k in (False, True)]
             out.append(Sm90BwdConfig(dtype, d, release_fence=False, **default))
             out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq))
                     for dq in DQ_MODES if dq != DQ_DEFAULT[d]]
             out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
-            out.append(Sm90BwdConfig(dtype, d, dq_early=True, **default))
+            # the default reduction in the previous GEMM order (FLASHCUDA_SM90_BWD_DQ_EARLY=0)
+            out.append(Sm90BwdConfig(dtype, d, **_dq_mode(DQ_DEFAULT[d])))
             # (with red.v4 at d128: the warp split's staging tile and a third stage do not fit)
             out.append(Sm90BwdConfig(dtype, d, stages=3, **_dq_mode(STAGES3_DQ[d])))
     return out
@@ -292,6 +303,8 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging;
     FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk / warp / warpflat / tma the dQ reduction mode (default
     DQ_DEFAULT);
+    FLASHCUDA_SM90_BWD_DQ_EARLY=0 / 1 the previous / FA3's GEMM order (default: FA3's with the
+    default dQ reduction, the previous with the others);
     FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step (with DQ=v4 or unset:
     it implies v4); FLASHCUDA_SM90_BWD_STAGES=2 / 3 the Q / dO ring depth (3: with red.v2 /
     red.v4 only, default STAGES3_DQ)."""
@@ -325,9 +338,12 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
                          f"or unset")
     if early == "1" and late == "1":
         raise ValueError(f"{DQ_EARLY_ENV}=1 and {DQ_LATE_ENV}=1: expected at most one of them")
+    # FA3's GEMM order: on by default with the default dQ reduction in the default dS layout (the
+    # measured kernel), off with the A/B reductions and layout unless asked for
+    dq_early = early == "1" if early else dq == DQ_DEFAULT.get(head_dim) and raw != "k"
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
                          release_fence=fence, dq_late=late == "1", stages=int(stages),
-                         dq_early=early == "1", **_dq_mode(dq))
+                         dq_early=dq_early, **_dq_mode(dq))
 
 
 def enabled() -> bool:

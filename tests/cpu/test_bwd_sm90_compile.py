@@ -155,6 +155,8 @@ def test_config_is_the_single_source_of_truth():
     assert len({c.name for c in bwd_sm90.configs()}) == 52
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
+    # the default with and without the watchdog and without the release fence, x 4
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 12
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
@@ -184,12 +186,14 @@ def test_dq_modes_are_exclusive():
 def test_dq_switch(monkeypatch):
     for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV):
         monkeypatch.delenv(env, raising=False)
-    for d in (64, 128):  # the measured default: the tensor-map split
+    for d in (64, 128):  # the measured default: the tensor-map split in FA3's GEMM order
         cfg = bwd_sm90.select_config(torch.bfloat16, d)
-        assert cfg.dq_warp and cfg.dq_tma and not cfg.dq_v4 and cfg.name.endswith("_dqwt")
-    monkeypatch.setenv(DQ_ENV, "warp")
+        assert cfg.dq_warp and cfg.dq_tma and not cfg.dq_v4 and cfg.dq_early
+        assert cfg.name.endswith("_dqwt_early") and cfg in bwd_sm90.configs()
+    monkeypatch.setenv(DQ_ENV, "warp")  # an A/B reduction keeps the previous order
     warp = bwd_sm90.select_config(torch.bfloat16, 128)
-    assert warp.dq_warp and not warp.dq_tma and not warp.dq_warp_flat and warp.name.endswith("_dqw")
+    assert warp.dq_warp and not warp.dq_tma and not warp.dq_warp_flat and not warp.dq_early
+    assert warp.name.endswith("_dqw")
     assert warp in bwd_sm90.configs()
     monkeypatch.setenv(DQ_ENV, "v2")
     v2 = bwd_sm90.select_config(torch.bfloat16, 128)
@@ -211,8 +215,8 @@ def test_dq_switch(monkeypatch):
     monkeypatch.setenv(DQ_ENV, "tma")
     for d in (64, 128):
         tma = bwd_sm90.select_config(torch.bfloat16, d)
-        assert tma.dq_warp and tma.dq_tma and not tma.dq_warp_flat and tma.name.endswith("_dqwt")
-        assert tma in bwd_sm90.configs()
+        assert tma.dq_warp and tma.dq_tma and not tma.dq_warp_flat and tma.dq_early
+        assert tma.name.endswith("_dqwt_early") and tma in bwd_sm90.configs()
     monkeypatch.setenv(DQ_ENV, "tensor")
     with pytest.raises(ValueError, match=DQ_ENV):
         bwd_sm90.select_config(torch.bfloat16, 64)
@@ -396,9 +400,9 @@ def test_plan_key_holds_what_can_implement_reads(monkeypatch):
 
 
 def test_dq_early_switch(monkeypatch):
-    """FLASHCUDA_SM90_BWD_DQ_EARLY=1 picks FA3's GEMM order over the default dQ mode at both
-    head dims (a compiled variant), refuses other values and the late reductions beside it, and
-    is part of the plan key."""
+    """FA3's GEMM order is the default with the default dQ mode; FLASHCUDA_SM90_BWD_DQ_EARLY=0
+    picks the previous order (a compiled A/B variant), other values and the late reductions beside
+    =1 are refused, and the switch is part of the plan key."""
     for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
                 bwd_sm90.DQ_LATE_ENV):
         monkeypatch.delenv(env, raising=False)
@@ -408,9 +412,12 @@ def test_dq_early_switch(monkeypatch):
         assert cfg.dq_early and cfg.dq_tma and cfg in bwd_sm90.configs()
     call = _call()
     on = dispatch._plan_key(call, "bwd")
-    monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "0")
-    assert not bwd_sm90.select_config(torch.bfloat16, 128).dq_early
+    monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "0")  # the previous order, an A/B variant
+    old = bwd_sm90.select_config(torch.bfloat16, 128)
+    assert not old.dq_early and old.dq_tma and old in bwd_sm90.configs()
     assert dispatch._plan_key(call, "bwd") != on
+    monkeypatch.delenv(bwd_sm90.DQ_EARLY_ENV)
+    assert bwd_sm90.select_config(torch.bfloat16, 64).dq_early  # the default
     monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "yes")
     with pytest.raises(ValueError, match=bwd_sm90.DQ_EARLY_ENV):
         bwd_sm90.select_config(torch.bfloat16, 128)

@@ -41,13 +41,13 @@ CAUSAL = (None, 0)
 
 @pytest.fixture(autouse=True,
                 params=["mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late", "mn-warp", "mn-warpflat",
-                        "mn-tma", "mn--s3", "mn--early"],
+                        "mn-tma", "mn--s3", "mn--noearly"],
                 ids=["dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp", "dq-warpflat",
-                     "dq-tma", "stages3", "dq-early"])
+                     "dq-tma", "stages3", "dq-noearly"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
-    warpflat, tma; red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1; FA3's GEMM order,
-    FLASHCUDA_SM90_BWD_DQ_EARLY=1) in the default dS layout, with
+    warpflat, tma; red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1; the default reduction
+    in the previous GEMM order, FLASHCUDA_SM90_BWD_DQ_EARLY=0) in the default dS layout, with
     the other dS layout under the default dQ reduction, and with a three-deep Q / dO ring
     (FLASHCUDA_SM90_BWD_STAGES=3, whose default dQ mode is bwd_sm90.STAGES3_DQ)."""
     ds, dq, *flags = (request.param + "-").split("-")[:4]
@@ -56,7 +56,10 @@ def _enable_sm90_bwd(monkeypatch, request):
     monkeypatch.setenv(bwd_sm90.DQ_ENV, dq)
     monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "1" if "late" in flags else "0")
     monkeypatch.setenv(bwd_sm90.STAGES_ENV, "3" if "s3" in flags else "2")
-    monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "1" if "early" in flags else "0")
+    if "noearly" in flags:  # the previous GEMM order; else the dQ mode's default order
+        monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "0")
+    else:
+        monkeypatch.delenv(bwd_sm90.DQ_EARLY_ENV, raising=False)
     dispatch._reset()
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):

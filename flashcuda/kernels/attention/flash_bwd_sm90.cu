@@ -283,7 +283,8 @@ static_assert(!FC_DQ_TMA || kSmemDqStage % 1024 == 0,
 #define FC_DQ_LATE 0  // step i's dQ reductions after step i + 1's S^T / dP^T issue (A/B, see below)
 #endif
 #ifndef FC_DQ_EARLY
-#define FC_DQ_EARLY 0  // FA3's GEMM order: dQ before dK, its epilogue beside dK (A/B, see the loop)
+#define FC_DQ_EARLY 0  // FA3's GEMM order: dQ before dK, its epilogue beside dK (see the loop;
+                       // the host's default with the default dQ reduction since session 10)
 #endif
 static_assert(!FC_DQ_EARLY || !FC_DQ_LATE, "FC_DQ_EARLY retires dQ inside its own step");
 static_assert(!FC_DQ_LATE || FC_DQ_V4, "late reductions are red.v4 ones (their payload is made "
