@@ -70,6 +70,7 @@ from .call import (
     BwdCall,
     PlanCache,
     kernel_windows,
+    parse_defines,
     register_pool,
     vector_layout_problem,
 )
@@ -99,6 +100,7 @@ STAGES_ENV = "FLASHCUDA_SM90_BWD_STAGES"
 # with the default dQ reduction since session 10 (+0.4-4.3%, +3.7-4.3% at d128 16k, same-run
 # A/B); 0 restores the previous order (dV + dK | dS -> shared | dQ; A/B), 1 forces it elsewhere
 DQ_EARLY_ENV = "FLASHCUDA_SM90_BWD_DQ_EARLY"
+DEFINES_ENV = "FLASHCUDA_SM90_BWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob, as the forward's)
 STAGES3_DQ = {64: "v2", 128: "v4"}  # the dQ mode of the three-stage A/B (and its default there)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
@@ -127,6 +129,9 @@ class Sm90BwdConfig:
     dq_warp_flat: bool = False  # dq_warp with unpadded rows, one bulk reduction per step (A/B)
     dq_tma: bool = False  # dq_warp from 128B-swizzled boxes through a tensor map of dq_accum (A/B)
     dq_early: bool = False  # FA3's GEMM order: dQ before dK, the dQ epilogue beside dK
+    # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
+    # kernel knob, named by a suffix
+    defines: tuple = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -225,7 +230,8 @@ class Sm90BwdConfig:
                 + ("" if self.release_fence else "_nofence") + ("_dq4" if self.dq_v4 else "")
                 + ("_dqb" if self.dq_bulk else "") + ("_late" if self.dq_late else "")
                 + ("_dqw" if self.dq_warp else "") + ("f" if self.dq_warp_flat else "")
-                + ("t" if self.dq_tma else "") + ("_early" if self.dq_early else ""))
+                + ("t" if self.dq_tma else "") + ("_early" if self.dq_early else "")
+                + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -248,6 +254,7 @@ class Sm90BwdConfig:
             **({"FC_DQ_WARP_FLAT": 1} if self.dq_warp_flat else {}),
             **({"FC_DQ_TMA": 1} if self.dq_tma else {}),
             **({"FC_DQ_EARLY": 1} if self.dq_early else {}),
+            **dict(self.defines),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
@@ -343,7 +350,8 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     dq_early = early == "1" if early else dq == DQ_DEFAULT.get(head_dim) and raw != "k"
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
                          release_fence=fence, dq_late=late == "1", stages=int(stages),
-                         dq_early=dq_early, **_dq_mode(dq))
+                         dq_early=dq_early, defines=parse_defines(DEFINES_ENV),
+                         **_dq_mode(dq))
 
 
 def enabled() -> bool:
@@ -411,7 +419,7 @@ class _Plan:
 
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
-                    STAGES_ENV, DQ_EARLY_ENV)
+                    STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:

@@ -16,6 +16,8 @@ passes an unbounded side as seqlen_q + seqlen_k, so the kernels see plain intege
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -238,3 +240,17 @@ def register_pool(threads: int) -> int:
     setmaxnreg moves registers between warpgroups inside this pool; an inc that the decs cannot
     cover waits forever (FLASHCUDA_SM90_BWD_DQ=warp at 32 / 240 over 384 threads did)."""
     return (65536 // threads) // 8 * 8 * threads
+
+
+def parse_defines(env: str) -> tuple:
+    """The (name, value) pairs of an A/B defines variable (FLASHCUDA_SM90_FWD_DEFINES,
+    FLASHCUDA_SM90_BWD_DEFINES): "FC_NAME=<integer>[,...]", sorted; ValueError naming the
+    variable otherwise."""
+    raw = os.environ.get(env, "").strip()
+    out = []
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        name, _, value = item.partition("=")
+        if not re.fullmatch(r"FC_[A-Z0-9_]+", name) or not re.fullmatch(r"-?\d+", value):
+            raise ValueError(f"{env}: expected FC_NAME=<integer>[,...], got {raw!r}")
+        out.append((name, int(value)))
+    return tuple(sorted(out))

@@ -48,6 +48,7 @@ from .call import (
     LOG2E,
     FwdCall,
     PlanCache,
+    parse_defines,
     register_pool,
     vector_layout_problem,
 )
@@ -224,14 +225,7 @@ SOFTMAX_IN_ARMS = (128,)
 
 
 def _defines() -> tuple:
-    raw = os.environ.get(DEFINES_ENV, "").strip()
-    out = []
-    for item in filter(None, (x.strip() for x in raw.split(","))):
-        name, _, value = item.partition("=")
-        if not re.fullmatch(r"FC_[A-Z0-9_]+", name) or not re.fullmatch(r"-?\d+", value):
-            raise ValueError(f"{DEFINES_ENV}: expected FC_NAME=<integer>[,...], got {raw!r}")
-        out.append((name, int(value)))
-    return tuple(sorted(out))
+    return parse_defines(DEFINES_ENV)
 
 
 def _smem_pad() -> int:

@@ -425,3 +425,25 @@ def test_dq_early_switch(monkeypatch):
     monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "1")
     with pytest.raises(ValueError, match="at most one"):
         bwd_sm90.select_config(torch.bfloat16, 128)
+
+
+def test_bwd_defines_switch(monkeypatch):
+    """FLASHCUDA_SM90_BWD_DEFINES adds kernel defines (an A/B knob such as FC_DESC_ADVANCE=1) to
+    the selected config, named by a suffix, as part of the plan key; a malformed value is
+    refused naming the variable."""
+    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
+                bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV):
+        monkeypatch.delenv(env, raising=False)
+    call = _call()
+    off = dispatch._plan_key(call, "bwd")
+    base = bwd_sm90.select_config(torch.bfloat16, 128)
+    monkeypatch.setenv(bwd_sm90.DEFINES_ENV, "FC_DESC_ADVANCE=1")
+    cfg = bwd_sm90.select_config(torch.bfloat16, 128)
+    assert cfg.defines == (("FC_DESC_ADVANCE", 1),) and cfg.name == base.name + "_fc_desc_advance1"
+    assert dict(cfg.spec().defines)["FC_DESC_ADVANCE"] == "1"
+    assert dispatch._plan_key(call, "bwd") != off
+    monkeypatch.setenv(bwd_sm90.DEFINES_ENV, "DESC_ADVANCE=1")
+    with pytest.raises(ValueError, match=bwd_sm90.DEFINES_ENV):
+        bwd_sm90.select_config(torch.bfloat16, 128)
+    monkeypatch.delenv(bwd_sm90.DEFINES_ENV)
+    assert dispatch._plan_key(call, "bwd") == off

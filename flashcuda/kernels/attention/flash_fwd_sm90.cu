@@ -273,11 +273,12 @@ struct Consumer {
   // Issue S = Q K^T over kHeadDim / 16 k16 steps (one commit group); step kk reads 32 bytes at
   // column (kk % 4) * 16 of chunk kk / 4 of both tiles. The caller fenced.
   __device__ __forceinline__ void issue_scores(uint32_t k_tile) {
+    const uint64_t a0 = smem_desc_k_major_sw128(q_rows), b0 = smem_desc_k_major_sw128(k_tile);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t col = (kk / 4), within = (kk % 4) * 32;
-      const uint64_t a = smem_desc_k_major_sw128(q_rows + col * kQChunkBytes + within);
-      const uint64_t b = smem_desc_k_major_sw128(k_tile + col * kKVChunkBytes + within);
+      const uint64_t a = k_major_at(a0, q_rows, col * kQChunkBytes + within);
+      const uint64_t b = k_major_at(b0, k_tile, col * kKVChunkBytes + within);
       wgmma_ss<kBlockN, T>(s, a, b, kk > 0);
     }
     wgmma_commit();
@@ -287,9 +288,10 @@ struct Consumer {
   // fragment of k16 step kk; step kk reads V rows 16kk .. 16kk + 15 (2048 bytes further per
   // step), both d chunks.
   __device__ __forceinline__ void issue_accumulate(uint32_t v_tile) {
+    const uint64_t b0 = smem_desc_mn_major_sw128(v_tile, kKVChunkBytes);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t b = smem_desc_mn_major_sw128(v_tile + kk * 16 * 128, kKVChunkBytes);
+      const uint64_t b = mn_major_at(b0, v_tile, kk * 16 * 128, kKVChunkBytes);
       wgmma_rs_tb<kHeadDim, T>(o, p[kk], b, 1);
     }
     wgmma_commit();

@@ -239,6 +239,21 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
          (static_cast<uint64_t>((sbo & 0x3ffff) >> 4) << 32) | (1ull << 62);
 }
 
+// FC_DESC_ADVANCE = 1 (A/B, FLASHCUDA_SM90_FWD_DEFINES / FLASHCUDA_SM90_BWD_DEFINES): the
+// descriptors of a GEMM's k16 steps are the first step's plus the byte offset >> 4 in the
+// start-address field (desc_advance), one 32-bit add each, instead of rebuilding each from its
+// address (~5 uniform ops per operand per wgmma in SASS: ptxas cannot know the field never
+// carries). Exact: every operand lies in the CTA's shared window (< 228 KB < 2^18 bytes), so the
+// field ((addr & 0x3ffff) >> 4 < 2^14) of base + offset is the base's field + offset >> 4.
+#ifndef FC_DESC_ADVANCE
+#define FC_DESC_ADVANCE 0
+#endif
+
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xffffffff00000000ull) | lo;
+}
+
 // A or B operand stored [mn][k] (k contiguous) in 128B-swizzled chunks; `addr` is the first
 // element of the 16-wide K slice, inside one chunk.
 __device__ __forceinline__ uint64_t smem_desc_k_major_sw128(uint32_t addr) {
@@ -249,6 +264,17 @@ __device__ __forceinline__ uint64_t smem_desc_k_major_sw128(uint32_t addr) {
 // 64 n-elements, `chunk_bytes` apart; `addr` is the first of the 16 K-rows.
 __device__ __forceinline__ uint64_t smem_desc_mn_major_sw128(uint32_t addr, uint32_t chunk_bytes) {
   return smem_desc(addr, chunk_bytes, 1024);
+}
+
+// The descriptor of the operand `bytes` past `base` (whose descriptor is `base_desc`): advanced
+// from base_desc with FC_DESC_ADVANCE, else rebuilt (the two are equal, see desc_advance).
+__device__ __forceinline__ uint64_t k_major_at(uint64_t base_desc, uint32_t base, uint32_t bytes) {
+  return FC_DESC_ADVANCE ? desc_advance(base_desc, bytes) : smem_desc_k_major_sw128(base + bytes);
+}
+__device__ __forceinline__ uint64_t mn_major_at(uint64_t base_desc, uint32_t base, uint32_t bytes,
+                                                uint32_t chunk_bytes) {
+  return FC_DESC_ADVANCE ? desc_advance(base_desc, bytes)
+                         : smem_desc_mn_major_sw128(base + bytes, chunk_bytes);
 }
 
 // ---- wgmma --------------------------------------------------------------------------------------
