@@ -105,20 +105,29 @@ def test_bshd_problem_on_views():
     assert "4-D" in bshd_problem(torch.empty(33, 64), 128)
 
 
-def test_bshd_map_memo_hits_only_the_same_geometry(monkeypatch):
-    """A repeated call reuses its map (no encode, no layout check); any change of address,
-    shape, strides, dtype or box encodes again; a bad layout is refused before encoding."""
+@pytest.fixture
+def encoded(monkeypatch):
+    """tensor_map with encode_tiled recorded instead of called (no driver), an empty memo: the
+    list of (dtype, address, dims, byte strides, box) it was asked to encode."""
     from flashcuda.jit import runtime, tensor_map
 
-    encoded = []
+    calls = []
 
     def fake_encode(dtype, address, dims, byte_strides, box):
-        encoded.append((dtype, address, dims, byte_strides, box))
-        return TensorMap(bytes([len(encoded)]) * 128)
+        calls.append((dtype, address, dims, byte_strides, box))
+        return TensorMap(bytes([len(calls)]) * 128)
 
     monkeypatch.setattr(tensor_map, "encode_tiled", fake_encode)
     monkeypatch.setattr(runtime, "_make_current", lambda index: None)
     monkeypatch.setattr(tensor_map, "_memo", {})
+    return calls
+
+
+def test_bshd_map_memo_hits_only_the_same_geometry(monkeypatch, encoded):
+    """A repeated call reuses its map (no encode, no layout check); any change of address,
+    shape, strides, dtype or box encodes again; a bad layout is refused before encoding."""
+    from flashcuda.jit import tensor_map
+
     base = torch.zeros(2, 40, 3, 64, dtype=torch.bfloat16)
     m1 = tensor_map.bshd_map(base, 64)
     assert tensor_map.bshd_map(base, 64) is m1 and len(encoded) == 1
@@ -140,22 +149,13 @@ def test_bshd_map_memo_hits_only_the_same_geometry(monkeypatch):
 
 
 
-def test_rows_f32_map_geometry_and_memo(monkeypatch):
+def test_rows_f32_map_geometry_and_memo(encoded):
     """dq_accum (B, H, Sq_pad, D) fp32 as the 2-D map bwd_sm90's tma dQ reduction adds into:
     dims (D, B H Sq_pad), row stride 4 D bytes, box (32 fp32 = one 128-byte swizzled row,
     box_rows); memoised by address, shape and box; a non-fp32 or non-contiguous tensor is refused
     before encoding."""
-    from flashcuda.jit import runtime, tensor_map
+    from flashcuda.jit import tensor_map
 
-    encoded = []
-
-    def fake_encode(dtype, address, dims, byte_strides, box):
-        encoded.append((dtype, address, dims, byte_strides, box))
-        return TensorMap(bytes([len(encoded)]) * 128)
-
-    monkeypatch.setattr(tensor_map, "encode_tiled", fake_encode)
-    monkeypatch.setattr(runtime, "_make_current", lambda index: None)
-    monkeypatch.setattr(tensor_map, "_memo", {})
     acc = torch.zeros(2, 3, 192, 128, dtype=torch.float32)
     m = tensor_map.rows_f32_map(acc, 64)
     assert tensor_map.rows_f32_map(acc, 64) is m and len(encoded) == 1
