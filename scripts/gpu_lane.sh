@@ -81,7 +81,12 @@ for step in "${steps[@]}"; do
           timeout "${SANITIZE_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
             tests/gpu/test_sanitize.py ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-tool-$tool.log" 2>&1
         else
-          PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" ${SANITIZE_ARGS:-} --error-exitcode 99 \
+          # initcheck skips API memory accesses: with a kernel filter (SANITIZE_ARGS --kernel-name)
+          # torch's kernels are not instrumented, so every copy of what they wrote reads as
+          # uninitialised (session 7), and the run outlasted 300 s on the 23 sm90 cases (session
+          # 10); with the option, 9 s. Our kernels' own reads are still checked.
+          extra=""; [ "$tool" = initcheck ] && extra="--check-api-memory-access no"
+          PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" ${SANITIZE_ARGS:-} $extra --error-exitcode 99 \
             --report-api-errors no --print-limit 20 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_sanitize.py \
             ${SANITIZE_K:+-k "$SANITIZE_K"} > "$OUT/sanitize-tool-$tool.log" 2>&1
         fi
