@@ -131,6 +131,19 @@ _MEMO_SIZE = 256
 _memo: dict[tuple, TensorMap] = {}
 
 
+def _encode_new(key: tuple, t, dims: tuple[int, ...], byte_strides: tuple[int, ...],
+                box: tuple[int, ...]) -> TensorMap:
+    """A memo miss whose layout was checked: encode the map on t's device, keep it under `key`."""
+    from .runtime import _make_current
+
+    _make_current(t.get_device())  # a CUDA tensor's device index
+    m = encode_tiled(t.dtype, t.data_ptr(), dims, byte_strides, box)
+    if len(_memo) >= _MEMO_SIZE:
+        _memo.clear()  # training brings new activations each step: keep the newest only
+    _memo[key] = m
+    return m
+
+
 def bshd_map(t, box_rows: int) -> TensorMap:
     """The map of a CUDA (B, S, H, D) fp16/bf16 tensor, box (64 cols, box_rows rows, 1, 1).
 
@@ -141,17 +154,16 @@ def bshd_map(t, box_rows: int) -> TensorMap:
     m = _memo.get(key)
     if m is not None:
         return m
-    from .runtime import _make_current
-
     if why := bshd_problem(t, box_rows):
         raise ValueError(f"bshd_map: {why}")
-    _make_current(t.get_device())  # a CUDA tensor's device index
     dims, byte_strides = bshd_geometry(tuple(t.shape), tuple(t.stride()), t.element_size())
-    m = encode_tiled(t.dtype, t.data_ptr(), dims, byte_strides, (BOX_COLS, box_rows, 1, 1))
-    if len(_memo) >= _MEMO_SIZE:
-        _memo.clear()  # training brings new activations each step: keep the newest only
-    _memo[key] = m
-    return m
+    return _encode_new(key, t, dims, byte_strides, (BOX_COLS, box_rows, 1, 1))
+
+
+def _rows_f32_geometry(t, box_rows: int) -> tuple[tuple[int, ...], ...]:
+    """(dims, byte strides, box) of a contiguous fp32 tensor seen as 2-D rows of its last dim."""
+    cols = t.shape[-1]
+    return (cols, t.numel() // cols), (cols * 4,), (SWIZZLE_BYTES // 4, box_rows)
 
 
 def rows_f32_problem(t, box_rows: int) -> str | None:
@@ -161,28 +173,17 @@ def rows_f32_problem(t, box_rows: int) -> str | None:
         return f"expected fp32, got {t.dtype}"
     if not t.is_contiguous() or t.dim() < 2:
         return "expected a contiguous tensor of at least 2 dims"
-    cols = t.shape[-1]
-    return tiled_problem(t.data_ptr(), (cols, t.numel() // cols), (cols * 4,),
-                         (SWIZZLE_BYTES // 4, box_rows), 4)
+    return tiled_problem(t.data_ptr(), *_rows_f32_geometry(t, box_rows), 4)
 
 
 def rows_f32_map(t, box_rows: int) -> TensorMap:
     """The map of a contiguous CUDA fp32 tensor as 2-D (last dim, the rows of all others), box
-    (32 cols, box_rows rows), 128B swizzle: the bwd_sm90 dQ reduction's target (FLASHCUDA_SM90_BWD_DQ
-    =tma). Memoised as bshd_map."""
-    key = ("rows_f32", t.data_ptr(), t.shape, box_rows)
+    (32 cols, box_rows rows), 128B swizzle: the target of bwd_sm90's tensor-map dQ reduction
+    (FLASHCUDA_SM90_BWD_DQ=tma). Memoised as bshd_map."""
+    key = ("rows_f32", t.dtype, t.data_ptr(), t.shape, t.stride(), box_rows)
     m = _memo.get(key)
     if m is not None:
         return m
-    from .runtime import _make_current
-
     if why := rows_f32_problem(t, box_rows):
         raise ValueError(f"rows_f32_map: {why}")
-    _make_current(t.get_device())
-    cols = t.shape[-1]
-    m = encode_tiled(t.dtype, t.data_ptr(), (cols, t.numel() // cols), (cols * 4,),
-                     (SWIZZLE_BYTES // 4, box_rows))
-    if len(_memo) >= _MEMO_SIZE:
-        _memo.clear()
-    _memo[key] = m
-    return m
+    return _encode_new(key, t, *_rows_f32_geometry(t, box_rows))
