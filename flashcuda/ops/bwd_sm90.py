@@ -100,7 +100,7 @@ STAGES_ENV = "FLASHCUDA_SM90_BWD_STAGES"
 # with the default dQ reduction since session 10 (+0.4-4.3%, +3.7-4.3% at d128 16k, same-run
 # A/B); 0 restores the previous order (dV + dK | dS -> shared | dQ; A/B), 1 forces it elsewhere
 DQ_EARLY_ENV = "FLASHCUDA_SM90_BWD_DQ_EARLY"
-DEFINES_ENV = "FLASHCUDA_SM90_BWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob, as the forward's)
+DEFINES_ENV = "FLASHCUDA_SM90_BWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob, as forward)
 STAGES3_DQ = {64: "v2", 128: "v4"}  # the dQ mode of the three-stage A/B (and its default there)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8

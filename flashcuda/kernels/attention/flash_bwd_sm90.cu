@@ -11,8 +11,9 @@
 //   heads         MHA, GQA, MQA: a CTA loops over the query heads of its KV head, dK / dV summed
 //                 over them in registers (as flash_bwd_sm80.cu)
 //   dQ            non-deterministic only: fp32 red.global.add.v2 into dq_accum [B, H, Sq_pad, D]
-//                 (the kernel's own default, an A/B on the host; red.v4, FC_DQ_V4; or row-wise bulk reduce-adds from a
-//                 shared staging tile, FC_DQ_BULK, see "dQ by bulk reduction" below). FC_DQ_LATE
+//                 (the kernel's own default, an A/B on the host; red.v4, FC_DQ_V4; or row-wise
+//                 bulk reduce-adds from a shared staging tile, FC_DQ_BULK, see "dQ by bulk
+//                 reduction" below). FC_DQ_LATE
 //                 (with FC_DQ_V4; A/B, measured 1-2% slower): a step's red.v4 are issued at the
 //                 next step, right after its S^T wgmmas (before dP^T's, whose accumulator would not
 //                 fit beside the payload: 384 bytes of spills), so they overlap the tensor cores
@@ -405,14 +406,14 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
   bulk_wait_group<0>();
 }
 
-// FC_DQ_TMA: Consumer::stage_dq's fragments go into the 128B-swizzled boxes of the staging tile: (row, col) ->
-// box col / 32, row `row`, 16-byte chunk ((col % 32) / 4) ^ (row % 8), word col % 4. Banks: a
-// half-warp's 16 float2 stores (g % 4 = 0..3, t = 0..3) fall in chunks (2 (j % 4) + t / 2) ^ g
-// (row % 8 = g: the other row terms are multiples of 8): 4 distinct chunks of 16 bytes for 128
-// bytes of data, 2-way conflicts.
+// FC_DQ_TMA: Consumer::stage_dq's fragments go into the 128B-swizzled boxes of the staging tile:
+// (row, col) -> box col / 32, row `row`, 16-byte chunk ((col % 32) / 4) ^ (row % 8), word
+// col % 4. Banks: a half-warp's 16 float2 stores (g % 4 = 0..3, t = 0..3) fall in chunks
+// (2 (j % 4) + t / 2) ^ g (row % 8 = g: the other row terms are multiples of 8): 4 distinct
+// chunks of 16 bytes for 128 bytes of data, 2-way conflicts.
 __device__ __forceinline__ uint32_t dq_swizzled(uint32_t stage, int row, int col) {
   const int cc = col & 31;
-  return stage + (col >> 5) * kDqBoxBytes + row * 128 + ((((cc >> 2) ^ (row & 7))) << 4) +
+  return stage + (col >> 5) * kDqBoxBytes + row * 128 + (((cc >> 2) ^ (row & 7)) << 4) +
          ((cc & 3) << 2);
 }
 
@@ -446,8 +447,8 @@ struct Consumer {
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t col = kk / 4, within = (kk % 4) * 32;
-      const uint64_t a = k_major_at(a0, x, col * kKVChunkBytes + within);
-      const uint64_t b = k_major_at(b0, y, col * kQChunkBytes + within);
+      const uint64_t a = desc_advance(a0, col * kKVChunkBytes + within);
+      const uint64_t b = desc_advance(b0, col * kQChunkBytes + within);
       wgmma_ss<kBlockM, T>(acc, a, b, kk > 0);
     }
     wgmma_commit();
@@ -472,7 +473,7 @@ struct Consumer {
     const uint64_t b0 = smem_desc_mn_major_sw128(y, kQChunkBytes);
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint64_t b = mn_major_at(b0, y, kk * 16 * 128, kQChunkBytes);
+      const uint64_t b = desc_advance(b0, kk * 16 * 128);
       wgmma_rs_tb<kHeadDim, T>(acc, a[kk], b, 1);
     }
 #else
@@ -498,12 +499,12 @@ struct Consumer {
                                   : smem_desc_mn_major_sw128(ds_base, kDsChunkBytes);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t b = mn_major_at(b0, k_base, kk * 16 * 128, kKVChunkBytes);
+      const uint64_t b = desc_advance(b0, kk * 16 * 128);
       if constexpr (kDsKMajor) {
-        const uint64_t a = k_major_at(a0, ds_base, (kk / 4) * kDsChunkBytes + (kk % 4) * 32);
+        const uint64_t a = desc_advance(a0, (kk / 4) * kDsChunkBytes + (kk % 4) * 32);
         wgmma_ss_tb<64, T>(dq, a, b, kk > 0);
       } else {
-        const uint64_t a = mn_major_at(a0, ds_base, kk * 16 * 128, kDsChunkBytes);
+        const uint64_t a = desc_advance(a0, kk * 16 * 128);
         wgmma_ss_tt<64, T>(dq, a, b, kk > 0);
       }
     }
