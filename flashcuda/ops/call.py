@@ -245,10 +245,11 @@ def register_pool(threads: int) -> int:
 def parse_defines(env: str) -> tuple:
     """The (name, value) pairs of an A/B defines variable (FLASHCUDA_SM90_FWD_DEFINES,
     FLASHCUDA_SM90_BWD_DEFINES): "FC_NAME=<integer>[,...]", sorted; ValueError naming the
-    variable otherwise."""
+    variable otherwise. "+" separates too (an A/B variant list, scripts/gpu_lane.sh's
+    AB_VARIANTS, already splits on commas)."""
     raw = os.environ.get(env, "").strip()
     out = []
-    for item in filter(None, (x.strip() for x in raw.split(","))):
+    for item in filter(None, (x.strip() for x in re.split(r"[,+]", raw))):
         name, _, value = item.partition("=")
         if not re.fullmatch(r"FC_[A-Z0-9_]+", name) or not re.fullmatch(r"-?\d+", value):
             raise ValueError(f"{env}: expected FC_NAME=<integer>[,...], got {raw!r}")

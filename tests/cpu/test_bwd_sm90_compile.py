@@ -442,6 +442,10 @@ def test_bwd_defines_switch(monkeypatch):
     assert cfg.defines == (("FC_DESC_ADVANCE", 1),) and cfg.name == base.name + "_fc_desc_advance1"
     assert dict(cfg.spec().defines)["FC_DESC_ADVANCE"] == "1"
     assert dispatch._plan_key(call, "bwd") != off
+    monkeypatch.setenv(bwd_sm90.DEFINES_ENV, "FC_DV_EARLY=1+FC_CONSUMER_REGS=240")  # "+" too
+    cfg = bwd_sm90.select_config(torch.bfloat16, 128)
+    assert cfg.defines == (("FC_CONSUMER_REGS", 240), ("FC_DV_EARLY", 1))
+    assert dict(cfg.spec().defines)["FC_CONSUMER_REGS"] == "240"  # overrides the config's own
     monkeypatch.setenv(bwd_sm90.DEFINES_ENV, "DESC_ADVANCE=1")
     with pytest.raises(ValueError, match=bwd_sm90.DEFINES_ENV):
         bwd_sm90.select_config(torch.bfloat16, 128)

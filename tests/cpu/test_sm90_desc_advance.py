@@ -1,5 +1,5 @@
-"""FC_DESC_ADVANCE (sm90.cuh, an A/B knob of both sm90 kernels through FLASHCUDA_SM90_FWD_DEFINES /
-FLASHCUDA_SM90_BWD_DEFINES): a GEMM's k16-step descriptors are its first step's plus the byte
+"""FC_DESC_ADVANCE (sm90.cuh; the default of both sm90 kernels since session 11, =0 through
+FLASHCUDA_SM90_FWD_DEFINES / FLASHCUDA_SM90_BWD_DEFINES restores the rebuilt descriptors): a GEMM's k16-step descriptors are its first step's plus the byte
 offset >> 4, instead of being rebuilt from each address.
 
 On the CPU lane: the arithmetic claim it rests on, over every 16-byte-aligned shared-memory
@@ -55,8 +55,9 @@ def _variants():
 def test_desc_advance_compiles_clean_with_fewer_uniform_ops(kind, cfg, tmp_path):
     import dataclasses
 
-    adv = dataclasses.replace(cfg, defines=(("FC_DESC_ADVANCE", 1),))
-    assert adv.name.endswith("_fc_desc_advance1")
+    adv = cfg  # the default
+    cfg = dataclasses.replace(cfg, defines=(("FC_DESC_ADVANCE", 0),))  # rebuilt descriptors
+    assert cfg.name.endswith("_fc_desc_advance0")
     base_build, adv_build = compile_spec(cfg.spec(), ARCH), compile_spec(adv.spec(), ARCH)
     assert_compiled_clean(adv_build, adv.name)
     assert not re.search(r"C75\d\d", adv_build.log), adv_build.log
