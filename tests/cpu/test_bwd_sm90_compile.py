@@ -171,6 +171,10 @@ def test_config_is_the_single_source_of_truth():
     assert flat.smem_bytes == cfg.smem_bytes + 64 * 128 * 4 + 2 * 8  # unpadded tile, 2 barriers
     assert "FC_DQ_WARP_FLAT" not in dict(warp.spec().defines)
     assert (warp.producer_regs, warp.consumer_regs, warp.register_pool) == (32, 232, 168 * 384)
+    # the tensor-map writer fits in 24 registers at d128 (not at d64: ptxas spills there)
+    assert (tma.producer_regs, tma.consumer_regs) == (24, 240)
+    tma64 = Sm90BwdConfig(torch.bfloat16, 64, dq_warp=True, dq_tma=True)
+    assert (tma64.producer_regs, tma64.consumer_regs) == (32, 232)
     assert warp.name.endswith("_dqw") and dict(warp.spec().defines)["FC_DQ_WARP"] == "1"
     assert warp.smem_bytes == cfg.smem_bytes + 64 * 136 * 4 + 2 * 8  # the tile, 2 barriers
     bulk = Sm90BwdConfig(torch.bfloat16, 128, dq_bulk=True)

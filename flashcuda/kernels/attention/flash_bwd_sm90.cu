@@ -292,14 +292,6 @@ static_assert(!FC_DQ_TMA || kSmemDqStage % 1024 == 0,
                        // the host's default with the default dQ reduction since session 10)
 #endif
 static_assert(!FC_DQ_EARLY || !FC_DQ_LATE, "FC_DQ_EARLY retires dQ inside its own step");
-#ifndef FC_DV_EARLY
-// With FC_DQ_EARLY: dV issued as soon as P^T is packed, before the dP^T wait (A/B, see the
-// loop). Fits only with 240 consumer registers (FC_PRODUCER_REGS=24, FC_CONSUMER_REGS=240; at
-// 232 ptxas serializes the wgmmas, C7512) and at d128 (d64's kBlockM = 128 doubles S^T and dP^T).
-#define FC_DV_EARLY 0
-#endif
-constexpr bool kDvEarly = FC_DV_EARLY;
-static_assert(!kDvEarly || FC_DQ_EARLY, "FC_DV_EARLY reorders FA3's GEMM order (FC_DQ_EARLY)");
 static_assert(!FC_DQ_LATE || FC_DQ_V4, "late reductions are red.v4 ones (their payload is made "
               "of shuffles, not of registers a wgmma defined)");
 
@@ -822,36 +814,23 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     } else {
       cs.probs<false>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
     }
-    if constexpr (kDvEarly) {
-      // dV (a group) as soon as P^T is packed: the tensor cores compute it while this
-      // warpgroup waits for dP^T and forms dS^T (groups retire in order: wait<1> is dP^T's).
-      Consumer::pack(cs.p16, cs.s);
-      wgmma_fence_operands(cs.dv);
-      wgmma_fence();
-      cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
-      wgmma_commit();
-      wgmma_wait<1>();
-    } else {
-      wgmma_wait<0>();
-    }
+    wgmma_wait<0>();
     wgmma_fence_operands(cs.dp);
     if (masked) {
       cs.dsoftmax<true>(st_delta);
     } else {
       cs.dsoftmax<false>(st_delta);
     }
-    if constexpr (!kDvEarly) Consumer::pack(cs.p16, cs.s);
+    Consumer::pack(cs.p16, cs.s);
     Consumer::pack(cs.ds16, cs.dp);
 
 #if FC_DQ_EARLY
     // FA3's order: dV (a group), dS^T -> shared + barrier, dQ (a group), dK (a group); the dQ
     // epilogue below runs once dV and dQ are done, while the tensor cores still compute dK.
-    if constexpr (!kDvEarly) {
-      wgmma_fence_operands(cs.dv);
-      wgmma_fence();
-      cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
-      wgmma_commit();
-    }
+    wgmma_fence_operands(cs.dv);
+    wgmma_fence();
+    cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
+    wgmma_commit();
     const uint32_t ds = sm.ds(it & 1);
     cs.store_ds(ds, key_row, t);
     fence_proxy_async();
