@@ -19,7 +19,7 @@ shared memory (the .cu static_asserts the same layout), the name, the defines.
     128        64 x 128, 2                                  162 KB    2 x 240 (FA3's d128 tiles)
 (+ 36 KB, 199 / 198 KB, for the dQ staging tiles of FLASHCUDA_SM90_BWD_DQ=bulk; + 36 / 34 KB,
 199 / 196 KB, for the staging tile of warp and warpflat; + 32 KB, 195 / 194 KB, for tma's, the
-default; the consumers of warp / warpflat / tma get 232.)
+default; the consumers of warp / warpflat / tma get 232, except tma at d128: 240.)
 FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up A/B, see the .cu);
 FLASHCUDA_SM90_BWD_WATCHDOG=1 runs the variant whose mbarrier waits trap (a launch failure) instead
 of hanging (bring-up). The dQ reduction into dq_accum (FLASHCUDA_SM90_BWD_DQ): red.v2 (8-byte
@@ -45,8 +45,11 @@ gain measured; not with warp / warpflat / bulk).
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512, the whole
 pool the CTA gets at launch (168 registers per thread at 384 threads: setmaxnreg.inc only takes
 what a setmaxnreg.dec gave back, so a split over the pool hangs the consumers at their inc).
-FLASHCUDA_SM90_BWD_DQ=warp / warpflat, whose dQ writer lives in the producer warpgroup, need 32
-there (24 spill at d64): 128 * 32 + 256 * 232 = 63488.
+FLASHCUDA_SM90_BWD_DQ=warp / warpflat / tma, whose dQ writer lives in the producer warpgroup,
+need 32 there (24 spill at d64): 128 * 32 + 256 * 232 = 63488 — except tma at d128, whose
+one-lane writer fits in 24 (no spills), so its consumers keep 240 (+1.3-3.3% over 232 at d128,
+same-run A/B, session 11). Kernel defines (FLASHCUDA_SM90_BWD_DEFINES, "FC_NAME=VALUE" joined by
+"," or "+") override any of these for an A/B, e.g. FC_PRODUCER_REGS=32+FC_CONSUMER_REGS=232.
 """
 
 from __future__ import annotations
