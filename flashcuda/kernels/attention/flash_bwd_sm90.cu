@@ -410,7 +410,18 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
 // (row, col) -> box col / 32, row `row`, 16-byte chunk ((col % 32) / 4) ^ (row % 8), word
 // col % 4. Banks: a half-warp's 16 float2 stores (g % 4 = 0..3, t = 0..3) fall in chunks
 // (2 (j % 4) + t / 2) ^ g (row % 8 = g: the other row terms are multiples of 8): 4 distinct
-// chunks of 16 bytes for 128 bytes of data, 2-way conflicts.
+// chunks of 16 bytes for 128 bytes of data, 2-way conflicts (ncu, session 11: exactly 2 extra
+// wavefronts per store, 30% of the backward's shared-store wavefronts).
+// FC_DQ_SPREAD = 1 (A/B): at store i the lanes of odd g store fragment j = i ^ 2 instead of i
+// (every lane still stores each of its fragments once, picked with a select, no dynamic register
+// index): the half-warp's chunks become (2 (j % 4) + t / 2) ^ g with j % 4 = (i % 4) ^ 2 (g & 1),
+// i.e. pair (j ^ (g >> 1)) & 3 = (i ^ 2 (g & 1) ^ (g >> 1)) & 3, four distinct pairs of chunks
+// for g = 0..3: 8 chunks, 128 bytes, one wavefront per half-warp (tests/cpu/test_bwd_sm90_
+// compile.py checks the arithmetic for every instruction).
+#ifndef FC_DQ_SPREAD
+#define FC_DQ_SPREAD 0
+#endif
+constexpr bool kDqSpread = FC_DQ_SPREAD && FC_DQ_TMA;  // (no effect on the other dQ modes)
 __device__ __forceinline__ uint32_t dq_swizzled(uint32_t stage, int row, int col) {
   const int cc = col & 31;
   return stage + (col >> 5) * kDqBoxBytes + row * 128 + (((cc >> 2) ^ (row & 7)) << 4) +
@@ -691,14 +702,18 @@ struct Consumer {
     static_assert(kStride % 32 == 8 || ((FC_DQ_WARP_FLAT || FC_DQ_TMA) && kStride == kHeadDim),
                   "conflict-free staging rows (or FC_DQ_WARP_FLAT's flat ones)");
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 8; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        // FC_DQ_SPREAD: lanes of odd g store fragment i ^ 2 at this step (see dq_swizzled)
+        const bool swap = kDqSpread && (g & 1);
+        const int j = swap ? i ^ 2 : i;
+        const float x = swap ? dq[4 * (i ^ 2) + 2 * h] : dq[4 * i + 2 * h];
+        const float y = swap ? dq[4 * (i ^ 2) + 2 * h + 1] : dq[4 * i + 2 * h + 1];
         const int row = row0 + 16 * warp + g + 8 * h, col = col0 + 8 * j + 2 * t;
         const uint32_t addr =
             FC_DQ_TMA ? dq_swizzled(stage, row, col) : stage + (row * kStride + col) * 4;
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * j + 2 * h]),
-                     "f"(dq[4 * j + 2 * h + 1])
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y)
                      : "memory");
       }
   }
