@@ -108,6 +108,9 @@ STAGES3_DQ = {64: "v2", 128: "v4"}  # the dQ mode of the three-stage A/B (and it
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
+# FC_DQ_SPREAD by default (with dq_tma): d64 only (session 11, same-run A/B: +1.4-3.3% at all six
+# d64 points, -1.8 to +0.3% at d128, against a +-3% spread of the unchanged forward in that run)
+SPREAD_DIMS = (64,)
 DQ_STAGE_BYTES = 64 * 72 * 4  # one consumer's padded fp32 dQ staging tile (dq_bulk, see the .cu)
 
 
@@ -135,6 +138,9 @@ class Sm90BwdConfig:
     dq_warp: bool = False  # dQ staged in shared memory, reduced by a producer warp (FA3; A/B)
     dq_warp_flat: bool = False  # dq_warp with unpadded rows, one bulk reduction per step (A/B)
     dq_tma: bool = False  # dq_warp from 128B-swizzled boxes through a tensor map of dq_accum (A/B)
+    # dq_tma's staging stores in the order whose half-warps cover 8 chunks (FC_DQ_SPREAD, see the
+    # .cu); None: on at the head dims of SPREAD_DIMS
+    dq_spread: bool | None = None
     dq_early: bool = False  # FA3's GEMM order: dQ before dK, the dQ epilogue beside dK
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
@@ -148,6 +154,11 @@ class Sm90BwdConfig:
                              f"got {self.head_dim}")
         if self.block_m == 0:
             object.__setattr__(self, "block_m", BLOCK_M[self.head_dim])
+        if self.dq_spread is None:
+            object.__setattr__(self, "dq_spread", self.dq_tma and self.head_dim in SPREAD_DIMS)
+        if self.dq_spread and not self.dq_tma:
+            raise ValueError("Sm90BwdConfig.dq_spread: expected False without dq_tma (it orders "
+                             "the tensor-map staging stores)")
         wide = not self.dq_warp or (self.dq_tma and self.head_dim == 128)
         if self.producer_regs == 0:
             object.__setattr__(self, "producer_regs", 24 if wide else 32)
@@ -238,7 +249,8 @@ class Sm90BwdConfig:
                 + ("" if self.release_fence else "_nofence") + ("_dq4" if self.dq_v4 else "")
                 + ("_dqb" if self.dq_bulk else "") + ("_late" if self.dq_late else "")
                 + ("_dqw" if self.dq_warp else "") + ("f" if self.dq_warp_flat else "")
-                + ("t" if self.dq_tma else "") + ("_early" if self.dq_early else "")
+                + ("t" if self.dq_tma else "") + ("s" if self.dq_spread else "")
+                + ("_early" if self.dq_early else "")
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
     def spec(self) -> KernelSpec:
@@ -261,6 +273,7 @@ class Sm90BwdConfig:
             # only when set: the other kernels keep the specs (and cache keys) they had
             **({"FC_DQ_WARP_FLAT": 1} if self.dq_warp_flat else {}),
             **({"FC_DQ_TMA": 1} if self.dq_tma else {}),
+            **({"FC_DQ_SPREAD": 1} if self.dq_spread else {}),
             **({"FC_DQ_EARLY": 1} if self.dq_early else {}),
             **dict(self.defines),
         })

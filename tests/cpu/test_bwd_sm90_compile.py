@@ -193,7 +193,11 @@ def test_dq_switch(monkeypatch):
     for d in (64, 128):  # the measured default: the tensor-map split in FA3's GEMM order
         cfg = bwd_sm90.select_config(torch.bfloat16, d)
         assert cfg.dq_warp and cfg.dq_tma and not cfg.dq_v4 and cfg.dq_early
-        assert cfg.name.endswith("_dqwt_early") and cfg in bwd_sm90.configs()
+        # d64 stores its staging tile in the spread order (FC_DQ_SPREAD), d128 in the plain one
+        assert cfg.dq_spread == (d == 64)
+        assert dict(cfg.spec().defines).get("FC_DQ_SPREAD") == ("1" if d == 64 else None)
+        assert cfg.name.endswith("_dqwts_early" if d == 64 else "_dqwt_early")
+        assert cfg in bwd_sm90.configs()
     monkeypatch.setenv(DQ_ENV, "warp")  # an A/B reduction keeps the previous order
     warp = bwd_sm90.select_config(torch.bfloat16, 128)
     assert warp.dq_warp and not warp.dq_tma and not warp.dq_warp_flat and not warp.dq_early
@@ -220,7 +224,10 @@ def test_dq_switch(monkeypatch):
     for d in (64, 128):
         tma = bwd_sm90.select_config(torch.bfloat16, d)
         assert tma.dq_warp and tma.dq_tma and not tma.dq_warp_flat and tma.dq_early
-        assert tma.name.endswith("_dqwt_early") and tma in bwd_sm90.configs()
+        assert tma.name.endswith("_dqwts_early" if d == 64 else "_dqwt_early")
+        assert tma in bwd_sm90.configs()
+    with pytest.raises(ValueError, match="dq_spread"):
+        Sm90BwdConfig(torch.bfloat16, 64, dq_spread=True)
     monkeypatch.setenv(DQ_ENV, "tensor")
     with pytest.raises(ValueError, match=DQ_ENV):
         bwd_sm90.select_config(torch.bfloat16, 64)

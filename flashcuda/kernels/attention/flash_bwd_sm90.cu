@@ -421,7 +421,8 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
 #ifndef FC_DQ_SPREAD
 #define FC_DQ_SPREAD 0
 #endif
-constexpr bool kDqSpread = FC_DQ_SPREAD && FC_DQ_TMA;  // (no effect on the other dQ modes)
+// (no effect on the other dQ modes; the host's default at d64 since session 11, SPREAD_DIMS)
+[[maybe_unused]] constexpr bool kDqSpread = FC_DQ_SPREAD && FC_DQ_TMA;
 __device__ __forceinline__ uint32_t dq_swizzled(uint32_t stage, int row, int col) {
   const int cc = col & 31;
   return stage + (col >> 5) * kDqBoxBytes + row * 128 + (((cc >> 2) ^ (row & 7)) << 4) +
