@@ -148,14 +148,16 @@ def main() -> None:
     if a.snake != "auto":
         cfg = dataclasses.replace(cfg, snake=a.snake == "1")
     cfg = dataclasses.replace(cfg, timeline=True)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    props = torch.cuda.get_device_properties(dev)
+    sms = props.multi_processor_count
     grid = cfg.grid(call, sms)
+    by_block = fwd_sm90.schedule_arg(call, cfg, props.L2_cache_size)  # (FC_L2_SECTIONS)
     slots = math.ceil(cfg.work_tiles(call) / grid[0]) + 1
     buf = torch.zeros(grid[0] * cfg.consumers * slots * 4, dtype=torch.int64, device=dev)
     kernel = get_kernel(cfg.spec(), dev)
     for _ in range(a.repeats):
         buf.zero_()
-        kernel.launch(grid, (cfg.threads, 1, 1), *fwd_sm90.kernel_args(call, cfg), buf,
+        kernel.launch(grid, (cfg.threads, 1, 1), *fwd_sm90.kernel_args(call, cfg, by_block), buf,
                       np.int32(slots), shared_mem=cfg.smem_bytes)
     torch.cuda.synchronize()
     entries = decode(buf.cpu().numpy().view(np.uint64), grid[0], cfg.consumers, slots)

@@ -339,24 +339,48 @@ def can_implement(call: FwdCall) -> str | None:
     return None
 
 
-def kernel_args(call: FwdCall, cfg: Sm90FwdConfig) -> tuple:
+def kernel_args(call: FwdCall, cfg: Sm90FwdConfig, by_block: int | None = None) -> tuple:
     """map_q, map_k, map_v, out, lse, then `constant_args`."""
     return (bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n),
-            bshd_map(call.v, cfg.block_n), call.out, call.lse, *constant_args(call))
+            bshd_map(call.v, cfg.block_n), call.out, call.lse, *constant_args(call, by_block))
 
 
-def constant_args(call: FwdCall) -> tuple:
+def constant_args(call: FwdCall, by_block: int | None = None) -> tuple:
     """out strides (int64: batch, row, head), seqlen_q, seqlen_k, nheads, nheads_kv (int32),
     scale_log2 (float32), window_left, window_right, batch, by_block (int32; by_block: the
-    causal / window schedule, see Schedule in the .cu): what a call's layout fixes."""
+    causal / window schedule, see Schedule in the .cu: 0 or 1, or with FC_L2_SECTIONS the
+    (batch, head) pairs per L2 section, `by_block` when given): what a call's layout fixes."""
     wl, wr = call.kernel_windows()
     o = call.out
     return (
         np.int64(o.stride(0)), np.int64(o.stride(1)), np.int64(o.stride(2)),
         np.int32(call.seqlen_q), np.int32(call.seqlen_k), np.int32(call.nheads),
         np.int32(call.nheads_kv), np.float32(call.softmax_scale * LOG2E), wl, wr,
-        np.int32(call.batch), np.int32(call.is_local),
+        np.int32(call.batch), np.int32(call.is_local if by_block is None else by_block),
     )
+
+
+L2_SECTION_SHARE = 0.75  # of the L2 that one section's K and V may fill (the rest: Q, O, lse)
+
+
+def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int) -> int | None:
+    """The kernel's by_block argument when it is not the call's is_local: the L2 section of a
+    causal / window call under FC_L2_SECTIONS (an A/B variant), else None."""
+    if call.is_local and dict(cfg.defines).get("FC_L2_SECTIONS"):
+        return l2_section(call, l2_bytes)
+    return None
+
+
+def l2_section(call: FwdCall, l2_bytes: int) -> int:
+    """(batch, head) pairs per section of FC_L2_SECTIONS' causal / window order: as many whole
+    groups of query heads (a group shares one K / V head) as keep their K and V within
+    L2_SECTION_SHARE of `l2_bytes`, at least one group, at most every pair. Sections start at
+    multiples of the size, which are multiples of the group, so a section's pairs read
+    size / group K / V heads."""
+    group = call.nheads // call.nheads_kv
+    kv_head = 2 * call.seqlen_k * call.head_dim * call.q.element_size()  # K and V of one head
+    groups = max(1, int(L2_SECTION_SHARE * l2_bytes) // max(kv_head, 1))
+    return min(groups * group, call.batch * call.nheads)
 
 
 @dataclass(frozen=True)
@@ -401,12 +425,14 @@ def _build_plan(call: FwdCall) -> _Plan | str:
         raise NotImplementedError(f"flash_fwd_sm90 cannot run this call: {why}")
     if call.batch == 0 or call.seqlen_q == 0 or call.nheads == 0:
         return _EMPTY
-    sms = torch.cuda.get_device_properties(_device_index(call.device)).multi_processor_count
+    props = torch.cuda.get_device_properties(_device_index(call.device))
+    sms = props.multi_processor_count
     cfg = plan_config(call, sms)
+    by_block = schedule_arg(call, cfg, props.L2_cache_size)
     kernel, grid, constants = get_kernel(cfg.spec(), call.device), cfg.grid(call, sms), \
-        constant_args(call)
+        constant_args(call, by_block)
     launch = PreparedLaunch(kernel, grid, (cfg.threads, 1, 1), cfg.smem_bytes,
-                            kernel_args(call, cfg), fixed=len(constants))
+                            kernel_args(call, cfg, by_block), fixed=len(constants))
     return _Plan(cfg, kernel, grid, constants, launch)
 
 

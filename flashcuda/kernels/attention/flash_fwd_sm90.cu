@@ -165,6 +165,15 @@ struct Block {
 //            each other, so CTAs running at the same time share that head's K and V in L2;
 //   by_block (causal, window): query-block-major from the last (heaviest) block down, so every
 //            CTA gets a mix of heavy and light tiles (longest first) and no CTA ends late.
+// FC_L2_SECTIONS = 1 (A/B through FLASHCUDA_SM90_FWD_DEFINES; written in session 11, not yet run
+// on a GPU): by_block walks the (batch, head) pairs in sections of `by_block` pairs whose K and V
+// fit in L2 together (the host sizes them, fwd_sm90.l2_section), each section query-block-major
+// from the heaviest block down — FlashAttention 4's causal order. Plain by_block keeps every
+// head's K and V live at once (128 MB at 4 x 4096 x 16 d128 against a 50 MB L2; ncu at that
+// shape: DRAM 49% busy on a compute-bound kernel, session 11).
+#ifndef FC_L2_SECTIONS
+#define FC_L2_SECTIONS 0
+#endif
 struct Schedule {
   int num_m, nheads, nheads_kv, batch;
   int by_block;
@@ -175,8 +184,18 @@ struct Schedule {
     int m, bh;
     if (by_block) {
       const int heads = nheads * batch;
+#if FC_L2_SECTIONS
+      // section s holds pairs [s by_block, + size); its num_m * size tiles are consecutive
+      const int s = t / (num_m * by_block);
+      const int first = s * by_block;
+      const int size = min(by_block, heads - first);
+      const int within = t - s * num_m * by_block;
+      m = num_m - 1 - within / size;
+      bh = first + within % size;
+#else
       m = num_m - 1 - t / heads;
       bh = t % heads;
+#endif
     } else {
       m = num_m - 1 - t % num_m;
       bh = t / num_m;
