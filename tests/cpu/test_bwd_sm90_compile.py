@@ -514,3 +514,24 @@ def test_dq_spread_compiles_clean():
         build = compile_spec(cfg.spec(), "sm_90a")
         assert not re.search(r"C75\d\d", build.log), build.log
         assert not build.resources()[cfg.name].spills, build.log
+
+
+def test_stats_early_loads_lse2_before_the_scores_wait(tmp_path):
+    """FC_STATS_EARLY (an A/B knob, d128: at d64 its 32 extra live registers spill at 232) builds
+    clean, and in its SASS the step's first LDS.64 (lse2) come before the first wait for S^T
+    (WARPGROUP.DEPBAR.LE gsb0, 0x1); in the default kernel they come after it."""
+    from flashcuda.jit import compile_spec
+
+    base = bwd_sm90.select_config(torch.bfloat16, 128)
+    early = dataclasses.replace(base, defines=(("FC_STATS_EARLY", 1),))
+    order = {}
+    for name, cfg in (("base", base), ("early", early)):
+        build = compile_spec(cfg.spec(), ARCH)
+        assert not re.search(r"C75\d\d", build.log), build.log
+        assert not build.resources()[cfg.name].spills, build.log
+        sass = dump(build.cubin, tmp_path, "-sass")
+        lds = sass.find("LDS.64")
+        wait = sass.find("WARPGROUP.DEPBAR.LE gsb0, 0x1")
+        assert lds > 0 and wait > 0, name
+        order[name] = lds < wait
+    assert order == {"base": False, "early": True}

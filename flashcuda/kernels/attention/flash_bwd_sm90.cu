@@ -429,6 +429,29 @@ __device__ __forceinline__ uint32_t dq_swizzled(uint32_t stage, int row, int col
          ((cc & 3) << 2);
 }
 
+// A stage's lse2 or delta at this lane's query columns 8j + 2t, + 1: read from shared memory
+// where used (StageStats), or loaded into registers earlier (RegStats, FC_STATS_EARLY: the loads
+// are issued while the step's wgmmas run instead of after their waits, whose memory clobber keeps
+// them there otherwise; SASS of the default: LDS.64 right after WARPGROUP.DEPBAR, ~30 cycles
+// before the first exp2 can start).
+#ifndef FC_STATS_EARLY
+#define FC_STATS_EARLY 0  // A/B (session 11: written, not yet run on a GPU)
+#endif
+struct StageStats {
+  const float* p;  // the stage's row at this lane's column 2t
+  __device__ __forceinline__ float2 operator[](int j) const {
+    return *reinterpret_cast<const float2*>(p + 8 * j);
+  }
+};
+struct RegStats {
+  float2 v[kBlockM / 8];
+  __device__ __forceinline__ void load(const float* p) {
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) v[j] = *reinterpret_cast<const float2*>(p + 8 * j);
+  }
+  __device__ __forceinline__ float2 operator[](int j) const { return v[j]; }
+};
+
 // ---- consumer -----------------------------------------------------------------------------------
 // Accumulator element (j, e) of an m64 x n tile (sm90.cuh header): row (here: key) 16 warp + g +
 // 8 (e >> 1), column (here: query or d) 8 j + 2 t + (e & 1).
@@ -559,14 +582,15 @@ struct Consumer {
   }
 
   // P^T = exp2(S^T * scale_log2 - lse2[query]); with kMasked, 0 where the key is hidden from the
-  // query. `lse2`: the stage's lse2 (shared) at this lane's column 2t; `key0`: key of row g;
-  // `col0`: query of column 2t.
-  template <bool kMasked>
-  __device__ __forceinline__ void probs(const float* lse2, float scale_log2, const Mask& mask,
+  // query. `lse2[j]`: the stage's lse2 of this lane's columns 8j + 2t, + 1 (StageStats: read from
+  // shared memory here; RegStats: loaded earlier); `key0`: key of row g; `col0`: query of
+  // column 2t.
+  template <bool kMasked, class Stats>
+  __device__ __forceinline__ void probs(const Stats& lse2, float scale_log2, const Mask& mask,
                                         int key0, int col0) {
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
+      const float2 l2 = lse2[j];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x)));
@@ -577,12 +601,12 @@ struct Consumer {
   }
 
   // dS^T = P^T o (dP^T - delta[query]) into dp's registers; with kMasked, 0 wherever P^T is 0.
-  // `delta`: the stage's delta (shared) at this lane's column 2t.
-  template <bool kMasked>
-  __device__ __forceinline__ void dsoftmax(const float* delta) {
+  // `delta[j]`: the stage's delta of this lane's columns 8j + 2t, + 1 (as probs' lse2).
+  template <bool kMasked, class Stats>
+  __device__ __forceinline__ void dsoftmax(const Stats& delta) {
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j);
+      const float2 dl = delta[j];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
@@ -823,19 +847,30 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's query columns
     const float* st_delta = sm.delta_ptr(st) + 2 * t;
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + wg_key0, 64);
+#if FC_STATS_EARLY
+    RegStats lse2_r, delta_r;
+    lse2_r.load(st_lse2);  // while S^T and dP^T run
+    const RegStats& lse2_s = lse2_r;
+    const RegStats& delta_s = delta_r;
+#else
+    const StageStats lse2_s{st_lse2}, delta_s{st_delta};
+#endif
     wgmma_wait<1>();
     wgmma_fence_operands(cs.s);
     if (masked) {
-      cs.probs<true>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+      cs.probs<true>(lse2_s, scale_log2, mask, n0 + key_row, m0 + 2 * t);
     } else {
-      cs.probs<false>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+      cs.probs<false>(lse2_s, scale_log2, mask, n0 + key_row, m0 + 2 * t);
     }
+#if FC_STATS_EARLY
+    delta_r.load(st_delta);  // while dP^T finishes
+#endif
     wgmma_wait<0>();
     wgmma_fence_operands(cs.dp);
     if (masked) {
-      cs.dsoftmax<true>(st_delta);
+      cs.dsoftmax<true>(delta_s);
     } else {
-      cs.dsoftmax<false>(st_delta);
+      cs.dsoftmax<false>(delta_s);
     }
     Consumer::pack(cs.p16, cs.s);
     Consumer::pack(cs.ds16, cs.dp);
