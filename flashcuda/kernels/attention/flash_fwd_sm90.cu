@@ -89,6 +89,12 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #define FC_SOFTMAX_IN_ARMS 0
 #endif
 constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
+#ifndef FC_MAX_CHAINS
+// 1: a tile row's maximum over four independent FMNMX chains instead of one (kBlockN / 8 deep:
+// 22 dependent FMNMX at 176 keys; FMNMX led the forward's stall samples with MUFU, session 10).
+// Exact either way (max is associative). A/B, session 11: written, not yet run on a GPU.
+#define FC_MAX_CHAINS 0
+#endif
 #ifndef FC_SMEM_PAD
 #define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
 #endif
@@ -349,9 +355,18 @@ struct Consumer {
   __device__ __forceinline__ void softmax(float scale_log2, float (&corr)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+#if FC_MAX_CHAINS
+      // four independent chains, then two levels: depth kBlockN / 32 + 3 instead of kBlockN / 8
+      float m4[4] = {neg_inf(), neg_inf(), neg_inf(), neg_inf()};
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+        m4[j % 4] = fmaxf(m4[j % 4], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
+#else
       float mx = neg_inf();
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+#endif
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       // scale_log2 > 0 (checked on the host), so max(s) * scale is the max of the scaled scores.
