@@ -535,3 +535,49 @@ def test_stats_early_loads_lse2_before_the_scores_wait(tmp_path):
         assert lds > 0 and wait > 0, name
         order[name] = lds < wait
     assert order == {"base": False, "early": True}
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_ds_stmatrix_stores_every_element_where_store_ds_does(head_dim):
+    """Consumer::store_ds_stmatrix (FC_DS_STMATRIX) against store_ds, in the [key][query] layout:
+    per k16 step kk and fragment f, the two 16-bit elements lane (g, t) holds are (key r0 + 8 (f & 1),
+    queries q, q + 1) with q = 16 kk + 8 (f >> 1) + 2t (store_ds writes them with one 4-byte store);
+    stmatrix.x4 writes them at the row address lane 8f + g gave (row g of matrix f) plus 4t bytes.
+    Both addresses must agree for every lane, step and fragment (the .cu's arithmetic, here)."""
+    block_m = bwd_sm90.BLOCK_M[head_dim]
+    ds_chunk = 128 * 128  # [key][query]: chunks of 64 queries x kBlockN = 128 keys, 128 B rows
+
+    def sts_addr(r, q):  # store_ds: element (r, q)
+        return (q // 64) * ds_chunk + r * 128 + ((((q % 64) // 8) ^ (r % 8)) * 16) + (q % 8) * 2
+
+    def row_addr(row0, lane, kk):  # store_ds_stmatrix: the address lane `lane` gives
+        f = lane >> 3
+        r = row0 + 8 * (f & 1) + (lane & 7)
+        q = 16 * kk + 8 * (f >> 1)
+        return (q // 64) * ds_chunk + r * 128 + ((((q % 64) // 8) ^ (r % 8)) * 16)
+
+    for warp_row0 in range(0, 128, 16):  # both consumers' four warps
+        for kk in range(block_m // 16):
+            for f in range(4):
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    r = warp_row0 + g + 8 * (f & 1)
+                    q = 16 * kk + 8 * (f >> 1) + 2 * t
+                    stm = row_addr(warp_row0, 8 * f + g, kk) + 4 * t
+                    assert stm == sts_addr(r, q), (warp_row0, kk, f, lane)
+
+
+def test_ds_stmatrix_builds_clean_with_stsm(tmp_path):
+    """FC_DS_STMATRIX (an A/B knob, written in session 11, not yet run on a GPU) builds clean at
+    both head dims, its dS^T stores are STSM (kBlockM / 16 per thread) and no STS is left there."""
+    from flashcuda.jit import compile_spec
+
+    for d in (64, 128):
+        cfg = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, d),
+                                  defines=(("FC_DS_STMATRIX", 1),))
+        build = compile_spec(cfg.spec(), ARCH)
+        assert not re.search(r"C75\d\d", build.log), build.log
+        assert not build.resources()[cfg.name].spills, build.log
+        sass = dump(build.cubin, tmp_path, "-sass")
+        assert sass.count("STSM") == bwd_sm90.BLOCK_M[d] // 16
+        assert not re.search(r"\bSTS\s", sass)

@@ -133,6 +133,7 @@ constexpr int kKVBytes = kChunks * kKVChunkBytes;
 // that uses only descriptor kinds the forward proved, should transposed A misbehave.
 constexpr bool kDsKMajor = FC_DS_K_MAJOR;
 constexpr int kDsChunkBytes = kDsKMajor ? kBlockM * 128 : kBlockN * 128;
+
 constexpr int kDsBytes = kBlockM * kBlockN * 2;
 
 // dQ of a step is kBlockM x kHeadDim = kConsumers tiles of 64 x 64: consumer c takes query tile
@@ -292,6 +293,11 @@ static_assert(!FC_DQ_TMA || kSmemDqStage % 1024 == 0,
                        // the host's default with the default dQ reduction since session 10)
 #endif
 static_assert(!FC_DQ_EARLY || !FC_DQ_LATE, "FC_DQ_EARLY retires dQ inside its own step");
+#ifndef FC_DS_STMATRIX
+#define FC_DS_STMATRIX 0  // dS^T stored by stmatrix.x4 (A/B; see Consumer::store_ds_stmatrix)
+#endif
+// (FA3's GEMM order and the [key][query] layout only; no effect elsewhere)
+[[maybe_unused]] constexpr bool kDsStmatrix = FC_DS_STMATRIX && !kDsKMajor && FC_DQ_EARLY;
 static_assert(!FC_DQ_LATE || FC_DQ_V4, "late reductions are red.v4 ones (their payload is made "
               "of shuffles, not of registers a wgmma defined)");
 
@@ -634,6 +640,25 @@ struct Consumer {
   // (r % 8); a lane's 4-byte stores of one fragment hit 8 rows x 4 words: 32 banks.
   // [query][key] layout (kDsKMajor): element (r, q) at chunk r / 64, row q, unit ((r % 64) / 8) ^
   // (q % 8); two 2-byte stores per fragment. `r0`: key of row g (r0 % 8 == g).
+  // FC_DS_STMATRIX (A/B, the [key][query] layout; session 11: written, not yet run on a GPU): one
+  // stmatrix.x4 per k16 step instead of four st.shared.b32. Fragment f of step kk is the 8 x 8
+  // matrix (keys 8 (f & 1) .., queries 16 kk + 8 (f >> 1) ..) of the warp's 16 keys, in the
+  // stmatrix register layout (row = g, columns 2t, 2t + 1); lane l gives the address of row l % 8
+  // of matrix f = l / 8: key `row0` + 8 (f & 1) + l % 8, its 16 queries' 16-byte unit swizzled
+  // as store_ds's (tests/cpu/test_bwd_sm90_compile.py checks the two put every element at the
+  // same address). `row0`: the warp's first key in the block (r0 - g).
+  __device__ __forceinline__ void store_ds_stmatrix(uint32_t ds, int row0, int lane) const {
+    const int f = lane >> 3;
+    const int r = row0 + 8 * (f & 1) + (lane & 7);
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const int q = 16 * kk + 8 * (f >> 1);  // the matrix row's first query
+      const uint32_t unit = static_cast<uint32_t>(((q % 64) / 8) ^ (r % 8));
+      stmatrix_x4(ds + (q / 64) * kDsChunkBytes + r * 128 + unit * 16, ds16[kk][0], ds16[kk][1],
+                  ds16[kk][2], ds16[kk][3]);
+    }
+  }
+
   __device__ __forceinline__ void store_ds(uint32_t ds, int r0, int t) const {
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk)
@@ -883,7 +908,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
     wgmma_commit();
     const uint32_t ds = sm.ds(it & 1);
-    cs.store_ds(ds, key_row, t);
+    if constexpr (kDsStmatrix) {
+      cs.store_ds_stmatrix(ds, key_row - g, lane);
+    } else {
+      cs.store_ds(ds, key_row, t);
+    }
     fence_proxy_async();
     named_barrier_sync(1, 128 * kConsumers);
     wgmma_fence_operands(cs.dq);

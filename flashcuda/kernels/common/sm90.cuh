@@ -181,6 +181,16 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// stmatrix.x4 (sm_90): lanes 8i .. 8i + 7 give the shared addresses of rows 0 .. 7 of 8x8 b16
+// matrix i (16 contiguous bytes each); register i holds this lane's two elements of matrix i, row
+// lane / 4, columns 2 (lane % 4), + 1 — the layout of an mma / wgmma accumulator's fragment.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // ---- warp specialisation ----------------------------------------------------------------------
 
 // Registers a CTA of `threads` threads holds from launch under __launch_bounds__(threads, 1): the
