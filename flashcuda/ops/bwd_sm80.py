@@ -278,11 +278,15 @@ class BwdSm80Config:
             defines=self._defines(PART_PRE, FC_BLOCK_M=self.aux_rows),
         )
 
-    def convert_spec(self) -> KernelSpec:
+    def convert_spec(self, frag_m: int = 0) -> KernelSpec:
+        """CONVERT; frag_m > 0 reads dq_accum in flash_bwd_sm90's FC_DQ_FRAG layout (tiles of
+        frag_m query rows in its consumers' register order: frag_offset in the .cu)."""
         return KernelSpec.make(
-            f"flash_bwd_convert_sm80_{self._prefix}_r{self.aux_rows}",
+            f"flash_bwd_convert_sm80_{self._prefix}_r{self.aux_rows}"
+            + (f"_frag{frag_m}" if frag_m else ""),
             SOURCE,
-            defines=self._defines(PART_CONVERT, FC_BLOCK_M=self.aux_rows),
+            defines=self._defines(PART_CONVERT, FC_BLOCK_M=self.aux_rows,
+                                  **({"FC_DQ_FRAG_M": frag_m} if frag_m else {})),
         )
 
     def spec(self) -> KernelSpec:

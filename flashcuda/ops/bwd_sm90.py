@@ -93,7 +93,7 @@ DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"
 # 21-28% to red.v2 at d64 (session 6, same-run A/B).
 # Session 10: the tensor-map reduction (tma) at both, +1.5-2.9% at every point of a same-run A/B.
 DQ_DEFAULT = {64: "tma", 128: "tma"}
-DQ_MODES = ("v2", "v4", "bulk", "warp", "warpflat", "tma")
+DQ_MODES = ("v2", "v4", "bulk", "warp", "warpflat", "tma", "frag")
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
 # 1: a step's red.v4 issued at the next step, after its S^T wgmmas (implies v4; A/B, see the .cu)
 DQ_LATE_ENV = "FLASHCUDA_SM90_BWD_DQ_LATE"
@@ -111,6 +111,7 @@ BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
 # FC_DQ_SPREAD by default (with dq_tma): d64 only (session 11, same-run A/B: +1.4-3.3% at all six
 # d64 points, -1.8 to +0.3% at d128, against a +-3% spread of the unchanged forward in that run)
 SPREAD_DIMS = (64,)
+FRAG_DIMS = (128,)  # FLASHCUDA_SM90_BWD_DQ=frag builds without spills at these head dims only
 DQ_STAGE_BYTES = 64 * 72 * 4  # one consumer's padded fp32 dQ staging tile (dq_bulk, see the .cu)
 
 
@@ -141,6 +142,9 @@ class Sm90BwdConfig:
     # dq_tma's staging stores in the order whose half-warps cover 8 chunks (FC_DQ_SPREAD, see the
     # .cu); None: on at the head dims of SPREAD_DIMS
     dq_spread: bool | None = None
+    # dq_warp from per-consumer tiles in register order, one bulk reduce-add per consumer, into
+    # dq_accum in that order (FC_DQ_FRAG; A/B, session 11: written, not yet run on a GPU)
+    dq_frag: bool = False
     dq_early: bool = False  # FA3's GEMM order: dQ before dK, the dQ epilogue beside dK
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
@@ -156,10 +160,13 @@ class Sm90BwdConfig:
             object.__setattr__(self, "block_m", BLOCK_M[self.head_dim])
         if self.dq_spread is None:
             object.__setattr__(self, "dq_spread", self.dq_tma and self.head_dim in SPREAD_DIMS)
+        if self.dq_frag and not (self.dq_warp and not self.dq_warp_flat and not self.dq_tma):
+            raise ValueError("Sm90BwdConfig.dq_frag: expected it as a form of dq_warp (without "
+                             "dq_warp_flat and dq_tma)")
         if self.dq_spread and not self.dq_tma:
             raise ValueError("Sm90BwdConfig.dq_spread: expected False without dq_tma (it orders "
                              "the tensor-map staging stores)")
-        wide = not self.dq_warp or (self.dq_tma and self.head_dim == 128)
+        wide = not self.dq_warp or ((self.dq_tma or self.dq_frag) and self.head_dim == 128)
         if self.producer_regs == 0:
             object.__setattr__(self, "producer_regs", 24 if wide else 32)
         if self.consumer_regs == 0:
@@ -232,10 +239,10 @@ class Sm90BwdConfig:
         if self.dq_bulk:
             staging = self.consumers * DQ_STAGE_BYTES
         elif self.dq_warp:  # the whole step tile, rows padded by 8 floats (flat: not); dq_full,
-            # dq_empty
-            padded = not (self.dq_warp_flat or self.dq_tma)
+            # dq_empty (one pair per consumer with dq_frag)
+            padded = not (self.dq_warp_flat or self.dq_tma or self.dq_frag)
             staging = self.block_m * (self.head_dim + (8 if padded else 0)) * 4
-            barriers += 2
+            barriers += 2 * (self.consumers if self.dq_frag else 1)
         else:
             staging = 0
         return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
@@ -250,6 +257,7 @@ class Sm90BwdConfig:
                 + ("_dqb" if self.dq_bulk else "") + ("_late" if self.dq_late else "")
                 + ("_dqw" if self.dq_warp else "") + ("f" if self.dq_warp_flat else "")
                 + ("t" if self.dq_tma else "") + ("s" if self.dq_spread else "")
+                + ("g" if self.dq_frag else "")
                 + ("_early" if self.dq_early else "")
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
@@ -274,6 +282,7 @@ class Sm90BwdConfig:
             **({"FC_DQ_WARP_FLAT": 1} if self.dq_warp_flat else {}),
             **({"FC_DQ_TMA": 1} if self.dq_tma else {}),
             **({"FC_DQ_SPREAD": 1} if self.dq_spread else {}),
+            **({"FC_DQ_FRAG": 1} if self.dq_frag else {}),
             **({"FC_DQ_EARLY": 1} if self.dq_early else {}),
             **dict(self.defines),
         })
@@ -297,8 +306,8 @@ class Sm90BwdConfig:
 
 def _dq_mode(dq: str) -> dict[str, bool]:
     return {"dq_v4": dq == "v4", "dq_bulk": dq == "bulk",
-            "dq_warp": dq in ("warp", "warpflat", "tma"), "dq_warp_flat": dq == "warpflat",
-            "dq_tma": dq == "tma"}
+            "dq_warp": dq in ("warp", "warpflat", "tma", "frag"),
+            "dq_warp_flat": dq == "warpflat", "dq_tma": dq == "tma", "dq_frag": dq == "frag"}
 
 
 def configs() -> list[Sm90BwdConfig]:
@@ -316,8 +325,12 @@ def configs() -> list[Sm90BwdConfig]:
                     for w in (False, True) for k in (False, True)]
             out.append(Sm90BwdConfig(dtype, d, release_fence=False, **default))
             out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq))
-                    for dq in DQ_MODES if dq != DQ_DEFAULT[d]]
+                    for dq in DQ_MODES if dq not in (DQ_DEFAULT[d], "frag")]
             out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
+            # the per-consumer register-order staging in FA3's order (its A/B default order; d128
+            # only: at d64 its consumers spill, 60 bytes at 232 registers, 8 at 240)
+            if d in FRAG_DIMS:
+                out.append(Sm90BwdConfig(dtype, d, dq_early=True, **_dq_mode("frag")))
             # the default reduction in the previous GEMM order (FLASHCUDA_SM90_BWD_DQ_EARLY=0)
             out.append(Sm90BwdConfig(dtype, d, **_dq_mode(DQ_DEFAULT[d])))
             # (with red.v4 at d128: the warp split's staging tile and a third stage do not fit)
@@ -360,15 +373,20 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
             raise ValueError(f"{DQ_LATE_ENV}=1: late reductions are red.v4 ones; expected "
                              f"{DQ_ENV}=v4 or unset, got {explicit}")
         dq = "v4"
-    if stages == "3" and dq in ("warp", "warpflat", "tma", "bulk"):
+    if dq == "frag" and head_dim not in FRAG_DIMS:
+        raise ValueError(f"{DQ_ENV}=frag: head dim {head_dim} is not one of {FRAG_DIMS} (its "
+                         f"consumers spill there); expected another {DQ_ENV} or unset")
+    if stages == "3" and dq in ("warp", "warpflat", "tma", "bulk", "frag"):
         raise ValueError(f"{STAGES_ENV}=3: a third Q / dO stage and the dQ staging tiles of "
                          f"{DQ_ENV}={dq} do not fit in shared memory; expected {DQ_ENV}=v2 / v4 "
                          f"or unset")
     if early == "1" and late == "1":
         raise ValueError(f"{DQ_EARLY_ENV}=1 and {DQ_LATE_ENV}=1: expected at most one of them")
     # FA3's GEMM order: on by default with the default dQ reduction in the default dS layout (the
-    # measured kernel), off with the A/B reductions and layout unless asked for
-    dq_early = early == "1" if early else dq == DQ_DEFAULT.get(head_dim) and raw != "k"
+    # measured kernel) and with frag (an A/B of that kernel's dQ staging), off with the other
+    # A/B reductions and layout unless asked for
+    dq_early = (early == "1" if early
+                else dq in (DQ_DEFAULT.get(head_dim), "frag") and raw != "k")
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
                          release_fence=fence, dq_late=late == "1", stages=int(stages),
                          dq_early=dq_early, defines=parse_defines(DEFINES_ENV),
@@ -488,7 +506,8 @@ def _build_plan(call: BwdCall) -> _Plan:
         main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call), (cfg.threads, 1, 1),
                             cfg.smem_bytes, main_maps + (t,) * 5 + main_args,
                             fixed=len(main_args)),
-        convert=PreparedLaunch(get_kernel(aux.convert_spec(), dev),
+        convert=PreparedLaunch(get_kernel(aux.convert_spec(cfg.block_m if cfg.dq_frag else 0),
+                                          dev),
                                (-(-sq // aux.aux_rows), h, b), (bwd_sm80.AUX_THREADS,), 0,
                                (t,) * 2 + convert_args, fixed=len(convert_args)))
 
@@ -530,3 +549,5 @@ def run(call: BwdCall) -> None:
 def variants() -> Iterator[tuple[KernelSpec, tuple[str, ...]]]:
     for cfg in configs():
         yield cfg.spec(), ARCHS
+        if cfg.dq_frag:  # its CONVERT reads the register-order dq_accum
+            yield cfg.aux().convert_spec(cfg.block_m), ARCHS

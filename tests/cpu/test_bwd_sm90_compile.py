@@ -152,11 +152,12 @@ def test_config_is_the_single_source_of_truth():
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= c.register_pool
     # per dtype and d: dS layout x watchdog and no fence with the default dQ reduction, + the
     # other dQ reductions (five), + the late red.v4, + FA3's GEMM order, + the three-stage ring
-    assert len({c.name for c in bwd_sm90.configs()}) == 52
+    assert len({c.name for c in bwd_sm90.configs()}) == 54  # + the d128 frag kernels
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
-    # the default with and without the watchdog and without the release fence, x 4
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 12
+    # the default with and without the watchdog and without the release fence, x 4; + the two
+    # d128 frag kernels (FA3's order is their A/B default)
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 14
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
@@ -581,3 +582,66 @@ def test_ds_stmatrix_builds_clean_with_stsm(tmp_path):
         sass = dump(build.cubin, tmp_path, "-sass")
         assert sass.count("STSM") == bwd_sm90.BLOCK_M[d] // 16
         assert not re.search(r"\bSTS\s", sass)
+
+
+def test_dq_frag_config(monkeypatch):
+    """FLASHCUDA_SM90_BWD_DQ=frag (FC_DQ_FRAG; written in session 11, not yet run on a GPU): a
+    form of dq_warp in FA3's order at d128 with the 24 / 240 split, two dq_full / dq_empty pairs,
+    its CONVERT reading the register-order layout; refused at d64 naming the variable."""
+    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
+                bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV):
+        monkeypatch.delenv(env, raising=False)
+    base = bwd_sm90.select_config(torch.bfloat16, 128)
+    monkeypatch.setenv(DQ_ENV, "frag")
+    cfg = bwd_sm90.select_config(torch.bfloat16, 128)
+    assert cfg.dq_frag and cfg.dq_warp and not cfg.dq_tma and cfg.dq_early and not cfg.dq_spread
+    assert cfg.name.endswith("_dqwg_early") and cfg in bwd_sm90.configs()
+    assert dict(cfg.spec().defines)["FC_DQ_FRAG"] == "1"
+    assert (cfg.producer_regs, cfg.consumer_regs) == (24, 240)
+    assert cfg.smem_bytes == base.smem_bytes + 2 * 8  # the same 32 KB staging, 2 more barriers
+    conv = cfg.aux().convert_spec(cfg.block_m)
+    assert conv.name.endswith("_frag64") and dict(conv.defines)["FC_DQ_FRAG_M"] == "64"
+    assert "FC_DQ_FRAG_M" not in dict(cfg.aux().convert_spec().defines)
+    assert any(spec.name == conv.name for spec, _ in bwd_sm90.variants())
+    with pytest.raises(ValueError, match=DQ_ENV):
+        bwd_sm90.select_config(torch.bfloat16, 64)
+    with pytest.raises(ValueError, match="dq_frag"):
+        Sm90BwdConfig(torch.bfloat16, 128, dq_frag=True)
+    monkeypatch.setenv(bwd_sm90.STAGES_ENV, "3")
+    with pytest.raises(ValueError, match=bwd_sm90.STAGES_ENV):
+        bwd_sm90.select_config(torch.bfloat16, 128)
+
+
+@pytest.mark.parametrize("block_m,head_dim", [(64, 128), (128, 64)])
+def test_dq_frag_layout_round_trip(block_m, head_dim):
+    """The register-order dq_accum, both ends (the .cu's arithmetic, here): the MAIN's consumer c
+    (query tile c % (block_m / 64), d tile c / (block_m / 64)) stages register i of thread w
+    (warp w / 32, lane (g, t)) — element (16 warp + g + 8 ((i % 4) / 2), 8 (i / 4) + 2t + i % 2)
+    of its 64 x 64 tile — at float 512 (i / 4) + 4 w + i % 4 of block c of the query block's
+    tile (stage_dq_frag + write_dq); CONVERT's frag_offset must find every (row, col) of the
+    padded slice exactly there."""
+    tiles_m = block_m // 64
+    per_tile = block_m * head_dim // 4096  # consumers (4096-float blocks) per query block
+
+    def frag_offset(row, col):  # flash_bwd_sm80.cu, FC_DQ_FRAG_M = block_m
+        r = row % block_m
+        rr, cc = r % 64, col % 64
+        c = r // 64 + tiles_m * (col // 64)
+        w = 32 * (rr // 16) + 4 * (rr % 8) + (cc % 8) // 2
+        i = 4 * (cc // 8) + 2 * ((rr % 16) // 8) + cc % 2
+        return ((row // block_m) * per_tile + c) * 4096 + 512 * (i // 4) + 4 * w + i % 4
+
+    seen = {}
+    for tile in range(3):  # three query blocks of a (batch, head) slice
+        for c in range(per_tile):
+            tm, td = c % tiles_m, c // tiles_m
+            for w in range(128):
+                warp, lane = w // 32, w % 32
+                g, t = lane >> 2, lane & 3
+                for i in range(32):
+                    row = tile * block_m + 64 * tm + 16 * warp + g + 8 * ((i % 4) // 2)
+                    col = 64 * td + 8 * (i // 4) + 2 * t + i % 2
+                    at = (tile * per_tile + c) * 4096 + 512 * (i // 4) + 4 * w + i % 4
+                    assert frag_offset(row, col) == at, (row, col)
+                    seen[(row, col)] = at
+    assert len(seen) == 3 * block_m * head_dim and len(set(seen.values())) == len(seen)

@@ -651,6 +651,24 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
 // Convert. grid (ceil(Sq / FC_BLOCK_M), nheads, batch), 256 threads: dq = dq_accum * scale.
 constexpr int kRows = FC_BLOCK_M;
 constexpr int kThreads = 256;
+#ifndef FC_DQ_FRAG_M
+#define FC_DQ_FRAG_M 0  // 0: dq_accum row-major; else flash_bwd_sm90's FC_DQ_FRAG tiles (below)
+#endif
+// FC_DQ_FRAG_M = M (flash_bwd_sm90's kBlockM, FLASHCUDA_SM90_BWD_DQ=frag): per (batch, head),
+// Sq_pad / M tiles of M x kD floats, each kD M / 4096 blocks of 4096 floats, one per 64 x 64 tile
+// c (query tile c % (M / 64), d tile c / (M / 64)), in the registers' order of the sm90 consumer
+// that computed it: element (row rr, column cc) of the 64 x 64 tile is register i = 4 (cc / 8) +
+// 2 ((rr % 16) / 8) + cc % 2 of thread w = 32 (rr / 16) + 4 (rr % 8) + (cc % 8) / 2, at float
+// 512 (i / 4) + 4 w + i % 4 of the block. Returns the float offset of (row, col) in a (b, h) slice.
+__device__ __forceinline__ int64_t frag_offset(int row, int col) {
+  constexpr int kTilesM = FC_DQ_FRAG_M / 64;
+  const int r = row % FC_DQ_FRAG_M, rr = r % 64, cc = col % 64;
+  const int c = r / 64 + kTilesM * (col / 64);
+  const int w = 32 * (rr / 16) + 4 * (rr % 8) + (cc % 8) / 2;
+  const int i = 4 * (cc / 8) + 2 * ((rr % 16) / 8) + cc % 2;
+  const int64_t block = static_cast<int64_t>(row / FC_DQ_FRAG_M) * (FC_DQ_FRAG_M * kD / 4096) + c;
+  return block * 4096 + 512 * (i / 4) + 4 * w + i % 4;
+}
 
 extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     const float* __restrict__ dq_accum,  // [B, H, Sq_pad, kD]
@@ -658,13 +676,28 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     int64_t dq_sb, int64_t dq_ss, int64_t dq_sh,
     int seqlen_q, int nheads, int head_dim, int seqlen_q_pad, float softmax_scale) {
   const int m0 = blockIdx.x * kRows, h = blockIdx.y, b = blockIdx.z;
+#if FC_DQ_FRAG_M
+  const float* slice = dq_accum + (static_cast<int64_t>(b) * nheads + h) * seqlen_q_pad * kD;
+#else
   const float* src = dq_accum + ((static_cast<int64_t>(b) * nheads + h) * seqlen_q_pad + m0) * kD;
+#endif
   for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
     const int r = c / kChunks;
     const int col = (c % kChunks) * 8;
     if (m0 + r < seqlen_q && col < head_dim) {
+#if FC_DQ_FRAG_M
+      // columns col + 2u, + 1 (u = 0..3) are one float2 of threads w .. w + 3: 4 floats apart
+      const float* p = slice + frag_offset(m0 + r, col);
+      const float2 x0 = *reinterpret_cast<const float2*>(p);
+      const float2 x1 = *reinterpret_cast<const float2*>(p + 4);
+      const float2 y0 = *reinterpret_cast<const float2*>(p + 8);
+      const float2 y1 = *reinterpret_cast<const float2*>(p + 12);
+      const float4 x = make_float4(x0.x, x0.y, x1.x, x1.y);
+      const float4 y = make_float4(y0.x, y0.y, y1.x, y1.y);
+#else
       const float4 x = *reinterpret_cast<const float4*>(src + r * kD + col);
       const float4 y = *reinterpret_cast<const float4*>(src + r * kD + col + 4);
+#endif
       Vec16 o;
       o.x = pack2<T>(x.x * softmax_scale, x.y * softmax_scale);
       o.y = pack2<T>(x.z * softmax_scale, x.w * softmax_scale);

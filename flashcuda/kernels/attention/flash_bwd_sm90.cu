@@ -180,13 +180,28 @@ constexpr int kSmemDqStage = kSmemStats + kStages * 2 * kStatBytes;
 // (kHeadDim, B H Sq_pad) fp32 tensor): 4 operations per step at d128 (the padded split: 64 row
 // reductions), 2 at d64 (warpflat: 1), with 2-way bank conflicts in the consumers' float2 stores
 // (the padded split: none, warpflat: 4-way). See dq_swizzled.
-constexpr int kDqWarpStride = FC_DQ_WARP_FLAT || FC_DQ_TMA ? kHeadDim : kHeadDim + 8;
+#ifndef FC_DQ_FRAG
+#define FC_DQ_FRAG 0  // FC_DQ_WARP from per-consumer tiles in register order (below)
+#endif
+// FC_DQ_FRAG (FLASHCUDA_SM90_BWD_DQ=frag; A/B, session 11: written, not yet run on a GPU;
+// FlashAttention 4's way): each consumer stages its 64 x 64 dQ tile as 16 KB in its registers'
+// order — thread w (of the warpgroup's 128) puts dq[4k .. 4k + 3] at float 512 k + 4 w, 8
+// st.shared.v4 per thread, each warp writing 512 contiguous bytes (no bank conflicts, no
+// swizzle arithmetic) — and hands it to the writer warp through its own dq_full[c] / dq_empty[c]
+// pair; the writer issues one 16 KB bulk reduce-add per consumer into dq_accum, which then holds,
+// per (batch, head), Sq_pad / kBlockM tiles of kConsumers such 4096-float blocks (frag_offset in
+// flash_bwd_sm80.cu's CONVERT, compiled with FC_DQ_FRAG_M = kBlockM, reads it back).
+constexpr int kDqHandshakes = FC_DQ_FRAG ? kConsumers : 1;  // dq_full / dq_empty pairs
+constexpr int kDqFragBytes = 64 * 64 * 4;                   // FC_DQ_FRAG: one consumer's tile
+constexpr int kDqWarpStride = FC_DQ_WARP_FLAT || FC_DQ_TMA || FC_DQ_FRAG ? kHeadDim
+                                                                         : kHeadDim + 8;
 constexpr int kDqBoxBytes = kBlockM * 128;  // FC_DQ_TMA: one box of 32 fp32 columns
 constexpr int kDqWarpBytes = kBlockM * kDqWarpStride * 4;
 constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
                                                     : FC_DQ_WARP ? kDqWarpBytes : 0);
-// kv_full, full[], empty[] (+ dq_full, dq_empty with FC_DQ_WARP)
-constexpr int kBarriers = 1 + 2 * kStages + (FC_DQ_WARP ? 2 : 0);
+// kv_full, full[], empty[] (+ dq_full, dq_empty with FC_DQ_WARP; one pair per consumer with
+// FC_DQ_FRAG)
+constexpr int kBarriers = 1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0);
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -228,8 +243,16 @@ struct Smem {
   __device__ __forceinline__ uint32_t empty(int s) const { return bar(1 + kStages + s); }
   // FC_DQ_WARP: the dQ staging tile is full (every consumer warp stored its part) / empty (the
   // writer warp's bulk reductions have read it)
-  __device__ __forceinline__ uint32_t dq_full() const { return bar(1 + 2 * kStages); }
-  __device__ __forceinline__ uint32_t dq_empty() const { return bar(2 + 2 * kStages); }
+  __device__ __forceinline__ uint32_t dq_full(int c = 0) const {
+    return bar(1 + 2 * kStages + c);
+  }
+  __device__ __forceinline__ uint32_t dq_empty(int c = 0) const {
+    return bar(1 + 2 * kStages + kDqHandshakes + c);
+  }
+  // FC_DQ_FRAG: consumer c's 16 KB staging tile
+  __device__ __forceinline__ uint32_t dq_frag(int c) const {
+    return base + kSmemDqStage + c * kDqFragBytes;
+  }
 
   __device__ __forceinline__ void init_barriers() const {
     mbar_init(kv_full(), 1);
@@ -239,8 +262,11 @@ struct Smem {
       mbar_init(empty(s), kConsumerWarps);
     }
     if constexpr (FC_DQ_WARP) {
-      mbar_init(dq_full(), kConsumerWarps);
-      mbar_init(dq_empty(), 1);
+#pragma unroll
+      for (int c = 0; c < kDqHandshakes; ++c) {
+        mbar_init(dq_full(c), FC_DQ_FRAG ? 4 : kConsumerWarps);  // one arrival per (its) warp
+        mbar_init(dq_empty(c), 1);
+      }
     }
     fence_barrier_init();
   }
@@ -285,6 +311,10 @@ static_assert(!FC_DQ_WARP_FLAT || FC_DQ_WARP, "FC_DQ_WARP_FLAT is a form of FC_D
 static_assert(!FC_DQ_TMA || (FC_DQ_WARP && !FC_DQ_WARP_FLAT), "FC_DQ_TMA is a form of FC_DQ_WARP");
 static_assert(!FC_DQ_TMA || kSmemDqStage % 1024 == 0,
               "128B-swizzled TMA boxes start 1024-byte aligned");
+static_assert(!FC_DQ_FRAG || (FC_DQ_WARP && !FC_DQ_WARP_FLAT && !FC_DQ_TMA),
+              "FC_DQ_FRAG is a form of FC_DQ_WARP");
+static_assert(!FC_DQ_FRAG || kConsumers * kDqFragBytes == kDqWarpBytes,
+              "the consumers' tiles fill the step's staging region");
 #ifndef FC_DQ_LATE
 #define FC_DQ_LATE 0  // step i's dQ reductions after step i + 1's S^T / dP^T issue (A/B, see below)
 #endif
@@ -384,32 +414,56 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
                                          int batch, float* dq_accum, const TmaMap* map_dq,
                                          int nheads, int seqlen_q_pad, int lane) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
-  for (int it = 0; it < steps.count(); ++it) {
-    const int h = steps.head(it, head_kv), m0 = steps.m0(it);
-    wait(sm.dq_full(), it & 1, stuck);
-    const int64_t row0 = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
-    if constexpr (FC_DQ_TMA) {
-      // row0 < 2^31: the host checks B H Sq_pad against the tensor map's int32 coordinates
-      if (lane == 0) {
+  if constexpr (FC_DQ_FRAG) {
+    // Per step and consumer c, as soon as c has staged: one 16 KB reduce-add of its tile, then
+    // its buffer back once the reduction has read it; the other consumer is not waited for.
+    const int tiles_m = seqlen_q_pad / kBlockM;  // the host pads Sq to whole query blocks
+    for (int it = 0; it < steps.count(); ++it) {
+      const int h = steps.head(it, head_kv), m0 = steps.m0(it);
+      const int64_t tile =
+          ((static_cast<int64_t>(batch) * nheads + h) * tiles_m + m0 / kBlockM) * kConsumers;
 #pragma unroll
-        for (int b = 0; b < kHeadDim / 32; ++b)
-          tma_reduce_add_2d(*map_dq, sm.dq_stage(0) + b * kDqBoxBytes, 32 * b,
-                            static_cast<int>(row0));
+      for (int c = 0; c < kConsumers; ++c) {
+        wait(sm.dq_full(c), it & 1, stuck);
+        if (lane == 0) {
+          bulk_reduce_add_f32(dq_accum + (tile + c) * (kDqFragBytes / 4), sm.dq_frag(c),
+                              kDqFragBytes);
+          bulk_commit_group();
+          bulk_wait_group_read<0>();
+          mbar_arrive(sm.dq_empty(c));
+        }
+        __syncwarp();
       }
-    } else if constexpr (FC_DQ_WARP_FLAT) {
-      if (lane == 0)
-        bulk_reduce_add_f32(dq_accum + row0 * kHeadDim, sm.dq_stage(0), kBlockM * kHeadDim * 4);
-    } else {
-      for (int r = lane; r < kBlockM; r += 32)
-        bulk_reduce_add_f32(dq_accum + (row0 + r) * kHeadDim,
-                            sm.dq_stage(0) + r * kDqWarpStride * 4, kHeadDim * 4);
     }
-    bulk_commit_group();
-    bulk_wait_group_read<0>();
-    __syncwarp();
-    if (lane == 0) mbar_arrive(sm.dq_empty());
+    if (lane == 0) bulk_wait_group<0>();
+  } else {
+    for (int it = 0; it < steps.count(); ++it) {
+      const int h = steps.head(it, head_kv), m0 = steps.m0(it);
+      wait(sm.dq_full(), it & 1, stuck);
+      const int64_t row0 = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
+      if constexpr (FC_DQ_TMA) {
+        // row0 < 2^31: the host checks B H Sq_pad against the tensor map's int32 coordinates
+        if (lane == 0) {
+#pragma unroll
+          for (int b = 0; b < kHeadDim / 32; ++b)
+            tma_reduce_add_2d(*map_dq, sm.dq_stage(0) + b * kDqBoxBytes, 32 * b,
+                              static_cast<int>(row0));
+        }
+      } else if constexpr (FC_DQ_WARP_FLAT) {
+        if (lane == 0)
+          bulk_reduce_add_f32(dq_accum + row0 * kHeadDim, sm.dq_stage(0), kBlockM * kHeadDim * 4);
+      } else {
+        for (int r = lane; r < kBlockM; r += 32)
+          bulk_reduce_add_f32(dq_accum + (row0 + r) * kHeadDim,
+                              sm.dq_stage(0) + r * kDqWarpStride * 4, kHeadDim * 4);
+      }
+      bulk_commit_group();
+      bulk_wait_group_read<0>();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(sm.dq_empty());
+    }
+    bulk_wait_group<0>();
   }
-  bulk_wait_group<0>();
 }
 
 // FC_DQ_TMA: Consumer::stage_dq's fragments go into the 128B-swizzled boxes of the staging tile:
@@ -737,6 +791,18 @@ struct Consumer {
   }
 #endif
 
+  // FC_DQ_FRAG: this consumer's dQ registers in their own order, thread w's float4 k at float
+  // 512 k + 4 w of the 16 KB tile at `stage` (a warp's 32 float4 are 512 contiguous bytes).
+  __device__ __forceinline__ void stage_dq_frag(uint32_t stage, int w) const {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t addr = stage + (512 * k + 4 * w) * 4;
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(dq[4 * k]),
+                   "f"(dq[4 * k + 1]), "f"(dq[4 * k + 2]), "f"(dq[4 * k + 3])
+                   : "memory");
+    }
+  }
+
   // This consumer's 64 x 64 dQ tile -> a staging tile of kStride floats per row at `stage`
   // (FC_DQ_BULK: its own tile, origin 0; FC_DQ_WARP: its place (row0, col0) = (64 tm, 64 td) in
   // the step's tile): lane (g, t) of warp w stores, per j and h, the float2 (row row0 + 16w + g
@@ -952,7 +1018,15 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #endif
 
     // dq_accum += this consumer's 64 x 64 tile. Rows past seqlen_q (inside Sq_pad) add zeros.
-#if FC_DQ_WARP
+#if FC_DQ_FRAG
+    // Into this consumer's own tile once the writer has read its previous one (dq_empty[c]),
+    // visible to the async proxy, one arrival per warp on dq_full[c].
+    wait(sm.dq_empty(c), (it & 1) ^ 1, stuck);
+    cs.stage_dq_frag(sm.dq_frag(c), 32 * warp + lane);
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sm.dq_full(c));
+#elif FC_DQ_WARP
     // Into the staging tile once the writer warp has read the previous step's (dq_empty; it
     // starts empty), then visible to the async proxy, then one arrival per warp on dq_full.
     wait(sm.dq_empty(), (it & 1) ^ 1, stuck);

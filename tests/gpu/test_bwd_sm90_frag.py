@@ -1,0 +1,70 @@
+"""The sm90a backward with its dQ staged in the consumers' register order
+(FLASHCUDA_SM90_BWD_DQ=frag, FC_DQ_FRAG; d128 only) on the H200: the float64 oracle rule of
+test_bwd_sm90.py over the shapes that exercise what the mode changes — the per-consumer
+dq_full / dq_empty handshakes (many query blocks per CTA, GQA head loops), the register-order
+dq_accum tiles and the CONVERT that reads them back (ragged Sq inside the padded tiles, both
+dtypes, masks). Written in session 11; first run in the next device session.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashcuda.ops import bwd_sm90, dispatch
+
+from .test_bwd_sm90 import BF16, CAUSAL, FP16, FULL, check, make
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _frag(monkeypatch):
+    for env in (bwd_sm90.DS_ENV, bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV,
+                bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
+    monkeypatch.setenv(bwd_sm90.DQ_ENV, "frag")
+    dispatch._reset()
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        pytest.skip(f"sm90a kernel: needs compute capability 9.0, got {major}.{minor}")
+    cfg = bwd_sm90.select_config(torch.bfloat16, 128)
+    assert cfg.dq_frag and cfg.dq_early, cfg.name
+    yield
+    dispatch._reset()
+
+
+def test_frag_one_tile_each_dtype():
+    for dtype in (BF16, FP16):
+        q, k, v, dout = make(1, 64, 128, 1, 1, 128, dtype, seed=41)
+        check(q, k, v, dout)
+        check(q, k, v, dout, CAUSAL)
+
+
+def test_frag_dq_only():
+    """dQ alone (K = identity rows): every element of each consumer's register-order tile must
+    come back at its (row, column) through CONVERT."""
+    q, _, v, dout = make(1, 64, 128, 1, 1, 128, BF16, seed=42)
+    k = torch.eye(128, device="cuda", dtype=BF16)[None, :, None, :].contiguous()
+    check(q, k, v, dout)
+
+
+def test_frag_many_query_blocks_and_ragged():
+    check(*make(1, 64 * 9, 128, 1, 1, 128, BF16, seed=43), CAUSAL)
+    check(*make(1, 1023, 1023, 2, 2, 128, BF16, seed=44))
+    check(*make(1, 17, 143, 1, 1, 128, FP16, seed=45), CAUSAL)
+    check(*make(2, 1, 1, 1, 1, 128, BF16, seed=46))
+
+
+@pytest.mark.parametrize("nheads_kv", [4, 1], ids=["mha", "mqa"])
+def test_frag_gqa_batch(nheads_kv):
+    q, k, v, dout = make(2, 257, 300, 4, nheads_kv, 128, BF16, seed=47 + nheads_kv)
+    check(q, k, v, dout, CAUSAL)
+    check(q, k, v, dout, FULL)
+    check(q, k, v, dout, (100, 20))
+
+
+def test_frag_refuses_d64_naming_the_variable():
+    with pytest.raises(ValueError, match=bwd_sm90.DQ_ENV):
+        bwd_sm90.select_config(torch.bfloat16, 64)
