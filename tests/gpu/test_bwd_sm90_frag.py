@@ -3,7 +3,10 @@
 test_bwd_sm90.py over the shapes that exercise what the mode changes — the per-consumer
 dq_full / dq_empty handshakes (many query blocks per CTA, GQA head loops), the register-order
 dq_accum tiles and the CONVERT that reads them back (ragged Sq inside the padded tiles, both
-dtypes, masks). Written in session 11; first run in the next device session.
+dtypes, masks). Written in session 11; first run in the next device session, so the fixture
+runs the watchdog build (FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that never completes gives
+up after 2 s and poisons dK / dV with NaN, failing the test instead of hanging the GPU lane);
+drop it once the mode has passed.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ def _frag(monkeypatch):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     monkeypatch.setenv(bwd_sm90.DQ_ENV, "frag")
+    monkeypatch.setenv(bwd_sm90.WATCHDOG_ENV, "1")  # (first runs: see the module docstring)
     dispatch._reset()
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
         pytest.skip(f"sm90a kernel: needs compute capability 9.0, got {major}.{minor}")
     cfg = bwd_sm90.select_config(torch.bfloat16, 128)
-    assert cfg.dq_frag and cfg.dq_early, cfg.name
+    assert cfg.dq_frag and cfg.dq_early and cfg.watchdog, cfg.name
     yield
     dispatch._reset()
 
