@@ -24,7 +24,9 @@
 //                 reduce-adds (write_dq), so no reduction is issued by a consumer; FC_DQ_TMA
 //                 (the default at both head dims since session 10, +1.5-2.9% over the split's row
 //                 reductions): the same from 128B-swizzled boxes through a tensor map,
-//                 kHeadDim / 32 reductions per step
+//                 kHeadDim / 32 reductions per step (at d64 its stores in the spread order,
+//                 FC_DQ_SPREAD, since session 11); FC_DQ_FRAG (A/B, d128, not yet run on a GPU):
+//                 each consumer's tile in its registers' order, one bulk reduction each
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
 //                 dk / dv: any (batch, row, head) strides, unit last stride
 //   not yet       ping-pong / overlap of the two GEMM halves,
