@@ -99,3 +99,11 @@ def assert_plan_key_follows_operands(plan_key, base, names) -> tuple:
         assert plan_key(dataclasses.replace(base, **{name: t.half()})) != key, name
     assert plan_key(dataclasses.replace(base, lse=base.lse.double())) != key
     return key
+
+
+def clean_sass(cfg, tmp_path: Path) -> str:
+    """Compile an sm90 config (an A/B variant, say) for sm_90a, assert it compiled clean
+    (assert_compiled_clean) and return its SASS."""
+    result = compile_spec(cfg.spec(), ARCH)
+    assert_compiled_clean(result, cfg.name)
+    return dump(result.cubin, tmp_path, "-sass")
