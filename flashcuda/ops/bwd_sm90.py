@@ -342,8 +342,8 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     """FA3's tiles; FLASHCUDA_SM90_BWD_DS=k picks the [query][key] dS layout (bring-up A/B:
     it reads dS K-major, a descriptor kind the forward proved, instead of transposed A);
     FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging;
-    FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk / warp / warpflat / tma the dQ reduction mode (default
-    DQ_DEFAULT);
+    FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk / warp / warpflat / tma / frag (FRAG_DIMS only) the dQ
+    reduction mode (default DQ_DEFAULT);
     FLASHCUDA_SM90_BWD_DQ_EARLY=0 / 1 the previous / FA3's GEMM order (default: FA3's with the
     default dQ reduction, the previous with the others);
     FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step (with DQ=v4 or unset:

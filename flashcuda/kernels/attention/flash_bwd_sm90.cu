@@ -135,7 +135,6 @@ constexpr int kKVBytes = kChunks * kKVChunkBytes;
 // that uses only descriptor kinds the forward proved, should transposed A misbehave.
 constexpr bool kDsKMajor = FC_DS_K_MAJOR;
 constexpr int kDsChunkBytes = kDsKMajor ? kBlockM * 128 : kBlockN * 128;
-
 constexpr int kDsBytes = kBlockM * kBlockN * 2;
 
 // dQ of a step is kBlockM x kHeadDim = kConsumers tiles of 64 x 64: consumer c takes query tile
@@ -539,26 +538,15 @@ struct Consumer {
   // (kk % 4) * 16 of chunk kk / 4, as the forward's Q K^T.
   __device__ __forceinline__ void issue_transposed_scores(float (&acc)[kBlockM / 2], uint32_t x,
                                                           uint32_t y) {
-#if FC_DESC_ADVANCE
     const uint64_t a0 = smem_desc_k_major_sw128(x), b0 = smem_desc_k_major_sw128(y);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t col = kk / 4, within = (kk % 4) * 32;
-      const uint64_t a = desc_advance(a0, col * kKVChunkBytes + within);
-      const uint64_t b = desc_advance(b0, col * kQChunkBytes + within);
+      const uint64_t a = k_major_at(a0, x, col * kKVChunkBytes + within);
+      const uint64_t b = k_major_at(b0, y, col * kQChunkBytes + within);
       wgmma_ss<kBlockM, T>(acc, a, b, kk > 0);
     }
     wgmma_commit();
-#else
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      const uint32_t col = kk / 4, within = (kk % 4) * 32;
-      const uint64_t a = smem_desc_k_major_sw128(x + col * kKVChunkBytes + within);
-      const uint64_t b = smem_desc_k_major_sw128(y + col * kQChunkBytes + within);
-      wgmma_ss<kBlockM, T>(acc, a, b, kk > 0);
-    }
-    wgmma_commit();
-#endif
   }
 
   // acc += A Y over kBlockM / 16 k16 steps: A = 16-bit fragments (keys x queries), Y = the query
@@ -566,20 +554,12 @@ struct Consumer {
   // (2048 bytes further per step), every d chunk (kQChunkBytes apart). No commit.
   __device__ __forceinline__ void issue_key_grad(float (&acc)[kHeadDim / 2],
                                                  const uint32_t (&a)[kBlockM / 16][4], uint32_t y) {
-#if FC_DESC_ADVANCE
     const uint64_t b0 = smem_desc_mn_major_sw128(y, kQChunkBytes);
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint64_t b = desc_advance(b0, kk * 16 * 128);
+      const uint64_t b = mn_major_at(b0, y, kk * 16 * 128, kQChunkBytes);
       wgmma_rs_tb<kHeadDim, T>(acc, a[kk], b, 1);
     }
-#else
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint64_t b = smem_desc_mn_major_sw128(y + kk * 16 * 128, kQChunkBytes);
-      wgmma_rs_tb<kHeadDim, T>(acc, a[kk], b, 1);
-    }
-#endif
   }
 
   // dq = dS K for query tile tm, d tile td (one commit group); step kk covers keys 16 kk .. + 15
@@ -588,7 +568,6 @@ struct Consumer {
   // [query][key], rows 64 tm.., read K-major like the forward's Q (32 bytes at column
   // (kk % 4) * 16 of key chunk kk / 4).
   __device__ __forceinline__ void issue_dq(uint32_t ds, uint32_t k, int tm, int td) {
-#if FC_DESC_ADVANCE
     const uint32_t k_base = k + td * kKVChunkBytes;
     const uint32_t ds_base = kDsKMajor ? ds + tm * 64 * 128 : ds + tm * kDsChunkBytes;
     const uint64_t b0 = smem_desc_mn_major_sw128(k_base, kKVChunkBytes);
@@ -596,33 +575,16 @@ struct Consumer {
                                   : smem_desc_mn_major_sw128(ds_base, kDsChunkBytes);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t b = desc_advance(b0, kk * 16 * 128);
+      const uint64_t b = mn_major_at(b0, k_base, kk * 16 * 128, kKVChunkBytes);
       if constexpr (kDsKMajor) {
-        const uint64_t a = desc_advance(a0, (kk / 4) * kDsChunkBytes + (kk % 4) * 32);
+        const uint64_t a = k_major_at(a0, ds_base, (kk / 4) * kDsChunkBytes + (kk % 4) * 32);
         wgmma_ss_tb<64, T>(dq, a, b, kk > 0);
       } else {
-        const uint64_t a = desc_advance(a0, kk * 16 * 128);
+        const uint64_t a = mn_major_at(a0, ds_base, kk * 16 * 128, kDsChunkBytes);
         wgmma_ss_tt<64, T>(dq, a, b, kk > 0);
       }
     }
     wgmma_commit();
-#else
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t b =
-          smem_desc_mn_major_sw128(k + td * kKVChunkBytes + kk * 16 * 128, kKVChunkBytes);
-      if constexpr (kDsKMajor) {
-        const uint64_t a = smem_desc_k_major_sw128(ds + (kk / 4) * kDsChunkBytes + tm * 64 * 128 +
-                                                   (kk % 4) * 32);
-        wgmma_ss_tb<64, T>(dq, a, b, kk > 0);
-      } else {
-        const uint64_t a =
-            smem_desc_mn_major_sw128(ds + tm * kDsChunkBytes + kk * 16 * 128, kDsChunkBytes);
-        wgmma_ss_tt<64, T>(dq, a, b, kk > 0);
-      }
-    }
-    wgmma_commit();
-#endif
   }
 
   // The A registers of in-flight wgmmas belong to the tensor cores until they drain.

@@ -250,11 +250,12 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
 }
 
 // FC_DESC_ADVANCE = 1 (the default since session 11; 0 restores the rebuilt descriptors for an
-// A/B through FLASHCUDA_SM90_FWD_DEFINES / FLASHCUDA_SM90_BWD_DEFINES): the descriptors of a GEMM's k16 steps are the first step's plus the byte offset >> 4 in the
-// start-address field (desc_advance), one 32-bit add each, instead of rebuilding each from its
-// address (~5 uniform ops per operand per wgmma in SASS: ptxas cannot know the field never
-// carries). Exact: every operand lies in the CTA's shared window (< 228 KB < 2^18 bytes), so the
-// field ((addr & 0x3ffff) >> 4 < 2^14) of base + offset is the base's field + offset >> 4.
+// A/B through FLASHCUDA_SM90_FWD_DEFINES / FLASHCUDA_SM90_BWD_DEFINES): the descriptors of a
+// GEMM's k16 steps are the first step's plus the byte offset >> 4 in the start-address field
+// (desc_advance), one 32-bit add each, instead of rebuilding each from its address (~5 uniform
+// ops per operand per wgmma in SASS: ptxas cannot know the field never carries). Exact: every
+// operand lies in the CTA's shared window (< 228 KB < 2^18 bytes), so the field
+// ((addr & 0x3ffff) >> 4 < 2^14) of base + offset is the base's field + offset >> 4.
 #ifndef FC_DESC_ADVANCE
 #define FC_DESC_ADVANCE 1
 #endif
