@@ -92,7 +92,9 @@ DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"
 # the consumers win at neither; FA3's split (warp) wins 11-14% over red.v4 at d128 and loses
 # 21-28% to red.v2 at d64 (session 6, same-run A/B).
 # Session 10: the tensor-map reduction (tma) at both, +1.5-2.9% at every point of a same-run A/B.
-DQ_DEFAULT = {64: "tma", 128: "tma"}
+# Session 12: at d128 the per-consumer register-order staging (frag), same-run A/B against tma:
+# +0.2-6.5% at all six d128 points (+4.4-6.5% from 4k non-causal and at 16k causal).
+DQ_DEFAULT = {64: "tma", 128: "frag"}
 DQ_MODES = ("v2", "v4", "bulk", "warp", "warpflat", "tma", "frag")
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
 # 1: a step's red.v4 issued at the next step, after its S^T wgmmas (implies v4; A/B, see the .cu)
@@ -112,6 +114,9 @@ BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
 # d64 points, -1.8 to +0.3% at d128, against a +-3% spread of the unchanged forward in that run)
 SPREAD_DIMS = (64,)
 FRAG_DIMS = (128,)  # FLASHCUDA_SM90_BWD_DQ=frag builds without spills at these head dims only
+# FC_DS_STMATRIX by default (dS^T by stmatrix.x4; the [key][query] layout in FA3's order): d64
+# only (session 12, same-run A/B: +0.8-3.5% at all six d64 points, -2.4 to +0.8% at d128)
+STMATRIX_DIMS = (64,)
 DQ_STAGE_BYTES = 64 * 72 * 4  # one consumer's padded fp32 dQ staging tile (dq_bulk, see the .cu)
 
 
@@ -143,9 +148,12 @@ class Sm90BwdConfig:
     # .cu); None: on at the head dims of SPREAD_DIMS
     dq_spread: bool | None = None
     # dq_warp from per-consumer tiles in register order, one bulk reduce-add per consumer, into
-    # dq_accum in that order (FC_DQ_FRAG; A/B, session 11: written, not yet run on a GPU)
+    # dq_accum in that order (FC_DQ_FRAG; the default at d128 since session 12, DQ_DEFAULT)
     dq_frag: bool = False
     dq_early: bool = False  # FA3's GEMM order: dQ before dK, the dQ epilogue beside dK
+    # dS^T stored by stmatrix.x4 (FC_DS_STMATRIX; the kernel applies it with the [key][query]
+    # layout in FA3's order only); None: on at the head dims of STMATRIX_DIMS there
+    ds_stmatrix: bool | None = None
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
     defines: tuple = ()
@@ -160,6 +168,13 @@ class Sm90BwdConfig:
             object.__setattr__(self, "block_m", BLOCK_M[self.head_dim])
         if self.dq_spread is None:
             object.__setattr__(self, "dq_spread", self.dq_tma and self.head_dim in SPREAD_DIMS)
+        if self.ds_stmatrix is None:
+            object.__setattr__(self, "ds_stmatrix", self.head_dim in STMATRIX_DIMS
+                               and self.dq_early and not self.ds_k_major)
+        if self.ds_stmatrix and (self.ds_k_major or not self.dq_early):
+            raise ValueError("Sm90BwdConfig.ds_stmatrix: expected False with ds_k_major or "
+                             "without dq_early (stmatrix stores the [key][query] layout in "
+                             "FA3's order)")
         if self.dq_frag and not (self.dq_warp and not self.dq_warp_flat and not self.dq_tma):
             raise ValueError("Sm90BwdConfig.dq_frag: expected it as a form of dq_warp (without "
                              "dq_warp_flat and dq_tma)")
@@ -258,7 +273,7 @@ class Sm90BwdConfig:
                 + ("_dqw" if self.dq_warp else "") + ("f" if self.dq_warp_flat else "")
                 + ("t" if self.dq_tma else "") + ("s" if self.dq_spread else "")
                 + ("g" if self.dq_frag else "")
-                + ("_early" if self.dq_early else "")
+                + ("_early" if self.dq_early else "") + ("_stm" if self.ds_stmatrix else "")
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
     def spec(self) -> KernelSpec:
@@ -284,6 +299,7 @@ class Sm90BwdConfig:
             **({"FC_DQ_SPREAD": 1} if self.dq_spread else {}),
             **({"FC_DQ_FRAG": 1} if self.dq_frag else {}),
             **({"FC_DQ_EARLY": 1} if self.dq_early else {}),
+            **({"FC_DS_STMATRIX": 1} if self.ds_stmatrix else {}),
             **dict(self.defines),
         })
 
@@ -327,15 +343,17 @@ def configs() -> list[Sm90BwdConfig]:
             out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq))
                     for dq in DQ_MODES if dq not in (DQ_DEFAULT[d], "frag")]
             out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
-            # the per-consumer register-order staging in FA3's order (its A/B default order; d128
-            # only: at d64 its consumers spill, 60 bytes at 232 registers, 8 at 240)
-            if d in FRAG_DIMS:
-                out.append(Sm90BwdConfig(dtype, d, dq_early=True, **_dq_mode("frag")))
+            # the tensor-map and the per-consumer register-order staging in FA3's order where
+            # they are not the default (A/B; frag at FRAG_DIMS only: at d64 its consumers spill,
+            # 60 bytes at 232 registers, 8 at 240)
+            out += [Sm90BwdConfig(dtype, d, dq_early=True, **_dq_mode(dq))
+                    for dq in ("tma", "frag")
+                    if dq != DQ_DEFAULT[d] and (dq != "frag" or d in FRAG_DIMS)]
             # the default reduction in the previous GEMM order (FLASHCUDA_SM90_BWD_DQ_EARLY=0)
             out.append(Sm90BwdConfig(dtype, d, **_dq_mode(DQ_DEFAULT[d])))
             # (with red.v4 at d128: the warp split's staging tile and a third stage do not fit)
             out.append(Sm90BwdConfig(dtype, d, stages=3, **_dq_mode(STAGES3_DQ[d])))
-    return out
+    return list(dict.fromkeys(out))  # (each once, in this order)
 
 
 def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
@@ -383,10 +401,10 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     if early == "1" and late == "1":
         raise ValueError(f"{DQ_EARLY_ENV}=1 and {DQ_LATE_ENV}=1: expected at most one of them")
     # FA3's GEMM order: on by default with the default dQ reduction in the default dS layout (the
-    # measured kernel) and with frag (an A/B of that kernel's dQ staging), off with the other
-    # A/B reductions and layout unless asked for
+    # measured kernel) and with tma / frag (the two staging forms measured in it), off with the
+    # other A/B reductions and layout unless asked for
     dq_early = (early == "1" if early
-                else dq in (DQ_DEFAULT.get(head_dim), "frag") and raw != "k")
+                else dq in (DQ_DEFAULT.get(head_dim), "tma", "frag") and raw != "k")
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
                          release_fence=fence, dq_late=late == "1", stages=int(stages),
                          dq_early=dq_early, defines=parse_defines(DEFINES_ENV),

@@ -365,8 +365,9 @@ L2_SECTION_SHARE = 0.75  # of the L2 that one section's K and V may fill (the re
 
 def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int) -> int | None:
     """The kernel's by_block argument when it is not the call's is_local: the L2 section of a
-    causal / window call under FC_L2_SECTIONS (an A/B variant), else None."""
-    if call.is_local and dict(cfg.defines).get("FC_L2_SECTIONS"):
+    causal / window call under FC_L2_SECTIONS (the kernel's default; FC_L2_SECTIONS=0 in the
+    defines, an A/B variant, keeps plain by_block), else None."""
+    if call.is_local and dict(cfg.defines).get("FC_L2_SECTIONS", 1):
         return l2_section(call, l2_bytes)
     return None
 

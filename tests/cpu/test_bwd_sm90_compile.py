@@ -152,8 +152,9 @@ def test_config_is_the_single_source_of_truth():
         assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= c.register_pool
     # per dtype and d: dS layout x watchdog and no fence with the default dQ reduction, + the
-    # other dQ reductions (five), + the late red.v4, + FA3's GEMM order, + the three-stage ring
-    assert len({c.name for c in bwd_sm90.configs()}) == 54  # + the d128 frag kernels
+    # other dQ reductions (five), + the late red.v4, + FA3's GEMM order, + the three-stage ring,
+    # + at d128 the tensor-map staging in FA3's order (the default before frag)
+    assert len({c.name for c in bwd_sm90.configs()}) == 56
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and without the release fence, x 4; + the two
@@ -192,14 +193,19 @@ def test_dq_modes_are_exclusive():
 def test_dq_switch(monkeypatch):
     for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV):
         monkeypatch.delenv(env, raising=False)
-    for d in (64, 128):  # the measured default: the tensor-map split in FA3's GEMM order
-        cfg = bwd_sm90.select_config(torch.bfloat16, d)
-        assert cfg.dq_warp and cfg.dq_tma and not cfg.dq_v4 and cfg.dq_early
-        # d64 stores its staging tile in the spread order (FC_DQ_SPREAD), d128 in the plain one
-        assert cfg.dq_spread == (d == 64)
-        assert dict(cfg.spec().defines).get("FC_DQ_SPREAD") == ("1" if d == 64 else None)
-        assert cfg.name.endswith("_dqwts_early" if d == 64 else "_dqwt_early")
-        assert cfg in bwd_sm90.configs()
+    # the measured defaults, in FA3's GEMM order: d64 the tensor-map split with its staging
+    # stores spread (FC_DQ_SPREAD) and dS^T by stmatrix (FC_DS_STMATRIX), d128 the per-consumer
+    # register-order staging (frag)
+    d64 = bwd_sm90.select_config(torch.bfloat16, 64)
+    assert d64.dq_warp and d64.dq_tma and d64.dq_spread and d64.dq_early and d64.ds_stmatrix
+    assert dict(d64.spec().defines)["FC_DQ_SPREAD"] == "1"
+    assert dict(d64.spec().defines)["FC_DS_STMATRIX"] == "1"
+    assert d64.name.endswith("_dqwts_early_stm")
+    d128 = bwd_sm90.select_config(torch.bfloat16, 128)
+    assert d128.dq_warp and d128.dq_frag and not d128.dq_tma and d128.dq_early
+    assert not d128.ds_stmatrix and "FC_DS_STMATRIX" not in dict(d128.spec().defines)
+    assert d128.name.endswith("_dqwg_early")
+    assert d64 in bwd_sm90.configs() and d128 in bwd_sm90.configs()
     monkeypatch.setenv(DQ_ENV, "warp")  # an A/B reduction keeps the previous order
     warp = bwd_sm90.select_config(torch.bfloat16, 128)
     assert warp.dq_warp and not warp.dq_tma and not warp.dq_warp_flat and not warp.dq_early
@@ -226,7 +232,7 @@ def test_dq_switch(monkeypatch):
     for d in (64, 128):
         tma = bwd_sm90.select_config(torch.bfloat16, d)
         assert tma.dq_warp and tma.dq_tma and not tma.dq_warp_flat and tma.dq_early
-        assert tma.name.endswith("_dqwts_early" if d == 64 else "_dqwt_early")
+        assert tma.name.endswith("_dqwts_early_stm" if d == 64 else "_dqwt_early")
         assert tma in bwd_sm90.configs()
     with pytest.raises(ValueError, match="dq_spread"):
         Sm90BwdConfig(torch.bfloat16, 64, dq_spread=True)
@@ -422,12 +428,13 @@ def test_dq_early_switch(monkeypatch):
     monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "1")
     for d in (64, 128):
         cfg = bwd_sm90.select_config(torch.bfloat16, d)
-        assert cfg.dq_early and cfg.dq_tma and cfg in bwd_sm90.configs()
+        assert cfg.dq_early and (cfg.dq_frag if d == 128 else cfg.dq_tma)
+        assert cfg in bwd_sm90.configs()
     call = _call()
     on = dispatch._plan_key(call, "bwd")
     monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "0")  # the previous order, an A/B variant
     old = bwd_sm90.select_config(torch.bfloat16, 128)
-    assert not old.dq_early and old.dq_tma and old in bwd_sm90.configs()
+    assert not old.dq_early and old.dq_frag and old in bwd_sm90.configs()
     assert dispatch._plan_key(call, "bwd") != on
     monkeypatch.delenv(bwd_sm90.DQ_EARLY_ENV)
     assert bwd_sm90.select_config(torch.bfloat16, 64).dq_early  # the default
@@ -514,22 +521,6 @@ def test_dq_spread_compiles_clean(tmp_path):
                                            defines=(("FC_DQ_SPREAD", on),)), tmp_path)
 
 
-def test_stats_early_loads_lse2_before_the_scores_wait(tmp_path):
-    """FC_STATS_EARLY (an A/B knob, d128: at d64 its 32 extra live registers spill at 232) builds
-    clean, and in its SASS the step's first LDS.64 (lse2) come before the first wait for S^T
-    (WARPGROUP.DEPBAR.LE gsb0, 0x1); in the default kernel they come after it."""
-    base = bwd_sm90.select_config(torch.bfloat16, 128)
-    early = dataclasses.replace(base, defines=(("FC_STATS_EARLY", 1),))
-    order = {}
-    for name, cfg in (("base", base), ("early", early)):
-        sass = clean_sass(cfg, tmp_path)
-        lds = sass.find("LDS.64")
-        wait = sass.find("WARPGROUP.DEPBAR.LE gsb0, 0x1")
-        assert lds > 0 and wait > 0, name
-        order[name] = lds < wait
-    assert order == {"base": False, "early": True}
-
-
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_ds_stmatrix_stores_every_element_where_store_ds_does(head_dim):
     """Consumer::store_ds_stmatrix (FC_DS_STMATRIX) against store_ds, in the [key][query] layout:
@@ -561,8 +552,8 @@ def test_ds_stmatrix_stores_every_element_where_store_ds_does(head_dim):
 
 
 def test_ds_stmatrix_builds_clean_with_stsm(tmp_path):
-    """FC_DS_STMATRIX (an A/B knob, written in session 11, not yet run on a GPU) builds clean at
-    both head dims, its dS^T stores are STSM (kBlockM / 16 per thread) and no STS is left there."""
+    """FC_DS_STMATRIX (d64's default since session 12, an A/B knob at d128) builds clean at both
+    head dims, its dS^T stores are STSM (kBlockM / 16 per thread) and no STS is left there."""
     for d in (64, 128):
         cfg = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, d),
                                   defines=(("FC_DS_STMATRIX", 1),))
@@ -572,15 +563,19 @@ def test_ds_stmatrix_builds_clean_with_stsm(tmp_path):
 
 
 def test_dq_frag_config(monkeypatch):
-    """FLASHCUDA_SM90_BWD_DQ=frag (FC_DQ_FRAG; written in session 11, not yet run on a GPU): a
-    form of dq_warp in FA3's order at d128 with the 24 / 240 split, two dq_full / dq_empty pairs,
+    """FLASHCUDA_SM90_BWD_DQ=frag (FC_DQ_FRAG; d128's default since session 12): a form of dq_warp in FA3's order at d128 with the 24 / 240 split, two dq_full / dq_empty pairs,
     its CONVERT reading the register-order layout; refused at d64 naming the variable."""
     for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
                 bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV):
         monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv(DQ_ENV, "tma")
     base = bwd_sm90.select_config(torch.bfloat16, 128)
+    assert base.dq_tma and base.dq_early  # the previous default, in the same order
     monkeypatch.setenv(DQ_ENV, "frag")
     cfg = bwd_sm90.select_config(torch.bfloat16, 128)
+    monkeypatch.delenv(DQ_ENV)
+    assert cfg == bwd_sm90.select_config(torch.bfloat16, 128)  # the default at d128
+    monkeypatch.setenv(DQ_ENV, "frag")
     assert cfg.dq_frag and cfg.dq_warp and not cfg.dq_tma and cfg.dq_early and not cfg.dq_spread
     assert cfg.name.endswith("_dqwg_early") and cfg in bwd_sm90.configs()
     assert dict(cfg.spec().defines)["FC_DQ_FRAG"] == "1"

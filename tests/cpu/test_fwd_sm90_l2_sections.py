@@ -1,12 +1,14 @@
-"""FC_L2_SECTIONS (flash_fwd_sm90.cu's Schedule, an A/B knob through FLASHCUDA_SM90_FWD_DEFINES,
-written in session 11 and not yet run on a GPU): the causal / window order walks the (batch, head)
-pairs in L2-sized sections, each query-block-major from the heaviest block down.
+"""FC_L2_SECTIONS (flash_fwd_sm90.cu's Schedule; the default since session 12, FC_L2_SECTIONS=0
+through FLASHCUDA_SM90_FWD_DEFINES the A/B variant): the causal / window order walks the (batch,
+head) pairs in L2-sized sections, each query-block-major, the sections alternating direction with
+the last one heaviest-first.
 
 On the CPU lane: the host's section size (fwd_sm90.l2_section) and the order's arithmetic, written
-here as the .cu writes it, checked to be a permutation of every work tile that puts each section's
-tiles together, heaviest query block first, and that reduces to plain by_block when one section
-holds every pair; the variant compiles clean for sm_90a. Whether the kernels are right with it
-(the oracle tests) and faster (DRAM traffic, the causal sweep) is for the GPU lane.
+here as the .cu writes it, checked to be a permutation of every work tile that keeps each
+section's tiles together and monotone in cost, reduces to plain by_block when one section holds
+every pair, and keeps the static snake schedule (next_work) balanced where heaviest-first
+sections do not (a cost model: the bench's causal shapes). Whether the kernels are right with it
+(the oracle tests) and faster (the causal sweep) is for the GPU lane.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ def _order(t: int, num_m: int, heads: int, per: int) -> tuple[int, int]:
     s = t // (num_m * per)
     first = s * per
     size = min(per, heads - first)
+    sections = -(-heads // per)
     within = t - s * num_m * per
+    if (sections - 1 - s) % 2:
+        within = num_m * size - 1 - within
     return num_m - 1 - within // size, first + within % size
 
 
@@ -61,10 +66,11 @@ def test_section_size_fits_l2_in_whole_groups():
 
 
 @pytest.mark.parametrize("num_m,heads,per", [(32, 64, 18), (32, 64, 64), (7, 10, 4),
-                                             (1, 5, 2), (9, 9, 9), (5, 12, 1)])
-def test_section_order_is_a_permutation_heaviest_first(num_m, heads, per):
+                                             (1, 5, 2), (9, 9, 9), (5, 12, 1), (64, 32, 8)])
+def test_section_order_is_a_permutation_alternating_last_heaviest_first(num_m, heads, per):
     tiles = [_order(t, num_m, heads, per) for t in range(num_m * heads)]
     assert sorted(tiles) == [(m, bh) for m in range(num_m) for bh in range(heads)]
+    sections = -(-heads // per)
     for t, (m, bh) in enumerate(tiles):
         section = bh // per
         # a section's tiles are consecutive, sections in order
@@ -72,27 +78,74 @@ def test_section_order_is_a_permutation_heaviest_first(num_m, heads, per):
         if t + 1 < len(tiles):
             m2, bh2 = tiles[t + 1]
             if bh2 // per == section:
-                assert m2 <= m  # heaviest (last) query block first within a section
+                # the last section (and every second one before it) heaviest (last) block first,
+                # the others lightest first
+                assert (m2 <= m) if (sections - 1 - section) % 2 == 0 else (m2 >= m)
+    assert tiles[-1][0] == 0  # the order ends on the lightest blocks
     if per >= heads:  # one section: plain by_block's order
         assert tiles == [(num_m - 1 - t // heads, t % heads) for t in range(num_m * heads)]
 
 
-def test_l2_sections_variant_compiles_clean(tmp_path):
+def _snake_loads(num_m: int, heads: int, per: int, grid: int = 132,
+                 fixed: float = 2.0) -> float:
+    """The last CTA's load over the mean under next_work's snake, a work tile at query block m
+    costing `fixed` + m + 1 key tiles (session 11's timeline: 3.35 us per work tile, 1.69 us per
+    key tile at d128)."""
+    loads = [0.0] * grid
+    total = num_m * heads
+    for c in range(grid):
+        t = c
+        while t < total:
+            loads[c] += fixed + _order(t, num_m, heads, per)[0] + 1
+            r = t // grid + 1
+            t = r * grid + ((grid - 1 - c) if r % 2 else c)
+    return max(loads) / (sum(loads) / grid)
+
+
+@pytest.mark.parametrize("seqlen,batch", [(2048, 8), (4096, 4), (8192, 2), (16384, 1)])
+def test_alternating_sections_keep_the_snake_balanced(seqlen, batch):
+    """The bench's causal d128 shapes (16 heads, 128-row blocks): with sections alternating the
+    last CTA ends within 3% of the mean, as plain by_block does; had every section gone
+    heaviest-first (a sawtooth of costs) it would end 8-30% late (the miss that session 12's
+    first A/B showed at 16k)."""
+    call = _call(B=batch, S=seqlen)
+    per = fwd_sm90.l2_section(call, H200_L2)
+    num_m, heads = seqlen // 128, batch * 16
+    assert per < heads  # several sections at every one of these shapes
+    assert _snake_loads(num_m, heads, per) < 1.03
+    assert _snake_loads(num_m, heads, heads) < 1.04  # plain by_block (one section)
+
+    def sawtooth(t):  # every section heaviest-first (session 11's form)
+        s, within = divmod(t, num_m * per)
+        size = min(per, heads - s * per)
+        return num_m - 1 - within // size
+
+    loads = [0.0] * 132
+    for c in range(132):
+        t = c
+        while t < num_m * heads:
+            loads[c] += 2.0 + sawtooth(t) + 1
+            r = t // 132 + 1
+            t = r * 132 + ((131 - c) if r % 2 else c)
+    assert max(loads) / (sum(loads) / 132) > 1.08
+
+
+def test_plain_by_block_variant_compiles_clean(tmp_path):
     for d in (64, 128):
         base = fwd_sm90.select_config(torch.bfloat16, d, windowed=True, seqlen_q=4096,
                                       seqlen_k=4096)
-        cfg = dataclasses.replace(base, defines=(("FC_L2_SECTIONS", 1),))
-        assert cfg.name == base.name + "_fc_l2_sections1"
+        cfg = dataclasses.replace(base, defines=(("FC_L2_SECTIONS", 0),))
+        assert cfg.name == base.name + "_fc_l2_sections0"
         clean_sass(cfg, tmp_path)
 
 
-def test_schedule_arg_only_for_the_variant_and_masked_calls():
+def test_schedule_arg_for_masked_calls_unless_the_variant_turns_it_off():
     call = _call()
     base = fwd_sm90.select_config(torch.bfloat16, 128, windowed=True, seqlen_q=4096, seqlen_k=4096)
-    assert fwd_sm90.schedule_arg(call, base, H200_L2) is None  # the default: by_block = is_local
-    var = dataclasses.replace(base, defines=(("FC_L2_SECTIONS", 1),))
-    assert fwd_sm90.schedule_arg(call, var, H200_L2) == 18
+    assert fwd_sm90.schedule_arg(call, base, H200_L2) == 18  # the default: L2 sections
+    var = dataclasses.replace(base, defines=(("FC_L2_SECTIONS", 0),))
+    assert fwd_sm90.schedule_arg(call, var, H200_L2) is None  # by_block = is_local
     q = call.q
     full = FwdCall(q, call.k, call.v, q, call.lse, call.softmax_scale, None, None)  # no mask
-    assert fwd_sm90.schedule_arg(full, var, H200_L2) is None  # by_head: sections do not apply
+    assert fwd_sm90.schedule_arg(full, base, H200_L2) is None  # by_head: sections do not apply
     assert fwd_sm90.constant_args(call, 18)[-1] == 18

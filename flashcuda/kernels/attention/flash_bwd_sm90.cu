@@ -22,11 +22,12 @@
 //                 docs/perf-notes.md): consumers store the step's dQ tile to
 //                 shared memory and a warp of the producer warpgroup reduces it with bulk
 //                 reduce-adds (write_dq), so no reduction is issued by a consumer; FC_DQ_TMA
-//                 (the default at both head dims since session 10, +1.5-2.9% over the split's row
+//                 (the default at d64 since session 10, +1.5-2.9% over the split's row
 //                 reductions): the same from 128B-swizzled boxes through a tensor map,
-//                 kHeadDim / 32 reductions per step (at d64 its stores in the spread order,
-//                 FC_DQ_SPREAD, since session 11); FC_DQ_FRAG (A/B, d128, not yet run on a GPU):
-//                 each consumer's tile in its registers' order, one bulk reduction each
+//                 kHeadDim / 32 reductions per step (its stores in the spread order,
+//                 FC_DQ_SPREAD, since session 11); FC_DQ_FRAG (the default at d128 since
+//                 session 12, +0.2-6.5% over FC_DQ_TMA): each consumer's tile in its
+//                 registers' order, one bulk reduction each
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
 //                 dk / dv: any (batch, row, head) strides, unit last stride
 //   not yet       ping-pong / overlap of the two GEMM halves,
@@ -184,7 +185,7 @@ constexpr int kSmemDqStage = kSmemStats + kStages * 2 * kStatBytes;
 #ifndef FC_DQ_FRAG
 #define FC_DQ_FRAG 0  // FC_DQ_WARP from per-consumer tiles in register order (below)
 #endif
-// FC_DQ_FRAG (FLASHCUDA_SM90_BWD_DQ=frag; A/B, session 11: written, not yet run on a GPU;
+// FC_DQ_FRAG (FLASHCUDA_SM90_BWD_DQ=frag; the host's default at d128 since session 12;
 // FlashAttention 4's way): each consumer stages its 64 x 64 dQ tile as 16 KB in its registers'
 // order — thread w (of the warpgroup's 128) puts dq[4k .. 4k + 3] at float 512 k + 4 w, 8
 // st.shared.v4 per thread, each warp writing 512 contiguous bytes (no bank conflicts, no
@@ -325,7 +326,8 @@ static_assert(!FC_DQ_FRAG || kConsumers * kDqFragBytes == kDqWarpBytes,
 #endif
 static_assert(!FC_DQ_EARLY || !FC_DQ_LATE, "FC_DQ_EARLY retires dQ inside its own step");
 #ifndef FC_DS_STMATRIX
-#define FC_DS_STMATRIX 0  // dS^T stored by stmatrix.x4 (A/B; see Consumer::store_ds_stmatrix)
+#define FC_DS_STMATRIX 0  // dS^T stored by stmatrix.x4 (the host's default at d64 since session
+                          // 12, Sm90BwdConfig.ds_stmatrix; see Consumer::store_ds_stmatrix)
 #endif
 // (FA3's GEMM order and the [key][query] layout only; no effect elsewhere)
 [[maybe_unused]] constexpr bool kDsStmatrix = FC_DS_STMATRIX && !kDsKMajor && FC_DQ_EARLY;
@@ -490,27 +492,14 @@ __device__ __forceinline__ uint32_t dq_swizzled(uint32_t stage, int row, int col
          ((cc & 3) << 2);
 }
 
-// A stage's lse2 or delta at this lane's query columns 8j + 2t, + 1: read from shared memory
-// where used (StageStats), or loaded into registers earlier (RegStats, FC_STATS_EARLY: the loads
-// are issued while the step's wgmmas run instead of after their waits, whose memory clobber keeps
-// them there otherwise; SASS of the default: LDS.64 right after WARPGROUP.DEPBAR, ~30 cycles
-// before the first exp2 can start).
-#ifndef FC_STATS_EARLY
-#define FC_STATS_EARLY 0  // A/B (session 11: written, not yet run on a GPU)
-#endif
+// A stage's lse2 or delta at this lane's query columns 8j + 2t, + 1, read from shared memory
+// where used. (Loading them into registers while the step's wgmmas run, FC_STATS_EARLY, was
+// measured in session 12: 0 to -1.8% at d128, removed; docs/perf-notes.md.)
 struct StageStats {
   const float* p;  // the stage's row at this lane's column 2t
   __device__ __forceinline__ float2 operator[](int j) const {
     return *reinterpret_cast<const float2*>(p + 8 * j);
   }
-};
-struct RegStats {
-  float2 v[kBlockM / 8];
-  __device__ __forceinline__ void load(const float* p) {
-#pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) v[j] = *reinterpret_cast<const float2*>(p + 8 * j);
-  }
-  __device__ __forceinline__ float2 operator[](int j) const { return v[j]; }
 };
 
 // ---- consumer -----------------------------------------------------------------------------------
@@ -607,7 +596,7 @@ struct Consumer {
 
   // P^T = exp2(S^T * scale_log2 - lse2[query]); with kMasked, 0 where the key is hidden from the
   // query. `lse2[j]`: the stage's lse2 of this lane's columns 8j + 2t, + 1 (StageStats: read from
-  // shared memory here; RegStats: loaded earlier); `key0`: key of row g; `col0`: query of
+  // shared memory); `key0`: key of row g; `col0`: query of
   // column 2t.
   template <bool kMasked, class Stats>
   __device__ __forceinline__ void probs(const Stats& lse2, float scale_log2, const Mask& mask,
@@ -658,8 +647,8 @@ struct Consumer {
   // (r % 8); a lane's 4-byte stores of one fragment hit 8 rows x 4 words: 32 banks.
   // [query][key] layout (kDsKMajor): element (r, q) at chunk r / 64, row q, unit ((r % 64) / 8) ^
   // (q % 8); two 2-byte stores per fragment. `r0`: key of row g (r0 % 8 == g).
-  // FC_DS_STMATRIX (A/B, the [key][query] layout; session 11: written, not yet run on a GPU): one
-  // stmatrix.x4 per k16 step instead of four st.shared.b32. Fragment f of step kk is the 8 x 8
+  // FC_DS_STMATRIX (the [key][query] layout; d64's default since session 12: +0.8-3.5% there,
+  // -2.4 to +0.8% at d128, same-run A/B): one stmatrix.x4 per k16 step instead of four st.shared.b32. Fragment f of step kk is the 8 x 8
   // matrix (keys 8 (f & 1) .., queries 16 kk + 8 (f >> 1) ..) of the warp's 16 keys, in the
   // stmatrix register layout (row = g, columns 2t, 2t + 1); lane l gives the address of row l % 8
   // of matrix f = l / 8: key `row0` + 8 (f & 1) + l % 8, its 16 queries' 16-byte unit swizzled
@@ -902,14 +891,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's query columns
     const float* st_delta = sm.delta_ptr(st) + 2 * t;
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + wg_key0, 64);
-#if FC_STATS_EARLY
-    RegStats lse2_r, delta_r;
-    lse2_r.load(st_lse2);  // while S^T and dP^T run
-    const RegStats& lse2_s = lse2_r;
-    const RegStats& delta_s = delta_r;
-#else
     const StageStats lse2_s{st_lse2}, delta_s{st_delta};
-#endif
     wgmma_wait<1>();
     wgmma_fence_operands(cs.s);
     if (masked) {
@@ -917,9 +899,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     } else {
       cs.probs<false>(lse2_s, scale_log2, mask, n0 + key_row, m0 + 2 * t);
     }
-#if FC_STATS_EARLY
-    delta_r.load(st_delta);  // while dP^T finishes
-#endif
     wgmma_wait<0>();
     wgmma_fence_operands(cs.dp);
     if (masked) {

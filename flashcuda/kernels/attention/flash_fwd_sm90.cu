@@ -89,12 +89,6 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #define FC_SOFTMAX_IN_ARMS 0
 #endif
 constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
-#ifndef FC_MAX_CHAINS
-// 1: a tile row's maximum over four independent FMNMX chains instead of one (kBlockN / 8 deep:
-// 22 dependent FMNMX at 176 keys; FMNMX led the forward's stall samples with MUFU, session 10).
-// Exact either way (max is associative). A/B, session 11: written, not yet run on a GPU.
-#define FC_MAX_CHAINS 0
-#endif
 #ifndef FC_SMEM_PAD
 #define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
 #endif
@@ -171,14 +165,18 @@ struct Block {
 //            each other, so CTAs running at the same time share that head's K and V in L2;
 //   by_block (causal, window): query-block-major from the last (heaviest) block down, so every
 //            CTA gets a mix of heavy and light tiles (longest first) and no CTA ends late.
-// FC_L2_SECTIONS = 1 (A/B through FLASHCUDA_SM90_FWD_DEFINES; written in session 11, not yet run
-// on a GPU): by_block walks the (batch, head) pairs in sections of `by_block` pairs whose K and V
-// fit in L2 together (the host sizes them, fwd_sm90.l2_section), each section query-block-major
-// from the heaviest block down — FlashAttention 4's causal order. Plain by_block keeps every
-// head's K and V live at once (128 MB at 4 x 4096 x 16 d128 against a 50 MB L2; ncu at that
-// shape: DRAM 49% busy on a compute-bound kernel, session 11).
+// FC_L2_SECTIONS (the default since session 12; 0: plain by_block, an A/B variant through
+// FLASHCUDA_SM90_FWD_DEFINES): by_block walks the (batch, head) pairs in sections of `by_block`
+// pairs whose K and V fit in L2 together (the host sizes them, fwd_sm90.l2_section), each
+// section query-block-major — FlashAttention 4's causal order. Plain by_block keeps every head's
+// K and V live at once (128 MB at 4 x 4096 x 16 d128 against a 50 MB L2; ncu at that shape: DRAM
+// 49% busy on a compute-bound kernel, session 11). The sections alternate direction, the last
+// one heaviest-first: each section heaviest-first makes the costs a sawtooth, and next_work's
+// static snake balances a ramp, not a sawtooth (a cost model put the last CTA 9-29% past the
+// mean at the bench's causal shapes, 0-2% alternating; session 12 measured the sawtooth at -3.6%
+// against plain by_block at 16k, +5.5-12% at 2k-8k).
 #ifndef FC_L2_SECTIONS
-#define FC_L2_SECTIONS 0
+#define FC_L2_SECTIONS 1
 #endif
 struct Schedule {
   int num_m, nheads, nheads_kv, batch;
@@ -191,11 +189,14 @@ struct Schedule {
     if (by_block) {
       const int heads = nheads * batch;
 #if FC_L2_SECTIONS
-      // section s holds pairs [s by_block, + size); its num_m * size tiles are consecutive
+      // section s holds pairs [s by_block, + size); its num_m * size tiles are consecutive,
+      // lightest-first when an odd number of sections follows it
       const int s = t / (num_m * by_block);
       const int first = s * by_block;
       const int size = min(by_block, heads - first);
-      const int within = t - s * num_m * by_block;
+      const int sections = (heads + by_block - 1) / by_block;
+      int within = t - s * num_m * by_block;
+      if ((sections - 1 - s) & 1) within = num_m * size - 1 - within;
       m = num_m - 1 - within / size;
       bh = first + within % size;
 #else
@@ -355,18 +356,9 @@ struct Consumer {
   __device__ __forceinline__ void softmax(float scale_log2, float (&corr)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-#if FC_MAX_CHAINS
-      // four independent chains, then two levels: depth kBlockN / 32 + 3 instead of kBlockN / 8
-      float m4[4] = {neg_inf(), neg_inf(), neg_inf(), neg_inf()};
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
-        m4[j % 4] = fmaxf(m4[j % 4], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-      float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
-#else
       float mx = neg_inf();
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-#endif
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       // scale_log2 > 0 (checked on the host), so max(s) * scale is the max of the scaled scores.
