@@ -506,8 +506,6 @@ def _build_plan(call: BwdCall) -> _Plan:
     main_args = (*_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk),
                  np.int32(h), np.int32(hkv), np.int32(sq_pad),
                  np.float32(call.softmax_scale * LOG2E), scale, wl, wr)
-    if dict(cfg.defines).get("FC_LPT_ORDER"):  # (the A/B variant's extra argument)
-        main_args += (np.int32(lpt_sections(call, _l2_bytes(dev))),)
     convert_args = (*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
                     np.int32(sq_pad), scale)
     # any tensor of the call stands for a pointer argument's kind (run() passes the addresses)
@@ -530,30 +528,6 @@ def _build_plan(call: BwdCall) -> _Plan:
                                           dev),
                                (-(-sq // aux.aux_rows), h, b), (bwd_sm80.AUX_THREADS,), 0,
                                (t,) * 2 + convert_args, fixed=len(convert_args)))
-
-
-L2_SECTION_SHARE = 0.75  # of the L2 that one LPT section's query-side tensors may fill
-
-
-def lpt_sections(call: BwdCall, l2_bytes: int) -> int:
-    """FC_LPT_ORDER's section size in (batch, KV head) pairs for a causal call (a lower bound on
-    every row's window, none above): as many pairs as keep their query heads' Q, dO (16-bit),
-    dq_accum (fp32), lse2 and delta and their own K and V within L2_SECTION_SHARE of `l2_bytes`,
-    at least one, at most every pair. 0 (the blockIdx order) for other calls: without a causal
-    mask every key block costs the same, and under a sliding window key block 0 is not the
-    heaviest."""
-    if call.window_left is not None or call.window_right is None:
-        return 0
-    group = call.nheads // call.nheads_kv
-    sq, sk, d = call.seqlen_q, call.seqlen_k, call.head_dim
-    per_pair = group * sq * (d * (2 + 2 + 4) + 8) + 2 * sk * d * 2
-    pairs = call.batch * call.nheads_kv
-    return max(1, min(pairs, int(L2_SECTION_SHARE * l2_bytes) // max(per_pair, 1)))
-
-
-def _l2_bytes(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).L2_cache_size
 
 
 _plans = PlanCache(_build_plan)

@@ -361,6 +361,22 @@ def constant_args(call: FwdCall, by_block: int | None = None) -> tuple:
 
 
 L2_SECTION_SHARE = 0.75  # of the L2 that one section's K and V may fill (the rest: Q, O, lse)
+L2_SHARE_ENV = "FLASHCUDA_SM90_FWD_L2_SHARE"  # another share in (0, 1] (A/B of the section size)
+
+
+def l2_share() -> float:
+    """L2_SECTION_SHARE, or FLASHCUDA_SM90_FWD_L2_SHARE's value (an A/B); ValueError naming the
+    variable unless a number in (0, 1]."""
+    raw = os.environ.get(L2_SHARE_ENV, "").strip()
+    if not raw:
+        return L2_SECTION_SHARE
+    try:
+        share = float(raw)
+    except ValueError:
+        share = -1.0
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"{L2_SHARE_ENV}: expected a number in (0, 1], got {raw!r}")
+    return share
 
 
 def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int) -> int | None:
@@ -375,12 +391,12 @@ def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int) -> int | None
 def l2_section(call: FwdCall, l2_bytes: int) -> int:
     """(batch, head) pairs per section of FC_L2_SECTIONS' causal / window order: as many whole
     groups of query heads (a group shares one K / V head) as keep their K and V within
-    L2_SECTION_SHARE of `l2_bytes`, at least one group, at most every pair. Sections start at
-    multiples of the size, which are multiples of the group, so a section's pairs read
+    L2_SECTION_SHARE (l2_share) of `l2_bytes`, at least one group, at most every pair. Sections
+    start at multiples of the size, which are multiples of the group, so a section's pairs read
     size / group K / V heads."""
     group = call.nheads // call.nheads_kv
     kv_head = 2 * call.seqlen_k * call.head_dim * call.q.element_size()  # K and V of one head
-    groups = max(1, int(L2_SECTION_SHARE * l2_bytes) // max(kv_head, 1))
+    groups = max(1, int(l2_share() * l2_bytes) // max(kv_head, 1))
     return min(groups * group, call.batch * call.nheads)
 
 
@@ -400,7 +416,7 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 
 
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
-                     MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV)
+                     MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:

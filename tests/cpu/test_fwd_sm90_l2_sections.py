@@ -149,3 +149,19 @@ def test_schedule_arg_for_masked_calls_unless_the_variant_turns_it_off():
     full = FwdCall(q, call.k, call.v, q, call.lse, call.softmax_scale, None, None)  # no mask
     assert fwd_sm90.schedule_arg(full, base, H200_L2) is None  # by_head: sections do not apply
     assert fwd_sm90.constant_args(call, 18)[-1] == 18
+
+
+def test_l2_share_switch(monkeypatch):
+    """FLASHCUDA_SM90_FWD_L2_SHARE (an A/B of the section size) scales the L2 budget of a section
+    and is part of the forward's plan key; a value outside (0, 1] is refused naming it."""
+    monkeypatch.delenv(fwd_sm90.L2_SHARE_ENV, raising=False)
+    call = _call()
+    assert fwd_sm90.l2_share() == fwd_sm90.L2_SECTION_SHARE
+    key = fwd_sm90._plan_key(call)
+    monkeypatch.setenv(fwd_sm90.L2_SHARE_ENV, "0.375")
+    assert fwd_sm90.l2_section(call, H200_L2) == 9  # half of the default's 18 heads
+    assert fwd_sm90._plan_key(call) != key
+    for bad in ("0", "1.5", "half", "-0.2"):
+        monkeypatch.setenv(fwd_sm90.L2_SHARE_ENV, bad)
+        with pytest.raises(ValueError, match=fwd_sm90.L2_SHARE_ENV):
+            fwd_sm90.l2_section(call, H200_L2)

@@ -295,44 +295,6 @@ struct Steps {
   __device__ __forceinline__ int m0(int it) const { return (m_first + it % n_m) * kBlockM; }
 };
 
-// The CTA's key block, KV head and batch. Plain: blockIdx (x fastest), so the GPU dispatches all
-// key blocks of one head, then the next. FC_LPT_ORDER = 1 (A/B through
-// FLASHCUDA_SM90_BWD_DEFINES, session 12): for a causal call (the host passes `sections` > 0) the
-// linear block index walks the (batch, KV head) pairs in sections of `sections` pairs whose
-// query-side tensors fit in L2 together (bwd_sm90.lpt_sections), each section key-block-major
-// from key block 0 — under a causal mask the heaviest: it sees every query — and the sections
-// alternating direction with the last one heaviest-first (as the forward's L2 sections). The
-// GPU hands out CTAs in linear order as SMs free up (a greedy list schedule): in the plain order
-// the last head's heavy key blocks start last (a cost model: the last SM ends 5-7% past the mean
-// at causal 1k-8k), longest-first within alternating sections 0.2-2%. FlashAttention 3's causal
-// backward uses an LPT order of this kind.
-#ifndef FC_LPT_ORDER
-#define FC_LPT_ORDER 0
-#endif
-struct BlockCoord {
-  int kb, head_kv, batch;
-  __device__ __forceinline__ BlockCoord(int sections) {
-    kb = static_cast<int>(blockIdx.x);
-    head_kv = static_cast<int>(blockIdx.y);
-    batch = static_cast<int>(blockIdx.z);
-    if (FC_LPT_ORDER && sections > 0) {
-      const int nkb = static_cast<int>(gridDim.x), nkv = static_cast<int>(gridDim.y);
-      const int pairs = nkv * static_cast<int>(gridDim.z);
-      const int l = kb + nkb * (head_kv + nkv * batch);
-      const int s = l / (nkb * sections);
-      const int first = s * sections;
-      const int size = min(sections, pairs - first);
-      const int count = (pairs + sections - 1) / sections;
-      int within = l - s * nkb * sections;
-      if ((count - 1 - s) & 1) within = nkb * size - 1 - within;  // lightest first
-      kb = within / size;
-      const int pair = first + within % size;
-      head_kv = pair % nkv;
-      batch = pair / nkv;
-    }
-  }
-};
-
 // Bring-up watchdog (FC_WATCHDOG = 1, FLASHCUDA_SM90_BWD_WATCHDOG=1): a wait that has not
 // completed after 2 s of %globaltimer gives up and marks its thread `stuck` (its later waits
 // return at once), so a wrong phase lets the kernel finish, with NaN in every dK / dV row a stuck
@@ -842,23 +804,14 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                int64_t dk_sb, int64_t dk_ss, int64_t dk_sh, int64_t dv_sb, int64_t dv_ss,
                int64_t dv_sh, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                int seqlen_q_pad, float scale_log2, float softmax_scale, int window_left,
-               int window_right
-#if FC_LPT_ORDER
-               , int sections  // 0: blockIdx order; > 0: see BlockCoord
-#endif
-               ) {
+               int window_right) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
   const Smem sm{raw + pad, smem_raw + pad};
   // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
-#if FC_LPT_ORDER
-  const BlockCoord at(sections);
-#else
-  const BlockCoord at(0);
-#endif
-  const int n0 = at.kb * kBlockN, head_kv = at.head_kv, batch = at.batch;
+  const int n0 = blockIdx.x * kBlockN, head_kv = blockIdx.y, batch = blockIdx.z;
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
   const Steps steps(mask, n0, nheads, nheads_kv);
 
