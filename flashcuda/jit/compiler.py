@@ -6,7 +6,11 @@ always for an explicit ``sm_XX[a]``, so NVRTC needs no GPU and no driver (the CP
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
+import site
+import sys
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -84,8 +88,59 @@ def parse_ptxas_report(log: str) -> dict[str, Resources]:
     return out
 
 
+# Where cuda.pathfinder (which cuda.bindings loads NVRTC through) looks first on Linux: the CUDA
+# wheels' library directories under each site-packages directory, these sonames in this order.
+NVRTC_SONAMES = ("libnvrtc.so.13", "libnvrtc.so.12")
+NVRTC_WHEEL_DIRS = ("nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib")
+
+
+def _site_dirs() -> list[str]:
+    """site-packages directories in cuda.pathfinder's order (a venv's own first, then the user
+    site, then the system's)."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE and (user := site.getusersitepackages()):
+        dirs.insert(1 if sys.prefix != sys.base_prefix else 0, user)
+    return dirs
+
+
+def _load_nvrtc() -> ctypes.CDLL | None:
+    """The NVRTC library by ctypes: the one already in the process if any, else the first a CUDA
+    wheel provides (what cuda.pathfinder would find first; once loaded, cuda.pathfinder finds it
+    already loaded and cuda.bindings compiles with this very library). None when neither: the
+    caller asks cuda.bindings (its full search: conda, CUDA_HOME, the system)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    for soname in NVRTC_SONAMES:
+        try:
+            return ctypes.CDLL(soname, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            pass
+    for rel in NVRTC_WHEEL_DIRS:
+        for parent in _site_dirs():
+            for soname in NVRTC_SONAMES:
+                path = os.path.join(parent, rel, soname)
+                if os.path.isfile(path):
+                    try:
+                        return ctypes.CDLL(path)
+                    except OSError:
+                        return None
+    return None
+
+
 @cache
 def nvrtc_version() -> str:
+    """major.minor of the NVRTC that compiles the kernels (part of every cache key). Asked of the
+    library through ctypes where a CUDA wheel provides it: importing cuda.bindings.nvrtc costs
+    ~70 ms (cuda.pathfinder), more than a cache hit in a new process may take (50 ms)."""
+    lib = _load_nvrtc()
+    if lib is not None:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        lib.nvrtcVersion.argtypes = [ctypes.POINTER(ctypes.c_int)] * 2
+        lib.nvrtcVersion.restype = ctypes.c_int
+        err = lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        if err:
+            raise RuntimeError(f"nvrtcVersion failed: nvrtcResult {err}")
+        return f"{major.value}.{minor.value}"
     from cuda.bindings import nvrtc
 
     err, major, minor = nvrtc.nvrtcVersion()

@@ -376,3 +376,40 @@ def test_unwritable_cache_dir_warns_once_and_serves_from_memory(tmp_path, monkey
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "not writable" in warnings[0], warnings
     assert not list(d.iterdir())
+
+
+def test_nvrtc_version_by_ctypes_is_the_library_cuda_bindings_compiles_with():
+    """nvrtc_version (part of every cache key) asks the wheel's NVRTC through ctypes instead of
+    importing cuda.bindings.nvrtc (~70 ms of cuda.pathfinder on a cache hit); in a fresh process
+    it must name the version cuda.bindings reports, and cuda.pathfinder must then find that very
+    library already loaded (so the kernels are compiled by the NVRTC the key names). Without the
+    bindings' import on the way."""
+    script = textwrap.dedent("""
+        import json, sys
+        from flashcuda.jit.compiler import nvrtc_version
+        v = nvrtc_version()
+        imported = "cuda.bindings.nvrtc" in sys.modules
+        from cuda.bindings import nvrtc
+        import cuda.pathfinder as pf
+        err, major, minor = nvrtc.nvrtcVersion()
+        loaded = pf.load_nvidia_dynamic_lib("nvrtc")
+        print(json.dumps({"ours": v, "bindings": f"{major}.{minor}", "imported": imported,
+                          "found_via": loaded.found_via}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["ours"] == got["bindings"]
+    assert not got["imported"]
+    assert got["found_via"] == "was-already-loaded-from-elsewhere"
+
+
+def test_function_attribute_values_match_the_driver_enum():
+    """runtime.FUNC_ATTRIBUTES (the ctypes path's CUfunction_attribute values) against
+    cuda.bindings' enum, name by name."""
+    from cuda.bindings import driver
+
+    from flashcuda.jit import runtime
+
+    for name, value in runtime.FUNC_ATTRIBUTES.items():
+        assert int(getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")) == value
