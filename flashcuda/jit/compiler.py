@@ -97,7 +97,8 @@ NVRTC_WHEEL_DIRS = ("nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib")
 def _site_dirs() -> list[str]:
     """site-packages directories in cuda.pathfinder's order (a venv's own first, then the user
     site, then the system's)."""
-    dirs = list(site.getsitepackages())
+    getsitepackages = getattr(site, "getsitepackages", None)  # (absent in old virtualenvs)
+    dirs = list(getsitepackages()) if getsitepackages else []
     if site.ENABLE_USER_SITE and (user := site.getusersitepackages()):
         dirs.insert(1 if sys.prefix != sys.base_prefix else 0, user)
     return dirs
