@@ -203,6 +203,29 @@ def test_persistent_many_work_tiles(head_dim, window):
     check(q, k, v, window)
 
 
+@pytest.mark.parametrize("heads_per_section,nheads_kv,sections",
+                         [(4, 4, 12), (1, 16, 48), (7, 16, 7)],
+                         ids=["one-group-gqa", "one-head", "seven-heads-ragged"])
+@pytest.mark.parametrize("window", [CAUSAL, (200, 0)], ids=["causal", "window"])
+def test_l2_sections_many_alternating(monkeypatch, heads_per_section, nheads_kv, sections, window):
+    """The causal / window order in L2 sections (FC_L2_SECTIONS) with sections forced small
+    (FLASHCUDA_SM90_FWD_L2_SHARE sized from this GPU's L2): at the bench's shapes sections hold
+    many heads, here one GQA group (4 query heads), one head, or seven heads with a last section
+    of six — even and odd section counts, so both directions of the alternation and a ragged
+    last section run, over batches (sections span two batches' heads)."""
+    B, Sq, Sk, H, D = 3, 777, 900, 16, 128
+    q, k, v = make(B, Sq, Sk, H, nheads_kv, D, BF16, seed=17)
+    l2 = torch.cuda.get_device_properties(q.device).L2_cache_size
+    kv_head = 2 * Sk * D * 2
+    groups = heads_per_section // (H // nheads_kv)
+    monkeypatch.setenv(fwd_sm90.L2_SHARE_ENV, f"{(groups + 0.5) * kv_head / l2:.9f}")
+    fwd_sm90._plans.clear()
+    lse = torch.empty(B, H, Sq, device="cuda")
+    per = fwd_sm90.l2_section(FwdCall(q, k, v, q, lse, 0.1, *window), l2)
+    assert (per, -(-B * H // per)) == (heads_per_section, sections)
+    check(q, k, v, window)
+
+
 def test_repeat_layout_reuses_the_plan_with_new_data():
     """The second call of a layout skips can_implement and re-encodes only the tensor maps: it
     must read the new tensors, not the first call's."""
