@@ -89,6 +89,14 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #define FC_SOFTMAX_IN_ARMS 0
 #endif
 constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
+#ifndef FC_EXP_SPLIT
+// k > 0 (A/B, session 12: written, not yet run on a GPU): the exp2s of a tile's column groups
+// k .. kBlockN / 8 - 1 move after the previous P V's wait (Consumer::softmax_tail), so they run
+// interleaved with the rescale and the packing instead of all before the wait, where the ~100
+// FMUL / F2FP after it then have no MUFU work to hide behind. FlashAttention 4's Hopper forward
+// schedules its exp2s that way (its SASS: 10 of 66 MUFU before the P V wait; ours: all).
+#define FC_EXP_SPLIT 0
+#endif
 #ifndef FC_SMEM_PAD
 #define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
 #endif
@@ -350,6 +358,49 @@ struct Consumer {
     }
   }
 
+#if FC_EXP_SPLIT
+  static_assert(FC_EXP_SPLIT > 0 && FC_EXP_SPLIT <= kBlockN / 8, "FC_EXP_SPLIT: 1 .. kBlockN / 8");
+  float split_ref[2], split_sum[2];  // the rows' exp2 reference and partial sums, part 1 -> 2
+
+  // P = exp2(S - m) of column groups [kJ0, kJ1) of both rows, summed into split_sum.
+  template <int kJ0, int kJ1>
+  __device__ __forceinline__ void exp_groups(float scale_log2) {
+#pragma unroll
+    for (int j = kJ0; j < kJ1; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * j + 2 * h + c];
+          x = fast_exp2(fmaf(x, scale_log2, -split_ref[h]));
+          split_sum[h] += x;
+        }
+  }
+
+  // softmax in two parts: here the rows' maxima, corr and the first FC_EXP_SPLIT column groups;
+  // softmax_tail (after the previous P V's wait) the rest and the row sums.
+  __device__ __forceinline__ void softmax(float scale_log2, float (&corr)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = neg_inf();
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      corr[h] = row[h].update(mx * scale_log2);
+      split_ref[h] = row[h].ref();
+      split_sum[h] = 0.f;
+    }
+    exp_groups<0, FC_EXP_SPLIT>(scale_log2);
+  }
+  __device__ __forceinline__ void softmax_tail(float scale_log2) {
+    exp_groups<FC_EXP_SPLIT, kBlockN / 8>(scale_log2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row[h].add(split_sum[h]);
+  }
+#else
+  __device__ __forceinline__ void softmax_tail(float) {}  // (the whole softmax is in softmax)
+
   // Online softmax of this tile: new row maxima (over the quad), P = exp2(S - m) in place,
   // partial row sums into row[h].l (summed over the quad once, in the epilogue). Returns in
   // corr[h] the factor O's rows must still be multiplied by (see rescale).
@@ -376,6 +427,7 @@ struct Consumer {
       row[h].add(sum);
     }
   }
+#endif
 
   __device__ __forceinline__ void rescale(const float (&corr)[2]) {
 #pragma unroll
@@ -651,6 +703,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     wgmma_fence_operands(cs.o);
     if constexpr (!kScanPrev) release(sm.v_empty(prev));
   }
+  cs.softmax_tail(scale_log2);  // (FC_EXP_SPLIT; nothing otherwise)
   cs.rescale(corr);
   cs.pack_p();
   // The slow path's branch comes after the softmax, rescale and packing, not between them: there
