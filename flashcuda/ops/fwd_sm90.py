@@ -213,6 +213,11 @@ SNAKE_ROUNDS = 12  # ... and below it, when its work tiles are at most this many
 # scans of the masked tiles); 0 builds the kernel that lets 0 x NaN through (A/B; see the .cu)
 MASKED_V_ENV = "FLASHCUDA_SM90_FWD_MASKED_V"
 SMEM_PAD_ENV = "FLASHCUDA_SM90_SMEM_PAD"  # KiB of unused shared memory (A/B of the footprint)
+# K / V ring depth for calls without a window (A/B; default 2, FA3's and FA4's; a third stage fits
+# at 128 keys: 1 KB + Q 32 KB + 3 x 64 KB at d128). Windowed calls keep 2 (their masked-V clean
+# tiles would not fit with a third).
+STAGES_ENV = "FLASHCUDA_SM90_FWD_STAGES"
+SMEM_OPTIN = 232448  # H100 / H200: dynamic shared memory a block may opt in to
 
 
 DEFINES_ENV = "FLASHCUDA_SM90_FWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob)
@@ -248,10 +253,27 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
         # built for the windowed tiles only (d128 x 176 with a clean tile per consumer would not fit)
         masked_v = (windowed and flag(MASKED_V_ENV, True)
                     and (block_m, block_n) in WINDOWED_TILES[head_dim])
-    return Sm90FwdConfig(dtype, head_dim, block_m, block_n,
-                         consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong,
-                         snake=snake, masked_v=masked_v, smem_pad=_smem_pad(),
-                         defines=_defines())
+    cfg = Sm90FwdConfig(dtype, head_dim, block_m, block_n,
+                        consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong,
+                        snake=snake, masked_v=masked_v, smem_pad=_smem_pad(),
+                        defines=_defines())
+    stages = _stages()
+    if stages != cfg.stages and not windowed:
+        cfg = dataclasses.replace(cfg, stages=stages)
+        if cfg.smem_bytes > SMEM_OPTIN:
+            raise ValueError(f"{STAGES_ENV}={stages}: {cfg.name} would need {cfg.smem_bytes} "
+                             f"bytes of shared memory (at most {SMEM_OPTIN}); expected fewer "
+                             f"stages or smaller tiles ({TILES_ENV})")
+    return cfg
+
+
+def _stages() -> int:
+    raw = os.environ.get(STAGES_ENV, "").strip()
+    if not raw:
+        return 2
+    if raw not in ("1", "2", "3", "4"):
+        raise ValueError(f"{STAGES_ENV}: expected 1, 2, 3 or 4, got {raw!r}")
+    return int(raw)
 
 
 def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
@@ -416,7 +438,7 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 
 
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
-                     MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV)
+                     MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:
