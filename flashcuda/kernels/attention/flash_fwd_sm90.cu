@@ -358,6 +358,18 @@ struct Consumer {
     }
   }
 
+  // Row h's new maximum over this tile (over the quad) into row[h]; returns the factor O's row
+  // must still be multiplied by. scale_log2 > 0 (checked on the host), so max(s) * scale is the
+  // max of the scaled scores.
+  __device__ __forceinline__ float update_row(int h, float scale_log2) {
+    float mx = neg_inf();
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    return row[h].update(mx * scale_log2);
+  }
+
 #if FC_EXP_SPLIT
   static_assert(FC_EXP_SPLIT > 0 && FC_EXP_SPLIT <= kBlockN / 8, "FC_EXP_SPLIT: 1 .. kBlockN / 8");
   float split_ref[2], split_sum[2];  // the rows' exp2 reference and partial sums, part 1 -> 2
@@ -382,12 +394,7 @@ struct Consumer {
   __device__ __forceinline__ void softmax(float scale_log2, float (&corr)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = neg_inf();
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      corr[h] = row[h].update(mx * scale_log2);
+      corr[h] = update_row(h, scale_log2);
       split_ref[h] = row[h].ref();
       split_sum[h] = 0.f;
     }
@@ -407,13 +414,7 @@ struct Consumer {
   __device__ __forceinline__ void softmax(float scale_log2, float (&corr)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = neg_inf();
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // scale_log2 > 0 (checked on the host), so max(s) * scale is the max of the scaled scores.
-      corr[h] = row[h].update(mx * scale_log2);
+      corr[h] = update_row(h, scale_log2);
       const float ref = row[h].ref();
       float sum = 0.f;
 #pragma unroll
