@@ -18,8 +18,9 @@ shared memory (the .cu static_asserts the same layout), the name, the defines.
     64         128 x 128, 2                                 163 KB    2 x 240 (FA3's d64 tiles)
     128        64 x 128, 2                                  162 KB    2 x 240 (FA3's d128 tiles)
 (+ 36 KB, 199 / 198 KB, for the dQ staging tiles of FLASHCUDA_SM90_BWD_DQ=bulk; + 36 / 34 KB,
-199 / 196 KB, for the staging tile of warp and warpflat; + 32 KB, 195 / 194 KB, for tma's, the
-default; the consumers of warp / warpflat / tma get 232, except tma at d128: 240.)
+199 / 196 KB, for the staging tile of warp and warpflat; + 32 KB, 195 / 194 KB, for tma's and
+frag's, the defaults; the consumers of warp / warpflat / tma get 232, except tma and frag at
+d128: 240.)
 FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up A/B, see the .cu);
 FLASHCUDA_SM90_BWD_WATCHDOG=1 runs the variant whose mbarrier waits trap (a launch failure) instead
 of hanging (bring-up). The dQ reduction into dq_accum (FLASHCUDA_SM90_BWD_DQ): red.v2 (8-byte
@@ -29,11 +30,13 @@ consumers store the step's dQ tile to shared memory and a warp of the producer w
 reduces it: with bulk reduce-adds, one per staging row (warp: +11-14% over red.v4 at d128,
 21-28% slower than red.v2 at d64), or, with unpadded staging rows, one per step at the price of
 4-way bank conflicts in the consumers' stores (warpflat: +7-11% over red.v2 at d64, 2-3% behind
-warp at d128), or (tma, the default at both head dims since session 10: +1.5-2.8% over warp at
-d128, +2.0-2.9% over warpflat at d64, same-run A/B) from a staging tile laid out as kHeadDim / 32
+warp at d128), or (tma, the default at d64 since session 10: +1.5-2.8% over warp at d128,
++2.0-2.9% over warpflat at d64, same-run A/B) from a staging tile laid out as kHeadDim / 32
 boxes of 128B-swizzled fp32 rows with kHeadDim / 32 tensor-map reductions per step into dq_accum
 seen as a 2-D (head dim, B H Sq_pad) fp32 tensor (map_dq, a fifth tensor map; 2-way store
-conflicts).
+conflicts), or (frag, the default at d128 since session 12: +0.2-6.5% over tma) from one 16 KB
+tile per consumer in its registers' order, each with its own hand-off and one bulk reduce-add
+into a dq_accum laid out in that order (CONVERT reads it back).
 The order of a step's GEMMs (FLASHCUDA_SM90_BWD_DQ_EARLY): FA3's, the default with the default
 dQ reduction since session 10 — dV, dS^T to shared memory and the consumers' barrier, dQ, dK,
 then the dQ epilogue once dV and dQ are done (wgmma_wait<1>) while the tensor cores still run dK

@@ -22,6 +22,7 @@ from flashcuda.ops import fwd_sm90
 from flashcuda.ops.call import FwdCall
 
 from .sm90_compile import clean_sass
+from .test_fwd_sm90_compile import _kernel_order
 
 H200_L2 = 50 * 1024 * 1024
 
@@ -86,19 +87,11 @@ def test_section_order_is_a_permutation_alternating_last_heaviest_first(num_m, h
         assert tiles == [(num_m - 1 - t // heads, t % heads) for t in range(num_m * heads)]
 
 
-def _snake_loads(num_m: int, heads: int, per: int, grid: int = 132,
-                 fixed: float = 2.0) -> float:
-    """The last CTA's load over the mean under next_work's snake, a work tile at query block m
-    costing `fixed` + m + 1 key tiles (session 11's timeline: 3.35 us per work tile, 1.69 us per
-    key tile at d128)."""
-    loads = [0.0] * grid
-    total = num_m * heads
-    for c in range(grid):
-        t = c
-        while t < total:
-            loads[c] += fixed + _order(t, num_m, heads, per)[0] + 1
-            r = t // grid + 1
-            t = r * grid + ((grid - 1 - c) if r % 2 else c)
+def _last_cta_late(block_of, total: int, grid: int = 132, fixed: float = 2.0) -> float:
+    """The last CTA's load over the mean under next_work's snake (test_fwd_sm90_compile's
+    transcription), work tile t at query block block_of(t) costing `fixed` + block + 1 key tiles
+    (session 11's timeline: 3.35 us per work tile, 1.69 us per key tile at d128)."""
+    loads = [sum(fixed + block_of(t) + 1 for t in seq) for seq in _kernel_order(total, grid, True)]
     return max(loads) / (sum(loads) / grid)
 
 
@@ -112,22 +105,17 @@ def test_alternating_sections_keep_the_snake_balanced(seqlen, batch):
     per = fwd_sm90.l2_section(call, H200_L2)
     num_m, heads = seqlen // 128, batch * 16
     assert per < heads  # several sections at every one of these shapes
-    assert _snake_loads(num_m, heads, per) < 1.03
-    assert _snake_loads(num_m, heads, heads) < 1.04  # plain by_block (one section)
+    total = num_m * heads
+    assert _last_cta_late(lambda t: _order(t, num_m, heads, per)[0], total) < 1.03
+    # plain by_block (one section)
+    assert _last_cta_late(lambda t: _order(t, num_m, heads, heads)[0], total) < 1.04
 
     def sawtooth(t):  # every section heaviest-first (session 11's form)
         s, within = divmod(t, num_m * per)
         size = min(per, heads - s * per)
         return num_m - 1 - within // size
 
-    loads = [0.0] * 132
-    for c in range(132):
-        t = c
-        while t < num_m * heads:
-            loads[c] += 2.0 + sawtooth(t) + 1
-            r = t // 132 + 1
-            t = r * 132 + ((131 - c) if r % 2 else c)
-    assert max(loads) / (sum(loads) / 132) > 1.08
+    assert _last_cta_late(sawtooth, total) > 1.08
 
 
 def test_plain_by_block_variant_compiles_clean(tmp_path):

@@ -492,16 +492,6 @@ __device__ __forceinline__ uint32_t dq_swizzled(uint32_t stage, int row, int col
          ((cc & 3) << 2);
 }
 
-// A stage's lse2 or delta at this lane's query columns 8j + 2t, + 1, read from shared memory
-// where used. (Loading them into registers while the step's wgmmas run, FC_STATS_EARLY, was
-// measured in session 12: 0 to -1.8% at d128, removed; docs/perf-notes.md.)
-struct StageStats {
-  const float* p;  // the stage's row at this lane's column 2t
-  __device__ __forceinline__ float2 operator[](int j) const {
-    return *reinterpret_cast<const float2*>(p + 8 * j);
-  }
-};
-
 // ---- consumer -----------------------------------------------------------------------------------
 // Accumulator element (j, e) of an m64 x n tile (sm90.cuh header): row (here: key) 16 warp + g +
 // 8 (e >> 1), column (here: query or d) 8 j + 2 t + (e & 1).
@@ -595,15 +585,15 @@ struct Consumer {
   }
 
   // P^T = exp2(S^T * scale_log2 - lse2[query]); with kMasked, 0 where the key is hidden from the
-  // query. `lse2[j]`: the stage's lse2 of this lane's columns 8j + 2t, + 1 (StageStats: read from
-  // shared memory); `key0`: key of row g; `col0`: query of
-  // column 2t.
-  template <bool kMasked, class Stats>
-  __device__ __forceinline__ void probs(const Stats& lse2, float scale_log2, const Mask& mask,
+  // query. `lse2`: the stage's lse2 (shared) at this lane's column 2t; `key0`: key of row g;
+  // `col0`: query of column 2t. (Loading lse2 / delta into registers while the step's wgmmas
+  // run, FC_STATS_EARLY, measured 0 to -1.8% at d128 in session 12: removed, perf-notes.)
+  template <bool kMasked>
+  __device__ __forceinline__ void probs(const float* lse2, float scale_log2, const Mask& mask,
                                         int key0, int col0) {
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 l2 = lse2[j];
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x)));
@@ -614,12 +604,12 @@ struct Consumer {
   }
 
   // dS^T = P^T o (dP^T - delta[query]) into dp's registers; with kMasked, 0 wherever P^T is 0.
-  // `delta[j]`: the stage's delta of this lane's columns 8j + 2t, + 1 (as probs' lse2).
-  template <bool kMasked, class Stats>
-  __device__ __forceinline__ void dsoftmax(const Stats& delta) {
+  // `delta`: the stage's delta (shared) at this lane's column 2t.
+  template <bool kMasked>
+  __device__ __forceinline__ void dsoftmax(const float* delta) {
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 dl = delta[j];
+      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
@@ -648,12 +638,13 @@ struct Consumer {
   // [query][key] layout (kDsKMajor): element (r, q) at chunk r / 64, row q, unit ((r % 64) / 8) ^
   // (q % 8); two 2-byte stores per fragment. `r0`: key of row g (r0 % 8 == g).
   // FC_DS_STMATRIX (the [key][query] layout; d64's default since session 12: +0.8-3.5% there,
-  // -2.4 to +0.8% at d128, same-run A/B): one stmatrix.x4 per k16 step instead of four st.shared.b32. Fragment f of step kk is the 8 x 8
-  // matrix (keys 8 (f & 1) .., queries 16 kk + 8 (f >> 1) ..) of the warp's 16 keys, in the
-  // stmatrix register layout (row = g, columns 2t, 2t + 1); lane l gives the address of row l % 8
-  // of matrix f = l / 8: key `row0` + 8 (f & 1) + l % 8, its 16 queries' 16-byte unit swizzled
-  // as store_ds's (tests/cpu/test_bwd_sm90_compile.py checks the two put every element at the
-  // same address). `row0`: the warp's first key in the block (r0 - g).
+  // -2.4 to +0.8% at d128, same-run A/B): one stmatrix.x4 per k16 step instead of four
+  // st.shared.b32. Fragment f of step kk is the 8 x 8 matrix (keys 8 (f & 1) .., queries
+  // 16 kk + 8 (f >> 1) ..) of the warp's 16 keys, in the stmatrix register layout (row = g,
+  // columns 2t, 2t + 1); lane l gives the address of row l % 8 of matrix f = l / 8: key `row0`
+  // + 8 (f & 1) + l % 8, its 16 queries' 16-byte unit swizzled as store_ds's
+  // (tests/cpu/test_bwd_sm90_compile.py checks the two put every element at the same address).
+  // `row0`: the warp's first key in the block (r0 - g).
   __device__ __forceinline__ void store_ds_stmatrix(uint32_t ds, int row0, int lane) const {
     const int f = lane >> 3;
     const int r = row0 + 8 * (f & 1) + (lane & 7);
@@ -891,20 +882,19 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's query columns
     const float* st_delta = sm.delta_ptr(st) + 2 * t;
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + wg_key0, 64);
-    const StageStats lse2_s{st_lse2}, delta_s{st_delta};
     wgmma_wait<1>();
     wgmma_fence_operands(cs.s);
     if (masked) {
-      cs.probs<true>(lse2_s, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+      cs.probs<true>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
     } else {
-      cs.probs<false>(lse2_s, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+      cs.probs<false>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
     }
     wgmma_wait<0>();
     wgmma_fence_operands(cs.dp);
     if (masked) {
-      cs.dsoftmax<true>(delta_s);
+      cs.dsoftmax<true>(st_delta);
     } else {
-      cs.dsoftmax<false>(delta_s);
+      cs.dsoftmax<false>(st_delta);
     }
     Consumer::pack(cs.p16, cs.s);
     Consumer::pack(cs.ds16, cs.dp);
