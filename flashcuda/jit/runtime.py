@@ -1,9 +1,11 @@
 """Module load per (device, primary context) and launch on torch's current stream.
 
-Load and launch go straight through the driver API: cuModuleLoadData by cuda.bindings.driver, and
-the per-call path (context check, cuLaunchKernel with pointers into one packed argument buffer) by
-ctypes into libcuda. Importing cuda.core alone costs ~100 ms, which a cache hit in a new process
-cannot afford (target 50 ms); cuda.core is used for NVRTC compiles only.
+Load and launch go straight through the driver API by ctypes into libcuda (context set-up,
+cuModuleLoadData, function attributes, the parameter-list check, cuLaunchKernel with pointers
+into one packed argument buffer). A cache hit in a new process (target 50 ms) cannot afford the
+Python bindings' imports: cuda.core costs ~100 ms, cuda.bindings.driver ~20 ms and
+cuda.bindings.nvrtc ~70 ms (cuda.pathfinder; session 12's profile of the first call); cuda.core
+is imported for NVRTC compiles only, cuda.bindings.driver for the `function` object of tools.
 
     kernel = get_kernel(spec, device)          # compile (or cache hit) + load, memoised
     kernel.launch(grid, block, q, k, np.int32(n), np.float32(scale), shared_mem=bytes)
@@ -88,57 +90,76 @@ def build_cubin(spec: KernelSpec, arch: str) -> tuple[bytes, bool, float]:
     return cubin, hit, time.perf_counter() - start
 
 
-def _check(result, what: str):
-    """Unpack a cuda.bindings (err, *values) tuple, raising a readable error on failure."""
-    from cuda.bindings import driver
-
-    err = result[0]
-    if int(err) != 0:
-        _, msg = driver.cuGetErrorString(err)
-        raise RuntimeError(f"{what} failed: {getattr(err, 'name', err)} ({msg.decode() if msg else ''})")
-    return result[1] if len(result) == 2 else result[1:]
-
-
 @functools.cache
 def _libcuda():
-    """libcuda's launch-path entry points through ctypes (the hot path of every call: the
-    cuda.bindings wrappers build Python objects per argument and cost several microseconds each;
-    a ctypes call costs about one). libcuda.so.1 is the driver library cuda.bindings loads too."""
+    """libcuda's entry points through ctypes (the launch path of every call: the cuda.bindings
+    wrappers build Python objects per argument and cost several microseconds each; a ctypes call
+    costs about one; and importing them costs more than a cache hit may take). libcuda.so.1 is
+    the driver library cuda.bindings loads too."""
     lib = ctypes.CDLL("libcuda.so.1")
-    vp, u32 = ctypes.c_void_p, ctypes.c_uint32
-    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
-    lib.cuCtxGetCurrent.restype = ctypes.c_int
-    lib.cuCtxSetCurrent.argtypes = [vp]
-    lib.cuCtxSetCurrent.restype = ctypes.c_int
-    lib.cuLaunchKernel.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp, vp, vp]
-    lib.cuLaunchKernel.restype = ctypes.c_int
+    vp, u32, i32, sz = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_size_t
+    signatures = {
+        "cuInit": [u32],
+        "cuDeviceGet": [ctypes.POINTER(i32), i32],
+        "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), i32],
+        "cuCtxGetCurrent": [ctypes.POINTER(vp)],
+        "cuCtxSetCurrent": [vp],
+        "cuModuleLoadData": [ctypes.POINTER(vp), ctypes.c_char_p],
+        "cuModuleGetFunction": [ctypes.POINTER(vp), vp, ctypes.c_char_p],
+        "cuFuncGetAttribute": [ctypes.POINTER(i32), i32, vp],
+        "cuFuncSetAttribute": [vp, i32, i32],
+        "cuGetErrorName": [i32, ctypes.POINTER(ctypes.c_char_p)],
+        "cuGetErrorString": [i32, ctypes.POINTER(ctypes.c_char_p)],
+        "cuLaunchKernel": [vp, u32, u32, u32, u32, u32, u32, u32, vp, vp, vp],
+        # CUDA 12.4+ drivers only (check_abi skips the check without it)
+        "cuFuncGetParamInfo": [vp, sz, ctypes.POINTER(sz), ctypes.POINTER(sz)],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = args
+            fn.restype = ctypes.c_int
     return lib
 
 
-def _cu_error(err: int, what: str) -> RuntimeError:
-    from cuda.bindings import driver
+# CUfunction_attribute values (cuda.h; tests/cpu checks them against cuda.bindings)
+FUNC_ATTRIBUTES = {"MAX_THREADS_PER_BLOCK": 0, "SHARED_SIZE_BYTES": 1, "CONST_SIZE_BYTES": 2,
+                   "LOCAL_SIZE_BYTES": 3, "NUM_REGS": 4, "PTX_VERSION": 5, "BINARY_VERSION": 6,
+                   "CACHE_MODE_CA": 7, "MAX_DYNAMIC_SHARED_SIZE_BYTES": 8,
+                   "PREFERRED_SHARED_MEMORY_CARVEOUT": 9}
 
-    try:
-        code = driver.CUresult(err)
-        _, msg = driver.cuGetErrorString(code)
-        return RuntimeError(f"{what} failed: {code.name} ({msg.decode() if msg else ''})")
-    except ValueError:
+
+def _cu_error(err: int, what: str) -> RuntimeError:
+    """A readable error for a failed driver call: the CUresult's name and description."""
+    lib = _libcuda()
+    name, text = ctypes.c_char_p(), ctypes.c_char_p()
+    if lib.cuGetErrorName(err, ctypes.byref(name)) or not name.value:
         return RuntimeError(f"{what} failed: CUresult {err}")
+    lib.cuGetErrorString(err, ctypes.byref(text))
+    return RuntimeError(f"{what} failed: {name.value.decode()} "
+                        f"({text.value.decode() if text.value else ''})")
+
+
+def _call(what: str, fn, *args) -> None:
+    """Call a libcuda function; raise _cu_error on a non-zero CUresult."""
+    err = fn(*args)
+    if err:
+        raise _cu_error(err, what)
 
 
 def _make_current(device_index: int) -> None:
     """Make the device's primary context (the one torch uses) current on this thread. Checked on
     every launch: autograd's backward thread or a user thread may have none, or another device's."""
     ctx = _contexts.get(device_index)
-    if ctx is None:
-        from cuda.bindings import driver
-
-        with _lock:
-            _check(driver.cuInit(0), "cuInit")
-            dev = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
-            primary = _check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-            ctx = _contexts[device_index] = int(primary)
     lib = _libcuda()
+    if ctx is None:
+        with _lock:
+            _call("cuInit", lib.cuInit, 0)
+            dev, primary = ctypes.c_int(), ctypes.c_void_p()
+            _call("cuDeviceGet", lib.cuDeviceGet, ctypes.byref(dev), device_index)
+            _call("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain,
+                  ctypes.byref(primary), dev)
+            ctx = _contexts[device_index] = primary.value or 0
     current = ctypes.c_void_p()
     err = lib.cuCtxGetCurrent(ctypes.byref(current))
     if err:
@@ -243,17 +264,20 @@ class CompiledKernel:
     spec: KernelSpec
     device_index: int
     arch: str
-    module: object  # CUmodule
-    function: object  # CUfunction
+    module_handle: int  # CUmodule
+    function_handle: int  # CUfunction, as the integer the driver's C API takes
     smem_limit: int = _DEFAULT_SMEM_LIMIT
     cache_hit: bool = False
     load_seconds: float = 0.0
     abi_checked: bool = False
 
-    @functools.cached_property
-    def function_handle(self) -> int:
-        """The CUfunction as the integer the driver's C API takes."""
-        return int(self.function)
+    @property
+    def function(self):
+        """The CUfunction as a cuda.bindings object (for tools that call the bindings, e.g. the
+        occupancy query; the launch path uses function_handle)."""
+        from cuda.bindings import driver
+
+        return driver.CUfunction(self.function_handle)
 
     @property
     def name(self) -> str:
@@ -261,43 +285,46 @@ class CompiledKernel:
 
     def attribute(self, attr: str) -> int:
         """A CUfunction attribute, e.g. 'NUM_REGS', 'LOCAL_SIZE_BYTES', 'MAX_THREADS_PER_BLOCK'."""
-        from cuda.bindings import driver
-
-        a = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attr}")
-        return int(_check(driver.cuFuncGetAttribute(a, self.function), f"cuFuncGetAttribute({attr})"))
+        if attr not in FUNC_ATTRIBUTES:
+            raise ValueError(f"attribute: expected one of {', '.join(FUNC_ATTRIBUTES)}, got {attr!r}")
+        value = ctypes.c_int()
+        _call(f"cuFuncGetAttribute({attr})", _libcuda().cuFuncGetAttribute, ctypes.byref(value),
+              FUNC_ATTRIBUTES[attr], self.function_handle)
+        return value.value
 
     def check_abi(self, args: tuple, packed: bytes, offsets: list[int]) -> None:
         """Compare the packed arguments with the kernel's own parameter list (cuFuncGetParamInfo,
         CUDA 12.4+): count, offsets and sizes. A Python/C mismatch would otherwise read garbage."""
-        from cuda.bindings import driver
-
-        if not hasattr(driver, "cuFuncGetParamInfo"):
+        info = getattr(_libcuda(), "cuFuncGetParamInfo", None)
+        if info is None:
             return
+        k_off, k_size = ctypes.c_size_t(), ctypes.c_size_t()
+
+        def param(i: int) -> bool:
+            return info(self.function_handle, i, ctypes.byref(k_off), ctypes.byref(k_size)) == 0
+
         # Offsets are compared relative to the first parameter's: ptxas may start the parameter
         # block past 0 (a kernel taking 64-byte aligned tensor maps had its first at 48, so that
         # it lands 64-aligned in the constant bank); kernelParams does not depend on where.
         base = None
         for i, off in enumerate(offsets):
-            err, k_off, k_size = driver.cuFuncGetParamInfo(self.function, i)
-            if int(err) != 0:
+            if not param(i):
                 raise TypeError(f"kernel {self.name}: got {len(args)} arguments, the kernel takes {i}")
-            base = k_off - off if base is None else base
+            base = k_off.value - off if base is None else base
             size = pack_size(pack_code(args[i]))
-            if k_off - base != off or k_size != size:
+            if k_off.value - base != off or k_size.value != size:
                 raise TypeError(
                     f"kernel {self.name}: argument {i} ({type(args[i]).__name__}) packed at offset "
-                    f"{off}, {size} bytes; the kernel expects offset {k_off}, {k_size} bytes"
+                    f"{off}, {size} bytes; the kernel expects offset {k_off.value}, "
+                    f"{k_size.value} bytes"
                 )
-        err, _, _ = driver.cuFuncGetParamInfo(self.function, len(offsets))
-        if int(err) == 0:
+        if param(len(offsets)):
             raise TypeError(f"kernel {self.name}: got {len(args)} arguments, the kernel takes more")
 
     def _raise_smem_limit(self, nbytes: int) -> None:
-        from cuda.bindings import driver
-
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(driver.cuFuncSetAttribute(self.function, attr, nbytes),
-               f"kernel {self.name}: raising dynamic shared memory to {nbytes} bytes")
+        _call(f"kernel {self.name}: raising dynamic shared memory to {nbytes} bytes",
+              _libcuda().cuFuncSetAttribute, self.function_handle,
+              FUNC_ATTRIBUTES["MAX_DYNAMIC_SHARED_SIZE_BYTES"], nbytes)
         self.smem_limit = nbytes
 
     def launch(self, grid, block, *args, shared_mem: int = 0, stream=None) -> None:
@@ -415,17 +442,17 @@ def get_kernel(spec: KernelSpec, device=None) -> CompiledKernel:
         kernel = _kernels.get(memo)
         if kernel is not None:
             return kernel
-        from cuda.bindings import driver
-
         start = time.perf_counter()
         arch = device_arch(device_index)
         cubin, hit, _ = build_cubin(spec, arch)
         _make_current(device_index)
-        module = _check(driver.cuModuleLoadData(cubin), f"loading module {spec.name}")
-        function = _check(driver.cuModuleGetFunction(module, spec.entry_name.encode()),
-                          f"finding {spec.entry_name} in {spec.name}")
-        kernel = CompiledKernel(spec, device_index, arch, module, function, cache_hit=hit,
-                                load_seconds=time.perf_counter() - start)
+        lib = _libcuda()
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        _call(f"loading module {spec.name}", lib.cuModuleLoadData, ctypes.byref(module), cubin)
+        _call(f"finding {spec.entry_name} in {spec.name}", lib.cuModuleGetFunction,
+              ctypes.byref(function), module, spec.entry_name.encode())
+        kernel = CompiledKernel(spec, device_index, arch, module.value or 0, function.value or 0,
+                                cache_hit=hit, load_seconds=time.perf_counter() - start)
         logger.log(logging.DEBUG, "loaded %s on cuda:%d (%s, cache %s, %.3fs)", spec.name,
                    device_index, arch, "hit" if hit else "miss", kernel.load_seconds)
         _kernels[memo] = kernel

@@ -403,3 +403,13 @@ def test_nvrtc_version_by_ctypes_is_the_library_cuda_bindings_compiles_with():
     assert not got["imported"]
     assert got["found_via"] == "was-already-loaded-from-elsewhere"
 
+
+def test_function_attribute_values_match_the_driver_enum():
+    """runtime.FUNC_ATTRIBUTES (the ctypes path's CUfunction_attribute values) against
+    cuda.bindings' enum, name by name."""
+    from cuda.bindings import driver
+
+    from flashcuda.jit import runtime
+
+    for name, value in runtime.FUNC_ATTRIBUTES.items():
+        assert int(getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")) == value
