@@ -28,6 +28,11 @@
 #   timeline   the sm90 forward's per-CTA timeline (scripts/sm90_timeline.py) at TIMELINE_SHAPES
 #              (default: the serving shape 1 2048 32 128 and 4 4096 16 128, causal), both
 #              work-tile orders: timeline-*.json / .png, a summary per run
+#   timeline-bwd  the sm90 backward's per-CTA timeline (scripts/sm90_bwd_timeline.py: entry, K / V
+#              arrival, first / last step, exit per CTA; fixed cost per CTA, idle gaps per SM) at
+#              TIMELINE_BWD_SHAPES, ";"-separated, each "B S H D [options]" (default "4 1024 16
+#              128;4 4096 16 128;4 4096 16 128 --causal"; options: --causal, --kv-heads N):
+#              timeline-bwd-*.json / .png, timeline-bwd.txt
 #   ab         any A/B: AB_VARIANTS="label:VAR=VAL[,VAR=VAL] ..." (e.g. "v2:FLASHCUDA_SM90_BWD_DQ=v2
 #              v4:FLASHCUDA_SM90_BWD_DQ=v4"), two processes per variant interleaved, bench
 #              ${AB_ARGS} (default 1k 4k 16k, both head dims, causal both), one table per direction
@@ -143,6 +148,14 @@ for step in "${steps[@]}"; do
         done
       done
       cat "$OUT/timeline.txt" ;;
+    timeline-bwd)
+      rc=0
+      IFS=';' read -ra shapes <<< "${TIMELINE_BWD_SHAPES:-4 1024 16 128;4 4096 16 128;4 4096 16 128 --causal}"
+      for shape in "${shapes[@]}"; do
+        timeout "${TIMELINE_TIMEOUT:-120}" python3 scripts/sm90_bwd_timeline.py --shape $shape \
+          --out "$OUT" >> "$OUT/timeline-bwd.txt" 2>&1 || rc=$?
+      done
+      cat "$OUT/timeline-bwd.txt" ;;
     ncu-source)
       # Warp-stall samples per SASS instruction of one kernel (default the sm90 backward) at
       # NCU_SHAPE: the report (ncu-source.ncu-rep), its source page as CSV, and the summary

@@ -53,10 +53,14 @@ need 32 there (24 spill at d64): 128 * 32 + 256 * 232 = 63488 — except tma at 
 one-lane writer fits in 24 (no spills), so its consumers keep 240 (+1.3-3.3% over 232 at d128,
 same-run A/B, session 11). Kernel defines (FLASHCUDA_SM90_BWD_DEFINES, "FC_NAME=VALUE" joined by
 "," or "+") override any of these for an A/B, e.g. FC_PRODUCER_REGS=32+FC_CONSUMER_REGS=232.
+`timeline` (FC_TIMELINE; run_timeline, scripts/sm90_bwd_timeline.py) builds a profiling variant
+of MAIN that writes per CTA %globaltimer at entry, K / V arrival, first and last step and exit
+(+ %smid, steps, block index) into a buffer; never dispatched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -121,6 +125,11 @@ FRAG_DIMS = (128,)  # FLASHCUDA_SM90_BWD_DQ=frag builds without spills at these 
 # only (session 12, same-run A/B: +0.8-3.5% at all six d64 points, -2.4 to +0.8% at d128)
 STMATRIX_DIMS = (64,)
 DQ_STAGE_BYTES = 64 * 72 * 4  # one consumer's padded fp32 dQ staging tile (dq_bulk, see the .cu)
+# FC_TIMELINE: uint64 words per CTA in the timeline buffer (kTimelineWords) and what each holds
+# (the .cu's kTl* indices; scripts/sm90_bwd_timeline.py decodes them)
+TIMELINE_WORDS = 12
+TIMELINE_FIELDS = {"id": 0, "block": 1, "entry": 2, "first_tma": 3, "produced": 4, "kv": 5,
+                   "first_step": 6, "last_step": 7, "exit0": 8, "exit1": 9, "dq_end": 10}
 
 
 @dataclass(frozen=True)
@@ -157,6 +166,10 @@ class Sm90BwdConfig:
     # dS^T stored by stmatrix.x4 (FC_DS_STMATRIX; the kernel applies it with the [key][query]
     # layout in FA3's order only); None: on at the head dims of STMATRIX_DIMS there
     ds_stmatrix: bool | None = None
+    # profiling variant: one more kernel argument (after dv), a buffer that receives per CTA the
+    # times of its entry, K / V arrival, first / last step and exit (FC_TIMELINE; run_timeline,
+    # scripts/sm90_bwd_timeline.py); never dispatched
+    timeline: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
     defines: tuple = ()
@@ -277,6 +290,7 @@ class Sm90BwdConfig:
                 + ("t" if self.dq_tma else "") + ("s" if self.dq_spread else "")
                 + ("g" if self.dq_frag else "")
                 + ("_early" if self.dq_early else "") + ("_stm" if self.ds_stmatrix else "")
+                + ("_tl" if self.timeline else "")
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
     def spec(self) -> KernelSpec:
@@ -303,6 +317,7 @@ class Sm90BwdConfig:
             **({"FC_DQ_FRAG": 1} if self.dq_frag else {}),
             **({"FC_DQ_EARLY": 1} if self.dq_early else {}),
             **({"FC_DS_STMATRIX": 1} if self.ds_stmatrix else {}),
+            **({"FC_TIMELINE": 1} if self.timeline else {}),
             **dict(self.defines),
         })
 
@@ -321,6 +336,11 @@ class Sm90BwdConfig:
 
     def grid(self, call: BwdCall) -> tuple[int, int, int]:
         return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
+
+    def timeline_shape(self, call: BwdCall) -> tuple[int, int, int, int]:
+        """The timeline buffer (int64) of MAIN's grid: [batch][nheads_kv][key blocks][words]."""
+        gx, gy, gz = self.grid(call)
+        return (gz, gy, gx, TIMELINE_WORDS)
 
 
 def _dq_mode(dq: str) -> dict[str, bool]:
@@ -356,6 +376,9 @@ def configs() -> list[Sm90BwdConfig]:
             out.append(Sm90BwdConfig(dtype, d, **_dq_mode(DQ_DEFAULT[d])))
             # (with red.v4 at d128: the warp split's staging tile and a third stage do not fit)
             out.append(Sm90BwdConfig(dtype, d, stages=3, **_dq_mode(STAGES3_DQ[d])))
+    # the timeline variants of the bf16 defaults (scripts/sm90_bwd_timeline.py)
+    out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True,
+                          **_dq_mode(DQ_DEFAULT[d])) for d in HEAD_DIMS]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
@@ -490,10 +513,12 @@ def _plan_key(call: BwdCall) -> tuple:
             call.softmax_scale, env_values(_KEY_ENV), *call.layouts())
 
 
-def _build_plan(call: BwdCall) -> _Plan:
+def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     if why := can_implement(call):
         raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
     cfg = select_config(call.dtype, call.head_dim)
+    if timeline:
+        cfg = dataclasses.replace(cfg, timeline=True)
     aux = cfg.aux()
     b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
     h, hkv, d = call.nheads, call.nheads_kv, call.head_dim
@@ -525,7 +550,8 @@ def _build_plan(call: BwdCall) -> _Plan:
                            (bwd_sm80.AUX_THREADS,), 0, (t,) * 6 + pre_args,
                            fixed=len(pre_args)),
         main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call), (cfg.threads, 1, 1),
-                            cfg.smem_bytes, main_maps + (t,) * 5 + main_args,
+                            cfg.smem_bytes,
+                            main_maps + (t,) * (6 if cfg.timeline else 5) + main_args,
                             fixed=len(main_args)),
         convert=PreparedLaunch(get_kernel(aux.convert_spec(cfg.block_m if cfg.dq_frag else 0),
                                           dev),
@@ -534,18 +560,21 @@ def _build_plan(call: BwdCall) -> _Plan:
 
 
 _plans = PlanCache(_build_plan)
+_timeline_plans = PlanCache(lambda call: _build_plan(call, timeline=True))
 
 
 def _plan(call: BwdCall) -> _Plan:
     return _plans.plan(_plan_key(call), call)
 
 
-def run(call: BwdCall) -> None:
+def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
     """Fill call.dq, call.dk, call.dv. Raises NotImplementedError when can_implement(call) says
     no. PRE and CONVERT are bwd_sm80's kernels, launched as bwd_sm80.run launches them. A repeat
     call with the same layout reuses its plan (can_implement's verdict included: the plan key
-    holds everything it reads)."""
-    plan = _plan(call)
+    holds everything it reads). `timeline` (run_timeline's; dispatch never passes one): MAIN is
+    the profiling variant of the call's config, writing its per-CTA records into this int64
+    tensor (timeline_shape, zeroed by the caller)."""
+    plan = _plan(call) if timeline is None else _timeline_plans.plan(_plan_key(call), call)
     cfg = plan.cfg
     b, h = call.batch, call.nheads
     lse = call.lse if call.lse.stride(-1) == 1 else call.lse.contiguous()
@@ -562,8 +591,25 @@ def run(call: BwdCall) -> None:
             bshd_map(call.v, cfg.block_n).raw, bshd_map(call.dout, cfg.block_m).raw)
     if cfg.dq_tma:
         maps += (rows_f32_map(dq_accum, cfg.block_m).raw,)
-    plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
+    if timeline is None:
+        plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
+    else:
+        plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr(),
+                  timeline.data_ptr())
     plan.convert(accum_at, call.dq.data_ptr())
+
+
+def run_timeline(call: BwdCall) -> tuple[Sm90BwdConfig, torch.Tensor]:
+    """The call's backward (as run) with MAIN's timeline variant (FC_TIMELINE; never dispatched):
+    its config and the per-CTA records, an int64 tensor of timeline_shape (the .cu's kTl* words,
+    TIMELINE_FIELDS; zeroed before the launch, so a word no thread wrote reads 0). Asynchronous
+    like run: synchronise before reading the records."""
+    if why := can_implement(call):
+        raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
+    cfg = dataclasses.replace(select_config(call.dtype, call.head_dim), timeline=True)
+    buf = torch.zeros(cfg.timeline_shape(call), dtype=torch.int64, device=call.device)
+    run(call, timeline=buf)
+    return cfg, buf
 
 
 @register

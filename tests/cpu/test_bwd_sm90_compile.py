@@ -88,6 +88,8 @@ def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
         assert ("REDG.E.ADD.F32x4" if cfg.dq_v4 else "REDG.E.ADD.F32x2") in sass
         assert "UBLKRED" not in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
+    # the clock is read by the watchdog's waits and the timeline variant only
+    assert ("GLOBALTIMER" in sass) == (cfg.watchdog or cfg.timeline)
 
 
 @pytest.mark.parametrize("dq", ["default", "tma"])
@@ -153,13 +155,14 @@ def test_config_is_the_single_source_of_truth():
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= c.register_pool
     # per dtype and d: dS layout x watchdog and no fence with the default dQ reduction, + the
     # other dQ reductions (five), + the late red.v4, + FA3's GEMM order, + the three-stage ring,
-    # + at d128 the tensor-map staging in FA3's order (the default before frag)
-    assert len({c.name for c in bwd_sm90.configs()}) == 56
+    # + at d128 the tensor-map staging in FA3's order (the default before frag); + the timeline
+    # variants of the bf16 defaults (two)
+    assert len({c.name for c in bwd_sm90.configs()}) == 58
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and without the release fence, x 4; + the two
-    # d128 frag kernels (FA3's order is their A/B default)
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 14
+    # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 16
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)

@@ -106,6 +106,12 @@
 // ptxas wraps it in an elect / R2UR loop over the active lanes (16 reductions one after another
 // per warp, the four warps in parallel). Unlike red.global.add.f32 (REDG .FTZ), the bulk .add.f32
 // keeps subnormals (UBLKRED .F32.RN).
+//
+// Timeline (FC_TIMELINE = 1, Sm90BwdConfig.timeline; a profiling variant, never dispatched;
+// scripts/sm90_bwd_timeline.py): one more kernel argument, a buffer of kTimelineWords uint64 per
+// CTA, receives %globaltimer at fixed points of the CTA's life (see "timeline" below), its
+// %smid, its step count and its block index: where the fixed cost per CTA goes (K / V load,
+// pipeline fill, dK / dV epilogue) against the time per step.
 #include "common/types.cuh"
 #include "common/sm90.cuh"
 #include "common/reduce.cuh"
@@ -354,6 +360,57 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
     mbar_wait(bar, parity);
   }
 }
+
+#ifndef FC_TIMELINE
+#define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
+#endif
+#if FC_TIMELINE
+// ---- timeline: where a CTA's time goes (profiling variant) -------------------------------------
+// Record of CTA (x, y, z) at (x + gridDim.x (y + gridDim.y z)) * kTimelineWords of the buffer,
+// each word written once by the thread named (t128: consumer 0's first thread, t256: consumer
+// 1's; the host zeroes the buffer, so a word nobody wrote reads 0):
+//   kTlId        smid << 32 | steps                               t128, at exit
+//   kTlBlock     blockIdx.z << 48 | blockIdx.y << 32 | blockIdx.x  t128, at exit
+//   kTlEntry     the kernel's first instruction                    t128
+//   kTlFirstTma  just before the producer issues K and V           the producer thread
+//   kTlProduced  the producer's last TMA issued (it has waited for the last empty stage)
+//   kTlKv        K and V in shared memory (after the kv_full wait) t128
+//   kTlFirst     step 0's Q, dO, lse2, delta in shared memory (after its full wait; the step
+//                loop's own wait then returns at once)             t128
+//   kTlLast      the last step done: its GEMMs complete and its dQ handed on (after the loop;
+//                with FC_DQ_BULK / FC_DQ_LATE after their final waits / reductions)  t128
+//   kTlExit      dK / dV stores issued (the end of the epilogue)   t128; + 1: t256
+//   kTlDqEnd     FC_DQ_WARP: the writer warp's last reduction complete (its lane 0)
+// Single-thread stores straight to the buffer (no value held across the step loop, so the
+// consumers' registers are the default build's); the clock reads carry a memory clobber so the
+// compiler keeps them in program order with the loads and stores around them.
+constexpr int kTlId = 0, kTlBlock = 1, kTlEntry = 2, kTlFirstTma = 3, kTlProduced = 4,
+              kTlKv = 5, kTlFirst = 6, kTlLast = 7, kTlExit = 8, kTlDqEnd = 10;
+constexpr int kTimelineWords = 12;  // (word 11 unused)
+
+__device__ __forceinline__ uint64_t timeline_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  return t;
+}
+
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
+__device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline) {
+  const int64_t cta =
+      blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
+  return timeline + cta * kTimelineWords;
+}
+
+// word := now (the calling thread decides whether it is the one that records)
+__device__ __forceinline__ void timeline_mark(uint64_t* timeline, int word) {
+  timeline_record(timeline)[word] = timeline_ns();
+}
+#endif
 
 __device__ __forceinline__ int stage_of(int it) { return it % kStages; }
 __device__ __forceinline__ uint32_t parity_of(int it) { return (it / kStages) & 1; }
@@ -792,10 +849,16 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                float* __restrict__ dq_accum,           // [B, H, Sq_pad, D] (PRE zeroed it)
                T* __restrict__ dk,                     // [B, Sk, Hkv, D]
                T* __restrict__ dv,                     // [B, Sk, Hkv, D]
+#if FC_TIMELINE
+               uint64_t* __restrict__ timeline,  // [gridDim.z][.y][.x][kTimelineWords]
+#endif
                int64_t dk_sb, int64_t dk_ss, int64_t dk_sh, int64_t dv_sb, int64_t dv_ss,
                int64_t dv_sh, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                int seqlen_q_pad, float scale_log2, float softmax_scale, int window_left,
                int window_right) {
+#if FC_TIMELINE
+  if (threadIdx.x == 128) timeline_mark(timeline, kTlEntry);
+#endif
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
@@ -820,11 +883,18 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 
   if (wg == 0) {  // ---- producer warpgroup
     setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x < 32 && elect_one())
+    if (threadIdx.x < 32 && elect_one()) {
+#if FC_TIMELINE
+      timeline_mark(timeline, kTlFirstTma);
+#endif
       produce(sm, steps, n0, head_kv, batch, map_q, map_k, map_v, map_do, lse2, delta, nheads,
               seqlen_q_pad);
+#if FC_TIMELINE
+      timeline_mark(timeline, kTlProduced);
+#endif
+    }
 #if FC_DQ_WARP
-    else if (threadIdx.x >= 32 && threadIdx.x < 64)
+    else if (threadIdx.x >= 32 && threadIdx.x < 64) {
       write_dq(sm, steps, head_kv, batch, dq_accum,
 #if FC_DQ_TMA
                &map_dq,
@@ -832,6 +902,10 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                nullptr,
 #endif
                nheads, seqlen_q_pad, static_cast<int>(threadIdx.x & 31));
+#if FC_TIMELINE
+      if (threadIdx.x == 32) timeline_mark(timeline, kTlDqEnd);
+#endif
+    }
 #endif
     return;
   }
@@ -850,6 +924,13 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   cs.init(sm, wg_key0);
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
   wait(sm.kv_full(), 0, stuck);  // also when there are no steps: no TMA may outlive the CTA
+#if FC_TIMELINE
+  if (threadIdx.x == 128) timeline_mark(timeline, kTlKv);
+  if (steps.count() > 0) {  // step 0's stage: the loop's wait on the same phase then passes
+    wait(sm.full(stage_of(0)), parity_of(0), stuck);
+    if (threadIdx.x == 128) timeline_mark(timeline, kTlFirst);
+  }
+#endif
 #if FC_DQ_LATE
   float* late_rows = nullptr;  // the previous step's dQ rows in dq_accum (FC_DQ_LATE)
   float late[32];              // ... and its red.v4 payload
@@ -1009,6 +1090,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_DQ_LATE
   if (steps.count() > 0) Consumer::reduce_v4(late_rows, late, t);  // the last step's
 #endif
+#if FC_TIMELINE
+  if (threadIdx.x == 128) timeline_mark(timeline, kTlLast);
+#endif
 
   // ---- epilogue: dK * softmax_scale and dV from the accumulators, rows inside seqlen_k
   // (NaN from a thread the watchdog found stuck)
@@ -1031,4 +1115,15 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       }
     }
   }
+#if FC_TIMELINE
+  if ((threadIdx.x & 127) == 0) {
+    timeline_mark(timeline, kTlExit + c);
+    if (c == 0) {
+      uint64_t* rec = timeline_record(timeline);
+      rec[kTlId] = (static_cast<uint64_t>(sm_id()) << 32) | static_cast<uint32_t>(steps.count());
+      rec[kTlBlock] = (static_cast<uint64_t>(blockIdx.z) << 48) |
+                      (static_cast<uint64_t>(blockIdx.y) << 32) | blockIdx.x;
+    }
+  }
+#endif
 }
