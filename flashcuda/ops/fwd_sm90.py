@@ -20,8 +20,9 @@ register split, shared memory (the .cu static_asserts the same layout), the name
     64         none      192 x 128, 2                 89 KB    3 x 160  (FA3's d64 tiles)
     64         causal    192 x 128 from seqlen_q 8k, else 128 x 128 (+ a clean V tile per
                          consumer: 137 / 113 KB)
-    128        none      128 x 176 from seqlen_k 2k, 2 209 KB  2 x 240  (FA3's d128 tiles)
+    128        none      128 x 128, 2                 161 KB   2 x 240  (FA4's d128 tiles)
     128        causal    128 x 128, 2                 226 KB   2 x 240  (161 + 2 clean V tiles)
+    A/B        none      128 x 176 at d128 (FLASHCUDA_SM90_TILES=d128=bm128_bn176, FA3's)
     A/B        any       128 x 128, 2 (FLASHCUDA_SM90_TILES=bm128_bn128)
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512 and
 128 * 24 + 384 * 160 = 64512 of the 65536-register file.
@@ -160,6 +161,7 @@ class Sm90FwdConfig:
             **({"FC_MASKED_V": 1} if self.masked_v else {}),
             **({"FC_SMEM_PAD": self.smem_pad} if self.smem_pad else {}),
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
+            **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
             **dict(self.defines),
         })
 
@@ -180,15 +182,17 @@ class Sm90FwdConfig:
 # (block_m, block_n) per head dim, mask and length, by measurement (docs/perf-notes.md, "FA3's
 # tiles"): FlashAttention-3's 192 x 128 at d64 (three consumer warpgroups share each K/V tile)
 # wins 12-21% without a mask and at causal 16k but loses 20% at causal 1k (fewer, longer work
-# tiles for the diagonal); 128 x 176 at d128 without a mask wins 2-4% from 4k on.
+# tiles for the diagonal). d128: 128 x 128 everywhere (FA4's). 128 x 176 without a mask won
+# 2-4% from 4k on in session 2, before the ping-pong and the softmax in the mask's arms; with the
+# exp2s split around the P V wait (EXP_SPLIT), 128 x 128 wins +2.4-5.6% at 4k-16k (session 13,
+# "d128 tiles and the exp2 split" in perf-notes).
 LONG = 8192  # causal d64: 192-row tiles from this seqlen_q on
-WIDE = 2048  # d128 without a mask: 176-key tiles from this seqlen_k on
 
 
 def tiles_for(head_dim: int, windowed: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
     if head_dim == 64:
         return (192, 128) if not windowed or seqlen_q >= LONG else (128, 128)
-    return (128, 176) if not windowed and seqlen_k >= WIDE else (128, 128)
+    return (128, 128)
 
 
 # Every (block_m, block_n) tiles_for returns, per head dim; 128 x 128 is also the A/B baseline
@@ -227,6 +231,12 @@ DEFINES_ENV = "FLASHCUDA_SM90_FWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel kn
 # TFLOP/s without a mask, 548 -> 588 causal), d64 -2-4% (its three warpgroups' ping-pong already
 # hides the softmax; the duplicated code costs more than the overlap gives).
 SOFTMAX_IN_ARMS = (128,)
+# Column groups (of 8 keys) whose exp2s run before the previous P V's wait, per head dim; the rest
+# run after it, among the O rescale and the packing (FC_EXP_SPLIT, the .cu; FlashAttention 4's
+# placement). Same-run A/B (session 13, perf-notes): d128 +0-5% (with 128 x 128 tiles +2.4-5.6%
+# at 4k-16k without a mask, causal -1 to +3%), d64 -1 to +2% (noise: not used). An
+# FLASHCUDA_SM90_FWD_DEFINES=FC_EXP_SPLIT=0 run builds the unsplit kernel (A/B).
+EXP_SPLIT = {128: 8}
 
 
 def _defines() -> tuple:
@@ -277,7 +287,7 @@ def _stages() -> int:
 
 
 def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
-                  seqlen_q: int = LONG, seqlen_k: int = WIDE,
+                  seqlen_q: int = LONG, seqlen_k: int = 4096,
                   few_rounds: bool = False) -> Sm90FwdConfig:
     """The tiles of tiles_for, or those FLASHCUDA_SM90_TILES=bm<M>_bn<N> forces (A/B runs).
     few_rounds: the call's work tiles are at most SNAKE_ROUNDS per SM (see _plan)."""

@@ -198,7 +198,8 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     monkeypatch.delenv(fwd_sm90.SNAKE_ENV)
     assert (pick(torch.bfloat16, 64).block_m, pick(torch.bfloat16, 64).block_n) == (192, 128)
     assert pick(torch.bfloat16, 64).consumer_regs == 160 and pick(torch.bfloat16, 64).threads == 512
-    assert pick(torch.float16, 128).block_n == 176
+    assert pick(torch.float16, 128).block_n == 128  # FA4's d128 tiles at every length (session 13)
+    assert pick(torch.float16, 128, False, 16384, 16384).block_n == 128
     assert pick(torch.float16, 128, windowed=True).block_n == 128
     assert pick(torch.float16, 128, False, 1024, 1024).block_n == 128  # short: 128 x 128
     assert pick(torch.float16, 64, True, 4096, 4096).block_m == 128  # causal below 8k
@@ -213,7 +214,7 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     assert pick(torch.bfloat16, 64, True, 1, 1).block_m == 192
     assert pick(torch.bfloat16, 128, True, 1, 1).block_n == 176
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "d64=bm128_bn128")
-    assert pick(torch.bfloat16, 128, False, 4096, 4096).block_n == 176  # d128: the rule
+    assert pick(torch.bfloat16, 128, False, 4096, 4096).block_n == 128  # d128: the rule
     monkeypatch.setenv(fwd_sm90.PINGPONG_ENV, "0")
     monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "1")
     assert pick(torch.bfloat16, 64).name.endswith("_s2_sn") and pick(torch.bfloat16, 64).name in names

@@ -35,10 +35,11 @@ def _loop_exp2s(sass: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("block_n", [176, 128])
 def test_exp_split_moves_exp2s_after_the_pv_wait_at_d128(block_n, tmp_path):
-    base = fwd_sm90._config(torch.bfloat16, 128, 128, block_n)
-    assert 128 in fwd_sm90.SOFTMAX_IN_ARMS  # the default keeps every exp2 before the wait
-    split = dataclasses.replace(base, defines=(("FC_EXP_SPLIT", 8),))
-    assert split.name == base.name + "_fc_exp_split8"
+    split = fwd_sm90._config(torch.bfloat16, 128, 128, block_n)
+    assert 128 in fwd_sm90.SOFTMAX_IN_ARMS and fwd_sm90.EXP_SPLIT[128] == 8  # d128's default
+    assert dict(split.spec().defines)["FC_EXP_SPLIT"] == "8"
+    base = dataclasses.replace(split, defines=(("FC_EXP_SPLIT", 0),))  # every exp2 before the wait
+    assert base.name == split.name + "_fc_exp_split0"
     before_d, after_d = _loop_exp2s(clean_sass(base, tmp_path))
     before_s, after_s = _loop_exp2s(clean_sass(split, tmp_path))
     per_thread = 4 * (block_n // 8)  # exp2s of one tile per thread (two rows, 2 per group)
@@ -53,6 +54,7 @@ def test_exp_split_builds_clean_at_d64(block_m, tmp_path):
     """d64 keeps the softmax out of the mask arms, so ptxas already waits for the P V before the
     exp2s there (perf-notes, session 9); the knob must still build clean."""
     base = fwd_sm90._config(torch.bfloat16, 64, block_m, 128)
+    assert "FC_EXP_SPLIT" not in dict(base.spec().defines)  # not d64's default (noise, session 13)
     clean_sass(dataclasses.replace(base, defines=(("FC_EXP_SPLIT", 8),)), tmp_path)
 
 

@@ -27,7 +27,10 @@ def test_stages_switch(monkeypatch):
     windowed = fwd_sm90.select_config(torch.bfloat16, 128, windowed=True, seqlen_q=4096,
                                       seqlen_k=4096)
     assert windowed.stages == 2
-    monkeypatch.delenv(fwd_sm90.TILES_ENV)  # 176-key tiles: three stages need ~303 KB
+    cfg3 = fwd_sm90.select_config(torch.bfloat16, 128)  # d128's default tiles are 128 x 128 too
+    monkeypatch.delenv(fwd_sm90.TILES_ENV)
+    assert fwd_sm90.select_config(torch.bfloat16, 128) == cfg3
+    monkeypatch.setenv(fwd_sm90.TILES_ENV, "d128=bm128_bn176")  # three stages need ~303 KB
     with pytest.raises(ValueError, match=fwd_sm90.STAGES_ENV):
         fwd_sm90.select_config(torch.bfloat16, 128)
     for bad in ("0", "three", "9"):

@@ -90,11 +90,12 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #endif
 constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 #ifndef FC_EXP_SPLIT
-// k > 0 (A/B, session 12: written, not yet run on a GPU): the exp2s of a tile's column groups
-// k .. kBlockN / 8 - 1 move after the previous P V's wait (Consumer::softmax_tail), so they run
-// interleaved with the rescale and the packing instead of all before the wait, where the ~100
-// FMUL / F2FP after it then have no MUFU work to hide behind. FlashAttention 4's Hopper forward
-// schedules its exp2s that way (its SASS: 10 of 66 MUFU before the P V wait; ours: all).
+// k > 0: the exp2s of a tile's column groups k .. kBlockN / 8 - 1 move after the previous P V's
+// wait (Consumer::softmax_tail), so they run interleaved with the rescale and the packing instead
+// of all before the wait, where the ~100 FMUL / F2FP after it then have no MUFU work to hide
+// behind. FlashAttention 4's Hopper forward schedules its exp2s that way (its SASS: 10 of 66 MUFU
+// before the P V wait). The host sets k = 8 at d128 (fwd_sm90.EXP_SPLIT; measured on the H200 in
+// session 13, perf-notes) and leaves d64 at 0 (noise there).
 #define FC_EXP_SPLIT 0
 #endif
 #ifndef FC_SMEM_PAD
@@ -471,14 +472,6 @@ __device__ __forceinline__ void turn_begin(int c) {
 __device__ __forceinline__ void turn_end(int c) {
   if constexpr (kPingPong) named_barrier_arrive(1 + (c + 1) % kConsumers, 256);
 }
-// FC_EDGE_TURNS = 0 (A/B, session 12: written, not yet run on a GPU): a work tile's first S and
-// its last P V are issued without taking a turn (FlashAttention 4's Hopper forward does so), so
-// a warpgroup starting a work tile does not wait for the other's turn. Both consumer warpgroups
-// run the same key tiles of a work tile, so both skip the same two turns and the protocol's
-// counts stay matched (tests/cpu: the ping-pong model check holds for any equal turn count).
-#ifndef FC_EDGE_TURNS
-#define FC_EDGE_TURNS 1
-#endif
 __device__ __forceinline__ void turn_open(int c) {
   if constexpr (kPingPong)
     if (c == kConsumers - 1) named_barrier_arrive(1, 256);
@@ -673,7 +666,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     mbar_wait(sm.v_full(prev), parity_of(ring - 1));
     if constexpr (kScanPrev) v_prev = scanned_v(sm, prev, c, poisoned);
   }
-  if constexpr (FC_EDGE_TURNS || !kFirst) turn_begin(c);
+  turn_begin(c);
   wgmma_fence_operands(cs.s);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
@@ -685,7 +678,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     }
     cs.issue_accumulate(v_prev);
   }
-  if constexpr (FC_EDGE_TURNS || !kFirst) turn_end(c);
+  turn_end(c);
   if constexpr (!kFirst) {
     wgmma_wait<1>();
   } else {
@@ -760,11 +753,11 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
   bool poisoned = false;
   mbar_wait(sm.v_full(stage), parity_of(last));
   const uint32_t v = scan ? scanned_v(sm, stage, c, poisoned) : sm.v(stage);
-  if constexpr (FC_EDGE_TURNS) turn_begin(c);
+  turn_begin(c);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
   cs.issue_accumulate(v);
-  if constexpr (FC_EDGE_TURNS) turn_end(c);
+  turn_end(c);
   wgmma_wait<0>();
   cs.hold_p();
   wgmma_fence_operands(cs.o);
