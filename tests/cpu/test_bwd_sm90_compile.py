@@ -630,3 +630,38 @@ def test_dq_frag_layout_round_trip(block_m, head_dim):
                     assert frag_offset(row, col) == at, (row, col)
                     seen[(row, col)] = at
     assert len(seen) == 3 * block_m * head_dim and len(set(seen.values())) == len(seen)
+
+
+def _quad_transpose(words: list[list[int]]) -> list[list[int]]:
+    """quad_transpose (flash_bwd_sm90.cu, FC_DKV_QUAD) step by step: words[q][i] is lane q's a[i];
+    each butterfly swaps, between lanes q and q ^ m, the words whose index bit differs from the
+    lane's bit (a lane reads the value its partner holds before the exchange)."""
+    a = [list(w) for w in words]
+    for k in range(2):
+        m = 1 << k
+        for lo in (i for i in range(4) if not i & m):
+            hi = lo | m
+            sent = [a[q][lo] if (q >> k) & 1 else a[q][hi] for q in range(4)]
+            for q in range(4):
+                a[q][lo if (q >> k) & 1 else hi] = sent[q ^ m]
+    return a
+
+
+def test_dkv_quad_transpose_gives_each_lane_one_whole_chunk():
+    # on entry lane q holds word q of chunks 0..3; on exit it must hold words 0..3 of chunk q
+    got = _quad_transpose([[(chunk, q) for chunk in range(4)] for q in range(4)])
+    assert got == [[(q, word) for word in range(4)] for q in range(4)]
+
+
+def test_dkv_quad_epilogue_builds_clean_with_16_byte_stores(tmp_path):
+    """FC_DKV_QUAD=1 (an A/B knob through FLASHCUDA_SM90_BWD_DEFINES): the dK / dV epilogue's
+    4-byte stores (2 rows x 2 tensors x kHeadDim / 8 per lane) become a quarter as many 16-byte
+    stores, with no spills at either head dim."""
+    for d in (64, 128):
+        base = bwd_sm90.select_config(torch.bfloat16, d)
+        quad = dataclasses.replace(base, defines=(("FC_DKV_QUAD", 1),))
+        plain, vec = clean_sass(base, tmp_path), clean_sass(quad, tmp_path)
+        assert len(re.findall(r"STG\.E\.128 ", vec)) == 2 * 2 * d // 32
+        assert len(re.findall(r"STG\.E\.128 ", plain)) == 0
+        stores = lambda s: len(re.findall(r"\bSTG\.E(\.[A-Z0-9.]+)? ", s))  # noqa: E731
+        assert stores(plain) - stores(vec) == 2 * 2 * d // 8 - 2 * 2 * d // 32

@@ -118,8 +118,10 @@ def test_config_is_the_single_source_of_truth():
         "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "128", "FC_BLOCK_N": "128",
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
         "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_PINGPONG": "0", "FC_SNAKE": "0",
-        "FC_SOFTMAX_IN_ARMS": "1"}  # d128 only (fwd_sm90.SOFTMAX_IN_ARMS)
+        "FC_SOFTMAX_IN_ARMS": "1",  # d128 only (fwd_sm90.SOFTMAX_IN_ARMS)
+        "FC_EXP_SPLIT": "8"}  # d128 only (fwd_sm90.EXP_SPLIT)
     assert dict(Sm90FwdConfig(torch.bfloat16, 64).spec().defines)["FC_SOFTMAX_IN_ARMS"] == "0"
+    assert "FC_EXP_SPLIT" not in dict(Sm90FwdConfig(torch.bfloat16, 64).spec().defines)
     knob = dataclasses.replace(cfg, defines=(("FC_SOFTMAX_IN_ARMS", 0),))  # an A/B override wins
     assert dict(knob.spec().defines)["FC_SOFTMAX_IN_ARMS"] == "0" and knob.name != cfg.name
     pp = Sm90FwdConfig(torch.bfloat16, 128, pingpong=True)

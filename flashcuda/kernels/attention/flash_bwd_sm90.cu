@@ -361,6 +361,15 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
   }
 }
 
+#ifndef FC_DKV_QUAD
+// 1 (A/B, session 13): the dK / dV epilogue stores 16-byte chunks. The four lanes of a quad hold
+// one key row, each two columns of every 8-column chunk (the wgmma accumulator layout); they
+// transpose their packed words among themselves (quad_transpose, 4 shuffles per 4 chunks), so
+// each lane then holds a whole chunk and one st.global.v4 writes it: 4x fewer store instructions
+// and every 32-byte sector written whole, instead of 4-byte stores filling half a sector each.
+// The backward timeline (session 13) had the epilogue at 4-6.6 us per CTA, ~2.7 steps.
+#define FC_DKV_QUAD 0
+#endif
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
@@ -409,6 +418,30 @@ __device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline) {
 // word := now (the calling thread decides whether it is the one that records)
 __device__ __forceinline__ void timeline_mark(uint64_t* timeline, int word) {
   timeline_record(timeline)[word] = timeline_ns();
+}
+#endif
+
+#if FC_DKV_QUAD
+// A 4 x 4 transpose of 32-bit words across the four lanes of a quad (q = lane & 3): on entry
+// a[i] is word q of chunk i, on exit word i of chunk q. One butterfly per index bit: lanes whose
+// bit differs swap the words whose index bit differs from their own lane bit (static register
+// indices: no local memory). Every lane of the warp calls it.
+__device__ __forceinline__ void quad_transpose(uint32_t (&a)[4], int q) {
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int m = 1 << k;
+    const bool upper = (q >> k) & 1;
+#pragma unroll
+    for (int lo = 0; lo < 4; ++lo) {
+      if (lo & m) continue;
+      const int hi = lo | m;
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? a[lo] : a[hi], m);
+      if (upper)
+        a[lo] = got;
+      else
+        a[hi] = got;
+    }
+  }
 }
 #endif
 
@@ -1098,6 +1131,31 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   // (NaN from a thread the watchdog found stuck)
   const float v_scale = kWatchdog && stuck ? __int_as_float(0x7fc00000) : 1.f;
   const float k_scale = softmax_scale * v_scale;
+#if FC_DKV_QUAD
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int key = n0 + key_row + 8 * hh;
+    uint4* k_row = reinterpret_cast<uint4*>(dk + batch * dk_sb + key * dk_ss + head_kv * dk_sh);
+    uint4* v_row = reinterpret_cast<uint4*>(dv + batch * dv_sb + key * dv_ss + head_kv * dv_sh);
+#pragma unroll
+    for (int c4 = 0; c4 < kHeadDim / 32; ++c4) {  // chunks 4 c4 .. 4 c4 + 3 of the row
+      uint32_t kw[4], vw[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float* kk = &cs.dk[4 * (4 * c4 + i) + 2 * hh];
+        const float* vv = &cs.dv[4 * (4 * c4 + i) + 2 * hh];
+        kw[i] = pack2<T>(kk[0] * k_scale, kk[1] * k_scale);
+        vw[i] = pack2<T>(vv[0] * v_scale, vv[1] * v_scale);
+      }
+      quad_transpose(kw, t);  // (outside the row check: every lane of the quad takes part)
+      quad_transpose(vw, t);
+      if (key < seqlen_k) {  // the same for the quad's four lanes (one row)
+        k_row[4 * c4 + t] = make_uint4(kw[0], kw[1], kw[2], kw[3]);
+        v_row[4 * c4 + t] = make_uint4(vw[0], vw[1], vw[2], vw[3]);
+      }
+    }
+  }
+#else
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int key = n0 + key_row + 8 * hh;
@@ -1115,6 +1173,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       }
     }
   }
+#endif
 #if FC_TIMELINE
   if ((threadIdx.x & 127) == 0) {
     timeline_mark(timeline, kTlExit + c);
