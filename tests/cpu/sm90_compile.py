@@ -4,6 +4,7 @@ building every variant once, the clean-compile checks, and reading SASS / ELF wi
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,14 @@ def dump(cubin: bytes, tmp_path: Path, flag: str) -> str:
         pytest.skip("cuobjdump found no nvdisasm (set NVDISASM_PATH)")
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
+
+
+def param_table(cubin: bytes, tmp_path: Path) -> dict[int, tuple[int, int]]:
+    """The cubin's own kernel parameter table (EIATTR_KPARAM_INFO): ordinal -> (offset, size)."""
+    elf = dump(cubin, tmp_path, "-elf")
+    return {int(o, 16): (int(off, 16), int(size, 16)) for o, off, size in re.findall(
+        r"Ordinal\s*:\s*0x([0-9a-f]+)\s+Offset\s*:\s*0x([0-9a-f]+)\s+Size\s*:\s*0x([0-9a-f]+)",
+        elf)}
 
 
 def assert_plan_key_follows_operands(plan_key, base, names) -> tuple:

@@ -39,6 +39,7 @@ from .sm90_compile import (
     build_all,
     clean_sass,
     dump,
+    param_table,
 )
 
 
@@ -97,10 +98,7 @@ def test_sm90_bwd_parameter_offsets_match_pack_args(builds, tmp_path, dq):
     """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout (the tma
     dQ variant has a fifth tensor map, map_dq)."""
     cfg = next(c for c in bwd_sm90.configs() if c.dq_tma == (dq == "tma"))
-    elf = dump(builds[cfg.name].cubin, tmp_path, "-elf")
-    table = {int(o, 16): (int(off, 16), int(size, 16)) for o, off, size in re.findall(
-        r"Ordinal\s*:\s*0x([0-9a-f]+)\s+Offset\s*:\s*0x([0-9a-f]+)\s+Size\s*:\s*0x([0-9a-f]+)",
-        elf)}
+    table = param_table(builds[cfg.name].cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
     i32, i64 = np.int32(0), np.int64(0)
     maps = (m,) * (5 if cfg.dq_tma else 4)
@@ -654,12 +652,12 @@ def test_dkv_quad_transpose_gives_each_lane_one_whole_chunk():
 
 
 def test_dkv_quad_epilogue_builds_clean_with_16_byte_stores(tmp_path):
-    """FC_DKV_QUAD=1 (an A/B knob through FLASHCUDA_SM90_BWD_DEFINES): the dK / dV epilogue's
-    4-byte stores (2 rows x 2 tensors x kHeadDim / 8 per lane) become a quarter as many 16-byte
-    stores, with no spills at either head dim."""
+    """FC_DKV_QUAD (the default; FLASHCUDA_SM90_BWD_DEFINES=FC_DKV_QUAD=0 is the A/B baseline):
+    the dK / dV epilogue's 4-byte stores (2 rows x 2 tensors x kHeadDim / 8 per lane) become a
+    quarter as many 16-byte stores, with no spills at either head dim."""
     for d in (64, 128):
-        base = bwd_sm90.select_config(torch.bfloat16, d)
-        quad = dataclasses.replace(base, defines=(("FC_DKV_QUAD", 1),))
+        quad = bwd_sm90.select_config(torch.bfloat16, d)
+        base = dataclasses.replace(quad, defines=(("FC_DKV_QUAD", 0),))
         plain, vec = clean_sass(base, tmp_path), clean_sass(quad, tmp_path)
         assert len(re.findall(r"STG\.E\.128 ", vec)) == 2 * 2 * d // 32
         assert len(re.findall(r"STG\.E\.128 ", plain)) == 0

@@ -21,7 +21,7 @@ from flashcuda.ops import bwd_sm90
 from flashcuda.ops.call import BwdCall
 
 from . import script_module
-from .sm90_compile import ARCH, assert_compiled_clean, dump
+from .sm90_compile import ARCH, assert_compiled_clean, dump, param_table
 
 KERNEL = Path(bwd_sm90.__file__).resolve().parents[1] / "kernels" / bwd_sm90.SOURCE
 # clock reads of the timeline build: entry, first TMA, producer done, K / V, first step, last
@@ -141,10 +141,7 @@ def test_timeline_parameter_follows_dv(tmp_path):
     """The extra pointer sits after dv (bwd_sm90.run passes it there; the scalar tail stays the
     PreparedLaunch's fixed part): the cubin's parameter table against pack_args' layout."""
     cfg = next(c for c in _timeline_configs() if c.head_dim == 128)
-    elf = dump(compile_spec(cfg.spec(), ARCH).cubin, tmp_path, "-elf")
-    table = {int(o, 16): (int(off, 16), int(size, 16)) for o, off, size in re.findall(
-        r"Ordinal\s*:\s*0x([0-9a-f]+)\s+Offset\s*:\s*0x([0-9a-f]+)\s+Size\s*:\s*0x([0-9a-f]+)",
-        elf)}
+    table = param_table(compile_spec(cfg.spec(), ARCH).cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
     i32, i64 = np.int32(0), np.int64(0)
     maps = (m,) * (5 if cfg.dq_tma else 4)

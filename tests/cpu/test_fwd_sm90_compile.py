@@ -30,6 +30,7 @@ from .sm90_compile import (
     assert_plan_key_follows_operands,
     build_all,
     dump,
+    param_table,
 )
 
 
@@ -68,10 +69,7 @@ def test_sm90_sass_uses_wgmma_and_tma(builds, cfg, tmp_path):
 def test_sm90_parameter_offsets_match_pack_args(builds, tmp_path):
     """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout."""
     cfg = fwd_sm90.configs()[0]
-    elf = dump(builds[cfg.name].cubin, tmp_path, "-elf")
-    table = {int(o, 16): (int(off, 16), int(size, 16)) for o, off, size in re.findall(
-        r"Ordinal\s*:\s*0x([0-9a-f]+)\s+Offset\s*:\s*0x([0-9a-f]+)\s+Size\s*:\s*0x([0-9a-f]+)",
-        elf)}
+    table = param_table(builds[cfg.name].cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
     args = (m, m, m, None, None, np.int64(0), np.int64(0), np.int64(0), np.int32(0), np.int32(0),
             np.int32(0), np.int32(0), np.float32(0), np.int32(0), np.int32(0), np.int32(0),

@@ -362,13 +362,15 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
 }
 
 #ifndef FC_DKV_QUAD
-// 1 (A/B, session 13): the dK / dV epilogue stores 16-byte chunks. The four lanes of a quad hold
-// one key row, each two columns of every 8-column chunk (the wgmma accumulator layout); they
-// transpose their packed words among themselves (quad_transpose, 4 shuffles per 4 chunks), so
-// each lane then holds a whole chunk and one st.global.v4 writes it: 4x fewer store instructions
-// and every 32-byte sector written whole, instead of 4-byte stores filling half a sector each.
-// The backward timeline (session 13) had the epilogue at 4-6.6 us per CTA, ~2.7 steps.
-#define FC_DKV_QUAD 0
+// 1 (the default since session 13; 0 is the A/B baseline): the dK / dV epilogue stores 16-byte
+// chunks. The four lanes of a quad hold one key row, each two columns of every 8-column chunk
+// (the wgmma accumulator layout); they transpose their packed words among themselves
+// (quad_transpose, common/sm90.cuh), so each lane then holds a whole chunk and one st.global.v4
+// writes it: 4x fewer store instructions and every 32-byte sector written whole, instead of
+// 4-byte stores filling half a sector each. The backward timeline (session 13) had the epilogue
+// at 4-6.6 us per CTA, ~2.7 steps; same-run A/B on the H200: backward +0.4-8.6% at 1k-4k, -0.2
+// to +1% at 16k (perf-notes).
+#define FC_DKV_QUAD 1
 #endif
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
@@ -418,30 +420,6 @@ __device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline) {
 // word := now (the calling thread decides whether it is the one that records)
 __device__ __forceinline__ void timeline_mark(uint64_t* timeline, int word) {
   timeline_record(timeline)[word] = timeline_ns();
-}
-#endif
-
-#if FC_DKV_QUAD
-// A 4 x 4 transpose of 32-bit words across the four lanes of a quad (q = lane & 3): on entry
-// a[i] is word q of chunk i, on exit word i of chunk q. One butterfly per index bit: lanes whose
-// bit differs swap the words whose index bit differs from their own lane bit (static register
-// indices: no local memory). Every lane of the warp calls it.
-__device__ __forceinline__ void quad_transpose(uint32_t (&a)[4], int q) {
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const int m = 1 << k;
-    const bool upper = (q >> k) & 1;
-#pragma unroll
-    for (int lo = 0; lo < 4; ++lo) {
-      if (lo & m) continue;
-      const int hi = lo | m;
-      const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? a[lo] : a[hi], m);
-      if (upper)
-        a[lo] = got;
-      else
-        a[hi] = got;
-    }
-  }
 }
 #endif
 
@@ -1132,6 +1110,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   const float v_scale = kWatchdog && stuck ? __int_as_float(0x7fc00000) : 1.f;
   const float k_scale = softmax_scale * v_scale;
 #if FC_DKV_QUAD
+  // (store_row_v4's transposes, written out for dK and dV together: the measured SASS)
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int key = n0 + key_row + 8 * hh;

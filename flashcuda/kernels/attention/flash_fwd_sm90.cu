@@ -98,6 +98,12 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 // session 13, perf-notes) and leaves d64 at 0 (noise there).
 #define FC_EXP_SPLIT 0
 #endif
+#ifndef FC_O_QUAD
+// 1 (A/B, session 13: written, not yet run on a GPU): O leaves in 16-byte stores after a
+// transpose within each quad (store_row_v4, common/sm90.cuh), as the backward's dK / dV
+// (FC_DKV_QUAD, +0.4-8.6% there at 1k-4k): a quarter of the store instructions, whole sectors.
+#define FC_O_QUAD 0
+#endif
 #ifndef FC_SMEM_PAD
 #define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
 #endif
@@ -883,6 +889,14 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
       st.l += __shfl_xor_sync(0xffffffffu, st.l, 2);
       const float inv = st.inv_sum();
       const int r = row0 + 8 * h;
+#if FC_O_QUAD
+      if (r < seqlen_q && t == 0) lse[lse_row0 + r] = st.lse();
+      uint32_t words[kHeadDim / 8];
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j)
+        words[j] = pack2<T>(cs.o[4 * j + 2 * h] * inv, cs.o[4 * j + 2 * h + 1] * inv);
+      store_row_v4(reinterpret_cast<uint4*>(o_bh + r * o_row_stride), words, t, r < seqlen_q);
+#else
       if (r < seqlen_q) {
         if (t == 0) lse[lse_row0 + r] = st.lse();
         uint32_t* dst = reinterpret_cast<uint32_t*>(o_bh + r * o_row_stride + 2 * t);
@@ -890,6 +904,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
         for (int j = 0; j < kHeadDim / 8; ++j)
           dst[4 * j] = pack2<T>(cs.o[4 * j + 2 * h] * inv, cs.o[4 * j + 2 * h + 1] * inv);
       }
+#endif
     }
 #if FC_TIMELINE
     timeline_rec.record(w, tiles, t_start);

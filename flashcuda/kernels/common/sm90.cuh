@@ -191,6 +191,47 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                : "memory");
 }
 
+// A 4 x 4 transpose of 32-bit words across the four lanes of a quad (q = lane & 3): on entry
+// a[i] is word q of chunk i, on exit word i of chunk q. One butterfly per index bit: lanes whose
+// bit differs swap the words whose index bit differs from their own lane bit (static register
+// indices: no local memory). Every lane of the warp calls it.
+__device__ __forceinline__ void quad_transpose(uint32_t (&a)[4], int q) {
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int m = 1 << k;
+    const bool upper = (q >> k) & 1;
+#pragma unroll
+    for (int lo = 0; lo < 4; ++lo) {
+      if (lo & m) continue;
+      const int hi = lo | m;
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? a[lo] : a[hi], m);
+      if (upper)
+        a[lo] = got;
+      else
+        a[hi] = got;
+    }
+  }
+}
+
+// One row of an accumulator fragment in 16-byte stores. In the mma / wgmma accumulator layout
+// the quad's four lanes (q = lane & 3) hold one row, lane q the packed pair at columns 8 j + 2 q
+// of every 8-column chunk j (words[j]); four chunks at a time the quad transposes them so lane q
+// holds chunk 4 c + q whole and writes it to row[4 c + q] (row: the row's first 16 bytes, 16-byte
+// aligned). A quarter of the store instructions of one 4-byte store per pair, and every 32-byte
+// sector written whole. Every lane of the warp calls it; `store` (the same in the quad) says
+// whether the row is written.
+template <int kChunks>
+__device__ __forceinline__ void store_row_v4(uint4* row, uint32_t (&words)[kChunks], int q,
+                                             bool store) {
+  static_assert(kChunks % 4 == 0, "store_row_v4: a multiple of four 8-column chunks");
+#pragma unroll
+  for (int c = 0; c < kChunks / 4; ++c) {
+    uint32_t w[4] = {words[4 * c], words[4 * c + 1], words[4 * c + 2], words[4 * c + 3]};
+    quad_transpose(w, q);
+    if (store) row[4 * c + q] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 // ---- warp specialisation ----------------------------------------------------------------------
 
 // Registers a CTA of `threads` threads holds from launch under __launch_bounds__(threads, 1): the
