@@ -663,3 +663,38 @@ def test_dkv_quad_epilogue_builds_clean_with_16_byte_stores(tmp_path):
         assert len(re.findall(r"STG\.E\.128 ", plain)) == 0
         stores = lambda s: len(re.findall(r"\bSTG\.E(\.[A-Z0-9.]+)? ", s))  # noqa: E731
         assert stores(plain) - stores(vec) == 2 * 2 * d // 8 - 2 * 2 * d // 32
+
+
+def _lpt_tail_block(bx: int, by: int, bz: int, gx: int, gy: int, gz: int, k: int):
+    """lpt_tail_block (flash_bwd_sm90.cu, FC_LPT_TAIL = k) in Python."""
+    pairs = gy * gz
+    tail = min(k, pairs)
+    first = pairs - tail
+    pair = by + gy * bz
+    if pair < first:
+        return bx, by, bz
+    j = bx + gx * (pair - first)
+    p = first + j % tail
+    return j // tail, p % gy, p // gy
+
+
+@pytest.mark.parametrize("grid,k", [((32, 16, 4), 8), ((8, 3, 5), 4), ((5, 2, 1), 8), ((1, 1, 1), 8)])
+def test_lpt_tail_is_a_bijection_running_the_tail_longest_first(grid, k):
+    gx, gy, gz = grid
+    order = [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)]  # blockIdx order
+    got = [_lpt_tail_block(*b, gx, gy, gz, k) for b in order]
+    assert sorted(got) == sorted(order)  # every CTA's work exactly once
+    tail = min(k, gy * gz) * gx
+    assert got[:len(order) - tail] == order[:len(order) - tail]  # outside the tail: unchanged
+    # in the tail, key blocks in nondecreasing order (key block 0, the heaviest under a causal
+    # mask, of every tail pair first)
+    blocks = [x for x, _, _ in got[len(order) - tail:]]
+    assert blocks == sorted(blocks)
+
+
+def test_lpt_tail_builds_clean(tmp_path):
+    """FC_LPT_TAIL (an A/B knob through FLASHCUDA_SM90_BWD_DEFINES, not yet run on a GPU) builds
+    for both head dims without spills or serialized wgmma."""
+    for d in (64, 128):
+        clean_sass(dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, d),
+                                       defines=(("FC_LPT_TAIL", 8),)), tmp_path)

@@ -372,6 +372,19 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
 // to +1% at 16k (perf-notes).
 #define FC_DKV_QUAD 1
 #endif
+#ifndef FC_LPT_TAIL
+// K > 0 (A/B, session 13: written, not yet run on a GPU): the CTAs of the last K (KV head, batch)
+// pairs of the grid run longest-first across those pairs — key block 0 of all K pairs, then key
+// block 1, ... — instead of pair after pair; the rest of the grid keeps blockIdx order (the CTAs
+// that run together read the same heads' Q / dO: session 12's FC_LPT_ORDER, which reordered the
+// whole grid, lost up to 6% at d64). The GPU starts CTAs in blockIdx order (the backward timeline,
+// session 13: 14 descents in 2048 entries), and under a causal mask key block 0 has the most steps,
+// so the last pair's heaviest CTAs start near the end: at 4 x 4096 x 16 d128 causal the SMs
+// idled 83 us (median) of a 1299 us makespan. A list-schedule model with the timeline's per-CTA
+// cost (7.1 us + 2.16 us per step) reproduces that makespan (1299.2 us) and puts K = 8 at -2.4 to
+// -4.7% at d128 causal 1k-8k, 0 at 16k. Without a mask every CTA costs the same: no effect.
+#define FC_LPT_TAIL 0
+#endif
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
@@ -420,6 +433,27 @@ __device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline) {
 // word := now (the calling thread decides whether it is the one that records)
 __device__ __forceinline__ void timeline_mark(uint64_t* timeline, int word) {
   timeline_record(timeline)[word] = timeline_ns();
+}
+#endif
+
+#if FC_LPT_TAIL
+struct BlockCoord {
+  int key_block, head_kv, batch;
+};
+
+// This CTA's (key block, KV head, batch) under FC_LPT_TAIL: blockIdx's own outside the tail; in
+// it, the CTA's rank j in blockIdx order gives key block j / K of pair first + j % K (a bijection
+// of the tail's gridDim.x * K CTAs onto themselves).
+__device__ __forceinline__ BlockCoord lpt_tail_block() {
+  const int pairs = gridDim.y * gridDim.z;
+  const int tail = FC_LPT_TAIL < pairs ? FC_LPT_TAIL : pairs;
+  const int first = pairs - tail;
+  const int pair = blockIdx.y + gridDim.y * blockIdx.z;
+  if (pair < first) return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
+                            static_cast<int>(blockIdx.z)};
+  const int j = blockIdx.x + gridDim.x * (pair - first);
+  const int p = first + j % tail;
+  return {j / tail, p % static_cast<int>(gridDim.y), p / static_cast<int>(gridDim.y)};
 }
 #endif
 
@@ -876,7 +910,12 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   const Smem sm{raw + pad, smem_raw + pad};
   // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+#if FC_LPT_TAIL
+  const BlockCoord blk = lpt_tail_block();
+  const int n0 = blk.key_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
+#else
   const int n0 = blockIdx.x * kBlockN, head_kv = blockIdx.y, batch = blockIdx.z;
+#endif
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
   const Steps steps(mask, n0, nheads, nheads_kv);
 
