@@ -630,24 +630,11 @@ def test_dq_frag_layout_round_trip(block_m, head_dim):
     assert len(seen) == 3 * block_m * head_dim and len(set(seen.values())) == len(seen)
 
 
-def _quad_transpose(words: list[list[int]]) -> list[list[int]]:
-    """quad_transpose (flash_bwd_sm90.cu, FC_DKV_QUAD) step by step: words[q][i] is lane q's a[i];
-    each butterfly swaps, between lanes q and q ^ m, the words whose index bit differs from the
-    lane's bit (a lane reads the value its partner holds before the exchange)."""
-    a = [list(w) for w in words]
-    for k in range(2):
-        m = 1 << k
-        for lo in (i for i in range(4) if not i & m):
-            hi = lo | m
-            sent = [a[q][lo] if (q >> k) & 1 else a[q][hi] for q in range(4)]
-            for q in range(4):
-                a[q][lo if (q >> k) & 1 else hi] = sent[q ^ m]
-    return a
-
-
 def test_dkv_quad_transpose_gives_each_lane_one_whole_chunk():
     # on entry lane q holds word q of chunks 0..3; on exit it must hold words 0..3 of chunk q
-    got = _quad_transpose([[(chunk, q) for chunk in range(4)] for q in range(4)])
+    from .test_bwd_sm90_emulated import quad_transpose  # the emulation's transcription
+
+    got = quad_transpose([[(chunk, q) for chunk in range(4)] for q in range(4)])
     assert got == [[(q, word) for word in range(4)] for q in range(4)]
 
 

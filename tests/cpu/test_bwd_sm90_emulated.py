@@ -3,7 +3,8 @@ with autograd: the step list (Steps), the mask and tile_needs_mask, the lse2 / d
 probs / dsoftmax, the dQ tile of each consumer and its red.global.add addresses (or, with
 FC_DQ_BULK, its padded staging-tile stores and row-wise bulk reductions; with FC_DQ_WARP, its
 stores into the step's staging tile and the writer warp's bulk reductions, one per row or, with
-FC_DQ_WARP_FLAT, one per step), the epilogue's dK / dV addresses, bwd_sm80's PRE (Sq_pad rows, +inf for padding) and CONVERT around it. The
+FC_DQ_WARP_FLAT, one per step), the epilogue's dK / dV addresses (FC_DKV_QUAD: the quad
+transpose and 16-byte chunks), bwd_sm80's PRE (Sq_pad rows, +inf for padding) and CONVERT around it. The
 GEMMs are done as matrices (their operand layouts are tests/cpu/test_bwd_sm90_layouts.py's, the
 fragment reuse is the forward's). Every formula below mirrors a line of flash_bwd_sm90.cu.
 """
@@ -58,6 +59,18 @@ def stage_float(warp, lane, j, h, stride=DQ_STAGE_STRIDE):
     stores for n8 block j and row half h (row 16 warp + g + 8 h, columns 8 j + 2 t, + 1)."""
     g, t = lane >> 2, lane & 3
     return (16 * warp + g + 8 * h) * stride + 8 * j + 2 * t
+
+
+def quad_transpose(words):  # common/sm90.cuh: words[q][i] is lane q's a[i]
+    a = [list(w) for w in words]
+    for k in range(2):
+        m = 1 << k
+        for lo in (i for i in range(4) if not i & m):
+            hi = lo | m
+            sent = [a[q][lo] if (q >> k) & 1 else a[q][hi] for q in range(4)]
+            for q in range(4):
+                a[q][lo if (q >> k) & 1 else hi] = sent[q ^ m]
+    return a
 
 
 def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
@@ -205,22 +218,28 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
                                 src, dst = r * wstride, (row0 + r) * D
                                 assert src % 4 == 0 and dst % 4 == 0, "16-byte alignment"
                                 dq_accum[dst:dst + D] += wtile[src:src + D]
-                # epilogue
+                # epilogue (FC_DKV_QUAD): per quad (the four lanes t of row g) and row half hh,
+                # lane t's word j is its pair at columns 8 j + 2 t; quad_transpose per four
+                # chunks, then lane t stores chunk 4 c4 + t whole (words i: columns + 2 i)
                 for c in range(bn // 64):
                     for warp in range(4):
-                        for lane in range(32):
-                            g, t = lane >> 2, lane & 3
+                        for g in range(8):
                             key_row = 64 * c + 16 * warp + g
                             for hh in range(2):
                                 key = n0 + key_row + 8 * hh
-                                if key < sk:
-                                    for j in range(D // 8):
-                                        for e in range(2):
-                                            col = 2 * t + 8 * j + e
-                                            dk[b, key, head_kv, col] = \
-                                                dk_acc[key_row + 8 * hh, col] * scale
-                                            dv[b, key, head_kv, col] = \
-                                                dv_acc[key_row + 8 * hh, col]
+                                row = key_row + 8 * hh
+                                words = [[(8 * j + 2 * t, 8 * j + 2 * t + 1) for j in range(D // 8)]
+                                         for t in range(4)]
+                                for c4 in range(D // 32):
+                                    got = quad_transpose([w[4 * c4:4 * c4 + 4] for w in words])
+                                    for t in range(4):
+                                        if key >= sk:
+                                            continue
+                                        for i, pair in enumerate(got[t]):
+                                            for e, src in enumerate(pair):
+                                                col = 8 * (4 * c4 + t) + 2 * i + e
+                                                dk[b, key, head_kv, col] = dk_acc[row, src] * scale
+                                                dv[b, key, head_kv, col] = dv_acc[row, src]
     # CONVERT
     dq = dq_accum.reshape(B, H, sq_pad, D)[:, :, :sq].transpose(0, 2, 1, 3) * scale
     return dq, dk, dv
