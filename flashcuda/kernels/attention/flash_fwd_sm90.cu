@@ -102,6 +102,8 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 // 1 (A/B, session 13: written, not yet run on a GPU): O leaves in 16-byte stores after a
 // transpose within each quad (store_row_v4, common/sm90.cuh), as the backward's dK / dV
 // (FC_DKV_QUAD, +0.4-8.6% there at 1k-4k): a quarter of the store instructions, whole sectors.
+// Session 11's timeline fit a fixed 3.35 us per work tile (1.69 us per key tile), ~30% of a 1k
+// causal call; the O stores are part of it.
 #define FC_O_QUAD 0
 #endif
 #ifndef FC_SMEM_PAD
