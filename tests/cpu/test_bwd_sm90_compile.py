@@ -652,8 +652,8 @@ def test_dkv_quad_epilogue_builds_clean_with_16_byte_stores(tmp_path):
         assert stores(plain) - stores(vec) == 2 * 2 * d // 8 - 2 * 2 * d // 32
 
 
-def _lpt_tail_block(bx: int, by: int, bz: int, gx: int, gy: int, gz: int, k: int):
-    """lpt_tail_block (flash_bwd_sm90.cu, FC_LPT_TAIL = k) in Python."""
+def _block_coord(bx: int, by: int, bz: int, gx: int, gy: int, gz: int, k: int):
+    """block_coord (flash_bwd_sm90.cu, with FC_LPT_TAIL = k) in Python."""
     pairs = gy * gz
     tail = min(k, pairs)
     first = pairs - tail
@@ -669,7 +669,7 @@ def _lpt_tail_block(bx: int, by: int, bz: int, gx: int, gy: int, gz: int, k: int
 def test_lpt_tail_is_a_bijection_running_the_tail_longest_first(grid, k):
     gx, gy, gz = grid
     order = [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)]  # blockIdx order
-    got = [_lpt_tail_block(*b, gx, gy, gz, k) for b in order]
+    got = [_block_coord(*b, gx, gy, gz, k) for b in order]
     assert sorted(got) == sorted(order)  # every CTA's work exactly once
     tail = min(k, gy * gz) * gx
     assert got[:len(order) - tail] == order[:len(order) - tail]  # outside the tail: unchanged
@@ -685,3 +685,16 @@ def test_lpt_tail_builds_clean(tmp_path):
     for d in (64, 128):
         clean_sass(dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, d),
                                        defines=(("FC_LPT_TAIL", 8),)), tmp_path)
+
+
+def test_kv_prefetch_builds_clean(tmp_path):
+    """FC_KV_PREFETCH (an A/B knob through FLASHCUDA_SM90_BWD_DEFINES, not yet run on a GPU): the
+    producer's L2 prefetches of a later CTA's K / V (UTMAPF, 2 per 64-column chunk) build at both
+    head dims, alone and with FC_LPT_TAIL, without spills."""
+    for d in (64, 128):
+        base = bwd_sm90.select_config(torch.bfloat16, d)
+        chunks = d // 64
+        for defines in ((("FC_KV_PREFETCH", 132),), (("FC_KV_PREFETCH", 132), ("FC_LPT_TAIL", 8))):
+            sass = clean_sass(dataclasses.replace(base, defines=defines), tmp_path)
+            assert len(re.findall(r"UTMAPF\.L2\.4D", sass)) == 2 * chunks, sass.count("UTMAPF")
+        assert "UTMAPF" not in clean_sass(base, tmp_path)

@@ -385,6 +385,15 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
 // -4.7% at d128 causal 1k-8k, 0 at 16k. Without a mask every CTA costs the same: no effect.
 #define FC_LPT_TAIL 0
 #endif
+#ifndef FC_KV_PREFETCH
+// A > 0 (A/B, session 13: written, not yet run on a GPU): after issuing its own K / V loads the
+// producer asks the L2 for the K / V of the CTA A places after it in blockIdx order (A = the SM
+// count: the CTA that starts about one CTA span later), so that CTA's K / V arrive from the L2
+// instead of DRAM. The backward timeline (session 13) had K / V arriving 1.3-2.1 us after
+// entry (the whole 64 KB read from DRAM: each key block is read once) while the SM did nothing
+// else; at 512-1k a CTA runs 8-16 steps of 2.2 us.
+#define FC_KV_PREFETCH 0
+#endif
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
@@ -436,26 +445,27 @@ __device__ __forceinline__ void timeline_mark(uint64_t* timeline, int word) {
 }
 #endif
 
-#if FC_LPT_TAIL
 struct BlockCoord {
   int key_block, head_kv, batch;
 };
 
-// This CTA's (key block, KV head, batch) under FC_LPT_TAIL: blockIdx's own outside the tail; in
-// it, the CTA's rank j in blockIdx order gives key block j / K of pair first + j % K (a bijection
-// of the tail's gridDim.x * K CTAs onto themselves).
-__device__ __forceinline__ BlockCoord lpt_tail_block() {
+// The (key block, KV head, batch) of the CTA with block index (x, y, z): the index itself, or
+// under FC_LPT_TAIL = K inside the tail, the CTA's rank j in blockIdx order gives key block
+// j / K of pair first + j % K (a bijection of the tail's gridDim.x * K CTAs onto themselves).
+__device__ __forceinline__ BlockCoord block_coord(int x, int y, int z) {
+#if FC_LPT_TAIL
   const int pairs = gridDim.y * gridDim.z;
   const int tail = FC_LPT_TAIL < pairs ? FC_LPT_TAIL : pairs;
   const int first = pairs - tail;
-  const int pair = blockIdx.y + gridDim.y * blockIdx.z;
-  if (pair < first) return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
-                            static_cast<int>(blockIdx.z)};
-  const int j = blockIdx.x + gridDim.x * (pair - first);
-  const int p = first + j % tail;
-  return {j / tail, p % static_cast<int>(gridDim.y), p / static_cast<int>(gridDim.y)};
-}
+  const int pair = y + gridDim.y * z;
+  if (pair >= first) {
+    const int j = x + gridDim.x * (pair - first);
+    const int p = first + j % tail;
+    return {j / tail, p % static_cast<int>(gridDim.y), p / static_cast<int>(gridDim.y)};
+  }
 #endif
+  return {x, y, z};
+}
 
 __device__ __forceinline__ int stage_of(int it) { return it % kStages; }
 __device__ __forceinline__ uint32_t parity_of(int it) { return (it / kStages) & 1; }
@@ -475,6 +485,23 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
     tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.kv_full(), c * kChunkCols, n0, head_kv,
                 batch);
   }
+#if FC_KV_PREFETCH
+  {  // the K / V of the CTA FC_KV_PREFETCH places later in blockIdx order, into the L2
+    const int64_t later = blockIdx.x + static_cast<int64_t>(gridDim.x) *
+                                           (blockIdx.y + gridDim.y * blockIdx.z) + FC_KV_PREFETCH;
+    const int64_t pair = later / gridDim.x;
+    if (pair < static_cast<int64_t>(gridDim.y) * gridDim.z) {
+      const BlockCoord to = block_coord(static_cast<int>(later % gridDim.x),
+                                        static_cast<int>(pair % gridDim.y),
+                                        static_cast<int>(pair / gridDim.y));
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        tma_prefetch_l2_4d(map_k, c * kChunkCols, to.key_block * kBlockN, to.head_kv, to.batch);
+        tma_prefetch_l2_4d(map_v, c * kChunkCols, to.key_block * kBlockN, to.head_kv, to.batch);
+      }
+    }
+  }
+#endif
   for (int it = 0; it < steps.count(); ++it) {
     const int s = stage_of(it);
     const int h = steps.head(it, head_kv), m0 = steps.m0(it);
@@ -911,7 +938,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 #if FC_LPT_TAIL
-  const BlockCoord blk = lpt_tail_block();
+  const BlockCoord blk = block_coord(blockIdx.x, blockIdx.y, blockIdx.z);
   const int n0 = blk.key_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
 #else
   const int n0 = blockIdx.x * kBlockN, head_kv = blockIdx.y, batch = blockIdx.z;
