@@ -4,12 +4,16 @@
 
 Runs the timeline variant of the kernel dispatch would pick for the shape (bf16; FC_TIMELINE:
 each consumer warpgroup writes, per work tile it finishes, {SM, work tile, key tiles, start ns,
-end ns} from the GPU's global timer) a few times and analyses the last run:
+Q ready ns, epilogue start ns, end ns} from the GPU's global timer) a few times and analyses the
+last run:
   - makespan, and how late the last CTA ends against the average CTA (the tail a better balance
     could win back);
   - a least-squares fit  duration = fixed + per_key_tile * key_tiles  over all work tiles (the
     fixed cost per work tile is what a key-tile-only balance model leaves out);
-  - the work tiles' durations by key tiles, and the CTAs' end times (quantiles).
+  - the work tiles' durations by key tiles, and the CTAs' end times (quantiles);
+  - the phases of a work tile (medians): start -> Q ready (the wait for the work tile's Q),
+    Q ready -> epilogue start (the key tiles, with its own fit per key tile) and the epilogue
+    (O / lse normalised and stored).
 Writes timeline-<label>.json (raw entries + summary) and, with matplotlib, a Gantt chart PNG.
 The variant is never dispatched; it runs here through the same plan helpers as the default.
 """
@@ -24,22 +28,24 @@ from pathlib import Path
 
 import numpy as np
 
-FIELDS = ("sm", "tile", "key_tiles", "start_ns", "end_ns")
+FIELDS = ("sm", "tile", "key_tiles", "start_ns", "q_ready_ns", "epilogue_ns", "end_ns")
+WORDS = 6  # per entry, the .cu's kTimelineWords
 
 
 def decode(raw: np.ndarray, grid: int, consumers: int, slots: int) -> list[dict]:
-    """The kernel's buffer ([grid][consumers][slots][4] uint64) as one dict per recorded work
-    tile, with its CTA and consumer; unused slots (all zero) are skipped."""
-    a = np.asarray(raw, dtype=np.uint64).reshape(grid, consumers, slots, 4)
+    """The kernel's buffer ([grid][consumers][slots][WORDS] uint64) as one dict per recorded
+    work tile, with its CTA and consumer; unused slots (all zero) are skipped."""
+    a = np.asarray(raw, dtype=np.uint64).reshape(grid, consumers, slots, WORDS)
     out = []
     for cta in range(grid):
         for c in range(consumers):
             for s in range(slots):
-                w0, tiles, start, end = (int(x) for x in a[cta, c, s])
+                w0, tiles, start, q_ready, epilogue, end = (int(x) for x in a[cta, c, s])
                 if start == 0 and end == 0:
                     continue
                 out.append({"cta": cta, "consumer": c, "sm": w0 >> 32, "tile": w0 & 0xFFFFFFFF,
-                            "key_tiles": tiles, "start_ns": start, "end_ns": end})
+                            "key_tiles": tiles, "start_ns": start, "q_ready_ns": q_ready,
+                            "epilogue_ns": epilogue, "end_ns": end})
     return out
 
 
@@ -65,6 +71,17 @@ def summarise(entries: list[dict]) -> dict:
         d = dur[tiles == n]
         by_tiles[n] = {"count": int(d.size), "median_us": float(np.median(d)) / 1e3}
     makespan = (end - t0) / 1e3
+    busy = [e for e in entries if e["key_tiles"] > 0]
+    phases = {name: float(np.median([(e[b] - e[a]) for e in busy])) / 1e3 if busy else float("nan")
+              for name, a, b in (("q_wait", "start_ns", "q_ready_ns"),
+                                 ("key_tiles", "q_ready_ns", "epilogue_ns"),
+                                 ("epilogue", "epilogue_ns", "end_ns"))}
+    body = np.array([e["epilogue_ns"] - e["q_ready_ns"] for e in busy], dtype=np.float64)
+    body_tiles = np.array([e["key_tiles"] for e in busy], dtype=np.float64)
+    if len(set(body_tiles.tolist())) > 1:
+        body_per_tile, body_fixed = np.polyfit(body_tiles, body, 1)
+    else:
+        body_per_tile, body_fixed = float("nan"), float(body.mean()) if busy else float("nan")
     return {
         "work_tiles": len(entries),
         "ctas": len(cta_end),
@@ -74,6 +91,9 @@ def summarise(entries: list[dict]) -> dict:
         "tail_us": makespan - float(ends.mean()) / 1e3,
         "fit": {"fixed_us": float(fixed) / 1e3, "per_key_tile_us": float(per_tile) / 1e3},
         "by_key_tiles": by_tiles,
+        "phases_median_us": phases,
+        "key_tiles_fit": {"fixed_us": float(body_fixed) / 1e3,
+                          "per_key_tile_us": float(body_per_tile) / 1e3},
     }
 
 
@@ -88,6 +108,10 @@ def report(s: dict) -> str:
         f"({100 * s['tail_us'] / s['makespan_us']:.0f}% of the call)",
         f"duration fit: {fit['fixed_us']:.2f} us per work tile + "
         f"{fit['per_key_tile_us']:.3f} us per key tile",
+        "phases (median us): Q wait {q_wait:.2f}, key tiles {key_tiles:.2f}, epilogue "
+        "{epilogue:.2f}".format(**s["phases_median_us"]),
+        f"key-tile phase fit: {s['key_tiles_fit']['fixed_us']:.2f} us + "
+        f"{s['key_tiles_fit']['per_key_tile_us']:.3f} us per key tile",
         "key tiles: median duration (us), count",
     ]
     for n, v in s["by_key_tiles"].items():
@@ -153,7 +177,7 @@ def main() -> None:
     grid = cfg.grid(call, sms)
     by_block = fwd_sm90.schedule_arg(call, cfg, props.L2_cache_size)  # (FC_L2_SECTIONS)
     slots = math.ceil(cfg.work_tiles(call) / grid[0]) + 1
-    buf = torch.zeros(grid[0] * cfg.consumers * slots * 4, dtype=torch.int64, device=dev)
+    buf = torch.zeros(grid[0] * cfg.consumers * slots * WORDS, dtype=torch.int64, device=dev)
     kernel = get_kernel(cfg.spec(), dev)
     for _ in range(a.repeats):
         buf.zero_()

@@ -71,7 +71,7 @@ constexpr int kConsumerRegs = FC_CONSUMER_REGS;
 constexpr bool kPingPong = FC_PINGPONG;  // consumer warpgroups take turns issuing their GEMMs
 constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the CTAs (Schedule)
 #ifndef FC_TIMELINE
-#define FC_TIMELINE 0  // 1: each work tile's start / end time into a buffer (a profiling variant)
+#define FC_TIMELINE 0  // 1: each work tile's times into a buffer (a profiling variant, Timeline)
 #endif
 #ifndef FC_MASKED_V
 #define FC_MASKED_V 0  // 1: NaN / Inf in V reaches only rows that see its key (see "masked V");
@@ -791,20 +791,28 @@ __device__ __forceinline__ uint32_t sm_id() {
   return id;
 }
 
-// One entry per work tile a consumer warpgroup finishes, written by its first thread:
-// {smid << 32 | work tile, key tiles, start ns, end ns} (scripts/sm90_timeline.py reads them;
-// entries past timeline_slots are dropped, unused ones stay as the host zeroed them).
+// One entry of kTimelineWords per work tile a consumer warpgroup finishes, written by its first
+// thread: {smid << 32 | work tile, key tiles, start ns, Q ready ns, epilogue start ns, end ns}
+// (Q ready: its q_full wait returned; epilogue start: the last P V done; both = start for a work
+// tile without key tiles). scripts/sm90_timeline.py reads them; entries past timeline_slots are
+// dropped, unused ones stay as the host zeroed them.
+constexpr int kTimelineWords = 6;
+
 struct Timeline {
   uint64_t* base;
   int slots, c, next = 0;
 
-  __device__ __forceinline__ void record(int w, int tiles, uint64_t start) {
+  __device__ __forceinline__ void record(int w, int tiles, uint64_t start, uint64_t q_ready,
+                                         uint64_t epilogue) {
     if ((threadIdx.x & 127) == 0 && next < slots) {
-      uint64_t* e = base + ((static_cast<int64_t>(blockIdx.x) * kConsumers + c) * slots + next) * 4;
+      uint64_t* e = base + ((static_cast<int64_t>(blockIdx.x) * kConsumers + c) * slots + next) *
+                               kTimelineWords;
       e[0] = (static_cast<uint64_t>(sm_id()) << 32) | static_cast<uint32_t>(w);
       e[1] = static_cast<uint64_t>(tiles > 0 ? tiles : 0);
       e[2] = start;
-      e[3] = global_ns();
+      e[3] = q_ready;
+      e[4] = epilogue;
+      e[5] = global_ns();
     }
     ++next;
   }
@@ -821,7 +829,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
                int seqlen_q, int seqlen_k, int nheads, int nheads_kv, float scale_log2,
                int window_left, int window_right, int batch, int by_block
 #if FC_TIMELINE
-               // [gridDim.x][kConsumers][timeline_slots][4]: see Timeline
+               // [gridDim.x][kConsumers][timeline_slots][kTimelineWords]: see Timeline
                , uint64_t* __restrict__ timeline, int timeline_slots
 #endif
                ) {
@@ -862,6 +870,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   for (int w = blockIdx.x; w < sched.total(); w = next_work(w)) {
 #if FC_TIMELINE
     const uint64_t t_start = global_ns();
+    uint64_t t_q = t_start, t_epilogue = t_start;
 #endif
     const Block blk = sched.block(w, mask);
     const int row0 = blk.m0 + warp_row0 + g;  // query row of this lane's first row (h = 0)
@@ -872,12 +881,18 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
     if (tiles > 0) {
       const MaskedVisits masked = masked_visits(mask, blk.m0 + wg_row0, 64, blk.n_last, kBlockN);
       mbar_wait(sm.q_full(), q_round & 1);
+#if FC_TIMELINE
+      t_q = global_ns();
+#endif
       attend_key_tile<true, false>(cs, sm, blk, mask, masked, 0, ring, row0, c, scale_log2);
       attend_rest(cs, sm, blk, mask, masked, tiles, ring, row0, c, scale_log2);
       release(sm.q_empty());  // every Q K^T of this work tile has completed
       drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c);
       ring += tiles;
       ++q_round;
+#if FC_TIMELINE
+      t_epilogue = global_ns();
+#endif
     }
 
     // ---- epilogue: finish l over the quad, normalise, store O and lse (the producer is already
@@ -909,7 +924,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #endif
     }
 #if FC_TIMELINE
-    timeline_rec.record(w, tiles, t_start);
+    timeline_rec.record(w, tiles, t_start, t_q, t_epilogue);
 #endif
   }
   turn_close(c);
