@@ -180,8 +180,7 @@ def _cpu(args, console: Console) -> int:
         # The kernel an H100/H200 runs for the GPU demo's problem: the sm90a forward where it
         # has the head dim, else the sm80 one with its tiles for 227 KiB of shared memory.
         if args.headdim in fwd_sm90.HEAD_DIMS:
-            cfg = fwd_sm90.select_config(torch.bfloat16, args.headdim, args.causal, args.seqlen,
-                                         args.seqlen)
+            cfg = fwd_sm90.select_config(torch.bfloat16, args.headdim, args.causal, args.seqlen)
         else:
             cfg = fwd_sm80.select_config(torch.bfloat16, args.headdim, 227 * 1024, 228 * 1024)
         spec = cfg.spec()

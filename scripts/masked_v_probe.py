@@ -69,7 +69,7 @@ def main() -> None:
           f"{a.calls} calls), ratio to the arm it is paired with")
     for b, s, h, d in a.shapes:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        pad_kib = fwd_sm90.select_config(torch.bfloat16, d, True, s, s).consumers * 128 * d * 2 // 1024
+        pad_kib = fwd_sm90.select_config(torch.bfloat16, d, True, s).consumers * 128 * d * 2 // 1024
         arms = {
             "full": ({}, dict()),
             "causal": ({}, dict(causal=True)),

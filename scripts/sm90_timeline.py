@@ -168,7 +168,7 @@ def main() -> None:
     call = FwdCall(q, k, v, out, lse, d ** -0.5, None, 0 if a.causal else None)
     if why := fwd_sm90.can_implement(call):
         raise SystemExit(f"fwd_sm90 cannot run this shape: {why}")
-    cfg = fwd_sm90.select_config(call.dtype, d, call.is_local, call.seqlen_q, call.seqlen_k)
+    cfg = fwd_sm90.select_config(call.dtype, d, call.is_local, call.seqlen_q)
     if a.snake != "auto":
         cfg = dataclasses.replace(cfg, snake=a.snake == "1")
     cfg = dataclasses.replace(cfg, timeline=True)

@@ -604,9 +604,7 @@ def run_timeline(call: BwdCall) -> tuple[Sm90BwdConfig, torch.Tensor]:
     its config and the per-CTA records, an int64 tensor of timeline_shape (the .cu's kTl* words,
     TIMELINE_FIELDS; zeroed before the launch, so a word no thread wrote reads 0). Asynchronous
     like run: synchronise before reading the records."""
-    if why := can_implement(call):
-        raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
-    cfg = dataclasses.replace(select_config(call.dtype, call.head_dim), timeline=True)
+    cfg = _timeline_plans.plan(_plan_key(call), call).cfg  # (raises as run does)
     buf = torch.zeros(cfg.timeline_shape(call), dtype=torch.int64, device=call.device)
     run(call, timeline=buf)
     return cfg, buf

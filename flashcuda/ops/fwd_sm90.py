@@ -189,7 +189,7 @@ class Sm90FwdConfig:
 LONG = 8192  # causal d64: 192-row tiles from this seqlen_q on
 
 
-def tiles_for(head_dim: int, windowed: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+def tiles_for(head_dim: int, windowed: bool, seqlen_q: int) -> tuple[int, int]:
     if head_dim == 64:
         return (192, 128) if not windowed or seqlen_q >= LONG else (128, 128)
     return (128, 128)
@@ -287,8 +287,7 @@ def _stages() -> int:
 
 
 def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
-                  seqlen_q: int = LONG, seqlen_k: int = 4096,
-                  few_rounds: bool = False) -> Sm90FwdConfig:
+                  seqlen_q: int = LONG, *, few_rounds: bool = False) -> Sm90FwdConfig:
     """The tiles of tiles_for, or those FLASHCUDA_SM90_TILES=bm<M>_bn<N> forces (A/B runs).
     few_rounds: the call's work tiles are at most SNAKE_ROUNDS per SM (see _plan)."""
     forced = os.environ.get(TILES_ENV, "").strip()
@@ -302,7 +301,7 @@ def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
             if not dim or dim == f"d{head_dim}":
                 return _config(dtype, head_dim, int(m.group(1)), int(m.group(2)),
                                windowed=windowed, seqlen_q=seqlen_q, few_rounds=few_rounds)
-    return _config(dtype, head_dim, *tiles_for(head_dim, windowed, seqlen_q, seqlen_k),
+    return _config(dtype, head_dim, *tiles_for(head_dim, windowed, seqlen_q),
                    windowed=windowed, seqlen_q=seqlen_q, few_rounds=few_rounds)
 
 
@@ -348,7 +347,7 @@ def can_implement(call: FwdCall) -> str | None:
         return f"softmax_scale must be positive and finite, got {call.softmax_scale}"
     if why := vector_layout_problem("out", call.out):
         return why
-    cfg = select_config(call.dtype, d, call.is_local, call.seqlen_q, call.seqlen_k)
+    cfg = select_config(call.dtype, d, call.is_local, call.seqlen_q)
     if cfg.work_tiles(call) >= 2**31:
         return f"{cfg.work_tiles(call)} work tiles exceed the kernel's int32 tile index"
     if call.batch and call.seqlen_q and call.nheads:
@@ -462,7 +461,7 @@ def _plan_key(call: FwdCall) -> tuple:
 def plan_config(call: FwdCall, sms: int) -> Sm90FwdConfig:
     """select_config for the call, told whether its work tiles make few rounds over `sms` SMs
     (the tiles do not depend on it, so the first choice's count decides)."""
-    args = (call.dtype, call.head_dim, call.is_local, call.seqlen_q, call.seqlen_k)
+    args = (call.dtype, call.head_dim, call.is_local, call.seqlen_q)
     cfg = select_config(*args)
     if cfg.work_tiles(call) <= SNAKE_ROUNDS * sms:
         cfg = select_config(*args, few_rounds=True)

@@ -191,19 +191,19 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     pick = fwd_sm90.select_config
     assert pick(torch.bfloat16, 64).pingpong and not pick(torch.bfloat16, 64).snake
     assert pick(torch.bfloat16, 64, windowed=True).snake  # snake order where tiles differ
-    assert pick(torch.bfloat16, 128, True, 4096, 4096).snake  # ... from seqlen_q 4k
-    assert not pick(torch.bfloat16, 128, True, 2048, 8192).snake
+    assert pick(torch.bfloat16, 128, True, 4096).snake  # ... from seqlen_q 4k
+    assert not pick(torch.bfloat16, 128, True, 2048).snake
     monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "1")
-    assert pick(torch.bfloat16, 128, True, 1024, 1024).snake  # the A/B override wins
+    assert pick(torch.bfloat16, 128, True, 1024).snake  # the A/B override wins
     monkeypatch.delenv(fwd_sm90.SNAKE_ENV)
     assert (pick(torch.bfloat16, 64).block_m, pick(torch.bfloat16, 64).block_n) == (192, 128)
     assert pick(torch.bfloat16, 64).consumer_regs == 160 and pick(torch.bfloat16, 64).threads == 512
     assert pick(torch.float16, 128).block_n == 128  # FA4's d128 tiles at every length (session 13)
-    assert pick(torch.float16, 128, False, 16384, 16384).block_n == 128
+    assert pick(torch.float16, 128, False, 16384).block_n == 128
     assert pick(torch.float16, 128, windowed=True).block_n == 128
-    assert pick(torch.float16, 128, False, 1024, 1024).block_n == 128  # short: 128 x 128
-    assert pick(torch.float16, 64, True, 4096, 4096).block_m == 128  # causal below 8k
-    assert pick(torch.float16, 64, True, 8192, 8192).block_m == 192
+    assert pick(torch.float16, 128, False, 1024).block_n == 128  # short: 128 x 128
+    assert pick(torch.float16, 64, True, 4096).block_m == 128  # causal below 8k
+    assert pick(torch.float16, 64, True, 8192).block_m == 192
     names = {c.name for c in fwd_sm90.configs()}
     assert {pick(dt, d, w).name for dt in fwd_sm90.DTYPES for d in (64, 128)
             for w in (False, True)} <= names
@@ -211,10 +211,10 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     assert pick(torch.bfloat16, 64).name == "flash_fwd_sm90_bf16_d64_bm128_bn128_s2_pp"
     assert pick(torch.bfloat16, 64).name in names
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "d64=bm192_bn128,d128=bm128_bn176")
-    assert pick(torch.bfloat16, 64, True, 1, 1).block_m == 192
-    assert pick(torch.bfloat16, 128, True, 1, 1).block_n == 176
+    assert pick(torch.bfloat16, 64, True, 1).block_m == 192
+    assert pick(torch.bfloat16, 128, True, 1).block_n == 176
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "d64=bm128_bn128")
-    assert pick(torch.bfloat16, 128, False, 4096, 4096).block_n == 128  # d128: the rule
+    assert pick(torch.bfloat16, 128, False, 4096).block_n == 128  # d128: the rule
     monkeypatch.setenv(fwd_sm90.PINGPONG_ENV, "0")
     monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "1")
     assert pick(torch.bfloat16, 64).name.endswith("_s2_sn") and pick(torch.bfloat16, 64).name in names
@@ -371,21 +371,21 @@ def test_masked_v_switch(monkeypatch):
     pick = fwd_sm90.select_config
     names = {c.name for c in fwd_sm90.configs()}
     for d, sq in ((128, 2048), (64, 2048), (64, 8192)):
-        mv = pick(torch.bfloat16, d, True, sq, sq)
+        mv = pick(torch.bfloat16, d, True, sq)
         assert mv.masked_v and mv.name.endswith("_mv") and mv.name in names
         assert dict(mv.spec().defines)["FC_MASKED_V"] == "1"
-        plain = pick(torch.bfloat16, d, False, sq, sq)
+        plain = pick(torch.bfloat16, d, False, sq)
         assert not plain.masked_v  # no window: every key below seqlen_k is seen by every row
         assert mv.smem_bytes == (dataclasses.replace(mv, masked_v=False).smem_bytes
                                  + mv.consumers * mv.kv_bytes)
         assert mv.smem_bytes <= 227 * 1024
     monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "0")
-    off = pick(torch.bfloat16, 128, True, 2048, 2048)
+    off = pick(torch.bfloat16, 128, True, 2048)
     assert not off.masked_v and "FC_MASKED_V" not in dict(off.spec().defines)
     monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "1")
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "bm128_bn176")  # forced wide tiles: not built for them
-    assert not pick(torch.bfloat16, 128, True, 2048, 2048).masked_v
+    assert not pick(torch.bfloat16, 128, True, 2048).masked_v
     monkeypatch.delenv(fwd_sm90.TILES_ENV)
     monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "yes")
     with pytest.raises(ValueError, match=fwd_sm90.MASKED_V_ENV):
-        pick(torch.bfloat16, 128, True, 2048, 2048)
+        pick(torch.bfloat16, 128, True, 2048)

@@ -120,8 +120,7 @@ def test_alternating_sections_keep_the_snake_balanced(seqlen, batch):
 
 def test_plain_by_block_variant_compiles_clean(tmp_path):
     for d in (64, 128):
-        base = fwd_sm90.select_config(torch.bfloat16, d, windowed=True, seqlen_q=4096,
-                                      seqlen_k=4096)
+        base = fwd_sm90.select_config(torch.bfloat16, d, windowed=True, seqlen_q=4096)
         cfg = dataclasses.replace(base, defines=(("FC_L2_SECTIONS", 0),))
         assert cfg.name == base.name + "_fc_l2_sections0"
         clean_sass(cfg, tmp_path)
@@ -129,7 +128,7 @@ def test_plain_by_block_variant_compiles_clean(tmp_path):
 
 def test_schedule_arg_for_masked_calls_unless_the_variant_turns_it_off():
     call = _call()
-    base = fwd_sm90.select_config(torch.bfloat16, 128, windowed=True, seqlen_q=4096, seqlen_k=4096)
+    base = fwd_sm90.select_config(torch.bfloat16, 128, windowed=True, seqlen_q=4096)
     assert fwd_sm90.schedule_arg(call, base, H200_L2) == 18  # the default: L2 sections
     var = dataclasses.replace(base, defines=(("FC_L2_SECTIONS", 0),))
     assert fwd_sm90.schedule_arg(call, var, H200_L2) is None  # by_block = is_local

@@ -17,7 +17,7 @@ from .sm90_compile import clean_sass
 
 @pytest.mark.parametrize("head_dim,windowed", [(64, False), (128, False), (128, True)])
 def test_o_quad_stores_o_in_16_byte_chunks(head_dim, windowed, tmp_path):
-    base = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, 4096, 4096)
+    base = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, 4096)
     quad = dataclasses.replace(base, defines=(("FC_O_QUAD", 1),))
     assert quad.name == base.name + "_fc_o_quad1"
     plain, vec = clean_sass(base, tmp_path), clean_sass(quad, tmp_path)

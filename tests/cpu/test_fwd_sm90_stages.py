@@ -24,8 +24,7 @@ def test_stages_switch(monkeypatch):
     cfg = fwd_sm90.select_config(torch.bfloat16, 128)
     assert cfg.stages == 3 and "_s3" in cfg.name and cfg.smem_bytes <= fwd_sm90.SMEM_OPTIN
     assert dict(cfg.spec().defines)["FC_STAGES"] == "3"
-    windowed = fwd_sm90.select_config(torch.bfloat16, 128, windowed=True, seqlen_q=4096,
-                                      seqlen_k=4096)
+    windowed = fwd_sm90.select_config(torch.bfloat16, 128, windowed=True, seqlen_q=4096)
     assert windowed.stages == 2
     cfg3 = fwd_sm90.select_config(torch.bfloat16, 128)  # d128's default tiles are 128 x 128 too
     monkeypatch.delenv(fwd_sm90.TILES_ENV)

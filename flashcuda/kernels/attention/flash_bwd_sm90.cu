@@ -29,7 +29,7 @@
 //                 session 12, +0.2-6.5% over FC_DQ_TMA): each consumer's tile in its
 //                 registers' order, one bulk reduction each
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
-//                 dk / dv: any (batch, row, head) strides, unit last stride
+//                 dk / dv: the same (the epilogue's 16-byte stores, FC_DKV_QUAD)
 //   not yet       ping-pong / overlap of the two GEMM halves,
 //                 persistent schedule, deterministic dQ (bwd_sm80 has it)
 //   arch          sm_90a only (wgmma, setmaxnreg)
@@ -415,23 +415,10 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
 //   kTlExit      dK / dV stores issued (the end of the epilogue)   t128; + 1: t256
 //   kTlDqEnd     FC_DQ_WARP: the writer warp's last reduction complete (its lane 0)
 // Single-thread stores straight to the buffer (no value held across the step loop, so the
-// consumers' registers are the default build's); the clock reads carry a memory clobber so the
-// compiler keeps them in program order with the loads and stores around them.
+// consumers' registers are the default build's); globaltimer_ns (sm90.cuh) keeps program order.
 constexpr int kTlId = 0, kTlBlock = 1, kTlEntry = 2, kTlFirstTma = 3, kTlProduced = 4,
               kTlKv = 5, kTlFirst = 6, kTlLast = 7, kTlExit = 8, kTlDqEnd = 10;
 constexpr int kTimelineWords = 12;  // (word 11 unused)
-
-__device__ __forceinline__ uint64_t timeline_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-  return t;
-}
-
-__device__ __forceinline__ uint32_t sm_id() {
-  uint32_t id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
 
 __device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline) {
   const int64_t cta =
@@ -441,7 +428,7 @@ __device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline) {
 
 // word := now (the calling thread decides whether it is the one that records)
 __device__ __forceinline__ void timeline_mark(uint64_t* timeline, int word) {
-  timeline_record(timeline)[word] = timeline_ns();
+  timeline_record(timeline)[word] = globaltimer_ns();
 }
 #endif
 
@@ -937,12 +924,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   const Smem sm{raw + pad, smem_raw + pad};
   // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
-#if FC_LPT_TAIL
   const BlockCoord blk = block_coord(blockIdx.x, blockIdx.y, blockIdx.z);
   const int n0 = blk.key_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
-#else
-  const int n0 = blockIdx.x * kBlockN, head_kv = blockIdx.y, batch = blockIdx.z;
-#endif
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
   const Steps steps(mask, n0, nheads, nheads_kv);
 

@@ -779,18 +779,6 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
 
 #if FC_TIMELINE
 // ---- profiling variant: where each persistent CTA spends its time ------------------------------
-__device__ __forceinline__ uint64_t global_ns() {  // the GPU-wide nanosecond timer
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ uint32_t sm_id() {
-  uint32_t id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
-
 // One entry of kTimelineWords per work tile a consumer warpgroup finishes, written by its first
 // thread: {smid << 32 | work tile, key tiles, start ns, Q ready ns, epilogue start ns, end ns}
 // (Q ready: its q_full wait returned; epilogue start: the last P V done; both = start for a work
@@ -812,7 +800,7 @@ struct Timeline {
       e[2] = start;
       e[3] = q_ready;
       e[4] = epilogue;
-      e[5] = global_ns();
+      e[5] = globaltimer_ns();
     }
     ++next;
   }
@@ -869,7 +857,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   turn_open(c);
   for (int w = blockIdx.x; w < sched.total(); w = next_work(w)) {
 #if FC_TIMELINE
-    const uint64_t t_start = global_ns();
+    const uint64_t t_start = globaltimer_ns();
     uint64_t t_q = t_start, t_epilogue = t_start;
 #endif
     const Block blk = sched.block(w, mask);
@@ -882,7 +870,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
       const MaskedVisits masked = masked_visits(mask, blk.m0 + wg_row0, 64, blk.n_last, kBlockN);
       mbar_wait(sm.q_full(), q_round & 1);
 #if FC_TIMELINE
-      t_q = global_ns();
+      t_q = globaltimer_ns();
 #endif
       attend_key_tile<true, false>(cs, sm, blk, mask, masked, 0, ring, row0, c, scale_log2);
       attend_rest(cs, sm, blk, mask, masked, tiles, ring, row0, c, scale_log2);
@@ -891,7 +879,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
       ring += tiles;
       ++q_round;
 #if FC_TIMELINE
-      t_epilogue = global_ns();
+      t_epilogue = globaltimer_ns();
 #endif
     }
 

@@ -106,6 +106,22 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const TmaMap& map, uin
       : "memory");
 }
 
+// ---- profiling (the kernels' FC_TIMELINE builds) ------------------------------------------------
+
+// The GPU-wide nanosecond timer; the memory clobber keeps the read in program order with the
+// loads, stores and barrier waits around it.
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  return t;
+}
+
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
 // The box of `map` at (c0 .. c3) into the L2 only (no shared memory, no barrier): a hint that
 // a later load will want it.
 __device__ __forceinline__ void tma_prefetch_l2_4d(const TmaMap& map, int c0, int c1, int c2,
