@@ -120,6 +120,11 @@ BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
 # FC_DQ_SPREAD by default (with dq_tma): d64 only (session 11, same-run A/B: +1.4-3.3% at all six
 # d64 points, -1.8 to +0.3% at d128, against a +-3% spread of the unchanged forward in that run)
 SPREAD_DIMS = (64,)
+# FC_LPT_TAIL for causal calls (a right edge and no left one: key block 0 has the most steps), per
+# head dim: the last K (KV head, batch) pairs' CTAs longest-first. Same-run A/B (session 14,
+# perf-notes): d128 +1-2.7% at causal 1k / 4k / 8k (K = 8; 0 at 2k; K = 4 a little less), d64
+# -3 to -4% (its two CTAs per SM share the tail already): not used there, nor without a mask.
+LPT_TAIL = {128: 8}
 FRAG_DIMS = (128,)  # FLASHCUDA_SM90_BWD_DQ=frag builds without spills at these head dims only
 # FC_DS_STMATRIX by default (dS^T by stmatrix.x4; the [key][query] layout in FA3's order): d64
 # only (session 12, same-run A/B: +0.8-3.5% at all six d64 points, -2.4 to +0.8% at d128)
@@ -170,6 +175,10 @@ class Sm90BwdConfig:
     # times of its entry, K / V arrival, first / last step and exit (FC_TIMELINE; run_timeline,
     # scripts/sm90_bwd_timeline.py); never dispatched
     timeline: bool = False
+    # FC_LPT_TAIL: the CTAs of the grid's last lpt_tail (KV head, batch) pairs run longest-first
+    # (key block 0 of every such pair first); dispatch sets it for causal calls at the head dims
+    # of LPT_TAIL (the .cu; _build_plan)
+    lpt_tail: int = 0
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
     defines: tuple = ()
@@ -290,6 +299,7 @@ class Sm90BwdConfig:
                 + ("t" if self.dq_tma else "") + ("s" if self.dq_spread else "")
                 + ("g" if self.dq_frag else "")
                 + ("_early" if self.dq_early else "") + ("_stm" if self.ds_stmatrix else "")
+                + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
                 + ("_tl" if self.timeline else "")
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
@@ -318,6 +328,7 @@ class Sm90BwdConfig:
             **({"FC_DQ_EARLY": 1} if self.dq_early else {}),
             **({"FC_DS_STMATRIX": 1} if self.ds_stmatrix else {}),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
+            **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
             **dict(self.defines),
         })
 
@@ -379,6 +390,11 @@ def configs() -> list[Sm90BwdConfig]:
     # the timeline variants of the bf16 defaults (scripts/sm90_bwd_timeline.py)
     out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True,
                           **_dq_mode(DQ_DEFAULT[d])) for d in HEAD_DIMS]
+    # causal calls' longest-first tail (LPT_TAIL; dispatched), and its timeline variant
+    out += [Sm90BwdConfig(dtype, d, dq_early=True, lpt_tail=k, **_dq_mode(DQ_DEFAULT[d]))
+            for dtype in DTYPES for d, k in LPT_TAIL.items()]
+    out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True, lpt_tail=k,
+                          **_dq_mode(DQ_DEFAULT[d])) for d, k in LPT_TAIL.items()]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
@@ -435,6 +451,15 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
                          release_fence=fence, dq_late=late == "1", stages=int(stages),
                          dq_early=dq_early, defines=parse_defines(DEFINES_ENV),
                          **_dq_mode(dq))
+
+
+def lpt_tail_for(call: BwdCall) -> int:
+    """FC_LPT_TAIL's K for `call`: LPT_TAIL[head_dim] when the mask has a right edge and no left
+    one (causal: the earliest key blocks have the most steps), else 0 (every CTA the same work,
+    or a sliding window's, unmeasured)."""
+    if call.window_left is None and call.window_right is not None:
+        return LPT_TAIL.get(call.head_dim, 0)
+    return 0
 
 
 def enabled() -> bool:
@@ -519,6 +544,8 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     cfg = select_config(call.dtype, call.head_dim)
     if timeline:
         cfg = dataclasses.replace(cfg, timeline=True)
+    if lpt_tail := lpt_tail_for(call):
+        cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
     aux = cfg.aux()
     b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
     h, hkv, d = call.nheads, call.nheads_kv, call.head_dim

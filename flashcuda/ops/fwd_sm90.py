@@ -162,6 +162,7 @@ class Sm90FwdConfig:
             **({"FC_SMEM_PAD": self.smem_pad} if self.smem_pad else {}),
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
             **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
+            **({"FC_O_QUAD": 1} if self.block_m in O_QUAD.get(self.head_dim, ()) else {}),
             **dict(self.defines),
         })
 
@@ -237,6 +238,12 @@ SOFTMAX_IN_ARMS = (128,)
 # at 4k-16k without a mask, causal -1 to +3%), d64 -1 to +2% (noise: not used). An
 # FLASHCUDA_SM90_FWD_DEFINES=FC_EXP_SPLIT=0 run builds the unsplit kernel (A/B).
 EXP_SPLIT = {128: 8}
+# Query-block heights (block_m) whose kernel stores O in 16-byte stores after a transpose within
+# each quad (FC_O_QUAD, the .cu), per head dim. Same-run A/B (session 14, perf-notes): d128
+# +2-11% (512-1k +6-11%, 4k +2-3.5%, 8k causal 0), the per-work-tile epilogue 2.1 -> 0.9 us
+# (forward timeline); d64 with 192-row tiles +1.4-3.4% without a mask, with 128-row tiles (the
+# causal ones below 8k) -1 to -3.6%: not used there.
+O_QUAD = {128: (128,), 64: (192,)}
 
 
 def _defines() -> tuple:

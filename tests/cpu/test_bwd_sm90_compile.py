@@ -154,13 +154,15 @@ def test_config_is_the_single_source_of_truth():
     # per dtype and d: dS layout x watchdog and no fence with the default dQ reduction, + the
     # other dQ reductions (five), + the late red.v4, + FA3's GEMM order, + the three-stage ring,
     # + at d128 the tensor-map staging in FA3's order (the default before frag); + the timeline
-    # variants of the bf16 defaults (two)
-    assert len({c.name for c in bwd_sm90.configs()}) == 58
+    # variants of the bf16 defaults (two); + the causal calls' longest-first tail at d128 (per
+    # dtype, and its bf16 timeline variant)
+    assert len({c.name for c in bwd_sm90.configs()}) == 61
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and without the release fence, x 4; + the two
-    # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 16
+    # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants; + the
+    # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant)
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 19
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
@@ -680,21 +682,30 @@ def test_lpt_tail_is_a_bijection_running_the_tail_longest_first(grid, k):
 
 
 def test_lpt_tail_builds_clean(tmp_path):
-    """FC_LPT_TAIL (an A/B knob through FLASHCUDA_SM90_BWD_DEFINES, not yet run on a GPU) builds
-    for both head dims without spills or serialized wgmma."""
+    """FC_LPT_TAIL builds for both head dims without spills or serialized wgmma (d128's causal
+    default, LPT_TAIL; d64 through FLASHCUDA_SM90_BWD_DEFINES, A/B)."""
     for d in (64, 128):
         clean_sass(dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, d),
                                        defines=(("FC_LPT_TAIL", 8),)), tmp_path)
 
 
-def test_kv_prefetch_builds_clean(tmp_path):
-    """FC_KV_PREFETCH (an A/B knob through FLASHCUDA_SM90_BWD_DEFINES, not yet run on a GPU): the
-    producer's L2 prefetches of a later CTA's K / V (UTMAPF, 2 per 64-column chunk) build at both
-    head dims, alone and with FC_LPT_TAIL, without spills."""
-    for d in (64, 128):
-        base = bwd_sm90.select_config(torch.bfloat16, d)
-        chunks = d // 64
-        for defines in ((("FC_KV_PREFETCH", 132),), (("FC_KV_PREFETCH", 132), ("FC_LPT_TAIL", 8))):
-            sass = clean_sass(dataclasses.replace(base, defines=defines), tmp_path)
-            assert len(re.findall(r"UTMAPF\.L2\.4D", sass)) == 2 * chunks, sass.count("UTMAPF")
-        assert "UTMAPF" not in clean_sass(base, tmp_path)
+def test_lpt_tail_is_dispatched_for_causal_calls_at_its_head_dims():
+    """lpt_tail_for: LPT_TAIL[head_dim] for a right edge without a left one (causal, either
+    alignment), 0 without a mask, with a sliding window, or at the other head dims; the
+    variant it picks is one configs() builds (precompiled, compile-tested)."""
+    from types import SimpleNamespace
+
+    def call(d, wl, wr):
+        return SimpleNamespace(head_dim=d, window_left=wl, window_right=wr)
+
+    k = bwd_sm90.LPT_TAIL[128]
+    assert k > 0 and 64 not in bwd_sm90.LPT_TAIL
+    assert bwd_sm90.lpt_tail_for(call(128, None, 0)) == k
+    assert bwd_sm90.lpt_tail_for(call(128, None, -512)) == k  # SDPA's top-left causal
+    assert bwd_sm90.lpt_tail_for(call(128, None, None)) == 0
+    assert bwd_sm90.lpt_tail_for(call(128, 256, 0)) == 0
+    assert bwd_sm90.lpt_tail_for(call(64, None, 0)) == 0
+    names = {c.name for c in bwd_sm90.configs()}
+    for dtype in bwd_sm90.DTYPES:
+        cfg = dataclasses.replace(bwd_sm90.select_config(dtype, 128), lpt_tail=k)
+        assert cfg.name in names and dict(cfg.spec().defines)["FC_LPT_TAIL"] == str(k)

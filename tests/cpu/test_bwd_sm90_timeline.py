@@ -51,8 +51,12 @@ def _timeline_configs():
 def test_timeline_variants_are_the_bf16_defaults_and_never_dispatched():
     tls = _timeline_configs()
     assert {c.head_dim for c in tls} == {64, 128}
+    # the plain default's at both head dims, and the causal default's (LPT_TAIL) where it differs
+    assert {(c.head_dim, c.lpt_tail) for c in tls} == {(64, 0), (128, 0)} | {
+        (d, k) for d, k in bwd_sm90.LPT_TAIL.items()}
     for cfg in tls:
-        default = bwd_sm90.select_config(torch.bfloat16, cfg.head_dim)
+        default = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, cfg.head_dim),
+                                      lpt_tail=cfg.lpt_tail)
         assert not default.timeline  # select_config (dispatch's plan) never picks it
         assert cfg == dataclasses.replace(default, timeline=True)
         assert cfg.name == default.name + "_tl"

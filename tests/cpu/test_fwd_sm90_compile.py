@@ -117,9 +117,13 @@ def test_config_is_the_single_source_of_truth():
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
         "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_PINGPONG": "0", "FC_SNAKE": "0",
         "FC_SOFTMAX_IN_ARMS": "1",  # d128 only (fwd_sm90.SOFTMAX_IN_ARMS)
-        "FC_EXP_SPLIT": "8"}  # d128 only (fwd_sm90.EXP_SPLIT)
+        "FC_EXP_SPLIT": "8",  # d128 only (fwd_sm90.EXP_SPLIT)
+        "FC_O_QUAD": "1"}  # d128, and d64's 192-row tiles (fwd_sm90.O_QUAD)
     assert dict(Sm90FwdConfig(torch.bfloat16, 64).spec().defines)["FC_SOFTMAX_IN_ARMS"] == "0"
     assert "FC_EXP_SPLIT" not in dict(Sm90FwdConfig(torch.bfloat16, 64).spec().defines)
+    assert "FC_O_QUAD" not in dict(Sm90FwdConfig(torch.bfloat16, 64).spec().defines)
+    assert dict(Sm90FwdConfig(torch.bfloat16, 64, block_m=192,
+                              consumer_regs=160).spec().defines)["FC_O_QUAD"] == "1"
     knob = dataclasses.replace(cfg, defines=(("FC_SOFTMAX_IN_ARMS", 0),))  # an A/B override wins
     assert dict(knob.spec().defines)["FC_SOFTMAX_IN_ARMS"] == "0" and knob.name != cfg.name
     pp = Sm90FwdConfig(torch.bfloat16, 128, pingpong=True)

@@ -196,6 +196,22 @@ def test_gqa_batch(batch, nheads_kv, head_dim):
     check(q, k, v, dout, FULL)
 
 
+def test_causal_longest_first_tail_over_part_of_the_grid():
+    """Causal d128 calls run the CTAs of the grid's last LPT_TAIL[128] (KV head, batch) pairs
+    longest-first (FC_LPT_TAIL): with 3 x 5 pairs (GQA, 2 query heads each) the tail remaps 8 of
+    the 15 and leaves the first 7 in blockIdx order; every CTA's dK / dV still lands in place.
+    Without a mask the plan keeps blockIdx order."""
+    q, k, v, dout = make(3, 700, 700, 10, 5, 128, BF16, seed=21)
+    check(q, k, v, dout, CAUSAL)
+    check(q, k, v, dout, FULL)
+    lse = torch.zeros(3, 10, 700, device="cuda", dtype=torch.float32)
+    for window, tail in ((CAUSAL, bwd_sm90.LPT_TAIL[128]), (FULL, 0)):
+        call = BwdCall(q, k, v, torch.empty_like(q), dout, lse, torch.empty_like(q),
+                       torch.empty_like(k), torch.empty_like(v), 0.088, *window, False)
+        assert bwd_sm90._plan(call).cfg.lpt_tail == tail
+        assert 3 * 5 > tail
+
+
 def test_windows_and_fully_masked_rows():
     q, k, v, dout = make(2, 1023, 1023, 2, 1, 64, BF16, seed=8)
     check(q, k, v, dout, (64, 0))

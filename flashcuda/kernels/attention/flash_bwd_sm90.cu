@@ -373,26 +373,16 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
 #define FC_DKV_QUAD 1
 #endif
 #ifndef FC_LPT_TAIL
-// K > 0 (A/B, session 13: written, not yet run on a GPU): the CTAs of the last K (KV head, batch)
-// pairs of the grid run longest-first across those pairs — key block 0 of all K pairs, then key
-// block 1, ... — instead of pair after pair; the rest of the grid keeps blockIdx order (the CTAs
-// that run together read the same heads' Q / dO: session 12's FC_LPT_ORDER, which reordered the
-// whole grid, lost up to 6% at d64). The GPU starts CTAs in blockIdx order (the backward timeline,
-// session 13: 14 descents in 2048 entries), and under a causal mask key block 0 has the most steps,
-// so the last pair's heaviest CTAs start near the end: at 4 x 4096 x 16 d128 causal the SMs
-// idled 83 us (median) of a 1299 us makespan. A list-schedule model with the timeline's per-CTA
-// cost (7.1 us + 2.16 us per step) reproduces that makespan (1299.2 us) and puts K = 8 at -2.4 to
-// -4.7% at d128 causal 1k-8k, 0 at 16k. Without a mask every CTA costs the same: no effect.
+// K > 0: the CTAs of the last K (KV head, batch) pairs of the grid run longest-first across those
+// pairs — key block 0 of all K pairs, then key block 1, ... — instead of pair after pair; the rest
+// of the grid keeps blockIdx order (the CTAs that run together read the same heads' Q / dO:
+// session 12's FC_LPT_ORDER, which reordered the whole grid, lost up to 6% at d64). The GPU
+// starts CTAs in blockIdx order (the backward timeline, session 13), and under a causal mask key
+// block 0 has the most steps, so the last pair's heaviest CTAs would start near the end: at
+// 4 x 4096 x 16 d128 causal the SMs idled 83 us (median) of a 1299 us makespan. The host sets
+// K = 8 for causal calls at d128 (bwd_sm90.LPT_TAIL; session 14 on the H200: +1-2.7% at causal
+// 1k / 4k / 8k, 0 at 2k; d64 -3 to -4%, so 0 there and without a mask).
 #define FC_LPT_TAIL 0
-#endif
-#ifndef FC_KV_PREFETCH
-// A > 0 (A/B, session 13: written, not yet run on a GPU): after issuing its own K / V loads the
-// producer asks the L2 for the K / V of the CTA A places after it in blockIdx order (A = the SM
-// count: the CTA that starts about one CTA span later), so that CTA's K / V arrive from the L2
-// instead of DRAM. The backward timeline (session 13) had K / V arriving 1.3-2.1 us after
-// entry (the whole 64 KB read from DRAM: each key block is read once) while the SM did nothing
-// else; at 512-1k a CTA runs 8-16 steps of 2.2 us.
-#define FC_KV_PREFETCH 0
 #endif
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
@@ -472,23 +462,6 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
     tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.kv_full(), c * kChunkCols, n0, head_kv,
                 batch);
   }
-#if FC_KV_PREFETCH
-  {  // the K / V of the CTA FC_KV_PREFETCH places later in blockIdx order, into the L2
-    const int64_t later = blockIdx.x + static_cast<int64_t>(gridDim.x) *
-                                           (blockIdx.y + gridDim.y * blockIdx.z) + FC_KV_PREFETCH;
-    const int64_t pair = later / gridDim.x;
-    if (pair < static_cast<int64_t>(gridDim.y) * gridDim.z) {
-      const BlockCoord to = block_coord(static_cast<int>(later % gridDim.x),
-                                        static_cast<int>(pair % gridDim.y),
-                                        static_cast<int>(pair / gridDim.y));
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-        tma_prefetch_l2_4d(map_k, c * kChunkCols, to.key_block * kBlockN, to.head_kv, to.batch);
-        tma_prefetch_l2_4d(map_v, c * kChunkCols, to.key_block * kBlockN, to.head_kv, to.batch);
-      }
-    }
-  }
-#endif
   for (int it = 0; it < steps.count(); ++it) {
     const int s = stage_of(it);
     const int h = steps.head(it, head_kv), m0 = steps.m0(it);

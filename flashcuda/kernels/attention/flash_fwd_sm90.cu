@@ -99,11 +99,11 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 #define FC_EXP_SPLIT 0
 #endif
 #ifndef FC_O_QUAD
-// 1 (A/B, session 13: written, not yet run on a GPU): O leaves in 16-byte stores after a
-// transpose within each quad (store_row_v4, common/sm90.cuh), as the backward's dK / dV
-// (FC_DKV_QUAD, +0.4-8.6% there at 1k-4k): a quarter of the store instructions, whole sectors.
-// Session 11's timeline fit a fixed 3.35 us per work tile (1.69 us per key tile), ~30% of a 1k
-// causal call; the O stores are part of it.
+// 1: O leaves in 16-byte stores after a transpose within each quad (store_row_v4,
+// common/sm90.cuh), as the backward's dK / dV (FC_DKV_QUAD): a quarter of the store
+// instructions, whole sectors. The host sets it at d128 and for d64's 192-row tiles
+// (fwd_sm90.O_QUAD; session 14 on the H200: d128 +2-11%, the work tile's epilogue 2.1 -> 0.9 us
+// in the forward timeline; d64 192-row +1.4-3.4%, 128-row -1 to -3.6%, so 0 there).
 #define FC_O_QUAD 0
 #endif
 #ifndef FC_SMEM_PAD

@@ -122,17 +122,6 @@ __device__ __forceinline__ uint32_t sm_id() {
   return id;
 }
 
-// The box of `map` at (c0 .. c3) into the L2 only (no shared memory, no barrier): a hint that
-// a later load will want it.
-__device__ __forceinline__ void tma_prefetch_l2_4d(const TmaMap& map, int c0, int c1, int c2,
-                                                   int c3) {
-  asm volatile(
-      "cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
-          reinterpret_cast<uint64_t>(&map)),
-      "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
-}
-
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaMap& map, uint32_t bar, int c0,
                                             int c1, int c2) {
   asm volatile(
