@@ -5,16 +5,19 @@
 #   pip download --no-deps -d .whl flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base \
 #       nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi \
 #       torch-c-dlpack-ext quack-kernels --python-version 3.12 --platform manylinux_2_28_x86_64
-#   mkdir -p .fa4a .fa4b && cp .whl/*.whl .fa4a/ && rm .fa4a/nvidia_cutlass_dsl_libs_cu13-*.whl
-#   split -b 46M .whl/nvidia_cutlass_dsl_libs_cu13-*.whl .fa4a/cu13.part. && mv .fa4a/cu13.part.ab .fa4b/
-#   mv .fa4a/apache_tvm_ffi-*.whl .fa4a/nvidia_cutlass_dsl_libs_base-*.whl .fa4b/
-# (each half must fit 64 MiB together with the tracked tree, ~9 MB in session 8)
+#   mkdir -p .fa4a .fa4b .fa4c && cp .whl/*.whl .fa4a/ && rm .fa4a/nvidia_cutlass_dsl_libs_cu13-*.whl
+#   split -b 31M .whl/nvidia_cutlass_dsl_libs_cu13-*.whl .fa4a/cu13.part.
+#   mv .fa4a/cu13.part.ab .fa4a/apache_tvm_ffi-*.whl .fa4a/nvidia_cutlass_dsl_libs_base-*.whl .fa4b/
+#   mv .fa4a/cu13.part.ac .fa4c/
+# (each part must fit 64 MiB together with the tracked tree: ~9 MB in session 8, 17 MB in
+# session 14 with the run records, so two halves of 46 MB no longer fit: three parts)
 #
-# (.whl, .fa4a, .fa4b are git-ignored.) Then, on the device:
-#   call 1, carry [".fa4a"]:  scripts/fa4_carry.sh stash
-#   call 2, carry [".fa4b"]:  scripts/fa4_carry.sh install && FLASHCUDA_BENCH_SITE=/root/fa4 \
-#                               scripts/gpu_lane.sh bench-full
-# The machine must still be warm for call 2 (it keeps /root between calls for ~30 s of idle).
+# (.whl, .fa4a, .fa4b, .fa4c are git-ignored.) Then, on the device, in consecutive calls:
+#   carry [".fa4a"]:  scripts/fa4_carry.sh stash
+#   carry [".fa4b"]:  scripts/fa4_carry.sh stash
+#   carry [".fa4c"]:  scripts/fa4_carry.sh install && FLASHCUDA_BENCH_SITE=/root/fa4 \
+#                       scripts/gpu_lane.sh bench-full
+# The machine must still be warm for each next call (it keeps /root between calls for ~30 s).
 # The kernel cache (.kcache) does not fit next to .fa4b: call 2 compiles on the device (seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,16 +28,18 @@ CU13_SHA=50191a381d8cc1393373ae0bc879b0aefa9a256c23c22d4fa1c2fe3dfe57bc90
 CU13=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
 
 case "${1:-}" in
-  stash)
+  stash)  # whatever parts this call carries, into the stash
     mkdir -p "$STASH"
-    cp .fa4a/* "$STASH"/
+    for d in .fa4a .fa4b .fa4c; do
+      [ -d "$d" ] && cp "$d"/* "$STASH"/
+    done
     ls -la "$STASH" ;;
   install)
-    [ -f "$STASH/cu13.part.aa" ] || { echo "no $STASH/cu13.part.aa: run 'stash' in the previous call" >&2; exit 1; }
-    cat "$STASH/cu13.part.aa" .fa4b/cu13.part.ab > "$STASH/$CU13"
+    "$0" stash >/dev/null
+    [ -f "$STASH/cu13.part.aa" ] || { echo "no $STASH/cu13.part.aa: run 'stash' in the previous calls" >&2; exit 1; }
+    cat "$STASH"/cu13.part.* > "$STASH/$CU13"
     echo "$CU13_SHA  $STASH/$CU13" | sha256sum -c -
     rm -f "$STASH"/cu13.part.*
-    cp .fa4b/*.whl "$STASH"/ 2>/dev/null || true  # small wheels moved to the second half
     python3 -m pip install -q --no-deps --no-index --target "$TARGET" "$STASH"/*.whl
     python3 -c "import site; site.addsitedir('$TARGET'); import flash_attn.cute as m; print('fa4 ok:', m.__file__)" ;;
   *)
