@@ -88,6 +88,9 @@ class Sm90FwdConfig:
     # unused shared memory before the barriers (FLASHCUDA_SM90_SMEM_PAD=<KiB>): an A/B variant
     # that gives the default kernel the masked-V variant's footprint; never chosen by default
     smem_pad: int = 0
+    # Q buffers (FC_Q_STAGES; FLASHCUDA_SM90_FWD_Q_STAGES=2, an A/B variant where it fits): the
+    # next work tile's Q loads while the current one's last key tiles run; never chosen by default
+    q_stages: int = 1
     # extra compile-time defines (FLASHCUDA_SM90_FWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob the .cu documents (e.g. FC_MV_SCAN_UNROLL); never chosen by default
     defines: tuple = ()
@@ -105,6 +108,8 @@ class Sm90FwdConfig:
             raise ValueError(f"Sm90FwdConfig.block_n: expected 64, 128 or 176, got {self.block_n}")
         if self.stages < 1:
             raise ValueError(f"Sm90FwdConfig.stages: expected >= 1, got {self.stages}")
+        if self.q_stages not in (1, 2):
+            raise ValueError(f"Sm90FwdConfig.q_stages: expected 1 or 2, got {self.q_stages}")
         if (self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers
                 > register_pool(self.threads)):
             raise ValueError(f"Sm90FwdConfig: register split {self.producer_regs} / "
@@ -130,11 +135,12 @@ class Sm90FwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """1024 B alignment slack + Q + stages x (K + V) + the mbarriers (as the .cu lays out)."""
-        barriers = 2 + 4 * self.stages
+        """1024 B alignment slack + q_stages x Q + stages x (K + V) + the mbarriers (as the .cu
+        lays out)."""
+        barriers = 2 * self.q_stages + 4 * self.stages
         clean = self.consumers * self.kv_bytes if self.masked_v else 0
-        return (1024 + self.q_bytes + 2 * self.stages * self.kv_bytes + clean + self.smem_pad
-                + BARRIER_BYTES * barriers)
+        return (1024 + self.q_stages * self.q_bytes + 2 * self.stages * self.kv_bytes + clean
+                + self.smem_pad + BARRIER_BYTES * barriers)
 
     @property
     def name(self) -> str:
@@ -143,6 +149,7 @@ class Sm90FwdConfig:
                 f"{'_sn' if self.snake else ''}{'_tl' if self.timeline else ''}"
                 f"{'_mv' if self.masked_v else ''}"
                 f"{f'_pad{self.smem_pad // 1024}k' if self.smem_pad else ''}"
+                f"{f'_q{self.q_stages}' if self.q_stages != 1 else ''}"
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
     def spec(self) -> KernelSpec:
@@ -160,6 +167,7 @@ class Sm90FwdConfig:
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_MASKED_V": 1} if self.masked_v else {}),
             **({"FC_SMEM_PAD": self.smem_pad} if self.smem_pad else {}),
+            **({"FC_Q_STAGES": self.q_stages} if self.q_stages != 1 else {}),
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
             **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
             **({"FC_O_QUAD": 1} if self.block_m in O_QUAD.get(self.head_dim, ()) else {}),
@@ -222,6 +230,9 @@ SMEM_PAD_ENV = "FLASHCUDA_SM90_SMEM_PAD"  # KiB of unused shared memory (A/B of 
 # at 128 keys: 1 KB + Q 32 KB + 3 x 64 KB at d128). Windowed calls keep 2 (their masked-V clean
 # tiles would not fit with a third).
 STAGES_ENV = "FLASHCUDA_SM90_FWD_STAGES"
+# Q buffers (A/B; default 1): 2 builds every kernel where the second Q tile fits in shared memory
+# (all but d128's masked-V ones, which keep 1) — see FC_Q_STAGES in the .cu
+Q_STAGES_ENV = "FLASHCUDA_SM90_FWD_Q_STAGES"
 SMEM_OPTIN = 232448  # H100 / H200: dynamic shared memory a block may opt in to
 
 
@@ -281,7 +292,19 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
             raise ValueError(f"{STAGES_ENV}={stages}: {cfg.name} would need {cfg.smem_bytes} "
                              f"bytes of shared memory (at most {SMEM_OPTIN}); expected fewer "
                              f"stages or smaller tiles ({TILES_ENV})")
+    q_stages = _q_stages()
+    if q_stages != cfg.q_stages:
+        two = dataclasses.replace(cfg, q_stages=q_stages)
+        if two.smem_bytes <= SMEM_OPTIN:  # (else this kernel keeps one: an A/B knob)
+            cfg = two
     return cfg
+
+
+def _q_stages() -> int:
+    raw = os.environ.get(Q_STAGES_ENV, "").strip()
+    if raw not in ("", "1", "2"):
+        raise ValueError(f"{Q_STAGES_ENV}: expected 1 or 2, got {raw!r}")
+    return int(raw or 1)
 
 
 def _stages() -> int:
@@ -454,7 +477,8 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 
 
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
-                     MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV)
+                     MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV,
+                     Q_STAGES_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:

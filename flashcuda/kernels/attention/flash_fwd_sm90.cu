@@ -39,7 +39,8 @@
 // Deferred normalisation: O / l once, in the epilogue, which stores O straight from the
 // accumulator registers (4 bytes per lane; a TMA store through shared memory is a later step).
 //
-// Shared memory (sm90.cuh header for the swizzled layout): Q [kBlockM][kHeadDim] and kStages K
+// Shared memory (sm90.cuh header for the swizzled layout): Q [kBlockM][kHeadDim] (kQStages of
+// them, FC_Q_STAGES) and kStages K
 // and V tiles [kBlockN][kHeadDim], each as kHeadDim / 64 chunks of [rows][64] 128-byte rows,
 // every chunk 1024-byte aligned; then the mbarriers. The dynamic allocation has 1024 bytes of
 // slack so the base can be rounded up to 1024.
@@ -63,6 +64,19 @@ constexpr int kHeadDim = FC_HEAD_DIM;
 constexpr int kBlockM = FC_BLOCK_M;  // query rows per work tile (64 per consumer warpgroup)
 constexpr int kBlockN = FC_BLOCK_N;  // keys per tile
 constexpr int kStages = FC_STAGES;   // K/V ring depth
+#ifndef FC_Q_STAGES
+// Q buffers (A/B, session 14: written, not yet run on a GPU). 1: one Q tile, whose next work
+// tile's load waits for the current one's last Q K^T (q_empty) — and the producer, which issues
+// in program order, holds the next work tile's first K / V behind that wait too. The forward
+// timeline (session 14) has a consumer wait 0.42-0.45 us for its Q at the start of every work tile
+// at causal 512-1k d128 (a work tile of 1-8 key tiles takes 4-20 us). 2: work tile r's Q goes to
+// buffer r % 2, so its load (and the K / V behind it) issue as soon as the ring has room, a work
+// tile ahead. + kQBytes of shared memory: the host builds it where that fits (fwd_sm90, the
+// FLASHCUDA_SM90_FWD_Q_STAGES A/B; not beside the d128 masked-V clean tiles).
+#define FC_Q_STAGES 1
+#endif
+constexpr int kQStages = FC_Q_STAGES;
+static_assert(kQStages == 1 || kQStages == 2, "one or two Q buffers");
 constexpr int kConsumers = kBlockM / 64;            // consumer warpgroups
 constexpr int kThreads = 128 * (1 + kConsumers);    // + the producer warpgroup
 constexpr int kConsumerWarps = 4 * kConsumers;
@@ -118,12 +132,13 @@ constexpr int kQBytes = kChunks * kQChunkBytes;
 constexpr int kKVBytes = kChunks * kKVChunkBytes;
 
 constexpr int kSmemQ = 0;
-constexpr int kSmemK = kSmemQ + kQBytes;
+constexpr int kSmemK = kSmemQ + kQStages * kQBytes;
 constexpr int kSmemV = kSmemK + kStages * kKVBytes;
 constexpr int kSmemClean = kSmemV + kStages * kKVBytes;  // FC_MASKED_V: a V tile per consumer
 constexpr int kSmemBar = kSmemClean + (FC_MASKED_V ? kConsumers * kKVBytes : 0) + FC_SMEM_PAD;
 static_assert(FC_SMEM_PAD % 1024 == 0, "padding keeps the barriers 8-byte aligned");
-constexpr int kBarriers = 2 + 4 * kStages;  // q_full, q_empty, k_full[], v_full[], k_empty[], v_empty[]
+// q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[]
+constexpr int kBarriers = 2 * kQStages + 4 * kStages;
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -141,23 +156,32 @@ static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm90FwdCo
 struct Smem {
   uint32_t base;  // 1024-byte aligned
 
-  __device__ __forceinline__ uint32_t q() const { return base + kSmemQ; }
+  __device__ __forceinline__ uint32_t q(int b) const { return base + kSmemQ + b * kQBytes; }
   __device__ __forceinline__ uint32_t k(int s) const { return base + kSmemK + s * kKVBytes; }
   __device__ __forceinline__ uint32_t v(int s) const { return base + kSmemV + s * kKVBytes; }
   __device__ __forceinline__ uint32_t clean_v(int c) const {
     return base + kSmemClean + c * kKVBytes;
   }
   __device__ __forceinline__ uint32_t bar(int i) const { return base + kSmemBar + 8 * i; }
-  __device__ __forceinline__ uint32_t q_full() const { return bar(0); }
-  __device__ __forceinline__ uint32_t q_empty() const { return bar(1); }
-  __device__ __forceinline__ uint32_t k_full(int s) const { return bar(2 + s); }
-  __device__ __forceinline__ uint32_t v_full(int s) const { return bar(2 + kStages + s); }
-  __device__ __forceinline__ uint32_t k_empty(int s) const { return bar(2 + 2 * kStages + s); }
-  __device__ __forceinline__ uint32_t v_empty(int s) const { return bar(2 + 3 * kStages + s); }
+  __device__ __forceinline__ uint32_t q_full(int b) const { return bar(b); }
+  __device__ __forceinline__ uint32_t q_empty(int b) const { return bar(kQStages + b); }
+  __device__ __forceinline__ uint32_t k_full(int s) const { return bar(2 * kQStages + s); }
+  __device__ __forceinline__ uint32_t v_full(int s) const {
+    return bar(2 * kQStages + kStages + s);
+  }
+  __device__ __forceinline__ uint32_t k_empty(int s) const {
+    return bar(2 * kQStages + 2 * kStages + s);
+  }
+  __device__ __forceinline__ uint32_t v_empty(int s) const {
+    return bar(2 * kQStages + 3 * kStages + s);
+  }
 
   __device__ __forceinline__ void init_barriers() const {
-    mbar_init(q_full(), 1);
-    mbar_init(q_empty(), kConsumerWarps);
+#pragma unroll
+    for (int b = 0; b < kQStages; ++b) {
+      mbar_init(q_full(b), 1);
+      mbar_init(q_empty(b), kConsumerWarps);
+    }
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbar_init(k_full(s), 1);
@@ -267,11 +291,13 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
     const Block blk = sched.block(t, mask);
     const int tiles = blk.tiles();
     if (tiles <= 0) continue;
-    mbar_wait(sm.q_empty(), (q_round & 1) ^ 1);  // first round: Q starts empty
-    mbar_arrive_expect_tx(sm.q_full(), kQBytes);
+    // Q round r in buffer r % kQStages; its barriers' parity is (r / kQStages) & 1
+    const int qb = q_round % kQStages;
+    mbar_wait(sm.q_empty(qb), ((q_round / kQStages) & 1) ^ 1);  // first pass: Q starts empty
+    mbar_arrive_expect_tx(sm.q_full(qb), kQBytes);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c)
-      tma_load_4d(sm.q() + c * kQChunkBytes, map_q, sm.q_full(), c * kChunkCols, blk.m0,
+      tma_load_4d(sm.q(qb) + c * kQChunkBytes, map_q, sm.q_full(qb), c * kChunkCols, blk.m0,
                   blk.head, blk.batch);
     for (int i = 0; i < tiles; ++i, ++ring) {
       const int s = stage_of(ring);
@@ -305,8 +331,8 @@ struct Consumer {
   OnlineSoftmax row[2];         // rows g and g + 8 of this warp's 16; l is this lane's partial sum
   uint32_t q_rows;              // shared address of this warpgroup's 64 rows of Q (chunk 0)
 
-  __device__ __forceinline__ void init(const Smem& sm, int wg_row0) {
-    q_rows = sm.q() + wg_row0 * 128;  // 64-row offsets stay 1024-byte aligned
+  __device__ __forceinline__ void init(const Smem& sm, int wg_row0, int q_buffer) {
+    q_rows = sm.q(q_buffer) + wg_row0 * 128;  // 64-row offsets stay 1024-byte aligned
     row[0].init();
     row[1].init();
 #pragma unroll
@@ -862,19 +888,20 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #endif
     const Block blk = sched.block(w, mask);
     const int row0 = blk.m0 + warp_row0 + g;  // query row of this lane's first row (h = 0)
+    const int qb = q_round % kQStages;  // this work tile's Q buffer (as the producer's)
     Consumer cs;
-    cs.init(sm, wg_row0);
+    cs.init(sm, wg_row0, qb);
 
     const int tiles = blk.tiles();
     if (tiles > 0) {
       const MaskedVisits masked = masked_visits(mask, blk.m0 + wg_row0, 64, blk.n_last, kBlockN);
-      mbar_wait(sm.q_full(), q_round & 1);
+      mbar_wait(sm.q_full(qb), (q_round / kQStages) & 1);
 #if FC_TIMELINE
       t_q = globaltimer_ns();
 #endif
       attend_key_tile<true, false>(cs, sm, blk, mask, masked, 0, ring, row0, c, scale_log2);
       attend_rest(cs, sm, blk, mask, masked, tiles, ring, row0, c, scale_log2);
-      release(sm.q_empty());  // every Q K^T of this work tile has completed
+      release(sm.q_empty(qb));  // every Q K^T of this work tile has completed
       drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c);
       ring += tiles;
       ++q_round;

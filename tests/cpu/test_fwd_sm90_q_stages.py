@@ -1,0 +1,57 @@
+"""FLASHCUDA_SM90_FWD_Q_STAGES=2 (FC_Q_STAGES in flash_fwd_sm90.cu; an A/B variant, session 14,
+not yet run on a GPU): two Q buffers, so a work tile's Q (and the K / V the producer issues
+behind it) load while the previous work tile's last key tiles run. Built wherever the second Q
+tile fits in shared memory; the default (one buffer) is the kernel that was measured."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from flashcuda.ops import fwd_sm90
+
+from .sm90_compile import clean_sass
+
+# (head dim, windowed, seqlen_q) -> the dispatched tiles of each kind
+CASES = [(64, False, 4096), (64, True, 1024), (64, True, 16384), (128, False, 4096),
+         (128, True, 1024)]
+
+
+@pytest.mark.parametrize("head_dim,windowed,seqlen", CASES)
+def test_q_stages_env_builds_two_buffers_where_they_fit(monkeypatch, head_dim, windowed, seqlen):
+    monkeypatch.delenv(fwd_sm90.Q_STAGES_ENV, raising=False)
+    one = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    assert one.q_stages == 1 and "FC_Q_STAGES" not in dict(one.spec().defines)
+    monkeypatch.setenv(fwd_sm90.Q_STAGES_ENV, "2")
+    two = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    fits = one.smem_bytes + one.q_bytes + 2 * fwd_sm90.BARRIER_BYTES <= fwd_sm90.SMEM_OPTIN
+    # d128's masked-V kernels (causal / window) carry a clean V tile per consumer: no room
+    assert fits == (not (head_dim == 128 and one.masked_v))
+    if not fits:
+        assert two == one
+        return
+    assert two.q_stages == 2 and two.name == one.name + "_q2"
+    assert two.smem_bytes == one.smem_bytes + one.q_bytes + 2 * fwd_sm90.BARRIER_BYTES
+    assert dict(two.spec().defines)["FC_Q_STAGES"] == "2"
+
+
+@pytest.mark.parametrize("head_dim,windowed,seqlen", [c for c in CASES if c[:2] != (128, True)])
+def test_two_q_buffers_build_clean(monkeypatch, head_dim, windowed, seqlen, tmp_path):
+    """The .cu's layout agrees with the host's (a static_assert on the byte count), no spills,
+    and the same TMA loads per work tile and key tile as the one-buffer kernel."""
+    monkeypatch.setenv(fwd_sm90.Q_STAGES_ENV, "2")
+    two = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    monkeypatch.delenv(fwd_sm90.Q_STAGES_ENV)
+    one = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    loads = lambda sass: len(re.findall(r"UTMALDG", sass))  # noqa: E731
+    assert loads(clean_sass(two, tmp_path)) == loads(clean_sass(one, tmp_path))
+
+
+def test_q_stages_env_rejects_other_values(monkeypatch):
+    monkeypatch.setenv(fwd_sm90.Q_STAGES_ENV, "3")
+    with pytest.raises(ValueError, match=fwd_sm90.Q_STAGES_ENV):
+        fwd_sm90.select_config(torch.bfloat16, 64)
+    with pytest.raises(ValueError, match="q_stages"):
+        fwd_sm90.Sm90FwdConfig(torch.bfloat16, 64, q_stages=3)
