@@ -64,7 +64,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from math import lcm
+from math import lcm, prod
 
 import numpy as np
 import torch
@@ -113,6 +113,8 @@ STAGES_ENV = "FLASHCUDA_SM90_BWD_STAGES"
 # A/B); 0 restores the previous order (dV + dK | dS -> shared | dQ; A/B), 1 forces it elsewhere
 DQ_EARLY_ENV = "FLASHCUDA_SM90_BWD_DQ_EARLY"
 DEFINES_ENV = "FLASHCUDA_SM90_BWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob, as forward)
+# 1: persistent CTAs for calls without a mask (FC_PERSISTENT; A/B, written in session 14)
+PERSISTENT_ENV = "FLASHCUDA_SM90_BWD_PERSISTENT"
 STAGES3_DQ = {64: "v2", 128: "v4"}  # the dQ mode of the three-stage A/B (and its default there)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
@@ -179,6 +181,10 @@ class Sm90BwdConfig:
     # (key block 0 of every such pair first); dispatch sets it for causal calls at the head dims
     # of LPT_TAIL (the .cu; _build_plan)
     lpt_tail: int = 0
+    # FC_PERSISTENT: min(work items, SMs) CTAs walk the items, the next item's K / V loading
+    # under the previous one's epilogue (FLASHCUDA_SM90_BWD_PERSISTENT=1, an A/B variant for
+    # calls without a mask; never chosen by default); not with the timeline
+    persistent: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
     defines: tuple = ()
@@ -186,6 +192,9 @@ class Sm90BwdConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"Sm90BwdConfig.dtype: expected fp16 or bf16, got {self.dtype}")
+        if self.persistent and self.timeline:
+            raise ValueError("Sm90BwdConfig: persistent and timeline: expected at most one (the "
+                             "timeline records one CTA per work item)")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"Sm90BwdConfig.head_dim: expected one of {HEAD_DIMS}, "
                              f"got {self.head_dim}")
@@ -285,6 +294,7 @@ class Sm90BwdConfig:
             barriers += 2 * (self.consumers if self.dq_frag else 1)
         else:
             staging = 0
+        barriers += 1 if self.persistent else 0  # kv_empty
         return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
                 + 2 * self.ds_bytes + staging + BARRIER_BYTES * barriers)
 
@@ -300,6 +310,7 @@ class Sm90BwdConfig:
                 + ("g" if self.dq_frag else "")
                 + ("_early" if self.dq_early else "") + ("_stm" if self.ds_stmatrix else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
+                + ("_ps" if self.persistent else "")
                 + ("_tl" if self.timeline else "")
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
@@ -329,6 +340,7 @@ class Sm90BwdConfig:
             **({"FC_DS_STMATRIX": 1} if self.ds_stmatrix else {}),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
+            **({"FC_PERSISTENT": 1} if self.persistent else {}),
             **dict(self.defines),
         })
 
@@ -345,8 +357,12 @@ class Sm90BwdConfig:
         step = lcm(self.block_m, self.aux().aux_rows)
         return -(-seqlen_q // step) * step
 
-    def grid(self, call: BwdCall) -> tuple[int, int, int]:
-        return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
+    def grid(self, call: BwdCall, sms: int = 0) -> tuple[int, int, int]:
+        """One CTA per work item (key block, KV head, batch); persistent: min(items, sms) CTAs."""
+        items = (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
+        if self.persistent:
+            return (max(1, min(prod(items), sms)), 1, 1)
+        return items
 
     def timeline_shape(self, call: BwdCall) -> tuple[int, int, int, int]:
         """The timeline buffer (int64) of MAIN's grid: [batch][nheads_kv][key blocks][words]."""
@@ -462,6 +478,15 @@ def lpt_tail_for(call: BwdCall) -> int:
     return 0
 
 
+def persistent_for(call: BwdCall) -> bool:
+    """FLASHCUDA_SM90_BWD_PERSISTENT=1 and a call without a mask (every work item the same
+    cost: the static schedule loses nothing to the hardware's greedy one)."""
+    raw = os.environ.get(PERSISTENT_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{PERSISTENT_ENV}: expected 0 or 1, got {raw!r}")
+    return raw == "1" and call.window_left is None and call.window_right is None
+
+
 def enabled() -> bool:
     """On unless FLASHCUDA_ENABLE_SM90_BWD is 0 / false / no / off."""
     return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -487,6 +512,7 @@ def can_implement(call: BwdCall) -> str | None:
     if sq == 0 or sk == 0 or b == 0 or h == 0:
         return "an empty dim (a tensor map needs non-empty dims; bwd_sm80 handles it)"
     cfg = select_config(call.dtype, d)
+    persistent_for(call)  # (a malformed FLASHCUDA_SM90_BWD_PERSISTENT raises, as select_config)
     for name, t in tensors.items():
         if why := vector_layout_problem(name, t):
             return why
@@ -527,7 +553,7 @@ class _Plan:
 
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
-                    STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV)
+                    STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, PERSISTENT_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -546,6 +572,8 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         cfg = dataclasses.replace(cfg, timeline=True)
     if lpt_tail := lpt_tail_for(call):
         cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
+    if persistent_for(call) and not timeline:
+        cfg = dataclasses.replace(cfg, persistent=True)
     aux = cfg.aux()
     b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
     h, hkv, d = call.nheads, call.nheads_kv, call.head_dim
@@ -561,6 +589,10 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     main_args = (*_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk),
                  np.int32(h), np.int32(hkv), np.int32(sq_pad),
                  np.float32(call.softmax_scale * LOG2E), scale, wl, wr)
+    sms = 0
+    if cfg.persistent:  # + the item grid (key blocks, batches)
+        main_args += (np.int32(-(-sk // cfg.block_n)), np.int32(b))
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
     convert_args = (*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
                     np.int32(sq_pad), scale)
     # any tensor of the call stands for a pointer argument's kind (run() passes the addresses)
@@ -576,7 +608,7 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         pre=PreparedLaunch(get_kernel(aux.pre_spec(), dev), (sq_pad // aux.aux_rows, h, b),
                            (bwd_sm80.AUX_THREADS,), 0, (t,) * 6 + pre_args,
                            fixed=len(pre_args)),
-        main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call), (cfg.threads, 1, 1),
+        main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call, sms), (cfg.threads, 1, 1),
                             cfg.smem_bytes,
                             main_maps + (t,) * (6 if cfg.timeline else 5) + main_args,
                             fixed=len(main_args)),
