@@ -972,7 +972,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                , int num_n, int batches  // the item grid: key blocks x nheads_kv x batches
 #endif
                ) {
-
 #if FC_TIMELINE
   if (threadIdx.x == 128) timeline_mark(timeline, kTlEntry);
 #endif
