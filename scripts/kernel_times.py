@@ -1,10 +1,13 @@
 """GPU time of each kernel a forward + backward launches, flashcuda against SDPA's backends.
 
     python scripts/kernel_times.py [--shapes "32 512 16 128" 1,2048,32,128 ...] [--causal both|yes|no]
+        [--impls flashcuda sdpa_flash sdpa_cudnn fa4]
 
 The bench measures a call between events, so host time can hide inside it; this lists what the
 GPU itself spends, per kernel (torch.profiler's CUDA activity, mean of `--repeats` calls after a
-warm-up), and the sum per direction. Shapes are B S H D, bf16, BSHD for flashcuda.
+warm-up), and the sum per direction. Shapes are B S H D, bf16, BSHD for flashcuda and
+FlashAttention 4 (`fa4`: flash_attn.cute, found as the bench finds it, FLASHCUDA_BENCH_SITE; listed
+by default when it imports): where each backward's preprocess / main / postprocess time goes.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flashcuda
+from flashcuda.bench import peers
 
 BACKENDS = {"sdpa_flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION,
             "sdpa_cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION}
@@ -30,6 +34,15 @@ def _calls(name: str, shape, causal: bool):
     if name == "flashcuda":
         def fwd():
             return flashcuda.flash_attn_func(q, k, v, causal=causal)
+        grad = dout
+    elif name == "fa4":
+        impl = peers.load_fa4()
+        if impl.status != "ok":
+            raise RuntimeError(f"fa4 is {impl.status}: {impl.detail}")
+        scale = d ** -0.5
+
+        def fwd():
+            return impl.forward(q, k, v, causal, scale)
         grad = dout
     else:
         qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
@@ -73,8 +86,13 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["32 512 16 128", "32 512 32 64", "4 4096 16 128"])
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="yes")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--impls", nargs="+", default=["flashcuda", "sdpa_flash", "sdpa_cudnn"])
+    ap.add_argument("--impls", nargs="+", default=None,
+                    help="default: flashcuda sdpa_flash sdpa_cudnn, and fa4 when it imports")
     a = ap.parse_args()
+    if a.impls is None:
+        a.impls = ["flashcuda", "sdpa_flash", "sdpa_cudnn"]
+        if peers.load_fa4().status == "ok":
+            a.impls.append("fa4")
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[a.causal]
     for spec in a.shapes:
         shape = tuple(int(x) for x in re.split(r"[\s,x]+", spec.strip()))
