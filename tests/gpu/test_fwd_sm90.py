@@ -244,6 +244,37 @@ def test_persistent_with_empty_work_tiles():
     assert torch.isneginf(lse[:, :, :400]).all() and (out[:, :400] == 0).all()
 
 
+@pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_two_q_buffers(monkeypatch, head_dim, window):
+    """FLASHCUDA_SM90_FWD_Q_STAGES=2 (FC_Q_STAGES, an A/B variant): the Q rounds alternate
+    between two buffers over 384 work tiles per call, and with seqlen_q > seqlen_k under a causal
+    mask work tiles without keys skip their Q round on both sides. Built where it fits (d128's
+    masked-V kernels keep one buffer: the same checks then run the default)."""
+    monkeypatch.setenv(fwd_sm90.Q_STAGES_ENV, "2")
+    dispatch._reset()
+    check(*make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=13), window)
+    out, lse = check(*make(2, 700, 300, 40, 8, head_dim, FP16, seed=14), CAUSAL)
+    assert torch.isneginf(lse[:, :, :400]).all() and (out[:, :400] == 0).all()
+
+
+@pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_exp2_on_the_fma_pipe(monkeypatch, head_dim, window):
+    """FLASHCUDA_SM90_FWD_DEFINES=FC_EXP_EMU=4 (an A/B variant): a quarter of the column groups'
+    exp2s by exp2_fma, within the same oracle rule (masked scores still give exactly 0: the rows
+    that see no key stay 0 / -inf); a NaN score still reaches its row."""
+    monkeypatch.setenv(fwd_sm90.DEFINES_ENV, "FC_EXP_EMU=4")
+    dispatch._reset()
+    check(*make(2, 1000, 1500, 8, 4, head_dim, BF16, seed=15), window)
+    out, lse = check(*make(2, 700, 300, 8, 8, head_dim, FP16, seed=16), CAUSAL)
+    assert torch.isneginf(lse[:, :, :400]).all() and (out[:, :400] == 0).all()
+    q, k, v = make(1, 256, 256, 2, 2, head_dim, BF16, seed=17)
+    q[0, 5, 1, 3] = float("nan")  # row 5 of head 1: every score NaN
+    out, _ = run(fwd_sm90, q, k, v, head_dim ** -0.5, window)
+    assert out[0, 5, 1].isnan().all() and not out[0, 6, 1].isnan().any()
+
+
 # ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])
