@@ -411,6 +411,10 @@ def configs() -> list[Sm90BwdConfig]:
             for dtype in DTYPES for d, k in LPT_TAIL.items()]
     out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True, lpt_tail=k,
                           **_dq_mode(DQ_DEFAULT[d])) for d, k in LPT_TAIL.items()]
+    # the persistent A/B variant of the defaults (FLASHCUDA_SM90_BWD_PERSISTENT=1; the GPU lane
+    # runs it, tests/gpu/test_bwd_sm90.py)
+    out += [Sm90BwdConfig(dtype, d, dq_early=True, persistent=True, **_dq_mode(DQ_DEFAULT[d]))
+            for dtype in DTYPES for d in HEAD_DIMS]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
