@@ -2,9 +2,11 @@
 # FlashAttention 4 as a bench peer on a GPU machine without network, in two consecutive device
 # calls (one call carries at most 64 MiB; the wheels are ~100 MB). On this machine, once:
 #
-#   pip download --no-deps -d .whl flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base \
-#       nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi \
-#       torch-c-dlpack-ext quack-kernels --python-version 3.12 --platform manylinux_2_28_x86_64
+#   pip download --no-deps --pre --only-binary=:all: -d .whl flash-attn-4==4.0.0b36 \
+#       nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core \
+#       nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels \
+#       --python-version 3.12 --platform manylinux_2_28_x86_64
+#   (flash-attn-4 has pre-releases only: without --pre and the pin pip finds no version)
 #   mkdir -p .fa4a .fa4b .fa4c && cp .whl/*.whl .fa4a/ && rm .fa4a/nvidia_cutlass_dsl_libs_cu13-*.whl
 #   split -b 31M .whl/nvidia_cutlass_dsl_libs_cu13-*.whl .fa4a/cu13.part.
 #   mv .fa4a/cu13.part.ab .fa4a/apache_tvm_ffi-*.whl .fa4a/nvidia_cutlass_dsl_libs_base-*.whl .fa4b/
