@@ -361,6 +361,9 @@ class Sm90BwdConfig:
         """One CTA per work item (key block, KV head, batch); persistent: min(items, sms) CTAs."""
         items = (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
         if self.persistent:
+            if sms <= 0:
+                raise ValueError(f"{self.name}.grid: a persistent grid needs the SM count, got "
+                                 f"sms={sms}")
             return (max(1, min(prod(items), sms)), 1, 1)
         return items
 

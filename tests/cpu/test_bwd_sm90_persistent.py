@@ -47,6 +47,8 @@ def test_persistent_config(head_dim):
     assert base.grid(call) == (32, 4, 3)
     assert ps.grid(call, 132) == (132, 1, 1)
     assert ps.grid(_call(None, None, sk=100, hkv=1, b=1, d=head_dim), 132) == (1, 1, 1)
+    with pytest.raises(ValueError, match="SM count"):
+        ps.grid(call)
     with pytest.raises(ValueError, match="timeline"):
         dataclasses.replace(base, persistent=True, timeline=True)
 

@@ -238,12 +238,24 @@ def test_repeat_layout_reuses_the_plan_with_new_data():
     assert len(fwd_sm90._plans) == 1
 
 
-def test_persistent_with_empty_work_tiles():
-    """Causal with seqlen_q > seqlen_k: the first blocks of every head see no key (zero key
-    tiles, no Q load) between blocks that do; 480 work tiles."""
-    q, k, v = make(2, 700, 300, 40, 8, 128, FP16, seed=12)
-    out, lse = check(q, k, v, CAUSAL)
+def check_empty_work_tiles(head_dim, nheads, nheads_kv, seed):
+    """Causal with seqlen_q > seqlen_k: the first 400 rows of every head see no key (their work
+    tiles have zero key tiles and no Q load) between blocks that do: out 0, lse -inf there."""
+    out, lse = check(*make(2, 700, 300, nheads, nheads_kv, head_dim, FP16, seed=seed), CAUSAL)
     assert torch.isneginf(lse[:, :, :400]).all() and (out[:, :400] == 0).all()
+
+
+def skip_unless_dispatch_tiles():
+    """A/B-variant tests run once, under the fixture parameter with dispatch's tiles (the
+    variants configs() precompiles for them)."""
+    if any(os.environ.get(e) for e in (fwd_sm90.TILES_ENV, fwd_sm90.PINGPONG_ENV,
+                                       fwd_sm90.SNAKE_ENV)):
+        pytest.skip("runs under one fixture parameter (tiles-dispatch)")
+
+
+def test_persistent_with_empty_work_tiles():
+    """480 work tiles, the first blocks of every head without keys (check_empty_work_tiles)."""
+    check_empty_work_tiles(128, 40, 8, seed=12)
 
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
@@ -254,14 +266,11 @@ def test_two_q_buffers(monkeypatch, head_dim, window):
     mask work tiles without keys skip their Q round on both sides. Built where it fits (d128's
     masked-V kernels keep one buffer: the same checks then run the default). Runs once, with
     dispatch's tiles (the variants configs() precompiles)."""
-    if any(os.environ.get(e) for e in (fwd_sm90.TILES_ENV, fwd_sm90.PINGPONG_ENV,
-                                       fwd_sm90.SNAKE_ENV)):
-        pytest.skip("runs under one fixture parameter (tiles-dispatch)")
+    skip_unless_dispatch_tiles()
     monkeypatch.setenv(fwd_sm90.Q_STAGES_ENV, "2")
     dispatch._reset()
     check(*make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=13), window)
-    out, lse = check(*make(2, 700, 300, 40, 8, head_dim, FP16, seed=14), CAUSAL)
-    assert torch.isneginf(lse[:, :, :400]).all() and (out[:, :400] == 0).all()
+    check_empty_work_tiles(head_dim, 40, 8, seed=14)
 
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])
@@ -271,14 +280,11 @@ def test_exp2_on_the_fma_pipe(monkeypatch, head_dim, window):
     exp2s by exp2_fma, within the same oracle rule (masked scores still give exactly 0: the rows
     that see no key stay 0 / -inf); a NaN score still reaches its row. Runs once, with
     dispatch's tiles."""
-    if any(os.environ.get(e) for e in (fwd_sm90.TILES_ENV, fwd_sm90.PINGPONG_ENV,
-                                       fwd_sm90.SNAKE_ENV)):
-        pytest.skip("runs under one fixture parameter (tiles-dispatch)")
+    skip_unless_dispatch_tiles()
     monkeypatch.setenv(fwd_sm90.DEFINES_ENV, "FC_EXP_EMU=4")
     dispatch._reset()
     check(*make(2, 1000, 1500, 8, 4, head_dim, BF16, seed=15), window)
-    out, lse = check(*make(2, 700, 300, 8, 8, head_dim, FP16, seed=16), CAUSAL)
-    assert torch.isneginf(lse[:, :, :400]).all() and (out[:, :400] == 0).all()
+    check_empty_work_tiles(head_dim, 8, 8, seed=16)
     q, k, v = make(1, 256, 256, 2, 2, head_dim, BF16, seed=17)
     q[0, 5, 1, 3] = float("nan")  # row 5 of head 1: every score NaN
     out, _ = run(fwd_sm90, q, k, v, head_dim ** -0.5, window)
