@@ -18,7 +18,7 @@ register split, shared memory (the .cu static_asserts the same layout), the name
 
     head dim   mask      block_m x block_n, stages   smem     consumers x registers
     64         none      192 x 128, 2                 89 KB    3 x 160  (FA3's d64 tiles)
-    64         causal    192 x 128 from seqlen_q 8k, else 128 x 128 (+ a clean V tile per
+    64         causal    192 x 128 from seqlen_q 2k, else 128 x 128 (+ a clean V tile per
                          consumer: 137 / 113 KB)
     128        none      128 x 128, 2                 161 KB   2 x 240  (FA4's d128 tiles)
     128        causal    128 x 128, 2                 226 KB   2 x 240  (161 + 2 clean V tiles)
@@ -191,16 +191,19 @@ class Sm90FwdConfig:
 # (block_m, block_n) per head dim, mask and length, by measurement (docs/perf-notes.md, "FA3's
 # tiles"): FlashAttention-3's 192 x 128 at d64 (three consumer warpgroups share each K/V tile)
 # wins 12-21% without a mask and at causal 16k but loses 20% at causal 1k (fewer, longer work
-# tiles for the diagonal). d128: 128 x 128 everywhere (FA4's). 128 x 176 without a mask won
+# tiles for the diagonal); re-measured in session 15 (after the ping-pong, O_QUAD and the L2
+# sections): at causal d64 192 rows win +5-6% at 2k and +8-9% at 4k, lose 7% at 512 / 1k (two
+# same-run A/Bs, perf-notes "d64 causal tiles, again"). d128: 128 x 128 everywhere (FA4's). 128 x 176 without a mask won
 # 2-4% from 4k on in session 2, before the ping-pong and the softmax in the mask's arms; with the
 # exp2s split around the P V wait (EXP_SPLIT), 128 x 128 wins +2.4-5.6% at 4k-16k (session 13,
 # "d128 tiles and the exp2 split" in perf-notes).
-LONG = 8192  # causal d64: 192-row tiles from this seqlen_q on
+TILES_192_FROM = 2048  # causal / windowed d64: 192-row tiles from this seqlen_q on
+LONG = 8192  # a long call (the default seqlen_q of select_config)
 
 
 def tiles_for(head_dim: int, windowed: bool, seqlen_q: int) -> tuple[int, int]:
     if head_dim == 64:
-        return (192, 128) if not windowed or seqlen_q >= LONG else (128, 128)
+        return (192, 128) if not windowed or seqlen_q >= TILES_192_FROM else (128, 128)
     return (128, 128)
 
 

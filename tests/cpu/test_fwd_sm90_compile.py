@@ -206,7 +206,9 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     assert pick(torch.float16, 128, False, 16384).block_n == 128
     assert pick(torch.float16, 128, windowed=True).block_n == 128
     assert pick(torch.float16, 128, False, 1024).block_n == 128  # short: 128 x 128
-    assert pick(torch.float16, 64, True, 4096).block_m == 128  # causal below 8k
+    assert pick(torch.float16, 64, True, 1024).block_m == 128  # causal below 2k
+    assert pick(torch.float16, 64, True, 2047).block_m == 128
+    assert pick(torch.float16, 64, True, 2048).block_m == 192
     assert pick(torch.float16, 64, True, 8192).block_m == 192
     names = {c.name for c in fwd_sm90.configs()}
     assert {pick(dt, d, w).name for dt in fwd_sm90.DTYPES for d in (64, 128)
