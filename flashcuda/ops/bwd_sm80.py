@@ -278,15 +278,23 @@ class BwdSm80Config:
             defines=self._defines(PART_PRE, FC_BLOCK_M=self.aux_rows),
         )
 
-    def convert_spec(self, frag_m: int = 0) -> KernelSpec:
+    def convert_spec(self, frag_m: int = 0, spans: bool = True) -> KernelSpec:
         """CONVERT; frag_m > 0 reads dq_accum in flash_bwd_sm90's FC_DQ_FRAG layout (tiles of
-        frag_m query rows in its consumers' register order: frag_offset in the .cu)."""
+        frag_m query rows in its consumers' register order: frag_offset in the .cu), by default
+        in whole 64-byte spans with dq written through shared memory (FC_DQ_SPANS; spans=False:
+        the float2 reads, A/B)."""
+        spans = bool(frag_m) and spans
+        if spans and (self.aux_rows % 64 or self.head_dim % 64 or frag_m % 64):
+            raise ValueError(f"convert_spec: the span reader needs 64-row / 64-column tiles, got "
+                             f"aux_rows {self.aux_rows}, head dim {self.head_dim}, frag_m {frag_m}")
+        extra = {"FC_DQ_FRAG_M": frag_m} if frag_m else {}
+        if spans:
+            extra["FC_DQ_SPANS"] = 1
         return KernelSpec.make(
             f"flash_bwd_convert_sm80_{self._prefix}_r{self.aux_rows}"
-            + (f"_frag{frag_m}" if frag_m else ""),
+            + (f"_frag{frag_m}" if frag_m else "") + ("s" if spans else ""),
             SOURCE,
-            defines=self._defines(PART_CONVERT, FC_BLOCK_M=self.aux_rows,
-                                  **({"FC_DQ_FRAG_M": frag_m} if frag_m else {})),
+            defines=self._defines(PART_CONVERT, FC_BLOCK_M=self.aux_rows, **extra),
         )
 
     def spec(self) -> KernelSpec:

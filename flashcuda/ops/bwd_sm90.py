@@ -69,7 +69,7 @@ from math import lcm, prod
 import numpy as np
 import torch
 
-from .._env import env_names, env_values
+from .._env import env_names, env_values, flag
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
 from ..jit.tensor_map import MAX_DIM, bshd_map, bshd_problem, rows_f32_map
 from . import bwd_sm80
@@ -115,6 +115,10 @@ DQ_EARLY_ENV = "FLASHCUDA_SM90_BWD_DQ_EARLY"
 DEFINES_ENV = "FLASHCUDA_SM90_BWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob, as forward)
 # 1: persistent CTAs for calls without a mask (FC_PERSISTENT; A/B, written in session 14)
 PERSISTENT_ENV = "FLASHCUDA_SM90_BWD_PERSISTENT"
+# CONVERT of the frag layout reads whole 64-byte spans and writes dq through shared memory
+# (FC_DQ_SPANS, session 15: kernel times put our CONVERT at 72 us against FA4's 49 at d128
+# 512 / 1k); 0 keeps the float2 reads (A/B)
+CONVERT_SPANS_ENV = "FLASHCUDA_SM90_BWD_CONVERT_SPANS"
 STAGES3_DQ = {64: "v2", 128: "v4"}  # the dQ mode of the three-stage A/B (and its default there)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
@@ -560,7 +564,7 @@ class _Plan:
 
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
-                    STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, PERSISTENT_ENV)
+                    STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, PERSISTENT_ENV, CONVERT_SPANS_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -619,8 +623,8 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
                             cfg.smem_bytes,
                             main_maps + (t,) * (6 if cfg.timeline else 5) + main_args,
                             fixed=len(main_args)),
-        convert=PreparedLaunch(get_kernel(aux.convert_spec(cfg.block_m if cfg.dq_frag else 0),
-                                          dev),
+        convert=PreparedLaunch(get_kernel(aux.convert_spec(cfg.block_m if cfg.dq_frag else 0,
+                                                           flag(CONVERT_SPANS_ENV, True)), dev),
                                (-(-sq // aux.aux_rows), h, b), (bwd_sm80.AUX_THREADS,), 0,
                                (t,) * 2 + convert_args, fixed=len(convert_args)))
 
@@ -680,5 +684,6 @@ def run_timeline(call: BwdCall) -> tuple[Sm90BwdConfig, torch.Tensor]:
 def variants() -> Iterator[tuple[KernelSpec, tuple[str, ...]]]:
     for cfg in configs():
         yield cfg.spec(), ARCHS
-        if cfg.dq_frag:  # its CONVERT reads the register-order dq_accum
-            yield cfg.aux().convert_spec(cfg.block_m), ARCHS
+        if cfg.dq_frag:  # its CONVERT reads the register-order dq_accum (both readers: A/B)
+            yield cfg.aux().convert_spec(cfg.block_m, spans=True), ARCHS
+            yield cfg.aux().convert_spec(cfg.block_m, spans=False), ARCHS

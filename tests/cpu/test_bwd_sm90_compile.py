@@ -565,6 +565,29 @@ def test_ds_stmatrix_builds_clean_with_stsm(tmp_path):
         assert not re.search(r"\bSTS\s", sass)
 
 
+def test_convert_spans_cover_each_frag_block_once():
+    """FC_DQ_SPANS (CONVERT, flash_bwd_sm80.cu): thread s of 256 reads the 16 floats at 16 s of a
+    4096-float FC_DQ_FRAG block and takes float 4 u + e as row rr + 8 (e / 2), column
+    8 (s / 32) + 2 u + e % 2 of the 64 x 64 tile, rr = 16 ((s % 32) / 8) + s % 8. That must be
+    frag_offset's inverse (the .cu's arithmetic, here), and its shared-memory swizzle must put
+    each phase of 8 threads' 16-byte stores in 8 different 16-byte columns."""
+    def frag_offset(rr, cc):  # within one 64 x 64 tile's block
+        w = 32 * (rr // 16) + 4 * (rr % 8) + (cc % 8) // 2
+        i = 4 * (cc // 8) + 2 * ((rr % 16) // 8) + cc % 2
+        return 512 * (i // 4) + 4 * w + i % 4
+    seen = set()
+    for s in range(256):
+        rr, chunk = 16 * ((s % 32) // 8) + s % 8, s // 32
+        for u in range(4):
+            for e in range(4):
+                row, col = rr + 8 * (e // 2), 8 * chunk + 2 * u + e % 2
+                assert frag_offset(row, col) == 16 * s + 4 * u + e, (s, u, e)
+                seen.add((row, col))
+        if s % 8 == 0:  # a phase: threads s .. s + 7 write rows rr .. rr + 7, chunk ^ (rr % 8)
+            assert len({chunk ^ ((16 * ((t % 32) // 8) + t % 8) % 8) for t in range(s, s + 8)}) == 8
+    assert len(seen) == 64 * 64
+
+
 def test_dq_frag_config(monkeypatch):
     """FLASHCUDA_SM90_BWD_DQ=frag (FC_DQ_FRAG; d128's default since session 12): a form of dq_warp in FA3's order at d128 with the 24 / 240 split, two dq_full / dq_empty pairs,
     its CONVERT reading the register-order layout; refused at d64 naming the variable."""
@@ -584,10 +607,14 @@ def test_dq_frag_config(monkeypatch):
     assert dict(cfg.spec().defines)["FC_DQ_FRAG"] == "1"
     assert (cfg.producer_regs, cfg.consumer_regs) == (24, 240)
     assert cfg.smem_bytes == base.smem_bytes + 2 * 8  # the same 32 KB staging, 2 more barriers
-    conv = cfg.aux().convert_spec(cfg.block_m)
-    assert conv.name.endswith("_frag64") and dict(conv.defines)["FC_DQ_FRAG_M"] == "64"
-    assert "FC_DQ_FRAG_M" not in dict(cfg.aux().convert_spec().defines)
-    assert any(spec.name == conv.name for spec, _ in bwd_sm90.variants())
+    conv = cfg.aux().convert_spec(cfg.block_m)  # the span reader (FC_DQ_SPANS) by default
+    assert conv.name.endswith("_frag64s") and dict(conv.defines)["FC_DQ_FRAG_M"] == "64"
+    assert dict(conv.defines)["FC_DQ_SPANS"] == "1"
+    pairs = cfg.aux().convert_spec(cfg.block_m, spans=False)
+    assert pairs.name.endswith("_frag64") and "FC_DQ_SPANS" not in dict(pairs.defines)
+    assert not {"FC_DQ_FRAG_M", "FC_DQ_SPANS"} & set(dict(cfg.aux().convert_spec().defines))
+    names = {spec.name for spec, _ in bwd_sm90.variants()}
+    assert conv.name in names and pairs.name in names
     with pytest.raises(ValueError, match=DQ_ENV):
         bwd_sm90.select_config(torch.bfloat16, 64)
     with pytest.raises(ValueError, match="dq_frag"):

@@ -240,6 +240,27 @@ def test_persistent_items_walk(monkeypatch, head_dim):
         assert plan.main.grid == ((min(384, sms), 1, 1) if persistent else (32, 4, 3))
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_convert_readers_agree(monkeypatch, dtype):
+    """d128's CONVERT reads the register-order dq_accum in whole 64-byte spans and writes dq
+    through shared memory (FC_DQ_SPANS, the default since session 15); the float2 reader it
+    replaced (FLASHCUDA_SM90_BWD_CONVERT_SPANS=0, A/B) must give the same bits: both compute
+    dq_accum * scale once per element. 333 queries end inside a 64-row CTA, 3 batches x 3 heads
+    (GQA 3:1) put the (batch, head) slices at odd offsets. Runs once (the default reductions)."""
+    if os.environ.get(bwd_sm90.DQ_ENV) != "tma" or os.environ.get(bwd_sm90.STAGES_ENV) != "2":
+        pytest.skip("runs under one fixture parameter (dq-tma), with the defaults")
+    monkeypatch.delenv(bwd_sm90.DQ_ENV)
+    dispatch._reset()
+    q, k, v, dout = make(3, 333, 200, 3, 1, 128, dtype, seed=41)
+    scale = 128 ** -0.5
+    (out, lse), _, _ = oracle(q, k, v, dout, scale, FULL)
+    (spans, _, _), _ = check(q, k, v, dout, FULL)
+    monkeypatch.setenv(bwd_sm90.CONVERT_SPANS_ENV, "0")
+    dispatch._reset()
+    lanes, _, _ = run(bwd_sm90, q, k, v, out, dout, lse, scale, FULL)
+    assert torch.equal(spans, lanes)
+
+
 def test_windows_and_fully_masked_rows():
     q, k, v, dout = make(2, 1023, 1023, 2, 1, 64, BF16, seed=8)
     check(q, k, v, dout, (64, 0))

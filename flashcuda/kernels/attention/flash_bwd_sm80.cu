@@ -670,6 +670,65 @@ __device__ __forceinline__ int64_t frag_offset(int row, int col) {
   return block * 4096 + 512 * (i / 4) + 4 * w + i % 4;
 }
 
+#ifndef FC_DQ_SPANS
+#define FC_DQ_SPANS 0
+#endif
+#if FC_DQ_FRAG_M && FC_DQ_SPANS
+// FC_DQ_SPANS: read each 4096-float block whole, one 64-byte span per thread, and write dq
+// through shared memory. Span s (thread s of 256) is the 16 floats at 16 s of the block:
+// w = 4 (s % 32), i / 4 = s / 32, so (frag_offset) rows rr = 16 ((s % 32) / 8) + s % 8 and rr + 8,
+// columns 8 (s / 32) .. + 7 of the 64 x 64 tile; float 4 u + e of the span is row rr + 8 (e / 2),
+// column 8 (s / 32) + 2 u + e % 2. A warp reads 2 KB in a row, every 16-byte load used whole
+// (the float2 path above uses 8 of every 16 bytes per load).
+static_assert(kRows % 64 == 0 && kD % 64 == 0 && FC_DQ_FRAG_M % 64 == 0, "64 x 64 frag tiles");
+static_assert(kThreads == 256, "one span of 16 floats per thread covers a 4096-float block");
+
+extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
+    const float* __restrict__ dq_accum,  // [B, H, Sq_pad, kD] in FC_DQ_FRAG blocks
+    T* __restrict__ dq,                  // [B, Sq, H, D]
+    int64_t dq_sb, int64_t dq_ss, int64_t dq_sh,
+    int seqlen_q, int nheads, int head_dim, int seqlen_q_pad, float softmax_scale) {
+  // The CTA's kRows x kD of dq in 16-byte chunks, chunk k of a row stored at k ^ (row % 8) within
+  // its 64-column group: the staging writes (32 rows, one chunk) and the row reads are both
+  // free of bank conflicts.
+  __shared__ __align__(16) Vec16 tile[kRows][kChunks];
+  const int m0 = blockIdx.x * kRows, h = blockIdx.y, b = blockIdx.z;
+  const float* slice = dq_accum + (static_cast<int64_t>(b) * nheads + h) * seqlen_q_pad * kD;
+  const int s = threadIdx.x, rr = 16 * ((s % 32) / 8) + s % 8, chunk = s / 32;
+#pragma unroll
+  for (int tr = 0; tr < kRows / 64; ++tr) {
+#pragma unroll
+    for (int tc = 0; tc < kD / 64; ++tc) {
+      // (rows past seqlen_q are read too: dq_accum is seqlen_q_pad long, zeroed by PRE)
+      const float4* span = reinterpret_cast<const float4*>(
+          slice + frag_offset(m0 + 64 * tr, 64 * tc) + 16 * s);
+      float4 x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) x[u] = span[u];
+      Vec16 lo, hi;  // rows rr and rr + 8: (x[u].x, x[u].y) and (x[u].z, x[u].w) are columns 2u, 2u+1
+      lo.x = pack2<T>(x[0].x * softmax_scale, x[0].y * softmax_scale);
+      lo.y = pack2<T>(x[1].x * softmax_scale, x[1].y * softmax_scale);
+      lo.z = pack2<T>(x[2].x * softmax_scale, x[2].y * softmax_scale);
+      lo.w = pack2<T>(x[3].x * softmax_scale, x[3].y * softmax_scale);
+      hi.x = pack2<T>(x[0].z * softmax_scale, x[0].w * softmax_scale);
+      hi.y = pack2<T>(x[1].z * softmax_scale, x[1].w * softmax_scale);
+      hi.z = pack2<T>(x[2].z * softmax_scale, x[2].w * softmax_scale);
+      hi.w = pack2<T>(x[3].z * softmax_scale, x[3].w * softmax_scale);
+      const int r = 64 * tr + rr, k = 8 * tc + (chunk ^ (rr % 8));  // (r + 8) % 8 == rr % 8
+      tile[r][k] = lo;
+      tile[r + 8][k] = hi;
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
+    const int r = c / kChunks, k = c % kChunks;
+    if (m0 + r < seqlen_q && 8 * k < head_dim) {
+      *reinterpret_cast<Vec16*>(dq + b * dq_sb + (m0 + r) * dq_ss + h * dq_sh + 8 * k) =
+          tile[r][(k & ~7) | ((k ^ r) & 7)];
+    }
+  }
+}
+#else
 extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     const float* __restrict__ dq_accum,  // [B, H, Sq_pad, kD]
     T* __restrict__ dq,                  // [B, Sq, H, D]
@@ -707,4 +766,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     }
   }
 }
+#endif  // FC_DQ_SPANS
 #endif
