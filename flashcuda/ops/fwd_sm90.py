@@ -349,15 +349,14 @@ def configs() -> list[Sm90FwdConfig]:
             if c.dtype == torch.bfloat16 and c.pingpong]
     out += [dataclasses.replace(c, masked_v=True) for c in out
             if (c.block_m, c.block_n) in WINDOWED_TILES[c.head_dim] and not c.timeline]
-    # the A/B variants the GPU lane runs (tests/gpu/test_fwd_sm90.py, with dispatch's tiles): two
-    # Q buffers where they fit, exp2 on the FMA pipe for 4 column groups
+    # the A/B variant the GPU lane runs (tests/gpu/test_fwd_sm90.py, with dispatch's tiles): two
+    # Q buffers where they fit
     dispatched = [c for c in out if c.pingpong and not c.timeline
                   and (c.block_m, c.block_n) in (tiles_for(c.head_dim, False, LONG),
                                                  tiles_for(c.head_dim, True, 1),
                                                  tiles_for(c.head_dim, True, LONG))]
     out += [two for c in dispatched
             if (two := dataclasses.replace(c, q_stages=2)).smem_bytes <= SMEM_OPTIN]
-    out += [dataclasses.replace(c, defines=(("FC_EXP_EMU", 4),)) for c in dispatched]
     return out
 
 

@@ -273,24 +273,6 @@ def test_two_q_buffers(monkeypatch, head_dim, window):
     check_empty_work_tiles(head_dim, 40, 8, seed=14)
 
 
-@pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_exp2_on_the_fma_pipe(monkeypatch, head_dim, window):
-    """FLASHCUDA_SM90_FWD_DEFINES=FC_EXP_EMU=4 (an A/B variant): a quarter of the column groups'
-    exp2s by exp2_fma, within the same oracle rule (masked scores still give exactly 0: the rows
-    that see no key stay 0 / -inf); a NaN score still reaches its row. Runs once, with
-    dispatch's tiles."""
-    skip_unless_dispatch_tiles()
-    monkeypatch.setenv(fwd_sm90.DEFINES_ENV, "FC_EXP_EMU=4")
-    dispatch._reset()
-    check(*make(2, 1000, 1500, 8, 4, head_dim, BF16, seed=15), window)
-    check_empty_work_tiles(head_dim, 8, 8, seed=16)
-    q, k, v = make(1, 256, 256, 2, 2, head_dim, BF16, seed=17)
-    q[0, 5, 1, 3] = float("nan")  # row 5 of head 1: every score NaN
-    out, _ = run(fwd_sm90, q, k, v, head_dim ** -0.5, window)
-    assert out[0, 5, 1].isnan().all() and not out[0, 6, 1].isnan().any()
-
-
 # ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])

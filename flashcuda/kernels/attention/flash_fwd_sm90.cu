@@ -112,15 +112,6 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 // session 13, perf-notes) and leaves d64 at 0 (noise there).
 #define FC_EXP_SPLIT 0
 #endif
-#ifndef FC_EXP_EMU
-// k > 0 (A/B, session 14: written, not yet run on a GPU): the exp2s of k of a tile's kBlockN / 8
-// column groups (evenly spaced) run on the FMA pipe (exp2_fma) instead of MUFU. MUFU.EX2 issues
-// 16 results per SM cycle, so a 192 x 128 key tile at d64 needs 1536 MUFU cycles beside its 1536
-// wgmma cycles, against ~2900 cycles per key tile measured (517 TFLOP/s at 16k): if the MUFU pipe
-// binds (ncu first: plan item 5), moving an eighth to a quarter of the exp2s to the FMA pipe
-// (10 instructions each) balances them (FlashAttention 4 does so on Blackwell).
-#define FC_EXP_EMU 0
-#endif
 #ifndef FC_O_QUAD
 // 1: O leaves in 16-byte stores after a transpose within each quad (store_row_v4,
 // common/sm90.cuh), as the backward's dK / dV (FC_DKV_QUAD): a quarter of the store
@@ -333,35 +324,6 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
 // Intra-warpgroup overlap (FA3): while the tensor cores run O += P_{i-1} V_{i-1}, the warpgroup
 // computes the softmax of tile i, whose S = Q K_i^T was issued just before that GEMM. O is
 // rescaled only once the P V GEMM has drained.
-// 2^x on the FMA pipe, for x <= 0.5 (a softmax argument: scores minus the row maximum) or -inf /
-// NaN: x clamped to -127 NaN-preserving, n = round(x) by the 1.5 * 2^23 trick (n lands in t's low
-// mantissa bits), 2^(x - n) by a degree-4 polynomial (relative error < 3e-6 on [-0.5, 0.5] in
-// fp32 Horner, fitted for this; tests/cpu/test_fwd_sm90_exp_emu.py repeats this function's
-// arithmetic in numpy float32 and checks it), times 2^n built in the exponent field: (n + 127) << 23, which is 0
-// for n = -127 (so -inf gives exactly 0, as ex2.approx.ftz does) and a NaN stays NaN.
-__device__ __forceinline__ float exp2_fma(float x) {
-  asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x));  // max(x, -127), NaN kept
-  const float t = __fadd_rn(x, 12582912.f);          // 1.5 * 2^23 + round(x)
-  const float f = __fadd_rn(x, -__fadd_rn(t, -12582912.f));
-  float p = fmaf(0.009582853876054287f, f, 0.05590642988681793f);
-  p = fmaf(p, f, 0.24024099111557007f);
-  p = fmaf(p, f, 0.6931241750717163f);
-  p = fmaf(p, f, 1.f);
-  return p * __int_as_float((__float_as_int(t) << 23) + 0x3f800000);
-}
-
-// FC_EXP_EMU: whether column group j's exp2s run on the FMA pipe (k of kBlockN / 8, spread out).
-__device__ __forceinline__ constexpr bool exp_on_fma(int j) {
-  return (j * FC_EXP_EMU) / (kBlockN / 8) != ((j + 1) * FC_EXP_EMU) / (kBlockN / 8);
-}
-static_assert(FC_EXP_EMU >= 0 && FC_EXP_EMU <= kBlockN / 8, "FC_EXP_EMU: 0 .. kBlockN / 8 groups");
-
-// exp2 of column group j's scores (j is a constant once the softmax loops are unrolled)
-__device__ __forceinline__ float softmax_exp2(int j, float x) {
-  if (FC_EXP_EMU > 0 && exp_on_fma(j)) return exp2_fma(x);
-  return fast_exp2(x);
-}
-
 struct Consumer {
   float o[kHeadDim / 2];        // O accumulator: m64n{kHeadDim} wgmma layout (sm90.cuh header)
   float s[kBlockN / 2];         // S of the current key tile, then its P (fp32)
@@ -457,7 +419,7 @@ struct Consumer {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           float& x = s[4 * j + 2 * h + c];
-          x = softmax_exp2(j, fmaf(x, scale_log2, -split_ref[h]));
+          x = fast_exp2(fmaf(x, scale_log2, -split_ref[h]));
           split_sum[h] += x;
         }
   }
@@ -495,7 +457,7 @@ struct Consumer {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           float& x = s[4 * j + 2 * h + c];
-          x = softmax_exp2(j, fmaf(x, scale_log2, -ref));
+          x = fast_exp2(fmaf(x, scale_log2, -ref));
           sum += x;
         }
       row[h].add(sum);
