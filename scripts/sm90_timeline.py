@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-FIELDS = ("sm", "tile", "key_tiles", "start_ns", "q_ready_ns", "epilogue_ns", "end_ns")
-WORDS = 6  # per entry, the .cu's kTimelineWords
+FIELDS = ("sm", "tile", "key_tiles", "start_ns", "q_try_ns", "q_ready_ns", "epilogue_ns",
+          "end_ns")
+WORDS = 6  # per entry, the .cu's kTimelineWords (word 1 holds the setup time and the key tiles)
 
 
 def decode(raw: np.ndarray, grid: int, consumers: int, slots: int) -> list[dict]:
@@ -40,11 +41,14 @@ def decode(raw: np.ndarray, grid: int, consumers: int, slots: int) -> list[dict]
     for cta in range(grid):
         for c in range(consumers):
             for s in range(slots):
-                w0, tiles, start, q_ready, epilogue, end = (int(x) for x in a[cta, c, s])
+                w0, w1, start, q_ready, epilogue, end = (int(x) for x in a[cta, c, s])
                 if start == 0 and end == 0:
                     continue
+                # w1: setup ns (start -> the q_full wait's first try; 0 in records from before
+                # session 15, which then count it as Q wait) << 32 | key tiles
                 out.append({"cta": cta, "consumer": c, "sm": w0 >> 32, "tile": w0 & 0xFFFFFFFF,
-                            "key_tiles": tiles, "start_ns": start, "q_ready_ns": q_ready,
+                            "key_tiles": w1 & 0xFFFFFFFF, "start_ns": start,
+                            "q_try_ns": start + (w1 >> 32), "q_ready_ns": q_ready,
                             "epilogue_ns": epilogue, "end_ns": end})
     return out
 
@@ -73,7 +77,8 @@ def summarise(entries: list[dict]) -> dict:
     makespan = (end - t0) / 1e3
     busy = [e for e in entries if e["key_tiles"] > 0]
     phases = {name: float(np.median([(e[b] - e[a]) for e in busy])) / 1e3 if busy else float("nan")
-              for name, a, b in (("q_wait", "start_ns", "q_ready_ns"),
+              for name, a, b in (("setup", "start_ns", "q_try_ns"),
+                                 ("q_wait", "q_try_ns", "q_ready_ns"),
                                  ("key_tiles", "q_ready_ns", "epilogue_ns"),
                                  ("epilogue", "epilogue_ns", "end_ns"))}
     body = np.array([e["epilogue_ns"] - e["q_ready_ns"] for e in busy], dtype=np.float64)
@@ -108,7 +113,8 @@ def report(s: dict) -> str:
         f"({100 * s['tail_us'] / s['makespan_us']:.0f}% of the call)",
         f"duration fit: {fit['fixed_us']:.2f} us per work tile + "
         f"{fit['per_key_tile_us']:.3f} us per key tile",
-        "phases (median us): Q wait {q_wait:.2f}, key tiles {key_tiles:.2f}, epilogue "
+        "phases (median us): setup {setup:.2f}, Q wait {q_wait:.2f}, key tiles {key_tiles:.2f}, "
+        "epilogue "
         "{epilogue:.2f}".format(**s["phases_median_us"]),
         f"key-tile phase fit: {s['key_tiles_fit']['fixed_us']:.2f} us + "
         f"{s['key_tiles_fit']['per_key_tile_us']:.3f} us per key tile",

@@ -14,42 +14,44 @@ def tl():
 
 
 def _buffer(rows, grid, consumers, slots):
-    """rows: (cta, consumer, slot, sm, tile, key_tiles, start, end[, q_ready, epilogue]) -> the
-    kernel's layout (q_ready / epilogue default to start + 100 / end - 300)."""
+    """rows: (cta, consumer, slot, sm, tile, key_tiles, start, end[, q_ready, epilogue[, setup]])
+    -> the kernel's layout (q_ready / epilogue default to start + 100 / end - 300, setup to 0:
+    word 1 is setup << 32 | key tiles)."""
     buf = np.zeros((grid, consumers, slots, 6), dtype=np.uint64)
     for cta, c, s, sm, tile, tiles, start, end, *marks in rows:
-        q_ready, epilogue = marks or (start + 100, end - 300)
-        buf[cta, c, s] = ((sm << 32) | tile, tiles, start, q_ready, epilogue, end)
+        q_ready, epilogue, setup = (list(marks) + [0])[:3] if marks else (start + 100, end - 300, 0)
+        buf[cta, c, s] = ((sm << 32) | tile, (setup << 32) | tiles, start, q_ready, epilogue, end)
     return buf.reshape(-1)
 
 
-def test_decode_skips_unused_slots_and_splits_the_first_word(tl):
-    raw = _buffer([(0, 0, 0, 7, 5, 3, 100, 400, 150, 350),
+def test_decode_skips_unused_slots_and_splits_the_first_two_words(tl):
+    raw = _buffer([(0, 0, 0, 7, 5, 3, 100, 400, 150, 350, 20),
                    (1, 1, 1, 131, 2**31 + 1, 0, 50, 60, 50, 50)], 2, 2, 3)
     got = tl.decode(raw, 2, 2, 3)
     assert got == [
         {"cta": 0, "consumer": 0, "sm": 7, "tile": 5, "key_tiles": 3, "start_ns": 100,
-         "q_ready_ns": 150, "epilogue_ns": 350, "end_ns": 400},
+         "q_try_ns": 120, "q_ready_ns": 150, "epilogue_ns": 350, "end_ns": 400},
         {"cta": 1, "consumer": 1, "sm": 131, "tile": 2**31 + 1, "key_tiles": 0, "start_ns": 50,
-         "q_ready_ns": 50, "epilogue_ns": 50, "end_ns": 60},
+         "q_try_ns": 50, "q_ready_ns": 50, "epilogue_ns": 50, "end_ns": 60},
     ]
 
 
 def test_summary_splits_a_work_tile_into_its_phases(tl):
-    """Q wait 300 ns, key tiles 400 + 1500 * tiles ns, epilogue 700 ns: the medians and the key-tile
-    phase's fit give them back."""
+    """Setup 120 ns, Q wait 180 ns, key tiles 400 + 1500 * tiles ns, epilogue 700 ns: the medians
+    and the key-tile phase's fit give them back."""
     rows, t = [], 1000
     for i, tiles in enumerate([1, 2, 3, 4, 5, 6, 7]):
         q, e = t + 300, t + 300 + 400 + 1500 * tiles
-        rows.append((0, 0, i, 0, i, tiles, t, e + 700, q, e))
+        rows.append((0, 0, i, 0, i, tiles, t, e + 700, q, e, 120))
         t = e + 700 + 20
     s = tl.summarise(tl.decode(_buffer(rows, 1, 1, 8), 1, 1, 8))
-    assert s["phases_median_us"]["q_wait"] == pytest.approx(0.3)
+    assert s["phases_median_us"]["setup"] == pytest.approx(0.12)
+    assert s["phases_median_us"]["q_wait"] == pytest.approx(0.18)
     assert s["phases_median_us"]["epilogue"] == pytest.approx(0.7)
     assert s["phases_median_us"]["key_tiles"] == pytest.approx((400 + 1500 * 4) / 1e3)
     assert s["key_tiles_fit"]["fixed_us"] == pytest.approx(0.4, abs=1e-6)
     assert s["key_tiles_fit"]["per_key_tile_us"] == pytest.approx(1.5, abs=1e-9)
-    assert "Q wait 0.30, key tiles 6.40, epilogue 0.70" in tl.report(s)
+    assert "setup 0.12, Q wait 0.18, key tiles 6.40, epilogue 0.70" in tl.report(s)
 
 
 def test_summary_recovers_a_linear_cost_and_the_tail(tl):

@@ -806,9 +806,10 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
 #if FC_TIMELINE
 // ---- profiling variant: where each persistent CTA spends its time ------------------------------
 // One entry of kTimelineWords per work tile a consumer warpgroup finishes, written by its first
-// thread: {smid << 32 | work tile, key tiles, start ns, Q ready ns, epilogue start ns, end ns}
-// (Q ready: its q_full wait returned; epilogue start: the last P V done; both = start for a work
-// tile without key tiles). scripts/sm90_timeline.py reads them; entries past timeline_slots are
+// thread: {smid << 32 | work tile, setup ns << 32 | key tiles, start ns, Q ready ns, epilogue
+// start ns, end ns} (setup: start to the q_full wait's first try, the work tile's decode and mask
+// set-up, session 15; Q ready: its q_full wait returned; epilogue start: the last P V done; both
+// = start for a work tile without key tiles). scripts/sm90_timeline.py reads them; entries past timeline_slots are
 // dropped, unused ones stay as the host zeroed them.
 constexpr int kTimelineWords = 6;
 
@@ -816,13 +817,13 @@ struct Timeline {
   uint64_t* base;
   int slots, c, next = 0;
 
-  __device__ __forceinline__ void record(int w, int tiles, uint64_t start, uint64_t q_ready,
-                                         uint64_t epilogue) {
+  __device__ __forceinline__ void record(int w, int tiles, uint64_t start, uint64_t q_try,
+                                         uint64_t q_ready, uint64_t epilogue) {
     if ((threadIdx.x & 127) == 0 && next < slots) {
       uint64_t* e = base + ((static_cast<int64_t>(blockIdx.x) * kConsumers + c) * slots + next) *
                                kTimelineWords;
       e[0] = (static_cast<uint64_t>(sm_id()) << 32) | static_cast<uint32_t>(w);
-      e[1] = static_cast<uint64_t>(tiles > 0 ? tiles : 0);
+      e[1] = ((q_try - start) << 32) | static_cast<uint32_t>(tiles > 0 ? tiles : 0);
       e[2] = start;
       e[3] = q_ready;
       e[4] = epilogue;
@@ -884,7 +885,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   for (int w = blockIdx.x; w < sched.total(); w = next_work(w)) {
 #if FC_TIMELINE
     const uint64_t t_start = globaltimer_ns();
-    uint64_t t_q = t_start, t_epilogue = t_start;
+    uint64_t t_q_try = t_start, t_q = t_start, t_epilogue = t_start;
 #endif
     const Block blk = sched.block(w, mask);
     const int row0 = blk.m0 + warp_row0 + g;  // query row of this lane's first row (h = 0)
@@ -895,6 +896,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
     const int tiles = blk.tiles();
     if (tiles > 0) {
       const MaskedVisits masked = masked_visits(mask, blk.m0 + wg_row0, 64, blk.n_last, kBlockN);
+#if FC_TIMELINE
+      t_q_try = globaltimer_ns();
+#endif
       mbar_wait(sm.q_full(qb), (q_round / kQStages) & 1);
 #if FC_TIMELINE
       t_q = globaltimer_ns();
@@ -939,7 +943,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #endif
     }
 #if FC_TIMELINE
-    timeline_rec.record(w, tiles, t_start, t_q, t_epilogue);
+    timeline_rec.record(w, tiles, t_start, t_q_try, t_q, t_epilogue);
 #endif
   }
   turn_close(c);
