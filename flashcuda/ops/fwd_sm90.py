@@ -91,6 +91,9 @@ class Sm90FwdConfig:
     # Q buffers (FC_Q_STAGES; FLASHCUDA_SM90_FWD_Q_STAGES=2, an A/B variant where it fits): the
     # next work tile's Q loads while the current one's last key tiles run; never chosen by default
     q_stages: int = 1
+    # O through a shared-memory staging tile per consumer and a TMA store (FC_O_TMA;
+    # FLASHCUDA_SM90_FWD_O_TMA=1, an A/B variant where it fits): one more kernel argument, map_o
+    o_tma: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_FWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob the .cu documents (e.g. FC_MV_SCAN_UNROLL); never chosen by default
     defines: tuple = ()
@@ -135,12 +138,13 @@ class Sm90FwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """1024 B alignment slack + q_stages x Q + stages x (K + V) + the mbarriers (as the .cu
-        lays out)."""
+        """1024 B alignment slack + q_stages x Q + stages x (K + V) [+ the clean V tiles] [+ the
+        O staging tiles] + the mbarriers (as the .cu lays out)."""
         barriers = 2 * self.q_stages + 4 * self.stages
         clean = self.consumers * self.kv_bytes if self.masked_v else 0
+        staging = self.consumers * 64 * self.head_dim * 2 if self.o_tma else 0
         return (1024 + self.q_stages * self.q_bytes + 2 * self.stages * self.kv_bytes + clean
-                + self.smem_pad + BARRIER_BYTES * barriers)
+                + staging + self.smem_pad + BARRIER_BYTES * barriers)
 
     @property
     def name(self) -> str:
@@ -150,6 +154,7 @@ class Sm90FwdConfig:
                 f"{'_mv' if self.masked_v else ''}"
                 f"{f'_pad{self.smem_pad // 1024}k' if self.smem_pad else ''}"
                 f"{f'_q{self.q_stages}' if self.q_stages != 1 else ''}"
+                f"{'_ot' if self.o_tma else ''}"
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
     def spec(self) -> KernelSpec:
@@ -168,6 +173,7 @@ class Sm90FwdConfig:
             **({"FC_MASKED_V": 1} if self.masked_v else {}),
             **({"FC_SMEM_PAD": self.smem_pad} if self.smem_pad else {}),
             **({"FC_Q_STAGES": self.q_stages} if self.q_stages != 1 else {}),
+            **({"FC_O_TMA": 1} if self.o_tma else {}),
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
             **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
             **({"FC_O_QUAD": 1} if self.block_m in O_QUAD.get(self.head_dim, ()) else {}),
@@ -236,6 +242,9 @@ STAGES_ENV = "FLASHCUDA_SM90_FWD_STAGES"
 # Q buffers (A/B; default 1): 2 builds every kernel where the second Q tile fits in shared memory
 # (all but d128's masked-V ones, which keep 1) — see FC_Q_STAGES in the .cu
 Q_STAGES_ENV = "FLASHCUDA_SM90_FWD_Q_STAGES"
+# O through shared memory and a TMA store (A/B; default 0, session 15: written, not yet run): 1
+# builds every kernel where the staging tiles fit (all but d128's masked-V ones) — see FC_O_TMA
+O_TMA_ENV = "FLASHCUDA_SM90_FWD_O_TMA"
 SMEM_OPTIN = 232448  # H100 / H200: dynamic shared memory a block may opt in to
 
 
@@ -300,6 +309,10 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
         two = dataclasses.replace(cfg, q_stages=q_stages)
         if two.smem_bytes <= SMEM_OPTIN:  # (else this kernel keeps one: an A/B knob)
             cfg = two
+    if flag(O_TMA_ENV, False):
+        staged = dataclasses.replace(cfg, o_tma=True)
+        if staged.smem_bytes <= SMEM_OPTIN:  # (else this kernel keeps its stores: an A/B knob)
+            cfg = staged
     return cfg
 
 
@@ -349,14 +362,16 @@ def configs() -> list[Sm90FwdConfig]:
             if c.dtype == torch.bfloat16 and c.pingpong]
     out += [dataclasses.replace(c, masked_v=True) for c in out
             if (c.block_m, c.block_n) in WINDOWED_TILES[c.head_dim] and not c.timeline]
-    # the A/B variant the GPU lane runs (tests/gpu/test_fwd_sm90.py, with dispatch's tiles): two
-    # Q buffers where they fit
+    # the A/B variants the GPU lane runs (tests/gpu/test_fwd_sm90.py, with dispatch's tiles): two
+    # Q buffers, the O staging tiles and TMA store, each where it fits
     dispatched = [c for c in out if c.pingpong and not c.timeline
                   and (c.block_m, c.block_n) in (tiles_for(c.head_dim, False, LONG),
                                                  tiles_for(c.head_dim, True, 1),
                                                  tiles_for(c.head_dim, True, LONG))]
     out += [two for c in dispatched
             if (two := dataclasses.replace(c, q_stages=2)).smem_bytes <= SMEM_OPTIN]
+    out += [staged for c in dispatched
+            if (staged := dataclasses.replace(c, o_tma=True)).smem_bytes <= SMEM_OPTIN]
     return out
 
 
@@ -393,7 +408,8 @@ def can_implement(call: FwdCall) -> str | None:
     if cfg.work_tiles(call) >= 2**31:
         return f"{cfg.work_tiles(call)} work tiles exceed the kernel's int32 tile index"
     if call.batch and call.seqlen_q and call.nheads:
-        for name, rows in (("q", cfg.block_m), ("k", cfg.block_n), ("v", cfg.block_n)):
+        maps = (("q", cfg.block_m), ("k", cfg.block_n), ("v", cfg.block_n))
+        for name, rows in maps + ((("out", 64),) if cfg.o_tma else ()):
             if why := vector_layout_problem(name, getattr(call, name)):
                 return why
             if why := bshd_problem(getattr(call, name), rows):
@@ -413,9 +429,15 @@ def can_implement(call: FwdCall) -> str | None:
 
 
 def kernel_args(call: FwdCall, cfg: Sm90FwdConfig, by_block: int | None = None) -> tuple:
-    """map_q, map_k, map_v, out, lse, then `constant_args`."""
-    return (bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n),
-            bshd_map(call.v, cfg.block_n), call.out, call.lse, *constant_args(call, by_block))
+    """map_q, map_k, map_v [, map_o with FC_O_TMA], out, lse, then `constant_args`."""
+    return (*_maps(call, cfg), call.out, call.lse, *constant_args(call, by_block))
+
+
+def _maps(call: FwdCall, cfg: Sm90FwdConfig) -> tuple:
+    """The call's tensor maps: q, k, v, and out's (a 64 x 64 box, the store) with FC_O_TMA."""
+    maps = (bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n),
+            bshd_map(call.v, cfg.block_n))
+    return maps + (bshd_map(call.out, 64),) if cfg.o_tma else maps
 
 
 def constant_args(call: FwdCall, by_block: int | None = None) -> tuple:
@@ -490,7 +512,7 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
                      MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV,
-                     Q_STAGES_ENV)
+                     Q_STAGES_ENV, O_TMA_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:
@@ -541,9 +563,8 @@ def run(call: FwdCall) -> None:
     plan = _plan(call)
     if plan is _EMPTY:
         return
-    cfg = plan.cfg
-    plan.launch(bshd_map(call.q, cfg.block_m).raw, bshd_map(call.k, cfg.block_n).raw,
-                bshd_map(call.v, cfg.block_n).raw, call.out.data_ptr(), call.lse.data_ptr())
+    plan.launch(*(m.raw for m in _maps(call, plan.cfg)), call.out.data_ptr(),
+                call.lse.data_ptr())
 
 
 @register

@@ -273,6 +273,23 @@ def test_two_q_buffers(monkeypatch, head_dim, window):
     check_empty_work_tiles(head_dim, 40, 8, seed=14)
 
 
+@pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_o_through_a_tma_store(monkeypatch, head_dim, window):
+    """FLASHCUDA_SM90_FWD_O_TMA=1 (FC_O_TMA, an A/B variant): O goes through each consumer's
+    staging tile and a TMA store. 1000 queries end inside a 64-row consumer tile (the store must
+    clip the rows past seqlen_q, which belong to no one: they hold the next head's rows in
+    memory), ~3 work tiles per CTA reuse each staging tile (the store must have read it first),
+    and work tiles without keys store zeros. Built where it fits (d128's masked-V kernels keep
+    their stores: the same checks then run the default). Runs once, with dispatch's tiles."""
+    skip_unless_dispatch_tiles()
+    monkeypatch.setenv(fwd_sm90.O_TMA_ENV, "1")
+    dispatch._reset()
+    check(*make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=15), window)
+    check(*make(2, 77, 300, 4, 4, head_dim, FP16, seed=16), window)
+    check_empty_work_tiles(head_dim, 40, 8, seed=17)
+
+
 # ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])

@@ -120,6 +120,23 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 // in the forward timeline; d64 192-row +1.4-3.4%, 128-row -1 to -3.6%, so 0 there).
 #define FC_O_QUAD 0
 #endif
+#ifndef FC_O_TMA
+// 1 (A/B, session 15: written, not yet run on a GPU): the epilogue writes O through shared
+// memory and a TMA store instead of 16-byte global stores: each consumer warpgroup stmatrix-es
+// its normalised 64 x kHeadDim tile into its own staging tile (128B-swizzled [64][64] chunks, as
+// Q), fences, syncs its 128 threads, and one thread issues kChunks tensor stores (map_o: out
+// with a 64 x 64 box; rows past seqlen_q are not written) and goes on; the next work tile's
+// epilogue first waits until that store has read the tile. No quad transposes (the ~150
+// shuffles and selects per thread of FC_O_QUAD's store_row_v4) and no wait on the stores: the
+// forward timeline puts the epilogue at 0.9-1.0 us of a 4-8 us work tile at 512-1k. + kConsumers
+// x 64 x kHeadDim x 2 bytes of shared memory: the host builds it where that fits
+// (FLASHCUDA_SM90_FWD_O_TMA; not beside the d128 masked-V clean tiles).
+#define FC_O_TMA 0
+#endif
+#if FC_O_TMA
+constexpr int kOBarrier = 12;  // + c: FC_O_TMA's staging tile, per consumer warpgroup (named
+                               // barriers 1 .. 3: the ping-pong turns, 8 ..: the masked-V votes)
+#endif
 #ifndef FC_SMEM_PAD
 #define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
 #endif
@@ -135,7 +152,9 @@ constexpr int kSmemQ = 0;
 constexpr int kSmemK = kSmemQ + kQStages * kQBytes;
 constexpr int kSmemV = kSmemK + kStages * kKVBytes;
 constexpr int kSmemClean = kSmemV + kStages * kKVBytes;  // FC_MASKED_V: a V tile per consumer
-constexpr int kSmemBar = kSmemClean + (FC_MASKED_V ? kConsumers * kKVBytes : 0) + FC_SMEM_PAD;
+constexpr int kOBytes = kChunks * 64 * 128;              // FC_O_TMA: a consumer's staging tile
+constexpr int kSmemO = kSmemClean + (FC_MASKED_V ? kConsumers * kKVBytes : 0);
+constexpr int kSmemBar = kSmemO + (FC_O_TMA ? kConsumers * kOBytes : 0) + FC_SMEM_PAD;
 static_assert(FC_SMEM_PAD % 1024 == 0, "padding keeps the barriers 8-byte aligned");
 // q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[]
 constexpr int kBarriers = 2 * kQStages + 4 * kStages;
@@ -162,6 +181,7 @@ struct Smem {
   __device__ __forceinline__ uint32_t clean_v(int c) const {
     return base + kSmemClean + c * kKVBytes;
   }
+  __device__ __forceinline__ uint32_t o(int c) const { return base + kSmemO + c * kOBytes; }
   __device__ __forceinline__ uint32_t bar(int i) const { return base + kSmemBar + 8 * i; }
   __device__ __forceinline__ uint32_t q_full(int b) const { return bar(b); }
   __device__ __forceinline__ uint32_t q_empty(int b) const { return bar(kQStages + b); }
@@ -838,6 +858,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (D, Sq, H, B)
                const __grid_constant__ TmaMap map_k,  // k [B, Sk, Hkv, D]: dims (D, Sk, Hkv, B)
                const __grid_constant__ TmaMap map_v,  // v [B, Sk, Hkv, D]: dims (D, Sk, Hkv, B)
+#if FC_O_TMA
+               const __grid_constant__ TmaMap map_o,  // out, as q, box 64 x 64 (the store)
+#endif
                T* __restrict__ out,                   // [B, Sq, H, D]
                float* __restrict__ lse,               // [B, H, Sq]
                int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride,
@@ -861,6 +884,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
     tma_prefetch(map_q);
     tma_prefetch(map_k);
     tma_prefetch(map_v);
+#if FC_O_TMA
+    tma_prefetch(map_o);
+#endif
   }
   __syncthreads();
 
@@ -916,8 +942,47 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 
     // ---- epilogue: finish l over the quad, normalise, store O and lse (the producer is already
     // loading the next work tile's Q, K and V)
-    T* o_bh = out + blk.batch * o_batch_stride + blk.head * o_head_stride;
     const int64_t lse_row0 = (static_cast<int64_t>(blk.batch) * nheads + blk.head) * seqlen_q;
+#if FC_O_TMA
+    // the previous work tile's store (issued by this warpgroup's first thread) has read the tile
+    if ((threadIdx.x & 127) == 0) bulk_wait_group_read<0>();
+    named_barrier_sync(kOBarrier + c, 128);
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      OnlineSoftmax& st = cs.row[h];
+      st.l += __shfl_xor_sync(0xffffffffu, st.l, 1);
+      st.l += __shfl_xor_sync(0xffffffffu, st.l, 2);
+      inv[h] = st.inv_sum();
+      const int r = row0 + 8 * h;
+      if (r < seqlen_q && t == 0) lse[lse_row0 + r] = st.lse();
+    }
+    // stmatrix.x4 per pair of 8-column groups (j, j + 1): matrix k of lane l's address is row
+    // 16 (warp in the warpgroup) + 8 (k % 2) + l % 8 (h = k % 2), column group j + k / 2; its
+    // register is this lane's (h, group) pair, the accumulator's fragment order
+    const int st_row = static_cast<int>((threadIdx.x / 32) % 4) * 16 + 8 * ((lane >> 3) & 1) +
+                       (lane & 7);
+    const uint32_t st_base = sm.o(c) + st_row * 128;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; j += 2) {
+      const int group = j + (lane >> 4);  // this lane's address: column group j or j + 1
+      const uint32_t addr = st_base + (group / 8) * (64 * 128) + (((group % 8) ^ (st_row & 7)) << 4);
+      stmatrix_x4(addr, pack2<T>(cs.o[4 * j] * inv[0], cs.o[4 * j + 1] * inv[0]),
+                  pack2<T>(cs.o[4 * j + 2] * inv[1], cs.o[4 * j + 3] * inv[1]),
+                  pack2<T>(cs.o[4 * j + 4] * inv[0], cs.o[4 * j + 5] * inv[0]),
+                  pack2<T>(cs.o[4 * j + 6] * inv[1], cs.o[4 * j + 7] * inv[1]));
+    }
+    fence_proxy_async();
+    named_barrier_sync(kOBarrier + c, 128);
+    if ((threadIdx.x & 127) == 0) {
+#pragma unroll
+      for (int ch = 0; ch < kChunks; ++ch)
+        tma_store_4d(map_o, sm.o(c) + ch * (64 * 128), ch * kChunkCols, blk.m0 + wg_row0,
+                     blk.head, blk.batch);
+      bulk_commit_group();
+    }
+#else
+    T* o_bh = out + blk.batch * o_batch_stride + blk.head * o_head_stride;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       OnlineSoftmax& st = cs.row[h];
@@ -942,9 +1007,13 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
       }
 #endif
     }
+#endif  // FC_O_TMA
 #if FC_TIMELINE
     timeline_rec.record(w, tiles, t_start, t_q_try, t_q, t_epilogue);
 #endif
   }
+#if FC_O_TMA
+  if ((threadIdx.x & 127) == 0) bulk_wait_group<0>();  // no store outlives the shared memory
+#endif
   turn_close(c);
 }

@@ -174,6 +174,18 @@ __device__ __forceinline__ void tma_reduce_add_2d(const TmaMap& map, uint32_t sr
       : "memory");
 }
 
+// Shared `src` (1024-byte aligned, laid out as the map's swizzle says) -> the box of `map` at
+// coordinates (c0 innermost .. c3); elements outside the map's bounds are not written. Completion
+// by bulk async-group (bulk_commit_group, then bulk_wait_group_read before `src` is rewritten);
+// the shared source must be written and fenced (fence_proxy_async) before the issue.
+__device__ __forceinline__ void tma_store_4d(const TmaMap& map, uint32_t src, int c0, int c1,
+                                             int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+      ::"l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+      : "memory");
+}
+
 // Close this thread's bulk operations issued since its last commit into one bulk async-group.
 __device__ __forceinline__ void bulk_commit_group() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
