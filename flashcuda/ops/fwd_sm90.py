@@ -142,7 +142,8 @@ class Sm90FwdConfig:
         O staging tiles] + the mbarriers (as the .cu lays out)."""
         barriers = 2 * self.q_stages + 4 * self.stages
         clean = self.consumers * self.kv_bytes if self.masked_v else 0
-        staging = self.consumers * 64 * self.head_dim * 2 if self.o_tma else 0
+        # FC_O_TMA's staging tiles (with masked V: in the clean V tiles, no bytes of their own)
+        staging = self.consumers * 64 * self.head_dim * 2 if self.o_tma and not self.masked_v else 0
         return (1024 + self.q_stages * self.q_bytes + 2 * self.stages * self.kv_bytes + clean
                 + staging + self.smem_pad + BARRIER_BYTES * barriers)
 
@@ -243,7 +244,8 @@ STAGES_ENV = "FLASHCUDA_SM90_FWD_STAGES"
 # (all but d128's masked-V ones, which keep 1) — see FC_Q_STAGES in the .cu
 Q_STAGES_ENV = "FLASHCUDA_SM90_FWD_Q_STAGES"
 # O through shared memory and a TMA store (A/B; default 0, session 15: written, not yet run): 1
-# builds every kernel where the staging tiles fit (all but d128's masked-V ones) — see FC_O_TMA
+# builds it into every kernel where the staging tiles fit (all dispatched ones: the masked-V
+# kernels stage in their clean V tiles) — see FC_O_TMA
 O_TMA_ENV = "FLASHCUDA_SM90_FWD_O_TMA"
 SMEM_OPTIN = 232448  # H100 / H200: dynamic shared memory a block may opt in to
 

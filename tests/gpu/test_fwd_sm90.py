@@ -280,14 +280,38 @@ def test_o_through_a_tma_store(monkeypatch, head_dim, window):
     staging tile and a TMA store. 1000 queries end inside a 64-row consumer tile (the store must
     clip the rows past seqlen_q, which belong to no one: they hold the next head's rows in
     memory), ~3 work tiles per CTA reuse each staging tile (the store must have read it first),
-    and work tiles without keys store zeros. Built where it fits (d128's masked-V kernels keep
-    their stores: the same checks then run the default). Runs once, with dispatch's tiles."""
+    and work tiles without keys store zeros. Runs once, with dispatch's tiles."""
     skip_unless_dispatch_tiles()
     monkeypatch.setenv(fwd_sm90.O_TMA_ENV, "1")
     dispatch._reset()
     check(*make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=15), window)
     check(*make(2, 77, 300, 4, 4, head_dim, FP16, seed=16), window)
     check_empty_work_tiles(head_dim, 40, 8, seed=17)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_o_tma_staging_in_the_clean_v_tiles(monkeypatch, head_dim):
+    """With masked V, FC_O_TMA stages O in the consumer's clean V tile, which the non-finite
+    path rewrites: a NaN in V of key 200 (every batch and head, column 3), causal 1024 x 1024,
+    16 heads x 2 batches = ~2 work tiles per CTA, so the diagonal tile that copies V clean follows
+    another work tile's store from the same tile. Rows before 200 (they do not see the key) and
+    the other columns equal the clean run bit for bit; rows from 200 are NaN in column 3."""
+    skip_unless_dispatch_tiles()
+    monkeypatch.setenv(fwd_sm90.O_TMA_ENV, "1")
+    dispatch._reset()
+    q, k, v = make(2, 1024, 1024, 16, 16, head_dim, BF16, seed=18)
+    scale = head_dim ** -0.5
+    assert fwd_sm90.plan_config(FwdCall(q, k, v, torch.empty_like(q),
+                                        torch.empty(2, 16, 1024, device="cuda"), scale,
+                                        *CAUSAL), 132).o_tma
+    clean, clean_lse = run(fwd_sm90, q, k, v, scale, CAUSAL)
+    bad = v.clone()
+    bad[:, 200, :, 3] = float("nan")
+    out, lse = run(fwd_sm90, q, k, bad, scale, CAUSAL)
+    assert torch.equal(lse, clean_lse) and torch.equal(out[:, :200], clean[:, :200])
+    assert out[:, 200:, :, 3].isnan().all()
+    others = [c for c in range(head_dim) if c != 3]
+    assert torch.equal(out[:, 200:, :, others], clean[:, 200:, :, others])
 
 
 # ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------

@@ -128,9 +128,11 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 // with a 64 x 64 box; rows past seqlen_q are not written) and goes on; the next work tile's
 // epilogue first waits until that store has read the tile. No quad transposes (the ~150
 // shuffles and selects per thread of FC_O_QUAD's store_row_v4) and no wait on the stores: the
-// forward timeline puts the epilogue at 0.9-1.0 us of a 4-8 us work tile at 512-1k. + kConsumers
-// x 64 x kHeadDim x 2 bytes of shared memory: the host builds it where that fits
-// (FLASHCUDA_SM90_FWD_O_TMA; not beside the d128 masked-V clean tiles).
+// forward timeline puts the epilogue at 0.9-1.0 us of a 4-8 us work tile at 512-1k. The staging
+// tiles take kConsumers x 64 x kHeadDim x 2 bytes of shared memory; with FC_MASKED_V each is its
+// consumer's clean V tile instead (touched only on the non-finite path, after a vote:
+// v_tile_poisoned waits for the store's read before the vote's barrier), so d128's causal /
+// window kernels fit too (FLASHCUDA_SM90_FWD_O_TMA).
 #define FC_O_TMA 0
 #endif
 #if FC_O_TMA
@@ -153,8 +155,11 @@ constexpr int kSmemK = kSmemQ + kQStages * kQBytes;
 constexpr int kSmemV = kSmemK + kStages * kKVBytes;
 constexpr int kSmemClean = kSmemV + kStages * kKVBytes;  // FC_MASKED_V: a V tile per consumer
 constexpr int kOBytes = kChunks * 64 * 128;              // FC_O_TMA: a consumer's staging tile
-constexpr int kSmemO = kSmemClean + (FC_MASKED_V ? kConsumers * kKVBytes : 0);
-constexpr int kSmemBar = kSmemO + (FC_O_TMA ? kConsumers * kOBytes : 0) + FC_SMEM_PAD;
+constexpr int kSmemO = kSmemClean;  // FC_O_TMA's staging tiles: the clean V tiles with
+                                    // FC_MASKED_V, else a region of their own at the same place
+constexpr int kSmemBar = kSmemClean + (FC_MASKED_V ? kConsumers * kKVBytes : 0) +
+                         (FC_O_TMA && !FC_MASKED_V ? kConsumers * kOBytes : 0) + FC_SMEM_PAD;
+static_assert(kOBytes <= kKVBytes, "a staging tile fits its consumer's clean V tile");
 static_assert(FC_SMEM_PAD % 1024 == 0, "padding keeps the barriers 8-byte aligned");
 // q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[]
 constexpr int kBarriers = 2 * kQStages + 4 * kStages;
@@ -181,7 +186,9 @@ struct Smem {
   __device__ __forceinline__ uint32_t clean_v(int c) const {
     return base + kSmemClean + c * kKVBytes;
   }
-  __device__ __forceinline__ uint32_t o(int c) const { return base + kSmemO + c * kOBytes; }
+  __device__ __forceinline__ uint32_t o(int c) const {
+    return base + kSmemO + c * (FC_MASKED_V ? kKVBytes : kOBytes);  // (clean_v(c) with masked V)
+  }
   __device__ __forceinline__ uint32_t bar(int i) const { return base + kSmemBar + 8 * i; }
   __device__ __forceinline__ uint32_t q_full(int b) const { return bar(b); }
   __device__ __forceinline__ uint32_t q_empty(int b) const { return bar(kQStages + b); }
@@ -578,6 +585,11 @@ __device__ __forceinline__ bool v_tile_poisoned(uint32_t v, int c) {
     bad |= word_nonfinite<T>(w.x) | word_nonfinite<T>(w.y) | word_nonfinite<T>(w.z) |
            word_nonfinite<T>(w.w);
   }
+#if FC_O_TMA
+  // the clean tile is the staging tile of the last epilogue's O store: its issuer waits for the
+  // store's read before the vote, so no thread writes the tile (copy_clean_v) before that
+  if (lt == 0) bulk_wait_group_read<0>();
+#endif
   return warpgroup_any(bad, c);
 }
 
