@@ -5,7 +5,7 @@
 
 Runs the backward (bf16; PRE, MAIN, CONVERT as dispatch runs them) with the timeline variant of
 the MAIN kernel dispatch would pick (FC_TIMELINE, bwd_sm90.run_timeline): each CTA (one per key
-block, KV head and batch; not persistent) writes %globaltimer at its entry, the producer's first
+block, KV head and batch) writes %globaltimer at its entry, the producer's first
 TMA issue and last TMA issue, K / V arrival (consumer 0, after its wait), step 0's data arrival
 (= the first step's start), the last step's end, each consumer's exit (dK / dV stores issued) and
 the dQ writer's end, plus its SM, its step count and its block index. A few warm-up calls, then
@@ -18,7 +18,11 @@ the last call's records are analysed:
   - the fixed cost per CTA: median of (span - steps x per-step), per-step the median over CTAs,
     and a least-squares fit span = fixed + per_step x steps where step counts differ (causal).
 Writes timeline-bwd-<label>.json (raw records + summary) and, with matplotlib, a PNG (one row per
-SM, each CTA's phases coloured). The variant is never dispatched.
+SM, each CTA's phases coloured). The variant is never dispatched. With
+FLASHCUDA_SM90_BWD_PERSISTENT=1 (calls without a mask) each work item has its record, and a "CTA"
+below is an item: its entry is the consumers' start of it (the CTA's entry for its first item),
+its first TMA the producer's turn to it (before the wait for the previous item's K / V to be
+free), so entry -> K / V shows whether the item's K / V arrived under the previous epilogue.
 """
 
 from __future__ import annotations
@@ -257,12 +261,12 @@ def main() -> None:
     cfg, buf = bwd_sm90.run_timeline(call)
     torch.cuda.synchronize()
     records = decode(buf.cpu().numpy().view(np.uint64).reshape(-1))
-    grid = cfg.grid(call)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    grid = cfg.grid(call, sms)  # (persistent: records are per item, CTAs min(items, SMs))
     summary = summarise(records, grid[0] * grid[1] * grid[2])
     summary["backward_us"] = {"default": t_default, "timeline": t_timeline}
     label = (f"{cfg.name}-B{b}-S{s}-H{h}{f'-KV{hkv}' if hkv != h else ''}"
              f"{'-causal' if a.causal else ''}")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{label}: grid {grid}, {sms} SMs on the device; whole backward (PRE + MAIN + CONVERT) "
           f"{t_default:.1f} us default, {t_timeline:.1f} us with the timeline MAIN")
     print(report(summary))

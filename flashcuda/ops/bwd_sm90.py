@@ -187,7 +187,7 @@ class Sm90BwdConfig:
     lpt_tail: int = 0
     # FC_PERSISTENT: min(work items, SMs) CTAs walk the items, the next item's K / V loading
     # under the previous one's epilogue (FLASHCUDA_SM90_BWD_PERSISTENT=1, an A/B variant for
-    # calls without a mask; never chosen by default); not with the timeline
+    # calls without a mask; never chosen by default); with the timeline, one record per item
     persistent: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
@@ -196,9 +196,6 @@ class Sm90BwdConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"Sm90BwdConfig.dtype: expected fp16 or bf16, got {self.dtype}")
-        if self.persistent and self.timeline:
-            raise ValueError("Sm90BwdConfig: persistent and timeline: expected at most one (the "
-                             "timeline records one CTA per work item)")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"Sm90BwdConfig.head_dim: expected one of {HEAD_DIMS}, "
                              f"got {self.head_dim}")
@@ -361,9 +358,13 @@ class Sm90BwdConfig:
         step = lcm(self.block_m, self.aux().aux_rows)
         return -(-seqlen_q // step) * step
 
+    def items(self, call: BwdCall) -> tuple[int, int, int]:
+        """The work items' grid: (key blocks, KV heads, batch)."""
+        return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
+
     def grid(self, call: BwdCall, sms: int = 0) -> tuple[int, int, int]:
         """One CTA per work item (key block, KV head, batch); persistent: min(items, sms) CTAs."""
-        items = (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
+        items = self.items(call)
         if self.persistent:
             if sms <= 0:
                 raise ValueError(f"{self.name}.grid: a persistent grid needs the SM count, got "
@@ -372,8 +373,9 @@ class Sm90BwdConfig:
         return items
 
     def timeline_shape(self, call: BwdCall) -> tuple[int, int, int, int]:
-        """The timeline buffer (int64) of MAIN's grid: [batch][nheads_kv][key blocks][words]."""
-        gx, gy, gz = self.grid(call)
+        """The timeline buffer (int64), a record per work item: [batch][nheads_kv][key blocks]
+        [words] (persistent CTAs write each item's record)."""
+        gx, gy, gz = self.items(call)
         return (gz, gy, gx, TIMELINE_WORDS)
 
 
@@ -583,7 +585,7 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         cfg = dataclasses.replace(cfg, timeline=True)
     if lpt_tail := lpt_tail_for(call):
         cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
-    if persistent_for(call) and not timeline:
+    if persistent_for(call):
         cfg = dataclasses.replace(cfg, persistent=True)
     aux = cfg.aux()
     b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k

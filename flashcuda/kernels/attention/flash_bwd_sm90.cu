@@ -406,7 +406,6 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
-static_assert(!(FC_PERSISTENT && FC_TIMELINE), "the timeline records one CTA per work item");
 #if FC_TIMELINE
 // ---- timeline: where a CTA's time goes (profiling variant) -------------------------------------
 // Record of CTA (x, y, z) at (x + gridDim.x (y + gridDim.y z)) * kTimelineWords of the buffer,
@@ -430,15 +429,18 @@ constexpr int kTlId = 0, kTlBlock = 1, kTlEntry = 2, kTlFirstTma = 3, kTlProduce
               kTlKv = 5, kTlFirst = 6, kTlLast = 7, kTlExit = 8, kTlDqEnd = 10;
 constexpr int kTimelineWords = 12;  // (word 11 unused)
 
-__device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline) {
-  const int64_t cta =
-      blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
-  return timeline + cta * kTimelineWords;
+// One record per work item, at the item's place in blockIdx order: the CTA's own with one item
+// per CTA; with FC_PERSISTENT (item w of the walk, whose blockIdx-order index is w) each item's
+// own, its "entry" then the consumers' start of the item (after the first: the CTA's entry).
+__device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline, int w) {
+  const int64_t item = FC_PERSISTENT ? static_cast<int64_t>(w)
+      : blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
+  return timeline + item * kTimelineWords;
 }
 
 // word := now (the calling thread decides whether it is the one that records)
-__device__ __forceinline__ void timeline_mark(uint64_t* timeline, int word) {
-  timeline_record(timeline)[word] = globaltimer_ns();
+__device__ __forceinline__ void timeline_mark(uint64_t* timeline, int w, int word) {
+  timeline_record(timeline, w)[word] = globaltimer_ns();
 }
 #endif
 
@@ -932,6 +934,10 @@ struct Items {
     return work_coord(w, num_n, nheads_kv, batches);
   }
   __device__ __forceinline__ Steps steps(const BlockCoord&) const { return all; }
+  __device__ __forceinline__ uint3 block_index(int w) const {
+    const int pair = w / num_n;
+    return make_uint3(w % num_n, pair % nheads_kv, pair / nheads_kv);
+  }
 #else
   BlockCoord blk;
   Steps steps_;
@@ -945,6 +951,7 @@ struct Items {
   __device__ __forceinline__ int round(int) const { return 0; }
   __device__ __forceinline__ BlockCoord coord(int) const { return blk; }
   __device__ __forceinline__ Steps steps(const BlockCoord&) const { return steps_; }
+  __device__ __forceinline__ uint3 block_index(int) const { return blockIdx; }
 #endif
 };
 
@@ -973,7 +980,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #endif
                ) {
 #if FC_TIMELINE
-  if (threadIdx.x == 128) timeline_mark(timeline, kTlEntry);
+  // (the first item: w = blockIdx.x with FC_PERSISTENT, ignored without)
+  if (threadIdx.x == 128) timeline_mark(timeline, static_cast<int>(blockIdx.x), kTlEntry);
 #endif
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
@@ -1007,20 +1015,20 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     // elected lane issues.
     if (threadIdx.x < 32 && (kPersistent || elect_one())) {
       const bool leader = kPersistent ? elect_one() : true;
-#if FC_TIMELINE
-      timeline_mark(timeline, kTlFirstTma);
-#endif
       int ring0 = 0;  // Q / dO ring slots of this CTA's earlier items
       for (int w = items.first(); w < items.end(); w = items.next(w)) {
         const BlockCoord blk = items.coord(w);
         const Steps steps = items.steps(blk);
+#if FC_TIMELINE
+        if (leader) timeline_mark(timeline, w, kTlFirstTma);  // (FC_PERSISTENT: before kv_empty)
+#endif
         produce(sm, steps, blk.key_block * kBlockN, blk.head_kv, blk.batch, map_q, map_k, map_v,
                 map_do, lse2, delta, nheads, seqlen_q_pad, ring0, items.round(w), leader);
         ring0 += steps.count();
-      }
 #if FC_TIMELINE
-      timeline_mark(timeline, kTlProduced);
+        if (leader) timeline_mark(timeline, w, kTlProduced);
 #endif
+      }
     }
 #if FC_DQ_WARP
     else if (threadIdx.x >= 32 && threadIdx.x < 64) {
@@ -1036,10 +1044,10 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #endif
                  nheads, seqlen_q_pad, static_cast<int>(threadIdx.x & 31), ring0);
         ring0 += steps.count();
-      }
 #if FC_TIMELINE
-      if (threadIdx.x == 32) timeline_mark(timeline, kTlDqEnd);
+        if (threadIdx.x == 32) timeline_mark(timeline, w, kTlDqEnd);
 #endif
+      }
     }
 #endif
     return;
@@ -1065,12 +1073,15 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     Consumer cs;
     cs.init(sm, wg_key0);
     // also when there are no steps: no TMA may outlive the CTA
+#if FC_TIMELINE
+    if (threadIdx.x == 128 && w != items.first()) timeline_mark(timeline, w, kTlEntry);
+#endif
     wait(sm.kv_full(), round & 1, stuck);
 #if FC_TIMELINE
-    if (threadIdx.x == 128) timeline_mark(timeline, kTlKv);
+    if (threadIdx.x == 128) timeline_mark(timeline, w, kTlKv);
     if (steps.count() > 0) {  // step 0's stage: the loop's wait on the same phase then passes
-      wait(sm.full(stage_of(0)), parity_of(0), stuck);
-      if (threadIdx.x == 128) timeline_mark(timeline, kTlFirst);
+      wait(sm.full(stage_of(ring0)), parity_of(ring0), stuck);
+      if (threadIdx.x == 128) timeline_mark(timeline, w, kTlFirst);
     }
 #endif
 #if FC_DQ_LATE
@@ -1235,7 +1246,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     if (steps.count() > 0) Consumer::reduce_v4(late_rows, late, t);  // the last step's
 #endif
 #if FC_TIMELINE
-    if (threadIdx.x == 128) timeline_mark(timeline, kTlLast);
+    if (threadIdx.x == 128) timeline_mark(timeline, w, kTlLast);
 #endif
     if constexpr (kPersistent) {  // every GEMM of the steps has completed: K / V may be reloaded
       __syncwarp();
@@ -1297,12 +1308,13 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #endif
 #if FC_TIMELINE
     if ((threadIdx.x & 127) == 0) {
-      timeline_mark(timeline, kTlExit + c);
+      timeline_mark(timeline, w, kTlExit + c);
       if (c == 0) {
-        uint64_t* rec = timeline_record(timeline);
+        uint64_t* rec = timeline_record(timeline, w);
         rec[kTlId] = (static_cast<uint64_t>(sm_id()) << 32) | static_cast<uint32_t>(steps.count());
-        rec[kTlBlock] = (static_cast<uint64_t>(blockIdx.z) << 48) |
-                        (static_cast<uint64_t>(blockIdx.y) << 32) | blockIdx.x;
+        const uint3 at = items.block_index(w);  // the item's place in blockIdx order
+        rec[kTlBlock] = (static_cast<uint64_t>(at.z) << 48) | (static_cast<uint64_t>(at.y) << 32) |
+                        at.x;
       }
     }
 #endif
