@@ -30,8 +30,8 @@
 //                 registers' order, one bulk reduction each
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
 //                 dk / dv: the same (the epilogue's 16-byte stores, FC_DKV_QUAD)
-//   not yet       ping-pong / overlap of the two GEMM halves,
-//                 persistent schedule, deterministic dQ (bwd_sm80 has it)
+//   not yet       ping-pong / overlap of the two GEMM halves, deterministic dQ (bwd_sm80 has
+//                 it); a persistent schedule is an A/B variant (FC_PERSISTENT, measured as noise)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // This is part MAIN of the backward; flashcuda/ops/bwd_sm90.py runs bwd_sm80's PRE (delta =

@@ -9,7 +9,8 @@
 //   layouts       (batch, row, head) strides that are multiples of 8 elements (16 bytes, a TMA
 //                 rule), unit last stride, 16-byte aligned base pointers
 //   outputs       out (B, Sq, H, D), lse (B, H, Sq) float32 natural log
-//   not yet       a dynamic (work-stealing) tile scheduler, TMA store epilogue
+//   not yet       a dynamic (work-stealing) tile scheduler; the TMA store epilogue is an A/B
+//                 variant (FC_O_TMA)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // Persistent: one CTA per SM (grid = min(work tiles, SMs)) walks work tiles of (query block of
@@ -37,7 +38,8 @@
 //     wait for P V; release V_{i-1} | rescale O | P_i -> 16-bit A fragments
 // and after the loop, the last tile's P V.
 // Deferred normalisation: O / l once, in the epilogue, which stores O straight from the
-// accumulator registers (4 bytes per lane; a TMA store through shared memory is a later step).
+// accumulator registers (16-byte stores after a transpose within each quad, FC_O_QUAD; through
+// shared memory and a TMA store with FC_O_TMA, an A/B variant).
 //
 // Shared memory (sm90.cuh header for the swizzled layout): Q [kBlockM][kHeadDim] (kQStages of
 // them, FC_Q_STAGES) and kStages K
@@ -841,8 +843,8 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
 // thread: {smid << 32 | work tile, setup ns << 32 | key tiles, start ns, Q ready ns, epilogue
 // start ns, end ns} (setup: start to the q_full wait's first try, the work tile's decode and mask
 // set-up, session 15; Q ready: its q_full wait returned; epilogue start: the last P V done; both
-// = start for a work tile without key tiles). scripts/sm90_timeline.py reads them; entries past timeline_slots are
-// dropped, unused ones stay as the host zeroed them.
+// = start for a work tile without key tiles). scripts/sm90_timeline.py reads them; entries past
+// timeline_slots are dropped, unused ones stay as the host zeroed them.
 constexpr int kTimelineWords = 6;
 
 struct Timeline {
@@ -978,7 +980,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #pragma unroll
     for (int j = 0; j < kHeadDim / 8; j += 2) {
       const int group = j + (lane >> 4);  // this lane's address: column group j or j + 1
-      const uint32_t addr = st_base + (group / 8) * (64 * 128) + (((group % 8) ^ (st_row & 7)) << 4);
+      const uint32_t addr =
+          st_base + (group / 8) * (64 * 128) + (((group % 8) ^ (st_row & 7)) << 4);
       stmatrix_x4(addr, pack2<T>(cs.o[4 * j] * inv[0], cs.o[4 * j + 1] * inv[0]),
                   pack2<T>(cs.o[4 * j + 2] * inv[1], cs.o[4 * j + 3] * inv[1]),
                   pack2<T>(cs.o[4 * j + 4] * inv[0], cs.o[4 * j + 5] * inv[0]),
