@@ -365,7 +365,8 @@ def configs() -> list[Sm90FwdConfig]:
     out += [dataclasses.replace(c, masked_v=True) for c in out
             if (c.block_m, c.block_n) in WINDOWED_TILES[c.head_dim] and not c.timeline]
     # the A/B variants the GPU lane runs (tests/gpu/test_fwd_sm90.py, with dispatch's tiles): two
-    # Q buffers, the O staging tiles and TMA store, each where it fits
+    # Q buffers, the O staging tiles and TMA store, each where it fits; the next work tile decoded
+    # under the last P V (FLASHCUDA_SM90_FWD_DEFINES=FC_DECODE_AHEAD=1)
     dispatched = [c for c in out if c.pingpong and not c.timeline
                   and (c.block_m, c.block_n) in (tiles_for(c.head_dim, False, LONG),
                                                  tiles_for(c.head_dim, True, 1),
@@ -374,6 +375,7 @@ def configs() -> list[Sm90FwdConfig]:
             if (two := dataclasses.replace(c, q_stages=2)).smem_bytes <= SMEM_OPTIN]
     out += [staged for c in dispatched
             if (staged := dataclasses.replace(c, o_tma=True)).smem_bytes <= SMEM_OPTIN]
+    out += [dataclasses.replace(c, defines=(("FC_DECODE_AHEAD", 1),)) for c in dispatched]
     return out
 
 

@@ -314,6 +314,20 @@ def test_o_tma_staging_in_the_clean_v_tiles(monkeypatch, head_dim):
     assert torch.equal(out[:, 200:, :, others], clean[:, 200:, :, others])
 
 
+@pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_next_work_tile_decoded_ahead(monkeypatch, head_dim, window):
+    """FLASHCUDA_SM90_FWD_DEFINES=FC_DECODE_AHEAD=1 (an A/B variant): each consumer decodes its
+    next work tile under its last P V, or right away after a work tile without key tiles; the
+    masked calls here walk their tiles in snake order (few rounds), the others in plain order.
+    Runs once, with dispatch's tiles."""
+    skip_unless_dispatch_tiles()
+    monkeypatch.setenv(fwd_sm90.DEFINES_ENV, "FC_DECODE_AHEAD=1")
+    dispatch._reset()
+    check(*make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=19), window)
+    check_empty_work_tiles(head_dim, 40, 8, seed=20)
+
+
 # ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])

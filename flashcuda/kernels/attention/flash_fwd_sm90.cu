@@ -141,6 +141,16 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 constexpr int kOBarrier = 12;  // + c: FC_O_TMA's staging tile, per consumer warpgroup (named
                                // barriers 1 .. 3: the ping-pong turns, 8 ..: the masked-V votes)
 #endif
+#ifndef FC_DECODE_AHEAD
+// 1 (A/B, session 15: written, not yet run on a GPU): a consumer decodes its next work tile
+// (Schedule::block: four 32-bit divisions by runtime values and ~150 uniform-datapath
+// instructions in a dependent chain, 244 SASS instructions with the mask set-up in the timeline
+// build) while its last P V runs on the tensor cores (drain, between the issue and the wait),
+// not at the top of the next work tile, where nothing hides it. The forward timeline measures
+// 0.38 us from a work tile's start to its Q (also with the Q loaded a work tile ahead, session
+// 15), ~700 cycles: the size of that chain at one warp per scheduler.
+#define FC_DECODE_AHEAD 0
+#endif
 #ifndef FC_SMEM_PAD
 #define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
 #endif
@@ -813,9 +823,16 @@ __device__ __forceinline__ void attend_rest(Consumer& cs, const Smem& sm, const 
 }
 
 // The last tile's P V, after the loop (`i`: its visit index, `last`: its ring index).
+struct NoWork {
+  __device__ __forceinline__ void operator()() const {}
+};
+
+// `between` runs after the last P V is issued and before the wait for it (FC_DECODE_AHEAD: the
+// next work tile's decode, hidden under the tensor cores)
+template <class Between = NoWork>
 __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block& blk,
                                       const Mask& mask, const MaskedVisits& masked, int i,
-                                      int last, int row0, int c) {
+                                      int last, int row0, int c, Between between = {}) {
   const int stage = stage_of(last);
   const bool scan = FC_MASKED_V && masked(i);
   bool poisoned = false;
@@ -826,6 +843,7 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
   wgmma_fence();
   cs.issue_accumulate(v);
   turn_end(c);
+  between();
   wgmma_wait<0>();
   cs.hold_p();
   wgmma_fence_operands(cs.o);
@@ -922,12 +940,27 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   Timeline timeline_rec{timeline, timeline_slots, c};
 #endif
   turn_open(c);
+#if FC_DECODE_AHEAD
+  Block ahead = sched.block(blockIdx.x, mask);  // the work tile the loop takes next
+#endif
   for (int w = blockIdx.x; w < sched.total(); w = next_work(w)) {
 #if FC_TIMELINE
     const uint64_t t_start = globaltimer_ns();
     uint64_t t_q_try = t_start, t_q = t_start, t_epilogue = t_start;
 #endif
+#if FC_DECODE_AHEAD
+    const Block blk = ahead;
+    const int w_next = next_work(w);  // (decoded past the end too: arithmetic only)
+    auto decode_next = [&] {  // pinned between its asm fences: ptxas would hoist pure arithmetic
+      int wn = w_next;
+      asm volatile("" : "+r"(wn));  // (not before the P V issue)
+      ahead = sched.block(wn, mask);
+      asm volatile("" ::"r"(ahead.m0), "r"(ahead.head), "r"(ahead.head_kv), "r"(ahead.batch),
+                   "r"(ahead.n_first), "r"(ahead.n_last));  // (not after the wait)
+    };
+#else
     const Block blk = sched.block(w, mask);
+#endif
     const int row0 = blk.m0 + warp_row0 + g;  // query row of this lane's first row (h = 0)
     const int qb = q_round % kQStages;  // this work tile's Q buffer (as the producer's)
     Consumer cs;
@@ -946,13 +979,22 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
       attend_key_tile<true, false>(cs, sm, blk, mask, masked, 0, ring, row0, c, scale_log2);
       attend_rest(cs, sm, blk, mask, masked, tiles, ring, row0, c, scale_log2);
       release(sm.q_empty(qb));  // every Q K^T of this work tile has completed
+#if FC_DECODE_AHEAD
+      drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c, decode_next);
+#else
       drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c);
+#endif
       ring += tiles;
       ++q_round;
 #if FC_TIMELINE
       t_epilogue = globaltimer_ns();
 #endif
     }
+#if FC_DECODE_AHEAD
+    else {
+      decode_next();  // (a work tile without key tiles has no P V to hide it under)
+    }
+#endif
 
     // ---- epilogue: finish l over the quad, normalise, store O and lse (the producer is already
     // loading the next work tile's Q, K and V)
