@@ -494,10 +494,8 @@ def lpt_tail_for(call: BwdCall) -> int:
 def persistent_for(call: BwdCall) -> bool:
     """FLASHCUDA_SM90_BWD_PERSISTENT=1 and a call without a mask (every work item the same
     cost: the static schedule loses nothing to the hardware's greedy one)."""
-    raw = os.environ.get(PERSISTENT_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{PERSISTENT_ENV}: expected 0 or 1, got {raw!r}")
-    return raw == "1" and call.window_left is None and call.window_right is None
+    return (flag(PERSISTENT_ENV, False) and call.window_left is None
+            and call.window_right is None)
 
 
 def enabled() -> bool:
@@ -604,7 +602,7 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
                  np.float32(call.softmax_scale * LOG2E), scale, wl, wr)
     sms = 0
     if cfg.persistent:  # + the item grid (key blocks, batches)
-        main_args += (np.int32(-(-sk // cfg.block_n)), np.int32(b))
+        main_args += (np.int32(cfg.items(call)[0]), np.int32(b))
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
     convert_args = (*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
                     np.int32(sq_pad), scale)

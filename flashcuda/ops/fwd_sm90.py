@@ -143,7 +143,8 @@ class Sm90FwdConfig:
         barriers = 2 * self.q_stages + 4 * self.stages
         clean = self.consumers * self.kv_bytes if self.masked_v else 0
         # FC_O_TMA's staging tiles (with masked V: in the clean V tiles, no bytes of their own)
-        staging = self.consumers * 64 * self.head_dim * 2 if self.o_tma and not self.masked_v else 0
+        staged = self.o_tma and not self.masked_v
+        staging = self.consumers * 64 * self.head_dim * 2 if staged else 0
         return (1024 + self.q_stages * self.q_bytes + 2 * self.stages * self.kv_bytes + clean
                 + staging + self.smem_pad + BARRIER_BYTES * barriers)
 
@@ -199,10 +200,11 @@ class Sm90FwdConfig:
 # tiles"): FlashAttention-3's 192 x 128 at d64 (three consumer warpgroups share each K/V tile)
 # wins 12-21% without a mask and at causal 16k but loses 20% at causal 1k (fewer, longer work
 # tiles for the diagonal); re-measured in session 15 (after the ping-pong, O_QUAD and the L2
-# sections): at causal d64 192 rows win +5-6% at 2k and +8-9% at 4k, lose 7% at 512 / 1k (two
-# same-run A/Bs, perf-notes "d64 causal tiles, again"). d128: 128 x 128 everywhere (FA4's). 128 x 176 without a mask won
-# 2-4% from 4k on in session 2, before the ping-pong and the softmax in the mask's arms; with the
-# exp2s split around the P V wait (EXP_SPLIT), 128 x 128 wins +2.4-5.6% at 4k-16k (session 13,
+# sections): at causal d64 192 rows win +5-6% at 2k and +6.5-9% at 4k, lose 7% at 512 / 1k
+# (three same-run A/Bs, perf-notes "causal d64 forward tiles, again"). d128: 128 x 128
+# everywhere (FA4's). 128 x 176 without a mask won 2-4% from 4k on in session 2, before the
+# ping-pong and the softmax in the mask's arms; with the exp2s split around the P V wait
+# (EXP_SPLIT), 128 x 128 wins +2.4-5.6% at 4k-16k (session 13,
 # "d128 tiles and the exp2 split" in perf-notes).
 TILES_192_FROM = 2048  # causal / windowed d64: 192-row tiles from this seqlen_q on
 LONG = 8192  # a long call (the default seqlen_q of select_config)
@@ -267,7 +269,7 @@ EXP_SPLIT = {128: 8}
 # each quad (FC_O_QUAD, the .cu), per head dim. Same-run A/B (session 14, perf-notes): d128
 # +2-11% (512-1k +6-11%, 4k +2-3.5%, 8k causal 0), the per-work-tile epilogue 2.1 -> 0.9 us
 # (forward timeline); d64 with 192-row tiles +1.4-3.4% without a mask, with 128-row tiles (the
-# causal ones below 8k) -1 to -3.6%: not used there.
+# causal ones, then below 8k, now below 2k) -1 to -3.6%: not used there.
 O_QUAD = {128: (128,), 64: (192,)}
 
 

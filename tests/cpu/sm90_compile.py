@@ -1,5 +1,6 @@
-"""What the sm90 compile tests share (test_fwd_sm90_compile.py, test_bwd_sm90_compile.py):
-building every variant once, the clean-compile checks, and reading SASS / ELF with cuobjdump."""
+"""What the sm90 compile tests share (test_fwd_sm90_compile.py, test_bwd_sm90_compile.py and the
+A/B variants' tests): building every variant once, the clean-compile checks, the dispatched
+forward calls, and reading SASS / ELF with cuobjdump."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from flashcuda.jit import compile_spec
 
 ARCH = "sm_90a"
 ENTRY_REGS = 168  # 65536 / 384 threads, rounded down to 8: the cap at entry (setmaxnreg moves it)
+# (head dim, windowed, seqlen_q) for each kind of tiles the sm90 forward dispatches: the calls the
+# forward A/B variants' tests build at (test_fwd_sm90_q_stages.py, _o_tma.py, _decode_ahead.py)
+FWD_DISPATCH_CASES = [(64, False, 4096), (64, True, 1024), (64, True, 16384), (128, False, 4096),
+                      (128, True, 1024)]
 
 
 def build_all(configs) -> dict:

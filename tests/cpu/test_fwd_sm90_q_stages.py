@@ -12,11 +12,8 @@ import torch
 
 from flashcuda.ops import fwd_sm90
 
+from .sm90_compile import FWD_DISPATCH_CASES as CASES
 from .sm90_compile import clean_sass
-
-# (head dim, windowed, seqlen_q) -> the dispatched tiles of each kind
-CASES = [(64, False, 4096), (64, True, 1024), (64, True, 16384), (128, False, 4096),
-         (128, True, 1024)]
 
 
 @pytest.mark.parametrize("head_dim,windowed,seqlen", CASES)

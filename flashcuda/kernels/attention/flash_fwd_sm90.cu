@@ -67,14 +67,14 @@ constexpr int kBlockM = FC_BLOCK_M;  // query rows per work tile (64 per consume
 constexpr int kBlockN = FC_BLOCK_N;  // keys per tile
 constexpr int kStages = FC_STAGES;   // K/V ring depth
 #ifndef FC_Q_STAGES
-// Q buffers (A/B, session 14: written, not yet run on a GPU). 1: one Q tile, whose next work
-// tile's load waits for the current one's last Q K^T (q_empty) — and the producer, which issues
-// in program order, holds the next work tile's first K / V behind that wait too. The forward
-// timeline (session 14) has a consumer wait 0.42-0.45 us for its Q at the start of every work tile
-// at causal 512-1k d128 (a work tile of 1-8 key tiles takes 4-20 us). 2: work tile r's Q goes to
-// buffer r % 2, so its load (and the K / V behind it) issue as soon as the ring has room, a work
-// tile ahead. + kQBytes of shared memory: the host builds it where that fits (fwd_sm90, the
-// FLASHCUDA_SM90_FWD_Q_STAGES A/B; not beside the d128 masked-V clean tiles).
+// Q buffers (A/B; session 15 on the H200: -4 to +4%, noise, and the timeline's wait before a
+// work tile's first GEMM did not move: by the SASS most likely the tile's decode, see
+// FC_DECODE_AHEAD). 1: one Q tile, whose next work tile's load waits for the current one's last
+// Q K^T (q_empty) — and the producer, which issues in program order, holds the next work tile's
+// first K / V behind that wait too. 2: work tile r's Q goes to buffer r % 2, so its load (and the
+// K / V behind it) issue as soon as the ring has room, a work tile ahead. + kQBytes of shared
+// memory: the host builds it where that fits (fwd_sm90, the FLASHCUDA_SM90_FWD_Q_STAGES A/B; not
+// beside the d128 masked-V clean tiles).
 #define FC_Q_STAGES 1
 #endif
 constexpr int kQStages = FC_Q_STAGES;
