@@ -94,6 +94,9 @@ class Sm90FwdConfig:
     # O through a shared-memory staging tile per consumer and a TMA store (FC_O_TMA;
     # FLASHCUDA_SM90_FWD_O_TMA=1, an A/B variant where it fits): one more kernel argument, map_o
     o_tma: bool = False
+    # masked V's scans by warp 1 of the producer warpgroup, a flag and an mbarrier per stage
+    # (FC_MV_SCANNER; FLASHCUDA_SM90_FWD_MV_SCANNER=1, an A/B variant of the masked-V kernels)
+    mv_scanner: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_FWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob the .cu documents (e.g. FC_MV_SCAN_UNROLL); never chosen by default
     defines: tuple = ()
@@ -111,6 +114,8 @@ class Sm90FwdConfig:
             raise ValueError(f"Sm90FwdConfig.block_n: expected 64, 128 or 176, got {self.block_n}")
         if self.stages < 1:
             raise ValueError(f"Sm90FwdConfig.stages: expected >= 1, got {self.stages}")
+        if self.mv_scanner and not self.masked_v:
+            raise ValueError("Sm90FwdConfig.mv_scanner: the V scanner needs masked_v")
         if self.q_stages not in (1, 2):
             raise ValueError(f"Sm90FwdConfig.q_stages: expected 1 or 2, got {self.q_stages}")
         if (self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers
@@ -141,6 +146,7 @@ class Sm90FwdConfig:
         """1024 B alignment slack + q_stages x Q + stages x (K + V) [+ the clean V tiles] [+ the
         O staging tiles] + the mbarriers (as the .cu lays out)."""
         barriers = 2 * self.q_stages + 4 * self.stages
+        barriers += 3 * self.stages if self.mv_scanner else 0  # v_scanned[], request, verdict
         clean = self.consumers * self.kv_bytes if self.masked_v else 0
         # FC_O_TMA's staging tiles (with masked V: in the clean V tiles, no bytes of their own)
         staged = self.o_tma and not self.masked_v
@@ -156,7 +162,7 @@ class Sm90FwdConfig:
                 f"{'_mv' if self.masked_v else ''}"
                 f"{f'_pad{self.smem_pad // 1024}k' if self.smem_pad else ''}"
                 f"{f'_q{self.q_stages}' if self.q_stages != 1 else ''}"
-                f"{'_ot' if self.o_tma else ''}"
+                f"{'_ot' if self.o_tma else ''}{'_ms' if self.mv_scanner else ''}"
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
     def spec(self) -> KernelSpec:
@@ -176,6 +182,7 @@ class Sm90FwdConfig:
             **({"FC_SMEM_PAD": self.smem_pad} if self.smem_pad else {}),
             **({"FC_Q_STAGES": self.q_stages} if self.q_stages != 1 else {}),
             **({"FC_O_TMA": 1} if self.o_tma else {}),
+            **({"FC_MV_SCANNER": 1} if self.mv_scanner else {}),
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
             **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
             **({"FC_O_QUAD": 1} if self.block_m in O_QUAD.get(self.head_dim, ()) else {}),
@@ -249,6 +256,8 @@ Q_STAGES_ENV = "FLASHCUDA_SM90_FWD_Q_STAGES"
 # builds it into every kernel where the staging tiles fit (all dispatched ones: the masked-V
 # kernels stage in their clean V tiles) — see FC_O_TMA
 O_TMA_ENV = "FLASHCUDA_SM90_FWD_O_TMA"
+# masked V's scans in the producer warpgroup (A/B; default 0, session 16) — see FC_MV_SCANNER
+MV_SCANNER_ENV = "FLASHCUDA_SM90_FWD_MV_SCANNER"
 SMEM_OPTIN = 232448  # H100 / H200: dynamic shared memory a block may opt in to
 
 
@@ -313,11 +322,23 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
         two = dataclasses.replace(cfg, q_stages=q_stages)
         if two.smem_bytes <= SMEM_OPTIN:  # (else this kernel keeps one: an A/B knob)
             cfg = two
+    if cfg.masked_v and flag(MV_SCANNER_ENV, False):
+        cfg = scanned(cfg)
     if flag(O_TMA_ENV, False):
         staged = dataclasses.replace(cfg, o_tma=True)
         if staged.smem_bytes <= SMEM_OPTIN:  # (else this kernel keeps its stores: an A/B knob)
             cfg = staged
     return cfg
+
+
+def scanned(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
+    """`cfg` (a masked-V kernel) with the V scanner in its producer warpgroup (FC_MV_SCANNER). At
+    d128 the producer warpgroup gets 32 registers (its consumers 8 fewer): at 24 ptxas spills one
+    of the producer's loop invariants once the scan requests are computed beside the loads."""
+    regs = {}
+    if cfg.head_dim == 128:
+        regs = dict(producer_regs=32, consumer_regs=cfg.consumer_regs - 8)
+    return dataclasses.replace(cfg, mv_scanner=True, **regs)
 
 
 def _q_stages() -> int:
@@ -378,6 +399,8 @@ def configs() -> list[Sm90FwdConfig]:
     out += [staged for c in dispatched
             if (staged := dataclasses.replace(c, o_tma=True)).smem_bytes <= SMEM_OPTIN]
     out += [dataclasses.replace(c, defines=(("FC_DECODE_AHEAD", 1),)) for c in dispatched]
+    # masked V's scans in the producer warpgroup (FLASHCUDA_SM90_FWD_MV_SCANNER=1)
+    out += [scanned(c) for c in dispatched if c.masked_v]
     return out
 
 
@@ -518,7 +541,7 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
                      MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV,
-                     Q_STAGES_ENV, O_TMA_ENV)
+                     Q_STAGES_ENV, O_TMA_ENV, MV_SCANNER_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:

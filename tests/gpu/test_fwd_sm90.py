@@ -328,6 +328,40 @@ def test_next_work_tile_decoded_ahead(monkeypatch, head_dim, window):
     check_empty_work_tiles(head_dim, 40, 8, seed=20)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_v_scanned_in_the_producer_warpgroup(monkeypatch, head_dim):
+    """FLASHCUDA_SM90_FWD_MV_SCANNER=1 (FC_MV_SCANNER, an A/B variant of the masked-V kernels):
+    warp 1 of the producer warpgroup scans the masked tiles' V and the consumers read its
+    verdict. Causal and window calls over ~3 work tiles per CTA (the scanner follows the ring
+    across work tiles; work tiles without keys add no ring entries), a NaN in V of key 200 that
+    only rows from 200 see (rows before it equal the clean run bit for bit), and the finite
+    calls bit-equal to the consumers' own scans."""
+    skip_unless_dispatch_tiles()
+    monkeypatch.setenv(fwd_sm90.MV_SCANNER_ENV, "0")
+    dispatch._reset()
+    q, k, v = make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=21)
+    scale = head_dim ** -0.5
+    want = [run(fwd_sm90, q, k, v, scale, w) for w in (CAUSAL, (200, 0))]
+    monkeypatch.setenv(fwd_sm90.MV_SCANNER_ENV, "1")
+    dispatch._reset()
+    call = FwdCall(q, k, v, torch.empty_like(q), torch.empty(3, 16, 1000, device="cuda"), scale,
+                   *CAUSAL)
+    assert fwd_sm90.plan_config(call, 132).mv_scanner
+    for w, (out, lse) in zip((CAUSAL, (200, 0)), want, strict=True):
+        got = check(q, k, v, w)
+        assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+    check_empty_work_tiles(head_dim, 40, 8, seed=22)
+    q, k, v = make(2, 1024, 1024, 16, 16, head_dim, BF16, seed=23)
+    clean, clean_lse = run(fwd_sm90, q, k, v, scale, CAUSAL)
+    bad = v.clone()
+    bad[:, 200, :, 3] = float("nan")
+    out, lse = run(fwd_sm90, q, k, bad, scale, CAUSAL)
+    assert torch.equal(lse, clean_lse) and torch.equal(out[:, :200], clean[:, :200])
+    assert out[:, 200:, :, 3].isnan().all()
+    others = [c for c in range(head_dim) if c != 3]
+    assert torch.equal(out[:, 200:, :, others], clean[:, 200:, :, others])
+
+
 # ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])

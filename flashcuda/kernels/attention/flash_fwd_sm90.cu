@@ -93,6 +93,22 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #define FC_MASKED_V 0  // 1: NaN / Inf in V reaches only rows that see its key (see "masked V");
                        // the host builds windowed kernels with 1 (0: the A/B variant)
 #endif
+#ifndef FC_MV_SCANNER
+// 1 (A/B, session 16): with FC_MASKED_V, warp 1 of the producer warpgroup (idle otherwise) scans
+// each V tile some consumer's rows see only in part as soon as it lands, and publishes the result
+// in a flag word and an mbarrier of the stage (v_scanned); a consumer's masked tile then waits
+// for that barrier and reads the flag instead of scanning the stage itself and voting on a named
+// barrier. The scan leaves the consumers' critical path: on the H200 (session 16) the masked-V
+// kernels ran 4-10% slower than the kernels without masked V at causal 512-2k, nearly all of it
+// the consumers' scans of the diagonal tiles. The scanner also arrives on every v_empty (one
+// more arrival), so TMA never rewrites a stage it is still reading and it never falls two
+// phases behind the ring.
+#define FC_MV_SCANNER 0
+#endif
+static_assert(!FC_MV_SCANNER || FC_MASKED_V, "the V scanner serves the masked-V kernels");
+#if FC_MV_SCANNER
+constexpr uint32_t kScanSkip = 0, kScanTile = 1, kScanEnd = 2;  // the producer's request for a tile
+#endif
 #ifndef FC_MV_SCAN_UNROLL
 #define FC_MV_SCAN_UNROLL 4  // masked V: 16-byte loads in flight per thread in the scan (A/B knob;
                              // session 9: 4 instead of 1 took 1-3 points off the variant's cost)
@@ -173,8 +189,9 @@ constexpr int kSmemBar = kSmemClean + (FC_MASKED_V ? kConsumers * kKVBytes : 0) 
                          (FC_O_TMA && !FC_MASKED_V ? kConsumers * kOBytes : 0) + FC_SMEM_PAD;
 static_assert(kOBytes <= kKVBytes, "a staging tile fits its consumer's clean V tile");
 static_assert(FC_SMEM_PAD % 1024 == 0, "padding keeps the barriers 8-byte aligned");
-// q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[]
-constexpr int kBarriers = 2 * kQStages + 4 * kStages;
+// q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[] (+ FC_MV_SCANNER: v_scanned[]
+// and two words per stage, the request and the verdict, in 8-byte slots)
+constexpr int kBarriers = 2 * kQStages + 4 * kStages + (FC_MV_SCANNER ? 3 * kStages : 0);
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -214,6 +231,18 @@ struct Smem {
   __device__ __forceinline__ uint32_t v_empty(int s) const {
     return bar(2 * kQStages + 3 * kStages + s);
   }
+  // FC_MV_SCANNER: the stage's scan is done (one arrival, the scanner's); the producer's request
+  // for the tile in the stage (ScanRequest); the scan's verdict (nonzero: the tile holds a NaN /
+  // Inf)
+  __device__ __forceinline__ uint32_t v_scanned(int s) const {
+    return bar(2 * kQStages + 4 * kStages + s);
+  }
+  __device__ __forceinline__ uint32_t v_request(int s) const {
+    return bar(2 * kQStages + 5 * kStages + s);
+  }
+  __device__ __forceinline__ uint32_t v_flag(int s) const {
+    return bar(2 * kQStages + 6 * kStages + s);
+  }
 
   __device__ __forceinline__ void init_barriers() const {
 #pragma unroll
@@ -226,7 +255,10 @@ struct Smem {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
       mbar_init(k_empty(s), kConsumerWarps);
-      mbar_init(v_empty(s), kConsumerWarps);
+      mbar_init(v_empty(s), kConsumerWarps + FC_MV_SCANNER);  // (+ the scanner warp)
+#if FC_MV_SCANNER
+      mbar_init(v_scanned(s), 1);
+#endif
     }
     fence_barrier_init();
   }
@@ -316,6 +348,22 @@ __device__ __forceinline__ int next_work(int t) {
   }
 }
 
+#if FC_MV_SCANNER
+// next_work for the producer thread, gridDim.x read where it is used: with the scanner's requests
+// (two more live values at 24 registers) ptxas kept gridDim.x in a register and spilled it
+__device__ __forceinline__ int producer_next_work(int t) {
+  uint32_t g;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(g));
+  if constexpr (kSnake) {
+    const int c = static_cast<int>(blockIdx.x);
+    const int r = t / static_cast<int>(g) + 1;
+    return r * static_cast<int>(g) + ((r & 1) ? static_cast<int>(g) - 1 - c : c);
+  } else {
+    return t + static_cast<int>(g);
+  }
+}
+#endif
+
 // Ring index r (K/V tiles counted over all of a CTA's work tiles) lives in stage r % kStages;
 // its barriers' phase parity is (r / kStages) & 1.
 __device__ __forceinline__ int stage_of(int r) { return r % kStages; }
@@ -326,10 +374,19 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
                                         const TmaMap& map_q, const TmaMap& map_k,
                                         const TmaMap& map_v) {
   int ring = 0, q_round = 0;
+#if FC_MV_SCANNER
+  for (int t = blockIdx.x; t < sched.total(); t = producer_next_work(t)) {
+#else
   for (int t = blockIdx.x; t < sched.total(); t = next_work(t)) {
+#endif
     const Block blk = sched.block(t, mask);
     const int tiles = blk.tiles();
     if (tiles <= 0) continue;
+#if FC_MV_SCANNER
+    // the V tiles the scanner scans: masked for some row of the work tile (a superset of each
+    // consumer warpgroup's own masked visits)
+    const MaskedVisits masked = masked_visits(mask, blk.m0, kBlockM, blk.n_last, kBlockN);
+#endif
     // Q round r in buffer r % kQStages; its barriers' parity is (r / kQStages) & 1
     const int qb = q_round % kQStages;
     mbar_wait(sm.q_empty(qb), ((q_round / kQStages) & 1) ^ 1);  // first pass: Q starts empty
@@ -349,6 +406,9 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
         tma_load_4d(sm.k(s) + c * kKVChunkBytes, map_k, sm.k_full(s), c * kChunkCols, n0,
                     blk.head_kv, blk.batch);
       mbar_wait(sm.v_empty(s), empty_parity);
+#if FC_MV_SCANNER
+      store_shared_32(sm.v_request(s), masked(i) ? kScanTile : kScanSkip);  // (released below)
+#endif
       mbar_arrive_expect_tx(sm.v_full(s), kKVBytes);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c)
@@ -357,7 +417,55 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
     }
     ++q_round;
   }
+#if FC_MV_SCANNER
+  // the scanner's end: the next stage's phase completed without a load, its request kScanEnd
+  const int s = stage_of(ring);
+  mbar_wait(sm.v_empty(s), parity_of(ring) ^ 1);
+  store_shared_32(sm.v_request(s), kScanEnd);
+  mbar_arrive(sm.v_full(s));
+#endif
 }
+
+#if FC_MV_SCANNER
+// ---- the V scanner (FC_MV_SCANNER): warp 1 of the producer warpgroup -----------------------------
+// Follows the producer's ring: for each V tile, waits for it to land and reads the producer's
+// request (written before the v_full arrival that the wait acquires): for a tile that needs the
+// mask for some rows of its work tile, scans it (each lane every 32nd 16-byte unit), votes over
+// the warp and writes the verdict; then arrives on v_scanned (the consumer warpgroups that mask
+// the tile wait there and read the verdict) and, its reads fenced to the async proxy, on v_empty
+// (TMA's next load into the stage waits for the scanner too). It waits for every tile, scanned or
+// not, so its arrivals stay in their phase: the stage's next v_full phase needs this phase's
+// v_empty (never two phases behind), and a consumer waiting on v_scanned holds the v_empty the
+// phase after needs (never two ahead). The producer ends it with a request of kScanEnd. (The
+// requests come from the producer, not from a decode of its own: with the schedule's decode in
+// it, the loop spilled at the producer warpgroup's 24 registers.)
+__device__ __forceinline__ void scan_v_tiles(const Smem& sm) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  for (int ring = 0;; ++ring) {
+    const int s = stage_of(ring);
+    mbar_wait(sm.v_full(s), parity_of(ring));
+    const uint32_t request = load_shared_32(sm.v_request(s));
+    if (request == kScanEnd) return;
+    if (request == kScanTile) {
+      bool bad = false;
+#pragma unroll 1
+      for (int e = lane; e < kKVBytes / 16; e += 32) {
+        const Bytes16 w = load_shared_16(sm.v(s) + 16 * e);
+        bad |= word_nonfinite<T>(w.x) | word_nonfinite<T>(w.y) | word_nonfinite<T>(w.z) |
+               word_nonfinite<T>(w.w);
+      }
+      const bool any = __any_sync(0xffffffffu, bad);
+      fence_proxy_async();  // this lane's reads of the stage, before TMA's next write
+      __syncwarp();
+      if (lane == 0) store_shared_32(sm.v_flag(s), any ? 1u : 0u);
+    }
+    if (lane == 0) {
+      mbar_arrive(sm.v_scanned(s));  // (release: the verdict is visible to its waiters)
+      mbar_arrive(sm.v_empty(s));
+    }
+  }
+}
+#endif
 
 // ---- consumer: what one thread of a consumer warpgroup holds, and the tile verbs ----------------
 // Intra-warpgroup overlap (FA3): while the tensor cores run O += P_{i-1} V_{i-1}, the warpgroup
@@ -683,15 +791,30 @@ __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, uin
 // The V tile the P V of a masked tile reads (FC_MASKED_V): its stage, or, when the stage holds a
 // NaN / Inf, the warpgroup's clean copy (`poisoned`). Warpgroup-uniform: every thread of it takes
 // the same branches and barriers.
-__device__ __forceinline__ uint32_t scanned_v(const Smem& sm, int stage, int c, bool& poisoned) {
-#if FC_MASKED_V
+__device__ __forceinline__ uint32_t scanned_v(const Smem& sm, int stage, int ring, int c,
+                                              bool& poisoned) {
+#if FC_MV_SCANNER
+  // the scanner's verdict (its barrier's phase is the ring's); read through lane 0 so that ptxas
+  // sees it warp-uniform (warpgroup_any says why)
+  mbar_wait(sm.v_scanned(stage), parity_of(ring));
+  poisoned = __shfl_sync(0xffffffffu, load_shared_32(sm.v_flag(stage)), 0) != 0;
+#elif FC_MASKED_V
   poisoned = v_tile_poisoned(sm.v(stage), c);
+#else
+  poisoned = false;
+#endif
+  (void)ring;
+#if FC_MASKED_V
   if (poisoned) {
+#if FC_MV_SCANNER && FC_O_TMA
+    // the clean tile is the last epilogue's O staging tile: its store has read it first
+    // (v_tile_poisoned does this before its vote)
+    if ((threadIdx.x & 127) == 0) bulk_wait_group_read<0>();
+    named_barrier_sync(kVoteBarrier + c, 128);
+#endif
     copy_clean_v(sm.clean_v(c), sm.v(stage), c);
     return sm.clean_v(c);
   }
-#else
-  poisoned = false;
 #endif
   return sm.v(stage);
 }
@@ -707,7 +830,11 @@ __device__ __forceinline__ void finish_scanned_v(bool poisoned, Consumer& cs, co
   if (poisoned)
     put_back_nonfinite(cs, sm.v(stage), sm.clean_v(c), mask, row0, (blk.n_last - i) * kBlockN,
                        corr);
+#if FC_MV_SCANNER
+  if (poisoned) fence_proxy_async();  // (only the slow path read the stage here)
+#else
   fence_proxy_async();
+#endif
 #endif
   release(sm.v_empty(stage));
 }
@@ -742,7 +869,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   constexpr bool kVBeforeTurn = kPingPong || kScanPrev;
   if constexpr (kVBeforeTurn && !kFirst) {
     mbar_wait(sm.v_full(prev), parity_of(ring - 1));
-    if constexpr (kScanPrev) v_prev = scanned_v(sm, prev, c, poisoned);
+    if constexpr (kScanPrev) v_prev = scanned_v(sm, prev, ring - 1, c, poisoned);
   }
   turn_begin(c);
   wgmma_fence_operands(cs.s);
@@ -837,7 +964,7 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
   const bool scan = FC_MASKED_V && masked(i);
   bool poisoned = false;
   mbar_wait(sm.v_full(stage), parity_of(last));
-  const uint32_t v = scan ? scanned_v(sm, stage, c, poisoned) : sm.v(stage);
+  const uint32_t v = scan ? scanned_v(sm, stage, last, c, poisoned) : sm.v(stage);
   turn_begin(c);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
@@ -925,6 +1052,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   if (wg == 0) {  // ---- producer warpgroup
     setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x < 32 && elect_one()) produce(sm, sched, mask, map_q, map_k, map_v);
+#if FC_MV_SCANNER
+    if (threadIdx.x >= 32 && threadIdx.x < 64) scan_v_tiles(sm);
+#endif
     return;
   }
 
