@@ -146,7 +146,7 @@ class Sm90FwdConfig:
         """1024 B alignment slack + q_stages x Q + stages x (K + V) [+ the clean V tiles] [+ the
         O staging tiles] + the mbarriers (as the .cu lays out)."""
         barriers = 2 * self.q_stages + 4 * self.stages
-        barriers += 3 * self.stages if self.mv_scanner else 0  # v_scanned[], request, verdict
+        barriers += 4 * self.stages if self.mv_scanner else 0  # v_scanned[], requests, verdicts
         clean = self.consumers * self.kv_bytes if self.masked_v else 0
         # FC_O_TMA's staging tiles (with masked V: in the clean V tiles, no bytes of their own)
         staged = self.o_tma and not self.masked_v

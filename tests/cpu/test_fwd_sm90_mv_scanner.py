@@ -29,9 +29,9 @@ def test_scanner_env_builds_the_variant(monkeypatch, head_dim, windowed, seqlen)
     if not plain.masked_v:  # without a window there is nothing to scan: the same kernel
         assert cfg == plain
         return
-    # v_scanned[], the producer's requests and the verdicts: one 8-byte slot each per stage
+    # v_scanned[], the producer's requests and the verdicts: 1 + 1 + 2 8-byte slots per stage
     assert cfg.mv_scanner and cfg.name == plain.name + "_ms"
-    assert cfg.smem_bytes == plain.smem_bytes + 3 * 8 * plain.stages <= fwd_sm90.SMEM_OPTIN
+    assert cfg.smem_bytes == plain.smem_bytes + 4 * 8 * plain.stages <= fwd_sm90.SMEM_OPTIN
     assert dict(cfg.spec().defines)["FC_MV_SCANNER"] == "1"
     # d128: the producer warpgroup takes 8 registers per thread from the consumers
     regs = (32, plain.consumer_regs - 8) if head_dim == 128 else (24, plain.consumer_regs)

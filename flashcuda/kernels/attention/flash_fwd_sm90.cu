@@ -94,20 +94,20 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
                        // the host builds windowed kernels with 1 (0: the A/B variant)
 #endif
 #ifndef FC_MV_SCANNER
-// 1 (A/B, session 16): with FC_MASKED_V, warp 1 of the producer warpgroup (idle otherwise) scans
-// each V tile some consumer's rows see only in part as soon as it lands, and publishes the result
-// in a flag word and an mbarrier of the stage (v_scanned); a consumer's masked tile then waits
-// for that barrier and reads the flag instead of scanning the stage itself and voting on a named
-// barrier. The scan leaves the consumers' critical path: on the H200 (session 16) the masked-V
-// kernels ran 4-10% slower than the kernels without masked V at causal 512-2k, nearly all of it
-// the consumers' scans of the diagonal tiles. The scanner also arrives on every v_empty (one
-// more arrival), so TMA never rewrites a stage it is still reading and it never falls two
-// phases behind the ring.
+// 1 (A/B, session 16): with FC_MASKED_V, warps 1 .. 3 of the producer warpgroup (idle otherwise)
+// scan each V tile some consumer's rows see only in part as soon as it lands, and publish the
+// result in verdict words and an mbarrier of the stage (v_scanned); a consumer's masked tile then
+// waits for that barrier and reads the verdicts instead of scanning the stage itself and voting
+// on a named barrier: the scan leaves the consumers' critical path (on the H200, session 16, the
+// masked-V kernels ran 4-10% slower than the kernels without masked V at causal 512-2k). The
+// scanners also arrive on every v_empty, so TMA never rewrites a stage they are still reading
+// (scan_v_tiles).
 #define FC_MV_SCANNER 0
 #endif
 static_assert(!FC_MV_SCANNER || FC_MASKED_V, "the V scanner serves the masked-V kernels");
 #if FC_MV_SCANNER
 constexpr uint32_t kScanSkip = 0, kScanTile = 1, kScanEnd = 2;  // the producer's request for a tile
+constexpr int kScanners = 3;  // warps 1 .. 3 of the producer warpgroup
 #endif
 #ifndef FC_MV_SCAN_UNROLL
 #define FC_MV_SCAN_UNROLL 4  // masked V: 16-byte loads in flight per thread in the scan (A/B knob;
@@ -189,9 +189,9 @@ constexpr int kSmemBar = kSmemClean + (FC_MASKED_V ? kConsumers * kKVBytes : 0) 
                          (FC_O_TMA && !FC_MASKED_V ? kConsumers * kOBytes : 0) + FC_SMEM_PAD;
 static_assert(kOBytes <= kKVBytes, "a staging tile fits its consumer's clean V tile");
 static_assert(FC_SMEM_PAD % 1024 == 0, "padding keeps the barriers 8-byte aligned");
-// q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[] (+ FC_MV_SCANNER: v_scanned[]
-// and two words per stage, the request and the verdict, in 8-byte slots)
-constexpr int kBarriers = 2 * kQStages + 4 * kStages + (FC_MV_SCANNER ? 3 * kStages : 0);
+// q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[] (+ FC_MV_SCANNER: v_scanned[],
+// the requests, and the scanner warps' verdicts, 8-byte slots: one, one and two per stage)
+constexpr int kBarriers = 2 * kQStages + 4 * kStages + (FC_MV_SCANNER ? 4 * kStages : 0);
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -231,17 +231,17 @@ struct Smem {
   __device__ __forceinline__ uint32_t v_empty(int s) const {
     return bar(2 * kQStages + 3 * kStages + s);
   }
-  // FC_MV_SCANNER: the stage's scan is done (one arrival, the scanner's); the producer's request
-  // for the tile in the stage (ScanRequest); the scan's verdict (nonzero: the tile holds a NaN /
-  // Inf)
+  // FC_MV_SCANNER: the stage's scan is done (an arrival per scanner warp); the producer's request
+  // for the tile in the stage (kScanSkip / kScanTile / kScanEnd); scanner warp w's verdict in word
+  // w of a 16-byte slot (nonzero: its part of the tile holds a NaN / Inf)
   __device__ __forceinline__ uint32_t v_scanned(int s) const {
     return bar(2 * kQStages + 4 * kStages + s);
   }
   __device__ __forceinline__ uint32_t v_request(int s) const {
     return bar(2 * kQStages + 5 * kStages + s);
   }
-  __device__ __forceinline__ uint32_t v_flag(int s) const {
-    return bar(2 * kQStages + 6 * kStages + s);
+  __device__ __forceinline__ uint32_t v_flag(int s, int w) const {
+    return bar(2 * kQStages + 6 * kStages + 2 * s) + 4 * w;
   }
 
   __device__ __forceinline__ void init_barriers() const {
@@ -255,9 +255,11 @@ struct Smem {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
       mbar_init(k_empty(s), kConsumerWarps);
-      mbar_init(v_empty(s), kConsumerWarps + FC_MV_SCANNER);  // (+ the scanner warp)
 #if FC_MV_SCANNER
-      mbar_init(v_scanned(s), 1);
+      mbar_init(v_empty(s), kConsumerWarps + kScanners);  // (+ the scanner warps)
+      mbar_init(v_scanned(s), kScanners);
+#else
+      mbar_init(v_empty(s), kConsumerWarps);
 #endif
     }
     fence_barrier_init();
@@ -427,19 +429,21 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
 }
 
 #if FC_MV_SCANNER
-// ---- the V scanner (FC_MV_SCANNER): warp 1 of the producer warpgroup -----------------------------
-// Follows the producer's ring: for each V tile, waits for it to land and reads the producer's
-// request (written before the v_full arrival that the wait acquires): for a tile that needs the
-// mask for some rows of its work tile, scans it (each lane every 32nd 16-byte unit), votes over
-// the warp and writes the verdict; then arrives on v_scanned (the consumer warpgroups that mask
-// the tile wait there and read the verdict) and, its reads fenced to the async proxy, on v_empty
-// (TMA's next load into the stage waits for the scanner too). It waits for every tile, scanned or
-// not, so its arrivals stay in their phase: the stage's next v_full phase needs this phase's
-// v_empty (never two phases behind), and a consumer waiting on v_scanned holds the v_empty the
-// phase after needs (never two ahead). The producer ends it with a request of kScanEnd. (The
-// requests come from the producer, not from a decode of its own: with the schedule's decode in
-// it, the loop spilled at the producer warpgroup's 24 registers.)
-__device__ __forceinline__ void scan_v_tiles(const Smem& sm) {
+// ---- the V scanner (FC_MV_SCANNER): warps 1 .. 3 of the producer warpgroup -----------------------
+// Follow the producer's ring: for each V tile, wait for it to land and read the producer's request
+// (written before the v_full arrival that the wait acquires): for a tile that needs the mask for
+// some rows of its work tile, scan it (warp w the 16-byte units w * 32 + lane + 96 k, two loads
+// in flight per lane), vote over the warp and write the warp's verdict; then arrive on v_scanned
+// (the consumer warpgroups that mask the tile wait there and OR the verdicts) and, the reads
+// fenced to the async proxy, on v_empty (TMA's next load into the stage waits for the scanners
+// too). Every tile is waited for, scanned or not, so the arrivals stay in their phase: the
+// stage's next v_full phase needs this phase's v_empty (never two phases behind), and a consumer
+// waiting on v_scanned holds the v_empty the phase after needs (never two ahead). The producer
+// ends the loop with a request of kScanEnd. (The requests come from the producer thread, not
+// from a decode of the schedule here: with it, the loop spilled at the producer warpgroup's 24
+// registers. One warp scanning alone, one load in flight, made causal calls 8-15% slower than
+// the consumers' own scans on the H200: a V tile's scan then took ~0.7 / 1.4 us at d64 / d128.)
+__device__ __forceinline__ void scan_v_tiles(const Smem& sm, int w) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   for (int ring = 0;; ++ring) {
     const int s = stage_of(ring);
@@ -448,16 +452,16 @@ __device__ __forceinline__ void scan_v_tiles(const Smem& sm) {
     if (request == kScanEnd) return;
     if (request == kScanTile) {
       bool bad = false;
-#pragma unroll 1
-      for (int e = lane; e < kKVBytes / 16; e += 32) {
-        const Bytes16 w = load_shared_16(sm.v(s) + 16 * e);
-        bad |= word_nonfinite<T>(w.x) | word_nonfinite<T>(w.y) | word_nonfinite<T>(w.z) |
-               word_nonfinite<T>(w.w);
+#pragma unroll 2
+      for (int e = w * 32 + lane; e < kKVBytes / 16; e += 32 * kScanners) {
+        const Bytes16 x = load_shared_16(sm.v(s) + 16 * e);
+        bad |= word_nonfinite<T>(x.x) | word_nonfinite<T>(x.y) | word_nonfinite<T>(x.z) |
+               word_nonfinite<T>(x.w);
       }
       const bool any = __any_sync(0xffffffffu, bad);
       fence_proxy_async();  // this lane's reads of the stage, before TMA's next write
       __syncwarp();
-      if (lane == 0) store_shared_32(sm.v_flag(s), any ? 1u : 0u);
+      if (lane == 0) store_shared_32(sm.v_flag(s, w), any ? 1u : 0u);
     }
     if (lane == 0) {
       mbar_arrive(sm.v_scanned(s));  // (release: the verdict is visible to its waiters)
@@ -797,7 +801,10 @@ __device__ __forceinline__ uint32_t scanned_v(const Smem& sm, int stage, int rin
   // the scanner's verdict (its barrier's phase is the ring's); read through lane 0 so that ptxas
   // sees it warp-uniform (warpgroup_any says why)
   mbar_wait(sm.v_scanned(stage), parity_of(ring));
-  poisoned = __shfl_sync(0xffffffffu, load_shared_32(sm.v_flag(stage)), 0) != 0;
+  uint32_t verdict = 0;
+#pragma unroll
+  for (int w = 0; w < kScanners; ++w) verdict |= load_shared_32(sm.v_flag(stage, w));
+  poisoned = __shfl_sync(0xffffffffu, verdict, 0) != 0;
 #elif FC_MASKED_V
   poisoned = v_tile_poisoned(sm.v(stage), c);
 #else
@@ -1053,7 +1060,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
     setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x < 32 && elect_one()) produce(sm, sched, mask, map_q, map_k, map_v);
 #if FC_MV_SCANNER
-    if (threadIdx.x >= 32 && threadIdx.x < 64) scan_v_tiles(sm);
+    if (threadIdx.x >= 32) scan_v_tiles(sm, static_cast<int>(threadIdx.x / 32) - 1);
 #endif
     return;
   }
