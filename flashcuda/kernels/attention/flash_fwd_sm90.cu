@@ -231,9 +231,10 @@ struct Smem {
   __device__ __forceinline__ uint32_t v_empty(int s) const {
     return bar(2 * kQStages + 3 * kStages + s);
   }
-  // FC_MV_SCANNER: the stage's scan is done (an arrival per scanner warp); the producer's request
-  // for the tile in the stage (kScanSkip / kScanTile / kScanEnd); scanner warp w's verdict in word
-  // w of a 16-byte slot (nonzero: its part of the tile holds a NaN / Inf)
+  // FC_MV_SCANNER: scan number n is done (an arrival per scanner warp; slot stage_of(n), phase
+  // parity_of(n): two slots, as the stages); the producer's request for the tile in stage s
+  // (kScanSkip / kScanTile / kScanEnd); scanner warp w's verdict on scan n in word w of slot
+  // stage_of(n)'s 16 bytes (nonzero: its part of the tile holds a NaN / Inf)
   __device__ __forceinline__ uint32_t v_scanned(int s) const {
     return bar(2 * kQStages + 4 * kStages + s);
   }
@@ -433,18 +434,23 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
 // Follow the producer's ring: for each V tile, wait for it to land and read the producer's request
 // (written before the v_full arrival that the wait acquires): for a tile that needs the mask for
 // some rows of its work tile, scan it (warp w the 16-byte units w * 32 + lane + 96 k, two loads
-// in flight per lane), vote over the warp and write the warp's verdict; then arrive on v_scanned
-// (the consumer warpgroups that mask the tile wait there and OR the verdicts) and, the reads
-// fenced to the async proxy, on v_empty (TMA's next load into the stage waits for the scanners
-// too). Every tile is waited for, scanned or not, so the arrivals stay in their phase: the
-// stage's next v_full phase needs this phase's v_empty (never two phases behind), and a consumer
-// waiting on v_scanned holds the v_empty the phase after needs (never two ahead). The producer
-// ends the loop with a request of kScanEnd. (The requests come from the producer thread, not
+// in flight per lane), vote over the warp, write the warp's verdict for this scan number and
+// arrive on the scan's v_scanned (the consumer warpgroups that mask the tile wait there and OR
+// the verdicts: Visits::scan gives them the number); then, the reads fenced to the async proxy,
+// arrive on v_empty (TMA's next load into the stage waits for the scanners too). Every tile's V
+// is waited for, scanned or not, so the v_empty arrivals stay in their phase: the stage's next
+// v_full phase needs this phase's v_empty (never two phases behind). Only scanned tiles complete a
+// v_scanned phase, and each such tile is masked for some consumer warpgroup, which waits for it
+// (a phase nobody waits for is synccheck's "missing wait": session 16, when every tile arrived);
+// scan n + 2 reuses scan n's slot only after its tile's v_full, which needs the release of a
+// ring entry at or after scan n's, which its waiters give after reading the verdicts. The
+// producer ends the loop with a request of kScanEnd. (The requests come from the producer thread, not
 // from a decode of the schedule here: with it, the loop spilled at the producer warpgroup's 24
 // registers. One warp scanning alone, one load in flight, made causal calls 8-15% slower than
 // the consumers' own scans on the H200: a V tile's scan then took ~0.7 / 1.4 us at d64 / d128.)
 __device__ __forceinline__ void scan_v_tiles(const Smem& sm, int w) {
   const int lane = static_cast<int>(threadIdx.x & 31);
+  int scan = 0;  // scans so far: verdict slot and v_scanned barrier stage_of(scan)
   for (int ring = 0;; ++ring) {
     const int s = stage_of(ring);
     mbar_wait(sm.v_full(s), parity_of(ring));
@@ -461,12 +467,13 @@ __device__ __forceinline__ void scan_v_tiles(const Smem& sm, int w) {
       const bool any = __any_sync(0xffffffffu, bad);
       fence_proxy_async();  // this lane's reads of the stage, before TMA's next write
       __syncwarp();
-      if (lane == 0) store_shared_32(sm.v_flag(s, w), any ? 1u : 0u);
+      if (lane == 0) {
+        store_shared_32(sm.v_flag(stage_of(scan), w), any ? 1u : 0u);
+        mbar_arrive(sm.v_scanned(stage_of(scan)));  // (release: the verdict is visible to waiters)
+      }
+      ++scan;
     }
-    if (lane == 0) {
-      mbar_arrive(sm.v_scanned(s));  // (release: the verdict is visible to its waiters)
-      mbar_arrive(sm.v_empty(s));
-    }
+    if (lane == 0) mbar_arrive(sm.v_empty(s));
   }
 }
 #endif
@@ -792,25 +799,41 @@ __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, uin
 }
 #endif
 
+// A consumer warpgroup's view of a work tile's visits: which need the mask for its rows
+// (MaskedVisits), and with FC_MV_SCANNER which scan of the CTA's scanners holds each masked
+// visit's verdict: the scanners number the tiles they scan in ring order, and they scan every
+// visit that needs the mask for some row of the work tile (its first `scan_head` visits and those
+// from `scan_tail` on, after the `scan_base` scans of the CTA's earlier work tiles).
+struct Visits : MaskedVisits {
+#if FC_MV_SCANNER
+  int scan_base, scan_head, scan_tail;
+  __device__ __forceinline__ int scan(int i) const {
+    return scan_base + (i < scan_head ? i : scan_head + i - scan_tail);
+  }
+#else
+  __device__ __forceinline__ int scan(int) const { return 0; }
+#endif
+};
+
 // The V tile the P V of a masked tile reads (FC_MASKED_V): its stage, or, when the stage holds a
 // NaN / Inf, the warpgroup's clean copy (`poisoned`). Warpgroup-uniform: every thread of it takes
 // the same branches and barriers.
-__device__ __forceinline__ uint32_t scanned_v(const Smem& sm, int stage, int ring, int c,
+__device__ __forceinline__ uint32_t scanned_v(const Smem& sm, int stage, int scan, int c,
                                               bool& poisoned) {
 #if FC_MV_SCANNER
-  // the scanner's verdict (its barrier's phase is the ring's); read through lane 0 so that ptxas
-  // sees it warp-uniform (warpgroup_any says why)
-  mbar_wait(sm.v_scanned(stage), parity_of(ring));
+  // the scanners' verdicts on the work tiles' scan number `scan` (Visits::scan); read through lane
+  // 0 so that ptxas sees them warp-uniform (warpgroup_any says why)
+  mbar_wait(sm.v_scanned(stage_of(scan)), parity_of(scan));
   uint32_t verdict = 0;
 #pragma unroll
-  for (int w = 0; w < kScanners; ++w) verdict |= load_shared_32(sm.v_flag(stage, w));
+  for (int w = 0; w < kScanners; ++w) verdict |= load_shared_32(sm.v_flag(stage_of(scan), w));
   poisoned = __shfl_sync(0xffffffffu, verdict, 0) != 0;
 #elif FC_MASKED_V
   poisoned = v_tile_poisoned(sm.v(stage), c);
 #else
   poisoned = false;
 #endif
-  (void)ring;
+  (void)scan;
 #if FC_MASKED_V
   if (poisoned) {
 #if FC_MV_SCANNER && FC_O_TMA
@@ -861,7 +884,7 @@ __device__ __forceinline__ void finish_scanned_v(bool poisoned, Consumer& cs, co
 // variant cost 4-14%, most of it on tiles that never scan).
 template <bool kFirst, bool kScanPrev>
 __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, const Block& blk,
-                                                const Mask& mask, const MaskedVisits& masked,
+                                                const Mask& mask, const Visits& masked,
                                                 int i, int ring, int row0, int c,
                                                 float scale_log2) {
   static_assert(!(kFirst && kScanPrev), "the first tile has no previous tile");
@@ -876,7 +899,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   constexpr bool kVBeforeTurn = kPingPong || kScanPrev;
   if constexpr (kVBeforeTurn && !kFirst) {
     mbar_wait(sm.v_full(prev), parity_of(ring - 1));
-    if constexpr (kScanPrev) v_prev = scanned_v(sm, prev, ring - 1, c, poisoned);
+    if constexpr (kScanPrev) v_prev = scanned_v(sm, prev, masked.scan(i - 1), c, poisoned);
   }
   turn_begin(c);
   wgmma_fence_operands(cs.s);
@@ -930,7 +953,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
 // Tiles [i, end) of the visit order, `kScanPrev` for each (see attend_key_tile).
 template <bool kScanPrev>
 __device__ __forceinline__ void attend_key_tiles(Consumer& cs, const Smem& sm, const Block& blk,
-                                                 const Mask& mask, const MaskedVisits& masked,
+                                                 const Mask& mask, const Visits& masked,
                                                  int i, int end, int ring, int row0, int c,
                                                  float scale_log2) {
   for (; i < end; ++i)
@@ -942,7 +965,7 @@ __device__ __forceinline__ void attend_key_tiles(Consumer& cs, const Smem& sm, c
 // masked_visits describes (masked, unmasked, masked: tile i - 1 decides whether visit i scans), so
 // the scan's code runs only where a scan can happen.
 __device__ __forceinline__ void attend_rest(Consumer& cs, const Smem& sm, const Block& blk,
-                                            const Mask& mask, const MaskedVisits& masked,
+                                            const Mask& mask, const Visits& masked,
                                             int tiles, int ring, int row0, int c,
                                             float scale_log2) {
 #if FC_MASKED_V
@@ -965,13 +988,13 @@ struct NoWork {
 // next work tile's decode, hidden under the tensor cores)
 template <class Between = NoWork>
 __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block& blk,
-                                      const Mask& mask, const MaskedVisits& masked, int i,
+                                      const Mask& mask, const Visits& masked, int i,
                                       int last, int row0, int c, Between between = {}) {
   const int stage = stage_of(last);
   const bool scan = FC_MASKED_V && masked(i);
   bool poisoned = false;
   mbar_wait(sm.v_full(stage), parity_of(last));
-  const uint32_t v = scan ? scanned_v(sm, stage, last, c, poisoned) : sm.v(stage);
+  const uint32_t v = scan ? scanned_v(sm, stage, masked.scan(i), c, poisoned) : sm.v(stage);
   turn_begin(c);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
@@ -1076,6 +1099,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #if FC_TIMELINE
   Timeline timeline_rec{timeline, timeline_slots, c};
 #endif
+#if FC_MV_SCANNER
+  int scans = 0;  // the scanners' scans of this CTA's earlier work tiles (Visits)
+#endif
   turn_open(c);
 #if FC_DECODE_AHEAD
   Block ahead = sched.block(blockIdx.x, mask);  // the work tile the loop takes next
@@ -1105,7 +1131,16 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 
     const int tiles = blk.tiles();
     if (tiles > 0) {
-      const MaskedVisits masked = masked_visits(mask, blk.m0 + wg_row0, 64, blk.n_last, kBlockN);
+      Visits masked{masked_visits(mask, blk.m0 + wg_row0, 64, blk.n_last, kBlockN)};
+#if FC_MV_SCANNER
+      {  // the visits the scanners scan (as the producer requests them), numbered from scans
+        const MaskedVisits all = masked_visits(mask, blk.m0, kBlockM, blk.n_last, kBlockN);
+        masked.scan_base = scans;
+        masked.scan_head = min(max(all.head, 0), tiles);
+        masked.scan_tail = min(max(all.tail, masked.scan_head), tiles);
+        scans += masked.scan_head + tiles - masked.scan_tail;
+      }
+#endif
 #if FC_TIMELINE
       t_q_try = globaltimer_ns();
 #endif
