@@ -28,9 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-FIELDS = ("sm", "tile", "key_tiles", "start_ns", "q_try_ns", "q_ready_ns", "epilogue_ns",
-          "end_ns")
-WORDS = 6  # per entry, the .cu's kTimelineWords (word 1 holds the setup time and the key tiles)
+FIELDS = ("sm", "tile", "key_tiles", "start_ns", "q_try_ns", "q_ready_ns", "s0_ns", "first_ns",
+          "drain_ns", "epilogue_ns", "end_ns")
+# per entry, the .cu's kTimelineWords (word 1 holds the setup time and the key tiles, word 6 the
+# first S and the first tile as offsets from Q ready)
+WORDS = 8
 
 
 def decode(raw: np.ndarray, grid: int, consumers: int, slots: int) -> list[dict]:
@@ -41,15 +43,16 @@ def decode(raw: np.ndarray, grid: int, consumers: int, slots: int) -> list[dict]
     for cta in range(grid):
         for c in range(consumers):
             for s in range(slots):
-                w0, w1, start, q_ready, epilogue, end = (int(x) for x in a[cta, c, s])
+                w0, w1, start, q_ready, epilogue, end, w6, drain = (int(x) for x in a[cta, c, s])
                 if start == 0 and end == 0:
                     continue
-                # w1: setup ns (start -> the q_full wait's first try; 0 in records from before
-                # session 15, which then count it as Q wait) << 32 | key tiles
+                # w1: setup ns (start -> the q_full wait's first try) << 32 | key tiles; w6: first
+                # S ready << 32 | first tile done, ns after Q ready
                 out.append({"cta": cta, "consumer": c, "sm": w0 >> 32, "tile": w0 & 0xFFFFFFFF,
                             "key_tiles": w1 & 0xFFFFFFFF, "start_ns": start,
                             "q_try_ns": start + (w1 >> 32), "q_ready_ns": q_ready,
-                            "epilogue_ns": epilogue, "end_ns": end})
+                            "s0_ns": q_ready + (w6 >> 32), "first_ns": q_ready + (w6 & 0xFFFFFFFF),
+                            "drain_ns": drain, "epilogue_ns": epilogue, "end_ns": end})
     return out
 
 
@@ -80,7 +83,12 @@ def summarise(entries: list[dict]) -> dict:
               for name, a, b in (("setup", "start_ns", "q_try_ns"),
                                  ("q_wait", "q_try_ns", "q_ready_ns"),
                                  ("key_tiles", "q_ready_ns", "epilogue_ns"),
-                                 ("epilogue", "epilogue_ns", "end_ns"))}
+                                 ("epilogue", "epilogue_ns", "end_ns"),
+                                 # the key-tile phase's parts (session 16)
+                                 ("first_s", "q_ready_ns", "s0_ns"),
+                                 ("first_softmax", "s0_ns", "first_ns"),
+                                 ("steps", "first_ns", "drain_ns"),
+                                 ("drain", "drain_ns", "epilogue_ns"))}
     body = np.array([e["epilogue_ns"] - e["q_ready_ns"] for e in busy], dtype=np.float64)
     body_tiles = np.array([e["key_tiles"] for e in busy], dtype=np.float64)
     if len(set(body_tiles.tolist())) > 1:
@@ -116,6 +124,9 @@ def report(s: dict) -> str:
         "phases (median us): setup {setup:.2f}, Q wait {q_wait:.2f}, key tiles {key_tiles:.2f}, "
         "epilogue "
         "{epilogue:.2f}".format(**s["phases_median_us"]),
+        "key-tile phase (median us): first S {first_s:.2f}, first tile's softmax "
+        "{first_softmax:.2f}, other tiles {steps:.2f}, last P V {drain:.2f}".format(
+            **s["phases_median_us"]),
         f"key-tile phase fit: {s['key_tiles_fit']['fixed_us']:.2f} us + "
         f"{s['key_tiles_fit']['per_key_tile_us']:.3f} us per key tile",
         "key tiles: median duration (us), count",

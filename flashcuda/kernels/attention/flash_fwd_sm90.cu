@@ -488,6 +488,9 @@ struct Consumer {
   uint32_t p[kBlockN / 16][4];  // P of the previous tile as 16-bit A fragments of P V
   OnlineSoftmax row[2];         // rows g and g + 8 of this warp's 16; l is this lane's partial sum
   uint32_t q_rows;              // shared address of this warpgroup's 64 rows of Q (chunk 0)
+#if FC_TIMELINE
+  uint64_t t_s0;  // when the work tile's first S was ready (Timeline)
+#endif
 
   __device__ __forceinline__ void init(const Smem& sm, int wg_row0, int q_buffer) {
     q_rows = sm.q(q_buffer) + wg_row0 * 128;  // 64-row offsets stay 1024-byte aligned
@@ -918,6 +921,9 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     wgmma_wait<1>();
   } else {
     wgmma_wait<0>();
+#if FC_TIMELINE
+    cs.t_s0 = globaltimer_ns();
+#endif
   }
   wgmma_fence_operands(cs.s);
   release(sm.k_empty(st));
@@ -1016,18 +1022,22 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
 // ---- profiling variant: where each persistent CTA spends its time ------------------------------
 // One entry of kTimelineWords per work tile a consumer warpgroup finishes, written by its first
 // thread: {smid << 32 | work tile, setup ns << 32 | key tiles, start ns, Q ready ns, epilogue
-// start ns, end ns} (setup: start to the q_full wait's first try, the work tile's decode and mask
-// set-up, session 15; Q ready: its q_full wait returned; epilogue start: the last P V done; both
-// = start for a work tile without key tiles). scripts/sm90_timeline.py reads them; entries past
-// timeline_slots are dropped, unused ones stay as the host zeroed them.
-constexpr int kTimelineWords = 6;
+// start ns, end ns, first S ns << 32 | first tile ns, drain ns} (setup: start to the q_full
+// wait's first try, the work tile's decode and mask set-up, session 15; Q ready: its q_full wait
+// returned; first S / first tile: Q ready to the first S's wait returning / to the first tile's
+// softmax and packing done, both ns after Q ready, session 16; drain: the last tile's P V about to
+// be issued; epilogue start: that P V done; all = start for a work tile without key tiles).
+// scripts/sm90_timeline.py reads them; entries past timeline_slots are dropped, unused ones stay
+// as the host zeroed them.
+constexpr int kTimelineWords = 8;
 
 struct Timeline {
   uint64_t* base;
   int slots, c, next = 0;
 
   __device__ __forceinline__ void record(int w, int tiles, uint64_t start, uint64_t q_try,
-                                         uint64_t q_ready, uint64_t epilogue) {
+                                         uint64_t q_ready, uint64_t epilogue, uint64_t s0,
+                                         uint64_t first, uint64_t drain) {
     if ((threadIdx.x & 127) == 0 && next < slots) {
       uint64_t* e = base + ((static_cast<int64_t>(blockIdx.x) * kConsumers + c) * slots + next) *
                                kTimelineWords;
@@ -1037,6 +1047,8 @@ struct Timeline {
       e[3] = q_ready;
       e[4] = epilogue;
       e[5] = globaltimer_ns();
+      e[6] = ((s0 - q_ready) << 32) | static_cast<uint32_t>(first - q_ready);
+      e[7] = drain;
     }
     ++next;
   }
@@ -1110,6 +1122,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #if FC_TIMELINE
     const uint64_t t_start = globaltimer_ns();
     uint64_t t_q_try = t_start, t_q = t_start, t_epilogue = t_start;
+    uint64_t t_s0 = t_start, t_first = t_start, t_drain = t_start;
 #endif
 #if FC_DECODE_AHEAD
     const Block blk = ahead;
@@ -1149,8 +1162,15 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
       t_q = globaltimer_ns();
 #endif
       attend_key_tile<true, false>(cs, sm, blk, mask, masked, 0, ring, row0, c, scale_log2);
+#if FC_TIMELINE
+      t_first = globaltimer_ns();
+      t_s0 = cs.t_s0;
+#endif
       attend_rest(cs, sm, blk, mask, masked, tiles, ring, row0, c, scale_log2);
       release(sm.q_empty(qb));  // every Q K^T of this work tile has completed
+#if FC_TIMELINE
+      t_drain = globaltimer_ns();
+#endif
 #if FC_DECODE_AHEAD
       drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c, decode_next);
 #else
@@ -1238,7 +1258,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
     }
 #endif  // FC_O_TMA
 #if FC_TIMELINE
-    timeline_rec.record(w, tiles, t_start, t_q_try, t_q, t_epilogue);
+    timeline_rec.record(w, tiles, t_start, t_q_try, t_q, t_epilogue, t_s0, t_first, t_drain);
 #endif
   }
 #if FC_O_TMA
