@@ -198,8 +198,9 @@ def main() -> None:
     kernel = get_kernel(cfg.spec(), dev)
     for _ in range(a.repeats):
         buf.zero_()
-        kernel.launch(grid, (cfg.threads, 1, 1), *fwd_sm90.kernel_args(call, cfg, by_block), buf,
-                      np.int32(slots), shared_mem=cfg.smem_bytes)
+        args = fwd_sm90.kernel_args(call, cfg, by_block, grid[0])
+        kernel.launch(grid, (cfg.threads, 1, 1), *args, buf, np.int32(slots),
+                      shared_mem=cfg.smem_bytes)
     torch.cuda.synchronize()
     entries = decode(buf.cpu().numpy().view(np.uint64), grid[0], cfg.consumers, slots)
     summary = summarise(entries)

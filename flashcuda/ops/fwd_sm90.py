@@ -97,6 +97,9 @@ class Sm90FwdConfig:
     # masked V's scans by warp 1 of the producer warpgroup, a flag and an mbarrier per stage
     # (FC_MV_SCANNER; FLASHCUDA_SM90_FWD_MV_SCANNER=1, an A/B variant of the masked-V kernels)
     mv_scanner: bool = False
+    # the schedule's divisions by multiply-high and shift, magic numbers from the host (FC_FAST_DIV;
+    # FLASHCUDA_SM90_FWD_FAST_DIV=1, an A/B variant): ten more kernel arguments, fast_div_args
+    fast_div: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_FWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob the .cu documents (e.g. FC_MV_SCAN_UNROLL); never chosen by default
     defines: tuple = ()
@@ -163,6 +166,7 @@ class Sm90FwdConfig:
                 f"{f'_pad{self.smem_pad // 1024}k' if self.smem_pad else ''}"
                 f"{f'_q{self.q_stages}' if self.q_stages != 1 else ''}"
                 f"{'_ot' if self.o_tma else ''}{'_ms' if self.mv_scanner else ''}"
+                f"{'_fd' if self.fast_div else ''}"
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
     def spec(self) -> KernelSpec:
@@ -183,6 +187,7 @@ class Sm90FwdConfig:
             **({"FC_Q_STAGES": self.q_stages} if self.q_stages != 1 else {}),
             **({"FC_O_TMA": 1} if self.o_tma else {}),
             **({"FC_MV_SCANNER": 1} if self.mv_scanner else {}),
+            **({"FC_FAST_DIV": 1} if self.fast_div else {}),
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
             **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
             **({"FC_O_QUAD": 1} if self.block_m in O_QUAD.get(self.head_dim, ()) else {}),
@@ -258,6 +263,8 @@ Q_STAGES_ENV = "FLASHCUDA_SM90_FWD_Q_STAGES"
 O_TMA_ENV = "FLASHCUDA_SM90_FWD_O_TMA"
 # masked V's scans in the producer warpgroup (A/B; default 0, session 16) — see FC_MV_SCANNER
 MV_SCANNER_ENV = "FLASHCUDA_SM90_FWD_MV_SCANNER"
+# the schedule's divisions by magic numbers (A/B; default 0, session 16) — see FC_FAST_DIV
+FAST_DIV_ENV = "FLASHCUDA_SM90_FWD_FAST_DIV"
 SMEM_OPTIN = 232448  # H100 / H200: dynamic shared memory a block may opt in to
 
 
@@ -324,6 +331,8 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
             cfg = two
     if cfg.masked_v and flag(MV_SCANNER_ENV, False):
         cfg = scanned(cfg)
+    if flag(FAST_DIV_ENV, False):
+        cfg = dataclasses.replace(cfg, fast_div=True)
     if flag(O_TMA_ENV, False):
         staged = dataclasses.replace(cfg, o_tma=True)
         if staged.smem_bytes <= SMEM_OPTIN:  # (else this kernel keeps its stores: an A/B knob)
@@ -401,6 +410,8 @@ def configs() -> list[Sm90FwdConfig]:
     out += [dataclasses.replace(c, defines=(("FC_DECODE_AHEAD", 1),)) for c in dispatched]
     # masked V's scans in the producer warpgroup (FLASHCUDA_SM90_FWD_MV_SCANNER=1)
     out += [scanned(c) for c in dispatched if c.masked_v]
+    # the schedule's divisions by magic numbers (FLASHCUDA_SM90_FWD_FAST_DIV=1)
+    out += [dataclasses.replace(c, fast_div=True) for c in dispatched]
     return out
 
 
@@ -457,9 +468,49 @@ def can_implement(call: FwdCall) -> str | None:
     return None
 
 
-def kernel_args(call: FwdCall, cfg: Sm90FwdConfig, by_block: int | None = None) -> tuple:
-    """map_q, map_k, map_v [, map_o with FC_O_TMA], out, lse, then `constant_args`."""
-    return (*_maps(call, cfg), call.out, call.lse, *constant_args(call, by_block))
+def kernel_args(call: FwdCall, cfg: Sm90FwdConfig, by_block: int | None = None,
+                grid_x: int | None = None) -> tuple:
+    """map_q, map_k, map_v [, map_o with FC_O_TMA], out, lse, then `constant_args` [and with
+    FC_FAST_DIV `fast_div_args`, which need the grid's CTA count `grid_x`]."""
+    return (*_maps(call, cfg), call.out, call.lse, *constants(call, cfg, by_block, grid_x))
+
+
+def constants(call: FwdCall, cfg: Sm90FwdConfig, by_block: int | None = None,
+              grid_x: int | None = None) -> tuple:
+    """The trailing kernel arguments a call's layout fixes: constant_args [+ fast_div_args]."""
+    out = constant_args(call, by_block)
+    if cfg.fast_div:
+        if grid_x is None:
+            raise ValueError(f"{cfg.name}: FC_FAST_DIV's arguments need the grid's CTA count")
+        out += fast_div_args(call, cfg, by_block, grid_x)
+    return out
+
+
+def fast_div_magic(d: int) -> int:
+    """n // d for 0 <= n < 2**31 as the kernel's fast_quo computes it, (umulhi(n, mul) + n) >>
+    shift, packed as mul | shift << 32: shift = ceil(log2 d), mul = 2**32 (2**shift - d) // d + 1
+    (Granlund and Montgomery's round-up method, exact for n and d below 2**31)."""
+    if not 0 < d < 2**31:
+        raise ValueError(f"fast_div_magic: expected 0 < d < 2**31, got {d}")
+    shift = (d - 1).bit_length()
+    mul = (2**32 * (2**shift - d)) // d + 1
+    return mul | shift << 32
+
+
+def fast_div_args(call: FwdCall, cfg: Sm90FwdConfig, by_block: int | None, grid_x: int) -> tuple:
+    """FC_FAST_DIV's ten arguments (Magic in the .cu): the magic numbers of num_m, the (batch,
+    head) pairs, a section's tiles, by_block, the last section's pairs, nheads, the query heads per
+    K / V head and the grid's CTA count (np.uint64), then the section count and the last
+    section's pairs (np.int32). Divisors a call does not use (by_block 0: no sections) get 1."""
+    num_m = math.ceil(call.seqlen_q / cfg.block_m)
+    heads = call.nheads * call.batch
+    b = int(call.is_local if by_block is None else by_block)
+    sections = -(-heads // b) if b > 0 else 0
+    last = heads - (sections - 1) * b if b > 0 else 1
+    divisors = (num_m, heads, num_m * b, b, last, call.nheads, call.nheads // call.nheads_kv,
+                grid_x)
+    return (*(np.uint64(fast_div_magic(max(d, 1))) for d in divisors), np.int32(sections),
+            np.int32(last))
 
 
 def _maps(call: FwdCall, cfg: Sm90FwdConfig) -> tuple:
@@ -541,7 +592,7 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
                      MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV,
-                     Q_STAGES_ENV, O_TMA_ENV, MV_SCANNER_ENV)
+                     Q_STAGES_ENV, O_TMA_ENV, MV_SCANNER_ENV, FAST_DIV_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:
@@ -571,11 +622,11 @@ def _build_plan(call: FwdCall) -> _Plan | str:
     sms = props.multi_processor_count
     cfg = plan_config(call, sms)
     by_block = schedule_arg(call, cfg, props.L2_cache_size)
-    kernel, grid, constants = get_kernel(cfg.spec(), call.device), cfg.grid(call, sms), \
-        constant_args(call, by_block)
+    kernel, grid = get_kernel(cfg.spec(), call.device), cfg.grid(call, sms)
+    fixed = constants(call, cfg, by_block, grid[0])
     launch = PreparedLaunch(kernel, grid, (cfg.threads, 1, 1), cfg.smem_bytes,
-                            kernel_args(call, cfg, by_block), fixed=len(constants))
-    return _Plan(cfg, kernel, grid, constants, launch)
+                            kernel_args(call, cfg, by_block, grid[0]), fixed=len(fixed))
+    return _Plan(cfg, kernel, grid, fixed, launch)
 
 
 _plans = PlanCache(_build_plan)

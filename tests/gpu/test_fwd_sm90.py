@@ -362,6 +362,33 @@ def test_v_scanned_in_the_producer_warpgroup(monkeypatch, head_dim):
     assert torch.equal(out[:, 200:, :, others], clean[:, 200:, :, others])
 
 
+@pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_schedule_by_magic_numbers(monkeypatch, head_dim, window):
+    """FLASHCUDA_SM90_FWD_FAST_DIV=1 (FC_FAST_DIV, an A/B variant): the work tiles decoded with
+    the host's magic numbers. 3 x 10 query heads over 5 K / V heads (groups of 2), 1000 queries,
+    the masked calls in snake order and in L2 sections (an l2_share picked so that the 30 pairs
+    leave a shorter last section: its own magic number); then work tiles without keys. Runs
+    once, with dispatch's tiles."""
+    skip_unless_dispatch_tiles()
+    monkeypatch.setenv(fwd_sm90.FAST_DIV_ENV, "1")
+    monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "1")
+    q, k, v = make(3, 1000, 1500, 10, 5, head_dim, BF16, seed=24)
+    call = FwdCall(q, k, v, torch.empty_like(q), torch.empty(3, 10, 1000, device="cuda"),
+                   head_dim ** -0.5, *CAUSAL)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for share in ("0.01", "0.02", "0.036", "0.05", "0.08", "0.12"):
+        monkeypatch.setenv(fwd_sm90.L2_SHARE_ENV, share)
+        if 30 % fwd_sm90.l2_section(call, l2):
+            break
+    assert 30 % fwd_sm90.l2_section(call, l2), "no share gives a shorter last section"
+    dispatch._reset()
+    assert fwd_sm90.plan_config(call, 132).fast_div
+    check(q, k, v, window)
+    check(*make(1, 333, 333, 6, 6, head_dim, FP16, seed=25), window)
+    check_empty_work_tiles(head_dim, 40, 8, seed=26)
+
+
 # ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])

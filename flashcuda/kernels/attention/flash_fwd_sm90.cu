@@ -167,6 +167,16 @@ constexpr int kOBarrier = 12;  // + c: FC_O_TMA's staging tile, per consumer war
 // 15), ~700 cycles: the size of that chain at one warp per scheduler.
 #define FC_DECODE_AHEAD 0
 #endif
+#ifndef FC_FAST_DIV
+// 1 (A/B, session 16: written, not yet run on a GPU): the schedule's divisions by runtime values
+// (Schedule::block, next_tile: four to five 32-bit divisions per work tile, each an I2F / RCP /
+// multiply / correction chain) become a multiply-high and a shift by magic numbers the host
+// computes per call (fwd_sm90.fast_div_magic; ten more kernel arguments). The forward timeline
+// put a work tile's decode at ~0.38 us of set-up (session 15); FC_DECODE_AHEAD moved it under the
+// last P V, where it stayed on the warp's path (session 16: the key-tile phase grew by as much).
+#define FC_FAST_DIV 0
+#endif
+constexpr bool kFastDiv = FC_FAST_DIV;
 #ifndef FC_SMEM_PAD
 #define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
 #endif
@@ -293,9 +303,37 @@ struct Block {
 #ifndef FC_L2_SECTIONS
 #define FC_L2_SECTIONS 1
 #endif
+// The schedule's divisors' magic numbers (FC_FAST_DIV; all 0 and unused without it): each is
+// mul | shift << 32 for fast_quo; `sections` and `last_size` are Schedule::block's section count
+// and the last section's pairs.
+struct Magic {
+  uint64_t num_m = 0, heads = 0, section = 0, by_block = 0, last = 0, nheads = 0, group = 0,
+           grid = 0;
+  int sections = 0, last_size = 0;
+};
+
+// n / d for 0 <= n < 2^31 and 0 < d < 2^31 from magic = mul | shift << 32 (the host's
+// fast_div_magic: shift = ceil(log2 d), mul = floor(2^32 (2^shift - d) / d) + 1): (umulhi(n, mul)
+// + n) >> shift, whose sum stays below 2^32 because umulhi(n, mul) < n.
+__device__ __forceinline__ int fast_quo(int n, uint64_t magic) {
+  const uint32_t u = static_cast<uint32_t>(n);
+  return static_cast<int>((__umulhi(u, static_cast<uint32_t>(magic)) + u) >>
+                          static_cast<uint32_t>(magic >> 32));
+}
+// n / d and n % d (FC_FAST_DIV: by magic)
+__device__ __forceinline__ int quo(int n, int d, uint64_t magic) {
+  if constexpr (kFastDiv) return fast_quo(n, magic);
+  return n / d;
+}
+__device__ __forceinline__ int rem(int n, int d, uint64_t magic) {
+  if constexpr (kFastDiv) return n - fast_quo(n, magic) * d;
+  return n % d;
+}
+
 struct Schedule {
   int num_m, nheads, nheads_kv, batch;
   int by_block;
+  Magic magic;  // (FC_FAST_DIV)
 
   __device__ __forceinline__ int total() const { return num_m * nheads * batch; }
 
@@ -306,27 +344,28 @@ struct Schedule {
 #if FC_L2_SECTIONS
       // section s holds pairs [s by_block, + size); its num_m * size tiles are consecutive,
       // lightest-first when an odd number of sections follows it
-      const int s = t / (num_m * by_block);
+      const int s = quo(t, num_m * by_block, magic.section);
       const int first = s * by_block;
       const int size = min(by_block, heads - first);
-      const int sections = (heads + by_block - 1) / by_block;
+      const int sections = kFastDiv ? magic.sections : (heads + by_block - 1) / by_block;
       int within = t - s * num_m * by_block;
       if ((sections - 1 - s) & 1) within = num_m * size - 1 - within;
-      m = num_m - 1 - within / size;
-      bh = first + within % size;
+      const uint64_t by_size = size == by_block ? magic.by_block : magic.last;
+      m = num_m - 1 - quo(within, size, by_size);
+      bh = first + rem(within, size, by_size);
 #else
-      m = num_m - 1 - t / heads;
-      bh = t % heads;
+      m = num_m - 1 - quo(t, heads, magic.heads);
+      bh = rem(t, heads, magic.heads);
 #endif
     } else {
-      m = num_m - 1 - t % num_m;
-      bh = t / num_m;
+      m = num_m - 1 - rem(t, num_m, magic.num_m);
+      bh = quo(t, num_m, magic.num_m);
     }
     Block blk;
     blk.m0 = m * kBlockM;
-    blk.head = bh % nheads;
-    blk.batch = bh / nheads;
-    blk.head_kv = blk.head / (nheads / nheads_kv);
+    blk.head = rem(bh, nheads, magic.nheads);
+    blk.batch = quo(bh, nheads, magic.nheads);
+    blk.head_kv = quo(blk.head, nheads / nheads_kv, magic.group);
     const int row_end = min(blk.m0 + kBlockM, mask.seqlen_q);
     const int key_lo = mask.key_begin(blk.m0);
     const int key_hi = mask.key_end(row_end);
@@ -348,6 +387,21 @@ __device__ __forceinline__ int next_work(int t) {
     return r * g + ((r & 1) ? g - 1 - c : c);
   } else {
     return t + static_cast<int>(gridDim.x);
+  }
+}
+
+// next_work, or with FC_FAST_DIV the same walk with the round's division by magic
+__device__ __forceinline__ int next_tile(const Schedule& sched, int t) {
+  if constexpr (kFastDiv) {
+    const int g = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
+    if constexpr (kSnake) {
+      const int r = fast_quo(t, sched.magic.grid) + 1;
+      return r * g + ((r & 1) ? g - 1 - c : c);
+    } else {
+      return t + g;
+    }
+  } else {
+    return next_work(t);
   }
 }
 
@@ -377,10 +431,10 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
                                         const TmaMap& map_q, const TmaMap& map_k,
                                         const TmaMap& map_v) {
   int ring = 0, q_round = 0;
-#if FC_MV_SCANNER
+#if FC_MV_SCANNER && !FC_FAST_DIV
   for (int t = blockIdx.x; t < sched.total(); t = producer_next_work(t)) {
 #else
-  for (int t = blockIdx.x; t < sched.total(); t = next_work(t)) {
+  for (int t = blockIdx.x; t < sched.total(); t = next_tile(sched, t)) {
 #endif
     const Block blk = sched.block(t, mask);
     const int tiles = blk.tiles();
@@ -1067,6 +1121,12 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
                int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride,
                int seqlen_q, int seqlen_k, int nheads, int nheads_kv, float scale_log2,
                int window_left, int window_right, int batch, int by_block
+#if FC_FAST_DIV
+               // the schedule's magic numbers (Magic; fwd_sm90.fast_div_args)
+               , uint64_t magic_num_m, uint64_t magic_heads, uint64_t magic_section,
+               uint64_t magic_by_block, uint64_t magic_last, uint64_t magic_nheads,
+               uint64_t magic_group, uint64_t magic_grid, int sections, int last_size
+#endif
 #if FC_TIMELINE
                // [gridDim.x][kConsumers][timeline_slots][kTimelineWords]: see Timeline
                , uint64_t* __restrict__ timeline, int timeline_slots
@@ -1078,7 +1138,13 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
+#if FC_FAST_DIV
+  const Schedule sched{(seqlen_q + kBlockM - 1) / kBlockM, nheads, nheads_kv, batch, by_block,
+                       Magic{magic_num_m, magic_heads, magic_section, magic_by_block, magic_last,
+                             magic_nheads, magic_group, magic_grid, sections, last_size}};
+#else
   const Schedule sched{(seqlen_q + kBlockM - 1) / kBlockM, nheads, nheads_kv, batch, by_block};
+#endif
 
   if (threadIdx.x == 0) {
     sm.init_barriers();
@@ -1118,7 +1184,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #if FC_DECODE_AHEAD
   Block ahead = sched.block(blockIdx.x, mask);  // the work tile the loop takes next
 #endif
-  for (int w = blockIdx.x; w < sched.total(); w = next_work(w)) {
+  for (int w = blockIdx.x; w < sched.total(); w = next_tile(sched, w)) {
 #if FC_TIMELINE
     const uint64_t t_start = globaltimer_ns();
     uint64_t t_q_try = t_start, t_q = t_start, t_epilogue = t_start;
@@ -1126,7 +1192,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #endif
 #if FC_DECODE_AHEAD
     const Block blk = ahead;
-    const int w_next = next_work(w);  // (decoded past the end too: arithmetic only)
+    const int w_next = next_tile(sched, w);  // (decoded past the end too: arithmetic only)
     auto decode_next = [&] {  // pinned between its asm fences: ptxas would hoist pure arithmetic
       int wn = w_next;
       asm volatile("" : "+r"(wn));  // (not before the P V issue)
