@@ -80,7 +80,8 @@ def _decode(t, num_m, nheads, group, batch, by_block, div):
 
 @pytest.mark.parametrize("shape,causal,by_block,grid", [
     ((2, 1000, 16, 4), True, 6, 132), ((3, 4096, 12, 12), True, 8, 132),
-    ((1, 2048, 7, 7), True, 1, 5), ((5, 777, 6, 2), False, None, 132), ((2, 300, 4, 1), True, None, 7)])
+    ((1, 2048, 7, 7), True, 1, 5), ((5, 777, 6, 2), False, None, 132),
+    ((2, 300, 4, 1), True, None, 7)])
 def test_schedule_by_magic_equals_integer_division(shape, causal, by_block, grid):
     """Every work tile of the call decodes the same with the host's magic numbers as with integer
     division, and the snake walk's rounds agree (next_tile), up past the last tile."""

@@ -9,8 +9,10 @@
 //   layouts       (batch, row, head) strides that are multiples of 8 elements (16 bytes, a TMA
 //                 rule), unit last stride, 16-byte aligned base pointers
 //   outputs       out (B, Sq, H, D), lse (B, H, Sq) float32 natural log
-//   not yet       a dynamic (work-stealing) tile scheduler; the TMA store epilogue is an A/B
-//                 variant (FC_O_TMA)
+//   not yet       a dynamic (work-stealing) tile scheduler; A/B variants, measured, not yet the
+//                 default: the TMA store epilogue (FC_O_TMA), the masked-V scans in the producer
+//                 warpgroup (FC_MV_SCANNER), the decode under the last P V (FC_DECODE_AHEAD), two
+//                 Q buffers (FC_Q_STAGES); the decode by magic numbers (FC_FAST_DIV) is not yet run
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // Persistent: one CTA per SM (grid = min(work tiles, SMs)) walks work tiles of (query block of
@@ -484,7 +486,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
 }
 
 #if FC_MV_SCANNER
-// ---- the V scanner (FC_MV_SCANNER): warps 1 .. 3 of the producer warpgroup -----------------------
+// ---- the V scanner (FC_MV_SCANNER): warps 1 .. 3 of the producer warpgroup ---------------------
 // Follow the producer's ring: for each V tile, wait for it to land and read the producer's request
 // (written before the v_full arrival that the wait acquires): for a tile that needs the mask for
 // some rows of its work tile, scan it (warp w the 16-byte units w * 32 + lane + 96 k, two loads
@@ -498,8 +500,8 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
 // (a phase nobody waits for is synccheck's "missing wait": session 16, when every tile arrived);
 // scan n + 2 reuses scan n's slot only after its tile's v_full, which needs the release of a
 // ring entry at or after scan n's, which its waiters give after reading the verdicts. The
-// producer ends the loop with a request of kScanEnd. (The requests come from the producer thread, not
-// from a decode of the schedule here: with it, the loop spilled at the producer warpgroup's 24
+// producer ends the loop with a request of kScanEnd. (The requests come from the producer thread,
+// not from a decode of the schedule here: with it, the loop spilled at the producer warpgroup's 24
 // registers. One warp scanning alone, one load in flight, made causal calls 8-15% slower than
 // the consumers' own scans on the H200: a V tile's scan then took ~0.7 / 1.4 us at d64 / d128.)
 __device__ __forceinline__ void scan_v_tiles(const Smem& sm, int w) {
