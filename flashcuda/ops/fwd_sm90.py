@@ -329,6 +329,10 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
         two = dataclasses.replace(cfg, q_stages=q_stages)
         if two.smem_bytes <= SMEM_OPTIN:  # (else this kernel keeps one: an A/B knob)
             cfg = two
+    defines = dict(cfg.defines)
+    if defines.get("FC_CROSS_TILE"):  # (A/B) needs two Q buffers; decodes ahead on its own
+        drop = ("FC_DECODE_AHEAD",) if cfg.q_stages == 2 else ("FC_CROSS_TILE",)
+        cfg = dataclasses.replace(cfg, defines=tuple(d for d in cfg.defines if d[0] not in drop))
     if cfg.masked_v and flag(MV_SCANNER_ENV, False):
         cfg = scanned(cfg)
     if flag(FAST_DIV_ENV, False):
@@ -412,6 +416,12 @@ def configs() -> list[Sm90FwdConfig]:
     out += [scanned(c) for c in dispatched if c.masked_v]
     # the schedule's divisions by magic numbers (FLASHCUDA_SM90_FWD_FAST_DIV=1)
     out += [dataclasses.replace(c, fast_div=True) for c in dispatched]
+    # the next work tile's first S with the last P V (FLASHCUDA_SM90_FWD_Q_STAGES=2 with
+    # FLASHCUDA_SM90_FWD_DEFINES=FC_CROSS_TILE=1), where two Q buffers fit, with the decode by
+    # magic numbers (its decode ahead; without it d64's 192-row masked-V kernel spills 16 bytes)
+    out += [dataclasses.replace(two, fast_div=True, defines=(("FC_CROSS_TILE", 1),))
+            for c in dispatched
+            if (two := dataclasses.replace(c, q_stages=2)).smem_bytes <= SMEM_OPTIN]
     return out
 
 

@@ -51,7 +51,8 @@ def test_sm90_sass_uses_wgmma_and_tma(builds, cfg, tmp_path):
     # The first tile (Q K^T only), the loop body (Q K^T, P V) and the last P V: 2 x head_dim / 16
     # Q K^T and 2 x block_n / 16 P V wgmmas. The masked-V variant has three copies of the loop
     # body (masked, unmasked, masked runs of tiles): two more of each.
-    bodies = 3 if cfg.masked_v else 1
+    # FC_CROSS_TILE adds the boundary's (the next work tile's first S with the last P V).
+    bodies = (3 if cfg.masked_v else 1) + (("FC_CROSS_TILE", 1) in cfg.defines)
     assert len(hgmma) == (1 + bodies) * (cfg.head_dim // 16 + cfg.block_n // 16), len(hgmma)
     # nvdisasm spells bf16 inputs .F32.BF16 and fp16 inputs plain .F32
     bf16 = cfg.dtype == torch.bfloat16

@@ -389,6 +389,46 @@ def test_schedule_by_magic_numbers(monkeypatch, head_dim, window):
     check_empty_work_tiles(head_dim, 40, 8, seed=26)
 
 
+@pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_next_first_s_with_the_last_p_v(monkeypatch, head_dim, window):
+    """FLASHCUDA_SM90_FWD_DEFINES=FC_CROSS_TILE=1 with two Q buffers and the decode by magic
+    numbers (an A/B variant): a work tile's last P V and the next one's first S share a turn, the
+    next one's first softmax after this one's store. ~3 work tiles per CTA (boundaries between
+    work tiles of different heads and lengths), work tiles without keys between ones with keys
+    (the loop falls back to the drain on both sides), a NaN in V of key 5 that only rows from 5
+    see (causal: the first query block's one tile, masked, ends at a boundary that scans it).
+    d128's causal / window kernels keep one Q buffer, so they run without it. Runs once, with
+    dispatch's tiles."""
+    skip_unless_dispatch_tiles()
+    monkeypatch.setenv(fwd_sm90.DEFINES_ENV, "FC_CROSS_TILE=1")
+    monkeypatch.setenv(fwd_sm90.Q_STAGES_ENV, "2")
+    monkeypatch.setenv(fwd_sm90.FAST_DIV_ENV, "1")
+    dispatch._reset()
+    q, k, v = make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=27)
+    call = FwdCall(q, k, v, torch.empty_like(q), torch.empty(3, 16, 1000, device="cuda"),
+                   head_dim ** -0.5, *window)
+    cfg = fwd_sm90.plan_config(call, 132)
+    assert (("FC_CROSS_TILE", 1) in cfg.defines) == (cfg.q_stages == 2)
+    check(q, k, v, window)
+    check(*make(2, 77, 300, 4, 4, head_dim, FP16, seed=28), window)
+    check_empty_work_tiles(head_dim, 40, 8, seed=29)
+    q, k, v = make(2, 1024, 1024, 16, 16, head_dim, BF16, seed=30)
+    scale = head_dim ** -0.5
+    clean, clean_lse = run(fwd_sm90, q, k, v, scale, window)
+    bad = v.clone()
+    bad[:, 5, :, 3] = float("nan")
+    out, lse = run(fwd_sm90, q, k, bad, scale, window)
+    assert torch.equal(lse, clean_lse)
+    # the rows that see key 5: all without a mask, 5.. causal, 5 .. 205 with the window
+    first, end = (0, 1024) if window == FULL else (5, 1024 if window == CAUSAL else 206)
+    assert out[:, first:end, :, 3].isnan().all()
+    assert torch.equal(out[:, :first], clean[:, :first])
+    assert torch.equal(out[:, end:], clean[:, end:])
+    others = [c for c in range(head_dim) if c != 3]
+    assert torch.equal(out[:, first:end, :, others], clean[:, first:end, :, others])
+
+
 # ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])

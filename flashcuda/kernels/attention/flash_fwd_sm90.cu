@@ -179,6 +179,19 @@ constexpr int kOBarrier = 12;  // + c: FC_O_TMA's staging tile, per consumer war
 #define FC_FAST_DIV 0
 #endif
 constexpr bool kFastDiv = FC_FAST_DIV;
+#ifndef FC_CROSS_TILE
+// 1 (A/B, session 16: written, not yet run on a GPU): a consumer warpgroup issues the next work
+// tile's first S = Q K_0^T in the same turn as the current one's last P V (the next Q is in the
+// other buffer: FC_Q_STAGES = 2), then stores the current O while that S runs, and computes the
+// next tile's first softmax after it; a work tile no longer starts with a lone GEMM whose latency
+// nothing hides, and its first S and the previous tile's last P V take one turn instead of two.
+// The next-but-one work tile is decoded under those GEMMs (FC_DECODE_AHEAD's idea, so that
+// variant is off here). Where the next work tile has no key tiles, or none follows, the work
+// tile ends as before (drain). The host builds it only with two Q buffers (fwd_sm90._config).
+#define FC_CROSS_TILE 0
+#endif
+static_assert(!FC_CROSS_TILE || (FC_Q_STAGES == 2 && !FC_DECODE_AHEAD && !FC_TIMELINE),
+              "the cross-tile loop needs two Q buffers, decodes ahead itself, has no timeline");
 #ifndef FC_SMEM_PAD
 #define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
 #endif
@@ -1182,82 +1195,24 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #if FC_MV_SCANNER
   int scans = 0;  // the scanners' scans of this CTA's earlier work tiles (Visits)
 #endif
-  turn_open(c);
-#if FC_DECODE_AHEAD
-  Block ahead = sched.block(blockIdx.x, mask);  // the work tile the loop takes next
-#endif
-  for (int w = blockIdx.x; w < sched.total(); w = next_tile(sched, w)) {
-#if FC_TIMELINE
-    const uint64_t t_start = globaltimer_ns();
-    uint64_t t_q_try = t_start, t_q = t_start, t_epilogue = t_start;
-    uint64_t t_s0 = t_start, t_first = t_start, t_drain = t_start;
-#endif
-#if FC_DECODE_AHEAD
-    const Block blk = ahead;
-    const int w_next = next_tile(sched, w);  // (decoded past the end too: arithmetic only)
-    auto decode_next = [&] {  // pinned between its asm fences: ptxas would hoist pure arithmetic
-      int wn = w_next;
-      asm volatile("" : "+r"(wn));  // (not before the P V issue)
-      ahead = sched.block(wn, mask);
-      asm volatile("" ::"r"(ahead.m0), "r"(ahead.head), "r"(ahead.head_kv), "r"(ahead.batch),
-                   "r"(ahead.n_first), "r"(ahead.n_last));  // (not after the wait)
-    };
-#else
-    const Block blk = sched.block(w, mask);
-#endif
-    const int row0 = blk.m0 + warp_row0 + g;  // query row of this lane's first row (h = 0)
-    const int qb = q_round % kQStages;  // this work tile's Q buffer (as the producer's)
-    Consumer cs;
-    cs.init(sm, wg_row0, qb);
-
-    const int tiles = blk.tiles();
-    if (tiles > 0) {
-      Visits masked{masked_visits(mask, blk.m0 + wg_row0, 64, blk.n_last, kBlockN)};
+  // ---- epilogue: finish l over the quad, normalise, store O and lse of a work tile (the producer
+  // is already loading the next work tile's Q, K and V)
+  // A work tile's visits for this warpgroup's rows (with FC_MV_SCANNER numbered from `scans`, the
+  // scanners' scans so far, which it advances past the work tile's)
+  auto visits_of = [&](const Block& blk) {
+    Visits v{masked_visits(mask, blk.m0 + wg_row0, 64, blk.n_last, kBlockN)};
 #if FC_MV_SCANNER
-      {  // the visits the scanners scan (as the producer requests them), numbered from scans
-        const MaskedVisits all = masked_visits(mask, blk.m0, kBlockM, blk.n_last, kBlockN);
-        masked.scan_base = scans;
-        masked.scan_head = min(max(all.head, 0), tiles);
-        masked.scan_tail = min(max(all.tail, masked.scan_head), tiles);
-        scans += masked.scan_head + tiles - masked.scan_tail;
-      }
+    // the visits the scanners scan (as the producer requests them)
+    const int tiles = blk.tiles();
+    const MaskedVisits all = masked_visits(mask, blk.m0, kBlockM, blk.n_last, kBlockN);
+    v.scan_base = scans;
+    v.scan_head = min(max(all.head, 0), tiles);
+    v.scan_tail = min(max(all.tail, v.scan_head), tiles);
+    scans += v.scan_head + tiles - v.scan_tail;
 #endif
-#if FC_TIMELINE
-      t_q_try = globaltimer_ns();
-#endif
-      mbar_wait(sm.q_full(qb), (q_round / kQStages) & 1);
-#if FC_TIMELINE
-      t_q = globaltimer_ns();
-#endif
-      attend_key_tile<true, false>(cs, sm, blk, mask, masked, 0, ring, row0, c, scale_log2);
-#if FC_TIMELINE
-      t_first = globaltimer_ns();
-      t_s0 = cs.t_s0;
-#endif
-      attend_rest(cs, sm, blk, mask, masked, tiles, ring, row0, c, scale_log2);
-      release(sm.q_empty(qb));  // every Q K^T of this work tile has completed
-#if FC_TIMELINE
-      t_drain = globaltimer_ns();
-#endif
-#if FC_DECODE_AHEAD
-      drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c, decode_next);
-#else
-      drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c);
-#endif
-      ring += tiles;
-      ++q_round;
-#if FC_TIMELINE
-      t_epilogue = globaltimer_ns();
-#endif
-    }
-#if FC_DECODE_AHEAD
-    else {
-      decode_next();  // (a work tile without key tiles has no P V to hide it under)
-    }
-#endif
-
-    // ---- epilogue: finish l over the quad, normalise, store O and lse (the producer is already
-    // loading the next work tile's Q, K and V)
+    return v;
+  };
+  auto store_out = [&](Consumer& cs, const Block& blk, int row0) {
     const int64_t lse_row0 = (static_cast<int64_t>(blk.batch) * nheads + blk.head) * seqlen_q;
 #if FC_O_TMA
     // the previous work tile's store (issued by this warpgroup's first thread) has read the tile
@@ -1325,10 +1280,185 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #endif
     }
 #endif  // FC_O_TMA
+  };
+  turn_open(c);
+#if FC_CROSS_TILE
+  Consumer cs;
+  Visits masked{};  // the current work tile's
+  int w = blockIdx.x, w_next = next_tile(sched, w);
+  Block blk = sched.block(w, mask);
+  Block nxt = sched.block(w_next, mask);  // (decoded past the end too: arithmetic only)
+  bool started = false;  // blk's first key tile ran at the previous work tile's end
+  while (w < sched.total()) {
+    const int w_after = next_tile(sched, w_next);
+    Block after;  // the work tile after nxt, decoded under this one's last GEMMs
+    auto decode_after = [&] {  // pinned between its asm fences, as FC_DECODE_AHEAD's
+      int wa = w_after;
+      asm volatile("" : "+r"(wa));
+      after = sched.block(wa, mask);
+      asm volatile("" ::"r"(after.m0), "r"(after.head), "r"(after.head_kv), "r"(after.batch),
+                   "r"(after.n_first), "r"(after.n_last));
+    };
+    const int row0 = blk.m0 + warp_row0 + g;
+    const int qb = q_round % kQStages;
+    const int tiles = blk.tiles();
+    if (tiles > 0) {
+      if (!started) {
+        cs.init(sm, wg_row0, qb);
+        masked = visits_of(blk);
+        mbar_wait(sm.q_full(qb), (q_round / kQStages) & 1);
+        attend_key_tile<true, false>(cs, sm, blk, mask, masked, 0, ring, row0, c, scale_log2);
+      }
+      attend_rest(cs, sm, blk, mask, masked, tiles, ring, row0, c, scale_log2);
+      release(sm.q_empty(qb));  // every Q K^T of this work tile has completed
+      if (w_next < sched.total() && nxt.tiles() > 0) {
+        // the last P V of blk and the first S of nxt in one turn (the P V first: its wait comes
+        // first), blk's O stored while that S runs, then nxt's first softmax
+        const int last = ring + tiles - 1, first = ring + tiles;  // ring entries
+        const int qn = q_round + 1;                                // nxt's Q round
+        const int sv = stage_of(last), sk = stage_of(first);
+        const bool scan = FC_MASKED_V && masked(tiles - 1);
+        bool poisoned = false;
+        mbar_wait(sm.q_full(qn % kQStages), (qn / kQStages) & 1);
+        mbar_wait(sm.k_full(sk), parity_of(first));
+        mbar_wait(sm.v_full(sv), parity_of(last));
+        const uint32_t v = scan ? scanned_v(sm, sv, masked.scan(tiles - 1), c, poisoned)
+                                : sm.v(sv);
+        turn_begin(c);
+        wgmma_fence_operands(cs.s);
+        wgmma_fence_operands(cs.o);
+        wgmma_fence();
+        cs.issue_accumulate(v);
+        cs.q_rows = sm.q(qn % kQStages) + wg_row0 * 128;
+        cs.issue_scores(sm.k(sk));
+        turn_end(c);
+        decode_after();
+        wgmma_wait<1>();  // blk's P V
+        cs.hold_p();
+        wgmma_fence_operands(cs.o);
+        if (scan) {
+          const float no_rescale[2] = {1.f, 1.f};
+          finish_scanned_v(poisoned, cs, sm, sv, blk, mask, tiles - 1, row0, c, no_rescale);
+        } else {
+          release(sm.v_empty(sv));
+        }
+        store_out(cs, blk, row0);
+        cs.row[0].init();
+        cs.row[1].init();
+#pragma unroll
+        for (int i = 0; i < kHeadDim / 2; ++i) cs.o[i] = 0.f;
+        masked = visits_of(nxt);
+        const int row0n = nxt.m0 + warp_row0 + g;
+        const int col0n = nxt.n_last * kBlockN + 2 * static_cast<int>(threadIdx.x & 3);
+        wgmma_wait<0>();  // nxt's S_0
+        wgmma_fence_operands(cs.s);
+        release(sm.k_empty(sk));
+        float corr[2];  // (as attend_key_tile's first tile)
+        if constexpr (kSoftmaxInArms) {
+          if (masked(0)) {
+            cs.apply_mask(mask, row0n, col0n);
+            cs.softmax(scale_log2, corr);
+          } else {
+            cs.softmax(scale_log2, corr);
+          }
+        } else {
+          if (masked(0))
+            cs.apply_mask(mask, row0n, col0n);
+          cs.softmax(scale_log2, corr);
+        }
+        cs.softmax_tail(scale_log2);
+        cs.rescale(corr);
+        cs.pack_p();
+        started = true;
+      } else {
+        drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c, decode_after);
+        store_out(cs, blk, row0);
+        started = false;
+      }
+      ring += tiles;
+      ++q_round;
+    } else {
+      decode_after();
+      cs.init(sm, wg_row0, qb);
+      store_out(cs, blk, row0);  // (zeros, lse -inf)
+      started = false;
+    }
+    w = w_next;
+    w_next = w_after;
+    blk = nxt;
+    nxt = after;
+  }
+#else
+#if FC_DECODE_AHEAD
+  Block ahead = sched.block(blockIdx.x, mask);  // the work tile the loop takes next
+#endif
+  for (int w = blockIdx.x; w < sched.total(); w = next_tile(sched, w)) {
+#if FC_TIMELINE
+    const uint64_t t_start = globaltimer_ns();
+    uint64_t t_q_try = t_start, t_q = t_start, t_epilogue = t_start;
+    uint64_t t_s0 = t_start, t_first = t_start, t_drain = t_start;
+#endif
+#if FC_DECODE_AHEAD
+    const Block blk = ahead;
+    const int w_next = next_tile(sched, w);  // (decoded past the end too: arithmetic only)
+    auto decode_next = [&] {  // pinned between its asm fences: ptxas would hoist pure arithmetic
+      int wn = w_next;
+      asm volatile("" : "+r"(wn));  // (not before the P V issue)
+      ahead = sched.block(wn, mask);
+      asm volatile("" ::"r"(ahead.m0), "r"(ahead.head), "r"(ahead.head_kv), "r"(ahead.batch),
+                   "r"(ahead.n_first), "r"(ahead.n_last));  // (not after the wait)
+    };
+#else
+    const Block blk = sched.block(w, mask);
+#endif
+    const int row0 = blk.m0 + warp_row0 + g;  // query row of this lane's first row (h = 0)
+    const int qb = q_round % kQStages;  // this work tile's Q buffer (as the producer's)
+    Consumer cs;
+    cs.init(sm, wg_row0, qb);
+
+    const int tiles = blk.tiles();
+    if (tiles > 0) {
+      const Visits masked = visits_of(blk);
+#if FC_TIMELINE
+      t_q_try = globaltimer_ns();
+#endif
+      mbar_wait(sm.q_full(qb), (q_round / kQStages) & 1);
+#if FC_TIMELINE
+      t_q = globaltimer_ns();
+#endif
+      attend_key_tile<true, false>(cs, sm, blk, mask, masked, 0, ring, row0, c, scale_log2);
+#if FC_TIMELINE
+      t_first = globaltimer_ns();
+      t_s0 = cs.t_s0;
+#endif
+      attend_rest(cs, sm, blk, mask, masked, tiles, ring, row0, c, scale_log2);
+      release(sm.q_empty(qb));  // every Q K^T of this work tile has completed
+#if FC_TIMELINE
+      t_drain = globaltimer_ns();
+#endif
+#if FC_DECODE_AHEAD
+      drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c, decode_next);
+#else
+      drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c);
+#endif
+      ring += tiles;
+      ++q_round;
+#if FC_TIMELINE
+      t_epilogue = globaltimer_ns();
+#endif
+    }
+#if FC_DECODE_AHEAD
+    else {
+      decode_next();  // (a work tile without key tiles has no P V to hide it under)
+    }
+#endif
+
+    store_out(cs, blk, row0);
 #if FC_TIMELINE
     timeline_rec.record(w, tiles, t_start, t_q_try, t_q, t_epilogue, t_s0, t_first, t_drain);
 #endif
   }
+#endif  // FC_CROSS_TILE
 #if FC_O_TMA
   if ((threadIdx.x & 127) == 0) bulk_wait_group<0>();  // no store outlives the shared memory
 #endif
