@@ -245,6 +245,26 @@ def check_empty_work_tiles(head_dim, nheads, nheads_kv, seed):
     assert torch.isneginf(lse[:, :, :400]).all() and (out[:, :400] == 0).all()
 
 
+def check_nan_in_v_column(head_dim, window, key, seed):
+    """A NaN in V of `key` (every batch and head, column 3), 2 x 1024 x 1024 x 16 heads: lse and
+    the other columns equal a clean run's bit for bit, and column 3 is NaN exactly in the rows
+    that see the key (all without a mask, from `key` on causal, `key` .. `key` + 200 with the
+    window (200, 0))."""
+    q, k, v = make(2, 1024, 1024, 16, 16, head_dim, BF16, seed=seed)
+    scale = head_dim ** -0.5
+    clean, clean_lse = run(fwd_sm90, q, k, v, scale, window)
+    bad = v.clone()
+    bad[:, key, :, 3] = float("nan")
+    out, lse = run(fwd_sm90, q, k, bad, scale, window)
+    assert torch.equal(lse, clean_lse)
+    first, end = (0, 1024) if window == FULL else (key, 1024 if window == CAUSAL else key + 201)
+    assert out[:, first:end, :, 3].isnan().all()
+    assert torch.equal(out[:, :first], clean[:, :first])
+    assert torch.equal(out[:, end:], clean[:, end:])
+    others = [c for c in range(head_dim) if c != 3]
+    assert torch.equal(out[:, first:end, :, others], clean[:, first:end, :, others])
+
+
 def skip_unless_dispatch_tiles():
     """A/B-variant tests run once, under the fixture parameter with dispatch's tiles (the
     variants configs() precompiles for them)."""
@@ -299,19 +319,10 @@ def test_o_tma_staging_in_the_clean_v_tiles(monkeypatch, head_dim):
     skip_unless_dispatch_tiles()
     monkeypatch.setenv(fwd_sm90.O_TMA_ENV, "1")
     dispatch._reset()
-    q, k, v = make(2, 1024, 1024, 16, 16, head_dim, BF16, seed=18)
-    scale = head_dim ** -0.5
-    assert fwd_sm90.plan_config(FwdCall(q, k, v, torch.empty_like(q),
-                                        torch.empty(2, 16, 1024, device="cuda"), scale,
-                                        *CAUSAL), 132).o_tma
-    clean, clean_lse = run(fwd_sm90, q, k, v, scale, CAUSAL)
-    bad = v.clone()
-    bad[:, 200, :, 3] = float("nan")
-    out, lse = run(fwd_sm90, q, k, bad, scale, CAUSAL)
-    assert torch.equal(lse, clean_lse) and torch.equal(out[:, :200], clean[:, :200])
-    assert out[:, 200:, :, 3].isnan().all()
-    others = [c for c in range(head_dim) if c != 3]
-    assert torch.equal(out[:, 200:, :, others], clean[:, 200:, :, others])
+    q = torch.empty(2, 1024, 16, head_dim, device="cuda", dtype=BF16)
+    assert fwd_sm90.plan_config(FwdCall(q, q, q, q, torch.empty(2, 16, 1024, device="cuda"),
+                                        head_dim ** -0.5, *CAUSAL), 132).o_tma
+    check_nan_in_v_column(head_dim, CAUSAL, 200, seed=18)
 
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
@@ -351,15 +362,7 @@ def test_v_scanned_in_the_producer_warpgroup(monkeypatch, head_dim):
         got = check(q, k, v, w)
         assert torch.equal(got[0], out) and torch.equal(got[1], lse)
     check_empty_work_tiles(head_dim, 40, 8, seed=22)
-    q, k, v = make(2, 1024, 1024, 16, 16, head_dim, BF16, seed=23)
-    clean, clean_lse = run(fwd_sm90, q, k, v, scale, CAUSAL)
-    bad = v.clone()
-    bad[:, 200, :, 3] = float("nan")
-    out, lse = run(fwd_sm90, q, k, bad, scale, CAUSAL)
-    assert torch.equal(lse, clean_lse) and torch.equal(out[:, :200], clean[:, :200])
-    assert out[:, 200:, :, 3].isnan().all()
-    others = [c for c in range(head_dim) if c != 3]
-    assert torch.equal(out[:, 200:, :, others], clean[:, 200:, :, others])
+    check_nan_in_v_column(head_dim, CAUSAL, 200, seed=23)
 
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
@@ -413,20 +416,7 @@ def test_next_first_s_with_the_last_p_v(monkeypatch, head_dim, window):
     check(q, k, v, window)
     check(*make(2, 77, 300, 4, 4, head_dim, FP16, seed=28), window)
     check_empty_work_tiles(head_dim, 40, 8, seed=29)
-    q, k, v = make(2, 1024, 1024, 16, 16, head_dim, BF16, seed=30)
-    scale = head_dim ** -0.5
-    clean, clean_lse = run(fwd_sm90, q, k, v, scale, window)
-    bad = v.clone()
-    bad[:, 5, :, 3] = float("nan")
-    out, lse = run(fwd_sm90, q, k, bad, scale, window)
-    assert torch.equal(lse, clean_lse)
-    # the rows that see key 5: all without a mask, 5.. causal, 5 .. 205 with the window
-    first, end = (0, 1024) if window == FULL else (5, 1024 if window == CAUSAL else 206)
-    assert out[:, first:end, :, 3].isnan().all()
-    assert torch.equal(out[:, :first], clean[:, :first])
-    assert torch.equal(out[:, end:], clean[:, end:])
-    others = [c for c in range(head_dim) if c != 3]
-    assert torch.equal(out[:, first:end, :, others], clean[:, first:end, :, others])
+    check_nan_in_v_column(head_dim, window, 5, seed=30)
 
 
 # ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------
