@@ -94,8 +94,8 @@ class Sm90FwdConfig:
     # O through a shared-memory staging tile per consumer and a TMA store (FC_O_TMA;
     # FLASHCUDA_SM90_FWD_O_TMA=1, an A/B variant where it fits): one more kernel argument, map_o
     o_tma: bool = False
-    # masked V's scans by warp 1 of the producer warpgroup, a flag and an mbarrier per stage
-    # (FC_MV_SCANNER; FLASHCUDA_SM90_FWD_MV_SCANNER=1, an A/B variant of the masked-V kernels)
+    # masked V's scans by warps 1 .. 3 of the producer warpgroup, verdicts behind an mbarrier per
+    # scan (FC_MV_SCANNER; FLASHCUDA_SM90_FWD_MV_SCANNER=1, an A/B variant of the masked-V kernels)
     mv_scanner: bool = False
     # the schedule's divisions by multiply-high and shift, magic numbers from the host (FC_FAST_DIV;
     # FLASHCUDA_SM90_FWD_FAST_DIV=1, an A/B variant): ten more kernel arguments, fast_div_args
@@ -257,9 +257,9 @@ STAGES_ENV = "FLASHCUDA_SM90_FWD_STAGES"
 # Q buffers (A/B; default 1): 2 builds every kernel where the second Q tile fits in shared memory
 # (all but d128's masked-V ones, which keep 1) — see FC_Q_STAGES in the .cu
 Q_STAGES_ENV = "FLASHCUDA_SM90_FWD_Q_STAGES"
-# O through shared memory and a TMA store (A/B; default 0, session 15: written, not yet run): 1
-# builds it into every kernel where the staging tiles fit (all dispatched ones: the masked-V
-# kernels stage in their clean V tiles) — see FC_O_TMA
+# O through shared memory and a TMA store (A/B; default 0, session 16: -3 to +4% alone): 1 builds
+# it into every kernel where the staging tiles fit (all dispatched ones: the masked-V kernels
+# stage in their clean V tiles) — see FC_O_TMA
 O_TMA_ENV = "FLASHCUDA_SM90_FWD_O_TMA"
 # masked V's scans in the producer warpgroup (A/B; default 0, session 16) — see FC_MV_SCANNER
 MV_SCANNER_ENV = "FLASHCUDA_SM90_FWD_MV_SCANNER"
@@ -329,8 +329,7 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
         two = dataclasses.replace(cfg, q_stages=q_stages)
         if two.smem_bytes <= SMEM_OPTIN:  # (else this kernel keeps one: an A/B knob)
             cfg = two
-    defines = dict(cfg.defines)
-    if defines.get("FC_CROSS_TILE"):  # (A/B) needs two Q buffers; decodes ahead on its own
+    if dict(cfg.defines).get("FC_CROSS_TILE"):  # (A/B) needs two Q buffers; decodes ahead itself
         drop = ("FC_DECODE_AHEAD",) if cfg.q_stages == 2 else ("FC_CROSS_TILE",)
         cfg = dataclasses.replace(cfg, defines=tuple(d for d in cfg.defines if d[0] not in drop))
     if cfg.masked_v and flag(MV_SCANNER_ENV, False):
@@ -635,7 +634,7 @@ def _build_plan(call: FwdCall) -> _Plan | str:
     kernel, grid = get_kernel(cfg.spec(), call.device), cfg.grid(call, sms)
     fixed = constants(call, cfg, by_block, grid[0])
     launch = PreparedLaunch(kernel, grid, (cfg.threads, 1, 1), cfg.smem_bytes,
-                            kernel_args(call, cfg, by_block, grid[0]), fixed=len(fixed))
+                            (*_maps(call, cfg), call.out, call.lse, *fixed), fixed=len(fixed))
     return _Plan(cfg, kernel, grid, fixed, launch)
 
 

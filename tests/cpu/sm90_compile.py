@@ -23,6 +23,20 @@ FWD_DISPATCH_CASES = [(64, False, 4096), (64, True, 1024), (64, True, 16384), (1
                       (128, True, 1024)]
 
 
+def fwd_with_and_without(monkeypatch, env: str, head_dim: int, windowed: bool, seqlen: int,
+                         value: str = "1") -> tuple:
+    """(plain, variant): the bf16 forward configs select_config picks for the call without `env`
+    and with env=value (left set)."""
+    import torch
+
+    from flashcuda.ops import fwd_sm90
+
+    monkeypatch.delenv(env, raising=False)
+    plain = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    monkeypatch.setenv(env, value)
+    return plain, fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+
+
 def build_all(configs) -> dict:
     """{config name: CompileResult} for sm_90a, compiled in parallel."""
     import cuda.core  # noqa: F401  (import once here: importing it from several threads races)

@@ -22,7 +22,7 @@ from flashcuda.ops import fwd_sm90
 from flashcuda.ops.call import FwdCall
 
 from .sm90_compile import FWD_DISPATCH_CASES as CASES
-from .sm90_compile import clean_sass, param_table
+from .sm90_compile import clean_sass, fwd_with_and_without, param_table
 
 
 def fast_quo(n: int, magic: int) -> int:
@@ -112,12 +112,9 @@ def test_schedule_by_magic_equals_integer_division(shape, causal, by_block, grid
 
 
 def test_fast_div_env_builds_the_variant(monkeypatch):
-    monkeypatch.delenv(fwd_sm90.FAST_DIV_ENV, raising=False)
     for head_dim, windowed, seqlen in CASES:
-        plain = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
-        monkeypatch.setenv(fwd_sm90.FAST_DIV_ENV, "1")
-        cfg = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
-        monkeypatch.delenv(fwd_sm90.FAST_DIV_ENV)
+        plain, cfg = fwd_with_and_without(monkeypatch, fwd_sm90.FAST_DIV_ENV, head_dim, windowed,
+                                          seqlen)
         assert cfg.fast_div and cfg.name == plain.name + "_fd"
         assert cfg.smem_bytes == plain.smem_bytes  # (arguments only)
         assert dict(cfg.spec().defines)["FC_FAST_DIV"] == "1"
@@ -141,10 +138,8 @@ def test_fast_div_builds_clean_without_divisions(head_dim, windowed, seqlen, tmp
     """No spills; the integer-division idiom (I2F.RP, then a reciprocal) gone from the SASS
     (the default kernel has a dozen); the parameter table matches pack_args with the ten
     arguments after by_block."""
-    monkeypatch.setenv(fwd_sm90.FAST_DIV_ENV, "1")
-    cfg = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
-    monkeypatch.delenv(fwd_sm90.FAST_DIV_ENV)
-    plain = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    plain, cfg = fwd_with_and_without(monkeypatch, fwd_sm90.FAST_DIV_ENV, head_dim, windowed,
+                                      seqlen)
     sass, base = clean_sass(cfg, tmp_path), clean_sass(plain, tmp_path)
     assert not re.search(r"I2F\S*\.RP", sass) and re.search(r"I2F\S*\.RP", base)
     from flashcuda.jit import compile_spec

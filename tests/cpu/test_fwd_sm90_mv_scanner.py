@@ -14,18 +14,16 @@ import torch
 from flashcuda.ops import fwd_sm90
 
 from .sm90_compile import FWD_DISPATCH_CASES as CASES
-from .sm90_compile import clean_sass
+from .sm90_compile import clean_sass, fwd_with_and_without
 
 WINDOWED = [c for c in CASES if c[1]]
 
 
 @pytest.mark.parametrize("head_dim,windowed,seqlen", CASES)
 def test_scanner_env_builds_the_variant(monkeypatch, head_dim, windowed, seqlen):
-    monkeypatch.delenv(fwd_sm90.MV_SCANNER_ENV, raising=False)
-    plain = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    plain, cfg = fwd_with_and_without(monkeypatch, fwd_sm90.MV_SCANNER_ENV, head_dim, windowed,
+                                      seqlen)
     assert not plain.mv_scanner and "FC_MV_SCANNER" not in dict(plain.spec().defines)
-    monkeypatch.setenv(fwd_sm90.MV_SCANNER_ENV, "1")
-    cfg = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
     if not plain.masked_v:  # without a window there is nothing to scan: the same kernel
         assert cfg == plain
         return
@@ -49,10 +47,8 @@ def test_scanner_builds_clean(monkeypatch, head_dim, windowed, seqlen, tmp_path)
     """No spills (the producer warpgroup's 24 or 32 registers hold the requests' arithmetic), the
     .cu's layout agrees with the host's (a static_assert); the consumers no longer vote
     (bar.red.or is the vote), and the same TMA loads are issued."""
-    monkeypatch.setenv(fwd_sm90.MV_SCANNER_ENV, "1")
-    cfg = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
-    monkeypatch.delenv(fwd_sm90.MV_SCANNER_ENV)
-    plain = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    plain, cfg = fwd_with_and_without(monkeypatch, fwd_sm90.MV_SCANNER_ENV, head_dim, windowed,
+                                      seqlen)
     sass, base = clean_sass(cfg, tmp_path), clean_sass(plain, tmp_path)
     assert re.search(r"\bBAR\.RED\.OR\b", base) and not re.search(r"\bBAR\.RED\b", sass)
     loads = lambda s: len(re.findall(r"UTMALDG", s))  # noqa: E731

@@ -15,16 +15,14 @@ import torch
 from flashcuda.ops import fwd_sm90
 
 from .sm90_compile import FWD_DISPATCH_CASES as CASES
-from .sm90_compile import clean_sass
+from .sm90_compile import clean_sass, fwd_with_and_without
 
 
 @pytest.mark.parametrize("head_dim,windowed,seqlen", CASES)
 def test_o_tma_env_builds_the_staging(monkeypatch, head_dim, windowed, seqlen):
-    monkeypatch.delenv(fwd_sm90.O_TMA_ENV, raising=False)
-    plain = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    plain, staged = fwd_with_and_without(monkeypatch, fwd_sm90.O_TMA_ENV, head_dim, windowed,
+                                         seqlen)
     assert not plain.o_tma and "FC_O_TMA" not in dict(plain.spec().defines)
-    monkeypatch.setenv(fwd_sm90.O_TMA_ENV, "1")
-    staged = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
     # one 64-row tile per consumer warpgroup; the masked-V kernels (causal / window) stage O in
     # their consumers' clean V tiles (touched only on the non-finite path): no bytes of their own
     tiles = 0 if plain.masked_v else plain.consumers * 64 * head_dim * 2
@@ -39,10 +37,8 @@ def test_o_tma_builds_clean(monkeypatch, head_dim, windowed, seqlen, tmp_path):
     """The .cu's layout agrees with the host's (a static_assert on the byte count), no spills;
     O leaves by kHeadDim / 64 tensor stores per work tile from kHeadDim / 16 stmatrix.x4 per
     thread, and the only global stores left are lse's."""
-    monkeypatch.setenv(fwd_sm90.O_TMA_ENV, "1")
-    staged = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
-    monkeypatch.delenv(fwd_sm90.O_TMA_ENV)
-    plain = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    plain, staged = fwd_with_and_without(monkeypatch, fwd_sm90.O_TMA_ENV, head_dim, windowed,
+                                         seqlen)
     sass, base = clean_sass(staged, tmp_path), clean_sass(plain, tmp_path)
     assert len(re.findall(r"\bSTSM\b", sass)) == head_dim // 16
     assert len(re.findall(r"\bUTMASTG\b", sass)) == head_dim // 64

@@ -98,7 +98,7 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #ifndef FC_MV_SCANNER
 // 1 (A/B, session 16): with FC_MASKED_V, warps 1 .. 3 of the producer warpgroup (idle otherwise)
 // scan each V tile some consumer's rows see only in part as soon as it lands, and publish the
-// result in verdict words and an mbarrier of the stage (v_scanned); a consumer's masked tile then
+// result in verdict words and an mbarrier per scan (v_scanned); a consumer's masked tile then
 // waits for that barrier and reads the verdicts instead of scanning the stage itself and voting
 // on a named barrier: the scan leaves the consumers' critical path (on the H200, session 16, the
 // masked-V kernels ran 4-10% slower than the kernels without masked V at causal 512-2k). The
@@ -141,11 +141,12 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 #define FC_O_QUAD 0
 #endif
 #ifndef FC_O_TMA
-// 1 (A/B, session 15: written, not yet run on a GPU): the epilogue writes O through shared
-// memory and a TMA store instead of 16-byte global stores: each consumer warpgroup stmatrix-es
-// its normalised 64 x kHeadDim tile into its own staging tile (128B-swizzled [64][64] chunks, as
-// Q), fences, syncs its 128 threads, and one thread issues kChunks tensor stores (map_o: out
-// with a 64 x 64 box; rows past seqlen_q are not written) and goes on; the next work tile's
+// 1 (A/B; session 16 on the H200: -3 to +4% alone, part of the boundary combination that gained
+// 2-9%, perf-notes): the epilogue writes O through shared memory and a TMA store instead of
+// 16-byte global stores: each consumer warpgroup stmatrix-es its normalised 64 x kHeadDim tile
+// into its own staging tile (128B-swizzled [64][64] chunks, as Q), fences, syncs its 128
+// threads, and one thread issues kChunks tensor stores (map_o: out with a 64 x 64 box; rows
+// past seqlen_q are not written) and goes on; the next work tile's
 // epilogue first waits until that store has read the tile. No quad transposes (the ~150
 // shuffles and selects per thread of FC_O_QUAD's store_row_v4) and no wait on the stores: the
 // forward timeline puts the epilogue at 0.9-1.0 us of a 4-8 us work tile at 512-1k. The staging
@@ -160,7 +161,8 @@ constexpr int kOBarrier = 12;  // + c: FC_O_TMA's staging tile, per consumer war
                                // barriers 1 .. 3: the ping-pong turns, 8 ..: the masked-V votes)
 #endif
 #ifndef FC_DECODE_AHEAD
-// 1 (A/B, session 15: written, not yet run on a GPU): a consumer decodes its next work tile
+// 1 (A/B; session 16 on the H200: -4 to +3% alone, the decode stayed on the warp's path; part
+// of the boundary combination, perf-notes): a consumer decodes its next work tile
 // (Schedule::block: four 32-bit divisions by runtime values and ~150 uniform-datapath
 // instructions in a dependent chain, 244 SASS instructions with the mask set-up in the timeline
 // build) while its last P V runs on the tensor cores (drain, between the issue and the wait),
@@ -390,51 +392,51 @@ struct Schedule {
   }
 };
 
-// The work tile after `t` of this CTA: round r = t / gridDim.x gives CTA c tile
-// r * gridDim.x + c; with kSnake odd rounds go the other way (tile r * gridDim.x + gridDim.x-1-c),
-// so under causal / window the CTA that took the heaviest tile of one round takes the lightest of
-// the next (a static list schedule within ~3% of greedy; plain round robin ends up to 21% late
-// when the query blocks per head and the CTA count share factors).
-__device__ __forceinline__ int next_work(int t) {
+// The work tile after `t` (of round `round` = t / g) of this CTA, over g CTAs: round r gives CTA
+// c tile r * g + c; with kSnake odd rounds go the other way (tile r * g + g - 1 - c), so under
+// causal / window the CTA that took the heaviest tile of one round takes the lightest of the next
+// (a static list schedule within ~3% of greedy; plain round robin ends up to 21% late when the
+// query blocks per head and the CTA count share factors). `round` is unused without kSnake.
+__device__ __forceinline__ int walk_next(int t, int g, int round) {
   if constexpr (kSnake) {
-    const int g = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
-    const int r = t / g + 1;
+    const int c = static_cast<int>(blockIdx.x), r = round + 1;
     return r * g + ((r & 1) ? g - 1 - c : c);
   } else {
-    return t + static_cast<int>(gridDim.x);
+    return t + g;
   }
+}
+
+__device__ __forceinline__ int next_work(int t) {
+  const int g = static_cast<int>(gridDim.x);
+  return walk_next(t, g, t / g);
 }
 
 // next_work, or with FC_FAST_DIV the same walk with the round's division by magic
 __device__ __forceinline__ int next_tile(const Schedule& sched, int t) {
-  if constexpr (kFastDiv) {
-    const int g = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
-    if constexpr (kSnake) {
-      const int r = fast_quo(t, sched.magic.grid) + 1;
-      return r * g + ((r & 1) ? g - 1 - c : c);
-    } else {
-      return t + g;
-    }
-  } else {
-    return next_work(t);
-  }
+  if constexpr (kFastDiv) return walk_next(t, gridDim.x, fast_quo(t, sched.magic.grid));
+  return next_work(t);
 }
 
 #if FC_MV_SCANNER
 // next_work for the producer thread, gridDim.x read where it is used: with the scanner's requests
 // (two more live values at 24 registers) ptxas kept gridDim.x in a register and spilled it
 __device__ __forceinline__ int producer_next_work(int t) {
-  uint32_t g;
+  int g;
   asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(g));
-  if constexpr (kSnake) {
-    const int c = static_cast<int>(blockIdx.x);
-    const int r = t / static_cast<int>(g) + 1;
-    return r * static_cast<int>(g) + ((r & 1) ? static_cast<int>(g) - 1 - c : c);
-  } else {
-    return t + static_cast<int>(g);
-  }
+  return walk_next(t, g, t / g);
 }
 #endif
+
+// Work tile w's decode, pinned between empty asm statements where it is called (FC_DECODE_AHEAD,
+// FC_CROSS_TILE: under a GEMM in flight), which ptxas would otherwise hoist or sink as pure
+// arithmetic: not before the first (w made opaque there), not after the second (the result used).
+__device__ __forceinline__ Block decode_pinned(const Schedule& sched, int w, const Mask& mask) {
+  asm volatile("" : "+r"(w));
+  const Block b = sched.block(w, mask);
+  asm volatile("" ::"r"(b.m0), "r"(b.head), "r"(b.head_kv), "r"(b.batch), "r"(b.n_first),
+               "r"(b.n_last));
+  return b;
+}
 
 // Ring index r (K/V tiles counted over all of a CTA's work tiles) lives in stage r % kStages;
 // its barriers' phase parity is (r / kStages) & 1.
@@ -694,6 +696,23 @@ struct Consumer {
     }
   }
 #endif
+
+  // The tile's mask where it needs one (`col0`: apply_mask's), then its softmax; with
+  // kSoftmaxInArms the softmax is written into both arms of the branch (FC_SOFTMAX_IN_ARMS).
+  __device__ __forceinline__ void masked_softmax(bool needs_mask, const Mask& mask, int i0,
+                                                 int col0, float scale_log2, float (&corr)[2]) {
+    if constexpr (kSoftmaxInArms) {
+      if (needs_mask) {
+        apply_mask(mask, i0, col0);
+        softmax(scale_log2, corr);
+      } else {
+        softmax(scale_log2, corr);
+      }
+    } else {
+      if (needs_mask) apply_mask(mask, i0, col0);
+      softmax(scale_log2, corr);
+    }
+  }
 
   __device__ __forceinline__ void rescale(const float (&corr)[2]) {
 #pragma unroll
@@ -997,18 +1016,9 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   wgmma_fence_operands(cs.s);
   release(sm.k_empty(st));
   float corr[2];
-  if constexpr (kSoftmaxInArms) {
-    if (masked(i)) {
-      cs.apply_mask(mask, row0, (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3));
-      cs.softmax(scale_log2, corr);
-    } else {
-      cs.softmax(scale_log2, corr);
-    }
-  } else {
-    if (masked(i))
-      cs.apply_mask(mask, row0, (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3));
-    cs.softmax(scale_log2, corr);
-  }
+  cs.masked_softmax(masked(i), mask, row0,
+                    (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3), scale_log2,
+                    corr);
   if constexpr (!kFirst) {
     wgmma_wait<0>();
     cs.hold_p();
@@ -1195,8 +1205,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #if FC_MV_SCANNER
   int scans = 0;  // the scanners' scans of this CTA's earlier work tiles (Visits)
 #endif
-  // ---- epilogue: finish l over the quad, normalise, store O and lse of a work tile (the producer
-  // is already loading the next work tile's Q, K and V)
   // A work tile's visits for this warpgroup's rows (with FC_MV_SCANNER numbered from `scans`, the
   // scanners' scans so far, which it advances past the work tile's)
   auto visits_of = [&](const Block& blk) {
@@ -1212,6 +1220,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #endif
     return v;
   };
+  // ---- epilogue: finish l over the quad, normalise, store O and lse of a work tile (the producer
+  // is already loading the next work tile's Q, K and V)
   auto store_out = [&](Consumer& cs, const Block& blk, int row0) {
     const int64_t lse_row0 = (static_cast<int64_t>(blk.batch) * nheads + blk.head) * seqlen_q;
 #if FC_O_TMA
@@ -1292,13 +1302,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   while (w < sched.total()) {
     const int w_after = next_tile(sched, w_next);
     Block after;  // the work tile after nxt, decoded under this one's last GEMMs
-    auto decode_after = [&] {  // pinned between its asm fences, as FC_DECODE_AHEAD's
-      int wa = w_after;
-      asm volatile("" : "+r"(wa));
-      after = sched.block(wa, mask);
-      asm volatile("" ::"r"(after.m0), "r"(after.head), "r"(after.head_kv), "r"(after.batch),
-                   "r"(after.n_first), "r"(after.n_last));
-    };
+    auto decode_after = [&] { after = decode_pinned(sched, w_after, mask); };
     const int row0 = blk.m0 + warp_row0 + g;
     const int qb = q_round % kQStages;
     const int tiles = blk.tiles();
@@ -1354,18 +1358,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
         wgmma_fence_operands(cs.s);
         release(sm.k_empty(sk));
         float corr[2];  // (as attend_key_tile's first tile)
-        if constexpr (kSoftmaxInArms) {
-          if (masked(0)) {
-            cs.apply_mask(mask, row0n, col0n);
-            cs.softmax(scale_log2, corr);
-          } else {
-            cs.softmax(scale_log2, corr);
-          }
-        } else {
-          if (masked(0))
-            cs.apply_mask(mask, row0n, col0n);
-          cs.softmax(scale_log2, corr);
-        }
+        cs.masked_softmax(masked(0), mask, row0n, col0n, scale_log2, corr);
         cs.softmax_tail(scale_log2);
         cs.rescale(corr);
         cs.pack_p();
@@ -1401,13 +1394,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #if FC_DECODE_AHEAD
     const Block blk = ahead;
     const int w_next = next_tile(sched, w);  // (decoded past the end too: arithmetic only)
-    auto decode_next = [&] {  // pinned between its asm fences: ptxas would hoist pure arithmetic
-      int wn = w_next;
-      asm volatile("" : "+r"(wn));  // (not before the P V issue)
-      ahead = sched.block(wn, mask);
-      asm volatile("" ::"r"(ahead.m0), "r"(ahead.head), "r"(ahead.head_kv), "r"(ahead.batch),
-                   "r"(ahead.n_first), "r"(ahead.n_last));  // (not after the wait)
-    };
+    auto decode_next = [&] { ahead = decode_pinned(sched, w_next, mask); };
 #else
     const Block blk = sched.block(w, mask);
 #endif
