@@ -10,8 +10,11 @@ FLASHCUDA_SM90_PINGPONG=0|1 and FLASHCUDA_SM90_SNAKE=0|1 override either for A/B
 Masked calls (causal, window) run the masked-V variant: a NaN / Inf in V reaches only the rows
 that see its key (+ a clean V tile per consumer; FLASHCUDA_SM90_FWD_MASKED_V=0 for A/B). d128
 kernels write the softmax into both arms of the mask branch (SOFTMAX_IN_ARMS), which keeps
-ptxas's P V wait after the exp2s. FLASHCUDA_SM90_FWD_DEFINES and FLASHCUDA_SM90_SMEM_PAD build
-A/B variants of the .cu's knobs.
+ptxas's P V wait after the exp2s. A work tile's boundary (session 17): two Q buffers where they
+fit, O by a TMA store, the next work tile decoded under the last P V with magic-number
+divisions, masked V scanned by the producer warpgroup (with_boundary; FLASHCUDA_SM90_FWD_Q_STAGES=1,
+_O_TMA=0, _DECODE_AHEAD=0, _FAST_DIV=0, _MV_SCANNER=0 turn each off for A/B runs).
+FLASHCUDA_SM90_FWD_DEFINES and FLASHCUDA_SM90_SMEM_PAD build A/B variants of the .cu's knobs.
 
 `Sm90FwdConfig` is the single source of truth of a specialisation: tiles, stages, warpgroups,
 register split, shared memory (the .cu static_asserts the same layout), the name, the defines.
@@ -88,18 +91,21 @@ class Sm90FwdConfig:
     # unused shared memory before the barriers (FLASHCUDA_SM90_SMEM_PAD=<KiB>): an A/B variant
     # that gives the default kernel the masked-V variant's footprint; never chosen by default
     smem_pad: int = 0
-    # Q buffers (FC_Q_STAGES; FLASHCUDA_SM90_FWD_Q_STAGES=2, an A/B variant where it fits): the
-    # next work tile's Q loads while the current one's last key tiles run; never chosen by default
+    # The work-tile boundary (session 17: on by default, each where it fits; with_boundary):
+    # Q buffers (FC_Q_STAGES): the next work tile's Q loads while the current one's last key
+    # tiles run
     q_stages: int = 1
-    # O through a shared-memory staging tile per consumer and a TMA store (FC_O_TMA;
-    # FLASHCUDA_SM90_FWD_O_TMA=1, an A/B variant where it fits): one more kernel argument, map_o
+    # O through a shared-memory staging tile per consumer and a TMA store (FC_O_TMA): one more
+    # kernel argument, map_o
     o_tma: bool = False
     # masked V's scans by warps 1 .. 3 of the producer warpgroup, verdicts behind an mbarrier per
-    # scan (FC_MV_SCANNER; FLASHCUDA_SM90_FWD_MV_SCANNER=1, an A/B variant of the masked-V kernels)
+    # scan (FC_MV_SCANNER; masked-V kernels only)
     mv_scanner: bool = False
-    # the schedule's divisions by multiply-high and shift, magic numbers from the host (FC_FAST_DIV;
-    # FLASHCUDA_SM90_FWD_FAST_DIV=1, an A/B variant): ten more kernel arguments, fast_div_args
+    # the schedule's divisions by multiply-high and shift, magic numbers from the host
+    # (FC_FAST_DIV): ten more kernel arguments, fast_div_args
     fast_div: bool = False
+    # each consumer decodes its next work tile under its last P V (FC_DECODE_AHEAD)
+    decode_ahead: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_FWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob the .cu documents (e.g. FC_MV_SCAN_UNROLL); never chosen by default
     defines: tuple = ()
@@ -166,7 +172,7 @@ class Sm90FwdConfig:
                 f"{f'_pad{self.smem_pad // 1024}k' if self.smem_pad else ''}"
                 f"{f'_q{self.q_stages}' if self.q_stages != 1 else ''}"
                 f"{'_ot' if self.o_tma else ''}{'_ms' if self.mv_scanner else ''}"
-                f"{'_fd' if self.fast_div else ''}"
+                f"{'_fd' if self.fast_div else ''}{'_da' if self.decode_ahead else ''}"
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
     def spec(self) -> KernelSpec:
@@ -188,6 +194,7 @@ class Sm90FwdConfig:
             **({"FC_O_TMA": 1} if self.o_tma else {}),
             **({"FC_MV_SCANNER": 1} if self.mv_scanner else {}),
             **({"FC_FAST_DIV": 1} if self.fast_div else {}),
+            **({"FC_DECODE_AHEAD": 1} if self.decode_ahead else {}),
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
             **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
             **({"FC_O_QUAD": 1} if self.block_m in O_QUAD.get(self.head_dim, ()) else {}),
@@ -254,17 +261,18 @@ SMEM_PAD_ENV = "FLASHCUDA_SM90_SMEM_PAD"  # KiB of unused shared memory (A/B of 
 # at 128 keys: 1 KB + Q 32 KB + 3 x 64 KB at d128). Windowed calls keep 2 (their masked-V clean
 # tiles would not fit with a third).
 STAGES_ENV = "FLASHCUDA_SM90_FWD_STAGES"
-# Q buffers (A/B; default 1): 2 builds every kernel where the second Q tile fits in shared memory
-# (all but d128's masked-V ones, which keep 1) — see FC_Q_STAGES in the .cu
-Q_STAGES_ENV = "FLASHCUDA_SM90_FWD_Q_STAGES"
-# O through shared memory and a TMA store (A/B; default 0, session 16: -3 to +4% alone): 1 builds
-# it into every kernel where the staging tiles fit (all dispatched ones: the masked-V kernels
-# stage in their clean V tiles) — see FC_O_TMA
+# The work-tile boundary's parts, on by default since session 17 (perf-notes "the work-tile
+# boundary, made the default": together +2-12% at 512-4k, same-run A/B; none gains alone, each
+# shortens one link of a chain the two consumers run in lock step). Each variable set to its
+# old value builds the kernel without that part (A/B): Q_STAGES=1 (one Q buffer), O_TMA=0 (O by
+# the consumers' own stores), MV_SCANNER=0 (the consumers scan masked V), FAST_DIV=0 (the
+# schedule's divisions as divisions), DECODE_AHEAD=0 (the next work tile decoded after the
+# store). See FC_Q_STAGES, FC_O_TMA, FC_MV_SCANNER, FC_FAST_DIV and FC_DECODE_AHEAD in the .cu.
+Q_STAGES_ENV = "FLASHCUDA_SM90_FWD_Q_STAGES"  # 1 | 2 (where the second Q tile fits: not d128 mv)
 O_TMA_ENV = "FLASHCUDA_SM90_FWD_O_TMA"
-# masked V's scans in the producer warpgroup (A/B; default 0, session 16) — see FC_MV_SCANNER
 MV_SCANNER_ENV = "FLASHCUDA_SM90_FWD_MV_SCANNER"
-# the schedule's divisions by magic numbers (A/B; default 0, session 16) — see FC_FAST_DIV
 FAST_DIV_ENV = "FLASHCUDA_SM90_FWD_FAST_DIV"
+DECODE_AHEAD_ENV = "FLASHCUDA_SM90_FWD_DECODE_AHEAD"
 SMEM_OPTIN = 232448  # H100 / H200: dynamic shared memory a block may opt in to
 
 
@@ -305,7 +313,9 @@ def _smem_pad() -> int:
 def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
             pingpong: bool | None = None, snake: bool | None = None,
             windowed: bool = False, seqlen_q: int = LONG,
-            masked_v: bool | None = None, few_rounds: bool = False) -> Sm90FwdConfig:
+            masked_v: bool | None = None, few_rounds: bool = False,
+            boundary: dict | None = None) -> Sm90FwdConfig:
+    """The config of these tiles; `boundary` (with_boundary's parts) in place of the env's."""
     pingpong = flag(PINGPONG_ENV, True) if pingpong is None else pingpong
     if snake is None:
         snake = flag(SNAKE_ENV, windowed and (seqlen_q >= SNAKE_FROM or few_rounds))
@@ -324,22 +334,36 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
             raise ValueError(f"{STAGES_ENV}={stages}: {cfg.name} would need {cfg.smem_bytes} "
                              f"bytes of shared memory (at most {SMEM_OPTIN}); expected fewer "
                              f"stages or smaller tiles ({TILES_ENV})")
-    q_stages = _q_stages()
-    if q_stages != cfg.q_stages:
-        two = dataclasses.replace(cfg, q_stages=q_stages)
-        if two.smem_bytes <= SMEM_OPTIN:  # (else this kernel keeps one: an A/B knob)
-            cfg = two
-    if dict(cfg.defines).get("FC_CROSS_TILE"):  # (A/B) needs two Q buffers; decodes ahead itself
+    if boundary is None:
+        boundary = dict(q_stages=_q_stages(), o_tma=flag(O_TMA_ENV, True),
+                        mv_scanner=flag(MV_SCANNER_ENV, True), fast_div=flag(FAST_DIV_ENV, True),
+                        decode_ahead=flag(DECODE_AHEAD_ENV, True))
+    return with_boundary(cfg, **boundary)
+
+
+BOUNDARY = dict(q_stages=2, o_tma=True, mv_scanner=True, fast_div=True, decode_ahead=True)
+BOUNDARY_OFF = dict(q_stages=1, o_tma=False, mv_scanner=False, fast_div=False, decode_ahead=False)
+
+
+def with_boundary(cfg: Sm90FwdConfig, *, q_stages: int, o_tma: bool, mv_scanner: bool,
+                  fast_div: bool, decode_ahead: bool) -> Sm90FwdConfig:
+    """`cfg` (without them) with the work-tile boundary's parts asked for, each where it fits:
+    the second Q buffer and O's staging tiles only within SMEM_OPTIN (in this order: d128's
+    masked-V kernels keep one Q buffer and stage O in their clean V tiles), the scanner only with
+    masked V. FC_CROSS_TILE among the defines (an A/B variant) needs the second Q buffer and
+    decodes ahead itself: it replaces decode_ahead where two Q buffers fit and is dropped
+    elsewhere."""
+    if q_stages == 2 and (two := dataclasses.replace(cfg, q_stages=2)).smem_bytes <= SMEM_OPTIN:
+        cfg = two
+    if dict(cfg.defines).get("FC_CROSS_TILE"):
         drop = ("FC_DECODE_AHEAD",) if cfg.q_stages == 2 else ("FC_CROSS_TILE",)
+        decode_ahead = decode_ahead and cfg.q_stages != 2
         cfg = dataclasses.replace(cfg, defines=tuple(d for d in cfg.defines if d[0] not in drop))
-    if cfg.masked_v and flag(MV_SCANNER_ENV, False):
+    if cfg.masked_v and mv_scanner:
         cfg = scanned(cfg)
-    if flag(FAST_DIV_ENV, False):
-        cfg = dataclasses.replace(cfg, fast_div=True)
-    if flag(O_TMA_ENV, False):
-        staged = dataclasses.replace(cfg, o_tma=True)
-        if staged.smem_bytes <= SMEM_OPTIN:  # (else this kernel keeps its stores: an A/B knob)
-            cfg = staged
+    cfg = dataclasses.replace(cfg, fast_div=fast_div, decode_ahead=decode_ahead)
+    if o_tma and (staged := dataclasses.replace(cfg, o_tma=True)).smem_bytes <= SMEM_OPTIN:
+        cfg = staged
     return cfg
 
 
@@ -357,7 +381,7 @@ def _q_stages() -> int:
     raw = os.environ.get(Q_STAGES_ENV, "").strip()
     if raw not in ("", "1", "2"):
         raise ValueError(f"{Q_STAGES_ENV}: expected 1 or 2, got {raw!r}")
-    return int(raw or 1)
+    return int(raw or 2)
 
 
 def _stages() -> int:
@@ -390,38 +414,29 @@ def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
 
 def configs() -> list[Sm90FwdConfig]:
     """Every specialisation dispatch or an A/B run can pick (the CPU lane compiles them all):
-    the timeline variants of the ping-pong kernels (bf16: scripts/sm90_timeline.py) and the
-    masked-V variants of the kernels with windowed tiles included."""
-    out = [_config(dtype, d, bm, bn, pingpong, snake) for dtype in DTYPES
+    the timeline variants of the ping-pong kernels (bf16: scripts/sm90_timeline.py), the
+    masked-V variants of the kernels with windowed tiles, and for dispatch's kernels the A/B
+    variants without one part of the work-tile boundary, without all of them (the kernels
+    before session 17) and with FC_CROSS_TILE."""
+    out = [_config(dtype, d, bm, bn, pingpong, snake, masked_v=mv) for dtype in DTYPES
            for d, shapes in SHAPES.items() for bm, bn in shapes
-           for pingpong in (False, True) for snake in (False, True)]
+           for pingpong in (False, True) for snake in (False, True)
+           for mv in (False, True) if not mv or (bm, bn) in WINDOWED_TILES[d]]
     out += [dataclasses.replace(c, timeline=True) for c in out
-            if c.dtype == torch.bfloat16 and c.pingpong]
-    out += [dataclasses.replace(c, masked_v=True) for c in out
-            if (c.block_m, c.block_n) in WINDOWED_TILES[c.head_dim] and not c.timeline]
-    # the A/B variants the GPU lane runs (tests/gpu/test_fwd_sm90.py, with dispatch's tiles): two
-    # Q buffers, the O staging tiles and TMA store, each where it fits; the next work tile decoded
-    # under the last P V (FLASHCUDA_SM90_FWD_DEFINES=FC_DECODE_AHEAD=1)
-    dispatched = [c for c in out if c.pingpong and not c.timeline
-                  and (c.block_m, c.block_n) in (tiles_for(c.head_dim, False, LONG),
-                                                 tiles_for(c.head_dim, True, 1),
-                                                 tiles_for(c.head_dim, True, LONG))]
-    out += [two for c in dispatched
-            if (two := dataclasses.replace(c, q_stages=2)).smem_bytes <= SMEM_OPTIN]
-    out += [staged for c in dispatched
-            if (staged := dataclasses.replace(c, o_tma=True)).smem_bytes <= SMEM_OPTIN]
-    out += [dataclasses.replace(c, defines=(("FC_DECODE_AHEAD", 1),)) for c in dispatched]
-    # masked V's scans in the producer warpgroup (FLASHCUDA_SM90_FWD_MV_SCANNER=1)
-    out += [scanned(c) for c in dispatched if c.masked_v]
-    # the schedule's divisions by magic numbers (FLASHCUDA_SM90_FWD_FAST_DIV=1)
-    out += [dataclasses.replace(c, fast_div=True) for c in dispatched]
-    # the next work tile's first S with the last P V (FLASHCUDA_SM90_FWD_Q_STAGES=2 with
-    # FLASHCUDA_SM90_FWD_DEFINES=FC_CROSS_TILE=1), where two Q buffers fit, with the decode by
-    # magic numbers (its decode ahead; without it d64's 192-row masked-V kernel spills 16 bytes)
-    out += [dataclasses.replace(two, fast_div=True, defines=(("FC_CROSS_TILE", 1),))
-            for c in dispatched
-            if (two := dataclasses.replace(c, q_stages=2)).smem_bytes <= SMEM_OPTIN]
-    return out
+            if c.dtype == torch.bfloat16 and c.pingpong and not c.masked_v]
+    # the A/B variants the GPU lane runs (tests/gpu/test_fwd_sm90.py, with dispatch's tiles)
+    bare = [_config(c.dtype, c.head_dim, c.block_m, c.block_n, c.pingpong, c.snake,
+                    masked_v=c.masked_v, boundary=BOUNDARY_OFF) for c in out
+            if c.pingpong and not c.timeline
+            and (c.block_m, c.block_n) in (tiles_for(c.head_dim, False, LONG),
+                                           tiles_for(c.head_dim, True, 1),
+                                           tiles_for(c.head_dim, True, LONG))]
+    for c in bare:
+        out += [c] + [with_boundary(c, **{**BOUNDARY, part: BOUNDARY_OFF[part]})
+                      for part in BOUNDARY]
+        out.append(with_boundary(dataclasses.replace(c, defines=(("FC_CROSS_TILE", 1),)),
+                                 **BOUNDARY))
+    return list({c.name: c for c in out}.values())
 
 
 def enabled() -> bool:
@@ -601,7 +616,7 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
                      MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV,
-                     Q_STAGES_ENV, O_TMA_ENV, MV_SCANNER_ENV, FAST_DIV_ENV)
+                     Q_STAGES_ENV, O_TMA_ENV, MV_SCANNER_ENV, FAST_DIV_ENV, DECODE_AHEAD_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:

@@ -18,23 +18,23 @@ from flashcuda.jit import compile_spec
 ARCH = "sm_90a"
 ENTRY_REGS = 168  # 65536 / 384 threads, rounded down to 8: the cap at entry (setmaxnreg moves it)
 # (head dim, windowed, seqlen_q) for each kind of tiles the sm90 forward dispatches: the calls the
-# forward A/B variants' tests build at (test_fwd_sm90_q_stages.py, _o_tma.py, _decode_ahead.py)
+# forward A/B variants' tests build at (test_fwd_sm90_q_stages.py, _o_tma.py, _decode_ahead.py, ...)
 FWD_DISPATCH_CASES = [(64, False, 4096), (64, True, 1024), (64, True, 16384), (128, False, 4096),
                       (128, True, 1024)]
 
 
-def fwd_with_and_without(monkeypatch, env: str, head_dim: int, windowed: bool, seqlen: int,
-                         value: str = "1") -> tuple:
-    """(plain, variant): the bf16 forward configs select_config picks for the call without `env`
-    and with env=value (left set)."""
+def fwd_without_and_with(monkeypatch, env: str, off: str, head_dim: int, windowed: bool,
+                         seqlen: int) -> tuple:
+    """(without, default): the bf16 forward configs select_config picks for the call with
+    env=off (a part of the work-tile boundary turned off) and with `env` unset (left unset)."""
     import torch
 
     from flashcuda.ops import fwd_sm90
 
-    monkeypatch.delenv(env, raising=False)
-    plain = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
-    monkeypatch.setenv(env, value)
-    return plain, fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    monkeypatch.setenv(env, off)
+    without = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    monkeypatch.delenv(env)
+    return without, fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
 
 
 def build_all(configs) -> dict:

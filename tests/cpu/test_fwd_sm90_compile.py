@@ -67,19 +67,26 @@ def test_sm90_sass_uses_wgmma_and_tma(builds, cfg, tmp_path):
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
 
 
-def test_sm90_parameter_offsets_match_pack_args(builds, tmp_path):
-    """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout."""
-    cfg = fwd_sm90.configs()[0]
+@pytest.mark.parametrize("boundary", ["default", "off"])
+def test_sm90_parameter_offsets_match_pack_args(builds, tmp_path, boundary):
+    """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout, for a
+    kernel with the work-tile boundary's parts (O's tensor map after Q / K / V's, FC_FAST_DIV's
+    eight magic numbers and two counts at the end) and one without them."""
+    bare = boundary == "off"
+    cfg = next(c for c in fwd_sm90.configs() if c.o_tma != bare and c.fast_div != bare)
     table = param_table(builds[cfg.name].cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
-    args = (m, m, m, None, None, np.int64(0), np.int64(0), np.int64(0), np.int32(0), np.int32(0),
+    maps = (m,) * (3 + cfg.o_tma)
+    args = (*maps, None, None, np.int64(0), np.int64(0), np.int64(0), np.int32(0), np.int32(0),
             np.int32(0), np.int32(0), np.float32(0), np.int32(0), np.int32(0), np.int32(0),
             np.int32(0))
+    if cfg.fast_div:
+        args += (np.uint64(0),) * 8 + (np.int32(0),) * 2
     _, offsets = pack_args("k", args)
     assert len(table) == len(args)
     base = table[0][0]
     assert [table[i][0] - base for i in range(len(args))] == list(offsets)
-    assert [table[i][1] for i in range(3)] == [128, 128, 128]
+    assert [table[i][1] for i in range(len(maps))] == [128] * len(maps)
 
 
 def test_tensor_map_enum_values_match_cuda_bindings():
@@ -215,7 +222,7 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     assert {pick(dt, d, w).name for dt in fwd_sm90.DTYPES for d in (64, 128)
             for w in (False, True)} <= names
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "bm128_bn128")
-    assert pick(torch.bfloat16, 64).name == "flash_fwd_sm90_bf16_d64_bm128_bn128_s2_pp"
+    assert pick(torch.bfloat16, 64).name == "flash_fwd_sm90_bf16_d64_bm128_bn128_s2_pp_q2_ot_fd_da"
     assert pick(torch.bfloat16, 64).name in names
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "d64=bm192_bn128,d128=bm128_bn176")
     assert pick(torch.bfloat16, 64, True, 1).block_m == 192
@@ -224,7 +231,7 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     assert pick(torch.bfloat16, 128, False, 4096).block_n == 128  # d128: the rule
     monkeypatch.setenv(fwd_sm90.PINGPONG_ENV, "0")
     monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "1")
-    assert pick(torch.bfloat16, 64).name.endswith("_s2_sn") and pick(torch.bfloat16, 64).name in names
+    assert pick(torch.bfloat16, 64).name.endswith("_s2_sn_q2_ot_fd_da") and pick(torch.bfloat16, 64).name in names
     monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "yes")
     with pytest.raises(ValueError, match="FLASHCUDA_SM90_SNAKE"):
         pick(torch.bfloat16, 64)
@@ -379,12 +386,13 @@ def test_masked_v_switch(monkeypatch):
     names = {c.name for c in fwd_sm90.configs()}
     for d, sq in ((128, 2048), (64, 2048), (64, 8192)):
         mv = pick(torch.bfloat16, d, True, sq)
-        assert mv.masked_v and mv.name.endswith("_mv") and mv.name in names
+        assert mv.masked_v and "_mv_" in mv.name and mv.name in names
         assert dict(mv.spec().defines)["FC_MASKED_V"] == "1"
         plain = pick(torch.bfloat16, d, False, sq)
         assert not plain.masked_v  # no window: every key below seqlen_k is seen by every row
-        assert mv.smem_bytes == (dataclasses.replace(mv, masked_v=False).smem_bytes
-                                 + mv.consumers * mv.kv_bytes)
+        bare = dataclasses.replace(mv, mv_scanner=False, o_tma=False)  # (their own bytes)
+        assert bare.smem_bytes == (dataclasses.replace(bare, masked_v=False).smem_bytes
+                                   + mv.consumers * mv.kv_bytes)
         assert mv.smem_bytes <= 227 * 1024
     monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "0")
     off = pick(torch.bfloat16, 128, True, 2048)

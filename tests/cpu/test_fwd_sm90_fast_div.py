@@ -1,5 +1,5 @@
-"""FLASHCUDA_SM90_FWD_FAST_DIV=1 (FC_FAST_DIV in flash_fwd_sm90.cu; an A/B variant, session 16,
-not yet run on a GPU): the schedule's divisions by runtime values become a multiply-high and a
+"""FC_FAST_DIV in flash_fwd_sm90.cu (session 16; the default since session 17,
+FLASHCUDA_SM90_FWD_FAST_DIV=0 the A/B variant without it): the schedule's divisions by runtime values become a multiply-high and a
 shift by magic numbers the host computes per call (fwd_sm90.fast_div_magic / fast_div_args).
 Here: the magic numbers are exact over the kernel's range, the schedule decoded with them (the
 .cu's Schedule::block and next_tile, in Python) equals the one decoded by integer division at
@@ -22,7 +22,7 @@ from flashcuda.ops import fwd_sm90
 from flashcuda.ops.call import FwdCall
 
 from .sm90_compile import FWD_DISPATCH_CASES as CASES
-from .sm90_compile import clean_sass, fwd_with_and_without, param_table
+from .sm90_compile import clean_sass, fwd_without_and_with, param_table
 
 
 def fast_quo(n: int, magic: int) -> int:
@@ -113,12 +113,12 @@ def test_schedule_by_magic_equals_integer_division(shape, causal, by_block, grid
 
 def test_fast_div_env_builds_the_variant(monkeypatch):
     for head_dim, windowed, seqlen in CASES:
-        plain, cfg = fwd_with_and_without(monkeypatch, fwd_sm90.FAST_DIV_ENV, head_dim, windowed,
-                                          seqlen)
-        assert cfg.fast_div and cfg.name == plain.name + "_fd"
+        plain, cfg = fwd_without_and_with(monkeypatch, fwd_sm90.FAST_DIV_ENV, "0", head_dim,
+                                          windowed, seqlen)
+        assert cfg == dataclasses.replace(plain, fast_div=True) and "_fd" in cfg.name
         assert cfg.smem_bytes == plain.smem_bytes  # (arguments only)
         assert dict(cfg.spec().defines)["FC_FAST_DIV"] == "1"
-        assert cfg in fwd_sm90.configs()
+        assert {cfg.name, plain.name} <= {c.name for c in fwd_sm90.configs()}
     monkeypatch.setenv(fwd_sm90.FAST_DIV_ENV, "yes")
     with pytest.raises(ValueError, match=fwd_sm90.FAST_DIV_ENV):
         fwd_sm90.select_config(torch.bfloat16, 64)
@@ -136,10 +136,10 @@ def test_kernel_args_need_the_grid():
 def test_fast_div_builds_clean_without_divisions(head_dim, windowed, seqlen, tmp_path,
                                                  monkeypatch):
     """No spills; the integer-division idiom (I2F.RP, then a reciprocal) gone from the SASS
-    (the default kernel has a dozen); the parameter table matches pack_args with the ten
+    (the variant without it has a dozen); the parameter table matches pack_args with the ten
     arguments after by_block."""
-    plain, cfg = fwd_with_and_without(monkeypatch, fwd_sm90.FAST_DIV_ENV, head_dim, windowed,
-                                      seqlen)
+    plain, cfg = fwd_without_and_with(monkeypatch, fwd_sm90.FAST_DIV_ENV, "0", head_dim,
+                                      windowed, seqlen)
     sass, base = clean_sass(cfg, tmp_path), clean_sass(plain, tmp_path)
     assert not re.search(r"I2F\S*\.RP", sass) and re.search(r"I2F\S*\.RP", base)
     from flashcuda.jit import compile_spec
@@ -147,7 +147,7 @@ def test_fast_div_builds_clean_without_divisions(head_dim, windowed, seqlen, tmp
     table = param_table(compile_spec(cfg.spec(), "sm_90a").cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
     call = _call(2, seqlen, 4, 4, head_dim, windowed)
-    args = (m, m, m, None, None, *fwd_sm90.constants(call, cfg, None, 132))
+    args = (*(m,) * (3 + cfg.o_tma), None, None, *fwd_sm90.constants(call, cfg, None, 132))
     _, offsets = pack_args("k", args)
     assert len(table) == len(args)
     assert [table[i][0] - table[0][0] for i in range(len(args))] == list(offsets)

@@ -1,7 +1,9 @@
 """FC_O_QUAD (flash_fwd_sm90.cu): the forward's O epilogue in 16-byte stores after a transpose
 within each quad (store_row_v4, common/sm90.cuh), as the backward's dK / dV epilogue
 (FC_DKV_QUAD). On by default at d128 and for d64's 192-row tiles (fwd_sm90.O_QUAD, measured on
-the H200 in session 14); FLASHCUDA_SM90_FWD_DEFINES=FC_O_QUAD=0 / 1 overrides it (A/B)."""
+the H200 in session 14); FLASHCUDA_SM90_FWD_DEFINES=FC_O_QUAD=0 / 1 overrides it (A/B). Since
+session 17 O goes out by a TMA store by default (FC_O_TMA); these stores are the A/B variant's
+(FLASHCUDA_SM90_FWD_O_TMA=0)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def test_o_quad_defaults_follow_the_measurement():
 
 @pytest.mark.parametrize("head_dim,windowed", [(64, False), (64, True), (128, False), (128, True)])
 def test_o_quad_stores_o_in_16_byte_chunks(head_dim, windowed, tmp_path):
-    default = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, 4096)
+    default = dataclasses.replace(fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, 4096),
+                                  o_tma=False)
     plain = dataclasses.replace(default, defines=(("FC_O_QUAD", 0),))
     quad = dataclasses.replace(default, defines=(("FC_O_QUAD", 1),))
     assert quad.name == default.name + "_fc_o_quad1"

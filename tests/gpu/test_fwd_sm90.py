@@ -278,32 +278,49 @@ def test_persistent_with_empty_work_tiles():
     check_empty_work_tiles(128, 40, 8, seed=12)
 
 
+def boundary_part(monkeypatch, env, value):
+    """`env` set to `value` ("" leaves the default: the part on) and the plans reset; the tests
+    of the work-tile boundary's parts run them on (dispatch's kernels) and off (their A/B
+    variants), once, with dispatch's tiles."""
+    skip_unless_dispatch_tiles()
+    if value:
+        monkeypatch.setenv(env, value)
+    dispatch._reset()
+
+
+def planned(head_dim, window, seqlen_q=1000, nheads=16):
+    """The config dispatch plans for a bf16 call of this head dim, window and length."""
+    q = torch.empty(1, seqlen_q, nheads, head_dim, device="cuda", dtype=BF16)
+    lse = torch.empty(1, nheads, seqlen_q, device="cuda")
+    return fwd_sm90.plan_config(FwdCall(q, q, q, q, lse, head_dim ** -0.5, *window), 132)
+
+
+@pytest.mark.parametrize("q_stages", ["", "1"], ids=["two", "one"])
 @pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_two_q_buffers(monkeypatch, head_dim, window):
-    """FLASHCUDA_SM90_FWD_Q_STAGES=2 (FC_Q_STAGES, an A/B variant): the Q rounds alternate
-    between two buffers over 384 work tiles per call, and with seqlen_q > seqlen_k under a causal
-    mask work tiles without keys skip their Q round on both sides. Built where it fits (d128's
-    masked-V kernels keep one buffer: the same checks then run the default). Runs once, with
-    dispatch's tiles (the variants configs() precompiles)."""
-    skip_unless_dispatch_tiles()
-    monkeypatch.setenv(fwd_sm90.Q_STAGES_ENV, "2")
-    dispatch._reset()
+def test_two_q_buffers(monkeypatch, head_dim, window, q_stages):
+    """Two Q buffers (FC_Q_STAGES, by default where the second fits; FLASHCUDA_SM90_FWD_Q_STAGES=1
+    the A/B variant with one): the Q rounds alternate between the buffers over 384 work tiles
+    per call, and with seqlen_q > seqlen_k under a causal mask work tiles without keys skip their
+    Q round on both sides. d128's masked-V kernels keep one buffer (the same checks)."""
+    boundary_part(monkeypatch, fwd_sm90.Q_STAGES_ENV, q_stages)
+    fits = not (head_dim == 128 and window != FULL)
+    assert planned(head_dim, window).q_stages == (2 if fits and not q_stages else 1)
     check(*make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=13), window)
     check_empty_work_tiles(head_dim, 40, 8, seed=14)
 
 
+@pytest.mark.parametrize("o_tma", ["", "0"], ids=["tma", "stores"])
 @pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_o_through_a_tma_store(monkeypatch, head_dim, window):
-    """FLASHCUDA_SM90_FWD_O_TMA=1 (FC_O_TMA, an A/B variant): O goes through each consumer's
-    staging tile and a TMA store. 1000 queries end inside a 64-row consumer tile (the store must
-    clip the rows past seqlen_q, which belong to no one: they hold the next head's rows in
-    memory), ~3 work tiles per CTA reuse each staging tile (the store must have read it first),
-    and work tiles without keys store zeros. Runs once, with dispatch's tiles."""
-    skip_unless_dispatch_tiles()
-    monkeypatch.setenv(fwd_sm90.O_TMA_ENV, "1")
-    dispatch._reset()
+def test_o_through_a_tma_store(monkeypatch, head_dim, window, o_tma):
+    """O through each consumer's staging tile and a TMA store (FC_O_TMA, the default;
+    FLASHCUDA_SM90_FWD_O_TMA=0 the A/B variant with the consumers' own stores). 1000 queries end
+    inside a 64-row consumer tile (the store must clip the rows past seqlen_q, which belong to no
+    one: they hold the next head's rows in memory), ~3 work tiles per CTA reuse each staging
+    tile (the store must have read it first), and work tiles without keys store zeros."""
+    boundary_part(monkeypatch, fwd_sm90.O_TMA_ENV, o_tma)
+    assert planned(head_dim, window).o_tma == (not o_tma)
     check(*make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=15), window)
     check(*make(2, 77, 300, 4, 4, head_dim, FP16, seed=16), window)
     check_empty_work_tiles(head_dim, 40, 8, seed=17)
@@ -316,33 +333,52 @@ def test_o_tma_staging_in_the_clean_v_tiles(monkeypatch, head_dim):
     16 heads x 2 batches = ~2 work tiles per CTA, so the diagonal tile that copies V clean follows
     another work tile's store from the same tile. Rows before 200 (they do not see the key) and
     the other columns equal the clean run bit for bit; rows from 200 are NaN in column 3."""
-    skip_unless_dispatch_tiles()
-    monkeypatch.setenv(fwd_sm90.O_TMA_ENV, "1")
-    dispatch._reset()
-    q = torch.empty(2, 1024, 16, head_dim, device="cuda", dtype=BF16)
-    assert fwd_sm90.plan_config(FwdCall(q, q, q, q, torch.empty(2, 16, 1024, device="cuda"),
-                                        head_dim ** -0.5, *CAUSAL), 132).o_tma
+    boundary_part(monkeypatch, fwd_sm90.O_TMA_ENV, "")
+    cfg = planned(head_dim, CAUSAL, 1024)
+    assert cfg.o_tma and cfg.masked_v
     check_nan_in_v_column(head_dim, CAUSAL, 200, seed=18)
 
 
+@pytest.mark.parametrize("decode_ahead", ["", "0"], ids=["ahead", "after"])
 @pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_next_work_tile_decoded_ahead(monkeypatch, head_dim, window):
-    """FLASHCUDA_SM90_FWD_DEFINES=FC_DECODE_AHEAD=1 (an A/B variant): each consumer decodes its
-    next work tile under its last P V, or right away after a work tile without key tiles; the
-    masked calls here walk their tiles in snake order (few rounds), the others in plain order.
-    Runs once, with dispatch's tiles."""
-    skip_unless_dispatch_tiles()
-    monkeypatch.setenv(fwd_sm90.DEFINES_ENV, "FC_DECODE_AHEAD=1")
-    dispatch._reset()
+def test_next_work_tile_decoded_ahead(monkeypatch, head_dim, window, decode_ahead):
+    """Each consumer decodes its next work tile under its last P V, or right away after a work
+    tile without key tiles (FC_DECODE_AHEAD, the default; FLASHCUDA_SM90_FWD_DECODE_AHEAD=0 the
+    A/B variant that decodes after the store); the masked calls here walk their tiles in snake
+    order (few rounds), the others in plain order."""
+    boundary_part(monkeypatch, fwd_sm90.DECODE_AHEAD_ENV, decode_ahead)
+    assert planned(head_dim, window).decode_ahead == (not decode_ahead)
     check(*make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=19), window)
     check_empty_work_tiles(head_dim, 40, 8, seed=20)
 
 
+@pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernels_without_the_boundary_parts(monkeypatch, head_dim, window):
+    """The A/B variant without any of the boundary's parts (every variable at its old value:
+    the kernels dispatch ran before session 17): the same checks as the parts' tests, and the
+    NaN-in-V column."""
+    skip_unless_dispatch_tiles()
+    for env, value in ((fwd_sm90.Q_STAGES_ENV, "1"), (fwd_sm90.O_TMA_ENV, "0"),
+                       (fwd_sm90.MV_SCANNER_ENV, "0"), (fwd_sm90.FAST_DIV_ENV, "0"),
+                       (fwd_sm90.DECODE_AHEAD_ENV, "0")):
+        monkeypatch.setenv(env, value)
+    dispatch._reset()
+    cfg = planned(head_dim, window)
+    assert (cfg.q_stages, cfg.o_tma, cfg.mv_scanner, cfg.fast_div, cfg.decode_ahead) == (
+        1, False, False, False, False)
+    check(*make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=31), window)
+    check(*make(2, 77, 300, 4, 4, head_dim, FP16, seed=32), window)
+    check_empty_work_tiles(head_dim, 40, 8, seed=33)
+    check_nan_in_v_column(head_dim, window, 200, seed=34)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_v_scanned_in_the_producer_warpgroup(monkeypatch, head_dim):
-    """FLASHCUDA_SM90_FWD_MV_SCANNER=1 (FC_MV_SCANNER, an A/B variant of the masked-V kernels):
-    warp 1 of the producer warpgroup scans the masked tiles' V and the consumers read its
+    """Masked V's scans in the producer warpgroup (FC_MV_SCANNER, the masked-V kernels' default;
+    FLASHCUDA_SM90_FWD_MV_SCANNER=0 the A/B variant whose consumers scan): warps 1 .. 3 of the
+    producer warpgroup scan the masked tiles' V and the consumers read its
     verdict. Causal and window calls over ~3 work tiles per CTA (the scanner follows the ring
     across work tiles; work tiles without keys add no ring entries), a NaN in V of key 200 that
     only rows from 200 see (rows before it equal the clean run bit for bit), and the finite
@@ -353,11 +389,9 @@ def test_v_scanned_in_the_producer_warpgroup(monkeypatch, head_dim):
     q, k, v = make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=21)
     scale = head_dim ** -0.5
     want = [run(fwd_sm90, q, k, v, scale, w) for w in (CAUSAL, (200, 0))]
-    monkeypatch.setenv(fwd_sm90.MV_SCANNER_ENV, "1")
+    monkeypatch.delenv(fwd_sm90.MV_SCANNER_ENV)
     dispatch._reset()
-    call = FwdCall(q, k, v, torch.empty_like(q), torch.empty(3, 16, 1000, device="cuda"), scale,
-                   *CAUSAL)
-    assert fwd_sm90.plan_config(call, 132).mv_scanner
+    assert planned(head_dim, CAUSAL).mv_scanner
     for w, (out, lse) in zip((CAUSAL, (200, 0)), want, strict=True):
         got = check(q, k, v, w)
         assert torch.equal(got[0], out) and torch.equal(got[1], lse)
@@ -365,16 +399,16 @@ def test_v_scanned_in_the_producer_warpgroup(monkeypatch, head_dim):
     check_nan_in_v_column(head_dim, CAUSAL, 200, seed=23)
 
 
+@pytest.mark.parametrize("fast_div", ["", "0"], ids=["magic", "divide"])
 @pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_schedule_by_magic_numbers(monkeypatch, head_dim, window):
-    """FLASHCUDA_SM90_FWD_FAST_DIV=1 (FC_FAST_DIV, an A/B variant): the work tiles decoded with
-    the host's magic numbers. 3 x 10 query heads over 5 K / V heads (groups of 2), 1000 queries,
-    the masked calls in snake order and in L2 sections (an l2_share picked so that the 30 pairs
-    leave a shorter last section: its own magic number); then work tiles without keys. Runs
-    once, with dispatch's tiles."""
-    skip_unless_dispatch_tiles()
-    monkeypatch.setenv(fwd_sm90.FAST_DIV_ENV, "1")
+def test_schedule_by_magic_numbers(monkeypatch, head_dim, window, fast_div):
+    """The work tiles decoded with the host's magic numbers (FC_FAST_DIV, the default;
+    FLASHCUDA_SM90_FWD_FAST_DIV=0 the A/B variant that divides). 3 x 10 query heads over 5 K / V
+    heads (groups of 2), 1000 queries, in snake order and in L2 sections (an l2_share picked so
+    that the 30 pairs leave a shorter last section: its own magic number); then work tiles
+    without keys."""
+    boundary_part(monkeypatch, fwd_sm90.FAST_DIV_ENV, fast_div)
     monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "1")
     q, k, v = make(3, 1000, 1500, 10, 5, head_dim, BF16, seed=24)
     call = FwdCall(q, k, v, torch.empty_like(q), torch.empty(3, 10, 1000, device="cuda"),
@@ -386,7 +420,7 @@ def test_schedule_by_magic_numbers(monkeypatch, head_dim, window):
             break
     assert 30 % fwd_sm90.l2_section(call, l2), "no share gives a shorter last section"
     dispatch._reset()
-    assert fwd_sm90.plan_config(call, 132).fast_div
+    assert fwd_sm90.plan_config(call, 132).fast_div == (not fast_div)
     check(q, k, v, window)
     check(*make(1, 333, 333, 6, 6, head_dim, FP16, seed=25), window)
     check_empty_work_tiles(head_dim, 40, 8, seed=26)
@@ -395,8 +429,7 @@ def test_schedule_by_magic_numbers(monkeypatch, head_dim, window):
 @pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_next_first_s_with_the_last_p_v(monkeypatch, head_dim, window):
-    """FLASHCUDA_SM90_FWD_DEFINES=FC_CROSS_TILE=1 with two Q buffers and the decode by magic
-    numbers (an A/B variant): a work tile's last P V and the next one's first S share a turn, the
+    """FLASHCUDA_SM90_FWD_DEFINES=FC_CROSS_TILE=1 (an A/B variant, with the default boundary): a work tile's last P V and the next one's first S share a turn, the
     next one's first softmax after this one's store. ~3 work tiles per CTA (boundaries between
     work tiles of different heads and lengths), work tiles without keys between ones with keys
     (the loop falls back to the drain on both sides), a NaN in V of key 5 that only rows from 5
@@ -405,8 +438,6 @@ def test_next_first_s_with_the_last_p_v(monkeypatch, head_dim, window):
     dispatch's tiles."""
     skip_unless_dispatch_tiles()
     monkeypatch.setenv(fwd_sm90.DEFINES_ENV, "FC_CROSS_TILE=1")
-    monkeypatch.setenv(fwd_sm90.Q_STAGES_ENV, "2")
-    monkeypatch.setenv(fwd_sm90.FAST_DIV_ENV, "1")
     dispatch._reset()
     q, k, v = make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=27)
     call = FwdCall(q, k, v, torch.empty_like(q), torch.empty(3, 16, 1000, device="cuda"),
