@@ -2,10 +2,11 @@
 step `ncu`).
 
     python scripts/profile_call.py --shape 4 4096 16 128 [--causal] [--window L R] [--bwd]
-                                   [--repeats 3]
+                                   [--repeats 3] [--impl flashcuda|fa4]
 
 Runs flash_attn_func (and with --bwd its backward) `repeats` times on fresh bf16 inputs, then
-synchronises. The first repeat compiles / loads the kernels; a profiler should skip it
+synchronises. --impl fa4: FlashAttention 4's flash_attn_func instead (found as the bench finds
+it, FLASHCUDA_BENCH_SITE; no window), for profiling the peer's kernels at the same shape. The first repeat compiles / loads the kernels; a profiler should skip it
 (`ncu --launch-skip`): ncu's kernel filter (-k regex:flash_fwd_sm90 / flash_bwd_sm90) and
 --launch-skip 1 --launch-count 1 pick the second call's kernel.
 """
@@ -29,17 +30,28 @@ def main() -> None:
     ap.add_argument("--bwd", action="store_true")
     ap.add_argument("--fwd-only", action="store_true", help="no backward, even with --bwd")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--impl", choices=("flashcuda", "fa4"), default="flashcuda")
     a = ap.parse_args()
+    attend = lambda q, k, v: flashcuda.flash_attn_func(  # noqa: E731
+        q, k, v, causal=a.causal, window_size=tuple(a.window))
+    if a.impl == "fa4":
+        from flashcuda.bench import peers
+
+        impl = peers.load_fa4()
+        if impl.status != "ok" or tuple(a.window) != (-1, -1):
+            raise SystemExit(f"fa4 is {impl.status}: {impl.detail}" if impl.status != "ok"
+                             else "--impl fa4 takes no --window")
+        attend = lambda q, k, v: impl.forward(q, k, v, a.causal, q.shape[-1] ** -0.5)  # noqa: E731
     b, s, h, d = a.shape
     a.bwd = a.bwd and not a.fwd_only
     for _ in range(a.repeats):
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
                                requires_grad=a.bwd) for _ in range(3))
-        out = flashcuda.flash_attn_func(q, k, v, causal=a.causal, window_size=tuple(a.window))
+        out = attend(q, k, v)
         if a.bwd:
             out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
-    print(f"profiled shape {tuple(a.shape)} causal={a.causal} window={tuple(a.window)} "
+    print(f"profiled {a.impl} shape {tuple(a.shape)} causal={a.causal} window={tuple(a.window)} "
           f"bwd={a.bwd}: "
           f"{a.repeats} calls done")
 
