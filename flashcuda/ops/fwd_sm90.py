@@ -262,8 +262,9 @@ SMEM_PAD_ENV = "FLASHCUDA_SM90_SMEM_PAD"  # KiB of unused shared memory (A/B of 
 # tiles would not fit with a third).
 STAGES_ENV = "FLASHCUDA_SM90_FWD_STAGES"
 # The work-tile boundary's parts, on by default since session 17 (perf-notes "the work-tile
-# boundary, made the default": together +2-12% at 512-4k, same-run A/B; none gains alone, each
-# shortens one link of a chain the two consumers run in lock step). Each variable set to its
+# boundary, made the default": together -2.8 to +11.7% at 512-4k, gains at 15 of 16 points, and
+# -1.3 to +2.2% at 8k-16k, same-run A/Bs; none gains alone: each shortens one link of a chain
+# the two consumers run in lock step). Each variable set to its
 # old value builds the kernel without that part (A/B): Q_STAGES=1 (one Q buffer), O_TMA=0 (O by
 # the consumers' own stores), MV_SCANNER=0 (the consumers scan masked V), FAST_DIV=0 (the
 # schedule's divisions as divisions), DECODE_AHEAD=0 (the next work tile decoded after the

@@ -9,10 +9,11 @@
 //   layouts       (batch, row, head) strides that are multiples of 8 elements (16 bytes, a TMA
 //                 rule), unit last stride, 16-byte aligned base pointers
 //   outputs       out (B, Sq, H, D), lse (B, H, Sq) float32 natural log
-//   not yet       a dynamic (work-stealing) tile scheduler; A/B variants, measured, not yet the
-//                 default: the TMA store epilogue (FC_O_TMA), the masked-V scans in the producer
-//                 warpgroup (FC_MV_SCANNER), the decode under the last P V (FC_DECODE_AHEAD), two
-//                 Q buffers (FC_Q_STAGES); the decode by magic numbers (FC_FAST_DIV) is not yet run
+//   boundary      the host's default since session 17 (fwd_sm90.with_boundary): two Q buffers
+//                 where they fit (FC_Q_STAGES), the TMA store epilogue (FC_O_TMA), the decode under
+//                 the last P V (FC_DECODE_AHEAD) by magic numbers (FC_FAST_DIV), the masked-V scans
+//                 in the producer warpgroup (FC_MV_SCANNER); FC_CROSS_TILE measured, not used
+//   not yet       a dynamic (work-stealing) tile scheduler
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // Persistent: one CTA per SM (grid = min(work tiles, SMs)) walks work tiles of (query block of
@@ -41,7 +42,7 @@
 // and after the loop, the last tile's P V.
 // Deferred normalisation: O / l once, in the epilogue, which stores O straight from the
 // accumulator registers (16-byte stores after a transpose within each quad, FC_O_QUAD; through
-// shared memory and a TMA store with FC_O_TMA, an A/B variant).
+// shared memory and a TMA store with FC_O_TMA, the host's default since session 17).
 //
 // Shared memory (sm90.cuh header for the swizzled layout): Q [kBlockM][kHeadDim] (kQStages of
 // them, FC_Q_STAGES) and kStages K
@@ -69,14 +70,15 @@ constexpr int kBlockM = FC_BLOCK_M;  // query rows per work tile (64 per consume
 constexpr int kBlockN = FC_BLOCK_N;  // keys per tile
 constexpr int kStages = FC_STAGES;   // K/V ring depth
 #ifndef FC_Q_STAGES
-// Q buffers (A/B; session 15 on the H200: -4 to +4%, noise, and the timeline's wait before a
+// Q buffers (the host's default 2 where it fits since session 17, with the boundary's other
+// parts; alone, session 15 on the H200: -4 to +4%, noise, and the timeline's wait before a
 // work tile's first GEMM did not move: by the SASS most likely the tile's decode, see
 // FC_DECODE_AHEAD). 1: one Q tile, whose next work tile's load waits for the current one's last
 // Q K^T (q_empty) — and the producer, which issues in program order, holds the next work tile's
 // first K / V behind that wait too. 2: work tile r's Q goes to buffer r % 2, so its load (and the
 // K / V behind it) issue as soon as the ring has room, a work tile ahead. + kQBytes of shared
-// memory: the host builds it where that fits (fwd_sm90, the FLASHCUDA_SM90_FWD_Q_STAGES A/B; not
-// beside the d128 masked-V clean tiles).
+// memory: the host builds it where that fits (fwd_sm90; FLASHCUDA_SM90_FWD_Q_STAGES=1 the A/B;
+// not beside the d128 masked-V clean tiles).
 #define FC_Q_STAGES 1
 #endif
 constexpr int kQStages = FC_Q_STAGES;
@@ -96,7 +98,7 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
                        // the host builds windowed kernels with 1 (0: the A/B variant)
 #endif
 #ifndef FC_MV_SCANNER
-// 1 (A/B, session 16): with FC_MASKED_V, warps 1 .. 3 of the producer warpgroup (idle otherwise)
+// 1 (the host's default with FC_MASKED_V since session 17; session 16): warps 1 .. 3 of the producer warpgroup (idle otherwise)
 // scan each V tile some consumer's rows see only in part as soon as it lands, and publish the
 // result in verdict words and an mbarrier per scan (v_scanned); a consumer's masked tile then
 // waits for that barrier and reads the verdicts instead of scanning the stage itself and voting
@@ -141,8 +143,8 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 #define FC_O_QUAD 0
 #endif
 #ifndef FC_O_TMA
-// 1 (A/B; session 16 on the H200: -3 to +4% alone, part of the boundary combination that gained
-// 2-9%, perf-notes): the epilogue writes O through shared memory and a TMA store instead of
+// 1 (the host's default since session 17; session 16 on the H200: -3 to +4% alone; the
+// boundary's parts together -2.8 to +11.7% at 512-4k, perf-notes): the epilogue writes O through shared memory and a TMA store instead of
 // 16-byte global stores: each consumer warpgroup stmatrix-es its normalised 64 x kHeadDim tile
 // into its own staging tile (128B-swizzled [64][64] chunks, as Q), fences, syncs its 128
 // threads, and one thread issues kChunks tensor stores (map_o: out with a 64 x 64 box; rows
@@ -153,7 +155,7 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 // tiles take kConsumers x 64 x kHeadDim x 2 bytes of shared memory; with FC_MASKED_V each is its
 // consumer's clean V tile instead (touched only on the non-finite path, after a vote:
 // v_tile_poisoned waits for the store's read before the vote's barrier), so d128's causal /
-// window kernels fit too (FLASHCUDA_SM90_FWD_O_TMA).
+// window kernels fit too (FLASHCUDA_SM90_FWD_O_TMA=0 the A/B without it).
 #define FC_O_TMA 0
 #endif
 #if FC_O_TMA
@@ -161,8 +163,8 @@ constexpr int kOBarrier = 12;  // + c: FC_O_TMA's staging tile, per consumer war
                                // barriers 1 .. 3: the ping-pong turns, 8 ..: the masked-V votes)
 #endif
 #ifndef FC_DECODE_AHEAD
-// 1 (A/B; session 16 on the H200: -4 to +3% alone, the decode stayed on the warp's path; part
-// of the boundary combination, perf-notes): a consumer decodes its next work tile
+// 1 (the host's default since session 17; session 16 on the H200: -4 to +3% alone, the decode
+// stayed on the warp's path; one of the boundary's parts, perf-notes): a consumer decodes its next work tile
 // (Schedule::block: four 32-bit divisions by runtime values and ~150 uniform-datapath
 // instructions in a dependent chain, 244 SASS instructions with the mask set-up in the timeline
 // build) while its last P V runs on the tensor cores (drain, between the issue and the wait),
@@ -172,7 +174,8 @@ constexpr int kOBarrier = 12;  // + c: FC_O_TMA's staging tile, per consumer war
 #define FC_DECODE_AHEAD 0
 #endif
 #ifndef FC_FAST_DIV
-// 1 (A/B, session 16: written, not yet run on a GPU): the schedule's divisions by runtime values
+// 1 (the host's default since session 17, measured with the boundary's other parts, perf-notes;
+// written in session 16): the schedule's divisions by runtime values
 // (Schedule::block, next_tile: four to five 32-bit divisions per work tile, each an I2F / RCP /
 // multiply / correction chain) become a multiply-high and a shift by magic numbers the host
 // computes per call (fwd_sm90.fast_div_magic; ten more kernel arguments). The forward timeline
@@ -182,7 +185,8 @@ constexpr int kOBarrier = 12;  // + c: FC_O_TMA's staging tile, per consumer war
 #endif
 constexpr bool kFastDiv = FC_FAST_DIV;
 #ifndef FC_CROSS_TILE
-// 1 (A/B, session 16: written, not yet run on a GPU): a consumer warpgroup issues the next work
+// 1 (A/B; session 17 on the H200: -5.5 to +3.8% against the default boundary, not used; written
+// in session 16): a consumer warpgroup issues the next work
 // tile's first S = Q K_0^T in the same turn as the current one's last P V (the next Q is in the
 // other buffer: FC_Q_STAGES = 2), then stores the current O while that S runs, and computes the
 // next tile's first softmax after it; a work tile no longer starts with a lone GEMM whose latency
