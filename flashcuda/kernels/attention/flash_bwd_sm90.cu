@@ -321,6 +321,15 @@ struct Steps {
   __device__ __forceinline__ int m0(int it) const { return (m_first + it % n_m) * kBlockM; }
 };
 
+#ifndef FC_STEP_COUNTERS
+// 1 (A/B, session 17: written, not yet run on a GPU): the consumers walk their steps' (query
+// head, query block) with two counters instead of Steps::head / m0, whose it / n_m and it % n_m
+// by a runtime n_m put a 32-bit division (IABS, I2F.RP, MUFU.RCP, F2I and the corrections) into
+// every step of every consumer warp (ncu, session 17: 1 M executions at d128 4 x 4096 x 16).
+// Equal: `mi` counts it % n_m and `g` it / n_m as it goes up by one.
+#define FC_STEP_COUNTERS 0
+#endif
+
 // Bring-up watchdog (FC_WATCHDOG = 1, FLASHCUDA_SM90_BWD_WATCHDOG=1): a wait that has not
 // completed after 2 s of %globaltimer gives up and marks its thread `stuck` (its later waits
 // return at once), so a wrong phase lets the kernel finish, with NaN in every dK / dV row a stuck
@@ -1086,11 +1095,22 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     float late[32];              // ... and its red.v4 payload
 #endif
 
+#if FC_STEP_COUNTERS
+    int step_g = 0, step_mi = 0;  // it / n_m and it % n_m of step it
+#endif
     for (int it = 0; it < steps.count(); ++it) {
       // ring slot r: the ring, the dS buffers and the dQ hand-offs run on across the items
       const int r = ring0 + it;
       const int st = stage_of(r);
+#if FC_STEP_COUNTERS
+      const int h = head_kv * steps.group + step_g, m0 = (steps.m_first + step_mi) * kBlockM;
+      if (++step_mi == steps.n_m) {
+        step_mi = 0;
+        ++step_g;
+      }
+#else
       const int h = steps.head(it, head_kv), m0 = steps.m0(it);
+#endif
       [[maybe_unused]] const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
 
       wait(sm.full(st), parity_of(r), stuck);
