@@ -524,7 +524,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
 // the proxy fence orders those generic reads before it, as the PTX memory model asks of a
 // generic-then-async access pair. On the H200 it costs nothing measurable (d64 backward was
 // 3-4% faster with it from 4k, d128 equal: docs/perf-notes.md). compute-sanitizer racecheck
-// reports this write-after-read with or without the fence (scripts/racecheck_bulk_probe.py shows
+// reports this write-after-read with or without the fence (scripts/racecheck_probe.py bulk shows
 // the same report on a minimal correct ring; docs/GUARANTEES.md).
 __device__ __forceinline__ void release(uint32_t bar) {
 #if FC_RELEASE_FENCE

@@ -1,5 +1,5 @@
 // The synchronisation pattern of the sm90 kernels' cp.async.bulk loads, alone, for checking what
-// compute-sanitizer racecheck reports about it (scripts/racecheck_bulk_probe.py, docs/GUARANTEES.md).
+// compute-sanitizer racecheck reports about it (scripts/racecheck_probe.py bulk, docs/GUARANTEES.md).
 //
 // One CTA, 128 threads (4 warps), one 1 KiB shared buffer, two rounds. In each round thread 0
 // issues a cp.async.bulk of 256 floats into the buffer, completing on the "full" mbarrier; every

@@ -1,5 +1,5 @@
 // The hand-off of the forward's V scanner (FC_MV_SCANNER in flash_fwd_sm90.cu), alone, for
-// checking what compute-sanitizer racecheck reports about it (scripts/racecheck_handoff_probe.py,
+// checking what compute-sanitizer racecheck reports about it (scripts/racecheck_probe.py handoff,
 // docs/GUARANTEES.md): generic 32-bit shared-memory words written by one thread and read by other
 // warps, ordered by mbarriers only.
 //
