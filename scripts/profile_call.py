@@ -6,7 +6,8 @@ step `ncu`).
 
 Runs flash_attn_func (and with --bwd its backward) `repeats` times on fresh bf16 inputs, then
 synchronises. --impl fa4: FlashAttention 4's flash_attn_func instead (found as the bench finds
-it, FLASHCUDA_BENCH_SITE; no window), for profiling the peer's kernels at the same shape. The first repeat compiles / loads the kernels; a profiler should skip it
+it, FLASHCUDA_BENCH_SITE; no window), for profiling the peer's kernels at the same shape. The
+first repeat compiles / loads the kernels; a profiler should skip it
 (`ncu --launch-skip`): ncu's kernel filter (-k regex:flash_fwd_sm90 / flash_bwd_sm90) and
 --launch-skip 1 --launch-count 1 pick the second call's kernel.
 """
@@ -37,10 +38,11 @@ def main() -> None:
     if a.impl == "fa4":
         from flashcuda.bench import peers
 
+        if tuple(a.window) != (-1, -1):
+            raise SystemExit("--impl fa4 takes no --window")
         impl = peers.load_fa4()
-        if impl.status != "ok" or tuple(a.window) != (-1, -1):
-            raise SystemExit(f"fa4 is {impl.status}: {impl.detail}" if impl.status != "ok"
-                             else "--impl fa4 takes no --window")
+        if impl.status != "ok":
+            raise SystemExit(f"fa4 is {impl.status}: {impl.detail}")
         attend = lambda q, k, v: impl.forward(q, k, v, a.causal, q.shape[-1] ** -0.5)  # noqa: E731
     b, s, h, d = a.shape
     a.bwd = a.bwd and not a.fwd_only

@@ -264,16 +264,18 @@ STAGES_ENV = "FLASHCUDA_SM90_FWD_STAGES"
 # The work-tile boundary's parts, on by default since session 17 (perf-notes "the work-tile
 # boundary, made the default": together -2.8 to +11.7% at 512-4k, gains at 15 of 16 points, and
 # -1.3 to +2.2% at 8k-16k, same-run A/Bs; none gains alone: each shortens one link of a chain
-# the two consumers run in lock step). Each variable set to its
-# old value builds the kernel without that part (A/B): Q_STAGES=1 (one Q buffer), O_TMA=0 (O by
-# the consumers' own stores), MV_SCANNER=0 (the consumers scan masked V), FAST_DIV=0 (the
-# schedule's divisions as divisions), DECODE_AHEAD=0 (the next work tile decoded after the
-# store). See FC_Q_STAGES, FC_O_TMA, FC_MV_SCANNER, FC_FAST_DIV and FC_DECODE_AHEAD in the .cu.
+# the two consumers run in lock step). Each variable set to its OFF_SWITCHES value builds the
+# kernel without that part (A/B): Q_STAGES=1 (one Q buffer), O_TMA=0 (O by the consumers' own
+# stores), MV_SCANNER=0 (the consumers scan masked V), FAST_DIV=0 (the schedule's divisions as
+# divisions), DECODE_AHEAD=0 (the next work tile decoded after the store). See FC_Q_STAGES,
+# FC_O_TMA, FC_MV_SCANNER, FC_FAST_DIV and FC_DECODE_AHEAD in the .cu.
 Q_STAGES_ENV = "FLASHCUDA_SM90_FWD_Q_STAGES"  # 1 | 2 (where the second Q tile fits: not d128 mv)
 O_TMA_ENV = "FLASHCUDA_SM90_FWD_O_TMA"
 MV_SCANNER_ENV = "FLASHCUDA_SM90_FWD_MV_SCANNER"
 FAST_DIV_ENV = "FLASHCUDA_SM90_FWD_FAST_DIV"
 DECODE_AHEAD_ENV = "FLASHCUDA_SM90_FWD_DECODE_AHEAD"
+OFF_SWITCHES = {Q_STAGES_ENV: "1", O_TMA_ENV: "0", MV_SCANNER_ENV: "0", FAST_DIV_ENV: "0",
+                DECODE_AHEAD_ENV: "0"}  # every boundary part off: the kernels before session 17
 SMEM_OPTIN = 232448  # H100 / H200: dynamic shared memory a block may opt in to
 
 

@@ -46,9 +46,8 @@ def test_decode_ahead_builds_clean_with_the_decode_under_the_last_p_v(monkeypatc
     assert ahead.decode_ahead and ahead.name in names  # precompiled (the A/B variant)
     # the kernel without the boundary's parts decodes at the top (with only decode_ahead off
     # d64's masked-V kernels spill 4 bytes; that build is never dispatched)
-    for env, value in (("Q_STAGES_ENV", "1"), ("O_TMA_ENV", "0"), ("MV_SCANNER_ENV", "0"),
-                       ("DECODE_AHEAD_ENV", "0")):
-        monkeypatch.setenv(getattr(fwd_sm90, env), value)
+    for env, value in fwd_sm90.OFF_SWITCHES.items():
+        monkeypatch.setenv(env, value)
     after = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
     assert not (after.decode_ahead or after.fast_div) and after.name in names
     assert _divisions_under_a_p_v(clean_sass(ahead, tmp_path)) >= 3

@@ -360,9 +360,7 @@ def test_kernels_without_the_boundary_parts(monkeypatch, head_dim, window):
     the kernels dispatch ran before session 17): the same checks as the parts' tests, and the
     NaN-in-V column."""
     skip_unless_dispatch_tiles()
-    for env, value in ((fwd_sm90.Q_STAGES_ENV, "1"), (fwd_sm90.O_TMA_ENV, "0"),
-                       (fwd_sm90.MV_SCANNER_ENV, "0"), (fwd_sm90.FAST_DIV_ENV, "0"),
-                       (fwd_sm90.DECODE_AHEAD_ENV, "0")):
+    for env, value in fwd_sm90.OFF_SWITCHES.items():
         monkeypatch.setenv(env, value)
     dispatch._reset()
     cfg = planned(head_dim, window)

@@ -326,7 +326,7 @@ struct Steps {
 // head, query block) with two counters instead of Steps::head / m0, whose it / n_m and it % n_m
 // by a runtime n_m put a 32-bit division (IABS, I2F.RP, MUFU.RCP, F2I and the corrections) into
 // every step of every consumer warp (ncu, session 17: 1 M executions at d128 4 x 4096 x 16).
-// Equal: `mi` counts it % n_m and `g` it / n_m as it goes up by one.
+// Equal: step_mi counts it % n_m and step_g it / n_m as it goes up by one.
 #define FC_STEP_COUNTERS 0
 #endif
 
