@@ -322,12 +322,14 @@ struct Steps {
 };
 
 #ifndef FC_STEP_COUNTERS
-// 1 (A/B, session 17: written, not yet run on a GPU): the consumers walk their steps' (query
-// head, query block) with two counters instead of Steps::head / m0, whose it / n_m and it % n_m
-// by a runtime n_m put a 32-bit division (IABS, I2F.RP, MUFU.RCP, F2I and the corrections) into
-// every step of every consumer warp (ncu, session 17: 1 M executions at d128 4 x 4096 x 16).
-// Equal: step_mi counts it % n_m and step_g it / n_m as it goes up by one.
-#define FC_STEP_COUNTERS 0
+// 1 (the default since session 18; written in session 17): the consumers walk their steps'
+// (query head, query block) with two counters instead of Steps::head / m0, whose it / n_m and
+// it % n_m by a runtime n_m put a 32-bit division (IABS, I2F.RP, MUFU.RCP, F2I and the
+// corrections) into every step of every consumer warp (ncu, session 17: 1 M executions at d128
+// 4 x 4096 x 16). Equal: step_mi counts it % n_m and step_g it / n_m as it goes up by one. On the
+// H200 (session 18, same-run A/B): backward -0.2 to +3.5%, 11 of 12 points >= 0, most within the
+// run's noise; FLASHCUDA_SM90_BWD_DEFINES=FC_STEP_COUNTERS=0 builds the division (A/B).
+#define FC_STEP_COUNTERS 1
 #endif
 
 // Bring-up watchdog (FC_WATCHDOG = 1, FLASHCUDA_SM90_BWD_WATCHDOG=1): a wait that has not
