@@ -22,6 +22,10 @@ def spec() -> KernelSpec:
     return KernelSpec.make("mask_test", SOURCE)
 
 
+def bits_spec() -> KernelSpec:
+    return KernelSpec.make("fragment_bits_test", SOURCE)
+
+
 def mismatches(cases: torch.Tensor) -> torch.Tensor:
     """cases: (N, 6) int32 on a CUDA device, columns FIELDS (kernel-side windows: no -1). Returns
     (N,) int32, per case the number of key tiles (widths 64, 128, 176) where the two rules differ."""
@@ -41,6 +45,26 @@ def mismatches(cases: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def fragment_bits(bounds: torch.Tensor) -> torch.Tensor:
+    """bounds: (N, 2) int32 (lo, hi) on a CUDA device. Returns (N, 2) int64: mask.cuh's
+    fragment_bits(lo, hi) at 8 and at 16 column pairs per lane (bit 2j + c: column 8j + c lies in
+    [lo, hi))."""
+    if not isinstance(bounds, torch.Tensor):
+        raise TypeError(f"bounds must be a torch.Tensor, got {type(bounds).__name__}")
+    if bounds.dtype != torch.int32 or bounds.dim() != 2 or bounds.shape[1] != 2:
+        raise ValueError(f"bounds must be int32 of shape (N, 2), got {bounds.dtype} "
+                         f"{tuple(bounds.shape)}")
+    if bounds.device.type != "cuda":
+        raise ValueError(f"bounds must be on a CUDA device, got {bounds.device}")
+    count = bounds.shape[0]
+    out = torch.zeros((count, 2), dtype=torch.int32, device=bounds.device)
+    if count:
+        get_kernel(bits_spec(), bounds.device).launch(
+            (-(-count // THREADS), 1, 1), (THREADS, 1, 1), bounds.contiguous(), out,
+            np.int32(count))
+    return out.to(torch.int64) & 0xFFFFFFFF
+
+
 @register
 def variants() -> list[tuple[KernelSpec, tuple[str, ...]]]:
-    return [(spec(), ARCHS)]
+    return [(spec(), ARCHS), (bits_spec(), ARCHS)]

@@ -66,3 +66,21 @@ def test_every_window_kind_is_drawn():
     assert any(c[3] < 0 for c in cases)
     assert any(c[4] >= c[0] for c in cases)
     assert any(c[1] in (127, 128, 129) for c in cases)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fragment_bits_mark_the_lane_columns_inside_the_bounds(seed):
+    """mask.cuh's fragment_bits (FC_MASK_BITS in the sm90 kernels) against the columns a lane
+    holds, 8j + c, tested one by one: bounds around every column, empty and reversed ranges,
+    and far outside the tile (the windows' unbounded sides reach seqlen_q + seqlen_k)."""
+    rng = random.Random(seed)
+    near = list(range(-3, 132))
+    far = [-(1 << 30), -100000, -129, 129, 200, 100000, 1 << 30]
+    bounds = [(lo, hi) for lo in near[::3] for hi in near[1::3]]
+    bounds += [(rng.choice(near + far), rng.choice(near + far)) for _ in range(3000)]
+    got = mask_check.fragment_bits(torch.tensor(bounds, dtype=torch.int32, device="cuda")).cpu()
+    for (lo, hi), row in zip(bounds, got.tolist(), strict=True):
+        for pairs, value in zip((8, 16), row, strict=True):
+            want = sum(1 << (2 * j + c) for j in range(pairs) for c in range(2)
+                       if lo <= 8 * j + c < hi)
+            assert value == want, f"fragment_bits<{pairs}>({lo}, {hi}) = {value:#x}, want {want:#x}"

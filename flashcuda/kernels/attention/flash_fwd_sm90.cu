@@ -125,6 +125,14 @@ constexpr int kScanners = 3;  // warps 1 .. 3 of the producer warpgroup
 #define FC_SOFTMAX_IN_ARMS 0
 #endif
 constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
+#ifndef FC_MASK_BITS
+// 1 (A/B, session 18): apply_mask tests one bit of a per-row mask of the lane's visible columns
+// (mask.cuh's fragment_bits) per score instead of comparing its key against both ends of the
+// row's band (two compares and a select per score: ~220 instructions per lane and masked tile
+// at kBlockN = 128, the first tile of every causal work tile).
+#define FC_MASK_BITS 0
+#endif
+static_assert(!FC_MASK_BITS || kBlockN <= 128, "fragment_bits: 32 columns per lane and row");
 #ifndef FC_EXP_SPLIT
 // k > 0: the exp2s of a tile's column groups k .. kBlockN / 8 - 1 move after the previous P V's
 // wait (Consumer::softmax_tail), so they run interleaved with the rescale and the packing instead
@@ -619,12 +627,19 @@ struct Consumer {
       const int i = i0 + 8 * h;
       const int lo = mask.key_begin(i) - col0;    // first visible key, relative to col0
       const int hi = mask.key_end(i + 1) - col0;  // one past the last
+#if FC_MASK_BITS
+      const uint32_t visible = fragment_bits<kBlockN / 8>(lo, hi);  // bit 2j + c: key 8j + c
+#endif
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int key = 8 * j + c;
+#if FC_MASK_BITS
+          if (!((visible >> (2 * j + c)) & 1u)) s[4 * j + 2 * h + c] = neg_inf();
+#else
           if (key < lo || key >= hi) s[4 * j + 2 * h + c] = neg_inf();
+#endif
         }
     }
   }

@@ -81,3 +81,24 @@ __device__ __forceinline__ MaskedVisits masked_visits(const Mask& mask, int row0
   const int n_left = -floor_div(-(row_last + mask.shift() - mask.window_left), cols);  // ceil
   return MaskedVisits{n_last - n_right + 1, n_last - n_left + 1};
 }
+
+// The visible columns of one accumulator row of a lane, as bits: in the m64nN wgmma (and mma)
+// accumulator layout a lane holds, per row, the columns col0 + 8j + c (j < kPairs, c < 2); bit
+// 2j + c of the result is set iff that column lies in [col0 + lo, col0 + hi). A masking loop
+// then tests one bit per element (ptxas turns the constant-bit tests into R2P / predicate
+// logic) instead of comparing the column against both bounds (FC_MASK_BITS in the sm90
+// kernels). The number of a lane's columns below column col0 + x is 2 floor(x / 8) + min(x mod
+// 8, 2) for x in [0, 8 kPairs].
+template <int kPairs>
+__device__ __forceinline__ uint32_t fragment_bits(int lo, int hi) {
+  static_assert(kPairs >= 1 && kPairs <= 16, "32 columns per lane and row at most");
+  const auto below = [](int x) {
+    x = x < 0 ? 0 : (x > 8 * kPairs ? 8 * kPairs : x);
+    const int r = x & 7;
+    return 2 * (x >> 3) + (r < 2 ? r : 2);
+  };
+  const int a = below(lo), b = below(hi);  // bits [a, b): empty when lo >= hi
+  const uint32_t upto_b = b >= 32 ? 0xffffffffu : (1u << b) - 1u;
+  const uint32_t upto_a = a >= 32 ? 0xffffffffu : (1u << a) - 1u;
+  return upto_b & ~upto_a;
+}

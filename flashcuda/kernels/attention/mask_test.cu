@@ -7,6 +7,10 @@
 // ceil(seqlen_k / cols) + 1 (one tile past seqlen_k), the thread compares
 // tile_needs_mask(row0, rows, n * cols, cols) with masked_visits(...)(n_last - n) and writes the
 // number of disagreements to mismatches[c].
+//
+// fragment_bits_test: fragment_bits (mask.cuh) for (lo, hi) pairs, at 8 and 16 column pairs per
+// lane (the sm90 backward's 64- and 128-query steps, the forward's 128-key tiles), for the tests
+// to hold against the columns a lane holds (tests/gpu/test_mask.py).
 #include "attention/mask.cuh"
 #include "common/types.cuh"
 
@@ -30,4 +34,12 @@ mask_test(const int* __restrict__ cases, int* __restrict__ mismatches, int count
   const Mask mask{p[0], p[1], p[2], p[3]};
   mismatches[c] = count_mismatches<64>(mask, p[4], p[5]) + count_mismatches<128>(mask, p[4], p[5]) +
                   count_mismatches<176>(mask, p[4], p[5]);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads)
+fragment_bits_test(const int* __restrict__ bounds, uint32_t* __restrict__ bits, int count) {
+  const int c = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x);
+  if (c >= count) return;
+  bits[2 * c] = fragment_bits<8>(bounds[2 * c], bounds[2 * c + 1]);
+  bits[2 * c + 1] = fragment_bits<16>(bounds[2 * c], bounds[2 * c + 1]);
 }
