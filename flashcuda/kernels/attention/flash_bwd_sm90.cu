@@ -339,12 +339,6 @@ struct Steps {
 // ptxas give up the setmaxnreg budget (C7512, 1 KB of spills); not printf: a call serializes
 // every wgmma (C7510).
 constexpr bool kWatchdog = FC_WATCHDOG;
-#ifndef FC_MASK_BITS
-// 1 (A/B, session 18): a masked step's P^T tests one bit of a per-key-row mask of the lane's
-// visible queries (mask.cuh's fragment_bits) per element instead of Mask::visible's band
-// arithmetic (a subtraction and three compares per element).
-#define FC_MASK_BITS 0
-#endif
 #ifndef FC_DQ_V4
 #define FC_DQ_V4 0  // dQ reductions as red.v4 (FLASHCUDA_SM90_BWD_DQ=v4, A/B)
 #endif
@@ -727,30 +721,13 @@ struct Consumer {
   template <bool kMasked>
   __device__ __forceinline__ void probs(const float* lse2, float scale_log2, const Mask& mask,
                                         int key0, int col0) {
-#if FC_MASK_BITS
-    // the queries key row h sees, relative to col0: bit 2j + c stands for query col0 + 8j + c
-    uint32_t visible[2] = {0u, 0u};
-    if constexpr (kMasked) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int key = key0 + 8 * h;
-        const int first = key - mask.shift() - mask.window_right - col0;
-        const int last = key - mask.shift() + mask.window_left - col0;
-        visible[h] = key < mask.seqlen_k ? fragment_bits<kBlockM / 8>(first, last + 1) : 0u;
-      }
-    }
-#endif
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
       const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x)));
-#if FC_MASK_BITS
-        if (kMasked && !((visible[e >> 1] >> (2 * j + (e & 1))) & 1u)) p = 0.f;
-#else
         if (kMasked && !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1))) p = 0.f;
-#endif
         s[4 * j + e] = p;
       }
     }

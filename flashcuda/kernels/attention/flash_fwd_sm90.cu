@@ -126,13 +126,16 @@ constexpr int kScanners = 3;  // warps 1 .. 3 of the producer warpgroup
 #endif
 constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 #ifndef FC_MASK_BITS
-// 1 (A/B, session 18): apply_mask tests one bit of a per-row mask of the lane's visible columns
-// (mask.cuh's fragment_bits) per score instead of comparing its key against both ends of the
-// row's band (two compares and a select per score: ~220 instructions per lane and masked tile
-// at kBlockN = 128, the first tile of every causal work tile).
-#define FC_MASK_BITS 0
+// 1 (the default since session 18, where kBlockN <= 128): apply_mask tests one bit of a per-row
+// mask of the lane's visible columns (mask.cuh's fragment_bits; ptxas loads the bits into
+// predicates with R2P) per score instead of comparing its key against both ends of the row's
+// band (two compares and a select per score). Static SASS at kBlockN = 128: ~70 instructions
+// fewer per lane and masked tile (the first tile of every causal work tile); on the H200,
+// session 18: forward causal +0.3 to +3.4% at 512-8k. 0: the compares (A/B; also what the
+// 176-key A/B tile builds, whose 44 columns per row exceed the 32 bits).
+#define FC_MASK_BITS 1
 #endif
-static_assert(!FC_MASK_BITS || kBlockN <= 128, "fragment_bits: 32 columns per lane and row");
+constexpr bool kMaskBits = FC_MASK_BITS && kBlockN <= 128;
 #ifndef FC_EXP_SPLIT
 // k > 0: the exp2s of a tile's column groups k .. kBlockN / 8 - 1 move after the previous P V's
 // wait (Consumer::softmax_tail), so they run interleaved with the rescale and the packing instead
@@ -627,19 +630,16 @@ struct Consumer {
       const int i = i0 + 8 * h;
       const int lo = mask.key_begin(i) - col0;    // first visible key, relative to col0
       const int hi = mask.key_end(i + 1) - col0;  // one past the last
-#if FC_MASK_BITS
-      const uint32_t visible = fragment_bits<kBlockN / 8>(lo, hi);  // bit 2j + c: key 8j + c
-#endif
+      // bit 2j + c: key 8j + c (kMaskBits)
+      const uint32_t visible = kMaskBits ? fragment_bits<(kBlockN < 128 ? kBlockN : 128) / 8>(lo, hi)
+                                         : 0u;
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int key = 8 * j + c;
-#if FC_MASK_BITS
-          if (!((visible >> (2 * j + c)) & 1u)) s[4 * j + 2 * h + c] = neg_inf();
-#else
-          if (key < lo || key >= hi) s[4 * j + 2 * h + c] = neg_inf();
-#endif
+          const bool hidden = kMaskBits ? !((visible >> (2 * j + c)) & 1u) : key < lo || key >= hi;
+          if (hidden) s[4 * j + 2 * h + c] = neg_inf();
         }
     }
   }
