@@ -196,6 +196,7 @@ class Sm90FwdConfig:
             **({"FC_FAST_DIV": 1} if self.fast_div else {}),
             **({"FC_DECODE_AHEAD": 1} if self.decode_ahead else {}),
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
+            **({"FC_MASK_BITS": 1} if MASK_BITS and self.masked_v and self.block_n <= 128 else {}),
             **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
             **({"FC_O_QUAD": 1} if self.block_m in O_QUAD.get(self.head_dim, ()) else {}),
             **dict(self.defines),
@@ -292,6 +293,12 @@ SOFTMAX_IN_ARMS = (128,)
 # at 4k-16k without a mask, causal -1 to +3%), d64 -1 to +2% (noise: not used). An
 # FLASHCUDA_SM90_FWD_DEFINES=FC_EXP_SPLIT=0 run builds the unsplit kernel (A/B).
 EXP_SPLIT = {128: 8}
+# The windowed (masked-V) kernels test a masked tile's scores against a bit mask of each lane's
+# visible columns (FC_MASK_BITS, the .cu; 128-key tiles). Same-run A/B (session 18, perf-notes):
+# causal forward +0.3 to +3.4% at 512-8k (the masked first tile of every causal work tile is on
+# its critical path); the unwindowed kernels, which mask only ragged edge tiles, keep the compares
+# (not measured with it). FLASHCUDA_SM90_FWD_DEFINES=FC_MASK_BITS=0 builds the compares (A/B).
+MASK_BITS = True
 # Query-block heights (block_m) whose kernel stores O in 16-byte stores after a transpose within
 # each quad (FC_O_QUAD, the .cu), per head dim. Same-run A/B (session 14, perf-notes): d128
 # +2-11% (512-1k +6-11%, 4k +2-3.5%, 8k causal 0), the per-work-tile epilogue 2.1 -> 0.9 us

@@ -126,14 +126,15 @@ constexpr int kScanners = 3;  // warps 1 .. 3 of the producer warpgroup
 #endif
 constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 #ifndef FC_MASK_BITS
-// 1 (the default since session 18, where kBlockN <= 128): apply_mask tests one bit of a per-row
-// mask of the lane's visible columns (mask.cuh's fragment_bits; ptxas loads the bits into
-// predicates with R2P) per score instead of comparing its key against both ends of the row's
-// band (two compares and a select per score). Static SASS at kBlockN = 128: ~70 instructions
-// fewer per lane and masked tile (the first tile of every causal work tile); on the H200,
-// session 18: forward causal +0.3 to +3.4% at 512-8k. 0: the compares (A/B; also what the
-// 176-key A/B tile builds, whose 44 columns per row exceed the 32 bits).
-#define FC_MASK_BITS 1
+// 1 (the host's default for the windowed kernels since session 18: fwd_sm90.MASK_BITS): apply_mask
+// tests one bit of a per-row mask of the lane's visible columns (mask.cuh's fragment_bits;
+// ptxas loads the bits into predicates with R2P) per score instead of comparing its key against
+// both ends of the row's band (two compares and a select per score). Static SASS at kBlockN =
+// 128: ~70 instructions fewer per lane and masked tile (the first tile of every causal work
+// tile); on the H200, session 18: forward causal +0.3 to +3.4% at 512-8k. 0: the compares (the
+// unwindowed kernels, whose only masked tiles are ragged edges, and the 176-key A/B tile, whose
+// 44 columns per row exceed the 32 bits).
+#define FC_MASK_BITS 0
 #endif
 constexpr bool kMaskBits = FC_MASK_BITS && kBlockN <= 128;
 #ifndef FC_EXP_SPLIT
