@@ -70,7 +70,7 @@ def test_every_window_kind_is_drawn():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_fragment_bits_mark_the_lane_columns_inside_the_bounds(seed):
-    """mask.cuh's fragment_bits (FC_MASK_BITS in the sm90 kernels) against the columns a lane
+    """mask.cuh's fragment_bits (FC_MASK_BITS in the sm90 forward) against the columns a lane
     holds, 8j + c, tested one by one: bounds around every column, empty and reversed ranges,
     and far outside the tile (the windows' unbounded sides reach seqlen_q + seqlen_k)."""
     rng = random.Random(seed)

@@ -137,6 +137,7 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 #define FC_MASK_BITS 0
 #endif
 constexpr bool kMaskBits = FC_MASK_BITS && kBlockN <= 128;
+constexpr int kMaskPairs = kBlockN <= 128 ? kBlockN / 8 : 16;  // fragment_bits' column pairs
 #ifndef FC_EXP_SPLIT
 // k > 0: the exp2s of a tile's column groups k .. kBlockN / 8 - 1 move after the previous P V's
 // wait (Consumer::softmax_tail), so they run interleaved with the rescale and the packing instead
@@ -631,9 +632,8 @@ struct Consumer {
       const int i = i0 + 8 * h;
       const int lo = mask.key_begin(i) - col0;    // first visible key, relative to col0
       const int hi = mask.key_end(i + 1) - col0;  // one past the last
-      // bit 2j + c: key 8j + c (kMaskBits)
-      const uint32_t visible = kMaskBits ? fragment_bits<(kBlockN < 128 ? kBlockN : 128) / 8>(lo, hi)
-                                         : 0u;
+      // (kMaskBits) bit 2j + c: key 8j + c is visible
+      const uint32_t visible = kMaskBits ? fragment_bits<kMaskPairs>(lo, hi) : 0u;
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll

@@ -87,7 +87,7 @@ __device__ __forceinline__ MaskedVisits masked_visits(const Mask& mask, int row0
 // 2j + c of the result is set iff that column lies in [col0 + lo, col0 + hi). A masking loop
 // then tests one bit per element (ptxas turns the constant-bit tests into R2P / predicate
 // logic) instead of comparing the column against both bounds (FC_MASK_BITS in the sm90
-// kernels). The number of a lane's columns below column col0 + x is 2 floor(x / 8) + min(x mod
+// forward). The number of a lane's columns below column col0 + x is 2 floor(x / 8) + min(x mod
 // 8, 2) for x in [0, 8 kPairs].
 template <int kPairs>
 __device__ __forceinline__ uint32_t fragment_bits(int lo, int hi) {

@@ -9,7 +9,7 @@
 // number of disagreements to mismatches[c].
 //
 // fragment_bits_test: fragment_bits (mask.cuh) for (lo, hi) pairs, at 8 and 16 column pairs per
-// lane (the sm90 backward's 64- and 128-query steps, the forward's 128-key tiles), for the tests
+// lane (64-column tiles, and the sm90 forward's 128-key tiles), for the tests
 // to hold against the columns a lane holds (tests/gpu/test_mask.py).
 #include "attention/mask.cuh"
 #include "common/types.cuh"
