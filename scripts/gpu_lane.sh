@@ -34,7 +34,7 @@
 #              128;4 4096 16 128;4 4096 16 128 --causal"; options: --causal, --kv-heads N):
 #              timeline-bwd-*.json / .png, timeline-bwd.txt
 #   ab         any A/B: AB_VARIANTS="label:VAR=VAL[,VAR=VAL] ..." (e.g. "v2:FLASHCUDA_SM90_BWD_DQ=v2
-#              v4:FLASHCUDA_SM90_BWD_DQ=v4"), two processes per variant interleaved, bench
+#              v4:FLASHCUDA_SM90_BWD_DQ=v4"), AB_REPS (2) processes per variant interleaved, bench
 #              ${AB_ARGS} (default 1k 4k 16k, both head dims, causal both), one table per direction
 # Each step runs under a timeout (TESTS_TIMEOUT, SANITIZE_TIMEOUT per tool, SOAK_TIMEOUT,
 # BENCH_TIMEOUT) so one hung step cannot eat the whole call.
@@ -49,12 +49,13 @@ export FLASHCUDA_TEST_SHARED_CACHE=1
 export FLASHCUDA_COMMIT=${FLASHCUDA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 steps=("$@")
 
-# run_ab VARIANTS BENCH_ARGS TABLE: each "label:VAR=VAL[,VAR=VAL]" of VARIANTS benched in two
-# processes, interleaved (bench BENCH_ARGS, cuDNN as the peer), then one TFLOP/s table per
-# direction timed into TABLE (scripts/compare_records.py).
+# run_ab VARIANTS BENCH_ARGS TABLE: each "label:VAR=VAL[,VAR=VAL]" of VARIANTS benched in
+# AB_REPS processes (default 2; the same kernel read up to ±3-6% between arms of two processes
+# in session 18, so a 1-3% claim wants 3-4), interleaved (bench BENCH_ARGS, cuDNN as the peer),
+# then one TFLOP/s table per direction timed into TABLE (scripts/compare_records.py).
 run_ab() {
   local variant label assigns r=0 labels=()
-  for rep in 1 2; do
+  for rep in $(seq "${AB_REPS:-2}"); do
     for variant in $1; do
       label=${variant%%:*}; assigns=${variant#*:}
       [ $rep = 1 ] && labels+=("$label=$OUT/ab-$label")
