@@ -18,11 +18,7 @@ the last call's records are analysed:
   - the fixed cost per CTA: median of (span - steps x per-step), per-step the median over CTAs,
     and a least-squares fit span = fixed + per_step x steps where step counts differ (causal).
 Writes timeline-bwd-<label>.json (raw records + summary) and, with matplotlib, a PNG (one row per
-SM, each CTA's phases coloured). The variant is never dispatched. With
-FLASHCUDA_SM90_BWD_PERSISTENT=1 (calls without a mask) each work item has its record, and a "CTA"
-below is an item: its entry is the consumers' start of it (the CTA's entry for its first item),
-its first TMA the producer's turn to it (before the wait for the previous item's K / V to be
-free), so entry -> K / V shows whether the item's K / V arrived under the previous epilogue.
+SM, each CTA's phases coloured). The variant is never dispatched.
 """
 
 from __future__ import annotations
@@ -262,7 +258,7 @@ def main() -> None:
     torch.cuda.synchronize()
     records = decode(buf.cpu().numpy().view(np.uint64).reshape(-1))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = cfg.grid(call, sms)  # (persistent: records are per item, CTAs min(items, SMs))
+    grid = cfg.grid(call)
     summary = summarise(records, grid[0] * grid[1] * grid[2])
     summary["backward_us"] = {"default": t_default, "timeline": t_timeline}
     label = (f"{cfg.name}-B{b}-S{s}-H{h}{f'-KV{hkv}' if hkv != h else ''}"

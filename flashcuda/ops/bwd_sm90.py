@@ -64,7 +64,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from math import lcm, prod
+from math import lcm
 
 import numpy as np
 import torch
@@ -113,8 +113,6 @@ STAGES_ENV = "FLASHCUDA_SM90_BWD_STAGES"
 # A/B); 0 restores the previous order (dV + dK | dS -> shared | dQ; A/B), 1 forces it elsewhere
 DQ_EARLY_ENV = "FLASHCUDA_SM90_BWD_DQ_EARLY"
 DEFINES_ENV = "FLASHCUDA_SM90_BWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob, as forward)
-# 1: persistent CTAs for calls without a mask (FC_PERSISTENT; A/B, written in session 14)
-PERSISTENT_ENV = "FLASHCUDA_SM90_BWD_PERSISTENT"
 # CONVERT of the frag layout reads whole 64-byte spans and writes dq through shared memory
 # (FC_DQ_SPANS, session 15: kernel times put our CONVERT at 72 us against FA4's 49 at d128
 # 512 / 1k); 0 keeps the float2 reads (A/B)
@@ -185,10 +183,6 @@ class Sm90BwdConfig:
     # (key block 0 of every such pair first); dispatch sets it for causal calls at the head dims
     # of LPT_TAIL (the .cu; _build_plan)
     lpt_tail: int = 0
-    # FC_PERSISTENT: min(work items, SMs) CTAs walk the items, the next item's K / V loading
-    # under the previous one's epilogue (FLASHCUDA_SM90_BWD_PERSISTENT=1, an A/B variant for
-    # calls without a mask; never chosen by default); with the timeline, one record per item
-    persistent: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
     defines: tuple = ()
@@ -295,7 +289,6 @@ class Sm90BwdConfig:
             barriers += 2 * (self.consumers if self.dq_frag else 1)
         else:
             staging = 0
-        barriers += 1 if self.persistent else 0  # kv_empty
         return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
                 + 2 * self.ds_bytes + staging + BARRIER_BYTES * barriers)
 
@@ -311,7 +304,6 @@ class Sm90BwdConfig:
                 + ("g" if self.dq_frag else "")
                 + ("_early" if self.dq_early else "") + ("_stm" if self.ds_stmatrix else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
-                + ("_ps" if self.persistent else "")
                 + ("_tl" if self.timeline else "")
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
@@ -341,7 +333,6 @@ class Sm90BwdConfig:
             **({"FC_DS_STMATRIX": 1} if self.ds_stmatrix else {}),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
-            **({"FC_PERSISTENT": 1} if self.persistent else {}),
             **dict(self.defines),
         })
 
@@ -362,19 +353,13 @@ class Sm90BwdConfig:
         """The work items' grid: (key blocks, KV heads, batch)."""
         return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
 
-    def grid(self, call: BwdCall, sms: int = 0) -> tuple[int, int, int]:
-        """One CTA per work item (key block, KV head, batch); persistent: min(items, sms) CTAs."""
-        items = self.items(call)
-        if self.persistent:
-            if sms <= 0:
-                raise ValueError(f"{self.name}.grid: a persistent grid needs the SM count, got "
-                                 f"sms={sms}")
-            return (max(1, min(prod(items), sms)), 1, 1)
-        return items
+    def grid(self, call: BwdCall) -> tuple[int, int, int]:
+        """One CTA per work item (key block, KV head, batch)."""
+        return self.items(call)
 
     def timeline_shape(self, call: BwdCall) -> tuple[int, int, int, int]:
-        """The timeline buffer (int64), a record per work item: [batch][nheads_kv][key blocks]
-        [words] (persistent CTAs write each item's record)."""
+        """The timeline buffer (int64), a record per work item (CTA): [batch][nheads_kv]
+        [key blocks][words]."""
         gx, gy, gz = self.items(call)
         return (gz, gy, gx, TIMELINE_WORDS)
 
@@ -420,10 +405,6 @@ def configs() -> list[Sm90BwdConfig]:
             for dtype in DTYPES for d, k in LPT_TAIL.items()]
     out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True, lpt_tail=k,
                           **_dq_mode(DQ_DEFAULT[d])) for d, k in LPT_TAIL.items()]
-    # the persistent A/B variant of the defaults (FLASHCUDA_SM90_BWD_PERSISTENT=1; the GPU lane
-    # runs it, tests/gpu/test_bwd_sm90.py)
-    out += [Sm90BwdConfig(dtype, d, dq_early=True, persistent=True, **_dq_mode(DQ_DEFAULT[d]))
-            for dtype in DTYPES for d in HEAD_DIMS]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
@@ -491,13 +472,6 @@ def lpt_tail_for(call: BwdCall) -> int:
     return 0
 
 
-def persistent_for(call: BwdCall) -> bool:
-    """FLASHCUDA_SM90_BWD_PERSISTENT=1 and a call without a mask (every work item the same
-    cost: the static schedule loses nothing to the hardware's greedy one)."""
-    return (flag(PERSISTENT_ENV, False) and call.window_left is None
-            and call.window_right is None)
-
-
 def enabled() -> bool:
     """On unless FLASHCUDA_ENABLE_SM90_BWD is 0 / false / no / off."""
     return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -523,7 +497,6 @@ def can_implement(call: BwdCall) -> str | None:
     if sq == 0 or sk == 0 or b == 0 or h == 0:
         return "an empty dim (a tensor map needs non-empty dims; bwd_sm80 handles it)"
     cfg = select_config(call.dtype, d)
-    persistent_for(call)  # (a malformed FLASHCUDA_SM90_BWD_PERSISTENT raises, as select_config)
     for name, t in tensors.items():
         if why := vector_layout_problem(name, t):
             return why
@@ -564,7 +537,7 @@ class _Plan:
 
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
-                    STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, PERSISTENT_ENV, CONVERT_SPANS_ENV)
+                    STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -583,8 +556,6 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         cfg = dataclasses.replace(cfg, timeline=True)
     if lpt_tail := lpt_tail_for(call):
         cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
-    if persistent_for(call):
-        cfg = dataclasses.replace(cfg, persistent=True)
     aux = cfg.aux()
     b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
     h, hkv, d = call.nheads, call.nheads_kv, call.head_dim
@@ -600,10 +571,6 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     main_args = (*_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk),
                  np.int32(h), np.int32(hkv), np.int32(sq_pad),
                  np.float32(call.softmax_scale * LOG2E), scale, wl, wr)
-    sms = 0
-    if cfg.persistent:  # + the item grid (key blocks, batches)
-        main_args += (np.int32(cfg.items(call)[0]), np.int32(b))
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
     convert_args = (*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
                     np.int32(sq_pad), scale)
     # any tensor of the call stands for a pointer argument's kind (run() passes the addresses)
@@ -619,7 +586,7 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         pre=PreparedLaunch(get_kernel(aux.pre_spec(), dev), (sq_pad // aux.aux_rows, h, b),
                            (bwd_sm80.AUX_THREADS,), 0, (t,) * 6 + pre_args,
                            fixed=len(pre_args)),
-        main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call, sms), (cfg.threads, 1, 1),
+        main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call), (cfg.threads, 1, 1),
                             cfg.smem_bytes,
                             main_maps + (t,) * (6 if cfg.timeline else 5) + main_args,
                             fixed=len(main_args)),

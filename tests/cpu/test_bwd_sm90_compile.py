@@ -155,14 +155,14 @@ def test_config_is_the_single_source_of_truth():
     # other dQ reductions (five), + the late red.v4, + FA3's GEMM order, + the three-stage ring,
     # + at d128 the tensor-map staging in FA3's order (the default before frag); + the timeline
     # variants of the bf16 defaults (two); + the causal calls' longest-first tail at d128 (per
-    # dtype, and its bf16 timeline variant); + the persistent A/B variant of the four defaults
-    assert len({c.name for c in bwd_sm90.configs()}) == 65
+    # dtype, and its bf16 timeline variant)
+    assert len({c.name for c in bwd_sm90.configs()}) == 61
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and without the release fence, x 4; + the two
     # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants; + the
-    # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four persistent
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 23
+    # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant)
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 19
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)

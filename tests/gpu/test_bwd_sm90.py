@@ -214,32 +214,6 @@ def test_causal_longest_first_tail_over_part_of_the_grid():
         assert 3 * 5 > tail
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_persistent_items_walk(monkeypatch, head_dim):
-    """FLASHCUDA_SM90_BWD_PERSISTENT=1 (FC_PERSISTENT, an A/B variant): min(items, SMs) CTAs walk
-    the (key block, KV head, batch) items. 32 key blocks x 4 KV heads x 3 batches = 384 items
-    make 2-3 per CTA on 132 SMs; 150 queries are 3 query blocks at d128 (1 at d64's 128 rows,
-    x 2 heads per KV head: odd and even step counts), so the ring, the dS buffers and the dQ
-    hand-offs change parity across items. A causal call keeps one CTA per item. Runs once, with
-    the default dQ reduction per head dim (the variants configs() precompiles)."""
-    if os.environ.get(bwd_sm90.DQ_ENV) != "tma" or os.environ.get(bwd_sm90.STAGES_ENV) != "2":
-        pytest.skip("runs under one fixture parameter (dq-tma), with the defaults")
-    monkeypatch.delenv(bwd_sm90.DQ_ENV)
-    monkeypatch.setenv(bwd_sm90.PERSISTENT_ENV, "1")
-    dispatch._reset()
-    q, k, v, dout = make(3, 150, 4096, 8, 4, head_dim, BF16, seed=31)
-    check(q, k, v, dout, FULL)
-    check(q, k, v, dout, CAUSAL)
-    lse = torch.zeros(3, 8, 150, device="cuda", dtype=torch.float32)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    for window, persistent in ((FULL, True), (CAUSAL, False)):
-        call = BwdCall(q, k, v, torch.empty_like(q), dout, lse, torch.empty_like(q),
-                       torch.empty_like(k), torch.empty_like(v), 0.088, *window, False)
-        plan = bwd_sm90._plan(call)
-        assert plan.cfg.persistent == persistent
-        assert plan.main.grid == ((min(384, sms), 1, 1) if persistent else (32, 4, 3))
-
-
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 def test_convert_readers_agree(monkeypatch, dtype):
     """d128's CONVERT reads the register-order dq_accum in whole 64-byte spans and writes dq

@@ -31,7 +31,8 @@
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
 //                 dk / dv: the same (the epilogue's 16-byte stores, FC_DKV_QUAD)
 //   not yet       ping-pong / overlap of the two GEMM halves, deterministic dQ (bwd_sm80 has
-//                 it); a persistent schedule is an A/B variant (FC_PERSISTENT, measured as noise)
+//                 it); a persistent schedule (FC_PERSISTENT, sessions 14-15: measured as noise,
+//                 removed in session 18; perf-notes)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // This is part MAIN of the backward; flashcuda/ops/bwd_sm90.py runs bwd_sm80's PRE (delta =
@@ -207,26 +208,9 @@ constexpr int kDqBoxBytes = kBlockM * 128;  // FC_DQ_TMA: one box of 32 fp32 col
 constexpr int kDqWarpBytes = kBlockM * kDqWarpStride * 4;
 constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
                                                     : FC_DQ_WARP ? kDqWarpBytes : 0);
-#ifndef FC_PERSISTENT
-// 1 (A/B; session 15 on the H200: -3.8 to +2.3%, noise): persistent CTAs, min(work items, SMs) of
-// them, CTA c walking work items (key block, KV head, batch) c, c + gridDim.x, ... (the
-// blockIdx order of the one-CTA-per-item grid, FC_LPT_TAIL's remap included). The consumers
-// hand K / V back (kv_empty) as soon as their last step's GEMMs have read them, so the producer
-// loads the next item's K / V and first Q / dO stages while they run the dK / dV epilogue. The
-// backward timeline (session 14) puts a CTA's fixed cost at 3.4-3.8 us: 0.4 us from entry to the
-// first TMA issue, K / V arriving 1.3 us after entry, a 1.9 us epilogue, 0.3-0.5 us between
-// CTAs on an SM; all but the epilogue would hide behind the previous item's epilogue. The host
-// builds it for calls without a mask only (a static schedule; under a causal mask the items'
-// costs differ and the hardware's greedy CTA scheduling balances them), so every item's steps
-// are all query blocks (Items; a masked call's dK / dV would come out NaN). With FC_TIMELINE a
-// record per item (timeline_record).
-#define FC_PERSISTENT 0
-#endif
-constexpr bool kPersistent = FC_PERSISTENT;
 // kv_full, full[], empty[] (+ dq_full, dq_empty with FC_DQ_WARP; one pair per consumer with
-// FC_DQ_FRAG) (+ kv_empty with FC_PERSISTENT)
-constexpr int kBarriers =
-    1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0) + (FC_PERSISTENT ? 1 : 0);
+// FC_DQ_FRAG)
+constexpr int kBarriers = 1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0);
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -274,8 +258,6 @@ struct Smem {
   __device__ __forceinline__ uint32_t dq_empty(int c = 0) const {
     return bar(1 + 2 * kStages + kDqHandshakes + c);
   }
-  // FC_PERSISTENT: every consumer warp's GEMMs have read K / V (the next item may load them)
-  __device__ __forceinline__ uint32_t kv_empty() const { return bar(kBarriers - 1); }
   // FC_DQ_FRAG: consumer c's 16 KB staging tile
   __device__ __forceinline__ uint32_t dq_frag(int c) const {
     return base + kSmemDqStage + c * kDqFragBytes;
@@ -295,7 +277,6 @@ struct Smem {
         mbar_init(dq_empty(c), 1);
       }
     }
-    if constexpr (kPersistent) mbar_init(kv_empty(), kConsumerWarps);
     fence_barrier_init();
   }
 };
@@ -441,18 +422,16 @@ constexpr int kTlId = 0, kTlBlock = 1, kTlEntry = 2, kTlFirstTma = 3, kTlProduce
               kTlKv = 5, kTlFirst = 6, kTlLast = 7, kTlExit = 8, kTlDqEnd = 10;
 constexpr int kTimelineWords = 12;  // (word 11 unused)
 
-// One record per work item, at the item's place in blockIdx order: the CTA's own with one item
-// per CTA; with FC_PERSISTENT (item w of the walk, whose blockIdx-order index is w) each item's
-// own, its "entry" then the consumers' start of the item (after the first: the CTA's entry).
-__device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline, int w) {
-  const int64_t item = FC_PERSISTENT ? static_cast<int64_t>(w)
-      : blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
-  return timeline + item * kTimelineWords;
+// One record per CTA, at its place in blockIdx order.
+__device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline) {
+  const int64_t cta =
+      blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
+  return timeline + cta * kTimelineWords;
 }
 
 // word := now (the calling thread decides whether it is the one that records)
-__device__ __forceinline__ void timeline_mark(uint64_t* timeline, int w, int word) {
-  timeline_record(timeline, w)[word] = globaltimer_ns();
+__device__ __forceinline__ void timeline_mark(uint64_t* timeline, int word) {
+  timeline_record(timeline)[word] = globaltimer_ns();
 }
 #endif
 
@@ -460,9 +439,8 @@ struct BlockCoord {
   int key_block, head_kv, batch;
 };
 
-// The (key block, KV head, batch) of work item (x, y, z) of a (gx, gy, gz) grid (the block
-// index and gridDim, or FC_PERSISTENT's item and item grid): the index itself, or under
-// FC_LPT_TAIL = K inside the tail, the item's rank j in blockIdx order gives key block j / K of
+// The (key block, KV head, batch) of the CTA (x, y, z) of a (gx, gy, gz) grid (the block index
+// and gridDim): the index itself, or under FC_LPT_TAIL = K inside the tail, the item's rank j in blockIdx order gives key block j / K of
 // pair first + j % K (a bijection of the tail's gx * K items onto themselves).
 __device__ __forceinline__ BlockCoord block_coord(int x, int y, int z, int gx, int gy, int gz) {
 #if FC_LPT_TAIL
@@ -487,35 +465,29 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
                                         int batch, const TmaMap& map_q, const TmaMap& map_k,
                                         const TmaMap& map_v, const TmaMap& map_do,
                                         const float* lse2, const float* delta, int nheads,
-                                        int seqlen_q_pad, int ring0, int round, bool leader) {
+                                        int seqlen_q_pad) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
-  // FC_PERSISTENT: the previous item's GEMMs are done with K / V (the first item: free)
-  if constexpr (kPersistent) wait(sm.kv_empty(), (round & 1) ^ 1, stuck);
-  if (leader) {
-    mbar_arrive_expect_tx(sm.kv_full(), 2 * kKVBytes);
+  mbar_arrive_expect_tx(sm.kv_full(), 2 * kKVBytes);
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      tma_load_4d(sm.k() + c * kKVChunkBytes, map_k, sm.kv_full(), c * kChunkCols, n0, head_kv,
-                  batch);
-      tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.kv_full(), c * kChunkCols, n0, head_kv,
-                  batch);
-    }
+  for (int c = 0; c < kChunks; ++c) {
+    tma_load_4d(sm.k() + c * kKVChunkBytes, map_k, sm.kv_full(), c * kChunkCols, n0, head_kv,
+                batch);
+    tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.kv_full(), c * kChunkCols, n0, head_kv,
+                batch);
   }
   for (int it = 0; it < steps.count(); ++it) {
-    const int s = stage_of(ring0 + it);  // (the ring runs on across a CTA's items)
+    const int s = stage_of(it);
     const int h = steps.head(it, head_kv), m0 = steps.m0(it);
-    wait(sm.empty(s), parity_of(ring0 + it) ^ 1, stuck);  // first pass: stages start empty
-    if (leader) {
-      mbar_arrive_expect_tx(sm.full(s), 2 * kQBytes + 2 * kStatBytes);
-      const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
-      bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
-      bulk_load(sm.delta(s), delta + row, kStatBytes, sm.full(s));
+    wait(sm.empty(s), parity_of(it) ^ 1, stuck);  // first pass: stages start empty
+    mbar_arrive_expect_tx(sm.full(s), 2 * kQBytes + 2 * kStatBytes);
+    const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
+    bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
+    bulk_load(sm.delta(s), delta + row, kStatBytes, sm.full(s));
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-        tma_load_4d(sm.q(s) + c * kQChunkBytes, map_q, sm.full(s), c * kChunkCols, m0, h, batch);
-        tma_load_4d(sm.dout(s) + c * kQChunkBytes, map_do, sm.full(s), c * kChunkCols, m0, h,
-                    batch);
-      }
+    for (int c = 0; c < kChunks; ++c) {
+      tma_load_4d(sm.q(s) + c * kQChunkBytes, map_q, sm.full(s), c * kChunkCols, m0, h, batch);
+      tma_load_4d(sm.dout(s) + c * kQChunkBytes, map_do, sm.full(s), c * kChunkCols, m0, h,
+                  batch);
     }
   }
 }
@@ -545,7 +517,7 @@ __device__ __forceinline__ void release(uint32_t bar) {
 // operation outlives the CTA's shared memory.
 __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int head_kv,
                                          int batch, float* dq_accum, const TmaMap* map_dq,
-                                         int nheads, int seqlen_q_pad, int lane, int ring0) {
+                                         int nheads, int seqlen_q_pad, int lane) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
   if constexpr (FC_DQ_FRAG) {
     // Per step and consumer c, as soon as c has staged: one 16 KB reduce-add of its tile, then
@@ -557,7 +529,7 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
           ((static_cast<int64_t>(batch) * nheads + h) * tiles_m + m0 / kBlockM) * kConsumers;
 #pragma unroll
       for (int c = 0; c < kConsumers; ++c) {
-        wait(sm.dq_full(c), (ring0 + it) & 1, stuck);
+        wait(sm.dq_full(c), it & 1, stuck);
         if (lane == 0) {
           bulk_reduce_add_f32(dq_accum + (tile + c) * (kDqFragBytes / 4), sm.dq_frag(c),
                               kDqFragBytes);
@@ -572,7 +544,7 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
   } else {
     for (int it = 0; it < steps.count(); ++it) {
       const int h = steps.head(it, head_kv), m0 = steps.m0(it);
-      wait(sm.dq_full(), (ring0 + it) & 1, stuck);
+      wait(sm.dq_full(), it & 1, stuck);
       const int64_t row0 = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
       if constexpr (FC_DQ_TMA) {
         // row0 < 2^31: the host checks B H Sq_pad against the tensor map's int32 coordinates
@@ -909,60 +881,6 @@ struct Consumer {
   }
 };
 
-// The work items a CTA runs, walked the same way by every role: one CTA per item (its block
-// index: coordinates and steps computed once, up front), or FC_PERSISTENT's items blockIdx.x,
-// + gridDim.x, ... of the num_n x nheads_kv x batches item grid.
-struct Items {
-#if FC_PERSISTENT
-  // Calls without a mask only (the host's persistent_for): every item then has the same steps,
-  // all query blocks, computed once (no mask in the walkers' registers: the producer warpgroup
-  // has 24 per thread). masked() says a call with a band got here: its dK / dV become NaN.
-  int nheads_kv, num_n, batches;
-  Steps all;
-
-  __device__ __forceinline__ Items(const Mask& m, int h, int hkv, int n, int b)
-      : nheads_kv(hkv), num_n(n), batches(b),
-        all(Mask{m.seqlen_q, m.seqlen_k, m.seqlen_q + m.seqlen_k, m.seqlen_q + m.seqlen_k}, 0, h,
-            hkv) {}
-  __device__ __forceinline__ static bool masked(const Mask& m) {
-    const int big = m.seqlen_q + m.seqlen_k;  // kernel_windows' unbounded side
-    return m.window_left < big || m.window_right < big;
-  }
-
-  __device__ __forceinline__ int first() const { return static_cast<int>(blockIdx.x); }
-  __device__ __forceinline__ int end() const { return num_n * nheads_kv * batches; }
-  __device__ __forceinline__ int next(int w) const { return w + static_cast<int>(gridDim.x); }
-  // items of this CTA before w (derived, not counted: the producer's 24 registers are tight)
-  __device__ __forceinline__ int round(int w) const {
-    return (w - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x);
-  }
-  // item w's place (x, y, z) in the blockIdx order of the one-CTA-per-item grid
-  __device__ __forceinline__ uint3 block_index(int w) const {
-    const int pair = w / num_n;
-    return make_uint3(w % num_n, pair % nheads_kv, pair / nheads_kv);
-  }
-  __device__ __forceinline__ BlockCoord coord(int w) const {
-    const uint3 at = block_index(w);
-    return block_coord(at.x, at.y, at.z, num_n, nheads_kv, batches);
-  }
-  __device__ __forceinline__ Steps steps(const BlockCoord&) const { return all; }
-#else
-  BlockCoord blk;
-  Steps steps_;
-
-  __device__ __forceinline__ Items(const Mask& m, int h, int hkv)
-      : blk(block_coord(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, gridDim.z)),
-        steps_(m, blk.key_block * kBlockN, h, hkv) {}
-  __device__ __forceinline__ int first() const { return 0; }
-  __device__ __forceinline__ int end() const { return 1; }
-  __device__ __forceinline__ int next(int w) const { return w + 1; }
-  __device__ __forceinline__ int round(int) const { return 0; }
-  __device__ __forceinline__ BlockCoord coord(int) const { return blk; }
-  __device__ __forceinline__ Steps steps(const BlockCoord&) const { return steps_; }
-  __device__ __forceinline__ uint3 block_index(int) const { return blockIdx; }
-#endif
-};
-
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims (D, Sq, H, B)
                const __grid_constant__ TmaMap map_k,   // k [B, Sk, Hkv, D]
@@ -982,14 +900,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                int64_t dk_sb, int64_t dk_ss, int64_t dk_sh, int64_t dv_sb, int64_t dv_ss,
                int64_t dv_sh, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                int seqlen_q_pad, float scale_log2, float softmax_scale, int window_left,
-               int window_right
-#if FC_PERSISTENT
-               , int num_n, int batches  // the item grid: key blocks x nheads_kv x batches
-#endif
-               ) {
+               int window_right) {
 #if FC_TIMELINE
-  // (the first item: w = blockIdx.x with FC_PERSISTENT, ignored without)
-  if (threadIdx.x == 128) timeline_mark(timeline, static_cast<int>(blockIdx.x), kTlEntry);
+  if (threadIdx.x == 128) timeline_mark(timeline, kTlEntry);
 #endif
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
@@ -998,11 +911,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
-#if FC_PERSISTENT
-  const Items items(mask, nheads, nheads_kv, num_n, batches);
-#else
-  const Items items(mask, nheads, nheads_kv);
-#endif
+  // the CTA's work item: its key block, KV head and batch, and the steps that see the key block
+  const BlockCoord blk =
+      block_coord(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, gridDim.z);
+  const int n0 = blk.key_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
+  const Steps steps(mask, n0, nheads, nheads_kv);
 
   if (threadIdx.x == 0) {
     sm.init_barriers();
@@ -1018,44 +931,29 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 
   if (wg == 0) {  // ---- producer warpgroup
     setmaxnreg_dec<kProducerRegs>();
-    // One elected thread issues every load; FC_PERSISTENT: the whole warp walks the items (its
-    // loop state warp-uniform, in uniform registers: one thread's 24 would spill it) and one
-    // elected lane issues.
-    if (threadIdx.x < 32 && (kPersistent || elect_one())) {
-      const bool leader = kPersistent ? elect_one() : true;
-      int ring0 = 0;  // Q / dO ring slots of this CTA's earlier items
-      for (int w = items.first(); w < items.end(); w = items.next(w)) {
-        const BlockCoord blk = items.coord(w);
-        const Steps steps = items.steps(blk);
+    // one elected thread issues every load
+    if (threadIdx.x < 32 && elect_one()) {
 #if FC_TIMELINE
-        if (leader) timeline_mark(timeline, w, kTlFirstTma);  // (FC_PERSISTENT: before kv_empty)
+      timeline_mark(timeline, kTlFirstTma);
 #endif
-        produce(sm, steps, blk.key_block * kBlockN, blk.head_kv, blk.batch, map_q, map_k, map_v,
-                map_do, lse2, delta, nheads, seqlen_q_pad, ring0, items.round(w), leader);
-        ring0 += steps.count();
+      produce(sm, steps, n0, head_kv, batch, map_q, map_k, map_v, map_do, lse2, delta, nheads,
+              seqlen_q_pad);
 #if FC_TIMELINE
-        if (leader) timeline_mark(timeline, w, kTlProduced);
+      timeline_mark(timeline, kTlProduced);
 #endif
-      }
     }
 #if FC_DQ_WARP
     else if (threadIdx.x >= 32 && threadIdx.x < 64) {
-      int ring0 = 0;
-      for (int w = items.first(); w < items.end(); w = items.next(w)) {
-        const BlockCoord blk = items.coord(w);
-        const Steps steps = items.steps(blk);
-        write_dq(sm, steps, blk.head_kv, blk.batch, dq_accum,
+      write_dq(sm, steps, head_kv, batch, dq_accum,
 #if FC_DQ_TMA
-                 &map_dq,
+               &map_dq,
 #else
-                 nullptr,
+               nullptr,
 #endif
-                 nheads, seqlen_q_pad, static_cast<int>(threadIdx.x & 31), ring0);
-        ring0 += steps.count();
+               nheads, seqlen_q_pad, static_cast<int>(threadIdx.x & 31));
 #if FC_TIMELINE
-        if (threadIdx.x == 32) timeline_mark(timeline, w, kTlDqEnd);
+      if (threadIdx.x == 32) timeline_mark(timeline, kTlDqEnd);
 #endif
-      }
     }
 #endif
     return;
@@ -1071,271 +969,249 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   const int key_row = wg_key0 + 16 * warp + g;    // this lane's first key row in the block
   const int tm = c % kDqTilesM, td = c / kDqTilesM;  // this consumer's dQ tile
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
-  int ring0 = 0;       // Q / dO ring slots of this CTA's earlier items
-
-  for (int w = items.first(); w < items.end(); w = items.next(w)) {
-    const int round = items.round(w);
-    const BlockCoord blk = items.coord(w);
-    const int n0 = blk.key_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
-    const Steps steps = items.steps(blk);
-    Consumer cs;
-    cs.init(sm, wg_key0);
-    // also when there are no steps: no TMA may outlive the CTA
+  Consumer cs;
+  cs.init(sm, wg_key0);
+  // also when there are no steps: no TMA may outlive the CTA
+  wait(sm.kv_full(), 0, stuck);
 #if FC_TIMELINE
-    if (threadIdx.x == 128 && w != items.first()) timeline_mark(timeline, w, kTlEntry);
+  if (threadIdx.x == 128) timeline_mark(timeline, kTlKv);
+  if (steps.count() > 0) {  // step 0's stage: the loop's wait on the same phase then passes
+    wait(sm.full(stage_of(0)), parity_of(0), stuck);
+    if (threadIdx.x == 128) timeline_mark(timeline, kTlFirst);
+  }
 #endif
-    wait(sm.kv_full(), round & 1, stuck);
-#if FC_TIMELINE
-    if (threadIdx.x == 128) timeline_mark(timeline, w, kTlKv);
-    if (steps.count() > 0) {  // step 0's stage: the loop's wait on the same phase then passes
-      wait(sm.full(stage_of(ring0)), parity_of(ring0), stuck);
-      if (threadIdx.x == 128) timeline_mark(timeline, w, kTlFirst);
+#if FC_DQ_LATE
+  float* late_rows = nullptr;  // the previous step's dQ rows in dq_accum (FC_DQ_LATE)
+  float late[32];              // ... and its red.v4 payload
+#endif
+
+#if FC_STEP_COUNTERS
+  int step_g = 0, step_mi = 0;  // it / n_m and it % n_m of step it
+#endif
+  for (int it = 0; it < steps.count(); ++it) {
+    const int st = stage_of(it);
+#if FC_STEP_COUNTERS
+    const int h = head_kv * steps.group + step_g, m0 = (steps.m_first + step_mi) * kBlockM;
+    if (++step_mi == steps.n_m) {
+      step_mi = 0;
+      ++step_g;
     }
-#endif
-#if FC_DQ_LATE
-    float* late_rows = nullptr;  // the previous step's dQ rows in dq_accum (FC_DQ_LATE)
-    float late[32];              // ... and its red.v4 payload
-#endif
-
-#if FC_STEP_COUNTERS
-    int step_g = 0, step_mi = 0;  // it / n_m and it % n_m of step it
-#endif
-    for (int it = 0; it < steps.count(); ++it) {
-      // ring slot r: the ring, the dS buffers and the dQ hand-offs run on across the items
-      const int r = ring0 + it;
-      const int st = stage_of(r);
-#if FC_STEP_COUNTERS
-      const int h = head_kv * steps.group + step_g, m0 = (steps.m_first + step_mi) * kBlockM;
-      if (++step_mi == steps.n_m) {
-        step_mi = 0;
-        ++step_g;
-      }
 #else
-      const int h = steps.head(it, head_kv), m0 = steps.m0(it);
+    const int h = steps.head(it, head_kv), m0 = steps.m0(it);
 #endif
-      [[maybe_unused]] const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
+    [[maybe_unused]] const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
 
-      wait(sm.full(st), parity_of(r), stuck);
-      wgmma_fence_operands(cs.s);
-      wgmma_fence_operands(cs.dp);
-      wgmma_fence();
-      cs.issue_transposed_scores(cs.s, cs.k_rows, sm.q(st));
+    wait(sm.full(st), parity_of(it), stuck);
+    wgmma_fence_operands(cs.s);
+    wgmma_fence_operands(cs.dp);
+    wgmma_fence();
+    cs.issue_transposed_scores(cs.s, cs.k_rows, sm.q(st));
 #if FC_DQ_LATE
-      // The previous step's dQ reductions, while the tensor cores compute this step's S^T. They
-      // read the payload (shuffles / selects of the dQ accumulator, made right after its wait):
-      // registers a wgmma defined would make ptxas wait for this step's S^T first (C7517).
-      // Before dP^T is issued: its accumulator is not live yet, which keeps dK + dV + S^T + the
-      // payload within the register budget (after it: 384 bytes of spills).
-      if (it > 0) Consumer::reduce_v4(late_rows, late, t);
-      // The payload may sit in dP^T's registers (dead until its wgmma): order those reads before
-      // the wgmma writes them (ptxas would inject this arrive itself, C7519).
-      wgmma_fence_operands(cs.dp);
-      wgmma_fence();
+    // The previous step's dQ reductions, while the tensor cores compute this step's S^T. They
+    // read the payload (shuffles / selects of the dQ accumulator, made right after its wait):
+    // registers a wgmma defined would make ptxas wait for this step's S^T first (C7517).
+    // Before dP^T is issued: its accumulator is not live yet, which keeps dK + dV + S^T + the
+    // payload within the register budget (after it: 384 bytes of spills).
+    if (it > 0) Consumer::reduce_v4(late_rows, late, t);
+    // The payload may sit in dP^T's registers (dead until its wgmma): order those reads before
+    // the wgmma writes them (ptxas would inject this arrive itself, C7519).
+    wgmma_fence_operands(cs.dp);
+    wgmma_fence();
 #endif
-      cs.issue_transposed_scores(cs.dp, cs.v_rows, sm.dout(st));
+    cs.issue_transposed_scores(cs.dp, cs.v_rows, sm.dout(st));
 
-      const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's query columns
-      const float* st_delta = sm.delta_ptr(st) + 2 * t;
-      const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + wg_key0, 64);
-      wgmma_wait<1>();
-      wgmma_fence_operands(cs.s);
-      if (masked) {
-        cs.probs<true>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
-      } else {
-        cs.probs<false>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
-      }
-      wgmma_wait<0>();
-      wgmma_fence_operands(cs.dp);
-      if (masked) {
-        cs.dsoftmax<true>(st_delta);
-      } else {
-        cs.dsoftmax<false>(st_delta);
-      }
-      Consumer::pack(cs.p16, cs.s);
-      Consumer::pack(cs.ds16, cs.dp);
+    const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's query columns
+    const float* st_delta = sm.delta_ptr(st) + 2 * t;
+    const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + wg_key0, 64);
+    wgmma_wait<1>();
+    wgmma_fence_operands(cs.s);
+    if (masked) {
+      cs.probs<true>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+    } else {
+      cs.probs<false>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operands(cs.dp);
+    if (masked) {
+      cs.dsoftmax<true>(st_delta);
+    } else {
+      cs.dsoftmax<false>(st_delta);
+    }
+    Consumer::pack(cs.p16, cs.s);
+    Consumer::pack(cs.ds16, cs.dp);
 
 #if FC_DQ_EARLY
-      // FA3's order: dV (a group), dS^T -> shared + barrier, dQ (a group), dK (a group); the dQ
-      // epilogue below runs once dV and dQ are done, while the tensor cores still compute dK.
-      wgmma_fence_operands(cs.dv);
-      wgmma_fence();
-      cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
-      wgmma_commit();
-      const uint32_t ds = sm.ds(r & 1);
-      if constexpr (kDsStmatrix) {
-        cs.store_ds_stmatrix(ds, key_row - g, lane);
-      } else {
-        cs.store_ds(ds, key_row, t);
-      }
-      fence_proxy_async();
-      named_barrier_sync(1, 128 * kConsumers);
-      wgmma_fence_operands(cs.dq);
-      wgmma_fence_operands(cs.dk);
-      wgmma_fence();
-      cs.issue_dq(ds, sm.k(), tm, td);
-      cs.issue_key_grad(cs.dk, cs.ds16, sm.q(st));
-      wgmma_commit();
-      wgmma_wait<1>();  // dV and dQ (groups retire in order); dK may still run
-      cs.hold_p();
-      wgmma_fence_operands(cs.dv);
-      wgmma_fence_operands(cs.dq);
-#else
-      // dV += P^T dO, dK += dS^T Q (one commit group)
-      wgmma_fence_operands(cs.dv);
-      wgmma_fence_operands(cs.dk);
-      wgmma_fence();
-      cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
-      cs.issue_key_grad(cs.dk, cs.ds16, sm.q(st));
-      wgmma_commit();
-
-      // dS^T -> shared, visible to the async proxy, then both consumers' dS are there.
-      const uint32_t ds = sm.ds(r & 1);
+    // FA3's order: dV (a group), dS^T -> shared + barrier, dQ (a group), dK (a group); the dQ
+    // epilogue below runs once dV and dQ are done, while the tensor cores still compute dK.
+    wgmma_fence_operands(cs.dv);
+    wgmma_fence();
+    cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
+    wgmma_commit();
+    const uint32_t ds = sm.ds(it & 1);
+    if constexpr (kDsStmatrix) {
+      cs.store_ds_stmatrix(ds, key_row - g, lane);
+    } else {
       cs.store_ds(ds, key_row, t);
-      fence_proxy_async();
-      named_barrier_sync(1, 128 * kConsumers);
+    }
+    fence_proxy_async();
+    named_barrier_sync(1, 128 * kConsumers);
+    wgmma_fence_operands(cs.dq);
+    wgmma_fence_operands(cs.dk);
+    wgmma_fence();
+    cs.issue_dq(ds, sm.k(), tm, td);
+    cs.issue_key_grad(cs.dk, cs.ds16, sm.q(st));
+    wgmma_commit();
+    wgmma_wait<1>();  // dV and dQ (groups retire in order); dK may still run
+    cs.hold_p();
+    wgmma_fence_operands(cs.dv);
+    wgmma_fence_operands(cs.dq);
+#else
+    // dV += P^T dO, dK += dS^T Q (one commit group)
+    wgmma_fence_operands(cs.dv);
+    wgmma_fence_operands(cs.dk);
+    wgmma_fence();
+    cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
+    cs.issue_key_grad(cs.dk, cs.ds16, sm.q(st));
+    wgmma_commit();
 
-      wgmma_fence_operands(cs.dq);
-      wgmma_fence();
-      cs.issue_dq(ds, sm.k(), tm, td);
-      wgmma_wait<0>();
-      cs.hold_fragments();
-      wgmma_fence_operands(cs.dv);
-      wgmma_fence_operands(cs.dk);
-      wgmma_fence_operands(cs.dq);
-      release(sm.empty(st));
+    // dS^T -> shared, visible to the async proxy, then both consumers' dS are there.
+    const uint32_t ds = sm.ds(it & 1);
+    cs.store_ds(ds, key_row, t);
+    fence_proxy_async();
+    named_barrier_sync(1, 128 * kConsumers);
+
+    wgmma_fence_operands(cs.dq);
+    wgmma_fence();
+    cs.issue_dq(ds, sm.k(), tm, td);
+    wgmma_wait<0>();
+    cs.hold_fragments();
+    wgmma_fence_operands(cs.dv);
+    wgmma_fence_operands(cs.dk);
+    wgmma_fence_operands(cs.dq);
+    release(sm.empty(st));
 #endif
 
-      // dq_accum += this consumer's 64 x 64 tile. Rows past seqlen_q (inside Sq_pad) add zeros.
+    // dq_accum += this consumer's 64 x 64 tile. Rows past seqlen_q (inside Sq_pad) add zeros.
 #if FC_DQ_FRAG
-      // Into this consumer's own tile once the writer has read its previous one (dq_empty[c]),
-      // visible to the async proxy, one arrival per warp on dq_full[c].
-      wait(sm.dq_empty(c), (r & 1) ^ 1, stuck);
-      cs.stage_dq_frag(sm.dq_frag(c), 32 * warp + lane);
-      fence_proxy_async();
-      __syncwarp();
-      if (lane == 0) mbar_arrive(sm.dq_full(c));
+    // Into this consumer's own tile once the writer has read its previous one (dq_empty[c]),
+    // visible to the async proxy, one arrival per warp on dq_full[c].
+    wait(sm.dq_empty(c), (it & 1) ^ 1, stuck);
+    cs.stage_dq_frag(sm.dq_frag(c), 32 * warp + lane);
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sm.dq_full(c));
 #elif FC_DQ_WARP
-      // Into the staging tile once the writer warp has read the previous step's (dq_empty; it
-      // starts empty), then visible to the async proxy, then one arrival per warp on dq_full.
-      wait(sm.dq_empty(), (r & 1) ^ 1, stuck);
-      cs.stage_dq<kDqWarpStride>(sm.dq_stage(0), 64 * tm, 64 * td, warp, g, t);
-      fence_proxy_async();
-      __syncwarp();
-      if (lane == 0) mbar_arrive(sm.dq_full());
+    // Into the staging tile once the writer warp has read the previous step's (dq_empty; it
+    // starts empty), then visible to the async proxy, then one arrival per warp on dq_full.
+    wait(sm.dq_empty(), (it & 1) ^ 1, stuck);
+    cs.stage_dq<kDqWarpStride>(sm.dq_stage(0), 64 * tm, 64 * td, warp, g, t);
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sm.dq_full());
 #elif FC_DQ_BULK
-      // The tile's rows lie inside Sq_pad (m0 + kBlockM <= Sq_pad) and start 256-byte aligned in
-      // dq_accum (64 td floats into a kHeadDim-float row), so no bounds check and the bulk
-      // reductions' 16-byte alignment holds.
-      // Each warp owns the 16 staging rows its fragments fill (16 warp .. + 15) and reduces them
-      // itself, so a __syncwarp orders the hand-offs and the other warps never wait: lane l < 16
-      // issues row 16 warp + l.
-      const uint32_t stage = sm.dq_stage(c);
-      if (lane < 16) bulk_wait_group_read<0>();  // this lane's previous reduction has read its row
-      __syncwarp();                              // ... before the warp overwrites its rows
-      cs.stage_dq<kDqStageStride>(stage, 0, 0, warp, g, t);
-      fence_proxy_async();  // the generic stores before the async-proxy reads of the reductions
-      __syncwarp();
-      if (lane < 16) {
-        const int r = 16 * warp + lane;
-        float* dq_row = dq_accum + (bh * seqlen_q_pad + m0 + 64 * tm + r) * kHeadDim + 64 * td;
-        bulk_reduce_add_f32(dq_row, stage + r * kDqStageStride * 4, 64 * 4);
-        bulk_commit_group();
-      }
+    // The tile's rows lie inside Sq_pad (m0 + kBlockM <= Sq_pad) and start 256-byte aligned in
+    // dq_accum (64 td floats into a kHeadDim-float row), so no bounds check and the bulk
+    // reductions' 16-byte alignment holds.
+    // Each warp owns the 16 staging rows its fragments fill (16 warp .. + 15) and reduces them
+    // itself, so a __syncwarp orders the hand-offs and the other warps never wait: lane l < 16
+    // issues row 16 warp + l.
+    const uint32_t stage = sm.dq_stage(c);
+    if (lane < 16) bulk_wait_group_read<0>();  // this lane's previous reduction has read its row
+    __syncwarp();                              // ... before the warp overwrites its rows
+    cs.stage_dq<kDqStageStride>(stage, 0, 0, warp, g, t);
+    fence_proxy_async();  // the generic stores before the async-proxy reads of the reductions
+    __syncwarp();
+    if (lane < 16) {
+      const int r = 16 * warp + lane;
+      float* dq_row = dq_accum + (bh * seqlen_q_pad + m0 + 64 * tm + r) * kHeadDim + 64 * td;
+      bulk_reduce_add_f32(dq_row, stage + r * kDqStageStride * 4, 64 * 4);
+      bulk_commit_group();
+    }
 #else
-      float* dq_rows = dq_accum + (bh * seqlen_q_pad + m0 + 64 * tm + 16 * warp + g) * kHeadDim +
-                       64 * td + 2 * t;
+    float* dq_rows = dq_accum + (bh * seqlen_q_pad + m0 + 64 * tm + 16 * warp + g) * kHeadDim +
+                     64 * td + 2 * t;
 #if FC_DQ_LATE
-      late_rows = dq_rows;  // reduced at the next step, after its S^T issue, or below
-      cs.v4_payload(late, t);
+    late_rows = dq_rows;  // reduced at the next step, after its S^T issue, or below
+    cs.v4_payload(late, t);
 #else
-      cs.reduce_dq(dq_rows, t);
+    cs.reduce_dq(dq_rows, t);
 #endif
 #endif  // FC_DQ_BULK
 #if FC_DQ_EARLY
-      wgmma_wait<0>();  // dK: then Q / dO of the stage and the dS^T fragments are free
-      cs.hold_ds();
-      wgmma_fence_operands(cs.dk);
-      release(sm.empty(st));
+    wgmma_wait<0>();  // dK: then Q / dO of the stage and the dS^T fragments are free
+    cs.hold_ds();
+    wgmma_fence_operands(cs.dk);
+    release(sm.empty(st));
 #endif
-    }
+  }
 #if FC_DQ_BULK
-    if (lane < 16) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
+  if (lane < 16) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
 #endif
 #if FC_DQ_LATE
-    if (steps.count() > 0) Consumer::reduce_v4(late_rows, late, t);  // the last step's
+  if (steps.count() > 0) Consumer::reduce_v4(late_rows, late, t);  // the last step's
 #endif
 #if FC_TIMELINE
-    if (threadIdx.x == 128) timeline_mark(timeline, w, kTlLast);
+  if (threadIdx.x == 128) timeline_mark(timeline, kTlLast);
 #endif
-    if constexpr (kPersistent) {  // every GEMM of the steps has completed: K / V may be reloaded
-      __syncwarp();
-      if (lane == 0) mbar_arrive(sm.kv_empty());
-    }
-    ring0 += steps.count();
 
-    // ---- epilogue: dK * softmax_scale and dV from the accumulators, rows inside seqlen_k
-    // (NaN from a thread the watchdog found stuck, or from FC_PERSISTENT given a masked call)
-    bool wrong = kWatchdog && stuck;
-#if FC_PERSISTENT
-    wrong = wrong || Items::masked(mask);
-#endif
-    const float v_scale = wrong ? __int_as_float(0x7fc00000) : 1.f;
-    const float k_scale = softmax_scale * v_scale;
+  // ---- epilogue: dK * softmax_scale and dV from the accumulators, rows inside seqlen_k
+  // (NaN from a thread the watchdog found stuck)
+  const bool wrong = kWatchdog && stuck;
+  const float v_scale = wrong ? __int_as_float(0x7fc00000) : 1.f;
+  const float k_scale = softmax_scale * v_scale;
 #if FC_DKV_QUAD
-    // (store_row_v4's transposes, written out for dK and dV together: the measured SASS)
+  // (store_row_v4's transposes, written out for dK and dV together: the measured SASS)
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int key = n0 + key_row + 8 * hh;
-      uint4* k_row = reinterpret_cast<uint4*>(dk + batch * dk_sb + key * dk_ss + head_kv * dk_sh);
-      uint4* v_row = reinterpret_cast<uint4*>(dv + batch * dv_sb + key * dv_ss + head_kv * dv_sh);
+  for (int hh = 0; hh < 2; ++hh) {
+    const int key = n0 + key_row + 8 * hh;
+    uint4* k_row = reinterpret_cast<uint4*>(dk + batch * dk_sb + key * dk_ss + head_kv * dk_sh);
+    uint4* v_row = reinterpret_cast<uint4*>(dv + batch * dv_sb + key * dv_ss + head_kv * dv_sh);
 #pragma unroll
-      for (int c4 = 0; c4 < kHeadDim / 32; ++c4) {  // chunks 4 c4 .. 4 c4 + 3 of the row
-        uint32_t kw[4], vw[4];
+    for (int c4 = 0; c4 < kHeadDim / 32; ++c4) {  // chunks 4 c4 .. 4 c4 + 3 of the row
+      uint32_t kw[4], vw[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float* kk = &cs.dk[4 * (4 * c4 + i) + 2 * hh];
-          const float* vv = &cs.dv[4 * (4 * c4 + i) + 2 * hh];
-          kw[i] = pack2<T>(kk[0] * k_scale, kk[1] * k_scale);
-          vw[i] = pack2<T>(vv[0] * v_scale, vv[1] * v_scale);
-        }
-        quad_transpose(kw, t);  // (outside the row check: every lane of the quad takes part)
-        quad_transpose(vw, t);
-        if (key < seqlen_k) {  // the same for the quad's four lanes (one row)
-          k_row[4 * c4 + t] = make_uint4(kw[0], kw[1], kw[2], kw[3]);
-          v_row[4 * c4 + t] = make_uint4(vw[0], vw[1], vw[2], vw[3]);
-        }
+      for (int i = 0; i < 4; ++i) {
+        const float* kk = &cs.dk[4 * (4 * c4 + i) + 2 * hh];
+        const float* vv = &cs.dv[4 * (4 * c4 + i) + 2 * hh];
+        kw[i] = pack2<T>(kk[0] * k_scale, kk[1] * k_scale);
+        vw[i] = pack2<T>(vv[0] * v_scale, vv[1] * v_scale);
+      }
+      quad_transpose(kw, t);  // (outside the row check: every lane of the quad takes part)
+      quad_transpose(vw, t);
+      if (key < seqlen_k) {  // the same for the quad's four lanes (one row)
+        k_row[4 * c4 + t] = make_uint4(kw[0], kw[1], kw[2], kw[3]);
+        v_row[4 * c4 + t] = make_uint4(vw[0], vw[1], vw[2], vw[3]);
       }
     }
+  }
 #else
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int key = n0 + key_row + 8 * hh;
-      if (key < seqlen_k) {
-        uint32_t* k_dst = reinterpret_cast<uint32_t*>(dk + batch * dk_sb + key * dk_ss +
-                                                      head_kv * dk_sh + 2 * t);
-        uint32_t* v_dst = reinterpret_cast<uint32_t*>(dv + batch * dv_sb + key * dv_ss +
-                                                      head_kv * dv_sh + 2 * t);
+  for (int hh = 0; hh < 2; ++hh) {
+    const int key = n0 + key_row + 8 * hh;
+    if (key < seqlen_k) {
+      uint32_t* k_dst = reinterpret_cast<uint32_t*>(dk + batch * dk_sb + key * dk_ss +
+                                                    head_kv * dk_sh + 2 * t);
+      uint32_t* v_dst = reinterpret_cast<uint32_t*>(dv + batch * dv_sb + key * dv_ss +
+                                                    head_kv * dv_sh + 2 * t);
 #pragma unroll
-        for (int j = 0; j < kHeadDim / 8; ++j) {
-          const float* kk = &cs.dk[4 * j + 2 * hh];
-          const float* vv = &cs.dv[4 * j + 2 * hh];
-          k_dst[4 * j] = pack2<T>(kk[0] * k_scale, kk[1] * k_scale);
-          v_dst[4 * j] = pack2<T>(vv[0] * v_scale, vv[1] * v_scale);
-        }
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        const float* kk = &cs.dk[4 * j + 2 * hh];
+        const float* vv = &cs.dv[4 * j + 2 * hh];
+        k_dst[4 * j] = pack2<T>(kk[0] * k_scale, kk[1] * k_scale);
+        v_dst[4 * j] = pack2<T>(vv[0] * v_scale, vv[1] * v_scale);
       }
     }
+  }
 #endif
 #if FC_TIMELINE
-    if ((threadIdx.x & 127) == 0) {
-      timeline_mark(timeline, w, kTlExit + c);
-      if (c == 0) {
-        uint64_t* rec = timeline_record(timeline, w);
-        rec[kTlId] = (static_cast<uint64_t>(sm_id()) << 32) | static_cast<uint32_t>(steps.count());
-        const uint3 at = items.block_index(w);  // the item's place in blockIdx order
-        rec[kTlBlock] = (static_cast<uint64_t>(at.z) << 48) | (static_cast<uint64_t>(at.y) << 32) |
-                        at.x;
-      }
+  if ((threadIdx.x & 127) == 0) {
+    timeline_mark(timeline, kTlExit + c);
+    if (c == 0) {
+      uint64_t* rec = timeline_record(timeline);
+      rec[kTlId] = (static_cast<uint64_t>(sm_id()) << 32) | static_cast<uint32_t>(steps.count());
+      rec[kTlBlock] = (static_cast<uint64_t>(blockIdx.z) << 48) |
+                      (static_cast<uint64_t>(blockIdx.y) << 32) | blockIdx.x;
     }
+  }
 #endif
-  }  // work items
 }
