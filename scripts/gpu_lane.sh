@@ -33,6 +33,8 @@
 #              TIMELINE_BWD_SHAPES, ";"-separated, each "B S H D [options]" (default "4 1024 16
 #              128;4 4096 16 128;4 4096 16 128 --causal"; options: --causal, --kv-heads N):
 #              timeline-bwd-*.json / .png, timeline-bwd.txt
+#   ab-probe   the same-process A/B (scripts/ab_probe.py ${AB_PROBE_ARGS}): arms rotated per
+#              round, per-round ratios with p10-p90; ab-probe.txt / .json
 #   ab         any A/B: AB_VARIANTS="label:VAR=VAL[,VAR=VAL] ..." (e.g. "v2:FLASHCUDA_SM90_BWD_DQ=v2
 #              v4:FLASHCUDA_SM90_BWD_DQ=v4"), AB_REPS (2) processes per variant interleaved, bench
 #              ${AB_ARGS} (default 1k 4k 16k, both head dims, causal both), one table per direction
@@ -125,6 +127,12 @@ for step in "${steps[@]}"; do
     ab)
       run_ab "${AB_VARIANTS:?AB_VARIANTS is empty}" "${AB_ARGS:---seqlens 1k 4k 16k}" "$OUT/ab.txt"
       rc=$? ;;
+    ab-probe)
+      # the same A/B inside one process, arms rotated per round (scripts/ab_probe.py):
+      # AB_PROBE_ARGS, e.g. "--arm def: --arm mb:FLASHCUDA_SM90_FWD_DEFINES=FC_MASK_BITS=0
+      # --shapes 32,512,16,64 --causal 1 --rounds 15"
+      timeout "${AB_TIMEOUT:-300}" python3 scripts/ab_probe.py ${AB_PROBE_ARGS:?AB_PROBE_ARGS is empty} \
+        --out "$OUT/ab-probe.json" > "$OUT/ab-probe.txt" 2>&1; rc=$?; cat "$OUT/ab-probe.txt" ;;
     ncu)
       # Nsight Compute on the second call's sm90 kernels (scripts/profile_call.py): speed of
       # light, compute (tensor pipe), warp states (stall reasons), scheduler, memory sections.

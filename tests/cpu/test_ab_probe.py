@@ -1,0 +1,73 @@
+"""scripts/ab_probe.py (the same-process A/B of kernel variants) on the CPU: its arguments, the
+rotated arm order, and the per-round ratio statistics on synthetic times (the GPU part runs on
+the device: gpu_lane.sh ab-probe)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from . import script_module
+
+
+@pytest.fixture(scope="module")
+def probe():
+    return script_module.load("ab_probe")
+
+
+def test_arms_parse_with_several_variables_and_the_defaults(probe):
+    assert probe.parse_arm("def:") == ("def", {})
+    assert probe.parse_arm("mb:FLASHCUDA_SM90_FWD_DEFINES=FC_MASK_BITS=0;X=1") == (
+        "mb", {"FLASHCUDA_SM90_FWD_DEFINES": "FC_MASK_BITS=0", "X": "1"})
+    for bad in ("nolabel", ":X=1", "a:X", "a:=1"):
+        with pytest.raises(ValueError):
+            probe.parse_arm(bad)
+
+
+def test_shapes_parse(probe):
+    assert probe.parse_shape("32,512,16,64") == (32, 512, 16, 64)
+    for bad in ("32,512,16", "32,512,16,0", "a,b,c,d"):
+        with pytest.raises(ValueError):
+            probe.parse_shape(bad)
+
+
+def test_every_arm_leads_equally_often(probe):
+    n, rounds = 3, 12
+    orders = [probe.rotation(n, r) for r in range(rounds)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert [sum(o[0] == a for o in orders) for a in range(n)] == [rounds // n] * n
+
+
+def test_ratios_are_per_round_and_the_base_is_one(probe):
+    base = [1.0, 1.1, 0.9, 1.05, 0.95]
+    faster = [t / 1.04 for t in base]  # 4% faster in every round, whatever the drift
+    rows = probe.summarise({"def": base, "new": faster}, work=2e9)
+    assert rows[0]["ratio"] == pytest.approx(1.0) and rows[0]["p10"] == pytest.approx(1.0)
+    assert rows[1]["ratio"] == pytest.approx(1.04)
+    assert rows[1]["p10"] == pytest.approx(1.04) and rows[1]["p90"] == pytest.approx(1.04)
+    assert rows[1]["ms"] == pytest.approx(statistics.median(faster))
+    assert rows[0]["tflops"] == pytest.approx(2e9 / statistics.median(base) / 1e9)
+    assert "*" in probe.format_rows("t", rows).splitlines()[2]  # beyond the noise
+    assert "*" not in probe.format_rows("t", rows).splitlines()[1]
+
+
+def test_a_noisy_arm_does_not_read_as_beyond_the_noise(probe):
+    base = [1.0] * 10
+    noisy = [0.97, 1.03] * 5
+    rows = probe.summarise({"def": base, "new": noisy}, work=1e9)
+    assert rows[1]["p10"] < 1.0 < rows[1]["p90"]
+    assert "*" not in probe.format_rows("t", rows).splitlines()[2]
+    with pytest.raises(ValueError, match="rounds"):
+        probe.summarise({"def": base, "new": noisy[:3]}, work=1e9)
+
+
+def test_env_is_restored_after_an_arm(probe, monkeypatch):
+    import os
+
+    monkeypatch.setenv("FC_PROBE_KEEP", "old")
+    monkeypatch.delenv("FC_PROBE_NEW", raising=False)
+    seen = probe._with_env({"FC_PROBE_KEEP": "arm", "FC_PROBE_NEW": "1"},
+                           lambda: (os.environ["FC_PROBE_KEEP"], os.environ["FC_PROBE_NEW"]))
+    assert seen == ("arm", "1")
+    assert os.environ["FC_PROBE_KEEP"] == "old" and "FC_PROBE_NEW" not in os.environ
