@@ -440,8 +440,9 @@ struct BlockCoord {
 };
 
 // The (key block, KV head, batch) of the CTA (x, y, z) of a (gx, gy, gz) grid (the block index
-// and gridDim): the index itself, or under FC_LPT_TAIL = K inside the tail, the item's rank j in blockIdx order gives key block j / K of
-// pair first + j % K (a bijection of the tail's gx * K items onto themselves).
+// and gridDim): the index itself, or under FC_LPT_TAIL = K inside the tail, the CTA's rank j in
+// blockIdx order gives key block j / K of pair first + j % K (a bijection of the tail's gx * K
+// CTAs onto themselves).
 __device__ __forceinline__ BlockCoord block_coord(int x, int y, int z, int gx, int gy, int gz) {
 #if FC_LPT_TAIL
   const int pairs = gy * gz;
