@@ -1,4 +1,4 @@
-"""Same-process A/B of kernel variants: arms switched through the environment, interleaved per round.
+"""Same-process A/B of kernel variants: arms switched by the environment, interleaved per round.
 
     python scripts/ab_probe.py --arm def: --arm mb:FLASHCUDA_SM90_FWD_DEFINES=FC_MASK_BITS=0 \\
         [--shapes 32,512,16,64 16,1024,16,128 ...] [--causal 0|1|both] [--direction fwd|bwd|both]
@@ -30,6 +30,8 @@ import statistics
 import sys
 from collections.abc import Callable
 
+from flashcuda.bench.timing import events_ms, quantile
+
 
 def parse_arm(text: str) -> tuple[str, dict[str, str]]:
     """"LABEL:VAR=VALUE[;VAR=VALUE]" -> (label, {var: value}); "LABEL:" is the defaults."""
@@ -59,14 +61,6 @@ def rotation(n: int, r: int) -> list[int]:
     return [(r + i) % n for i in range(n)]
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    ys = sorted(xs)
-    i = q * (len(ys) - 1)
-    lo = int(i)
-    hi = min(lo + 1, len(ys) - 1)
-    return ys[lo] + (ys[hi] - ys[lo]) * (i - lo)
-
-
 def summarise(times: dict[str, list[float]], work: float) -> list[dict]:
     """times: arm -> ms per call, one per round (same rounds for every arm, first arm the base).
     Rows per arm: median ms, TFLOP/s, and the per-round speed ratios to the base (median, p10,
@@ -81,8 +75,8 @@ def summarise(times: dict[str, list[float]], work: float) -> list[dict]:
         ratios = [b / t for b, t in zip(base, ts, strict=True)]
         ms = statistics.median(ts)
         rows.append({"arm": name, "ms": ms, "tflops": work / ms / 1e9,
-                     "ratio": statistics.median(ratios), "p10": _quantile(ratios, 0.1),
-                     "p90": _quantile(ratios, 0.9)})
+                     "ratio": statistics.median(ratios), "p10": quantile(ratios, 0.1),
+                     "p90": quantile(ratios, 0.9)})
     return rows
 
 
@@ -93,18 +87,6 @@ def format_rows(title: str, rows: list[dict]) -> str:
         out.append(f"  {row['arm']:>10s} {row['ms']:9.4f} ms {row['tflops']:7.1f} TFLOP/s  "
                    f"x{row['ratio']:.3f} (p10-p90 {row['p10']:.3f}-{row['p90']:.3f}){beyond}")
     return "\n".join(out)
-
-
-def _timed(fn: Callable[[], object], calls: int) -> float:
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def _with_env(env: dict[str, str], fn: Callable[[], object]) -> object:
@@ -135,14 +117,14 @@ def measure(arms: list[tuple[str, dict[str, str]]], shape: tuple[int, int, int, 
         for i in rotation(len(arms), r):
             label, env = arms[i]
 
-            def one(label=label):
+            def one():
                 if direction == "fwd":
                     with torch.no_grad():
-                        return _timed(lambda: flashcuda.flash_attn_func(q, k, v, causal=causal),
-                                      calls)
+                        return events_ms(
+                            lambda: flashcuda.flash_attn_func(q, k, v, causal=causal), calls)
                 out = flashcuda.flash_attn_func(q, k, v, causal=causal)
-                return _timed(lambda: torch.autograd.grad(out, (q, k, v), dout,
-                                                          retain_graph=True), calls)
+                return events_ms(
+                    lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), calls)
 
             t = _with_env(env, one)
             if r:

@@ -30,22 +30,13 @@ import statistics
 import torch
 
 import flashcuda
+from flashcuda.bench.timing import events_ms
 from flashcuda.ops import fwd_sm90
 
 
 def _shape(text: str) -> tuple[int, int, int, int]:
     b, s, h, d = (int(x) for x in text.split(","))
     return b, s, h, d
-
-
-def _time(fn, calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def main() -> None:
@@ -87,8 +78,9 @@ def main() -> None:
             for name, (env, kw) in arms.items():
                 os.environ.update(env)
                 try:
-                    t = _time(lambda kw=kw, qkv=(q, k, v): flashcuda.flash_attn_func(*qkv, **kw),
-                              a.calls)
+                    t = events_ms(
+                        lambda kw=kw, qkv=(q, k, v): flashcuda.flash_attn_func(*qkv, **kw),
+                        a.calls)
                 finally:
                     for key in env:
                         os.environ.pop(key, None)

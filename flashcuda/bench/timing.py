@@ -61,6 +61,20 @@ def summarize(samples_ms: Sequence[float], method: str) -> Timing:
                   len(samples_ms), method)
 
 
+def events_ms(fn: Callable[[], object], calls: int) -> float:
+    """GPU ms per call of `calls` back-to-back calls of fn, between two CUDA events (the probes'
+    timer: scripts/ab_probe.py, masked_v_probe.py)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def tflops(flops: float, ms: float | None) -> float | None:
     if ms is None or ms <= 0:
         return None
