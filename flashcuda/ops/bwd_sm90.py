@@ -349,18 +349,14 @@ class Sm90BwdConfig:
         step = lcm(self.block_m, self.aux().aux_rows)
         return -(-seqlen_q // step) * step
 
-    def items(self, call: BwdCall) -> tuple[int, int, int]:
-        """The work items' grid: (key blocks, KV heads, batch)."""
-        return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
-
     def grid(self, call: BwdCall) -> tuple[int, int, int]:
-        """One CTA per work item (key block, KV head, batch)."""
-        return self.items(call)
+        """One CTA per work item: (key blocks, KV heads, batch)."""
+        return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
 
     def timeline_shape(self, call: BwdCall) -> tuple[int, int, int, int]:
         """The timeline buffer (int64), a record per work item (CTA): [batch][nheads_kv]
         [key blocks][words]."""
-        gx, gy, gz = self.items(call)
+        gx, gy, gz = self.grid(call)
         return (gz, gy, gx, TIMELINE_WORDS)
 
 

@@ -977,7 +977,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_TIMELINE
   if (threadIdx.x == 128) timeline_mark(timeline, kTlKv);
   if (steps.count() > 0) {  // step 0's stage: the loop's wait on the same phase then passes
-    wait(sm.full(stage_of(0)), parity_of(0), stuck);
+    wait(sm.full(0), 0, stuck);
     if (threadIdx.x == 128) timeline_mark(timeline, kTlFirst);
   }
 #endif
