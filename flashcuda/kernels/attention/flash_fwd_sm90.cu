@@ -138,6 +138,15 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 #endif
 constexpr bool kMaskBits = FC_MASK_BITS && kBlockN <= 128;
 constexpr int kMaskPairs = kBlockN <= 128 ? kBlockN / 8 : 16;  // fragment_bits' column pairs
+#ifndef FC_FIRST_HALF
+// 1 (A/B, session 18): a work tile's first key tile (with a causal mask: the diagonal one, on
+// every work tile's critical path) skips the upper half of its keys in a warp none of whose rows
+// sees them (the first consumer warpgroup's rows at a causal diagonal of 128-key tiles): its
+// mask, row maxima, exp2s and sums run over the lower kBlockN / 2 keys, P of the upper half is 0
+// without an exp2 (~170 fewer instructions per lane there). The GEMMs are unchanged.
+#define FC_FIRST_HALF 0
+#endif
+constexpr bool kFirstHalf = FC_FIRST_HALF;
 #ifndef FC_EXP_SPLIT
 // k > 0: the exp2s of a tile's column groups k .. kBlockN / 8 - 1 move after the previous P V's
 // wait (Consumer::softmax_tail), so they run interleaved with the rescale and the packing instead
@@ -626,6 +635,8 @@ struct Consumer {
 
   // Scores of (row, key) pairs the rule hides become -inf. `i0`: query row of this lane's first
   // row; `col0`: key of its first column (n0 + 2t).
+  // (kGroups: the first kGroups column groups of 8 keys only, FC_FIRST_HALF)
+  template <int kGroups = kBlockN / 8>
   __device__ __forceinline__ void apply_mask(const Mask& mask, int i0, int col0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -635,7 +646,7 @@ struct Consumer {
       // (kMaskBits) bit 2j + c: key 8j + c is visible
       const uint32_t visible = kMaskBits ? fragment_bits<kMaskPairs>(lo, hi) : 0u;
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
+      for (int j = 0; j < kGroups; ++j)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int key = 8 * j + c;
@@ -648,10 +659,11 @@ struct Consumer {
   // Row h's new maximum over this tile (over the quad) into row[h]; returns the factor O's row
   // must still be multiplied by. scale_log2 > 0 (checked on the host), so max(s) * scale is the
   // max of the scaled scores.
+  template <int kGroups = kBlockN / 8>
   __device__ __forceinline__ float update_row(int h, float scale_log2) {
     float mx = neg_inf();
 #pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+    for (int j = 0; j < kGroups; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     return row[h].update(mx * scale_log2);
@@ -711,6 +723,35 @@ struct Consumer {
           float& x = s[4 * j + 2 * h + c];
           x = fast_exp2(fmaf(x, scale_log2, -ref));
           sum += x;
+        }
+      row[h].add(sum);
+    }
+  }
+#endif
+
+#if FC_FIRST_HALF
+  // The first tile's mask and whole softmax (no softmax_tail after it) over its lower kBlockN / 2
+  // keys, for a warp none of whose rows sees the upper half: P there is 0, without an exp2.
+  __device__ __forceinline__ void lower_half_softmax(const Mask& mask, int i0, int col0,
+                                                     float scale_log2, float (&corr)[2]) {
+    constexpr int kLive = kBlockN / 16;
+    apply_mask<kLive>(mask, i0, col0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      corr[h] = update_row<kLive>(h, scale_log2);
+      const float ref = row[h].ref();
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * j + 2 * h + c];
+          if (j < kLive) {
+            x = fast_exp2(fmaf(x, scale_log2, -ref));
+            sum += x;
+          } else {
+            x = 0.f;
+          }
         }
       row[h].add(sum);
     }
@@ -1036,16 +1077,34 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   wgmma_fence_operands(cs.s);
   release(sm.k_empty(st));
   float corr[2];
+#if FC_FIRST_HALF
+  const int key0 = (blk.n_last - i) * kBlockN;  // the tile's first key
+  const int col0 = key0 + 2 * static_cast<int>(threadIdx.x & 3);
+  // (warp-uniform: the warp's last row, row0 - g + 15, sees no key of the upper half; rows see
+  // contiguous, non-decreasing key ranges, so no row of the warp does)
+  const bool lower_half = kFirst && masked(i) &&
+      mask.key_end(row0 - static_cast<int>((threadIdx.x & 31) >> 2) + 16) - key0 <= kBlockN / 2;
+  if (lower_half) {
+    cs.lower_half_softmax(mask, row0, col0, scale_log2, corr);
+  } else {
+    cs.masked_softmax(masked(i), mask, row0, col0, scale_log2, corr);
+  }
+#else
   cs.masked_softmax(masked(i), mask, row0,
                     (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3), scale_log2,
                     corr);
+#endif
   if constexpr (!kFirst) {
     wgmma_wait<0>();
     cs.hold_p();
     wgmma_fence_operands(cs.o);
     if constexpr (!kScanPrev) release(sm.v_empty(prev));
   }
+#if FC_FIRST_HALF
+  if (!lower_half) cs.softmax_tail(scale_log2);  // (FC_EXP_SPLIT; nothing otherwise)
+#else
   cs.softmax_tail(scale_log2);  // (FC_EXP_SPLIT; nothing otherwise)
+#endif
   cs.rescale(corr);
   cs.pack_p();
   // The slow path's branch comes after the softmax, rescale and packing, not between them: there
