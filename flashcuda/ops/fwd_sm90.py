@@ -198,6 +198,8 @@ class Sm90FwdConfig:
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
             **({"FC_MASK_BITS": 1} if MASK_BITS and self.masked_v and self.block_n <= 128 else {}),
             **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
+            **({"FC_FIRST_HALF": 1} if self.masked_v
+               and self.block_m in FIRST_HALF.get(self.head_dim, ()) else {}),
             **({"FC_O_QUAD": 1} if self.block_m in O_QUAD.get(self.head_dim, ()) else {}),
             **dict(self.defines),
         })
@@ -299,6 +301,13 @@ EXP_SPLIT = {128: 8}
 # its critical path); the unwindowed kernels, which mask only ragged edge tiles, keep the compares
 # (not measured with it). FLASHCUDA_SM90_FWD_DEFINES=FC_MASK_BITS=0 builds the compares (A/B).
 MASK_BITS = True
+# Head dim -> query-block heights (block_m) of the windowed kernels whose first key tile's softmax
+# runs over the lower half of its keys in a warp none of whose rows sees the upper half
+# (FC_FIRST_HALF, the .cu: the first consumer warpgroup at a causal diagonal of 128-key tiles).
+# Same-process A/B (session 19, scripts/ab_probe.py, perf-notes): d64 causal 512 +5.3%, 1k +1.8%
+# (both beyond the run's p10-p90); d128 causal 512 -1.1%, 1k -1.3%: not used there. The 192-row
+# d64 tiles (from 2k) were not measured with it. FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=0 (A/B).
+FIRST_HALF = {64: (128,)}
 # Query-block heights (block_m) whose kernel stores O in 16-byte stores after a transpose within
 # each quad (FC_O_QUAD, the .cu), per head dim. Same-run A/B (session 14, perf-notes): d128
 # +2-11% (512-1k +6-11%, 4k +2-3.5%, 8k causal 0), the per-work-tile epilogue 2.1 -> 0.9 us
