@@ -103,7 +103,7 @@ DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"
 # +0.2-6.5% at all six d128 points (+4.4-6.5% from 4k non-causal and at 16k causal).
 DQ_DEFAULT = {64: "tma", 128: "frag"}
 DQ_MODES = ("v2", "v4", "bulk", "warp", "warpflat", "tma", "frag")
-FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0: no fence.proxy.async before stage releases (A/B)
+FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0 / 1: without / with the release fence (A/B)
 # 1: a step's red.v4 issued at the next step, after its S^T wgmmas (implies v4; A/B, see the .cu)
 DQ_LATE_ENV = "FLASHCUDA_SM90_BWD_DQ_LATE"
 # Q / dO ring depth (2: FA3's; 3: one more step of loads in flight, + 32 KB; A/B)
@@ -133,6 +133,11 @@ FRAG_DIMS = (128,)  # FLASHCUDA_SM90_BWD_DQ=frag builds without spills at these 
 # FC_DS_STMATRIX by default (dS^T by stmatrix.x4; the [key][query] layout in FA3's order): d64
 # only (session 12, same-run A/B: +0.8-3.5% at all six d64 points, -2.4 to +0.8% at d128)
 STMATRIX_DIMS = (64,)
+# Head dims whose kernel issues fence.proxy.async before each stage release (FC_RELEASE_FENCE, the
+# .cu's release()). Same-process A/B (session 19, scripts/ab_probe.py, perf-notes): d128 without it
+# +2.1 to +5.7% at 1k / 4k, causal and not (session 2's two-process A/B had read d128 within
+# +-1%, d64 3-11% faster with it).
+FENCE_DIMS = (64,)
 DQ_STAGE_BYTES = 64 * 72 * 4  # one consumer's padded fp32 dQ staging tile (dq_bulk, see the .cu)
 # FC_TIMELINE: uint64 words per CTA in the timeline buffer (kTimelineWords) and what each holds
 # (the .cu's kTl* indices; scripts/sm90_bwd_timeline.py decodes them)
@@ -158,7 +163,8 @@ class Sm90BwdConfig:
     consumer_regs: int = 0
     ds_k_major: bool = False  # dS stored [query][key] (the fallback layout, see the .cu)
     watchdog: bool = False  # mbarrier waits trap after ~2^28 polls (bring-up)
-    release_fence: bool = True  # fence.proxy.async before a stage's release (see the .cu)
+    # fence.proxy.async before a stage's release (see the .cu); None: on at FENCE_DIMS
+    release_fence: bool | None = None
     dq_v4: bool = False  # dQ reductions as 16-byte red.v4 after a lane-pair shuffle (A/B)
     dq_bulk: bool = False  # dQ by row-wise bulk reductions from shared staging tiles (A/B)
     dq_late: bool = False  # a step's red.v4 after the next step's S^T issue (needs dq_v4; A/B)
@@ -195,6 +201,8 @@ class Sm90BwdConfig:
                              f"got {self.head_dim}")
         if self.block_m == 0:
             object.__setattr__(self, "block_m", BLOCK_M[self.head_dim])
+        if self.release_fence is None:
+            object.__setattr__(self, "release_fence", self.head_dim in FENCE_DIMS)
         if self.dq_spread is None:
             object.__setattr__(self, "dq_spread", self.dq_tma and self.head_dim in SPREAD_DIMS)
         if self.ds_stmatrix is None:
@@ -369,7 +377,7 @@ def _dq_mode(dq: str) -> dict[str, bool]:
 def configs() -> list[Sm90BwdConfig]:
     """Every specialisation dispatch or an A/B switch can pick (the CPU lane compiles them all):
     per dtype and head dim, the default dQ reduction with both dS layouts, with and without the
-    watchdog, and without the release fence; the other two dQ reductions; the late reductions."""
+    watchdog, and with the release fence flipped from its head dim's default; the other two dQ reductions; the late reductions."""
     out = []
     for dtype in DTYPES:
         for d in HEAD_DIMS:
@@ -379,7 +387,7 @@ def configs() -> list[Sm90BwdConfig]:
             out += [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w,
                                   **{**default, "dq_early": not k})
                     for w in (False, True) for k in (False, True)]
-            out.append(Sm90BwdConfig(dtype, d, release_fence=False, **default))
+            out.append(Sm90BwdConfig(dtype, d, release_fence=d not in FENCE_DIMS, **default))
             out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq))
                     for dq in DQ_MODES if dq not in (DQ_DEFAULT[d], "frag")]
             out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
@@ -419,7 +427,9 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     if raw not in ("", "mn", "k"):
         raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
     watchdog = os.environ.get(WATCHDOG_ENV, "").strip() == "1"
-    fence = os.environ.get(FENCE_ENV, "").strip() != "0"
+    fence = os.environ.get(FENCE_ENV, "").strip()
+    if fence not in ("", "0", "1"):
+        raise ValueError(f"{FENCE_ENV}: expected 0 or 1, got {fence!r}")
     stages = os.environ.get(STAGES_ENV, "").strip() or "2"
     if stages not in ("2", "3"):
         raise ValueError(f"{STAGES_ENV}: expected 2 or 3, got {stages!r}")
@@ -454,7 +464,7 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     dq_early = (early == "1" if early
                 else dq in (DQ_DEFAULT.get(head_dim), "tma", "frag") and raw != "k")
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
-                         release_fence=fence, dq_late=late == "1", stages=int(stages),
+                         release_fence=None if not fence else fence == "1", dq_late=late == "1", stages=int(stages),
                          dq_early=dq_early, defines=parse_defines(DEFINES_ENV),
                          **_dq_mode(dq))
 

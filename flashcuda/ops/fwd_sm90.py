@@ -292,9 +292,11 @@ SOFTMAX_IN_ARMS = (128,)
 # Column groups (of 8 keys) whose exp2s run before the previous P V's wait, per head dim; the rest
 # run after it, among the O rescale and the packing (FC_EXP_SPLIT, the .cu; FlashAttention 4's
 # placement). Same-run A/B (session 13, perf-notes): d128 +0-5% (with 128 x 128 tiles +2.4-5.6%
-# at 4k-16k without a mask, causal -1 to +3%), d64 -1 to +2% (noise: not used). An
+# at 4k-16k without a mask, causal -1 to +3%), d64 -1 to +2% (noise: not used). d128's k = 6 of
+# 16 groups (was 8) from session 19's same-process A/B (scripts/ab_probe.py): +1.6 to +2.2% at 4k
+# and 8k, causal and not, against k = 8; 4, 10, 12 slower. An
 # FLASHCUDA_SM90_FWD_DEFINES=FC_EXP_SPLIT=0 run builds the unsplit kernel (A/B).
-EXP_SPLIT = {128: 8}
+EXP_SPLIT = {128: 6}
 # The windowed (masked-V) kernels test a masked tile's scores against a bit mask of each lane's
 # visible columns (FC_MASK_BITS, the .cu; 128-key tiles). Same-run A/B (session 18, perf-notes):
 # causal forward +0.3 to +3.4% at 512-8k (the masked first tile of every causal work tile is on

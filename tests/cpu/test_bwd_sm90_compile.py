@@ -134,7 +134,8 @@ def test_dispatch_order_and_plan_key(monkeypatch):
 
 def test_config_is_the_single_source_of_truth():
     cfg = Sm90BwdConfig(torch.bfloat16, 128)
-    assert cfg.name == "flash_bwd_sm90_bf16_d128_bm64_bn128_s2"
+    # (d128 without the release fence: bwd_sm90.FENCE_DIMS, session 19)
+    assert cfg.name == "flash_bwd_sm90_bf16_d128_bm64_bn128_s2_nofence"
     assert (cfg.block_m, cfg.block_n, cfg.threads, cfg.consumers) == (64, 128, 384, 2)
     kv, q, ds, stats = 128 * 128 * 2, 64 * 128 * 2, 128 * 64 * 2, 2 * 64 * 4
     assert cfg.smem_bytes == 1024 + 2 * kv + 2 * (2 * q + stats) + 2 * ds + 8 * 5  # 5 barriers
@@ -142,7 +143,7 @@ def test_config_is_the_single_source_of_truth():
         "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "64", "FC_BLOCK_N": "128",
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
         "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_DS_K_MAJOR": "0", "FC_WATCHDOG": "0",
-        "FC_RELEASE_FENCE": "1", "FC_DQ_V4": "0", "FC_DQ_BULK": "0", "FC_DQ_LATE": "0",
+        "FC_RELEASE_FENCE": "0", "FC_DQ_V4": "0", "FC_DQ_BULK": "0", "FC_DQ_LATE": "0",
         "FC_DQ_WARP": "0"}
     d64 = Sm90BwdConfig(torch.float16, 64)
     assert d64.block_m == 128 and d64.name == "flash_bwd_sm90_fp16_d64_bm128_bn128_s2"
@@ -151,7 +152,7 @@ def test_config_is_the_single_source_of_truth():
     for c in bwd_sm90.configs():
         assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= c.register_pool
-    # per dtype and d: dS layout x watchdog and no fence with the default dQ reduction, + the
+    # per dtype and d: dS layout x watchdog and the release fence flipped with the default dQ reduction, + the
     # other dQ reductions (five), + the late red.v4, + FA3's GEMM order, + the three-stage ring,
     # + at d128 the tensor-map staging in FA3's order (the default before frag); + the timeline
     # variants of the bf16 defaults (two); + the causal calls' longest-first tail at d128 (per
@@ -159,7 +160,7 @@ def test_config_is_the_single_source_of_truth():
     assert len({c.name for c in bwd_sm90.configs()}) == 61
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
-    # the default with and without the watchdog and without the release fence, x 4; + the two
+    # the default with and without the watchdog and with the release fence flipped, x 4; + the two
     # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants; + the
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant)
     assert sum(c.dq_early for c in bwd_sm90.configs()) == 19

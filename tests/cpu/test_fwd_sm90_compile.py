@@ -125,7 +125,7 @@ def test_config_is_the_single_source_of_truth():
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
         "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_PINGPONG": "0", "FC_SNAKE": "0",
         "FC_SOFTMAX_IN_ARMS": "1",  # d128 only (fwd_sm90.SOFTMAX_IN_ARMS)
-        "FC_EXP_SPLIT": "8",  # d128 only (fwd_sm90.EXP_SPLIT)
+        "FC_EXP_SPLIT": "6",  # d128 only (fwd_sm90.EXP_SPLIT)
         "FC_O_QUAD": "1"}  # d128, and d64's 192-row tiles (fwd_sm90.O_QUAD)
     assert dict(Sm90FwdConfig(torch.bfloat16, 64).spec().defines)["FC_SOFTMAX_IN_ARMS"] == "0"
     assert "FC_EXP_SPLIT" not in dict(Sm90FwdConfig(torch.bfloat16, 64).spec().defines)

@@ -5,7 +5,7 @@ packing (FlashAttention 4's Hopper forward schedules them so).
 
 On the CPU lane: the variant builds clean for every head dim and tile the forward dispatches, and
 at d128 its SASS has the placement the knob is for — in the steady-state loop (S wait ... P V
-wait) every MUFU.EX2 of the default kernel comes before the P V wait, while with k = 8 the later
+wait) every MUFU.EX2 of the unsplit kernel comes before the P V wait, while with k = 6 the later
 groups' come after it, the earlier ones' before. The oracle tests and the timing are the GPU lane's.
 """
 
@@ -36,8 +36,8 @@ def _loop_exp2s(sass: str) -> tuple[int, int]:
 @pytest.mark.parametrize("block_n", [176, 128])
 def test_exp_split_moves_exp2s_after_the_pv_wait_at_d128(block_n, tmp_path):
     split = fwd_sm90._config(torch.bfloat16, 128, 128, block_n)
-    assert 128 in fwd_sm90.SOFTMAX_IN_ARMS and fwd_sm90.EXP_SPLIT[128] == 8  # d128's default
-    assert dict(split.spec().defines)["FC_EXP_SPLIT"] == "8"
+    assert 128 in fwd_sm90.SOFTMAX_IN_ARMS and fwd_sm90.EXP_SPLIT[128] == 6  # d128's default
+    assert dict(split.spec().defines)["FC_EXP_SPLIT"] == "6"
     base = dataclasses.replace(split, defines=(("FC_EXP_SPLIT", 0),))  # every exp2 before the wait
     assert base.name == split.name + "_fc_exp_split0"
     before_d, after_d = _loop_exp2s(clean_sass(base, tmp_path))

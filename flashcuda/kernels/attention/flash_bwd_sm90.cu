@@ -324,7 +324,8 @@ constexpr bool kWatchdog = FC_WATCHDOG;
 #define FC_DQ_V4 0  // dQ reductions as red.v4 (FLASHCUDA_SM90_BWD_DQ=v4, A/B)
 #endif
 #ifndef FC_RELEASE_FENCE
-#define FC_RELEASE_FENCE 1  // FLASHCUDA_SM90_BWD_FENCE=0 drops it (A/B), see release()
+#define FC_RELEASE_FENCE 1  // the host sets it per head dim (bwd_sm90.FENCE_DIMS: d64 on, d128 off
+                            // since session 19); FLASHCUDA_SM90_BWD_FENCE=0 / 1 (A/B); release()
 #endif
 static_assert(FC_DQ_V4 + FC_DQ_BULK + FC_DQ_WARP <= 1, "one dQ reduction mode");
 static_assert(!FC_DQ_WARP_FLAT || FC_DQ_WARP, "FC_DQ_WARP_FLAT is a form of FC_DQ_WARP");
@@ -497,10 +498,15 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
 // completed: a wgmma_wait in each lane before the __syncwarp). The consumers also read lse2 /
 // delta with ordinary loads, which the producer's next cp.async.bulk (async proxy) overwrites:
 // the proxy fence orders those generic reads before it, as the PTX memory model asks of a
-// generic-then-async access pair. On the H200 it costs nothing measurable (d64 backward was
-// 3-4% faster with it from 4k, d128 equal: docs/perf-notes.md). compute-sanitizer racecheck
-// reports this write-after-read with or without the fence (scripts/racecheck_probe.py bulk shows
-// the same report on a minimal correct ring; docs/GUARANTEES.md).
+// generic-then-async access pair. Without it (d128's default since session 19: +2-6% in a
+// same-process A/B; d64 keeps it, 3-11% faster with it in session 2's A/B) the order still holds
+// in this kernel: every lse2 / delta value a lane loads feeds the exp2 / dS arithmetic that the
+// stage's dV / dK wgmmas consume, and those wgmmas complete (wgmma_wait) before the arrive below,
+// so each load has returned its data (register scoreboard) before the producer can observe the
+// release; CUTLASS's TMA pipelines release consumer stages the same way, without a proxy fence.
+// compute-sanitizer racecheck reports this write-after-read with or without the fence
+// (scripts/racecheck_probe.py bulk shows the same report on a minimal correct ring;
+// docs/GUARANTEES.md).
 __device__ __forceinline__ void release(uint32_t bar) {
 #if FC_RELEASE_FENCE
   fence_proxy_async();  // this lane's generic reads of the stage (lse2, delta) before TMA rewrites

@@ -152,8 +152,8 @@ constexpr int kMaskPairs = kBlockN <= 128 ? kBlockN / 8 : 16;  // fragment_bits'
 // wait (Consumer::softmax_tail), so they run interleaved with the rescale and the packing instead
 // of all before the wait, where the ~100 FMUL / F2FP after it then have no MUFU work to hide
 // behind. FlashAttention 4's Hopper forward schedules its exp2s that way (its SASS: 10 of 66 MUFU
-// before the P V wait). The host sets k = 8 at d128 (fwd_sm90.EXP_SPLIT; measured on the H200 in
-// session 13, perf-notes) and leaves d64 at 0 (noise there).
+// before the P V wait). The host sets k = 6 at d128 (fwd_sm90.EXP_SPLIT; 8 from session 13, 6
+// from session 19's same-process A/B, perf-notes) and leaves d64 at 0 (noise there).
 #define FC_EXP_SPLIT 0
 #endif
 #ifndef FC_O_QUAD
