@@ -7,7 +7,9 @@
 #   info       flashcuda info
 #   tests      pytest -m gpu (the whole GPU lane), junit xml + log
 #   sanitize   compute-sanitizer memcheck + racecheck (+ synccheck, initcheck) on the boundary-shape
-#              suite (tests/gpu/test_sanitize.py; SANITIZE_K narrows it, e.g. "sm90", "not 65537"),
+#              suite (tests/gpu/test_sanitize.py; SANITIZE_K narrows it, e.g. "sm90 and not 65537": the
+#              23 sm90 cases: ~15-30 s per tool, racecheck ~140 s; plain "sm90" adds three 65537-row
+#              cases, which take racecheck and initcheck past minutes),
 #              torch's caching allocator off so every tensor is its own allocation and an overrun is
 #              visible. SANITIZE_TOOLS picks the tools (default "memcheck racecheck synccheck
 #              initcheck"); the tool "none" runs the suite once without a sanitizer (a quick
