@@ -175,6 +175,15 @@ class Sm90FwdConfig:
                 f"{'_fd' if self.fast_div else ''}{'_da' if self.decode_ahead else ''}"
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
+    @property
+    def first_half(self) -> bool:
+        """FC_FIRST_HALF: the windowed kernels of FIRST_HALF's heights on the default pipeline.
+        The A/B variants without ping-pong or without the fast divisions build without it: with
+        it ptxas serialises their wgmma (C7519 / C7520) or spills 4 bytes (at 168 registers),
+        NVRTC 13.0 and 13.5 alike (session 20)."""
+        return (self.masked_v and self.pingpong and self.fast_div
+                and self.block_m in FIRST_HALF.get(self.head_dim, ()))
+
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
             "FC_DTYPE": DTYPE_CODE[self.dtype],
@@ -198,8 +207,7 @@ class Sm90FwdConfig:
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
             **({"FC_MASK_BITS": 1} if MASK_BITS and self.masked_v and self.block_n <= 128 else {}),
             **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
-            **({"FC_FIRST_HALF": 1} if self.masked_v
-               and self.block_m in FIRST_HALF.get(self.head_dim, ()) else {}),
+            **({"FC_FIRST_HALF": 1} if self.first_half else {}),
             **({"FC_O_QUAD": 1} if self.block_m in O_QUAD.get(self.head_dim, ()) else {}),
             **dict(self.defines),
         })
@@ -309,6 +317,7 @@ MASK_BITS = True
 # Same-process A/B (session 19, scripts/ab_probe.py, perf-notes): d64 causal 512 +5.3%, 1k +1.8%
 # (both beyond the run's p10-p90); d128 causal 512 -1.1%, 1k -1.3%: not used there. The 192-row
 # d64 tiles (from 2k) were not measured with it. FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=0 (A/B).
+# Only on the default pipeline (ping-pong and fast divisions): Sm90FwdConfig.first_half.
 FIRST_HALF = {64: (128,)}
 # Query-block heights (block_m) whose kernel stores O in 16-byte stores after a transpose within
 # each quad (FC_O_QUAD, the .cu), per head dim. Same-run A/B (session 14, perf-notes): d128

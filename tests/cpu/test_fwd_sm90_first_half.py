@@ -4,7 +4,8 @@ same-process A/B in perf-notes): a work tile's first key tile runs its mask and 
 lower half of its keys in a warp none of whose rows sees the upper half. Here: the kernels
 dispatch picks for d64 causal calls below 2k get the define and build the second (lower-half)
 copy of the first tile's softmax, more static code than the same kernel without it
-(FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=0, the A/B variant); d128 (measured slower) and d64's 192-row tiles (not measured with it) do not."""
+(FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=0, the A/B variant); d128 (measured slower) and d64's 192-row tiles (not measured with it) do not, nor the A/B
+variants without ping-pong or the fast divisions (with it they serialise the wgmma or spill)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import dataclasses
 import pytest
 import torch
 
+from flashcuda.jit import compile_spec
 from flashcuda.ops import fwd_sm90
 
-from .sm90_compile import clean_sass
+from .sm90_compile import ARCH, assert_compiled_clean, clean_sass
 
 
 def _defines(cfg) -> dict:
@@ -37,3 +39,13 @@ def test_d64_short_causal_kernels_take_the_lower_half_path(seqlen, tmp_path):
 def test_other_kernels_keep_one_softmax(head_dim, windowed, seqlen):
     cfg = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
     assert "FC_FIRST_HALF" not in _defines(cfg), cfg.name
+
+
+@pytest.mark.parametrize("env", [fwd_sm90.PINGPONG_ENV, fwd_sm90.FAST_DIV_ENV])
+def test_ab_variants_off_the_default_pipeline_build_without_it(monkeypatch, env):
+    """Without ping-pong or without the fast divisions, the lower-half copy makes ptxas serialise
+    the wgmma or spill (session 20): those A/B variants build the single softmax and clean."""
+    monkeypatch.setenv(env, "0")
+    cfg = fwd_sm90.select_config(torch.bfloat16, 64, True, 1024)
+    assert cfg.block_m == 128 and "FC_FIRST_HALF" not in _defines(cfg), cfg.name
+    assert_compiled_clean(compile_spec(cfg.spec(), ARCH), cfg.name)
