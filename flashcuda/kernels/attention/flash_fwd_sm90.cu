@@ -669,6 +669,33 @@ struct Consumer {
     return row[h].update(mx * scale_log2);
   }
 
+  // Online softmax of this tile in one piece: new row maxima (over the quad), P = exp2(S - m) in
+  // place, partial row sums into row[h].l (summed over the quad once, in the epilogue). Returns in
+  // corr[h] the factor O's rows must still be multiplied by (see rescale). Only the first kLive
+  // column groups count (FC_FIRST_HALF's lower half); P of the others is 0, without an exp2.
+  template <int kLive = kBlockN / 8>
+  __device__ __forceinline__ void whole_softmax(float scale_log2, float (&corr)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      corr[h] = update_row<kLive>(h, scale_log2);
+      const float ref = row[h].ref();
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * j + 2 * h + c];
+          if (j < kLive) {
+            x = fast_exp2(fmaf(x, scale_log2, -ref));
+            sum += x;
+          } else {
+            x = 0.f;
+          }
+        }
+      row[h].add(sum);
+    }
+  }
+
 #if FC_EXP_SPLIT
   static_assert(FC_EXP_SPLIT > 0 && FC_EXP_SPLIT <= kBlockN / 8, "FC_EXP_SPLIT: 1 .. kBlockN / 8");
   float split_ref[2], split_sum[2];  // the rows' exp2 reference and partial sums, part 1 -> 2
@@ -707,25 +734,8 @@ struct Consumer {
 #else
   __device__ __forceinline__ void softmax_tail(float) {}  // (the whole softmax is in softmax)
 
-  // Online softmax of this tile: new row maxima (over the quad), P = exp2(S - m) in place,
-  // partial row sums into row[h].l (summed over the quad once, in the epilogue). Returns in
-  // corr[h] the factor O's rows must still be multiplied by (see rescale).
   __device__ __forceinline__ void softmax(float scale_log2, float (&corr)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      corr[h] = update_row(h, scale_log2);
-      const float ref = row[h].ref();
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[4 * j + 2 * h + c];
-          x = fast_exp2(fmaf(x, scale_log2, -ref));
-          sum += x;
-        }
-      row[h].add(sum);
-    }
+    whole_softmax(scale_log2, corr);
   }
 #endif
 
@@ -734,27 +744,8 @@ struct Consumer {
   // keys, for a warp none of whose rows sees the upper half: P there is 0, without an exp2.
   __device__ __forceinline__ void lower_half_softmax(const Mask& mask, int i0, int col0,
                                                      float scale_log2, float (&corr)[2]) {
-    constexpr int kLive = kBlockN / 16;
-    apply_mask<kLive>(mask, i0, col0);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      corr[h] = update_row<kLive>(h, scale_log2);
-      const float ref = row[h].ref();
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[4 * j + 2 * h + c];
-          if (j < kLive) {
-            x = fast_exp2(fmaf(x, scale_log2, -ref));
-            sum += x;
-          } else {
-            x = 0.f;
-          }
-        }
-      row[h].add(sum);
-    }
+    apply_mask<kBlockN / 16>(mask, i0, col0);
+    whole_softmax<kBlockN / 16>(scale_log2, corr);
   }
 #endif
 
