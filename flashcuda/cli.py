@@ -32,7 +32,8 @@ def _check(args: argparse.Namespace) -> int:
                 print(f"FAIL {spec.name} {arch}: {exc}")
                 continue
             r = res.resources().get(spec.entry_name)
-            status = "ok" if r is not None and not r.spills else "SPILLS"
+            status = ("SPILLS" if r is None or r.spills
+                      else "PERF" if res.performance_notes() else "ok")
             failures += status != "ok"
             regs = f"{r.registers:3d} regs, {r.stack_bytes} B stack" if r else "no report"
             print(f"{status:6s} {spec.name:60s} {arch:7s} {regs}  {res.seconds:.1f}s")

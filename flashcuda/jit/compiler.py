@@ -56,6 +56,14 @@ class CompileResult:
     def resources(self) -> dict[str, Resources]:
         return parse_ptxas_report(self.log)
 
+    def performance_notes(self) -> list[str]:
+        """ptxas' "Potential Performance Loss" notes (C75xx: wgmma serialised, e.g. behind a
+        compiler-inserted warpgroup arrive on a divergent path), one per line, without the
+        "ptxas info :" prefix. The kernel is correct but slower than the one measured; the CPU
+        lane keeps every shipped variant free of them under the NVRTC CI installs."""
+        return [line.split(":", 1)[-1].strip() for line in self.log.splitlines()
+                if "performance loss" in line.lower()]
+
 
 _FUNC = re.compile(r"Compiling entry function '([^']+)'")
 _FRAME = re.compile(

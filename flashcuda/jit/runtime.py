@@ -84,6 +84,13 @@ def build_cubin(spec: KernelSpec, arch: str) -> tuple[bytes, bool, float]:
     def build() -> bytes:
         result = compile_spec(spec, arch)
         logger.info("compiled %s for %s in %.2fs", spec.name, arch, result.seconds)
+        if notes := result.performance_notes():
+            # (a newer NVRTC than the ones the project builds clean with: correct, but slower
+            # than measured; said once, at the compile -- the disk cache serves it silently after)
+            logger.warning("NVRTC %s built %s for %s with a ptxas performance note: %s -- results "
+                           "are exact, speed may fall short of the measured (`flashcuda check "
+                           "--arch %s` lists every kernel; please report it)", nvrtc_version(),
+                           spec.name, arch, notes[0], arch)
         return result.cubin
 
     cubin, hit = disk_cache().get_or_build(f"{spec.name}.{arch}", key, build)

@@ -413,3 +413,54 @@ def test_function_attribute_values_match_the_driver_enum():
 
     for name, value in runtime.FUNC_ATTRIBUTES.items():
         assert int(getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")) == value
+
+
+NOTE = ("ptxas info    : (C7519) Potential Performance Loss: wgmma.mma_async instructions are "
+        "serialized due to program dependence on compiler-inserted WG.AR in divergent path in "
+        "the function 'smoke_axpb' in line 12")
+
+
+def test_ptxas_performance_note_is_warned_once_at_the_compile(monkeypatch, caplog):
+    """A kernel ptxas serialised (a newer NVRTC than the CPU lane's) still loads -- it is correct
+    -- but the compile says so, naming the kernel, the arch and the note; the cache hit after
+    is silent, and a clean compile says nothing."""
+    import logging
+
+    from flashcuda.jit import compiler as compiler_mod
+    from flashcuda.jit import runtime as runtime_mod
+
+    real = compiler_mod.compile_spec(SMOKE, "sm_80")
+    assert real.performance_notes() == []
+    noted = compiler_mod.CompileResult(real.cubin, real.log + "\n" + NOTE + "\n", real.seconds)
+    assert noted.performance_notes() == [NOTE.split(":", 1)[1].strip()]
+    monkeypatch.setattr(runtime_mod, "compile_spec", lambda spec, arch: noted)
+    with caplog.at_level(logging.WARNING, logger="flashcuda"):
+        cubin, hit, _ = build_cubin(SMOKE, "sm_80")
+        again, hit2, _ = build_cubin(SMOKE, "sm_80")
+    assert not hit and hit2 and cubin == again == real.cubin
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "smoke_axpb" in warnings[0] and "sm_80" in warnings[0] and "C7519" in warnings[0]
+
+    caplog.clear()
+    reset_disk_cache()
+    monkeypatch.setenv("FLASHCUDA_CACHE_DIR", str(Path(os.environ["FLASHCUDA_CACHE_DIR"]) / "2"))
+    monkeypatch.setattr(runtime_mod, "compile_spec", lambda spec, arch: real)
+    with caplog.at_level(logging.WARNING, logger="flashcuda"):
+        assert build_cubin(SMOKE, "sm_80")[1] is False
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_flashcuda_check_flags_a_performance_note(monkeypatch, capsys):
+    import flashcuda.jit as jit_pkg
+    from flashcuda import cli
+    from flashcuda.jit import compiler as compiler_mod
+
+    real = compiler_mod.compile_spec(SMOKE, "sm_80")
+    noted = compiler_mod.CompileResult(real.cubin, real.log + "\n" + NOTE + "\n", real.seconds)
+    monkeypatch.setattr(jit_pkg, "all_variants", lambda: [(SMOKE, ("sm_80",))])
+    for result, rc, status in ((real, 0, "ok "), (noted, 1, "PERF ")):
+        monkeypatch.setattr(jit_pkg, "compile_spec", lambda spec, arch, r=result: r)
+        assert cli.main(["check", "--arch", "sm_80"]) == rc
+        out = capsys.readouterr().out
+        assert f"\n{status}" in out and "smoke_axpb" in out, out
