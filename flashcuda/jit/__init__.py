@@ -5,6 +5,7 @@ from .compiler import CompileError, CompileResult, Resources, arch_for, compile_
 from .registry import all_variants, register
 from .runtime import (
     CompiledKernel,
+    KernelPerformanceWarning,
     PreparedLaunch,
     build_cubin,
     device_arch,
@@ -16,7 +17,7 @@ from .spec import KERNELS_DIR, KernelSpec
 
 __all__ = [
     "KERNELS_DIR", "CacheError", "CompileError", "CompileResult", "CompiledKernel", "DiskCache",
-    "KernelSpec", "PreparedLaunch", "Resources", "all_variants", "arch_for", "build_cubin", "cache_dir",
+    "KernelPerformanceWarning", "KernelSpec", "PreparedLaunch", "Resources", "all_variants", "arch_for", "build_cubin", "cache_dir",
     "compile_spec", "device_arch", "disk_cache", "get_kernel", "nvrtc_version", "register",
     "reset_disk_cache",
 ]

@@ -25,6 +25,7 @@ import logging
 import struct
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +77,10 @@ def tool_versions() -> str:
     return f"nvrtc={nvrtc_version()};flashcuda={__version__}"
 
 
+class KernelPerformanceWarning(UserWarning):
+    """A kernel compiled correct but slower than the one measured (ptxas serialised its wgmma)."""
+
+
 def build_cubin(spec: KernelSpec, arch: str) -> tuple[bytes, bool, float]:
     """(cubin, cache_hit, seconds) for `spec` on `arch`, through the disk cache."""
     key = spec.key(arch, COMPILE_OPTIONS, tool_versions())
@@ -86,11 +91,12 @@ def build_cubin(spec: KernelSpec, arch: str) -> tuple[bytes, bool, float]:
         logger.info("compiled %s for %s in %.2fs", spec.name, arch, result.seconds)
         if notes := result.performance_notes():
             # (a newer NVRTC than the ones the project builds clean with: correct, but slower
-            # than measured; said once, at the compile -- the disk cache serves it silently after)
-            logger.warning("NVRTC %s built %s for %s with a ptxas performance note: %s -- results "
-                           "are exact, speed may fall short of the measured (`flashcuda check "
-                           "--arch %s` lists every kernel; please report it)", nvrtc_version(),
-                           spec.name, arch, notes[0], arch)
+            # than measured; said at the compile -- the disk cache serves it silently after)
+            warnings.warn(KernelPerformanceWarning(
+                f"NVRTC {nvrtc_version()} built {spec.name} for {arch} with a ptxas performance "
+                f"note: {notes[0]} -- results are exact, speed may fall short of the measured "
+                f"(`flashcuda check --arch {arch}` lists every kernel; please report it)"),
+                stacklevel=2)
         return result.cubin
 
     cubin, hit = disk_cache().get_or_build(f"{spec.name}.{arch}", key, build)
