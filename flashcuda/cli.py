@@ -32,10 +32,13 @@ def _check(args: argparse.Namespace) -> int:
                 print(f"FAIL {spec.name} {arch}: {exc}")
                 continue
             r = res.resources().get(spec.entry_name)
-            status = ("SPILLS" if r is None or r.spills
-                      else "PERF" if res.performance_notes() else "ok")
-            failures += status != "ok"
-            regs = f"{r.registers:3d} regs, {r.stack_bytes} B stack" if r else "no report"
+            # PERF (ptxas serialised the wgmma) fails the check; SPILLS is said, not failed:
+            # some sm80 variants spill a few bytes by design, within budgets the CPU lane holds
+            status = ("NOREP" if r is None else "PERF" if res.performance_notes()
+                      else "SPILLS" if r.spills else "ok")
+            failures += status in ("NOREP", "PERF")
+            regs = (f"{r.registers:3d} regs, {r.spill_stores} B spill stores, {r.stack_bytes} B "
+                    "stack" if r else "no ptxas report")
             print(f"{status:6s} {spec.name:60s} {arch:7s} {regs}  {res.seconds:.1f}s")
     return 1 if failures else 0
 

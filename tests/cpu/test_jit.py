@@ -452,7 +452,7 @@ def test_ptxas_performance_note_is_warned_at_the_compile(monkeypatch):
     assert not seen
 
 
-def test_flashcuda_check_flags_a_performance_note(monkeypatch, capsys):
+def test_flashcuda_check_fails_on_a_performance_note_and_reports_spills(monkeypatch, capsys):
     import flashcuda.jit as jit_pkg
     from flashcuda import cli
     from flashcuda.jit import compiler as compiler_mod
@@ -460,7 +460,13 @@ def test_flashcuda_check_flags_a_performance_note(monkeypatch, capsys):
     real = compiler_mod.compile_spec(SMOKE, "sm_80")
     noted = compiler_mod.CompileResult(real.cubin, real.log + "\n" + NOTE + "\n", real.seconds)
     monkeypatch.setattr(jit_pkg, "all_variants", lambda: [(SMOKE, ("sm_80",))])
-    for result, rc, status in ((real, 0, "ok "), (noted, 1, "PERF ")):
+    assert "0 bytes spill stores" in real.log
+    spilled = compiler_mod.CompileResult(
+        real.cubin, real.log.replace("0 bytes spill stores", "8 bytes spill stores"), real.seconds)
+    assert spilled.resources()["smoke_axpb"].spill_stores == 8
+    # spills are said (some sm80 variants spill by design, within the CPU lane's budgets), a
+    # performance note fails the check
+    for result, rc, status in ((real, 0, "ok "), (spilled, 0, "SPILLS "), (noted, 1, "PERF ")):
         monkeypatch.setattr(jit_pkg, "compile_spec", lambda spec, arch, r=result: r)
         assert cli.main(["check", "--arch", "sm_80"]) == rc
         out = capsys.readouterr().out
