@@ -17,7 +17,7 @@ from .spec import KERNELS_DIR, KernelSpec
 
 __all__ = [
     "KERNELS_DIR", "CacheError", "CompileError", "CompileResult", "CompiledKernel", "DiskCache",
-    "KernelPerformanceWarning", "KernelSpec", "PreparedLaunch", "Resources", "all_variants", "arch_for", "build_cubin", "cache_dir",
-    "compile_spec", "device_arch", "disk_cache", "get_kernel", "nvrtc_version", "register",
-    "reset_disk_cache",
+    "KernelPerformanceWarning", "KernelSpec", "PreparedLaunch", "Resources", "all_variants",
+    "arch_for", "build_cubin", "cache_dir", "compile_spec", "device_arch", "disk_cache",
+    "get_kernel", "nvrtc_version", "register", "reset_disk_cache",
 ]
