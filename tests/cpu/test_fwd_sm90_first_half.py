@@ -4,8 +4,9 @@ same-process A/B in perf-notes): a work tile's first key tile runs its mask and 
 lower half of its keys in a warp none of whose rows sees the upper half. Here: the kernels
 dispatch picks for d64 causal calls below 2k get the define and build the second (lower-half)
 copy of the first tile's softmax, more static code than the same kernel without it
-(FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=0, the A/B variant); d128 (measured slower) and d64's 192-row tiles (not measured with it) do not, nor the A/B
-variants without ping-pong or the fast divisions (with it they serialise the wgmma or spill)."""
+(FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=0, the A/B variant); d128 (measured slower) and d64's
+192-row tiles (not measured with it) do not, nor the A/B variants without ping-pong or the fast
+divisions (with it they serialise the wgmma or spill)."""
 
 from __future__ import annotations
 
