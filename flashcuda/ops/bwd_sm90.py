@@ -131,13 +131,17 @@ SPREAD_DIMS = (64,)
 LPT_TAIL = {128: 8}
 FRAG_DIMS = (128,)  # FLASHCUDA_SM90_BWD_DQ=frag builds without spills at these head dims only
 # FC_DS_STMATRIX by default (dS^T by stmatrix.x4; the [key][query] layout in FA3's order): d64
-# only (session 12, same-run A/B: +0.8-3.5% at all six d64 points, -2.4 to +0.8% at d128)
-STMATRIX_DIMS = (64,)
+# since session 12 (same-run A/B: +0.8-3.5% at all six d64 points, -2.4 to +0.8% at d128 then);
+# d128 since session 21 (same-process A/B, session 19, on the no-fence kernel: +1.2 to +2.4% at
+# all six d128 points; GPU lane at c3108c4 with it set)
+STMATRIX_DIMS = (64, 128)
 # Head dims whose kernel issues fence.proxy.async before each stage release (FC_RELEASE_FENCE, the
 # .cu's release()). Same-process A/B (session 19, scripts/ab_probe.py, perf-notes): d128 without it
 # +2.1 to +5.7% at 1k / 4k, causal and not (session 2's two-process A/B had read d128 within
-# +-1%, d64 3-11% faster with it).
-FENCE_DIMS = (64,)
+# +-1%, d64 3-11% faster with it); d64 without it +1.8 / +2.2% at 2k / 4k, +1.0 / +1.3% causal
+# (same process, session 19; off there since session 21, GPU lane at c3108c4 with it off).
+# GUARANTEES §1 gives why the order holds without it.
+FENCE_DIMS = ()
 DQ_STAGE_BYTES = 64 * 72 * 4  # one consumer's padded fp32 dQ staging tile (dq_bulk, see the .cu)
 # FC_TIMELINE: uint64 words per CTA in the timeline buffer (kTimelineWords) and what each holds
 # (the .cu's kTl* indices; scripts/sm90_bwd_timeline.py decodes them)

@@ -146,9 +146,10 @@ def test_config_is_the_single_source_of_truth():
         "FC_RELEASE_FENCE": "0", "FC_DQ_V4": "0", "FC_DQ_BULK": "0", "FC_DQ_LATE": "0",
         "FC_DQ_WARP": "0"}
     d64 = Sm90BwdConfig(torch.float16, 64)
-    assert d64.block_m == 128 and d64.name == "flash_bwd_sm90_fp16_d64_bm128_bn128_s2"
-    assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True).name.endswith("_dsk")
-    assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True, watchdog=True).name.endswith("_dsk_wd")
+    # (d64 without the release fence too since session 21)
+    assert d64.block_m == 128 and d64.name == "flash_bwd_sm90_fp16_d64_bm128_bn128_s2_nofence"
+    assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True).name.endswith("_dsk_nofence")
+    assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True, watchdog=True).name.endswith("_dsk_wd_nofence")
     for c in bwd_sm90.configs():
         assert c.smem_bytes <= 232448 - 1024, c.name  # H100/H200 opt-in limit per block
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= c.register_pool
@@ -159,7 +160,7 @@ def test_config_is_the_single_source_of_truth():
     # dtype, and its bf16 timeline variant)
     assert len({c.name for c in bwd_sm90.configs()}) == 61
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
-    assert early.name.endswith("_early") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
+    assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and with the release fence flipped, x 4; + the two
     # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants; + the
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant)
@@ -198,8 +199,8 @@ def test_dq_switch(monkeypatch):
     for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV):
         monkeypatch.delenv(env, raising=False)
     # the measured defaults, in FA3's GEMM order: d64 the tensor-map split with its staging
-    # stores spread (FC_DQ_SPREAD) and dS^T by stmatrix (FC_DS_STMATRIX), d128 the per-consumer
-    # register-order staging (frag)
+    # stores spread (FC_DQ_SPREAD), d128 the per-consumer register-order staging (frag); both
+    # store dS^T by stmatrix (FC_DS_STMATRIX; d128 since session 21)
     d64 = bwd_sm90.select_config(torch.bfloat16, 64)
     assert d64.dq_warp and d64.dq_tma and d64.dq_spread and d64.dq_early and d64.ds_stmatrix
     assert dict(d64.spec().defines)["FC_DQ_SPREAD"] == "1"
@@ -207,8 +208,8 @@ def test_dq_switch(monkeypatch):
     assert d64.name.endswith("_dqwts_early_stm")
     d128 = bwd_sm90.select_config(torch.bfloat16, 128)
     assert d128.dq_warp and d128.dq_frag and not d128.dq_tma and d128.dq_early
-    assert not d128.ds_stmatrix and "FC_DS_STMATRIX" not in dict(d128.spec().defines)
-    assert d128.name.endswith("_dqwg_early")
+    assert d128.ds_stmatrix and dict(d128.spec().defines)["FC_DS_STMATRIX"] == "1"
+    assert d128.name.endswith("_dqwg_early_stm")
     assert d64 in bwd_sm90.configs() and d128 in bwd_sm90.configs()
     monkeypatch.setenv(DQ_ENV, "warp")  # an A/B reduction keeps the previous order
     warp = bwd_sm90.select_config(torch.bfloat16, 128)
@@ -236,7 +237,7 @@ def test_dq_switch(monkeypatch):
     for d in (64, 128):
         tma = bwd_sm90.select_config(torch.bfloat16, d)
         assert tma.dq_warp and tma.dq_tma and not tma.dq_warp_flat and tma.dq_early
-        assert tma.name.endswith("_dqwts_early_stm" if d == 64 else "_dqwt_early")
+        assert tma.name.endswith("_dqwts_early_stm" if d == 64 else "_dqwt_early_stm")
         assert tma in bwd_sm90.configs()
     with pytest.raises(ValueError, match="dq_spread"):
         Sm90BwdConfig(torch.bfloat16, 64, dq_spread=True)
@@ -604,7 +605,7 @@ def test_dq_frag_config(monkeypatch):
     assert cfg == bwd_sm90.select_config(torch.bfloat16, 128)  # the default at d128
     monkeypatch.setenv(DQ_ENV, "frag")
     assert cfg.dq_frag and cfg.dq_warp and not cfg.dq_tma and cfg.dq_early and not cfg.dq_spread
-    assert cfg.name.endswith("_dqwg_early") and cfg in bwd_sm90.configs()
+    assert cfg.name.endswith("_dqwg_early_stm") and cfg in bwd_sm90.configs()
     assert dict(cfg.spec().defines)["FC_DQ_FRAG"] == "1"
     assert (cfg.producer_regs, cfg.consumer_regs) == (24, 240)
     assert cfg.smem_bytes == base.smem_bytes + 2 * 8  # the same 32 KB staging, 2 more barriers

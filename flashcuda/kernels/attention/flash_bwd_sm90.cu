@@ -324,8 +324,8 @@ constexpr bool kWatchdog = FC_WATCHDOG;
 #define FC_DQ_V4 0  // dQ reductions as red.v4 (FLASHCUDA_SM90_BWD_DQ=v4, A/B)
 #endif
 #ifndef FC_RELEASE_FENCE
-#define FC_RELEASE_FENCE 1  // the host sets it per head dim (bwd_sm90.FENCE_DIMS: d64 on, d128 off
-                            // since session 19); FLASHCUDA_SM90_BWD_FENCE=0 / 1 (A/B); release()
+#define FC_RELEASE_FENCE 1  // the host sets it per head dim (bwd_sm90.FENCE_DIMS: off at both
+                            // since session 21); FLASHCUDA_SM90_BWD_FENCE=0 / 1 (A/B); release()
 #endif
 static_assert(FC_DQ_V4 + FC_DQ_BULK + FC_DQ_WARP <= 1, "one dQ reduction mode");
 static_assert(!FC_DQ_WARP_FLAT || FC_DQ_WARP, "FC_DQ_WARP_FLAT is a form of FC_DQ_WARP");
