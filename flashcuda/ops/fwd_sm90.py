@@ -608,12 +608,17 @@ def l2_share() -> float:
     return share
 
 
-def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int) -> int | None:
+def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int,
+                 ctas: int | None = None) -> int | None:
     """The kernel's by_block argument when it is not the call's is_local: the L2 section of a
     causal / window call under FC_L2_SECTIONS (the kernel's default; FC_L2_SECTIONS=0 in the
-    defines, an A/B variant, keeps plain by_block), else None."""
+    defines, an A/B variant, keeps plain by_block), else None. Given the grid's CTA count
+    `ctas`, the section is balanced_section's (the size whose static schedule ends evenest)."""
     if call.is_local and dict(cfg.defines).get("FC_L2_SECTIONS", 1):
-        return l2_section(call, l2_bytes)
+        per = l2_section(call, l2_bytes)
+        if ctas is not None and flag(L2_BALANCE_ENV, True):
+            per = balanced_section(call, cfg, per, ctas)
+        return per
     return None
 
 
@@ -627,6 +632,70 @@ def l2_section(call: FwdCall, l2_bytes: int) -> int:
     kv_head = 2 * call.seqlen_k * call.head_dim * call.q.element_size()  # K and V of one head
     groups = max(1, int(l2_share() * l2_bytes) // max(kv_head, 1))
     return min(groups * group, call.batch * call.nheads)
+
+
+# balanced_section: the modelled fixed cost of a work tile, in key tiles (the forward timeline at
+# 1 x 16384 x 8 d128 causal, session 21: 1.3-3.7 us fixed against 1.5 us per key tile); the
+# model runs for calls of at most BALANCE_ROUNDS rounds of work tiles over the CTAs (past that
+# the last section's imbalance is a small part of a CTA's work; and the model's cost stays a few
+# ms at most); FLASHCUDA_SM90_FWD_L2_BALANCE=0 keeps the largest section (an A/B)
+TILE_FIXED_COST = 1.0
+BALANCE_ROUNDS = 64
+L2_BALANCE_ENV = "FLASHCUDA_SM90_FWD_L2_BALANCE"
+
+
+def key_tiles_per_block(call: FwdCall, cfg: Sm90FwdConfig) -> np.ndarray:
+    """Key tiles each query block of `cfg.block_m` rows visits (Schedule::block's n_first ..
+    n_last from the call's windows: mask.cuh's key_begin / key_end), by block index."""
+    wl, wr = (int(w) for w in call.kernel_windows())
+    sq, sk, bm, bn = call.seqlen_q, call.seqlen_k, cfg.block_m, cfg.block_n
+    m0 = np.arange(math.ceil(sq / bm), dtype=np.int64) * bm
+    lo = np.maximum(m0 + (sk - sq) - wl, 0)
+    hi = np.clip(np.minimum(m0 + bm, sq) + (sk - sq) + wr, 0, sk)
+    n_first = lo // bn
+    n_last = np.where(hi > lo, (hi - 1) // bn, n_first - 1)
+    return n_last - n_first + 1
+
+
+def section_makespan(key_tiles: np.ndarray, heads: int, per: int, ctas: int,
+                     snake: bool) -> float:
+    """The most modelled work one CTA gets (key tiles + TILE_FIXED_COST per work tile) when the
+    persistent CTAs walk the FC_L2_SECTIONS order of `per` pairs per section statically (the
+    .cu's Schedule::block and walk_next, vectorised)."""
+    num_m = len(key_tiles)
+    t = np.arange(num_m * heads, dtype=np.int64)
+    s = t // (num_m * per)
+    size = np.minimum(per, heads - s * per)
+    sections = -(-heads // per)
+    within = t - s * num_m * per
+    within = np.where((sections - 1 - s) & 1, num_m * size - 1 - within, within)
+    cost = key_tiles[num_m - 1 - within // size] + TILE_FIXED_COST
+    rnd, col = t // ctas, t % ctas
+    cta = np.where(snake & (rnd & 1 == 1), ctas - 1 - col, col)
+    return float(np.bincount(cta, weights=cost, minlength=ctas).max())
+
+
+def balanced_section(call: FwdCall, cfg: Sm90FwdConfig, largest: int, ctas: int) -> int:
+    """Pairs per L2 section no larger than `largest` (l2_section's) whose static schedule ends
+    evenest by section_makespan: `largest`, and for each section count up to twice its, the
+    even split (whole groups); the one with the least makespan, the larger on a tie. A last
+    section much smaller than the others leaves the static walk uneven (1 x 16384 x 8 d128
+    causal, sections of 5 and 3 pairs: CTAs' work 948-1052 key tiles, the last CTA 43 us past the
+    mean; of 4 and 4: even)."""
+    heads = call.batch * call.nheads
+    group = call.nheads // call.nheads_kv
+    if largest >= heads or cfg.work_tiles(call) > BALANCE_ROUNDS * ctas:
+        return largest
+    groups, most = heads // group, largest // group
+    counts = range(-(-groups // most), -(-groups // max(1, most // 2)) + 1)
+    sizes = sorted({largest, *(group * -(-groups // k) for k in counts)}, reverse=True)
+    key_tiles = key_tiles_per_block(call, cfg)
+    best, best_span = largest, None
+    for per in (p for p in sizes if p <= largest):
+        span = section_makespan(key_tiles, heads, per, ctas, cfg.snake)
+        if best_span is None or span < best_span * (1 - 1e-3):
+            best, best_span = per, span
+    return best
 
 
 @dataclass(frozen=True)
@@ -646,7 +715,8 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
                      MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV,
-                     Q_STAGES_ENV, O_TMA_ENV, MV_SCANNER_ENV, FAST_DIV_ENV, DECODE_AHEAD_ENV)
+                     Q_STAGES_ENV, O_TMA_ENV, MV_SCANNER_ENV, FAST_DIV_ENV, DECODE_AHEAD_ENV,
+                     L2_BALANCE_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:
@@ -675,8 +745,8 @@ def _build_plan(call: FwdCall) -> _Plan | str:
     props = torch.cuda.get_device_properties(_device_index(call.device))
     sms = props.multi_processor_count
     cfg = plan_config(call, sms)
-    by_block = schedule_arg(call, cfg, props.L2_cache_size)
     kernel, grid = get_kernel(cfg.spec(), call.device), cfg.grid(call, sms)
+    by_block = schedule_arg(call, cfg, props.L2_cache_size, grid[0])
     fixed = constants(call, cfg, by_block, grid[0])
     launch = PreparedLaunch(kernel, grid, (cfg.threads, 1, 1), cfg.smem_bytes,
                             (*_maps(call, cfg), call.out, call.lse, *fixed), fixed=len(fixed))

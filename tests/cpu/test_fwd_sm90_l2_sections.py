@@ -14,6 +14,7 @@ sections do not (a cost model: the bench's causal shapes). Whether the kernels a
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -152,3 +153,94 @@ def test_l2_share_switch(monkeypatch):
         monkeypatch.setenv(fwd_sm90.L2_SHARE_ENV, bad)
         with pytest.raises(ValueError, match=fwd_sm90.L2_SHARE_ENV):
             fwd_sm90.l2_section(call, H200_L2)
+
+
+# ---- balanced sections (session 21) ------------------------------------------------------------
+# The L2 the H200 reports to torch holds five 8 MiB K / V heads in L2_SECTION_SHARE (the forward
+# timeline at 1 x 16384 x 8 d128 causal, session 21: sections of 5 and 3 pairs)
+H200_L2_REPORTED = 60 * 1024 * 1024
+
+
+def _windowed(B, S, H, Hkv=None, D=128, Sk=None, left=None, right=0) -> FwdCall:
+    q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(B, Sk or S, Hkv or H, D, dtype=torch.bfloat16, device="meta")
+    lse = torch.empty(B, H, S, dtype=torch.float32, device="meta")
+    return FwdCall(q, kv, kv, q, lse, D ** -0.5, left, right)
+
+
+@pytest.mark.parametrize("S,Sk,left,right,bm", [(1000, 1000, None, 0, 128), (512, 2048, None, 0, 192),
+                                                (2048, 700, None, 0, 128), (1500, 1500, 300, 40, 192),
+                                                (777, 777, 0, 0, 128), (256, 4096, 100, -50, 128)])
+def test_key_tiles_per_block_counts_the_visible_key_tiles(S, Sk, left, right, bm):
+    """key_tiles_per_block against the mask written out: a key tile counts for a query block
+    between the first and the last tile holding a key some row of the block sees (Schedule::block
+    visits that span; rows past seqlen_q see nothing)."""
+    call = _windowed(1, S, 1, Sk=Sk, left=left, right=right)
+    cfg = types.SimpleNamespace(block_m=bm, block_n=128)  # (the tiles are all it reads)
+    wl, wr = (int(w) for w in call.kernel_windows())
+    got = fwd_sm90.key_tiles_per_block(call, cfg)
+    assert len(got) == -(-S // bm)
+    for m, n in enumerate(got):
+        seen = [j for i in range(m * bm, min(m * bm + bm, S)) for j in
+                (max(0, i + Sk - S - wl), min(Sk - 1, i + Sk - S + wr)) if
+                max(0, i + Sk - S - wl) <= min(Sk - 1, i + Sk - S + wr)]
+        want = (max(seen) // 128 - min(seen) // 128 + 1) if seen else 0
+        assert n == want, (m, n, want)
+
+
+@pytest.mark.parametrize("num_m,heads,per,ctas,snake", [(128, 8, 5, 132, True), (16, 256, 45, 132, False),
+                                                        (7, 10, 4, 6, True), (33, 3, 2, 20, False)])
+def test_section_makespan_is_the_static_walk_of_the_section_order(num_m, heads, per, ctas, snake):
+    """section_makespan (vectorised) against next_work's walk (test_fwd_sm90_compile's
+    transcription) over _order, the .cu's section order written out, on random key-tile costs."""
+    import numpy as np
+    rng = np.random.default_rng(num_m * heads + per)
+    key_tiles = rng.integers(0, 40, num_m)
+    total = num_m * heads
+    loads = [sum(key_tiles[_order(t, num_m, heads, per)[0]] + fwd_sm90.TILE_FIXED_COST
+                 for t in seq) for seq in _kernel_order(total, ctas, snake)]
+    assert fwd_sm90.section_makespan(key_tiles, heads, per, ctas, snake) == pytest.approx(
+        max(loads))
+
+
+def test_balanced_section_evens_the_last_section():
+    """1 x 16384 x 8 d128 causal: l2_section's 5 pairs leave a last section of 3, and the static
+    walk a CTA 5% past another's work (the timeline's 948-1052 key tiles); balanced_section takes
+    4 and 4. The section never grows past l2_section's, stays whole groups, and where sections
+    already split evenly (or one section holds every pair) it keeps l2_section's."""
+    cfg_for = lambda c: fwd_sm90.plan_config(c, 132)  # noqa: E731
+    call = _windowed(1, 16384, 8)
+    cfg = cfg_for(call)
+    assert fwd_sm90.l2_section(call, H200_L2_REPORTED) == 5
+    assert fwd_sm90.schedule_arg(call, cfg, H200_L2_REPORTED, 132) == 4
+    kt = fwd_sm90.key_tiles_per_block(call, cfg)
+    five, four = (fwd_sm90.section_makespan(kt, 8, p, 132, cfg.snake) for p in (5, 4))
+    assert five / four > 1.04
+    assert fwd_sm90.schedule_arg(call, cfg, H200_L2_REPORTED) == 5  # no CTA count: l2_section's
+    even = _windowed(1, 32768, 8)  # 16 MiB per head: 2 pairs, four even sections
+    assert fwd_sm90.schedule_arg(even, cfg_for(even), H200_L2_REPORTED, 132) == 2
+    for B, S, H, Hkv in ((2, 8192, 32, 8), (8, 2048, 16, 4), (1, 16384, 13, 13), (3, 4096, 12, 4)):
+        call = _windowed(B, S, H, Hkv)
+        cfg = cfg_for(call)
+        largest = fwd_sm90.l2_section(call, H200_L2_REPORTED)
+        per = fwd_sm90.schedule_arg(call, cfg, H200_L2_REPORTED, cfg.grid(call, 132)[0])
+        assert per <= largest and (per % (H // Hkv) == 0 or per == B * H)
+        kt = fwd_sm90.key_tiles_per_block(call, cfg)
+        ctas = cfg.grid(call, 132)[0]
+        assert (fwd_sm90.section_makespan(kt, B * H, per, ctas, cfg.snake)
+                <= fwd_sm90.section_makespan(kt, B * H, largest, ctas, cfg.snake))
+
+
+def test_l2_balance_switch(monkeypatch):
+    """FLASHCUDA_SM90_FWD_L2_BALANCE=0 keeps l2_section's size (the A/B of balanced_section); it
+    is part of the plan key; a value other than 0 / 1 is refused naming it."""
+    monkeypatch.delenv(fwd_sm90.L2_BALANCE_ENV, raising=False)
+    call = _windowed(1, 16384, 8)
+    cfg = fwd_sm90.plan_config(call, 132)
+    key = fwd_sm90._plan_key(call)
+    monkeypatch.setenv(fwd_sm90.L2_BALANCE_ENV, "0")
+    assert fwd_sm90.schedule_arg(call, cfg, H200_L2_REPORTED, 132) == 5
+    assert fwd_sm90._plan_key(call) != key
+    monkeypatch.setenv(fwd_sm90.L2_BALANCE_ENV, "yes")
+    with pytest.raises(ValueError, match=fwd_sm90.L2_BALANCE_ENV):
+        fwd_sm90.schedule_arg(call, cfg, H200_L2_REPORTED, 132)
