@@ -9,10 +9,11 @@
 #   (flash-attn-4 has pre-releases only: without --pre and the pin pip finds no version)
 #   mkdir -p .fa4a .fa4b .fa4c && cp .whl/*.whl .fa4a/ && rm .fa4a/nvidia_cutlass_dsl_libs_cu13-*.whl
 #   split -b 31M .whl/nvidia_cutlass_dsl_libs_cu13-*.whl .fa4a/cu13.part.
-#   mv .fa4a/cu13.part.ab .fa4a/apache_tvm_ffi-*.whl .fa4a/nvidia_cutlass_dsl_libs_base-*.whl .fa4b/
-#   mv .fa4a/cu13.part.ac .fa4c/
+#   mv .fa4a/cu13.part.ab .fa4b/
+#   mv .fa4a/cu13.part.ac .fa4a/apache_tvm_ffi-*.whl .fa4a/nvidia_cutlass_dsl_libs_base-*.whl .fa4c/
 # (each part must fit 64 MiB together with the tracked tree: ~9 MB in session 8, 17 MB in
-# session 14 with the run records, so two halves of 46 MB no longer fit: three parts)
+# session 14 with the run records, 29 MB in session 21, when .fa4b with the two small wheels
+# (38 MB) no longer fit: they travel with the last part)
 #
 # (.whl, .fa4a, .fa4b, .fa4c are git-ignored.) Then, on the device, in consecutive calls:
 #   carry [".fa4a"]:  scripts/fa4_carry.sh stash
