@@ -271,7 +271,7 @@ def summary_table(rec: dict) -> Table:
     t = Table(title=title, box=box.SIMPLE, pad_edge=False, padding=(0, 1), show_edge=False)
     for col in ("hd", "seqlen", "causal", "fwd", "best fwd", "×", "bwd", "best bwd", "×", "check"):
         t.add_column(col, justify="right")
-    marked = False
+    marked, spread = False, False
     for p in rec.get("points") or []:
         row = [str(p["headdim"]), str(p["seqlen"]), _causal(p)]
         for d in ("fwd", "bwd"):
@@ -279,18 +279,41 @@ def summary_table(rec: dict) -> Table:
             bname, bt = best_peer(p, d, peers_meta)
             mark = HOST_MARK if host_bound(p, "flashcuda", d) else ""
             marked |= bool(mark)
+            if unsteady(p, "flashcuda", d):
+                mark += SPREAD_MARK
+                spread = True
             row += [fmt_tf(fc) + mark, f"{fmt_tf(bt)} {SHORT.get(bname, '')}".strip(),
                     fmt_ratio(ratio(fc, bt)) if _trusted(p) else "WRONG"]
         row.append(check_label(p))
         t.add_row(*row)
+    notes = []
     if marked:
-        t.caption = (f"{HOST_MARK} host-bound: the call's host time (host_us, GPU kept busy) is at "
+        notes.append(f"{HOST_MARK} host-bound: the call's host time (host_us, GPU kept busy) is at "
                      f"least {HOST_BOUND_SHARE:.0%} of the measured time per call")
+    if spread:
+        notes.append(f"{SPREAD_MARK} unsteady: the timing's p90 is at least {SPREAD_LIMIT:.2f}× its "
+                     f"p10 (the median is no stable figure there; see the record's p10 / p90)")
+    if notes:
+        t.caption = "\n".join(notes)
     return t
 
 
 HOST_MARK = "†"
 HOST_BOUND_SHARE = 0.8
+SPREAD_MARK = "‡"
+# p90 / p10 of one timing from which the summary marks it (the sweep at 4ee486d: 46 of 48
+# flashcuda timings at most 1.10; the d128 causal 512 forward 1.36, host-bound, and backward
+# 1.96, its host time 68% of its median)
+SPREAD_LIMIT = 1.25
+
+
+def unsteady(p: dict, impl: str, direction: str) -> bool:
+    """Whether `impl`'s timing at point `p` spreads too widely for its median to mean much:
+    p90 at least SPREAD_LIMIT times p10."""
+    r = ((p.get("results") or {}).get(impl) or {}).get(direction) or {}
+    tm = r.get("timing") or {}
+    lo, hi = tm.get("p10_ms"), tm.get("p90_ms")
+    return bool(lo and hi and hi >= SPREAD_LIMIT * lo)
 
 
 def host_bound(p: dict, impl: str, direction: str) -> bool:

@@ -432,6 +432,23 @@ def test_summary_marks_host_bound_points():
     assert HOST_MARK not in plain and "host-bound" not in plain
 
 
+def test_summary_marks_unsteady_timings():
+    """A timing whose p90 reaches SPREAD_LIMIT times its p10 gets its own mark and caption line
+    (the median of such a spread is no figure to compare); steady timings: no mark."""
+    from flashcuda.bench.report import SPREAD_LIMIT, SPREAD_MARK, unsteady
+
+    rec = synthetic_record()
+    bwd = rec["points"][0]["results"]["flashcuda"]["bwd"]["timing"]
+    bwd["p10_ms"], bwd["p90_ms"] = 0.37, 0.37 * SPREAD_LIMIT * 1.01
+    assert unsteady(rec["points"][0], "flashcuda", "bwd")
+    assert not unsteady(rec["points"][0], "flashcuda", "fwd")
+    assert not unsteady({"results": {}}, "flashcuda", "bwd")  # no timing: no mark
+    text = render_text([summary_table(rec)], width=140)
+    assert text.count(SPREAD_MARK) == 2 and "unsteady" in text  # one cell and the caption
+    plain = render_text([summary_table(synthetic_record())], width=140)
+    assert SPREAD_MARK not in plain and "unsteady" not in plain
+
+
 def test_serving_table_shows_graph_replay_and_its_failure():
     """The serving extra's CUDA-graph column: a replay p50 where capture worked, "failed" plus the
     error line where it did not, empty for records written before the column existed."""
