@@ -107,9 +107,10 @@ def _tile_needs_mask(row0: int, rows: int, col0: int, cols: int, seqlen_q: int, 
     return col0 < row_last + shift - wl
 
 
-def _key_range(row0: int, row_end: int, seqlen_q: int, seqlen_k: int, wl: int,
-               wr: int) -> tuple[int, int]:
-    """mask.cuh key_begin(row0), key_end(row_end)."""
+def key_range(row0: int, row_end: int, seqlen_q: int, seqlen_k: int, wl: int,
+              wr: int) -> tuple[int, int]:
+    """mask.cuh key_begin(row0), key_end(row_end): the keys rows [row0, row_end) visit (wl, wr as
+    kernel_windows gives them; also the sm90 forward's schedule model, fwd_sm90)."""
     shift = seqlen_k - seqlen_q
     begin = max(row0 + shift - wl, 0)
     end = min(max(row_end - 1 + shift + wr + 1, 0), seqlen_k)
@@ -203,7 +204,7 @@ def attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
         m = torch.full((*grid, r1 - r0), _NEG_INF, dtype=acc_dtype, device=q.device)
         row_sum = torch.zeros_like(m)
         acc = torch.zeros((*grid, r1 - r0, head_dim), dtype=acc_dtype, device=q.device)
-        key_begin, key_end = _key_range(r0, r1, seqlen_q, seqlen_k, wl, wr)
+        key_begin, key_end = key_range(r0, r1, seqlen_q, seqlen_k, wl, wr)
         for c0 in range(key_begin // block_n * block_n, key_end, block_n):
             c1 = min(c0 + block_n, seqlen_k)
             s = _tile_scores(q_t, _kv_tile(k, c0, c1, acc_dtype), scale_log2, r0, c0, block_m,

@@ -46,6 +46,7 @@ import torch
 from .._env import env_names, env_values, flag
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
 from ..jit.tensor_map import bshd_map, bshd_problem
+from ..reference import key_range
 from .call import (
     DTYPE_CODE,
     DTYPE_NAME,
@@ -646,15 +647,14 @@ L2_BALANCE_ENV = "FLASHCUDA_SM90_FWD_L2_BALANCE"
 
 def key_tiles_per_block(call: FwdCall, cfg: Sm90FwdConfig) -> np.ndarray:
     """Key tiles each query block of `cfg.block_m` rows visits (Schedule::block's n_first ..
-    n_last from the call's windows: mask.cuh's key_begin / key_end), by block index."""
+    n_last from mask.cuh's key range, reference.key_range), by block index."""
     wl, wr = (int(w) for w in call.kernel_windows())
     sq, sk, bm, bn = call.seqlen_q, call.seqlen_k, cfg.block_m, cfg.block_n
-    m0 = np.arange(math.ceil(sq / bm), dtype=np.int64) * bm
-    lo = np.maximum(m0 + (sk - sq) - wl, 0)
-    hi = np.clip(np.minimum(m0 + bm, sq) + (sk - sq) + wr, 0, sk)
-    n_first = lo // bn
-    n_last = np.where(hi > lo, (hi - 1) // bn, n_first - 1)
-    return n_last - n_first + 1
+    tiles = []
+    for m0 in range(0, sq, bm):
+        lo, hi = key_range(m0, min(m0 + bm, sq), sq, sk, wl, wr)
+        tiles.append((hi - 1) // bn - lo // bn + 1 if hi > lo else 0)
+    return np.array(tiles, dtype=np.int64)
 
 
 def section_makespan(key_tiles: np.ndarray, heads: int, per: int, ctas: int,
@@ -671,7 +671,7 @@ def section_makespan(key_tiles: np.ndarray, heads: int, per: int, ctas: int,
     within = np.where((sections - 1 - s) & 1, num_m * size - 1 - within, within)
     cost = key_tiles[num_m - 1 - within // size] + TILE_FIXED_COST
     rnd, col = t // ctas, t % ctas
-    cta = np.where(snake & (rnd & 1 == 1), ctas - 1 - col, col)
+    cta = np.where(snake & ((rnd & 1) == 1), ctas - 1 - col, col)
     return float(np.bincount(cta, weights=cost, minlength=ctas).max())
 
 
@@ -691,7 +691,7 @@ def balanced_section(call: FwdCall, cfg: Sm90FwdConfig, largest: int, ctas: int)
     sizes = sorted({largest, *(group * -(-groups // k) for k in counts)}, reverse=True)
     key_tiles = key_tiles_per_block(call, cfg)
     best, best_span = largest, None
-    for per in (p for p in sizes if p <= largest):
+    for per in sizes:  # (each even split is at most `largest`: k >= groups / most sections)
         span = section_makespan(key_tiles, heads, per, ctas, cfg.snake)
         if best_span is None or span < best_span * (1 - 1e-3):
             best, best_span = per, span

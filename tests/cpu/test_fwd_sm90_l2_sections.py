@@ -223,10 +223,10 @@ def test_balanced_section_evens_the_last_section():
         call = _windowed(B, S, H, Hkv)
         cfg = cfg_for(call)
         largest = fwd_sm90.l2_section(call, H200_L2_REPORTED)
-        per = fwd_sm90.schedule_arg(call, cfg, H200_L2_REPORTED, cfg.grid(call, 132)[0])
+        ctas = cfg.grid(call, 132)[0]
+        per = fwd_sm90.schedule_arg(call, cfg, H200_L2_REPORTED, ctas)
         assert per <= largest and (per % (H // Hkv) == 0 or per == B * H)
         kt = fwd_sm90.key_tiles_per_block(call, cfg)
-        ctas = cfg.grid(call, 132)[0]
         assert (fwd_sm90.section_makespan(kt, B * H, per, ctas, cfg.snake)
                 <= fwd_sm90.section_makespan(kt, B * H, largest, ctas, cfg.snake))
 

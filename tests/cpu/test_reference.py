@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from flashcuda.reference import (
-    _key_range,
     _query_range,
     _tile_needs_mask,
     attention_ref,
     attention_tiled,
     attention_tiled_backward,
+    key_range,
     visible_mask,
 )
 
@@ -202,7 +202,7 @@ def test_mask_helpers_agree_with_brute_force():
             kr = big if wr is None else max(-big, min(wr, big))
             for r0 in range(0, sq, bm):
                 r1 = min(r0 + bm, sq)
-                begin, end = _key_range(r0, r1, sq, sk, kl, kr)
+                begin, end = key_range(r0, r1, sq, sk, kl, kr)
                 seen = vis[r0:r1].any(dim=0).nonzero().flatten().tolist()
                 assert all(begin <= j < end for j in seen), (sq, sk, wl, wr, r0)
                 for c0 in range(0, sk, bn):
