@@ -89,6 +89,13 @@ class Sm90FwdConfig:
     # calls, by default; FLASHCUDA_SM90_FWD_MASKED_V=0 is the A/B variant; + a clean V tile per
     # consumer)
     masked_v: bool = False
+    # The two passes of a windowed call (NAN_FIXUP, the host's default since session 22): the
+    # first, a kernel without masked V, reports per CTA whether any O value it computed is NaN /
+    # Inf (FC_NAN_FLAGS: one more kernel argument, nan_flags); the second, the masked-V kernel
+    # with the same grid and schedule, redoes the work tiles of the CTAs that reported one and
+    # exits at once in the others (FC_NAN_FIXUP)
+    nan_flags: bool = False
+    nan_fixup: bool = False
     # unused shared memory before the barriers (FLASHCUDA_SM90_SMEM_PAD=<KiB>): an A/B variant
     # that gives the default kernel the masked-V variant's footprint; never chosen by default
     smem_pad: int = 0
@@ -126,6 +133,11 @@ class Sm90FwdConfig:
             raise ValueError(f"Sm90FwdConfig.stages: expected >= 1, got {self.stages}")
         if self.mv_scanner and not self.masked_v:
             raise ValueError("Sm90FwdConfig.mv_scanner: the V scanner needs masked_v")
+        if self.nan_flags and self.masked_v:
+            raise ValueError("Sm90FwdConfig.nan_flags: the first pass is a kernel without "
+                             "masked_v")
+        if self.nan_fixup and not self.masked_v:
+            raise ValueError("Sm90FwdConfig.nan_fixup: the second pass is a masked_v kernel")
         if self.q_stages not in (1, 2):
             raise ValueError(f"Sm90FwdConfig.q_stages: expected 1 or 2, got {self.q_stages}")
         if (self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers
@@ -169,7 +181,8 @@ class Sm90FwdConfig:
         return (f"flash_fwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}{'_pp' if self.pingpong else ''}"
                 f"{'_sn' if self.snake else ''}{'_tl' if self.timeline else ''}"
-                f"{'_mv' if self.masked_v else ''}"
+                f"{'_mv' if self.masked_v else ''}{'_nf' if self.nan_flags else ''}"
+                f"{'_fx' if self.nan_fixup else ''}"
                 f"{f'_pad{self.smem_pad // 1024}k' if self.smem_pad else ''}"
                 f"{f'_q{self.q_stages}' if self.q_stages != 1 else ''}"
                 f"{'_ot' if self.o_tma else ''}{'_ms' if self.mv_scanner else ''}"
@@ -177,12 +190,17 @@ class Sm90FwdConfig:
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
 
     @property
+    def windowed(self) -> bool:
+        """A kernel built for windowed calls: the masked-V kernel or the first pass before it."""
+        return self.masked_v or self.nan_flags
+
+    @property
     def first_half(self) -> bool:
         """FC_FIRST_HALF: the windowed kernels of FIRST_HALF's heights on the default pipeline.
         The A/B variants without ping-pong or without the fast divisions build without it: with
         it ptxas serialises their wgmma (C7519 / C7520) or spills 4 bytes (at 168 registers),
         NVRTC 13.0 and 13.5 alike (session 20)."""
-        return (self.masked_v and self.pingpong and self.fast_div
+        return (self.windowed and self.pingpong and self.fast_div
                 and self.block_m in FIRST_HALF.get(self.head_dim, ()))
 
     def spec(self) -> KernelSpec:
@@ -199,6 +217,8 @@ class Sm90FwdConfig:
             "FC_SNAKE": int(self.snake),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_MASKED_V": 1} if self.masked_v else {}),
+            **({"FC_NAN_FLAGS": 1} if self.nan_flags else {}),
+            **({"FC_NAN_FIXUP": 1} if self.nan_fixup else {}),
             **({"FC_SMEM_PAD": self.smem_pad} if self.smem_pad else {}),
             **({"FC_Q_STAGES": self.q_stages} if self.q_stages != 1 else {}),
             **({"FC_O_TMA": 1} if self.o_tma else {}),
@@ -206,7 +226,7 @@ class Sm90FwdConfig:
             **({"FC_FAST_DIV": 1} if self.fast_div else {}),
             **({"FC_DECODE_AHEAD": 1} if self.decode_ahead else {}),
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
-            **({"FC_MASK_BITS": 1} if MASK_BITS and self.masked_v and self.block_n <= 128 else {}),
+            **({"FC_MASK_BITS": 1} if MASK_BITS and self.windowed and self.block_n <= 128 else {}),
             **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
             **({"FC_FIRST_HALF": 1} if self.first_half else {}),
             **({"FC_O_QUAD": 1} if self.block_m in O_QUAD.get(self.head_dim, ()) else {}),
@@ -462,6 +482,9 @@ def configs() -> list[Sm90FwdConfig]:
             and (c.block_m, c.block_n) in (tiles_for(c.head_dim, False, LONG),
                                            tiles_for(c.head_dim, True, 1),
                                            tiles_for(c.head_dim, True, LONG))]
+    # the two passes of dispatch's windowed calls (two_passes; with ping-pong)
+    out += [p for c in out if c.masked_v and c.pingpong and not c.timeline
+            for p in (first_pass(c), second_pass(c))]
     for c in bare:
         out += [c] + [with_boundary(c, **{**BOUNDARY, part: BOUNDARY_OFF[part]})
                       for part in BOUNDARY]
@@ -524,10 +547,15 @@ def can_implement(call: FwdCall) -> str | None:
 
 
 def kernel_args(call: FwdCall, cfg: Sm90FwdConfig, by_block: int | None = None,
-                grid_x: int | None = None) -> tuple:
-    """map_q, map_k, map_v [, map_o with FC_O_TMA], out, lse, then `constant_args` [and with
-    FC_FAST_DIV `fast_div_args`, which need the grid's CTA count `grid_x`]."""
-    return (*_maps(call, cfg), call.out, call.lse, *constants(call, cfg, by_block, grid_x))
+                grid_x: int | None = None, nan_flags: torch.Tensor | None = None) -> tuple:
+    """map_q, map_k, map_v [, map_o with FC_O_TMA], out, lse [, nan_flags for either of the two
+    passes: NAN_FLAG_BYTES uint8 per CTA], then `constant_args` [and with FC_FAST_DIV
+    `fast_div_args`, which need the grid's CTA count `grid_x`]."""
+    if (cfg.nan_flags or cfg.nan_fixup) != (nan_flags is not None):
+        raise ValueError(f"{cfg.name}: nan_flags goes with the two passes' kernels only")
+    flags = () if nan_flags is None else (nan_flags,)
+    return (*_maps(call, cfg), call.out, call.lse, *flags,
+            *constants(call, cfg, by_block, grid_x))
 
 
 def constants(call: FwdCall, cfg: Sm90FwdConfig, by_block: int | None = None,
@@ -698,16 +726,64 @@ def balanced_section(call: FwdCall, cfg: Sm90FwdConfig, largest: int, ctas: int)
     return best
 
 
+# Windowed calls in two passes (FC_NAN_FLAGS, FC_NAN_FIXUP in the .cu; the default since session
+# 22): the kernel without masked V, which reports per CTA whether any O value it computed is NaN /
+# Inf, then the masked-V kernel on the same grid and schedule, which exits at once in every CTA
+# that reported none and redoes the work tiles of the others. The same guarantee as the masked-V
+# kernel alone (a NaN / Inf of V reaches only the rows that see its key): in a row that does not
+# see a key, that key's NaN / Inf can only arrive as 0 * NaN or 0 * Inf, i.e. as NaN, which the
+# first pass reports. Same-process A/B at a5e271e (H200): the kernel without masked V +8.3 / +6.2%
+# at d64 causal 512 / 1k, +13.3 / +11.7 / +8.2 / +3.6% at d128 causal 512 / 1k / 2k / 16k.
+# FLASHCUDA_SM90_FWD_NAN_FIXUP=0: the masked-V kernel alone (A/B).
+NAN_FIXUP_ENV = "FLASHCUDA_SM90_FWD_NAN_FIXUP"
+NAN_FLAG_BYTES = 16  # per CTA (kNanFlagBytes: one per consumer warp)
+
+
+def first_pass(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
+    """The first of the two passes whose second is the masked-V kernel `cfg`: its tiles,
+    ping-pong, order and boundary parts (the second Q buffer and O's own staging tiles where
+    they fit, which the clean V tiles' room denies d128's masked-V kernel), without masked V,
+    reporting non-finite O (FC_NAN_FLAGS)."""
+    bare = _config(cfg.dtype, cfg.head_dim, cfg.block_m, cfg.block_n, cfg.pingpong, cfg.snake,
+                   windowed=True, masked_v=False,
+                   boundary=dict(q_stages=_q_stages(), o_tma=cfg.o_tma, mv_scanner=False,
+                                 fast_div=cfg.fast_div, decode_ahead=cfg.decode_ahead))
+    return dataclasses.replace(bare, nan_flags=True)
+
+
+def second_pass(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
+    """The masked-V kernel `cfg` as the second of the two passes (FC_NAN_FIXUP). With two
+    consumer warpgroups its producer warpgroup gets 32 registers (the consumers 8 fewer, as
+    `scanned` gives d128): at d64's 128-row tiles ptxas spilled 12 / 28 bytes of the producer's
+    at 24 once the kernel starts by reading the first pass's report."""
+    out = dataclasses.replace(cfg, nan_fixup=True)
+    if out.consumers == 2 and out.producer_regs < 32:
+        out = dataclasses.replace(out, producer_regs=32, consumer_regs=out.consumer_regs - 8)
+    return out
+
+
+def two_passes(cfg: Sm90FwdConfig) -> tuple[Sm90FwdConfig, Sm90FwdConfig] | None:
+    """(first pass, second pass) for a call `cfg` would run alone, or None: only masked-V kernels
+    get a first pass, and FLASHCUDA_SM90_FWD_NAN_FIXUP=0 keeps them alone."""
+    if not cfg.masked_v or not flag(NAN_FIXUP_ENV, True):
+        return None
+    return first_pass(cfg), second_pass(cfg)
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What a call's layout decides once: config, kernel, grid, the constant arguments, and the
-    launch with those fixed (a call packs only its three tensor maps and two pointers)."""
+    launch with those fixed (a call packs only its three tensor maps and two pointers). With two
+    passes (two_passes), `cfg` / `launch` are the first pass's and `fixup` the second's; each
+    call gives both a buffer of NAN_FLAG_BYTES per CTA (the first pass writes all of it)."""
 
     cfg: Sm90FwdConfig
     kernel: object
     grid: tuple[int, int, int]
     constants: tuple
     launch: PreparedLaunch
+    fixup_cfg: Sm90FwdConfig | None = None
+    fixup: PreparedLaunch | None = None
 
 
 _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
@@ -716,7 +792,7 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
                      MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV,
                      Q_STAGES_ENV, O_TMA_ENV, MV_SCANNER_ENV, FAST_DIV_ENV, DECODE_AHEAD_ENV,
-                     L2_BALANCE_ENV)
+                     L2_BALANCE_ENV, NAN_FIXUP_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:
@@ -745,12 +821,31 @@ def _build_plan(call: FwdCall) -> _Plan | str:
     props = torch.cuda.get_device_properties(_device_index(call.device))
     sms = props.multi_processor_count
     cfg = plan_config(call, sms)
-    kernel, grid = get_kernel(cfg.spec(), call.device), cfg.grid(call, sms)
-    by_block = schedule_arg(call, cfg, props.L2_cache_size, grid[0])
-    fixed = constants(call, cfg, by_block, grid[0])
-    launch = PreparedLaunch(kernel, grid, (cfg.threads, 1, 1), cfg.smem_bytes,
-                            (*_maps(call, cfg), call.out, call.lse, *fixed), fixed=len(fixed))
-    return _Plan(cfg, kernel, grid, fixed, launch)
+    passes = two_passes(cfg)
+    first = passes[0] if passes else cfg
+    grid = first.grid(call, sms)
+    by_block = schedule_arg(call, first, props.L2_cache_size, grid[0])
+    fixed = constants(call, first, by_block, grid[0])
+    flags = ((torch.empty(grid[0] * NAN_FLAG_BYTES, dtype=torch.uint8, device=call.device),)
+             if passes else ())
+
+    def prepare(c: Sm90FwdConfig) -> tuple:
+        kernel = get_kernel(c.spec(), call.device)
+        args = (*_maps(call, c), call.out, call.lse, *flags, *fixed)
+        return kernel, PreparedLaunch(kernel, grid, (c.threads, 1, 1), c.smem_bytes, args,
+                                      fixed=len(fixed))
+
+    kernel, launch = prepare(first)
+    if not passes:
+        return _Plan(cfg, kernel, grid, fixed, launch)
+    second = passes[1]
+    # the second pass must walk what the first walked: CTA b redoes CTA b's work tiles
+    if (second.grid(call, sms) != grid
+            or schedule_arg(call, second, props.L2_cache_size, grid[0]) != by_block
+            or constants(call, second, by_block, grid[0]) != fixed):
+        raise RuntimeError(f"fwd_sm90: {first.name} and {second.name} would walk different "
+                           f"work tiles")
+    return _Plan(first, kernel, grid, fixed, launch, second, prepare(second)[1])
 
 
 _plans = PlanCache(_build_plan)
@@ -767,8 +862,17 @@ def run(call: FwdCall) -> None:
     plan = _plan(call)
     if plan is _EMPTY:
         return
-    plan.launch(*(m.raw for m in _maps(call, plan.cfg)), call.out.data_ptr(),
-                call.lse.data_ptr())
+    maps = [m.raw for m in _maps(call, plan.cfg)]
+    if plan.fixup is None:
+        plan.launch(*maps, call.out.data_ptr(), call.lse.data_ptr())
+        return
+    # (a buffer per call, from torch's stream-aware allocator: calls on two streams never share
+    # one; the first pass writes every byte the second reads)
+    flags = torch.empty(plan.grid[0] * NAN_FLAG_BYTES, dtype=torch.uint8, device=call.device)
+    plan.launch(*maps, call.out.data_ptr(), call.lse.data_ptr(), flags.data_ptr())
+    if plan.fixup_cfg.o_tma != plan.cfg.o_tma:
+        maps = [m.raw for m in _maps(call, plan.fixup_cfg)]
+    plan.fixup(*maps, call.out.data_ptr(), call.lse.data_ptr(), flags.data_ptr())
 
 
 @register

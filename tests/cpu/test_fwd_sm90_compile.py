@@ -404,3 +404,80 @@ def test_masked_v_switch(monkeypatch):
     monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "yes")
     with pytest.raises(ValueError, match=fwd_sm90.MASKED_V_ENV):
         pick(torch.bfloat16, 128, True, 2048)
+
+
+def test_two_passes_of_windowed_calls(monkeypatch):
+    """A windowed call's masked-V kernel gets a first pass by default (two_passes): the same
+    tiles, ping-pong, order and fast divisions (so the same grid and schedule arguments), without
+    masked V, reporting (FC_NAN_FLAGS), with the second Q buffer at d128 that the masked-V kernel's
+    clean V tiles deny it, and the windowed kernels' mask bits and first half where the masked-V
+    kernel has them; the second pass is the masked-V kernel reading the report (FC_NAN_FIXUP).
+    Both are listed in configs(); FLASHCUDA_SM90_FWD_NAN_FIXUP=0 keeps the masked-V kernel alone;
+    calls without a window have one kernel."""
+    for env in (fwd_sm90.TILES_ENV, fwd_sm90.PINGPONG_ENV, fwd_sm90.SNAKE_ENV,
+                fwd_sm90.MASKED_V_ENV, fwd_sm90.NAN_FIXUP_ENV, fwd_sm90.Q_STAGES_ENV):
+        monkeypatch.delenv(env, raising=False)
+    names = {c.name for c in fwd_sm90.configs()}
+    q = torch.empty(1, 1, 1, 64)
+    for d, sq in ((128, 512), (128, 8192), (64, 1024), (64, 8192)):
+        cfg = fwd_sm90.select_config(torch.bfloat16, d, True, sq)
+        first, second = fwd_sm90.two_passes(cfg)
+        assert first.name in names and second.name in names
+        assert first.nan_flags and not first.masked_v and "_nf" in first.name
+        assert second.nan_fixup and second.masked_v and "_fx" in second.name
+        for c in (first, second):
+            assert ((c.block_m, c.block_n, c.pingpong, c.snake, c.fast_div)
+                    == (cfg.block_m, cfg.block_n, cfg.pingpong, cfg.snake, cfg.fast_div))
+            assert c.smem_bytes <= fwd_sm90.SMEM_OPTIN
+        assert first.q_stages == 2 and first.o_tma
+        assert dict(first.spec().defines)["FC_NAN_FLAGS"] == "1"
+        assert dict(second.spec().defines)["FC_NAN_FIXUP"] == "1"
+        for define in ("FC_MASK_BITS", "FC_FIRST_HALF"):
+            assert (define in dict(first.spec().defines)) == (define in dict(cfg.spec().defines))
+        for b, h in ((1, 16), (4, 32)):
+            qq = torch.empty(b, sq, h, d, dtype=torch.bfloat16)
+            lse = torch.empty(b, h, sq)
+            call = FwdCall(qq, qq, qq, qq, lse, d ** -0.5, None, 0)
+            grid = first.grid(call, 132)
+            assert second.grid(call, 132) == grid
+            by_block = fwd_sm90.schedule_arg(call, cfg, 60 << 20, grid[0])
+            assert fwd_sm90.schedule_arg(call, first, 60 << 20, grid[0]) == by_block
+            assert (fwd_sm90.constants(call, first, by_block, grid[0])
+                    == fwd_sm90.constants(call, second, by_block, grid[0]))
+    assert fwd_sm90.two_passes(fwd_sm90.select_config(torch.bfloat16, 128, False, 512)) is None
+    monkeypatch.setenv(fwd_sm90.NAN_FIXUP_ENV, "0")
+    assert fwd_sm90.two_passes(fwd_sm90.select_config(torch.bfloat16, 128, True, 512)) is None
+    with pytest.raises(ValueError, match="nan_flags"):
+        Sm90FwdConfig(torch.bfloat16, 128, masked_v=True, nan_flags=True)
+    with pytest.raises(ValueError, match="nan_fixup"):
+        Sm90FwdConfig(torch.bfloat16, 128, nan_fixup=True)
+    del q
+
+
+@pytest.mark.parametrize("which", ["first", "second"])
+def test_two_passes_parameters_and_sass(builds, tmp_path, which):
+    """The two passes' kernels: nan_flags is the parameter after lse (a pointer: 8 bytes, before
+    the layout's constants), as kernel_args and the plan pack it; the first pass stores one byte
+    per consumer warp (one STG.E.U8); the second reads its CTA's bytes (LDG.E.U8) before any
+    mbarrier is set up."""
+    cfg = next(c for c in fwd_sm90.configs()
+               if (c.nan_flags if which == "first" else c.nan_fixup)
+               and c.dtype == torch.bfloat16 and c.head_dim == 128 and c.pingpong)
+    table = param_table(builds[cfg.name].cubin, tmp_path)
+    m = TensorMap(b"\0" * 128)
+    maps = (m,) * (3 + cfg.o_tma)
+    args = (*maps, None, None, None, np.int64(0), np.int64(0), np.int64(0), np.int32(0),
+            np.int32(0), np.int32(0), np.int32(0), np.float32(0), np.int32(0), np.int32(0),
+            np.int32(0), np.int32(0))
+    args += (np.uint64(0),) * 8 + (np.int32(0),) * 2
+    _, offsets = pack_args("k", args)
+    assert len(table) == len(args)
+    base = table[0][0]
+    assert [table[i][0] - base for i in range(len(args))] == list(offsets)
+    sass = dump(builds[cfg.name].cubin, tmp_path, "-sass")
+    if which == "first":
+        assert len(re.findall(r"STG\.E\.U8", sass)) == 1
+    else:
+        loads = [i for i, line in enumerate(sass.splitlines()) if re.search(r"LDG\.E\.U8", line)]
+        syncs = [i for i, line in enumerate(sass.splitlines()) if "SYNCS" in line]
+        assert loads and syncs and max(loads) < min(syncs), "the report is read first"

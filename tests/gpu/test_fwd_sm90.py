@@ -84,6 +84,12 @@ def run(module, q, k, v, scale, window):
 def check(q, k, v, window=FULL, scale=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out, lse = run(fwd_sm90, q, k, v, scale, window)
+    return assert_oracle(out, lse, q, k, v, window, scale)
+
+
+def assert_oracle(out, lse, q, k, v, window, scale):
+    """out / lse of the call (q, k, v, window, scale) against the float64 oracle (the rule above);
+    returns them."""
     ref_out, ref_lse = attention_ref(q, k, v, scale, window=window)
     tch_out, tch_lse = attention_ref(q, k, v, scale, window=window, upcast=False)
 
@@ -499,19 +505,104 @@ def test_masked_v_fast_path_is_the_default_kernel_bitwise(dtype, head_dim, windo
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("passes", ["", "0"], ids=["two-passes", "masked-v-alone"])
 @pytest.mark.parametrize("value", masked_v.VALUES)
 @pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (FP16, 128)], ids=["bf16-d64", "fp16-d128"])
-def test_masked_v_nonfinite_reaches_only_rows_that_see_it(dtype, head_dim, value, monkeypatch):
+def test_masked_v_nonfinite_reaches_only_rows_that_see_it(dtype, head_dim, value, passes,
+                                                          monkeypatch):
     """Causal, 256 x 256: V of key 200 (head 1) holds `value` in columns 3 and 70 % head_dim
     ("inf,-inf": +Inf in key 200 and -Inf in key 201, same columns). Rows 0..199 of head 1 (they
     do not see key 200, yet share its tile) and all of head 0 equal a clean run's bit for bit;
     rows that see the key get what IEEE gives (NaN; +Inf / -Inf in those columns and the clean
-    values elsewhere; NaN where +Inf and -Inf meet, from row 201)."""
+    values elsewhere; NaN where +Inf and -Inf meet, from row 201). By default in two passes (the
+    kernel without masked V, then the masked-V kernel for the CTA that reported a non-finite O);
+    FLASHCUDA_SM90_FWD_NAN_FIXUP=0: the masked-V kernel alone."""
     q, k, v = make(1, 256, 256, 2, 2, head_dim, dtype, seed=20)
     scale = head_dim ** -0.5
+    if passes:
+        monkeypatch.setenv(fwd_sm90.NAN_FIXUP_ENV, passes)
     cfg = _masked_v_or_skip(monkeypatch, q, k, CAUSAL)
     assert cfg.masked_v
     clean, clean_lse = run(fwd_sm90, q, k, v, scale, CAUSAL)
     cols = [3, 70 % head_dim]  # one column in each 64-wide swizzled chunk at d128
     out, lse = run(fwd_sm90, q, k, masked_v.poison(v, value, cols), scale, CAUSAL)
     masked_v.assert_reaches_only_its_rows(out, lse, clean, clean_lse, value, cols)
+
+
+# ---- the two passes of a windowed call (fwd_sm90.two_passes: FC_NAN_FLAGS, FC_NAN_FIXUP) ----------
+
+@pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (FP16, 128)], ids=["bf16-d64", "fp16-d128"])
+def test_two_passes_report_and_redo(dtype, head_dim):
+    """A causal call's two passes launched one by one from its plan (1 x 256 x 256, 2 heads:
+    four work tiles, four CTAs). The first pass writes every flag byte of every CTA (the buffer
+    prefilled 0xff): all 0 with finite V, and its output meets the oracle; with a NaN in V of key
+    200 of head 1 exactly one CTA reports (the work tile of rows 128..255 of head 1: rows 128..199
+    share key 200's tile without seeing it). The second pass writes nothing where every flag is
+    0 (out and lse keep a sentinel), and with every flag set writes the masked-V kernel's answer:
+    the oracle's, bit for bit the first pass's on finite V."""
+    skip_unless_dispatch_tiles()
+    q, k, v = make(1, 256, 256, 2, 2, head_dim, dtype, seed=42)
+    scale = head_dim ** -0.5
+    B, Sq, H, D = q.shape
+
+    def buffers(fill):
+        return (torch.full((B, Sq, H, D), fill, dtype=dtype, device="cuda"),
+                torch.full((B, H, Sq), fill, dtype=torch.float32, device="cuda"))
+
+    def launch(which, vv, out, lse, flags):
+        call = FwdCall(q, k, vv, out, lse, scale, *CAUSAL)
+        plan = fwd_sm90._plan(call)
+        cfg, prepared = (plan.cfg, plan.launch) if which == 1 else (plan.fixup_cfg, plan.fixup)
+        prepared(*(m.raw for m in fwd_sm90._maps(call, cfg)), out.data_ptr(), lse.data_ptr(),
+                 flags.data_ptr())
+        torch.cuda.synchronize()
+        return plan
+
+    out1, lse1 = buffers(float("nan"))
+    probe = FwdCall(q, k, v, out1, lse1, scale, *CAUSAL)
+    assert fwd_sm90.can_implement(probe) is None
+    plan = fwd_sm90._plan(probe)
+    assert plan.fixup is not None and plan.cfg.nan_flags and plan.fixup_cfg.nan_fixup
+    assert plan.grid[0] == 4
+    warps = 4 * plan.cfg.consumers
+    flags = torch.full((plan.grid[0] * fwd_sm90.NAN_FLAG_BYTES,), 0xff, dtype=torch.uint8,
+                       device="cuda")
+    launch(1, v, out1, lse1, flags)
+    reports = flags.view(plan.grid[0], fwd_sm90.NAN_FLAG_BYTES)[:, :warps]
+    assert (reports == 0).all(), reports
+    assert_oracle(out1, lse1, q, k, v, CAUSAL, scale)
+
+    bad = v.clone()
+    bad[0, 200, 1, 3] = float("nan")
+    out_bad, lse_bad = buffers(float("nan"))
+    flags.fill_(0xff)
+    launch(1, bad, out_bad, lse_bad, flags)
+    reports = flags.view(plan.grid[0], fwd_sm90.NAN_FLAG_BYTES)[:, :warps]
+    assert ((reports == 0) | (reports == 1)).all(), reports
+    assert int((reports.sum(dim=1) > 0).sum()) == 1, reports
+    assert out_bad[0, 128:200, 1, 3].isnan().all(), "the first pass lets 0 x NaN through"
+
+    out2, lse2 = buffers(7.0)
+    launch(2, v, out2, lse2, torch.zeros_like(flags))
+    assert (out2 == 7.0).all() and (lse2 == 7.0).all(), "the second pass wrote without a report"
+    out3, lse3 = buffers(float("nan"))
+    launch(2, v, out3, lse3, torch.ones_like(flags))
+    assert_oracle(out3, lse3, q, k, v, CAUSAL, scale)
+    assert torch.equal(out3, out1) and torch.equal(lse3, lse1)
+
+
+@pytest.mark.parametrize("window", [CAUSAL, (200, 0)], ids=["causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_two_passes_equal_the_masked_v_kernel_alone(monkeypatch, head_dim, window):
+    """Many CTAs and work tiles (2 x 1024, 16 heads), a NaN in V of key 200 (check_nan_in_v_column):
+    the default two passes and FLASHCUDA_SM90_FWD_NAN_FIXUP=0 give the same bits, NaN for NaN."""
+    skip_unless_dispatch_tiles()
+    q, k, v = make(2, 1024, 1024, 16, 16, head_dim, BF16, seed=43)
+    v[:, 200, :, 3] = float("nan")
+    scale = head_dim ** -0.5
+    got, got_lse = run(fwd_sm90, q, k, v, scale, window)
+    monkeypatch.setenv(fwd_sm90.NAN_FIXUP_ENV, "0")
+    dispatch._reset()
+    want, want_lse = run(fwd_sm90, q, k, v, scale, window)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got_lse, want_lse)

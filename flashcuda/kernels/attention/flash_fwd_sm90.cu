@@ -97,6 +97,29 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #define FC_MASKED_V 0  // 1: NaN / Inf in V reaches only rows that see its key (see "masked V");
                        // the host builds windowed kernels with 1 (0: the A/B variant)
 #endif
+#ifndef FC_NAN_FLAGS
+// 1 (the host's first pass of a windowed call since session 22: fwd_sm90.NAN_FIXUP): a kernel
+// without masked V reports whether any O value it computed is NaN / Inf, one byte per consumer
+// warp in its CTA's kNanFlagBytes of nan_flags (always written, so the buffer needs no clearing).
+// A NaN / Inf in a V row outside some row's band reaches that row only as 0 * NaN or 0 * Inf
+// in its P V, which is NaN, and a NaN in the accumulator stays NaN through every rescale: a CTA
+// whose bytes are all 0 wrote exactly what the masked-V kernel would have written, up to
+// rounding. The masked-V kernel then runs as the second pass (FC_NAN_FIXUP) for the CTAs that
+// reported one. The check: fold_nonfinite over each work tile's accumulator, 32 / 16 FFMA per
+// thread at d128 / d64 (nonfinite.cuh); where masked V cost its kernels 8-13% at d128 causal
+// 512-1k (session 22, same-process A/B), this pass costs one check per work tile.
+#define FC_NAN_FLAGS 0
+#endif
+#ifndef FC_NAN_FIXUP
+// 1: the masked-V kernel as the second pass of FC_NAN_FLAGS's: launched with the first pass's
+// grid and schedule, so that CTA b walks the same work tiles; a CTA whose bytes are all 0 exits
+// before it touches shared memory, the others redo every work tile they walk (O and lse).
+#define FC_NAN_FIXUP 0
+#endif
+static_assert(!FC_NAN_FLAGS || !FC_MASKED_V, "the first pass is a kernel without masked V");
+static_assert(!FC_NAN_FIXUP || FC_MASKED_V, "the second pass is the masked-V kernel");
+constexpr int kNanFlagBytes = 16;  // per CTA in nan_flags: one per consumer warp, the rest unused
+static_assert(kConsumerWarps <= kNanFlagBytes, "one flag byte per consumer warp");
 #ifndef FC_MV_SCANNER
 // 1 (the host's default with FC_MASKED_V since session 17; session 16): warps 1 .. 3 of the producer warpgroup (idle otherwise)
 // scan each V tile some consumer's rows see only in part as soon as it lands, and publish the
@@ -1214,6 +1237,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #endif
                T* __restrict__ out,                   // [B, Sq, H, D]
                float* __restrict__ lse,               // [B, H, Sq]
+#if FC_NAN_FLAGS || FC_NAN_FIXUP
+               uint8_t* __restrict__ nan_flags,       // [gridDim.x][kNanFlagBytes]: FC_NAN_FLAGS
+#endif
                int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride,
                int seqlen_q, int seqlen_k, int nheads, int nheads_kv, float scale_log2,
                int window_left, int window_right, int batch, int by_block
@@ -1228,6 +1254,14 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
                , uint64_t* __restrict__ timeline, int timeline_slots
 #endif
                ) {
+#if FC_NAN_FIXUP
+  {  // the first pass's report for the work tiles this CTA walks (the same for every thread)
+    uint32_t reported = 0;
+#pragma unroll
+    for (int i = 0; i < kConsumerWarps; ++i) reported |= nan_flags[kNanFlagBytes * blockIdx.x + i];
+    if (reported == 0) return;
+  }
+#endif
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const Smem sm{(smem_addr(smem_raw) + 1023u) & ~1023u};
   // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
@@ -1276,6 +1310,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #if FC_MV_SCANNER
   int scans = 0;  // the scanners' scans of this CTA's earlier work tiles (Visits)
 #endif
+#if FC_NAN_FLAGS
+  float nonfinite_probe = 0.f;  // NaN / Inf once some accumulator value was (fold_nonfinite)
+#endif
   // A work tile's visits for this warpgroup's rows (with FC_MV_SCANNER numbered from `scans`, the
   // scanners' scans so far, which it advances past the work tile's)
   auto visits_of = [&](const Block& blk) {
@@ -1295,6 +1332,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   // is already loading the next work tile's Q, K and V)
   auto store_out = [&](Consumer& cs, const Block& blk, int row0) {
     const int64_t lse_row0 = (static_cast<int64_t>(blk.batch) * nheads + blk.head) * seqlen_q;
+#if FC_NAN_FLAGS
+    nonfinite_probe = fold_nonfinite(cs.o, nonfinite_probe);
+#endif
 #if FC_O_TMA
     // the previous work tile's store (issued by this warpgroup's first thread) has read the tile
     if ((threadIdx.x & 127) == 0) bulk_wait_group_read<0>();
@@ -1519,6 +1559,12 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #endif  // FC_CROSS_TILE
 #if FC_O_TMA
   if ((threadIdx.x & 127) == 0) bulk_wait_group<0>();  // no store outlives the shared memory
+#endif
+#if FC_NAN_FLAGS
+  {
+    const bool reported = __any_sync(0xffffffffu, float_nonfinite(nonfinite_probe));
+    if (lane == 0) nan_flags[kNanFlagBytes * blockIdx.x + threadIdx.x / 32 - 4] = reported;
+  }
 #endif
   turn_close(c);
 }

@@ -44,3 +44,20 @@ template <typename T> __device__ __forceinline__ float nonfinite_value(uint32_t 
                                                  : 0x7f800000u;
   return __int_as_float(static_cast<int>(bits));
 }
+
+// Whether the fp32 value `x` is NaN or +-Inf (on its bits: no compiler flag can fold it away).
+__device__ __forceinline__ bool float_nonfinite(float x) {
+  return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
+}
+
+// `p` folded with every value of `v` so that the result is NaN or +-Inf whenever some value is
+// (or `p` was): fma(a, b, q) propagates a NaN, turns an Inf into +-Inf or, times 0, into NaN,
+// and +Inf + -Inf is NaN. Finite values can make it non-finite only by overflow (|a b| past
+// ~3.4e38): a false report, never a missed one. Half an FFMA per value, four independent chains.
+template <int N> __device__ __forceinline__ float fold_nonfinite(const float (&v)[N], float p) {
+  static_assert(N % 8 == 0, "pairs of values over four chains");
+  float q[4] = {p, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) q[i % 4] = fmaf(v[2 * i], v[2 * i + 1], q[i % 4]);
+  return (q[0] + q[1]) + (q[2] + q[3]);
+}
