@@ -124,6 +124,8 @@ def _libcuda():
         "cuGetErrorName": [i32, ctypes.POINTER(ctypes.c_char_p)],
         "cuGetErrorString": [i32, ctypes.POINTER(ctypes.c_char_p)],
         "cuLaunchKernel": [vp, u32, u32, u32, u32, u32, u32, u32, vp, vp, vp],
+        # CUDA 12.0+ drivers (PreparedLaunch's programmatic launches fall back without it)
+        "cuLaunchKernelEx": [vp, vp, vp, vp],
         # CUDA 12.4+ drivers only (check_abi skips the check without it)
         "cuFuncGetParamInfo": [vp, sz, ctypes.POINTER(sz), ctypes.POINTER(sz)],
     }
@@ -365,6 +367,25 @@ class CompiledKernel:
                                  f"smem={shared_mem}")
 
 
+# cuLaunchKernelEx's configuration (cuda.h: CUlaunchAttribute, CUlaunchConfig) for a launch with
+# programmatic stream serialization: the kernel may start while the previous kernel in the stream
+# is still running, once every CTA of that one has executed griddepcontrol.launch_dependents (or
+# exited); it must execute griddepcontrol.wait before it reads what the previous kernel wrote.
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_pad", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
 class PreparedLaunch:
     """A launch whose grid, block, shared memory, argument kinds and trailing argument values are
     fixed (what a plan of a kernel family decides once), for the per-call hot path.
@@ -383,7 +404,7 @@ class PreparedLaunch:
     """
 
     def __init__(self, kernel: CompiledKernel, grid, block, shared_mem: int, example_args: tuple,
-                 fixed: int = 0) -> None:
+                 fixed: int = 0, programmatic: bool = False) -> None:
         packed, offsets = pack_args(kernel.name, example_args, kernel.device_index)
         if not kernel.abi_checked:
             kernel.check_abi(example_args, packed, offsets)
@@ -404,26 +425,42 @@ class PreparedLaunch:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.shared_mem = shared_mem
+        # programmatic: launched with programmatic stream serialization (the kernel waits for
+        # its predecessor with griddepcontrol.wait), where the driver has cuLaunchKernelEx
+        self.programmatic = (programmatic
+                             and getattr(_libcuda(), "cuLaunchKernelEx", None) is not None)
         self._local = threading.local()
 
     def _buffers(self) -> tuple:
-        """This thread's parameter buffer (fixed tail written) and its kernelParams array."""
+        """This thread's parameter buffer (fixed tail written), its kernelParams array and, for a
+        programmatic launch, its launch configuration (the stream set per call)."""
         params = ctypes.create_string_buffer(max(self.size, 1))
         base = ctypes.addressof(params)
         ctypes.memmove(base + self.tail_at, self.tail, len(self.tail))
         pointers = (ctypes.c_void_p * max(len(self.offsets), 1))(*[base + o for o in self.offsets])
-        self._local.buffers = (params, pointers)
-        return params, pointers
+        config = None
+        if self.programmatic:
+            attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            config = _LaunchConfig(*self.grid, *self.block, self.shared_mem, None,
+                                   ctypes.pointer(attr), 1)
+            config._attr = attr  # (kept alive with the config)
+        self._local.buffers = (params, pointers, config)
+        return params, pointers, config
 
     def __call__(self, *values, stream=None) -> None:
         buffers = getattr(self._local, "buffers", None)
-        params, pointers = buffers if buffers is not None else self._buffers()
+        params, pointers, config = buffers if buffers is not None else self._buffers()
         self.head.pack_into(params, 0, *values)
         index = self.kernel.device_index
         _make_current(index)
         handle = _current_stream_handle(index) if stream is None else stream.cuda_stream
-        err = _libcuda().cuLaunchKernel(self.kernel.function_handle, *self.grid, *self.block,
-                                        self.shared_mem, handle, pointers, None)
+        if config is not None:
+            config.stream = handle
+            err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), self.kernel.function_handle,
+                                              pointers, None)
+        else:
+            err = _libcuda().cuLaunchKernel(self.kernel.function_handle, *self.grid, *self.block,
+                                            self.shared_mem, handle, pointers, None)
         if err:
             raise _cu_error(err, f"launching {self.kernel.name} grid={self.grid} "
                                  f"block={self.block} smem={self.shared_mem}")

@@ -7,8 +7,11 @@ off (dispatch then runs fwd_sm80); FLASHCUDA_SM90_PERSISTENT=0 launches one CTA 
 Scheduling: the consumer warpgroups take turns issuing GEMMs (ping-pong) and, with a causal or
 window mask and seqlen_q >= 4k, persistent CTAs walk the work tiles in snake order;
 FLASHCUDA_SM90_PINGPONG=0|1 and FLASHCUDA_SM90_SNAKE=0|1 override either for A/B runs.
-Masked calls (causal, window) run the masked-V variant: a NaN / Inf in V reaches only the rows
-that see its key (+ a clean V tile per consumer; FLASHCUDA_SM90_FWD_MASKED_V=0 for A/B). d128
+Masked calls (causal, window) get the masked-V guarantee: a NaN / Inf in V reaches only the rows
+that see its key (the masked-V kernel: + a clean V tile per consumer; FLASHCUDA_SM90_FWD_MASKED_V=0
+for A/B), by default in two passes (two_passes: the kernel without masked V, reporting per CTA
+whether any O value it computed is NaN / Inf, then the masked-V kernel for the CTAs that did;
+FLASHCUDA_SM90_FWD_NAN_FIXUP=0 runs the masked-V kernel alone). d128
 kernels write the softmax into both arms of the mask branch (SOFTMAX_IN_ARMS), which keeps
 ptxas's P V wait after the exp2s. A work tile's boundary (session 17): two Q buffers where they
 fit, O by a TMA store, the next work tile decoded under the last P V with magic-number
@@ -737,6 +740,11 @@ def balanced_section(call: FwdCall, cfg: Sm90FwdConfig, largest: int, ctas: int)
 # FLASHCUDA_SM90_FWD_NAN_FIXUP=0: the masked-V kernel alone (A/B).
 NAN_FIXUP_ENV = "FLASHCUDA_SM90_FWD_NAN_FIXUP"
 NAN_FLAG_BYTES = 16  # per CTA (kNanFlagBytes: one per consumer warp)
+# The second pass launched as the first's programmatic dependent (the first pass's CTAs execute
+# griddepcontrol.launch_dependents at entry; the second's wait with griddepcontrol.wait before
+# they read the report): its launch and CTA start overlap the first pass's tail instead of
+# following it. 0: a plain launch after the first pass (A/B; the kernels are the same).
+PDL_ENV = "FLASHCUDA_SM90_FWD_PDL"
 
 
 def first_pass(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
@@ -792,7 +800,7 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
                      MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV,
                      Q_STAGES_ENV, O_TMA_ENV, MV_SCANNER_ENV, FAST_DIV_ENV, DECODE_AHEAD_ENV,
-                     L2_BALANCE_ENV, NAN_FIXUP_ENV)
+                     L2_BALANCE_ENV, NAN_FIXUP_ENV, PDL_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:
@@ -833,7 +841,8 @@ def _build_plan(call: FwdCall) -> _Plan | str:
         kernel = get_kernel(c.spec(), call.device)
         args = (*_maps(call, c), call.out, call.lse, *flags, *fixed)
         return kernel, PreparedLaunch(kernel, grid, (c.threads, 1, 1), c.smem_bytes, args,
-                                      fixed=len(fixed))
+                                      fixed=len(fixed),
+                                      programmatic=c.nan_fixup and flag(PDL_ENV, True))
 
     kernel, launch = prepare(first)
     if not passes:

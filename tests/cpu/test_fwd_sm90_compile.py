@@ -458,7 +458,8 @@ def test_two_passes_of_windowed_calls(monkeypatch):
 def test_two_passes_parameters_and_sass(builds, tmp_path, which):
     """The two passes' kernels: nan_flags is the parameter after lse (a pointer: 8 bytes, before
     the layout's constants), as kernel_args and the plan pack it; the first pass stores one byte
-    per consumer warp (one STG.E.U8); the second reads its CTA's bytes (LDG.E.U8) before any
+    per consumer warp (one STG.E.U8) and lets its programmatic dependent launch (PREEXIT); the
+    second waits for the first (ACQBULK), then reads its CTA's bytes (LDG.E.U8) before any
     mbarrier is set up."""
     cfg = next(c for c in fwd_sm90.configs()
                if (c.nan_flags if which == "first" else c.nan_fixup)
@@ -475,9 +476,13 @@ def test_two_passes_parameters_and_sass(builds, tmp_path, which):
     base = table[0][0]
     assert [table[i][0] - base for i in range(len(args))] == list(offsets)
     sass = dump(builds[cfg.name].cubin, tmp_path, "-sass")
+    lines = sass.splitlines()
     if which == "first":
         assert len(re.findall(r"STG\.E\.U8", sass)) == 1
+        assert sum("PREEXIT" in line for line in lines) == 1, "griddepcontrol.launch_dependents"
     else:
-        loads = [i for i, line in enumerate(sass.splitlines()) if re.search(r"LDG\.E\.U8", line)]
-        syncs = [i for i, line in enumerate(sass.splitlines()) if "SYNCS" in line]
+        loads = [i for i, line in enumerate(lines) if re.search(r"LDG\.E\.U8", line)]
+        syncs = [i for i, line in enumerate(lines) if "SYNCS" in line]
+        waits = [i for i, line in enumerate(lines) if "ACQBULK" in line]  # griddepcontrol.wait
         assert loads and syncs and max(loads) < min(syncs), "the report is read first"
+        assert len(waits) == 1 and waits[0] < min(loads), "after the first pass is complete"

@@ -55,7 +55,9 @@
 // tile past seqlen_q (those rows are never stored). Unlike the sm80 kernel, keys inside seqlen_k
 // but outside every row's band are loaded, not zero-filled; their scores are masked to -inf, and
 // a NaN/Inf in such a V row would reach the loaded tile's rows through 0 * NaN (as in FA3) but
-// for the "masked V" treatment below (FC_MASKED_V, what dispatch builds for every windowed call).
+// for the "masked V" treatment below (FC_MASKED_V). Windowed calls run in two passes since
+// session 22: this kernel without it, reporting non-finite O (FC_NAN_FLAGS), then with it for
+// the CTAs that reported (FC_NAN_FIXUP).
 // A row that sees no key gets out = 0 and lse = -inf (OnlineSoftmax's guards).
 #include "common/types.cuh"
 #include "common/sm90.cuh"
@@ -1254,7 +1256,15 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
                , uint64_t* __restrict__ timeline, int timeline_slots
 #endif
                ) {
+#if FC_NAN_FLAGS
+  // the second pass may start launching (programmatic dependent launch, fwd_sm90.PDL_ENV): its
+  // CTAs take the SMs this grid's CTAs leave and wait there (griddepcontrol.wait) for this grid
+  griddepcontrol_launch_dependents();
+#endif
 #if FC_NAN_FIXUP
+  // every write of the first pass visible (a no-op when not launched as its programmatic
+  // dependent: stream order then did it)
+  griddepcontrol_wait();
   {  // the first pass's report for the work tiles this CTA walks (the same for every thread)
     uint32_t reported = 0;
 #pragma unroll

@@ -209,6 +209,18 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Programmatic dependent launch (sm_90): the next kernel in the stream, when launched with
+// programmatic stream serialization, may start once every CTA of this grid has executed
+// launch_dependents (or exited); that kernel's griddepcontrol_wait returns once this grid has
+// completed and its memory operations are visible (at once when it was launched without the
+// attribute: stream order already holds).
+__device__ __forceinline__ void griddepcontrol_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void griddepcontrol_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
 // stmatrix.x4 (sm_90): lanes 8i .. 8i + 7 give the shared addresses of rows 0 .. 7 of 8x8 b16
 // matrix i (16 contiguous bytes each); register i holds this lane's two elements of matrix i, row
 // lane / 4, columns 2 (lane % 4), + 1 — the layout of an mma / wgmma accumulator's fragment.
