@@ -10,10 +10,12 @@
 #   mkdir -p .fa4a .fa4b .fa4c && cp .whl/*.whl .fa4a/ && rm .fa4a/nvidia_cutlass_dsl_libs_cu13-*.whl
 #   split -b 31M .whl/nvidia_cutlass_dsl_libs_cu13-*.whl .fa4a/cu13.part.
 #   mv .fa4a/cu13.part.ab .fa4b/
-#   mv .fa4a/cu13.part.ac .fa4a/apache_tvm_ffi-*.whl .fa4a/nvidia_cutlass_dsl_libs_base-*.whl .fa4c/
+#   mv .fa4a/cu13.part.ac .fa4a/apache_tvm_ffi-*.whl .fa4a/nvidia_cutlass_dsl_libs_base-*.whl \
+#      .fa4a/quack_kernels-*.whl .fa4a/torch_c_dlpack_ext-*.whl .fa4c/
 # (each part must fit 64 MiB together with the tracked tree: ~9 MB in session 8, 17 MB in
 # session 14 with the run records, 29 MB in session 21, when .fa4b with the two small wheels
-# (38 MB) no longer fit: they travel with the last part)
+# (38 MB) no longer fit: they travel with the last part; 30 MB in session 22, when .fa4a with
+# quack-kernels and torch-c-dlpack-ext (36 MB) no longer fit: those moved to .fa4c, 35 MB)
 #
 # (.whl, .fa4a, .fa4b, .fa4c are git-ignored.) Then, on the device, in consecutive calls:
 #   carry [".fa4a"]:  scripts/fa4_carry.sh stash
