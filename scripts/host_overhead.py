@@ -291,8 +291,10 @@ def main() -> None:
     call = FwdCall(q, k, v, out, lse, d ** -0.5, None, wr)
     plan = fwd_sm90._plan(call)
     cfg = plan.cfg
-    maps = (fwd_sm90.bshd_map(q, cfg.block_m), fwd_sm90.bshd_map(k, cfg.block_n),
-            fwd_sm90.bshd_map(v, cfg.block_n))
+    maps = fwd_sm90._maps(call, cfg)
+    # the first pass's report buffer where a causal call runs two passes (fwd_sm90.two_passes)
+    flags = ((torch.empty(plan.grid[0] * fwd_sm90.NAN_FLAG_BYTES, dtype=torch.uint8,
+                          device="cuda"),) if plan.fixup is not None else ())
     pieces = [
         ("validate.check_qkv", lambda: validate.check_qkv(q, k, v)),
         ("torch.empty out + lse", lambda: (torch.empty_like(q),
@@ -302,12 +304,13 @@ def main() -> None:
         ("fwd_sm90._plan (hit)", lambda: fwd_sm90._plan(call)),
         ("bshd_map (memo hit)", lambda: fwd_sm90.bshd_map(q, cfg.block_m)),
         ("kernel.launch", lambda: plan.kernel.launch(plan.grid, (cfg.threads, 1, 1), *maps, out,
-                                                     lse, *plan.constants,
+                                                     lse, *flags, *plan.constants,
                                                      shared_mem=cfg.smem_bytes)),
         ("plan.launch (prepared)", lambda: plan.launch(*(m.raw for m in maps), out.data_ptr(),
-                                                       lse.data_ptr())),
+                                                       lse.data_ptr(),
+                                                       *(f.data_ptr() for f in flags))),
         ("  same, bare cuLaunchKernel", _bare_launch(plan.kernel, plan.grid, (cfg.threads, 1, 1),
-                                                     (*maps, out, lse, *plan.constants),
+                                                     (*maps, out, lse, *flags, *plan.constants),
                                                      cfg.smem_bytes)),
         ("fwd_sm90.run", lambda: fwd_sm90.run(call)),
         ("dispatch.forward", lambda: dispatch.forward(call)),

@@ -44,10 +44,9 @@ def staged_call(q, k, v, causal: bool, marks: list[float]) -> None:
     plan = fwd_sm90._plan(call)
     cfg = plan.cfg
     marks.append(now())
-    maps = (fwd_sm90.bshd_map(q, cfg.block_m), fwd_sm90.bshd_map(k, cfg.block_n),
-            fwd_sm90.bshd_map(v, cfg.block_n))
+    maps = [m.raw for m in fwd_sm90._maps(call, cfg)]
     marks.append(now())
-    plan.launch(*(m.raw for m in maps), out.data_ptr(), lse.data_ptr())
+    fwd_sm90.launch_plan(plan, call, maps)  # (both passes of a causal call)
     marks.append(now())
     assert module is fwd_sm90
 

@@ -740,10 +740,12 @@ def balanced_section(call: FwdCall, cfg: Sm90FwdConfig, largest: int, ctas: int)
 # FLASHCUDA_SM90_FWD_NAN_FIXUP=0: the masked-V kernel alone (A/B).
 NAN_FIXUP_ENV = "FLASHCUDA_SM90_FWD_NAN_FIXUP"
 NAN_FLAG_BYTES = 16  # per CTA (kNanFlagBytes: one per consumer warp)
-# The second pass launched as the first's programmatic dependent (the first pass's CTAs execute
-# griddepcontrol.launch_dependents at entry; the second's wait with griddepcontrol.wait before
-# they read the report): its launch and CTA start overlap the first pass's tail instead of
-# following it. 0: a plain launch after the first pass (A/B; the kernels are the same).
+# 1: the second pass launched as the first's programmatic dependent (the first pass's CTAs
+# execute griddepcontrol.launch_dependents at entry; the second's wait with griddepcontrol.wait
+# before they read the report), so its launch and CTA start overlap the first pass's tail
+# instead of following it (A/B; the kernels are the same either way). Measured in one process
+# at 22a1942 (H200): -1.1 to +0.7% at causal 512-2k, inside p10-p90 everywhere — a miss
+# (perf-notes, session 22); the default is the plain launch after the first pass.
 PDL_ENV = "FLASHCUDA_SM90_FWD_PDL"
 
 
@@ -842,7 +844,7 @@ def _build_plan(call: FwdCall) -> _Plan | str:
         args = (*_maps(call, c), call.out, call.lse, *flags, *fixed)
         return kernel, PreparedLaunch(kernel, grid, (c.threads, 1, 1), c.smem_bytes, args,
                                       fixed=len(fixed),
-                                      programmatic=c.nan_fixup and flag(PDL_ENV, True))
+                                      programmatic=c.nan_fixup and flag(PDL_ENV, False))
 
     kernel, launch = prepare(first)
     if not passes:
@@ -871,7 +873,12 @@ def run(call: FwdCall) -> None:
     plan = _plan(call)
     if plan is _EMPTY:
         return
-    maps = [m.raw for m in _maps(call, plan.cfg)]
+    launch_plan(plan, call, [m.raw for m in _maps(call, plan.cfg)])
+
+
+def launch_plan(plan: _Plan, call: FwdCall, maps: list) -> None:
+    """Launch `plan`'s kernel (or two passes) for `call`, given its tensor maps for `plan.cfg`
+    as raw bytes (run's last step; the host-overhead scripts time it alone)."""
     if plan.fixup is None:
         plan.launch(*maps, call.out.data_ptr(), call.lse.data_ptr())
         return

@@ -471,3 +471,22 @@ def test_flashcuda_check_fails_on_a_performance_note_and_reports_spills(monkeypa
         assert cli.main(["check", "--arch", "sm_80"]) == rc
         out = capsys.readouterr().out
         assert f"\n{status}" in out and "smoke_axpb" in out, out
+
+
+def test_programmatic_launch_structs_match_cuda_h():
+    """PreparedLaunch's cuLaunchKernelEx arguments laid out as cuda.h's CUlaunchAttribute (id,
+    pad to 8, a 64-byte value union: 72 bytes) and CUlaunchConfig (seven unsigned ints, the
+    stream at 32, the attribute pointer at 40, their count at 48: 56 bytes); the attribute id of
+    programmatic stream serialization is 6 (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)."""
+    import ctypes
+
+    from flashcuda.jit import runtime
+
+    assert ctypes.sizeof(runtime._LaunchAttribute) == 72
+    assert runtime._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(runtime._LaunchConfig) == 56
+    assert runtime._LaunchConfig.shared_mem.offset == 24
+    assert runtime._LaunchConfig.stream.offset == 32
+    assert runtime._LaunchConfig.attrs.offset == 40
+    assert runtime._LaunchConfig.num_attrs.offset == 48
+    assert runtime._PROGRAMMATIC_STREAM_SERIALIZATION == 6

@@ -591,14 +591,14 @@ def test_two_passes_report_and_redo(dtype, head_dim):
     assert torch.equal(out3, out1) and torch.equal(lse3, lse1)
 
 
-@pytest.mark.parametrize("pdl", ["", "0"], ids=["pdl", "plain-launch"])
+@pytest.mark.parametrize("pdl", ["", "1"], ids=["plain-launch", "pdl"])
 @pytest.mark.parametrize("window", [CAUSAL, (200, 0)], ids=["causal", "window"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_two_passes_equal_the_masked_v_kernel_alone(monkeypatch, head_dim, window, pdl):
     """Many CTAs and work tiles (2 x 1024, 16 heads), a NaN in V of key 200 (check_nan_in_v_column):
-    the default two passes (the second launched as the first's programmatic dependent, or with
-    FLASHCUDA_SM90_FWD_PDL=0 after it) and FLASHCUDA_SM90_FWD_NAN_FIXUP=0 give the same bits,
-    NaN for NaN."""
+    the default two passes (the second launched after the first, or with FLASHCUDA_SM90_FWD_PDL=1
+    as its programmatic dependent) and FLASHCUDA_SM90_FWD_NAN_FIXUP=0 give the same bits, NaN
+    for NaN."""
     skip_unless_dispatch_tiles()
     if pdl:
         monkeypatch.setenv(fwd_sm90.PDL_ENV, pdl)

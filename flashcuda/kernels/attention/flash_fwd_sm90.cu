@@ -1257,8 +1257,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #endif
                ) {
 #if FC_NAN_FLAGS
-  // the second pass may start launching (programmatic dependent launch, fwd_sm90.PDL_ENV): its
-  // CTAs take the SMs this grid's CTAs leave and wait there (griddepcontrol.wait) for this grid
+  // the second pass may start launching where it is this grid's programmatic dependent
+  // (fwd_sm90.PDL_ENV, an A/B: measured as noise): its CTAs take the SMs this grid's CTAs leave
+  // and wait there (griddepcontrol.wait) for this grid
   griddepcontrol_launch_dependents();
 #endif
 #if FC_NAN_FIXUP
