@@ -174,6 +174,10 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--snake", choices=("auto", "0", "1"), default="auto",
                     help="the work-tile order (auto: dispatch's rule)")
+    ap.add_argument("--first-pass", action="store_true",
+                    help="time the first of a windowed call's two passes (fwd_sm90.first_pass) "
+                         "instead of the masked-V kernel (FLASHCUDA_SM90_FWD_MASKED_V=0 in the "
+                         "environment times the kernel without masked V)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
@@ -188,6 +192,11 @@ def main() -> None:
     cfg = fwd_sm90.select_config(call.dtype, d, call.is_local, call.seqlen_q)
     if a.snake != "auto":
         cfg = dataclasses.replace(cfg, snake=a.snake == "1")
+    flags = None
+    if a.first_pass:
+        if not cfg.masked_v:
+            raise SystemExit(f"{cfg.name} has no two passes (a windowed call's masked-V kernel has)")
+        cfg = fwd_sm90.first_pass(cfg)
     cfg = dataclasses.replace(cfg, timeline=True)
     props = torch.cuda.get_device_properties(dev)
     sms = props.multi_processor_count
@@ -196,9 +205,11 @@ def main() -> None:
     slots = math.ceil(cfg.work_tiles(call) / grid[0]) + 1
     buf = torch.zeros(grid[0] * cfg.consumers * slots * WORDS, dtype=torch.int64, device=dev)
     kernel = get_kernel(cfg.spec(), dev)
+    if cfg.nan_flags:
+        flags = torch.empty(grid[0] * fwd_sm90.NAN_FLAG_BYTES, dtype=torch.uint8, device=dev)
     for _ in range(a.repeats):
         buf.zero_()
-        args = fwd_sm90.kernel_args(call, cfg, by_block, grid[0])
+        args = fwd_sm90.kernel_args(call, cfg, by_block, grid[0], nan_flags=flags)
         kernel.launch(grid, (cfg.threads, 1, 1), *args, buf, np.int32(slots),
                       shared_mem=cfg.smem_bytes)
     torch.cuda.synchronize()
