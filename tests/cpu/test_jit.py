@@ -297,7 +297,7 @@ def test_prepared_launch_packs_what_pack_args_packs():
     assert launch.offsets == offsets and launch.size == len(want)
 
     def packed_here() -> bytes:
-        params, pointers = launch._buffers()
+        params, pointers, _ = launch._buffers()  # (no launch configuration: not programmatic)
         launch.head.pack_into(params, 0, *(m.raw for m in maps), x.data_ptr(), y.data_ptr())
         base = ctypes.addressof(params)
         assert [pointers[i] - base for i in range(len(offsets))] == list(offsets)
