@@ -310,7 +310,7 @@ def test_prepared_launch_packs_what_pack_args_packs():
     t.join()
     assert other == [want]
     everything_fixed = PreparedLaunch(_FakeKernel(), (1,), (32,), 0, args, fixed=len(args))
-    params, _ = everything_fixed._buffers()
+    params, _, _ = everything_fixed._buffers()
     assert bytes(params)[:everything_fixed.size] == want
 
 
