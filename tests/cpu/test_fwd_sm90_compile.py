@@ -418,7 +418,6 @@ def test_two_passes_of_windowed_calls(monkeypatch):
                 fwd_sm90.MASKED_V_ENV, fwd_sm90.NAN_FIXUP_ENV, fwd_sm90.Q_STAGES_ENV):
         monkeypatch.delenv(env, raising=False)
     names = {c.name for c in fwd_sm90.configs()}
-    q = torch.empty(1, 1, 1, 64)
     for d, sq in ((128, 512), (128, 8192), (64, 1024), (64, 8192)):
         cfg = fwd_sm90.select_config(torch.bfloat16, d, True, sq)
         first, second = fwd_sm90.two_passes(cfg)
@@ -451,7 +450,6 @@ def test_two_passes_of_windowed_calls(monkeypatch):
         Sm90FwdConfig(torch.bfloat16, 128, masked_v=True, nan_flags=True)
     with pytest.raises(ValueError, match="nan_fixup"):
         Sm90FwdConfig(torch.bfloat16, 128, nan_fixup=True)
-    del q
 
 
 @pytest.mark.parametrize("which", ["first", "second"])
