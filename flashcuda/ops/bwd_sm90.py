@@ -117,6 +117,14 @@ DEFINES_ENV = "FLASHCUDA_SM90_BWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel kn
 # (FC_DQ_SPANS, session 15: kernel times put our CONVERT at 72 us against FA4's 49 at d128
 # 512 / 1k); 0 keeps the float2 reads (A/B)
 CONVERT_SPANS_ENV = "FLASHCUDA_SM90_BWD_CONVERT_SPANS"
+# 80-query steps with dQ^T = K^T dS^T (FC_DQ_SWAP; FlashAttention 3 / 4's d128 backward without a
+# mask) for calls without a mask at these head dims; FLASHCUDA_SM90_BWD_SWAP=0 / 1 turns it off /
+# on (on also at a head dim not listed, as far as SWAP_HEAD_DIMS allow). Only with the default
+# 64-query kernel's settings: an A/B of them (DQ, DS, STAGES, DQ_EARLY, DQ_LATE) keeps 64 queries.
+SWAP_ENV = "FLASHCUDA_SM90_BWD_SWAP"
+SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T rows each)
+SWAP_DIMS = ()
+SWAP_BLOCK_M = 80
 STAGES3_DQ = {64: "v2", 128: "v4"}  # the dQ mode of the three-stage A/B (and its default there)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
@@ -182,6 +190,9 @@ class Sm90BwdConfig:
     # dq_accum in that order (FC_DQ_FRAG; the default at d128 since session 12, DQ_DEFAULT)
     dq_frag: bool = False
     dq_early: bool = False  # FA3's GEMM order: dQ before dK, the dQ epilogue beside dK
+    # dQ^T = K^T dS^T per consumer (FC_DQ_SWAP: block_m 80 at d128, dq_tma's staging with one
+    # hand-off per consumer, dS stored [query][key] by stmatrix.trans; see the .cu)
+    dq_swap: bool = False
     # dS^T stored by stmatrix.x4 (FC_DS_STMATRIX; the kernel applies it with the [key][query]
     # layout in FA3's order only); None: on at the head dims of STMATRIX_DIMS there
     ds_stmatrix: bool | None = None
@@ -230,7 +241,13 @@ class Sm90BwdConfig:
         if self.block_n != 128:
             raise ValueError(f"Sm90BwdConfig.block_n: expected 128 (two consumer warpgroups of "
                              f"64 keys), got {self.block_n}")
-        if self.block_m not in (64, 128) or self.block_m * self.head_dim != 64 * 64 * 2:
+        if self.dq_swap:
+            if not (self.dq_tma and self.ds_k_major and self.dq_early and not self.dq_spread
+                    and self.head_dim in SWAP_HEAD_DIMS and self.block_m == SWAP_BLOCK_M):
+                raise ValueError(f"Sm90BwdConfig.dq_swap: expected dq_tma, ds_k_major, dq_early, "
+                                 f"no dq_spread, head dim in {SWAP_HEAD_DIMS} and block_m "
+                                 f"{SWAP_BLOCK_M}, got {self}")
+        elif self.block_m not in (64, 128) or self.block_m * self.head_dim != 64 * 64 * 2:
             raise ValueError(f"Sm90BwdConfig.block_m: expected block_m * head_dim = 8192 (one "
                              f"64 x 64 dQ tile per consumer), got {self.block_m} at "
                              f"d{self.head_dim}")
@@ -298,7 +315,7 @@ class Sm90BwdConfig:
             # dq_empty (one pair per consumer with dq_frag)
             padded = not (self.dq_warp_flat or self.dq_tma or self.dq_frag)
             staging = self.block_m * (self.head_dim + (8 if padded else 0)) * 4
-            barriers += 2 * (self.consumers if self.dq_frag else 1)
+            barriers += 2 * (self.consumers if self.dq_frag or self.dq_swap else 1)
         else:
             staging = 0
         return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
@@ -315,6 +332,7 @@ class Sm90BwdConfig:
                 + ("t" if self.dq_tma else "") + ("s" if self.dq_spread else "")
                 + ("g" if self.dq_frag else "")
                 + ("_early" if self.dq_early else "") + ("_stm" if self.ds_stmatrix else "")
+                + ("_swap" if self.dq_swap else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
                 + ("_tl" if self.timeline else "")
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
@@ -343,6 +361,7 @@ class Sm90BwdConfig:
             **({"FC_DQ_FRAG": 1} if self.dq_frag else {}),
             **({"FC_DQ_EARLY": 1} if self.dq_early else {}),
             **({"FC_DS_STMATRIX": 1} if self.ds_stmatrix else {}),
+            **({"FC_DQ_SWAP": 1} if self.dq_swap else {}),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
             **dict(self.defines),
@@ -357,8 +376,12 @@ class Sm90BwdConfig:
         return cfg
 
     def seqlen_pad(self, seqlen_q: int) -> int:
-        """Rows of lse2 / delta / dq_accum: whole PRE blocks (aux_rows) and whole query blocks."""
-        step = lcm(self.block_m, self.aux().aux_rows)
+        """Rows of lse2 / delta / dq_accum: whole query blocks; also whole PRE blocks (aux_rows)
+        where one divides the other (dq_swap's 80 rows against PRE's 64 would pad to 320: PRE's
+        last block then stops at the padded length instead)."""
+        aux = self.aux().aux_rows
+        step = self.block_m if self.block_m % aux and aux % self.block_m else lcm(self.block_m,
+                                                                                 aux)
         return -(-seqlen_q // step) * step
 
     def grid(self, call: BwdCall) -> tuple[int, int, int]:
@@ -405,6 +428,10 @@ def configs() -> list[Sm90BwdConfig]:
             out.append(Sm90BwdConfig(dtype, d, **_dq_mode(DQ_DEFAULT[d])))
             # (with red.v4 at d128: the warp split's staging tile and a third stage do not fit)
             out.append(Sm90BwdConfig(dtype, d, stages=3, **_dq_mode(STAGES3_DQ[d])))
+    # 80-query steps with dQ^T (calls without a mask, SWAP_DIMS / FLASHCUDA_SM90_BWD_SWAP), with
+    # and without the watchdog
+    out += [swapped(Sm90BwdConfig(dtype, d, watchdog=w)) for dtype in DTYPES
+            for d in SWAP_HEAD_DIMS for w in (False, True)]
     # the timeline variants of the bf16 defaults (scripts/sm90_bwd_timeline.py)
     out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True,
                           **_dq_mode(DQ_DEFAULT[d])) for d in HEAD_DIMS]
@@ -473,6 +500,42 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
                          **_dq_mode(dq))
 
 
+def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
+    """`cfg` at 80-query steps with dQ^T = K^T dS^T (FC_DQ_SWAP): the tensor-map dQ staging, dS
+    stored [query][key], FA3's GEMM order; the watchdog, fence and extra defines kept."""
+    return Sm90BwdConfig(cfg.dtype, cfg.head_dim, block_m=SWAP_BLOCK_M, ds_k_major=True,
+                         watchdog=cfg.watchdog, release_fence=cfg.release_fence,
+                         dq_early=True, dq_swap=True, defines=cfg.defines, **_dq_mode("tma"))
+
+
+def swap_for(call: BwdCall) -> bool:
+    """Whether `call` runs the 80-query dQ^T kernel: no mask, a head dim of SWAP_HEAD_DIMS, and
+    FLASHCUDA_SM90_BWD_SWAP=1, or unset at SWAP_DIMS with none of the 64-query kernel's A/B
+    switches set."""
+    raw = os.environ.get(SWAP_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{SWAP_ENV}: expected 0 or 1, got {raw!r}")
+    if call.head_dim not in SWAP_HEAD_DIMS or call.window_left is not None \
+            or call.window_right is not None or raw == "0":
+        return False
+    if raw == "1":
+        return True
+    return call.head_dim in SWAP_DIMS and not any(
+        os.environ.get(n, "").strip() for n in (DS_ENV, DQ_ENV, STAGES_ENV, DQ_EARLY_ENV,
+                                                DQ_LATE_ENV))
+
+
+def config_for(call: BwdCall) -> Sm90BwdConfig:
+    """The MAIN kernel `call` runs: select_config's, at 80-query steps where swap_for says so,
+    with the causal tail longest-first where lpt_tail_for says so."""
+    cfg = select_config(call.dtype, call.head_dim)
+    if swap_for(call):
+        cfg = swapped(cfg)
+    if lpt_tail := lpt_tail_for(call):
+        cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
+    return cfg
+
+
 def lpt_tail_for(call: BwdCall) -> int:
     """FC_LPT_TAIL's K for `call`: LPT_TAIL[head_dim] when the mask has a right edge and no left
     one (causal: the earliest key blocks have the most steps), else 0 (every CTA the same work,
@@ -506,7 +569,7 @@ def can_implement(call: BwdCall) -> str | None:
         return f"seqlen_q + seqlen_k = {sq + sk} >= {bwd_sm80.MAX_SEQLEN_SUM}"
     if sq == 0 or sk == 0 or b == 0 or h == 0:
         return "an empty dim (a tensor map needs non-empty dims; bwd_sm80 handles it)"
-    cfg = select_config(call.dtype, d)
+    cfg = config_for(call)
     for name, t in tensors.items():
         if why := vector_layout_problem(name, t):
             return why
@@ -547,7 +610,7 @@ class _Plan:
 
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
-                    STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV)
+                    STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -561,11 +624,9 @@ def _plan_key(call: BwdCall) -> tuple:
 def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     if why := can_implement(call):
         raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
-    cfg = select_config(call.dtype, call.head_dim)
+    cfg = config_for(call)
     if timeline:
         cfg = dataclasses.replace(cfg, timeline=True)
-    if lpt_tail := lpt_tail_for(call):
-        cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
     aux = cfg.aux()
     b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
     h, hkv, d = call.nheads, call.nheads_kv, call.head_dim
@@ -593,7 +654,7 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         main_maps += main_maps[:1]
     return _Plan(
         cfg, sq_pad,
-        pre=PreparedLaunch(get_kernel(aux.pre_spec(), dev), (sq_pad // aux.aux_rows, h, b),
+        pre=PreparedLaunch(get_kernel(aux.pre_spec(), dev), (-(-sq_pad // aux.aux_rows), h, b),
                            (bwd_sm80.AUX_THREADS,), 0, (t,) * 6 + pre_args,
                            fixed=len(pre_args)),
         main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call), (cfg.threads, 1, 1),

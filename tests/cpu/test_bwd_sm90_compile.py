@@ -69,11 +69,18 @@ def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
     assert all(f"64x{d}x16" in line and ".tnspB" in line and ".tnspA" not in line for line in rs)
     ss = [line for line in hgmma if line not in rs]
     scores = [line for line in ss if f"64x{bm}x16" in line and ".tnsp" not in line]
-    dq = [line for line in ss if ".tnspB" in line]
     if bm != 64:  # at d128 S^T and dQ are both m64n64: tell them apart by the transposes alone
         assert len(scores) == 2 * (d // 16)
-    assert len(dq) == bn // 16 and all("64x64x16" in line for line in dq)
-    assert all((".tnspA" in line) != cfg.ds_k_major for line in dq)
+    if cfg.dq_swap:  # dQ^T = K^T dS^T: m64n{bm}, A (K) transposed, B (dS [query][key]) K-major
+        dq = [line for line in ss if ".tnspA" in line]
+        assert len(dq) == bn // 16
+        assert all(f"64x{bm}x16" in line and ".tnspB" not in line for line in dq)
+        # dS by stmatrix.trans, one per k16 step
+        assert len(re.findall(r"STSM\.16\.MT88\.4", sass)) == bm // 16
+    else:
+        dq = [line for line in ss if ".tnspB" in line]
+        assert len(dq) == bn // 16 and all("64x64x16" in line for line in dq)
+        assert all((".tnspA" in line) != cfg.ds_k_major for line in dq)
     assert "UTMALDG" in sass and "UBLKCP" in sass
     assert "USETMAXREG" in sass
     if cfg.dq_bulk:  # one row reduction per lane 0..15 of each warp, no per-thread ones

@@ -166,7 +166,8 @@ __device__ __forceinline__ void store_rows(T* __restrict__ dst, int64_t ld, cons
 
 #if FC_PART == 0
 // ---------------------------------------------------------------------------------------------
-// Preprocess. grid (seqlen_q_pad / FC_BLOCK_M, nheads, batch), 256 threads.
+// Preprocess. grid (ceil(seqlen_q_pad / FC_BLOCK_M), nheads, batch), 256 threads (the last block
+// stops at seqlen_q_pad when that is no multiple of FC_BLOCK_M: bwd_sm90's 80-row steps).
 // Each row of O and dO is read as 16-byte chunks by a group of kLanesPerRow lanes (kChunks rounded
 // up to a power of two; lanes past head_dim read nothing) and reduced by shuffles inside the
 // group. Every load of the CTA is issued before the first use (registers ov / dv), and the dQ
@@ -211,7 +212,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
   }
   if (dq_accum != nullptr) {
     float4* dst = reinterpret_cast<float4*>(dq_accum + (bh * seqlen_q_pad + m0) * kD);
-    for (int i = tid; i < kRows * kD / 4; i += kThreads) dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int rows = min(kRows, seqlen_q_pad - m0);
+    for (int i = tid; i < rows * kD / 4; i += kThreads) dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
@@ -226,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
 #pragma unroll
     for (int s = kLanesPerRow / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
     const int r = p * kRowsPerPass + tid / kLanesPerRow, row = m0 + r;
-    if (sub == 0 && r < kRows) {
+    if (sub == 0 && r < kRows && row < seqlen_q_pad) {
       // +inf for padding rows and rows with no visible key (lse -inf): P = 0 there, never NaN
       const float l2 = (row < seqlen_q && l[p] != neg_inf()) ? l[p] * kLog2e : pos_inf();
       delta[bh * seqlen_q_pad + row] = row < seqlen_q ? acc : 0.f;

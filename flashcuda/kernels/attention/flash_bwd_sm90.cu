@@ -155,7 +155,22 @@ constexpr int kSmemQ = kSmemV + kKVBytes;
 constexpr int kSmemDO = kSmemQ + kStages * kQBytes;
 constexpr int kSmemDS = kSmemDO + kStages * kQBytes;
 constexpr int kStatBytes = kBlockM * 4;  // lse2 or delta of one query block
-constexpr int kSmemStats = kSmemDS + 2 * kDsBytes;  // stages x (lse2, delta)
+#ifndef FC_DQ_SWAP
+#define FC_DQ_SWAP 0  // dQ^T = K^T dS^T at 80-query steps (d128 without a mask; see below)
+#endif
+// FC_DQ_SWAP (FlashAttention 3 / 4's d128 backward without a mask: 80 queries per step, dQ_swapAB):
+// with kBlockM = 80 a step's dQ (80 x kHeadDim) is no whole number of m64 tiles, so each consumer
+// computes its 64 columns of dQ transposed, dQ^T (64 d x 80 queries) = K^T dS^T: A = K^T, its
+// chunk c of K read MN-major; B = dS stored [query][key] (FC_DS_K_MAJOR, written by
+// stmatrix.trans: Consumer::store_ds_trans), read K-major. Its staging is FC_DQ_TMA's (boxes of
+// 32 fp32 columns, 128B-swizzled; consumer c fills boxes 2c, 2c + 1 with scalar stores,
+// Consumer::stage_dq_swap) with one dq_full / dq_empty pair per consumer as FC_DQ_FRAG's, so
+// dq_accum stays row-major (CONVERT's plain reader). The stage's lse2 / delta follow the staging
+// tile so that its boxes start 1024-byte aligned (kBlockM * 4 * 2 * kStages = 1280 bytes is not a
+// multiple of 1024).
+constexpr bool kDqSwap = FC_DQ_SWAP;
+constexpr int kSmemAfterDS = kSmemDS + 2 * kDsBytes;
+constexpr int kStatsBytes = kStages * 2 * kStatBytes;  // stages x (lse2, delta)
 #ifndef FC_DQ_BULK
 #define FC_DQ_BULK 0  // dQ by bulk reductions from shared staging (FLASHCUDA_SM90_BWD_DQ=bulk)
 #endif
@@ -167,7 +182,6 @@ constexpr int kSmemStats = kSmemDS + 2 * kDsBytes;  // stages x (lse2, delta)
 // aligned, as cp.reduce.async.bulk needs (288 = 18 x 16).
 constexpr int kDqStageStride = 72;  // floats per staging row
 constexpr int kDqStageBytes = 64 * kDqStageStride * 4;
-constexpr int kSmemDqStage = kSmemStats + kStages * 2 * kStatBytes;
 // FC_DQ_WARP: the step's whole kBlockM x kHeadDim dQ tile, rows padded by 8 floats (kHeadDim + 8
 // = 8 mod 32 floats: the consumers' float2 stores are bank-conflict free per half-warp, as for the
 // bulk variant's tiles; rows stay 16-byte aligned for the bulk reductions).
@@ -200,14 +214,17 @@ constexpr int kSmemDqStage = kSmemStats + kStages * 2 * kStatBytes;
 // pair; the writer issues one 16 KB bulk reduce-add per consumer into dq_accum, which then holds,
 // per (batch, head), Sq_pad / kBlockM tiles of kConsumers such 4096-float blocks (frag_offset in
 // flash_bwd_sm80.cu's CONVERT, compiled with FC_DQ_FRAG_M = kBlockM, reads it back).
-constexpr int kDqHandshakes = FC_DQ_FRAG ? kConsumers : 1;  // dq_full / dq_empty pairs
+constexpr int kDqHandshakes = FC_DQ_FRAG || kDqSwap ? kConsumers : 1;  // dq_full / dq_empty pairs
 constexpr int kDqFragBytes = 64 * 64 * 4;                   // FC_DQ_FRAG: one consumer's tile
 constexpr int kDqWarpStride = FC_DQ_WARP_FLAT || FC_DQ_TMA || FC_DQ_FRAG ? kHeadDim
                                                                          : kHeadDim + 8;
 constexpr int kDqBoxBytes = kBlockM * 128;  // FC_DQ_TMA: one box of 32 fp32 columns
 constexpr int kDqWarpBytes = kBlockM * kDqWarpStride * 4;
-constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
-                                                    : FC_DQ_WARP ? kDqWarpBytes : 0);
+constexpr int kStagingBytes = FC_DQ_BULK ? kConsumers * kDqStageBytes
+                              : FC_DQ_WARP ? kDqWarpBytes : 0;
+constexpr int kSmemStats = kDqSwap ? kSmemAfterDS + kStagingBytes : kSmemAfterDS;
+constexpr int kSmemDqStage = kDqSwap ? kSmemAfterDS : kSmemStats + kStatsBytes;
+constexpr int kSmemBar = kSmemAfterDS + kStatsBytes + kStagingBytes;
 // kv_full, full[], empty[] (+ dq_full, dq_empty with FC_DQ_WARP; one pair per consumer with
 // FC_DQ_FRAG)
 constexpr int kBarriers = 1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0);
@@ -216,8 +233,10 @@ constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
 static_assert(kHeadDim == 64 || kHeadDim == 128, "sm90 kernel: head dim 64 or 128");
 static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
-static_assert(kBlockM == 64 || kBlockM == 128, "wgmma_ss is instantiated for n = 64, 128");
-static_assert(kBlockM * kHeadDim == 64 * 64 * kConsumers, "one 64 x 64 dQ tile per consumer");
+static_assert(kBlockM == 64 || kBlockM == 128 || (kDqSwap && kBlockM == 80),
+              "wgmma_ss is instantiated for n = 64, 128 (80 with FC_DQ_SWAP)");
+static_assert(kDqSwap ? kHeadDim == 64 * kConsumers : kBlockM * kHeadDim == 64 * 64 * kConsumers,
+              "one 64 x 64 dQ tile per consumer (FC_DQ_SWAP: 64 columns of dQ^T per consumer)");
 static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= register_pool(kThreads),
               "register split over the CTA's pool at launch (register_pool, sm90.cuh)");
 static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm90BwdConfig.smem_bytes");
@@ -273,7 +292,7 @@ struct Smem {
     if constexpr (FC_DQ_WARP) {
 #pragma unroll
       for (int c = 0; c < kDqHandshakes; ++c) {
-        mbar_init(dq_full(c), FC_DQ_FRAG ? 4 : kConsumerWarps);  // one arrival per (its) warp
+        mbar_init(dq_full(c), kDqHandshakes > 1 ? 4 : kConsumerWarps);  // per (its) warp
         mbar_init(dq_empty(c), 1);
       }
     }
@@ -344,6 +363,8 @@ static_assert(!FC_DQ_FRAG || kConsumers * kDqFragBytes == kDqWarpBytes,
                        // the host's default with the default dQ reduction since session 10)
 #endif
 static_assert(!FC_DQ_EARLY || !FC_DQ_LATE, "FC_DQ_EARLY retires dQ inside its own step");
+static_assert(!kDqSwap || (FC_DQ_TMA && kDsKMajor && FC_DQ_EARLY),
+              "FC_DQ_SWAP: FC_DQ_TMA's staging, dS [query][key], FA3's GEMM order");
 #ifndef FC_DS_STMATRIX
 #define FC_DS_STMATRIX 0  // dS^T stored by stmatrix.x4 (the host's default at d64 since session
                           // 12, Sm90BwdConfig.ds_stmatrix; see Consumer::store_ds_stmatrix)
@@ -526,7 +547,31 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
                                          int batch, float* dq_accum, const TmaMap* map_dq,
                                          int nheads, int seqlen_q_pad, int lane) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
-  if constexpr (FC_DQ_FRAG) {
+  if constexpr (kDqSwap) {
+    // Per step and consumer c, as soon as c has staged its boxes (its 64 columns of the step's
+    // kBlockM rows): their tensor-map reductions, then its boxes back once they have been read.
+    // row0 < 2^31: the host checks B H Sq_pad against the tensor map's int32 coordinates.
+    constexpr int kBoxes = kHeadDim / 32 / kConsumers;  // per consumer
+    for (int it = 0; it < steps.count(); ++it) {
+      const int h = steps.head(it, head_kv), m0 = steps.m0(it);
+      const int64_t row0 = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
+#pragma unroll
+      for (int c = 0; c < kConsumers; ++c) {
+        wait(sm.dq_full(c), it & 1, stuck);
+        if (lane == 0) {
+#pragma unroll
+          for (int b = kBoxes * c; b < kBoxes * (c + 1); ++b)
+            tma_reduce_add_2d(*map_dq, sm.dq_stage(0) + b * kDqBoxBytes, 32 * b,
+                              static_cast<int>(row0));
+          bulk_commit_group();
+          bulk_wait_group_read<0>();
+          mbar_arrive(sm.dq_empty(c));
+        }
+        __syncwarp();
+      }
+    }
+    if (lane == 0) bulk_wait_group<0>();
+  } else if constexpr (FC_DQ_FRAG) {
     // Per step and consumer c, as soon as c has staged: one 16 KB reduce-add of its tile, then
     // its buffer back once the reduction has read it; the other consumer is not waited for.
     const int tiles_m = seqlen_q_pad / kBlockM;  // the host pads Sq to whole query blocks
@@ -595,6 +640,7 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
 #endif
 // (no effect on the other dQ modes; the host's default at d64 since session 11, SPREAD_DIMS)
 [[maybe_unused]] constexpr bool kDqSpread = FC_DQ_SPREAD && FC_DQ_TMA;
+static_assert(!kDqSwap || !FC_DQ_SPREAD, "FC_DQ_SWAP has its own staging order");
 __device__ __forceinline__ uint32_t dq_swizzled(uint32_t stage, int row, int col) {
   const int cc = col & 31;
   return stage + (col >> 5) * kDqBoxBytes + row * 128 + (((cc >> 2) ^ (row & 7)) << 4) +
@@ -611,7 +657,8 @@ struct Consumer {
   float dp[kBlockM / 2];           // dP^T
   uint32_t p16[kBlockM / 16][4];   // P^T as the A fragments of dV += P^T dO
   uint32_t ds16[kBlockM / 16][4];  // dS^T as the A fragments of dK += dS^T Q
-  float dq[32];                    // this consumer's 64 x 64 dQ tile
+  float dq[kDqSwap ? kBlockM / 2 : 32];  // this consumer's 64 x 64 dQ tile (FC_DQ_SWAP: 64 x
+                                        // kBlockM of dQ^T)
   uint32_t k_rows, v_rows;         // shared address of this warpgroup's 64 K / V rows (chunk 0)
 
   __device__ __forceinline__ void init(const Smem& sm, int wg_key0) {
@@ -655,23 +702,42 @@ struct Consumer {
   // MN-major. A = dS: stored [key][query] (chunk tm), read MN-major; or (kDsKMajor) stored
   // [query][key], rows 64 tm.., read K-major like the forward's Q (32 bytes at column
   // (kk % 4) * 16 of key chunk kk / 4).
+  // FC_DQ_SWAP: dq = dQ^T for d tile td (the consumer's 64 columns of dQ, all kBlockM queries) =
+  // K^T dS^T: A = K^T, K's chunk td read MN-major (d contiguous; step kk: key rows 16 kk ..,
+  // 2048 bytes further), B = dS stored [query][key], read K-major (step kk: 32 bytes at column
+  // (kk % 4) * 16 of key chunk kk / 4), N = kBlockM query rows.
   __device__ __forceinline__ void issue_dq(uint32_t ds, uint32_t k, int tm, int td) {
     const uint32_t k_base = k + td * kKVChunkBytes;
-    const uint32_t ds_base = kDsKMajor ? ds + tm * 64 * 128 : ds + tm * kDsChunkBytes;
-    const uint64_t b0 = smem_desc_mn_major_sw128(k_base, kKVChunkBytes);
-    const uint64_t a0 = kDsKMajor ? smem_desc_k_major_sw128(ds_base)
-                                  : smem_desc_mn_major_sw128(ds_base, kDsChunkBytes);
+#if FC_DQ_SWAP  // (not if constexpr: outside a template the other branch's calls must match too)
+    {
+      const uint64_t a0 = smem_desc_mn_major_sw128(k_base, kKVChunkBytes);
+      const uint64_t b0 = smem_desc_k_major_sw128(ds);
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t b = mn_major_at(b0, k_base, kk * 16 * 128, kKVChunkBytes);
-      if constexpr (kDsKMajor) {
-        const uint64_t a = k_major_at(a0, ds_base, (kk / 4) * kDsChunkBytes + (kk % 4) * 32);
-        wgmma_ss_tb<64, T>(dq, a, b, kk > 0);
-      } else {
-        const uint64_t a = mn_major_at(a0, ds_base, kk * 16 * 128, kDsChunkBytes);
-        wgmma_ss_tt<64, T>(dq, a, b, kk > 0);
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint64_t a = mn_major_at(a0, k_base, kk * 16 * 128, kKVChunkBytes);
+        const uint64_t b = k_major_at(b0, ds, (kk / 4) * kDsChunkBytes + (kk % 4) * 32);
+        wgmma_ss_ta<kBlockM, T>(dq, a, b, kk > 0);
       }
     }
+#else
+    {
+      const uint32_t ds_base = kDsKMajor ? ds + tm * 64 * 128 : ds + tm * kDsChunkBytes;
+      const uint64_t b0 = smem_desc_mn_major_sw128(k_base, kKVChunkBytes);
+      const uint64_t a0 = kDsKMajor ? smem_desc_k_major_sw128(ds_base)
+                                    : smem_desc_mn_major_sw128(ds_base, kDsChunkBytes);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint64_t b = mn_major_at(b0, k_base, kk * 16 * 128, kKVChunkBytes);
+        if constexpr (kDsKMajor) {
+          const uint64_t a = k_major_at(a0, ds_base, (kk / 4) * kDsChunkBytes + (kk % 4) * 32);
+          wgmma_ss_tb<64, T>(dq, a, b, kk > 0);
+        } else {
+          const uint64_t a = mn_major_at(a0, ds_base, kk * 16 * 128, kDsChunkBytes);
+          wgmma_ss_tt<64, T>(dq, a, b, kk > 0);
+        }
+      }
+    }
+#endif
     wgmma_commit();
   }
 
@@ -766,6 +832,24 @@ struct Consumer {
     }
   }
 
+  // FC_DQ_SWAP: the [query][key] layout by stmatrix.x4.trans, one per k16 step: matrix f (keys
+  // row0 + 8 (f & 1) .., queries 16 kk + 8 (f >> 1) ..) goes out transposed, so memory row i of
+  // it (the address lane 8 f + i gives) is query 16 kk + 8 (f >> 1) + i with its 8 keys — one
+  // 16-byte unit of that query's row, ((key % 64) / 8) ^ (query % 8) in key chunk key / 64, as
+  // store_ds's kDsKMajor branch puts them (tests/cpu/test_bwd_sm90_compile.py checks the two).
+  // Rows q .. q + 7 of a matrix fall in 8 distinct units: no bank conflicts.
+  __device__ __forceinline__ void store_ds_trans(uint32_t ds, int row0, int lane) const {
+    const int f = lane >> 3;
+    const int r = row0 + 8 * (f & 1);  // the matrix's first key
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const int q = 16 * kk + 8 * (f >> 1) + (lane & 7);
+      const uint32_t unit = static_cast<uint32_t>(((r % 64) / 8) ^ (q % 8));
+      stmatrix_x4_trans(ds + (r / 64) * kDsChunkBytes + q * 128 + unit * 16, ds16[kk][0],
+                        ds16[kk][1], ds16[kk][2], ds16[kk][3]);
+    }
+  }
+
   __device__ __forceinline__ void store_ds(uint32_t ds, int r0, int t) const {
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk)
@@ -843,6 +927,26 @@ struct Consumer {
     }
   }
 #endif
+
+  // FC_DQ_SWAP: this consumer's dQ^T (d 64 c + 16 warp + g + 8 h, query 8 j + 2 t + e in
+  // register 4 j + 2 h + e) into FC_DQ_TMA's boxes (dq_swizzled(stage, query, d): consumer c's
+  // are boxes 2c, 2c + 1), one 4-byte store per register. Banks: at one (j, h, e) the lanes' row
+  // % 8 is 2t + e and their 16-byte unit ((d % 32) / 4) ^ (2t + e) = (4 (warp % 2) + 2h + g / 4)
+  // ^ (2t + e), distinct over (g / 4, t), word g % 4 within it: the 32 lanes cover 32 banks.
+  __device__ __forceinline__ void stage_dq_swap(uint32_t stage, int c, int warp, int g,
+                                                int t) const {
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const uint32_t addr =
+              dq_swizzled(stage, 8 * j + 2 * t + e, 64 * c + 16 * warp + g + 8 * h);
+          asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(dq[4 * j + 2 * h + e])
+                       : "memory");
+        }
+  }
 
   // FC_DQ_FRAG: this consumer's dQ registers in their own order, thread w's float4 k at float
   // 512 k + 4 w of the 16 KB tile at `stage` (a warp's 32 float4 are 512 contiguous bytes).
@@ -1055,7 +1159,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
     wgmma_commit();
     const uint32_t ds = sm.ds(it & 1);
-    if constexpr (kDsStmatrix) {
+    if constexpr (kDqSwap) {
+      cs.store_ds_trans(ds, key_row - g, lane);
+    } else if constexpr (kDsStmatrix) {
       cs.store_ds_stmatrix(ds, key_row - g, lane);
     } else {
       cs.store_ds(ds, key_row, t);
@@ -1099,7 +1205,15 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #endif
 
     // dq_accum += this consumer's 64 x 64 tile. Rows past seqlen_q (inside Sq_pad) add zeros.
-#if FC_DQ_FRAG
+#if FC_DQ_SWAP
+    // Into its boxes once the writer has read its previous ones (dq_empty[c]), visible to the
+    // async proxy, one arrival per warp on dq_full[c].
+    wait(sm.dq_empty(c), (it & 1) ^ 1, stuck);
+    cs.stage_dq_swap(sm.dq_stage(0), c, warp, g, t);
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sm.dq_full(c));
+#elif FC_DQ_FRAG
     // Into this consumer's own tile once the writer has read its previous one (dq_empty[c]),
     // visible to the async proxy, one arrival per warp on dq_full[c].
     wait(sm.dq_empty(c), (it & 1) ^ 1, stuck);
