@@ -297,6 +297,18 @@ class BwdSm80Config:
             defines=self._defines(PART_CONVERT, FC_BLOCK_M=self.aux_rows, **extra),
         )
 
+    def convert_t_spec(self, rows: int) -> KernelSpec:
+        """CONVERT of flash_bwd_sm90's FC_DQ_SWAP dq_accum (FC_DQ_FRAG_T: tiles of `rows` queries,
+        each 64-column block of dQ^T in its consumer's register order; see the .cu): one CTA per
+        tile, grid (ceil(Sq / rows), H, B)."""
+        if rows % 8 or self.head_dim % 64:
+            raise ValueError(f"convert_t_spec: expected rows % 8 == 0 and a head dim multiple of "
+                             f"64, got rows {rows}, head dim {self.head_dim}")
+        return KernelSpec.make(
+            f"flash_bwd_convert_sm80_{self._prefix}_t{rows}", SOURCE,
+            defines=self._defines(PART_CONVERT, FC_BLOCK_M=rows, FC_DQ_FRAG_T=1),
+        )
+
     def spec(self) -> KernelSpec:
         """The main kernel (the one whose name identifies the configuration)."""
         return self.main_spec(True)

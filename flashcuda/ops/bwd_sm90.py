@@ -190,8 +190,8 @@ class Sm90BwdConfig:
     # dq_accum in that order (FC_DQ_FRAG; the default at d128 since session 12, DQ_DEFAULT)
     dq_frag: bool = False
     dq_early: bool = False  # FA3's GEMM order: dQ before dK, the dQ epilogue beside dK
-    # dQ^T = K^T dS^T per consumer (FC_DQ_SWAP: block_m 80 at d128, dq_tma's staging with one
-    # hand-off per consumer, dS stored [query][key] by stmatrix.trans; see the .cu)
+    # dQ^T = K^T dS^T per consumer (FC_DQ_SWAP: block_m 80 at d128, dq_frag's staging of dQ^T,
+    # dS stored [query][key] by stmatrix.trans; CONVERT's FC_DQ_FRAG_T reader; see the .cu)
     dq_swap: bool = False
     # dS^T stored by stmatrix.x4 (FC_DS_STMATRIX; the kernel applies it with the [key][query]
     # layout in FA3's order only); None: on at the head dims of STMATRIX_DIMS there
@@ -242,11 +242,11 @@ class Sm90BwdConfig:
             raise ValueError(f"Sm90BwdConfig.block_n: expected 128 (two consumer warpgroups of "
                              f"64 keys), got {self.block_n}")
         if self.dq_swap:
-            if not (self.dq_tma and self.ds_k_major and self.dq_early and not self.dq_spread
+            if not (self.dq_frag and self.ds_k_major and self.dq_early
                     and self.head_dim in SWAP_HEAD_DIMS and self.block_m == SWAP_BLOCK_M):
-                raise ValueError(f"Sm90BwdConfig.dq_swap: expected dq_tma, ds_k_major, dq_early, "
-                                 f"no dq_spread, head dim in {SWAP_HEAD_DIMS} and block_m "
-                                 f"{SWAP_BLOCK_M}, got {self}")
+                raise ValueError(f"Sm90BwdConfig.dq_swap: expected dq_frag, ds_k_major, dq_early, "
+                                 f"head dim in {SWAP_HEAD_DIMS} and block_m {SWAP_BLOCK_M}, "
+                                 f"got {self}")
         elif self.block_m not in (64, 128) or self.block_m * self.head_dim != 64 * 64 * 2:
             raise ValueError(f"Sm90BwdConfig.block_m: expected block_m * head_dim = 8192 (one "
                              f"64 x 64 dQ tile per consumer), got {self.block_m} at "
@@ -315,7 +315,7 @@ class Sm90BwdConfig:
             # dq_empty (one pair per consumer with dq_frag)
             padded = not (self.dq_warp_flat or self.dq_tma or self.dq_frag)
             staging = self.block_m * (self.head_dim + (8 if padded else 0)) * 4
-            barriers += 2 * (self.consumers if self.dq_frag or self.dq_swap else 1)
+            barriers += 2 * (self.consumers if self.dq_frag else 1)
         else:
             staging = 0
         return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
@@ -501,11 +501,11 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
 
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
-    """`cfg` at 80-query steps with dQ^T = K^T dS^T (FC_DQ_SWAP): the tensor-map dQ staging, dS
-    stored [query][key], FA3's GEMM order; the watchdog, fence and extra defines kept."""
+    """`cfg` at 80-query steps with dQ^T = K^T dS^T (FC_DQ_SWAP): the register-order dQ staging,
+    dS stored [query][key], FA3's GEMM order; the watchdog, fence and extra defines kept."""
     return Sm90BwdConfig(cfg.dtype, cfg.head_dim, block_m=SWAP_BLOCK_M, ds_k_major=True,
                          watchdog=cfg.watchdog, release_fence=cfg.release_fence,
-                         dq_early=True, dq_swap=True, defines=cfg.defines, **_dq_mode("tma"))
+                         dq_early=True, dq_swap=True, defines=cfg.defines, **_dq_mode("frag"))
 
 
 def swap_for(call: BwdCall) -> bool:
@@ -661,10 +661,23 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
                             cfg.smem_bytes,
                             main_maps + (t,) * (6 if cfg.timeline else 5) + main_args,
                             fixed=len(main_args)),
-        convert=PreparedLaunch(get_kernel(aux.convert_spec(cfg.block_m if cfg.dq_frag else 0,
-                                                           flag(CONVERT_SPANS_ENV, True)), dev),
-                               (-(-sq // aux.aux_rows), h, b), (bwd_sm80.AUX_THREADS,), 0,
+        convert=PreparedLaunch(get_kernel(convert_spec(cfg), dev),
+                               (-(-sq // convert_rows(cfg)), h, b), (bwd_sm80.AUX_THREADS,), 0,
                                (t,) * 2 + convert_args, fixed=len(convert_args)))
+
+
+def convert_spec(cfg: Sm90BwdConfig) -> KernelSpec:
+    """The CONVERT that reads `cfg`'s dq_accum: FC_DQ_FRAG_T's for dq_swap, FC_DQ_FRAG_M's for
+    dq_frag (span reader unless FLASHCUDA_SM90_BWD_CONVERT_SPANS=0), else the row-major one."""
+    aux = cfg.aux()
+    if cfg.dq_swap:
+        return aux.convert_t_spec(cfg.block_m)
+    return aux.convert_spec(cfg.block_m if cfg.dq_frag else 0, flag(CONVERT_SPANS_ENV, True))
+
+
+def convert_rows(cfg: Sm90BwdConfig) -> int:
+    """Query rows per CONVERT CTA: one dq_swap tile, else PRE's aux_rows."""
+    return cfg.block_m if cfg.dq_swap else cfg.aux().aux_rows
 
 
 _plans = PlanCache(_build_plan)
@@ -722,6 +735,8 @@ def run_timeline(call: BwdCall) -> tuple[Sm90BwdConfig, torch.Tensor]:
 def variants() -> Iterator[tuple[KernelSpec, tuple[str, ...]]]:
     for cfg in configs():
         yield cfg.spec(), ARCHS
-        if cfg.dq_frag:  # its CONVERT reads the register-order dq_accum (both readers: A/B)
+        if cfg.dq_swap:  # its CONVERT reads the transposed register-order tiles
+            yield convert_spec(cfg), ARCHS
+        elif cfg.dq_frag:  # its CONVERT reads the register-order dq_accum (both readers: A/B)
             yield cfg.aux().convert_spec(cfg.block_m, spans=True), ARCHS
             yield cfg.aux().convert_spec(cfg.block_m, spans=False), ARCHS

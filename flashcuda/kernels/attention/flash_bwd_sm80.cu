@@ -675,7 +675,57 @@ __device__ __forceinline__ int64_t frag_offset(int row, int col) {
 #ifndef FC_DQ_SPANS
 #define FC_DQ_SPANS 0
 #endif
-#if FC_DQ_FRAG_M && FC_DQ_SPANS
+#ifndef FC_DQ_FRAG_T
+#define FC_DQ_FRAG_T 0  // 1: flash_bwd_sm90's FC_DQ_SWAP tiles of kRows queries (below)
+#endif
+#if FC_DQ_FRAG_T
+// FC_DQ_FRAG_T (flash_bwd_sm90's FC_DQ_SWAP: kRows = its kBlockM, 80): per (batch, head),
+// Sq_pad / kRows tiles of kRows x kD floats; tile m holds kD / 64 blocks of 64 x kRows floats,
+// block c the dQ^T of columns 64 c .. 64 c + 63 in its consumer's registers' order: element
+// (d 64 c + 16 w + g + 8 h, query 8 j + 2 t + e) is register 4 j + 2 h + e of thread
+// W = 32 w + 4 g + t, at float 512 j + 4 W + 2 h + e of the block. One CTA per tile: float4 i of
+// the tile (a warp reads 512 contiguous bytes) is block i / (16 kRows), j = (i % (16 kRows)) / 128,
+// W = i % 128: (query, d), (query + 1, d), (query, d + 8), (query + 1, d + 8) with query 8 j + 2 t,
+// d 64 c + 16 w + g. Scaled, rounded to T and put into a [kRows][kD] 16-bit tile in shared memory
+// whose 16-byte units are swizzled by query % 8 within each 64-column group (as the span reader's
+// tile: a warp's 2-byte stores then fall in 16 banks, lanes g, g ^ 1 sharing a word), then rows
+// below seqlen_q go out in 16-byte stores.
+static_assert(kD % 64 == 0 && kRows % 8 == 0, "64-column blocks of dQ^T, 8-query fragments");
+
+__device__ __forceinline__ void put_t(uint16_t (*tile)[kD], int q, int d, float x) {
+  const int u = d / 8, su = (u & ~7) | ((u ^ q) & 7);
+  tile[q][8 * su + d % 8] = static_cast<uint16_t>(pack2<T>(x, 0.f) & 0xffffu);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
+    const float* __restrict__ dq_accum,  // [B, H, Sq_pad, kD] in FC_DQ_FRAG_T tiles
+    T* __restrict__ dq,                  // [B, Sq, H, D]
+    int64_t dq_sb, int64_t dq_ss, int64_t dq_sh,
+    int seqlen_q, int nheads, int head_dim, int seqlen_q_pad, float softmax_scale) {
+  __shared__ __align__(16) uint16_t tile[kRows][kD];
+  const int m0 = blockIdx.x * kRows, h = blockIdx.y, b = blockIdx.z;
+  const float4* src = reinterpret_cast<const float4*>(
+      dq_accum + ((static_cast<int64_t>(b) * nheads + h) * seqlen_q_pad + m0) * kD);
+  for (int i = threadIdx.x; i < kRows * kD / 4; i += kThreads) {
+    const int c = i / (16 * kRows), j = (i % (16 * kRows)) / 128, w = (i % 128) / 32;
+    const int g = (i % 32) / 4, t = i % 4;
+    const int q = 8 * j + 2 * t, d = 64 * c + 16 * w + g;
+    const float4 x = src[i];  // (rows past seqlen_q too: zeroed by PRE, within Sq_pad)
+    put_t(tile, q, d, x.x * softmax_scale);
+    put_t(tile, q + 1, d, x.y * softmax_scale);
+    put_t(tile, q, d + 8, x.z * softmax_scale);
+    put_t(tile, q + 1, d + 8, x.w * softmax_scale);
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
+    const int r = c / kChunks, k = c % kChunks;
+    if (m0 + r < seqlen_q && 8 * k < head_dim) {
+      *reinterpret_cast<Vec16*>(dq + b * dq_sb + (m0 + r) * dq_ss + h * dq_sh + 8 * k) =
+          *reinterpret_cast<const Vec16*>(&tile[r][8 * ((k & ~7) | ((k ^ r) & 7))]);
+    }
+  }
+}
+#elif FC_DQ_FRAG_M && FC_DQ_SPANS
 // FC_DQ_SPANS: read each 4096-float block whole, one 64-byte span per thread, and write dq
 // through shared memory. Span s (thread s of 256) is the 16 floats at 16 s of the block:
 // w = 4 (s % 32), i / 4 = s / 32, so (frag_offset) rows rr = 16 ((s % 32) / 8) + s % 8 and rr + 8,

@@ -162,15 +162,12 @@ constexpr int kStatBytes = kBlockM * 4;  // lse2 or delta of one query block
 // with kBlockM = 80 a step's dQ (80 x kHeadDim) is no whole number of m64 tiles, so each consumer
 // computes its 64 columns of dQ transposed, dQ^T (64 d x 80 queries) = K^T dS^T: A = K^T, its
 // chunk c of K read MN-major; B = dS stored [query][key] (FC_DS_K_MAJOR, written by
-// stmatrix.trans: Consumer::store_ds_trans), read K-major. Its staging is FC_DQ_TMA's (boxes of
-// 32 fp32 columns, 128B-swizzled; consumer c fills boxes 2c, 2c + 1 with scalar stores,
-// Consumer::stage_dq_swap) with one dq_full / dq_empty pair per consumer as FC_DQ_FRAG's, so
-// dq_accum stays row-major (CONVERT's plain reader). The stage's lse2 / delta follow the staging
-// tile so that its boxes start 1024-byte aligned (kBlockM * 4 * 2 * kStages = 1280 bytes is not a
-// multiple of 1024).
+// stmatrix.trans: Consumer::store_ds_trans), read K-major. Its staging is FC_DQ_FRAG's: each
+// consumer's 64 x 80 dQ^T in its registers' order (20 KB, 10 st.shared.v4 per thread), one bulk
+// reduce-add each into dq_accum in that order (flash_bwd_sm80.cu's CONVERT, FC_DQ_FRAG_T, reads
+// it back).
 constexpr bool kDqSwap = FC_DQ_SWAP;
-constexpr int kSmemAfterDS = kSmemDS + 2 * kDsBytes;
-constexpr int kStatsBytes = kStages * 2 * kStatBytes;  // stages x (lse2, delta)
+constexpr int kSmemStats = kSmemDS + 2 * kDsBytes;  // stages x (lse2, delta)
 #ifndef FC_DQ_BULK
 #define FC_DQ_BULK 0  // dQ by bulk reductions from shared staging (FLASHCUDA_SM90_BWD_DQ=bulk)
 #endif
@@ -214,17 +211,16 @@ constexpr int kDqStageBytes = 64 * kDqStageStride * 4;
 // pair; the writer issues one 16 KB bulk reduce-add per consumer into dq_accum, which then holds,
 // per (batch, head), Sq_pad / kBlockM tiles of kConsumers such 4096-float blocks (frag_offset in
 // flash_bwd_sm80.cu's CONVERT, compiled with FC_DQ_FRAG_M = kBlockM, reads it back).
-constexpr int kDqHandshakes = FC_DQ_FRAG || kDqSwap ? kConsumers : 1;  // dq_full / dq_empty pairs
-constexpr int kDqFragBytes = 64 * 64 * 4;                   // FC_DQ_FRAG: one consumer's tile
+constexpr int kDqHandshakes = FC_DQ_FRAG ? kConsumers : 1;  // dq_full / dq_empty pairs
+// FC_DQ_FRAG: one consumer's tile (64 x 64, or with FC_DQ_SWAP 64 x kBlockM of dQ^T)
+constexpr int kDqFragBytes = 64 * (kDqSwap ? kBlockM : 64) * 4;
 constexpr int kDqWarpStride = FC_DQ_WARP_FLAT || FC_DQ_TMA || FC_DQ_FRAG ? kHeadDim
                                                                          : kHeadDim + 8;
 constexpr int kDqBoxBytes = kBlockM * 128;  // FC_DQ_TMA: one box of 32 fp32 columns
 constexpr int kDqWarpBytes = kBlockM * kDqWarpStride * 4;
-constexpr int kStagingBytes = FC_DQ_BULK ? kConsumers * kDqStageBytes
-                              : FC_DQ_WARP ? kDqWarpBytes : 0;
-constexpr int kSmemStats = kDqSwap ? kSmemAfterDS + kStagingBytes : kSmemAfterDS;
-constexpr int kSmemDqStage = kDqSwap ? kSmemAfterDS : kSmemStats + kStatsBytes;
-constexpr int kSmemBar = kSmemAfterDS + kStatsBytes + kStagingBytes;
+constexpr int kSmemDqStage = kSmemStats + kStages * 2 * kStatBytes;
+constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
+                                                    : FC_DQ_WARP ? kDqWarpBytes : 0);
 // kv_full, full[], empty[] (+ dq_full, dq_empty with FC_DQ_WARP; one pair per consumer with
 // FC_DQ_FRAG)
 constexpr int kBarriers = 1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0);
@@ -363,8 +359,8 @@ static_assert(!FC_DQ_FRAG || kConsumers * kDqFragBytes == kDqWarpBytes,
                        // the host's default with the default dQ reduction since session 10)
 #endif
 static_assert(!FC_DQ_EARLY || !FC_DQ_LATE, "FC_DQ_EARLY retires dQ inside its own step");
-static_assert(!kDqSwap || (FC_DQ_TMA && kDsKMajor && FC_DQ_EARLY),
-              "FC_DQ_SWAP: FC_DQ_TMA's staging, dS [query][key], FA3's GEMM order");
+static_assert(!kDqSwap || (FC_DQ_FRAG && kDsKMajor && FC_DQ_EARLY),
+              "FC_DQ_SWAP: FC_DQ_FRAG's staging, dS [query][key], FA3's GEMM order");
 #ifndef FC_DS_STMATRIX
 #define FC_DS_STMATRIX 0  // dS^T stored by stmatrix.x4 (the host's default at d64 since session
                           // 12, Sm90BwdConfig.ds_stmatrix; see Consumer::store_ds_stmatrix)
@@ -547,32 +543,9 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
                                          int batch, float* dq_accum, const TmaMap* map_dq,
                                          int nheads, int seqlen_q_pad, int lane) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
-  if constexpr (kDqSwap) {
-    // Per step and consumer c, as soon as c has staged its boxes (its 64 columns of the step's
-    // kBlockM rows): their tensor-map reductions, then its boxes back once they have been read.
-    // row0 < 2^31: the host checks B H Sq_pad against the tensor map's int32 coordinates.
-    constexpr int kBoxes = kHeadDim / 32 / kConsumers;  // per consumer
-    for (int it = 0; it < steps.count(); ++it) {
-      const int h = steps.head(it, head_kv), m0 = steps.m0(it);
-      const int64_t row0 = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
-#pragma unroll
-      for (int c = 0; c < kConsumers; ++c) {
-        wait(sm.dq_full(c), it & 1, stuck);
-        if (lane == 0) {
-#pragma unroll
-          for (int b = kBoxes * c; b < kBoxes * (c + 1); ++b)
-            tma_reduce_add_2d(*map_dq, sm.dq_stage(0) + b * kDqBoxBytes, 32 * b,
-                              static_cast<int>(row0));
-          bulk_commit_group();
-          bulk_wait_group_read<0>();
-          mbar_arrive(sm.dq_empty(c));
-        }
-        __syncwarp();
-      }
-    }
-    if (lane == 0) bulk_wait_group<0>();
-  } else if constexpr (FC_DQ_FRAG) {
-    // Per step and consumer c, as soon as c has staged: one 16 KB reduce-add of its tile, then
+  if constexpr (FC_DQ_FRAG) {
+    // Per step and consumer c, as soon as c has staged: one 16 KB (FC_DQ_SWAP: 20 KB) reduce-add
+    // of its tile, then
     // its buffer back once the reduction has read it; the other consumer is not waited for.
     const int tiles_m = seqlen_q_pad / kBlockM;  // the host pads Sq to whole query blocks
     for (int it = 0; it < steps.count(); ++it) {
@@ -640,7 +613,6 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
 #endif
 // (no effect on the other dQ modes; the host's default at d64 since session 11, SPREAD_DIMS)
 [[maybe_unused]] constexpr bool kDqSpread = FC_DQ_SPREAD && FC_DQ_TMA;
-static_assert(!kDqSwap || !FC_DQ_SPREAD, "FC_DQ_SWAP has its own staging order");
 __device__ __forceinline__ uint32_t dq_swizzled(uint32_t stage, int row, int col) {
   const int cc = col & 31;
   return stage + (col >> 5) * kDqBoxBytes + row * 128 + (((cc >> 2) ^ (row & 7)) << 4) +
@@ -928,31 +900,12 @@ struct Consumer {
   }
 #endif
 
-  // FC_DQ_SWAP: this consumer's dQ^T (d 64 c + 16 warp + g + 8 h, query 8 j + 2 t + e in
-  // register 4 j + 2 h + e) into FC_DQ_TMA's boxes (dq_swizzled(stage, query, d): consumer c's
-  // are boxes 2c, 2c + 1), one 4-byte store per register. Banks: at one (j, h, e) the lanes' row
-  // % 8 is 2t + e and their 16-byte unit ((d % 32) / 4) ^ (2t + e) = (4 (warp % 2) + 2h + g / 4)
-  // ^ (2t + e), distinct over (g / 4, t), word g % 4 within it: the 32 lanes cover 32 banks.
-  __device__ __forceinline__ void stage_dq_swap(uint32_t stage, int c, int warp, int g,
-                                                int t) const {
-#pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const uint32_t addr =
-              dq_swizzled(stage, 8 * j + 2 * t + e, 64 * c + 16 * warp + g + 8 * h);
-          asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(dq[4 * j + 2 * h + e])
-                       : "memory");
-        }
-  }
-
   // FC_DQ_FRAG: this consumer's dQ registers in their own order, thread w's float4 k at float
-  // 512 k + 4 w of the 16 KB tile at `stage` (a warp's 32 float4 are 512 contiguous bytes).
+  // 512 k + 4 w of the 16 KB tile at `stage` (a warp's 32 float4 are 512 contiguous bytes;
+  // FC_DQ_SWAP: 10 float4 of dQ^T, 20 KB).
   __device__ __forceinline__ void stage_dq_frag(uint32_t stage, int w) const {
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < kDqFragBytes / 2048; ++k) {
       const uint32_t addr = stage + (512 * k + 4 * w) * 4;
       asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(dq[4 * k]),
                    "f"(dq[4 * k + 1]), "f"(dq[4 * k + 2]), "f"(dq[4 * k + 3])
@@ -1205,15 +1158,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #endif
 
     // dq_accum += this consumer's 64 x 64 tile. Rows past seqlen_q (inside Sq_pad) add zeros.
-#if FC_DQ_SWAP
-    // Into its boxes once the writer has read its previous ones (dq_empty[c]), visible to the
-    // async proxy, one arrival per warp on dq_full[c].
-    wait(sm.dq_empty(c), (it & 1) ^ 1, stuck);
-    cs.stage_dq_swap(sm.dq_stage(0), c, warp, g, t);
-    fence_proxy_async();
-    __syncwarp();
-    if (lane == 0) mbar_arrive(sm.dq_full(c));
-#elif FC_DQ_FRAG
+#if FC_DQ_FRAG
     // Into this consumer's own tile once the writer has read its previous one (dq_empty[c]),
     // visible to the async proxy, one arrival per warp on dq_full[c].
     wait(sm.dq_empty(c), (it & 1) ^ 1, stuck);
