@@ -691,6 +691,8 @@ __device__ __forceinline__ int64_t frag_offset(int row, int col) {
 // tile: a warp's 2-byte stores then fall in 16 banks, lanes g, g ^ 1 sharing a word), then rows
 // below seqlen_q go out in 16-byte stores.
 static_assert(kD % 64 == 0 && kRows % 8 == 0, "64-column blocks of dQ^T, 8-query fragments");
+constexpr int kPerThread = kRows * kD / 4 / kThreads;  // float4 per thread (10 at 80 x 128)
+static_assert(kRows * kD / 4 % kThreads == 0, "whole float4 per thread");
 
 __device__ __forceinline__ void put_t(uint16_t (*tile)[kD], int q, int d, float x) {
   const int u = d / 8, su = (u & ~7) | ((u ^ q) & 7);
@@ -706,15 +708,22 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
   const int m0 = blockIdx.x * kRows, h = blockIdx.y, b = blockIdx.z;
   const float4* src = reinterpret_cast<const float4*>(
       dq_accum + ((static_cast<int64_t>(b) * nheads + h) * seqlen_q_pad + m0) * kD);
-  for (int i = threadIdx.x; i < kRows * kD / 4; i += kThreads) {
+  // every load in flight before the first store (the loop's loads would otherwise wait on each
+  // other's stores: measured 57 us against the span reader's 50 at 16k x 16 heads)
+  float4 x[kPerThread];
+#pragma unroll
+  for (int p = 0; p < kPerThread; ++p)
+    x[p] = src[threadIdx.x + p * kThreads];  // (rows past seqlen_q too: zeroed by PRE)
+#pragma unroll
+  for (int p = 0; p < kPerThread; ++p) {
+    const int i = threadIdx.x + p * kThreads;
     const int c = i / (16 * kRows), j = (i % (16 * kRows)) / 128, w = (i % 128) / 32;
     const int g = (i % 32) / 4, t = i % 4;
     const int q = 8 * j + 2 * t, d = 64 * c + 16 * w + g;
-    const float4 x = src[i];  // (rows past seqlen_q too: zeroed by PRE, within Sq_pad)
-    put_t(tile, q, d, x.x * softmax_scale);
-    put_t(tile, q + 1, d, x.y * softmax_scale);
-    put_t(tile, q, d + 8, x.z * softmax_scale);
-    put_t(tile, q + 1, d + 8, x.w * softmax_scale);
+    put_t(tile, q, d, x[p].x * softmax_scale);
+    put_t(tile, q + 1, d, x[p].y * softmax_scale);
+    put_t(tile, q, d + 8, x[p].z * softmax_scale);
+    put_t(tile, q + 1, d + 8, x[p].w * softmax_scale);
   }
   __syncthreads();
   for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
