@@ -17,6 +17,7 @@ shared memory (the .cu static_asserts the same layout), the name, the defines.
     head dim   block_m (queries) x block_n (keys), stages   smem      consumers x registers
     64         128 x 128, 2                                 163 KB    2 x 240 (FA3's d64 tiles)
     128        64 x 128, 2                                  162 KB    2 x 240 (FA3's d128 tiles)
+    128        80 x 128, 2 (no mask, Sq >= 2048: dq_swap)   226 KB    2 x 240 (FA3's, dQ^T)
 (+ 36 KB, 199 / 198 KB, for the dQ staging tiles of FLASHCUDA_SM90_BWD_DQ=bulk; + 36 / 34 KB,
 199 / 196 KB, for the staging tile of warp and warpflat; + 32 KB, 195 / 194 KB, for tma's and
 frag's, the defaults; the consumers of warp / warpflat / tma get 232, except tma and frag at
@@ -118,12 +119,16 @@ DEFINES_ENV = "FLASHCUDA_SM90_BWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel kn
 # 512 / 1k); 0 keeps the float2 reads (A/B)
 CONVERT_SPANS_ENV = "FLASHCUDA_SM90_BWD_CONVERT_SPANS"
 # 80-query steps with dQ^T = K^T dS^T (FC_DQ_SWAP; FlashAttention 3 / 4's d128 backward without a
-# mask) for calls without a mask at these head dims; FLASHCUDA_SM90_BWD_SWAP=0 / 1 turns it off /
-# on (on also at a head dim not listed, as far as SWAP_HEAD_DIMS allow). Only with the default
-# 64-query kernel's settings: an A/B of them (DQ, DS, STAGES, DQ_EARLY, DQ_LATE) keeps 64 queries.
+# mask) for calls without a mask at these head dims from SWAP_MIN_SEQLEN_Q query rows. Same-process
+# A/B (session 23, perf-notes): +1.4 / +1.7 / +1.8 / +2.3% at 2k / 4k / 8k / 16k, -0.2% at 1k,
+# -6.6% at 512 (ceil(Sq / 80) steps: 9% of the last step's rows are padding there).
+# FLASHCUDA_SM90_BWD_SWAP=0 / 1 turns it off / on (on: at any length, as far as SWAP_HEAD_DIMS
+# allow). By default only with the 64-query kernel's default settings: an A/B of them (DQ, DS,
+# STAGES, DQ_EARLY, DQ_LATE) keeps 64 queries.
 SWAP_ENV = "FLASHCUDA_SM90_BWD_SWAP"
 SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T rows each)
-SWAP_DIMS = ()
+SWAP_DIMS = (128,)
+SWAP_MIN_SEQLEN_Q = 2048
 SWAP_BLOCK_M = 80
 STAGES3_DQ = {64: "v2", 128: "v4"}  # the dQ mode of the three-stage A/B (and its default there)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
@@ -137,7 +142,10 @@ SPREAD_DIMS = (64,)
 # perf-notes): d128 +1-2.7% at causal 1k / 4k / 8k (K = 8; 0 at 2k; K = 4 a little less), d64
 # -3 to -4% (its two CTAs per SM share the tail already): not used there, nor without a mask.
 LPT_TAIL = {128: 8}
-FRAG_DIMS = (128,)  # FLASHCUDA_SM90_BWD_DQ=frag builds without spills at these head dims only
+# FLASHCUDA_SM90_BWD_DQ=frag builds without spills at these head dims (d64 since session 23: its
+# consumers spilled 60 bytes at 232 registers in session 12, none with the kernel of session 21's
+# defaults)
+FRAG_DIMS = (64, 128)
 # FC_DS_STMATRIX by default (dS^T by stmatrix.x4; the [key][query] layout in FA3's order): d64
 # since session 12 (same-run A/B: +0.8-3.5% at all six d64 points, -2.4 to +0.8% at d128 then);
 # d128 since session 21 (same-process A/B, session 19, on the no-fence kernel: +1.2 to +2.4% at
@@ -419,8 +427,7 @@ def configs() -> list[Sm90BwdConfig]:
                     for dq in DQ_MODES if dq not in (DQ_DEFAULT[d], "frag")]
             out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
             # the tensor-map and the per-consumer register-order staging in FA3's order where
-            # they are not the default (A/B; frag at FRAG_DIMS only: at d64 its consumers spill,
-            # 60 bytes at 232 registers, 8 at 240)
+            # they are not the default (A/B; frag at FRAG_DIMS only)
             out += [Sm90BwdConfig(dtype, d, dq_early=True, **_dq_mode(dq))
                     for dq in ("tma", "frag")
                     if dq != DQ_DEFAULT[d] and (dq != "frag" or d in FRAG_DIMS)]
@@ -510,8 +517,8 @@ def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
 
 def swap_for(call: BwdCall) -> bool:
     """Whether `call` runs the 80-query dQ^T kernel: no mask, a head dim of SWAP_HEAD_DIMS, and
-    FLASHCUDA_SM90_BWD_SWAP=1, or unset at SWAP_DIMS with none of the 64-query kernel's A/B
-    switches set."""
+    FLASHCUDA_SM90_BWD_SWAP=1, or unset at SWAP_DIMS from SWAP_MIN_SEQLEN_Q query rows with none
+    of the 64-query kernel's A/B switches set."""
     raw = os.environ.get(SWAP_ENV, "").strip()
     if raw not in ("", "0", "1"):
         raise ValueError(f"{SWAP_ENV}: expected 0 or 1, got {raw!r}")
@@ -520,7 +527,7 @@ def swap_for(call: BwdCall) -> bool:
         return False
     if raw == "1":
         return True
-    return call.head_dim in SWAP_DIMS and not any(
+    return call.head_dim in SWAP_DIMS and call.seqlen_q >= SWAP_MIN_SEQLEN_Q and not any(
         os.environ.get(n, "").strip() for n in (DS_ENV, DQ_ENV, STAGES_ENV, DQ_EARLY_ENV,
                                                 DQ_LATE_ENV))
 

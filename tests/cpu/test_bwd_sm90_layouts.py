@@ -158,3 +158,67 @@ def test_backward_reads(head_dim, k_major):
         b = operand(read_mn_major, mem, lambda kk, td=td: desc(
             k_base + td * kvchunk + kk * 16 * 128, kvchunk, 1024), 64, bn // 16)
         assert (b == k[:, 64 * td:64 * td + 64].T).all()  # B = K: (n = d, k = key)
+
+
+def store_ds_trans(mem: np.ndarray, ds: int, ds_t: np.ndarray, bm: int, bn: int) -> None:
+    """Consumer::store_ds_trans (FC_DQ_SWAP) for every lane of both consumers: per k16 step kk,
+    stmatrix.x4.trans writes matrix f (keys r = row0 + 8 (f & 1) + 0..7, queries 16 kk + 8 (f >> 1)
+    + 0..7) transposed: memory row i (the address lane 8 f + i gives) holds query q_i's 8 keys,
+    16 contiguous bytes. `ds_t` is dS^T [key][query] as the accumulator holds it."""
+    chunk = bm * 128  # [query][key]: chunks of 64 keys x bm queries
+    for c in range(bn // 64):
+        for warp in range(4):
+            row0 = 64 * c + 16 * warp
+            for kk in range(bm // 16):
+                for lane in range(32):  # the address lane gives: row lane & 7 of matrix lane >> 3
+                    f, i = lane >> 3, lane & 7
+                    r = row0 + 8 * (f & 1)
+                    q = 16 * kk + 8 * (f >> 1) + i
+                    unit = ((r % 64) // 8) ^ (q % 8)
+                    addr = ds + (r // 64) * chunk + q * 128 + unit * 16
+                    for e in range(8):  # the row's element e: fragment row e = key r + e
+                        mem[(addr + 2 * e) // 2] = ds_t[r + e, q]
+
+
+def test_swap_stmatrix_trans_writes_what_the_k_major_store_does():
+    """store_ds_trans's stmatrix.trans rows against store_ds's [query][key] scatter (the layout
+    both dQ readers of that layout were proven with), at the swap's 80 queries."""
+    bm, bn = 80, 128
+    ds_t = labels(bn, bm, 5)
+    a, b = (np.full(1 << 16, -1, dtype=np.int64) for _ in range(2))
+    store_ds(a, 0, ds_t, bm, bn, k_major=True)
+    store_ds_trans(b, 0, ds_t, bm, bn)
+    assert (a == b).all() and (a >= 0).sum() == bm * bn
+
+
+def test_swap_reads():
+    """FC_DQ_SWAP at d128, 80-query steps: S^T / dP^T (B = Q / dO, N = 80 K-major), dV / dK
+    (B = dO / Q MN-major, K = 80 queries in 5 k16 steps) and dQ^T = K^T dS^T (A = K's chunk c read
+    MN-major: (m = d, k = key); B = dS as store_ds_trans writes it, read K-major: (n = query,
+    k = key))."""
+    head_dim, bm, bn = 128, 80, 128
+    mem = np.zeros(1 << 18, dtype=np.int64)
+    q, do, k, v = (labels(r, head_dim, i) for i, r in enumerate((bm, bm, bn, bn), 1))
+    k_base, v_base = 0, bn * head_dim * 2
+    q_base, do_base = 2 * v_base, 2 * v_base + bm * head_dim * 2
+    ds_base = do_base + bm * head_dim * 2
+    assert q_base % 1024 == 0 and do_base % 1024 == 0 and ds_base % 1024 == 0
+    for base, t in ((q_base, q), (do_base, do), (k_base, k), (v_base, v)):
+        tma_store(mem, base, t)
+    ds_t = labels(bn, bm, 5)
+    store_ds_trans(mem, ds_base, ds_t, bm, bn)
+    qchunk, kvchunk, dschunk = bm * 128, bn * 128, bm * 128
+    for y_base, y in ((q_base, q), (do_base, do)):
+        b = operand(read_k_major, mem, lambda kk, y_base=y_base: desc(
+            y_base + (kk // 4) * qchunk + (kk % 4) * 32, 16, 1024), bm, head_dim // 16)
+        assert (b == y).all()
+        b = operand(read_mn_major, mem, lambda kk, y_base=y_base: desc(
+            y_base + kk * 16 * 128, qchunk, 1024), head_dim, bm // 16)
+        assert (b == y.T).all()
+    for c in range(bn // 64):  # consumer c: dQ^T rows d = 64 c ..
+        a = operand(read_mn_major, mem, lambda kk, c=c: desc(
+            k_base + c * kvchunk + kk * 16 * 128, kvchunk, 1024), 64, bn // 16)
+        assert (a == k[:, 64 * c:64 * c + 64].T).all()  # A = K^T: (m = d, k = key)
+    b = operand(read_k_major, mem, lambda kk: desc(
+        ds_base + (kk // 4) * dschunk + (kk % 4) * 32, 16, 1024), bm, bn // 16)
+    assert (b == ds_t.T).all()  # B = dS: (n = query, k = key)

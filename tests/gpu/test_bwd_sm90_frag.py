@@ -1,5 +1,5 @@
 """The sm90a backward with its dQ staged in the consumers' register order
-(FLASHCUDA_SM90_BWD_DQ=frag, FC_DQ_FRAG; d128 only) on the H200: the float64 oracle rule of
+(FLASHCUDA_SM90_BWD_DQ=frag, FC_DQ_FRAG; d128's default, an A/B at d64 since session 23) on the H200: the float64 oracle rule of
 test_bwd_sm90.py over the shapes that exercise what the mode changes — the per-consumer
 dq_full / dq_empty handshakes (many query blocks per CTA, GQA head loops), the register-order
 dq_accum tiles and the CONVERT that reads them back (ragged Sq inside the padded tiles, both
@@ -34,42 +34,42 @@ def _frag(monkeypatch):
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
         pytest.skip(f"sm90a kernel: needs compute capability 9.0, got {major}.{minor}")
-    cfg = bwd_sm90.select_config(torch.bfloat16, 128)
-    assert cfg.dq_frag and cfg.dq_early and cfg.watchdog, cfg.name
+    for d in (64, 128):
+        cfg = bwd_sm90.select_config(torch.bfloat16, d)
+        assert cfg.dq_frag and cfg.dq_early and cfg.watchdog, cfg.name
     yield
     dispatch._reset()
 
 
-def test_frag_one_tile_each_dtype():
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_frag_one_tile_each_dtype(head_dim):
     for dtype in (BF16, FP16):
-        q, k, v, dout = make(1, 64, 128, 1, 1, 128, dtype, seed=41)
+        q, k, v, dout = make(1, 64, 128, 1, 1, head_dim, dtype, seed=41)
         check(q, k, v, dout)
         check(q, k, v, dout, CAUSAL)
 
 
-def test_frag_dq_only():
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_frag_dq_only(head_dim):
     """dQ alone (K = identity rows): every element of each consumer's register-order tile must
     come back at its (row, column) through CONVERT."""
-    q, _, v, dout = make(1, 64, 128, 1, 1, 128, BF16, seed=42)
-    k = torch.eye(128, device="cuda", dtype=BF16)[None, :, None, :].contiguous()
+    q, _, v, dout = make(1, 128, head_dim, 1, 1, head_dim, BF16, seed=42)
+    k = torch.eye(head_dim, device="cuda", dtype=BF16)[None, :, None, :].contiguous()
     check(q, k, v, dout)
 
 
-def test_frag_many_query_blocks_and_ragged():
-    check(*make(1, 64 * 9, 128, 1, 1, 128, BF16, seed=43), CAUSAL)
-    check(*make(1, 1023, 1023, 2, 2, 128, BF16, seed=44))
-    check(*make(1, 17, 143, 1, 1, 128, FP16, seed=45), CAUSAL)
-    check(*make(2, 1, 1, 1, 1, 128, BF16, seed=46))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_frag_many_query_blocks_and_ragged(head_dim):
+    check(*make(1, 64 * 9, 128, 1, 1, head_dim, BF16, seed=43), CAUSAL)
+    check(*make(1, 1023, 1023, 2, 2, head_dim, BF16, seed=44))
+    check(*make(1, 17, 143, 1, 1, head_dim, FP16, seed=45), CAUSAL)
+    check(*make(2, 1, 1, 1, 1, head_dim, BF16, seed=46))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("nheads_kv", [4, 1], ids=["mha", "mqa"])
-def test_frag_gqa_batch(nheads_kv):
-    q, k, v, dout = make(2, 257, 300, 4, nheads_kv, 128, BF16, seed=47 + nheads_kv)
+def test_frag_gqa_batch(nheads_kv, head_dim):
+    q, k, v, dout = make(2, 257, 300, 4, nheads_kv, head_dim, BF16, seed=47 + nheads_kv)
     check(q, k, v, dout, CAUSAL)
     check(q, k, v, dout, FULL)
     check(q, k, v, dout, (100, 20))
-
-
-def test_frag_refuses_d64_naming_the_variable():
-    with pytest.raises(ValueError, match=bwd_sm90.DQ_ENV):
-        bwd_sm90.select_config(torch.bfloat16, 64)

@@ -10,6 +10,9 @@
 //                 seqlen_q / seqlen_k
 //   heads         MHA, GQA, MQA: a CTA loops over the query heads of its KV head, dK / dV summed
 //                 over them in registers (as flash_bwd_sm80.cu)
+//   steps         kBlockM = 64 (d128) or 128 (d64) query rows; FC_DQ_SWAP: 80 at d128 with dQ
+//                 computed transposed (the host's default without a mask from 2048 query rows,
+//                 +1.4-2.3% there; see "FC_DQ_SWAP" below)
 //   dQ            non-deterministic only: fp32 red.global.add.v2 into dq_accum [B, H, Sq_pad, D]
 //                 (the kernel's own default, an A/B on the host; red.v4, FC_DQ_V4; or row-wise
 //                 bulk reduce-adds from a shared staging tile, FC_DQ_BULK, see "dQ by bulk
