@@ -370,6 +370,18 @@ static_assert(!kDqSwap || (FC_DQ_FRAG && kDsKMajor && FC_DQ_EARLY),
 #endif
 // (FA3's GEMM order and the [key][query] layout only; no effect elsewhere)
 [[maybe_unused]] constexpr bool kDsStmatrix = FC_DS_STMATRIX && !kDsKMajor && FC_DQ_EARLY;
+// FC_PROBS_EARLY = k (A/B, session 23): only P^T's first k column blocks of 8 queries before the
+// dP^T wait, the rest after it, in the block that computes dS^T. The d64 backward's ncu source
+// counters against FlashAttention 4's (16 x 1024 x 32, runs/lane-20261202-76195cb): the same
+// 16.8 M MUFU.EX2, but 5468 "wait" stall samples on them against 869 — ours issue back to back
+// (each P^T element is one FFMA and one MUFU, nothing else to put between them), FA4's between
+// its mask FSELs and lse shuffles. After the wait, the FADD / FMUL of dS^T's first blocks can
+// fill the MUFU spacing of P^T's last ones. The default, kBlockM / 8, is the kernel before.
+#ifndef FC_PROBS_EARLY
+#define FC_PROBS_EARLY (kBlockM / 8)
+#endif
+constexpr int kProbsEarly = FC_PROBS_EARLY;
+static_assert(kProbsEarly >= 0 && kProbsEarly <= kBlockM / 8, "FC_PROBS_EARLY: 0 .. kBlockM / 8");
 static_assert(!FC_DQ_LATE || FC_DQ_V4, "late reductions are red.v4 ones (their payload is made "
               "of shuffles, not of registers a wgmma defined)");
 
@@ -738,11 +750,12 @@ struct Consumer {
   // query. `lse2`: the stage's lse2 (shared) at this lane's column 2t; `key0`: key of row g;
   // `col0`: query of column 2t. (Loading lse2 / delta into registers while the step's wgmmas
   // run, FC_STATS_EARLY, measured 0 to -1.8% at d128 in session 12: removed, perf-notes.)
-  template <bool kMasked>
+  // Column blocks j of [kJ0, kJ1) only (FC_PROBS_EARLY splits them around the dP^T wait).
+  template <bool kMasked, int kJ0 = 0, int kJ1 = kBlockM / 8>
   __device__ __forceinline__ void probs(const float* lse2, float scale_log2, const Mask& mask,
                                         int key0, int col0) {
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
+    for (int j = kJ0; j < kJ1; ++j) {
       const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -1093,15 +1106,18 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_wait<1>();
     wgmma_fence_operands(cs.s);
     if (masked) {
-      cs.probs<true>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+      cs.probs<true, 0, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
     } else {
-      cs.probs<false>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+      cs.probs<false, 0, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
     }
     wgmma_wait<0>();
     wgmma_fence_operands(cs.dp);
+    // (FC_PROBS_EARLY: the rest of P^T here, beside dS^T of the first blocks)
     if (masked) {
+      cs.probs<true, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
       cs.dsoftmax<true>(st_delta);
     } else {
+      cs.probs<false, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
       cs.dsoftmax<false>(st_delta);
     }
     Consumer::pack(cs.p16, cs.s);
