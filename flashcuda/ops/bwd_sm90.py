@@ -146,6 +146,12 @@ LPT_TAIL = {128: 8}
 # consumers spilled 60 bytes at 232 registers in session 12, none with the kernel of session 21's
 # defaults)
 FRAG_DIMS = (64, 128)
+# FC_PROBS_EARLY per head dim (P^T's first k column blocks of 8 queries before the dP^T wait, the
+# rest beside dS^T's first blocks; the .cu): same-process A/B (session 23, perf-notes) at d64
+# +1.1 to +3.7% at all eight shapes (512-16k, causal and not; GPU tests of the d64 default kernel
+# with it: 35 passed), at d128 +2.3 to +5.5% at all six (k = 4; the d128 kernels with it not yet
+# through the GPU tests: an A/B there, FLASHCUDA_SM90_BWD_DEFINES=FC_PROBS_EARLY=4)
+PROBS_EARLY = {64: 4}
 # FC_DS_STMATRIX by default (dS^T by stmatrix.x4; the [key][query] layout in FA3's order): d64
 # since session 12 (same-run A/B: +0.8-3.5% at all six d64 points, -2.4 to +0.8% at d128 then);
 # d128 since session 21 (same-process A/B, session 19, on the no-fence kernel: +1.2 to +2.4% at
@@ -201,6 +207,10 @@ class Sm90BwdConfig:
     # dQ^T = K^T dS^T per consumer (FC_DQ_SWAP: block_m 80 at d128, dq_frag's staging of dQ^T,
     # dS stored [query][key] by stmatrix.trans; CONVERT's FC_DQ_FRAG_T reader; see the .cu)
     dq_swap: bool = False
+    # P^T's column blocks (of 8 queries) computed before the dP^T wait (FC_PROBS_EARLY); None:
+    # all of them (block_m // 8, the kernel's own default); select_config sets PROBS_EARLY's for
+    # the default kernel of a head dim
+    probs_early: int | None = None
     # dS^T stored by stmatrix.x4 (FC_DS_STMATRIX; the kernel applies it with the [key][query]
     # layout in FA3's order only); None: on at the head dims of STMATRIX_DIMS there
     ds_stmatrix: bool | None = None
@@ -224,6 +234,11 @@ class Sm90BwdConfig:
                              f"got {self.head_dim}")
         if self.block_m == 0:
             object.__setattr__(self, "block_m", BLOCK_M[self.head_dim])
+        if self.probs_early is None:
+            object.__setattr__(self, "probs_early", self.block_m // 8)
+        if not 0 <= self.probs_early <= self.block_m // 8:
+            raise ValueError(f"Sm90BwdConfig.probs_early: expected 0 .. {self.block_m // 8} "
+                             f"(block_m // 8), got {self.probs_early}")
         if self.release_fence is None:
             object.__setattr__(self, "release_fence", self.head_dim in FENCE_DIMS)
         if self.dq_spread is None:
@@ -341,6 +356,7 @@ class Sm90BwdConfig:
                 + ("g" if self.dq_frag else "")
                 + ("_early" if self.dq_early else "") + ("_stm" if self.ds_stmatrix else "")
                 + ("_swap" if self.dq_swap else "")
+                + (f"_pe{self.probs_early}" if self.probs_early != self.block_m // 8 else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
                 + ("_tl" if self.timeline else "")
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
@@ -370,6 +386,8 @@ class Sm90BwdConfig:
             **({"FC_DQ_EARLY": 1} if self.dq_early else {}),
             **({"FC_DS_STMATRIX": 1} if self.ds_stmatrix else {}),
             **({"FC_DQ_SWAP": 1} if self.dq_swap else {}),
+            **({"FC_PROBS_EARLY": self.probs_early} if self.probs_early != self.block_m // 8
+               else {}),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
             **dict(self.defines),
@@ -439,9 +457,13 @@ def configs() -> list[Sm90BwdConfig]:
     # and without the watchdog
     out += [swapped(Sm90BwdConfig(dtype, d, watchdog=w)) for dtype in DTYPES
             for d in SWAP_HEAD_DIMS for w in (False, True)]
+    # the defaults at PROBS_EARLY's head dims (FC_PROBS_EARLY)
+    out += [Sm90BwdConfig(dtype, d, dq_early=True, probs_early=k, **_dq_mode(DQ_DEFAULT[d]))
+            for dtype in DTYPES for d, k in PROBS_EARLY.items()]
     # the timeline variants of the bf16 defaults (scripts/sm90_bwd_timeline.py)
     out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True,
-                          **_dq_mode(DQ_DEFAULT[d])) for d in HEAD_DIMS]
+                          probs_early=PROBS_EARLY.get(d), **_dq_mode(DQ_DEFAULT[d]))
+            for d in HEAD_DIMS]
     # causal calls' longest-first tail (LPT_TAIL; dispatched), and its timeline variant
     out += [Sm90BwdConfig(dtype, d, dq_early=True, lpt_tail=k, **_dq_mode(DQ_DEFAULT[d]))
             for dtype in DTYPES for d, k in LPT_TAIL.items()]
@@ -501,9 +523,14 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     # other A/B reductions and layout unless asked for
     dq_early = (early == "1" if early
                 else dq in (DQ_DEFAULT.get(head_dim), "tma", "frag") and raw != "k")
+    # PROBS_EARLY only in the default kernel's settings (the kernel the measurement and the GPU
+    # tests ran), however they were reached
+    default = (dq == DQ_DEFAULT.get(head_dim) and dq_early and raw != "k" and stages == "2"
+               and late != "1" and not watchdog and not fence)
     return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
                          release_fence=None if not fence else fence == "1", dq_late=late == "1", stages=int(stages),
                          dq_early=dq_early, defines=parse_defines(DEFINES_ENV),
+                         probs_early=PROBS_EARLY.get(head_dim) if default else None,
                          **_dq_mode(dq))
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashcuda.jit import all_variants
+from flashcuda.jit import all_variants, compile_spec
 from flashcuda.jit.runtime import pack_args
 from flashcuda.jit.tensor_map import TensorMap
 from flashcuda.ops import bwd_sm90, dispatch
@@ -168,15 +168,15 @@ def test_config_is_the_single_source_of_truth():
     # + at d128 the tensor-map staging in FA3's order (the default before frag); + the timeline
     # variants of the bf16 defaults (two); + the causal calls' longest-first tail at d128 (per
     # dtype, and its bf16 timeline variant); + the 80-query dQ^T kernels (dtype x watchdog); + d64
-    # frag in FA3's order (per dtype)
-    assert len({c.name for c in bwd_sm90.configs()}) == 67
+    # frag in FA3's order (per dtype); + the d64 defaults with FC_PROBS_EARLY (per dtype)
+    assert len({c.name for c in bwd_sm90.configs()}) == 69
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and with the release fence flipped, x 4; + the two
     # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants; + the
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four dQ^T kernels;
-    # + d64 frag (two dtypes)
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 25
+    # + d64 frag (two dtypes); + the d64 defaults with FC_PROBS_EARLY (two dtypes)
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 27
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
@@ -217,7 +217,9 @@ def test_dq_switch(monkeypatch):
     assert d64.dq_warp and d64.dq_tma and d64.dq_spread and d64.dq_early and d64.ds_stmatrix
     assert dict(d64.spec().defines)["FC_DQ_SPREAD"] == "1"
     assert dict(d64.spec().defines)["FC_DS_STMATRIX"] == "1"
-    assert d64.name.endswith("_dqwts_early_stm")
+    # + P^T's first 4 column blocks before the dP^T wait (FC_PROBS_EARLY, session 23; d64 only)
+    assert d64.name.endswith("_dqwts_early_stm_pe4") and d64.probs_early == 4
+    assert dict(d64.spec().defines)["FC_PROBS_EARLY"] == "4"
     d128 = bwd_sm90.select_config(torch.bfloat16, 128)
     assert d128.dq_warp and d128.dq_frag and not d128.dq_tma and d128.dq_early
     assert d128.ds_stmatrix and dict(d128.spec().defines)["FC_DS_STMATRIX"] == "1"
@@ -249,7 +251,8 @@ def test_dq_switch(monkeypatch):
     for d in (64, 128):
         tma = bwd_sm90.select_config(torch.bfloat16, d)
         assert tma.dq_warp and tma.dq_tma and not tma.dq_warp_flat and tma.dq_early
-        assert tma.name.endswith("_dqwts_early_stm" if d == 64 else "_dqwt_early_stm")
+        # (=tma is d64's default: its kernel, FC_PROBS_EARLY included)
+        assert tma.name.endswith("_dqwts_early_stm_pe4" if d == 64 else "_dqwt_early_stm")
         assert tma in bwd_sm90.configs()
     with pytest.raises(ValueError, match="dq_spread"):
         Sm90BwdConfig(torch.bfloat16, 64, dq_spread=True)
@@ -753,3 +756,44 @@ def test_lpt_tail_is_dispatched_for_causal_calls_at_its_head_dims():
     for dtype in bwd_sm90.DTYPES:
         cfg = dataclasses.replace(bwd_sm90.select_config(dtype, 128), lpt_tail=k)
         assert cfg.name in names and dict(cfg.spec().defines)["FC_LPT_TAIL"] == str(k)
+
+
+# ---- FC_PROBS_EARLY (session 23) -------------------------------------------------------------------
+
+def test_probs_early_only_in_the_default_kernel(monkeypatch):
+    """PROBS_EARLY's split goes to the default kernel of its head dims (the kernel measured and
+    GPU-tested with it), however its settings were reached; every A/B of the 64-query kernel, the
+    watchdog build and the other head dims keep P^T whole before the dP^T wait."""
+    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
+                bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV):
+        monkeypatch.delenv(env, raising=False)
+    assert bwd_sm90.PROBS_EARLY == {64: 4}
+    assert bwd_sm90.select_config(torch.bfloat16, 64).probs_early == 4
+    assert bwd_sm90.select_config(torch.bfloat16, 128).probs_early == 64 // 8  # (whole)
+    monkeypatch.setenv(DQ_ENV, "tma")  # d64's default, named
+    assert bwd_sm90.select_config(torch.float16, 64).probs_early == 4
+    for env, value in ((DQ_ENV, "v2"), (DS_ENV, "k"), (WATCHDOG_ENV, "1"), (bwd_sm90.FENCE_ENV, "1"),
+                       (bwd_sm90.STAGES_ENV, "3"), (bwd_sm90.DQ_EARLY_ENV, "0")):
+        monkeypatch.setenv(env, value)
+        cfg = bwd_sm90.select_config(torch.bfloat16, 64)
+        assert cfg.probs_early == 128 // 8 and "FC_PROBS_EARLY" not in dict(cfg.spec().defines)
+        monkeypatch.delenv(env)
+    with pytest.raises(ValueError, match="probs_early"):
+        Sm90BwdConfig(torch.bfloat16, 64, probs_early=17)
+    split = Sm90BwdConfig(torch.bfloat16, 128, probs_early=0)
+    assert split.name.endswith("_pe0") and dict(split.spec().defines)["FC_PROBS_EARLY"] == "0"
+
+
+def test_probs_early_puts_work_between_the_exp2s(tmp_path):
+    """The point of the split, in SASS: fewer MUFU.EX2 directly after another MUFU (among the
+    float instructions of the kernel) than the same kernel with P^T whole before the wait
+    (d64: 96 -> 67 at k = 8, 54 at k = 4, in session 23's build)."""
+    def back_to_back(cfg):
+        sass = dump(compile_spec(cfg.spec(), ARCH).cubin, tmp_path, "-sass")
+        ops = re.findall(r"\b(MUFU|FADD|FMUL|FFMA|F2FP)\b", sass)
+        return ops.count("MUFU"), sum(a == b == "MUFU" for a, b in zip(ops, ops[1:], strict=False))
+    cfg = bwd_sm90.select_config(torch.bfloat16, 64)
+    whole = dataclasses.replace(cfg, probs_early=16)
+    (n_split, b2b_split), (n_whole, b2b_whole) = back_to_back(cfg), back_to_back(whole)
+    assert n_split == n_whole  # the same exp2s
+    assert b2b_split < 0.7 * b2b_whole, (b2b_split, b2b_whole)
