@@ -77,14 +77,32 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
                : "memory");
 }
 
+// FC_WAIT_HINT = ns (A/B, written in session 23, not yet run): try_wait with a suspend-time hint
+// (CUTLASS's ClusterBarrier::wait passes 0x989680), so a waiting thread sleeps in the barrier up to
+// that long instead of returning after the system's own limit and polling again. The d64
+// backward's ncu (session 23) counted 2 M poll iterations of the producer's empty waits and
+// 0.6 M of the dQ writer's against FlashAttention 4's 1.5 M BRA in all: issue slots the
+// consumers' warps on the same sub-partitions could use. 0 (the default): no hint, as before.
+#ifndef FC_WAIT_HINT
+#define FC_WAIT_HINT 0
+#endif
 __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
+#if FC_WAIT_HINT
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity), "r"(static_cast<uint32_t>(FC_WAIT_HINT))
+      : "memory");
+#else
   asm volatile(
       "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
       "selp.u32 %0, 1, 0, p;\n}\n"
       : "=r"(done)
       : "r"(bar), "r"(parity)
       : "memory");
+#endif
   return done != 0;
 }
 
