@@ -291,7 +291,7 @@ struct Smem {
     if constexpr (FC_DQ_WARP) {
 #pragma unroll
       for (int c = 0; c < kDqHandshakes; ++c) {
-        mbar_init(dq_full(c), kDqHandshakes > 1 ? 4 : kConsumerWarps);  // per (its) warp
+        mbar_init(dq_full(c), FC_DQ_FRAG ? 4 : kConsumerWarps);  // one arrival per (its) warp
         mbar_init(dq_empty(c), 1);
       }
     }
@@ -370,8 +370,9 @@ static_assert(!kDqSwap || (FC_DQ_FRAG && kDsKMajor && FC_DQ_EARLY),
 #endif
 // (FA3's GEMM order and the [key][query] layout only; no effect elsewhere)
 [[maybe_unused]] constexpr bool kDsStmatrix = FC_DS_STMATRIX && !kDsKMajor && FC_DQ_EARLY;
-// FC_PROBS_EARLY = k (A/B, session 23): only P^T's first k column blocks of 8 queries before the
-// dP^T wait, the rest after it, in the block that computes dS^T. The d64 backward's ncu source
+// FC_PROBS_EARLY = k (session 23; the host's default for d64's default kernel,
+// bwd_sm90.PROBS_EARLY, an A/B elsewhere): only P^T's first k column blocks of 8 queries before
+// the dP^T wait, the rest after it, in the block that computes dS^T. The d64 backward's ncu source
 // counters against FlashAttention 4's (16 x 1024 x 32, runs/lane-20261202-76195cb): the same
 // 16.8 M MUFU.EX2, but 5468 "wait" stall samples on them against 869 — ours issue back to back
 // (each P^T element is one FFMA and one MUFU, nothing else to put between them), FA4's between
@@ -560,8 +561,8 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
   if constexpr (FC_DQ_FRAG) {
     // Per step and consumer c, as soon as c has staged: one 16 KB (FC_DQ_SWAP: 20 KB) reduce-add
-    // of its tile, then
-    // its buffer back once the reduction has read it; the other consumer is not waited for.
+    // of its tile, then its buffer back once the reduction has read it; the other consumer is not
+    // waited for.
     const int tiles_m = seqlen_q_pad / kBlockM;  // the host pads Sq to whole query blocks
     for (int it = 0; it < steps.count(); ++it) {
       const int h = steps.head(it, head_kv), m0 = steps.m0(it);
@@ -824,7 +825,7 @@ struct Consumer {
   // row0 + 8 (f & 1) .., queries 16 kk + 8 (f >> 1) ..) goes out transposed, so memory row i of
   // it (the address lane 8 f + i gives) is query 16 kk + 8 (f >> 1) + i with its 8 keys — one
   // 16-byte unit of that query's row, ((key % 64) / 8) ^ (query % 8) in key chunk key / 64, as
-  // store_ds's kDsKMajor branch puts them (tests/cpu/test_bwd_sm90_compile.py checks the two).
+  // store_ds's kDsKMajor branch puts them (tests/cpu/test_bwd_sm90_layouts.py checks the two).
   // Rows q .. q + 7 of a matrix fall in 8 distinct units: no bank conflicts.
   __device__ __forceinline__ void store_ds_trans(uint32_t ds, int row0, int lane) const {
     const int f = lane >> 3;
