@@ -152,6 +152,11 @@ FRAG_DIMS = (64, 128)
 # with it: 35 passed), at d128 +2.3 to +5.5% at all six (k = 4; the d128 kernels with it not yet
 # through the GPU tests: an A/B there, FLASHCUDA_SM90_BWD_DEFINES=FC_PROBS_EARLY=4)
 PROBS_EARLY = {64: 4}
+# ... and the splits measured but not yet through the GPU tests: their kernels (the head dim's
+# 64-query default and, where it has one, its 80-query dQ^T form) are built by the CPU lane and
+# reachable with FLASHCUDA_SM90_BWD_DEFINES=FC_PROBS_EARLY=k; moving an entry to PROBS_EARLY makes
+# it the default (select_config, swapped)
+PROBS_EARLY_AB = {128: 4}
 # FC_DS_STMATRIX by default (dS^T by stmatrix.x4; the [key][query] layout in FA3's order): d64
 # since session 12 (same-run A/B: +0.8-3.5% at all six d64 points, -2.4 to +0.8% at d128 then);
 # d128 since session 21 (same-process A/B, session 19, on the no-fence kernel: +1.2 to +2.4% at
@@ -457,9 +462,15 @@ def configs() -> list[Sm90BwdConfig]:
     # and without the watchdog
     out += [swapped(Sm90BwdConfig(dtype, d, watchdog=w)) for dtype in DTYPES
             for d in SWAP_HEAD_DIMS for w in (False, True)]
-    # the defaults at PROBS_EARLY's head dims (FC_PROBS_EARLY)
-    out += [Sm90BwdConfig(dtype, d, dq_early=True, probs_early=k, **_dq_mode(DQ_DEFAULT[d]))
-            for dtype in DTYPES for d, k in PROBS_EARLY.items()]
+    # the defaults with the P^T split (FC_PROBS_EARLY) at PROBS_EARLY's and PROBS_EARLY_AB's head
+    # dims, and their 80-query dQ^T forms
+    for dtype in DTYPES:
+        for d, k in {**PROBS_EARLY, **PROBS_EARLY_AB}.items():
+            split = Sm90BwdConfig(dtype, d, dq_early=True, probs_early=k,
+                                  **_dq_mode(DQ_DEFAULT[d]))
+            out.append(split)
+            if d in SWAP_HEAD_DIMS:
+                out.append(swapped(split))
     # the timeline variants of the bf16 defaults (scripts/sm90_bwd_timeline.py)
     out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True,
                           probs_early=PROBS_EARLY.get(d), **_dq_mode(DQ_DEFAULT[d]))
@@ -536,10 +547,13 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
     """`cfg` at 80-query steps with dQ^T = K^T dS^T (FC_DQ_SWAP): the register-order dQ staging,
-    dS stored [query][key], FA3's GEMM order; the watchdog, fence and extra defines kept."""
+    dS stored [query][key], FA3's GEMM order; the watchdog, fence, P^T split (FC_PROBS_EARLY)
+    and extra defines kept."""
+    split = cfg.probs_early if cfg.probs_early != cfg.block_m // 8 else None
     return Sm90BwdConfig(cfg.dtype, cfg.head_dim, block_m=SWAP_BLOCK_M, ds_k_major=True,
                          watchdog=cfg.watchdog, release_fence=cfg.release_fence,
-                         dq_early=True, dq_swap=True, defines=cfg.defines, **_dq_mode("frag"))
+                         dq_early=True, dq_swap=True, defines=cfg.defines, probs_early=split,
+                         **_dq_mode("frag"))
 
 
 def swap_for(call: BwdCall) -> bool:

@@ -168,15 +168,16 @@ def test_config_is_the_single_source_of_truth():
     # + at d128 the tensor-map staging in FA3's order (the default before frag); + the timeline
     # variants of the bf16 defaults (two); + the causal calls' longest-first tail at d128 (per
     # dtype, and its bf16 timeline variant); + the 80-query dQ^T kernels (dtype x watchdog); + d64
-    # frag in FA3's order (per dtype); + the d64 defaults with FC_PROBS_EARLY (per dtype)
-    assert len({c.name for c in bwd_sm90.configs()}) == 69
+    # frag in FA3's order (per dtype); + the defaults with FC_PROBS_EARLY (per dtype: d64, d128 and
+    # its 80-query form)
+    assert len({c.name for c in bwd_sm90.configs()}) == 73
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and with the release fence flipped, x 4; + the two
     # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants; + the
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four dQ^T kernels;
-    # + d64 frag (two dtypes); + the d64 defaults with FC_PROBS_EARLY (two dtypes)
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 27
+    # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three)
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 31
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
@@ -782,6 +783,16 @@ def test_probs_early_only_in_the_default_kernel(monkeypatch):
         Sm90BwdConfig(torch.bfloat16, 64, probs_early=17)
     split = Sm90BwdConfig(torch.bfloat16, 128, probs_early=0)
     assert split.name.endswith("_pe0") and dict(split.spec().defines)["FC_PROBS_EARLY"] == "0"
+    # the measured-but-untested splits (PROBS_EARLY_AB) are built by the CPU lane, in both step
+    # forms at d128; swapped() carries a split and leaves the whole P^T alone
+    names = {c.name for c in bwd_sm90.configs()}
+    for d, k in bwd_sm90.PROBS_EARLY_AB.items():
+        assert d not in bwd_sm90.PROBS_EARLY
+        cfg = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, d), probs_early=k)
+        assert cfg.name in names and bwd_sm90.swapped(cfg).name in names
+        assert bwd_sm90.swapped(cfg).probs_early == k
+    whole = bwd_sm90.select_config(torch.bfloat16, 128)
+    assert bwd_sm90.swapped(whole).probs_early == bwd_sm90.SWAP_BLOCK_M // 8
 
 
 def test_probs_early_puts_work_between_the_exp2s(tmp_path):
