@@ -123,8 +123,8 @@ CONVERT_SPANS_ENV = "FLASHCUDA_SM90_BWD_CONVERT_SPANS"
 # A/B (session 23, perf-notes): +1.4 / +1.7 / +1.8 / +2.3% at 2k / 4k / 8k / 16k, -0.2% at 1k,
 # -6.6% at 512 (ceil(Sq / 80) steps: 9% of the last step's rows are padding there).
 # FLASHCUDA_SM90_BWD_SWAP=0 / 1 turns it off / on (on: at any length, as far as SWAP_HEAD_DIMS
-# allow). By default only with the 64-query kernel's default settings: an A/B of them (DQ, DS,
-# STAGES, DQ_EARLY, DQ_LATE) keeps 64 queries.
+# allow). By default only with the 64-query kernel's default settings (is_default_kernel): an A/B
+# of them (DQ, DS, STAGES, DQ_EARLY, DQ_LATE set away from the default) keeps 64 queries.
 SWAP_ENV = "FLASHCUDA_SM90_BWD_SWAP"
 SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T rows each)
 SWAP_DIMS = (128,)
@@ -411,8 +411,8 @@ class Sm90BwdConfig:
         where one divides the other (dq_swap's 80 rows against PRE's 64 would pad to 320: PRE's
         last block then stops at the padded length instead)."""
         aux = self.aux().aux_rows
-        step = self.block_m if self.block_m % aux and aux % self.block_m else lcm(self.block_m,
-                                                                                 aux)
+        nested = self.block_m % aux == 0 or aux % self.block_m == 0
+        step = lcm(self.block_m, aux) if nested else self.block_m
         return -(-seqlen_q // step) * step
 
     def grid(self, call: BwdCall) -> tuple[int, int, int]:
@@ -534,15 +534,26 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
     # other A/B reductions and layout unless asked for
     dq_early = (early == "1" if early
                 else dq in (DQ_DEFAULT.get(head_dim), "tma", "frag") and raw != "k")
-    # PROBS_EARLY only in the default kernel's settings (the kernel the measurement and the GPU
-    # tests ran), however they were reached
-    default = (dq == DQ_DEFAULT.get(head_dim) and dq_early and raw != "k" and stages == "2"
-               and late != "1" and not watchdog and not fence)
-    return Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
-                         release_fence=None if not fence else fence == "1", dq_late=late == "1", stages=int(stages),
-                         dq_early=dq_early, defines=parse_defines(DEFINES_ENV),
-                         probs_early=PROBS_EARLY.get(head_dim) if default else None,
-                         **_dq_mode(dq))
+    cfg = Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
+                        release_fence=None if not fence else fence == "1", dq_late=late == "1",
+                        stages=int(stages), dq_early=dq_early,
+                        defines=parse_defines(DEFINES_ENV), **_dq_mode(dq))
+    # PROBS_EARLY only in the kernel the measurement and the GPU tests ran (neither the watchdog
+    # build nor a fence set by hand), however its settings were reached
+    if is_default_kernel(cfg) and not watchdog and not fence:
+        cfg = dataclasses.replace(cfg, probs_early=PROBS_EARLY.get(head_dim))
+    return cfg
+
+
+def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
+    """Whether `cfg` is its head dim's default 64 / 128-query kernel — the dQ mode, dS layout,
+    stages and GEMM order select_config gives with none of their switches set (or set to their
+    defaults) — up to the watchdog, the release fence, extra defines, the P^T split, the causal
+    tail and the timeline. The 80-query dQ^T form and the P^T split are made of this kernel only."""
+    plain = Sm90BwdConfig(cfg.dtype, cfg.head_dim, dq_early=True,
+                          **_dq_mode(DQ_DEFAULT[cfg.head_dim]))
+    return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
+                               probs_early=None, lpt_tail=0, timeline=False) == plain
 
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
@@ -556,10 +567,11 @@ def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
                          **_dq_mode("frag"))
 
 
-def swap_for(call: BwdCall) -> bool:
-    """Whether `call` runs the 80-query dQ^T kernel: no mask, a head dim of SWAP_HEAD_DIMS, and
-    FLASHCUDA_SM90_BWD_SWAP=1, or unset at SWAP_DIMS from SWAP_MIN_SEQLEN_Q query rows with none
-    of the 64-query kernel's A/B switches set."""
+def swap_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
+    """Whether `call`, for which select_config gave `cfg`, runs the 80-query dQ^T kernel: no
+    mask, a head dim of SWAP_HEAD_DIMS, and FLASHCUDA_SM90_BWD_SWAP=1, or unset at SWAP_DIMS from
+    SWAP_MIN_SEQLEN_Q query rows when `cfg` is the default kernel (is_default_kernel: an A/B of
+    the 64-query kernel keeps 64 queries)."""
     raw = os.environ.get(SWAP_ENV, "").strip()
     if raw not in ("", "0", "1"):
         raise ValueError(f"{SWAP_ENV}: expected 0 or 1, got {raw!r}")
@@ -568,16 +580,15 @@ def swap_for(call: BwdCall) -> bool:
         return False
     if raw == "1":
         return True
-    return call.head_dim in SWAP_DIMS and call.seqlen_q >= SWAP_MIN_SEQLEN_Q and not any(
-        os.environ.get(n, "").strip() for n in (DS_ENV, DQ_ENV, STAGES_ENV, DQ_EARLY_ENV,
-                                                DQ_LATE_ENV))
+    return (call.head_dim in SWAP_DIMS and call.seqlen_q >= SWAP_MIN_SEQLEN_Q
+            and is_default_kernel(cfg))
 
 
 def config_for(call: BwdCall) -> Sm90BwdConfig:
     """The MAIN kernel `call` runs: select_config's, at 80-query steps where swap_for says so,
     with the causal tail longest-first where lpt_tail_for says so."""
     cfg = select_config(call.dtype, call.head_dim)
-    if swap_for(call):
+    if swap_for(call, cfg):
         cfg = swapped(cfg)
     if lpt_tail := lpt_tail_for(call):
         cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)

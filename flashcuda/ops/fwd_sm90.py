@@ -836,8 +836,8 @@ def _build_plan(call: FwdCall) -> _Plan | str:
     grid = first.grid(call, sms)
     by_block = schedule_arg(call, first, props.L2_cache_size, grid[0])
     fixed = constants(call, first, by_block, grid[0])
-    flags = ((torch.empty(grid[0] * NAN_FLAG_BYTES, dtype=torch.uint8, device=call.device),)
-             if passes else ())
+    # (any tensor stands for nan_flags' pointer kind: launch_plan passes each call's own buffer)
+    flags = (call.lse,) if passes else ()
 
     def prepare(c: Sm90FwdConfig) -> tuple:
         kernel = get_kernel(c.spec(), call.device)

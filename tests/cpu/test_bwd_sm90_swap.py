@@ -55,11 +55,17 @@ def test_swap_switch(monkeypatch):
     monkeypatch.setenv(bwd_sm90.DQ_ENV, "v2")
     assert bwd_sm90.config_for(_call()).dq_swap  # =1 wins over the 64-query A/B switches
     monkeypatch.delenv(SWAP_ENV)
-    for env, value in zip(AB_SWITCHES, ("k", "tma", "2", "1", "0"), strict=True):
+    for env, value in zip(AB_SWITCHES, ("k", "tma", "3", "0", "1"), strict=True):
         for other in AB_SWITCHES:
             monkeypatch.delenv(other, raising=False)
         monkeypatch.setenv(env, value)
         assert not bwd_sm90.config_for(_call()).dq_swap, env  # an A/B of the 64-query kernel
+    for other in AB_SWITCHES:
+        monkeypatch.delenv(other, raising=False)
+    # the default's own settings, named, are the default kernel (bwd_sm90.is_default_kernel)
+    for env, value in zip(AB_SWITCHES, ("mn", "frag", "2", "1", "0"), strict=True):
+        monkeypatch.setenv(env, value)
+    assert bwd_sm90.config_for(_call()).dq_swap
     monkeypatch.setenv(SWAP_ENV, "yes")
     with pytest.raises(ValueError, match=SWAP_ENV):
         bwd_sm90.config_for(_call())
