@@ -149,19 +149,24 @@ FRAG_DIMS = (64, 128)
 # FC_PROBS_EARLY per head dim (P^T's first k column blocks of 8 queries before the dP^T wait, the
 # rest beside dS^T's first blocks; the .cu): same-process A/B (session 23, perf-notes) at d64
 # +1.1 to +3.7% at all eight shapes (512-16k, causal and not; GPU tests of the d64 default kernel
-# with it: 35 passed), at d128 +2.3 to +5.5% at all six (k = 4; the d128 kernels with it not yet
-# through the GPU tests: an A/B there, FLASHCUDA_SM90_BWD_DEFINES=FC_PROBS_EARLY=4)
-PROBS_EARLY = {64: 4}
+# with it: 35 passed), at d128 +2.3 to +5.5% at all six (k = 4), again +2.6 to +5.1% in session
+# 24 (k = 2 within 1% of it; the d128 64-query and 80-query kernels with it: 224 GPU tests passed)
+PROBS_EARLY = {64: 4, 128: 4}
 # ... and the splits measured but not yet through the GPU tests: their kernels (the head dim's
 # 64-query default and, where it has one, its 80-query dQ^T form) are built by the CPU lane and
 # reachable with FLASHCUDA_SM90_BWD_DEFINES=FC_PROBS_EARLY=k; moving an entry to PROBS_EARLY makes
 # it the default (select_config, swapped)
-PROBS_EARLY_AB = {128: 4}
+PROBS_EARLY_AB: dict[int, int] = {}
 # FC_DS_STMATRIX by default (dS^T by stmatrix.x4; the [key][query] layout in FA3's order): d64
 # since session 12 (same-run A/B: +0.8-3.5% at all six d64 points, -2.4 to +0.8% at d128 then);
 # d128 since session 21 (same-process A/B, session 19, on the no-fence kernel: +1.2 to +2.4% at
 # all six d128 points; GPU lane at c3108c4 with it set)
 STMATRIX_DIMS = (64, 128)
+# Head dims whose MAIN kernel advances its wgmma descriptors by one 64-bit add (FC_DESC_ADVANCE=2,
+# common/sm90.cuh; every kernel of the head dim). Same-process A/B (session 24, perf-notes): d64
+# +1.8 to +3.6% at all four shapes (1k / 4k, causal and not), d128 -0.2 to +1.7% (inside the
+# noise at five of six). Session 17's two-process A/B had read -1.6 to +3.0% over both.
+DESC_ADD64_DIMS = (64,)
 # Head dims whose kernel issues fence.proxy.async before each stage release (FC_RELEASE_FENCE, the
 # .cu's release()). Same-process A/B (session 19, scripts/ab_probe.py, perf-notes): d128 without it
 # +2.1 to +5.7% at 1k / 4k, causal and not (session 2's two-process A/B had read d128 within
@@ -219,6 +224,10 @@ class Sm90BwdConfig:
     # dS^T stored by stmatrix.x4 (FC_DS_STMATRIX; the kernel applies it with the [key][query]
     # layout in FA3's order only); None: on at the head dims of STMATRIX_DIMS there
     ds_stmatrix: bool | None = None
+    # wgmma descriptors advanced by one 64-bit add (FC_DESC_ADVANCE=2; the default 1 adds to the
+    # low word); None: on at the head dims of DESC_ADD64_DIMS (the name marks only a departure
+    # from that; the spec, hence the cache key, always says it)
+    desc_add64: bool | None = None
     # profiling variant: one more kernel argument (after dv), a buffer that receives per CTA the
     # times of its entry, K / V arrival, first / last step and exit (FC_TIMELINE; run_timeline,
     # scripts/sm90_bwd_timeline.py); never dispatched
@@ -246,6 +255,8 @@ class Sm90BwdConfig:
                              f"(block_m // 8), got {self.probs_early}")
         if self.release_fence is None:
             object.__setattr__(self, "release_fence", self.head_dim in FENCE_DIMS)
+        if self.desc_add64 is None:
+            object.__setattr__(self, "desc_add64", self.head_dim in DESC_ADD64_DIMS)
         if self.dq_spread is None:
             object.__setattr__(self, "dq_spread", self.dq_tma and self.head_dim in SPREAD_DIMS)
         if self.ds_stmatrix is None:
@@ -360,7 +371,8 @@ class Sm90BwdConfig:
                 + ("t" if self.dq_tma else "") + ("s" if self.dq_spread else "")
                 + ("g" if self.dq_frag else "")
                 + ("_early" if self.dq_early else "") + ("_stm" if self.ds_stmatrix else "")
-                + ("_swap" if self.dq_swap else "")
+                + ("_swap" if self.dq_swap else "") + ("" if self.desc_add64 == (self.head_dim in DESC_ADD64_DIMS)
+                   else f"_da{2 if self.desc_add64 else 1}")
                 + (f"_pe{self.probs_early}" if self.probs_early != self.block_m // 8 else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
                 + ("_tl" if self.timeline else "")
@@ -391,6 +403,7 @@ class Sm90BwdConfig:
             **({"FC_DQ_EARLY": 1} if self.dq_early else {}),
             **({"FC_DS_STMATRIX": 1} if self.ds_stmatrix else {}),
             **({"FC_DQ_SWAP": 1} if self.dq_swap else {}),
+            **({"FC_DESC_ADVANCE": 2} if self.desc_add64 else {}),
             **({"FC_PROBS_EARLY": self.probs_early} if self.probs_early != self.block_m // 8
                else {}),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
@@ -476,10 +489,12 @@ def configs() -> list[Sm90BwdConfig]:
                           probs_early=PROBS_EARLY.get(d), **_dq_mode(DQ_DEFAULT[d]))
             for d in HEAD_DIMS]
     # causal calls' longest-first tail (LPT_TAIL; dispatched), and its timeline variant
-    out += [Sm90BwdConfig(dtype, d, dq_early=True, lpt_tail=k, **_dq_mode(DQ_DEFAULT[d]))
+    out += [Sm90BwdConfig(dtype, d, dq_early=True, lpt_tail=k, probs_early=PROBS_EARLY.get(d),
+                          **_dq_mode(DQ_DEFAULT[d]))
             for dtype in DTYPES for d, k in LPT_TAIL.items()]
     out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True, lpt_tail=k,
-                          **_dq_mode(DQ_DEFAULT[d])) for d, k in LPT_TAIL.items()]
+                          probs_early=PROBS_EARLY.get(d), **_dq_mode(DQ_DEFAULT[d]))
+            for d, k in LPT_TAIL.items()]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 

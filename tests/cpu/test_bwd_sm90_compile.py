@@ -218,13 +218,20 @@ def test_dq_switch(monkeypatch):
     assert d64.dq_warp and d64.dq_tma and d64.dq_spread and d64.dq_early and d64.ds_stmatrix
     assert dict(d64.spec().defines)["FC_DQ_SPREAD"] == "1"
     assert dict(d64.spec().defines)["FC_DS_STMATRIX"] == "1"
-    # + P^T's first 4 column blocks before the dP^T wait (FC_PROBS_EARLY, session 23; d64 only)
+    # + P^T's first 4 column blocks before the dP^T wait (FC_PROBS_EARLY, session 23; d128 since
+    # session 24); + at d64 the descriptors' 64-bit add (FC_DESC_ADVANCE=2, session 24; in the
+    # spec, not the name: every d64 kernel has it)
     assert d64.name.endswith("_dqwts_early_stm_pe4") and d64.probs_early == 4
     assert dict(d64.spec().defines)["FC_PROBS_EARLY"] == "4"
+    assert dict(d64.spec().defines)["FC_DESC_ADVANCE"] == "2" and d64.desc_add64
     d128 = bwd_sm90.select_config(torch.bfloat16, 128)
     assert d128.dq_warp and d128.dq_frag and not d128.dq_tma and d128.dq_early
     assert d128.ds_stmatrix and dict(d128.spec().defines)["FC_DS_STMATRIX"] == "1"
-    assert d128.name.endswith("_dqwg_early_stm")
+    assert d128.name.endswith("_dqwg_early_stm_pe4") and not d128.desc_add64
+    assert "FC_DESC_ADVANCE" not in dict(d128.spec().defines)
+    flipped = dataclasses.replace(d128, desc_add64=True)
+    assert flipped.name.endswith("_stm_da2_pe4") and dict(flipped.spec().defines)["FC_DESC_ADVANCE"] == "2"
+    assert dataclasses.replace(d64, desc_add64=False).name.endswith("_stm_da1_pe4")
     assert d64 in bwd_sm90.configs() and d128 in bwd_sm90.configs()
     monkeypatch.setenv(DQ_ENV, "warp")  # an A/B reduction keeps the previous order
     warp = bwd_sm90.select_config(torch.bfloat16, 128)
@@ -621,7 +628,7 @@ def test_dq_frag_config(monkeypatch):
     assert cfg == bwd_sm90.select_config(torch.bfloat16, 128)  # the default at d128
     monkeypatch.setenv(DQ_ENV, "frag")
     assert cfg.dq_frag and cfg.dq_warp and not cfg.dq_tma and cfg.dq_early and not cfg.dq_spread
-    assert cfg.name.endswith("_dqwg_early_stm") and cfg in bwd_sm90.configs()
+    assert cfg.name.endswith("_dqwg_early_stm_pe4") and cfg in bwd_sm90.configs()
     assert dict(cfg.spec().defines)["FC_DQ_FRAG"] == "1"
     assert (cfg.producer_regs, cfg.consumer_regs) == (24, 240)
     assert cfg.smem_bytes == base.smem_bytes + 2 * 8  # the same 32 KB staging, 2 more barriers
@@ -768,9 +775,9 @@ def test_probs_early_only_in_the_default_kernel(monkeypatch):
     for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
                 bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV):
         monkeypatch.delenv(env, raising=False)
-    assert bwd_sm90.PROBS_EARLY == {64: 4}
+    assert bwd_sm90.PROBS_EARLY == {64: 4, 128: 4}
     assert bwd_sm90.select_config(torch.bfloat16, 64).probs_early == 4
-    assert bwd_sm90.select_config(torch.bfloat16, 128).probs_early == 64 // 8  # (whole)
+    assert bwd_sm90.select_config(torch.bfloat16, 128).probs_early == 4
     monkeypatch.setenv(DQ_ENV, "tma")  # d64's default, named
     assert bwd_sm90.select_config(torch.float16, 64).probs_early == 4
     for env, value in ((DQ_ENV, "v2"), (DS_ENV, "k"), (WATCHDOG_ENV, "1"), (bwd_sm90.FENCE_ENV, "1"),
@@ -791,7 +798,14 @@ def test_probs_early_only_in_the_default_kernel(monkeypatch):
         cfg = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, d), probs_early=k)
         assert cfg.name in names and bwd_sm90.swapped(cfg).name in names
         assert bwd_sm90.swapped(cfg).probs_early == k
-    whole = bwd_sm90.select_config(torch.bfloat16, 128)
+    # the defaults' split kernels (and d128's 80-query form) are built by the CPU lane too
+    for d in bwd_sm90.PROBS_EARLY:
+        cfg = bwd_sm90.select_config(torch.bfloat16, d)
+        assert cfg.name in names
+        if d in bwd_sm90.SWAP_HEAD_DIMS:
+            assert bwd_sm90.swapped(cfg).name in names
+            assert bwd_sm90.swapped(cfg).probs_early == bwd_sm90.PROBS_EARLY[d]
+    whole = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, **bwd_sm90._dq_mode("frag"))
     assert bwd_sm90.swapped(whole).probs_early == bwd_sm90.SWAP_BLOCK_M // 8
 
 

@@ -42,18 +42,33 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True,
-                params=["mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late", "mn-warp", "mn-warpflat",
-                        "mn-tma", "mn--s3", "mn--noearly"],
-                ids=["dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp", "dq-warpflat",
-                     "dq-tma", "stages3", "dq-noearly"])
+                params=["default", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late", "mn-warp",
+                        "mn-warpflat", "mn-tma", "mn--s3", "mn--noearly"],
+                ids=["default", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
+                     "dq-warpflat", "dq-tma", "stages3", "dq-noearly"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
     warpflat, tma; red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1; the default reduction
     in the previous GEMM order, FLASHCUDA_SM90_BWD_DQ_EARLY=0) in the default dS layout, with
     the other dS layout under the default dQ reduction, and with a three-deep Q / dO ring
-    (FLASHCUDA_SM90_BWD_STAGES=3, whose default dQ mode is bwd_sm90.STAGES3_DQ)."""
-    ds, dq, *flags = (request.param + "-").split("-")[:4]
+    (FLASHCUDA_SM90_BWD_STAGES=3, whose default dQ mode is bwd_sm90.STAGES3_DQ) — and first
+    with none of these switches set: the kernels dispatch runs by default (at d128 the
+    register-order staging, 80 query rows per step without a mask from SWAP_MIN_SEQLEN_Q; P^T
+    split at both head dims; FLASHCUDA_SM90_BWD_DEFINES, if the lane sets it, passes through)."""
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
+    if request.param == "default":
+        for env in (bwd_sm90.DS_ENV, bwd_sm90.DQ_ENV, bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV,
+                    bwd_sm90.DQ_EARLY_ENV, bwd_sm90.SWAP_ENV, bwd_sm90.WATCHDOG_ENV,
+                    bwd_sm90.FENCE_ENV):
+            monkeypatch.delenv(env, raising=False)
+        dispatch._reset()
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) != (9, 0):
+            pytest.skip(f"sm90a kernel: needs compute capability 9.0, got {major}.{minor}")
+        yield
+        dispatch._reset()
+        return
+    ds, dq, *flags = (request.param + "-").split("-")[:4]
     monkeypatch.setenv(bwd_sm90.DS_ENV, ds)
     monkeypatch.setenv(bwd_sm90.DQ_ENV, dq)
     monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "1" if "late" in flags else "0")
