@@ -35,7 +35,7 @@ CU13=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
 case "${1:-}" in
   stash)  # whatever parts this call carries, into the stash
     mkdir -p "$STASH"
-    for d in .fa4a .fa4b .fa4c; do
+    for d in .fa4a .fa4b .fa4c .fa4d; do
       [ -d "$d" ] && cp "$d"/* "$STASH"/
     done
     ls -la "$STASH" ;;

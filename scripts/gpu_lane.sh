@@ -37,6 +37,10 @@
 #              timeline-bwd-*.json / .png, timeline-bwd.txt
 #   ab-probe   the same-process A/B (scripts/ab_probe.py ${AB_PROBE_ARGS}): arms rotated per
 #              round, per-round ratios with p10-p90; ab-probe.txt / .json
+#   power      sustained rate, SM clock and power draw (scripts/power_probe.py ${POWER_ARGS}):
+#              the long d128 calls run at the power cap, where same-process arms share one
+#              clock (perf-notes, session 24); POWER_ENVS="label:VAR=VAL ..." runs it once per
+#              arm, arms interleaved twice; power-probe.txt
 #   ab         any A/B: AB_VARIANTS="label:VAR=VAL[,VAR=VAL] ..." (e.g. "v2:FLASHCUDA_SM90_BWD_DQ=v2
 #              v4:FLASHCUDA_SM90_BWD_DQ=v4"), AB_REPS (2) processes per variant interleaved, bench
 #              ${AB_ARGS} (default 1k 4k 16k, both head dims, causal both), one table per direction
@@ -135,6 +139,16 @@ for step in "${steps[@]}"; do
       # --shapes 32,512,16,64 --causal 1 --rounds 15"
       timeout "${AB_TIMEOUT:-300}" python3 scripts/ab_probe.py ${AB_PROBE_ARGS:?AB_PROBE_ARGS is empty} \
         --out "$OUT/ab-probe.json" > "$OUT/ab-probe.txt" 2>&1; rc=$?; cat "$OUT/ab-probe.txt" ;;
+    power)
+      rc=0
+      for round in 1 2; do
+        for arm in ${POWER_ENVS:-def:}; do
+          echo "== ${arm%%:*} (round $round)"
+          env ${arm#*:} timeout "${POWER_TIMEOUT:-120}" python3 scripts/power_probe.py ${POWER_ARGS:-} \
+            2>&1 | grep -v Warn || rc=$?
+          [ -n "${POWER_ENVS:-}" ] || break 2
+        done
+      done > "$OUT/power-probe.txt"; cat "$OUT/power-probe.txt" ;;
     ncu)
       # Nsight Compute on the second call's sm90 kernels (scripts/profile_call.py): speed of
       # light, compute (tensor pipe), warp states (stall reasons), scheduler, memory sections.
