@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FlashAttention 4 as a bench peer on a GPU machine without network, in two consecutive device
+# FlashAttention 4 as a bench peer on a GPU machine without network, in four consecutive device
 # calls (one call carries at most 64 MiB; the wheels are ~100 MB). On this machine, once:
 #
 #   pip download --no-deps --pre --only-binary=:all: -d .whl flash-attn-4==4.0.0b36 \
@@ -7,19 +7,23 @@
 #       nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels \
 #       --python-version 3.12 --platform manylinux_2_28_x86_64
 #   (flash-attn-4 has pre-releases only: without --pre and the pin pip finds no version)
-#   mkdir -p .fa4a .fa4b .fa4c && cp .whl/*.whl .fa4a/ && rm .fa4a/nvidia_cutlass_dsl_libs_cu13-*.whl
+#   mkdir -p .fa4a .fa4b .fa4c .fa4d && cp .whl/*.whl .fa4d/ && rm .fa4d/nvidia_cutlass_dsl_libs_cu13-*.whl
 #   split -b 31M .whl/nvidia_cutlass_dsl_libs_cu13-*.whl .fa4a/cu13.part.
 #   mv .fa4a/cu13.part.ab .fa4b/
-#   mv .fa4a/cu13.part.ac .fa4a/apache_tvm_ffi-*.whl .fa4a/nvidia_cutlass_dsl_libs_base-*.whl \
-#      .fa4a/quack_kernels-*.whl .fa4a/torch_c_dlpack_ext-*.whl .fa4c/
+#   mv .fa4a/cu13.part.ac .fa4d/nvidia_cutlass_dsl_libs_base-*.whl .fa4d/quack_kernels-*.whl \
+#      .fa4d/torch_c_dlpack_ext-*.whl .fa4c/
+#   (.fa4d keeps flash_attn_4, nvidia_cutlass_dsl, -libs-core and apache_tvm_ffi: 5 MB)
 # (each part must fit 64 MiB together with the tracked tree: ~9 MB in session 8, 17 MB in
 # session 14 with the run records, 29 MB in session 21, when .fa4b with the two small wheels
 # (38 MB) no longer fit: they travel with the last part; 30 MB in session 22, when .fa4a with
-# quack-kernels and torch-c-dlpack-ext (36 MB) no longer fit: those moved to .fa4c, 35 MB)
+# quack-kernels and torch-c-dlpack-ext (36 MB) no longer fit: those moved to .fa4c, 35 MB;
+# 32 MB in session 24, when neither .fa4a (35 MB) nor .fa4c (35 MB) fit: their small wheels
+# travel in a fourth call, .fa4d)
 #
-# (.whl, .fa4a, .fa4b, .fa4c are git-ignored.) Then, on the device, in consecutive calls:
+# (.whl, .fa4a - .fa4d are git-ignored.) Then, on the device, in consecutive calls:
 #   carry [".fa4a"]:  scripts/fa4_carry.sh stash
 #   carry [".fa4b"]:  scripts/fa4_carry.sh stash
+#   carry [".fa4d"]:  scripts/fa4_carry.sh stash
 #   carry [".fa4c"]:  scripts/fa4_carry.sh install && FLASHCUDA_BENCH_SITE=/root/fa4 \
 #                       scripts/gpu_lane.sh bench-full
 # The machine must still be warm for each next call (it keeps /root between calls for ~30 s).
