@@ -71,6 +71,37 @@ def backward_of(attend, q, k, v):
     return lambda q_, k_, v_: out.backward(dout, retain_graph=True)
 
 
+def summarize(smi_out: str) -> dict:
+    """nvidia-smi's "clock, power, third field" lines (noheader, nounits) -> the median and
+    extreme SM clock (MHz) and power (W), and how often each value of the third field (the
+    clock-event reasons, or the pstate) was seen. Lines that do not parse are skipped."""
+    clocks, power, third = [], [], collections.Counter()
+    for line in smi_out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 3:
+            continue
+        try:
+            clock, watts = float(fields[0]), float(fields[1])
+        except ValueError:
+            continue
+        clocks.append(clock)
+        power.append(watts)
+        third[fields[2]] += 1
+    if not clocks:
+        return {"samples": 0}
+    return {"samples": len(clocks), "clock_median": statistics.median(clocks),
+            "clock_min": min(clocks), "power_median": statistics.median(power),
+            "power_max": max(power), "reasons": dict(third)}
+
+
+def describe(summary: dict) -> str:
+    if not summary["samples"]:
+        return "no nvidia-smi samples"
+    return (f"SM clock median {summary['clock_median']:.0f} MHz (min {summary['clock_min']:.0f}), "
+            f"power median {summary['power_median']:.0f} W (max {summary['power_max']:.0f}) | "
+            f"clock-event reasons {summary['reasons']} ({summary['samples']} samples)")
+
+
 def run(attend, q, k, v, seconds: float, window: int, flush: torch.Tensor | None) -> list[float]:
     """Milliseconds per call of each window of `window` calls over `seconds` (at least one)."""
     times = []
@@ -123,16 +154,10 @@ def main() -> None:
                                 "-lms", "50"], stdout=subprocess.PIPE, text=True)
         times = run(attend, q, k, v, a.seconds, a.window, flush)
         smi.terminate()
-        samples = [line.split(", ") for line in smi.communicate()[0].splitlines() if line.strip()]
-        clocks = [float(x[0]) for x in samples if len(x) == 3]
-        power = [float(x[1]) for x in samples if len(x) == 3]
-        reasons = collections.Counter(x[2] for x in samples if len(x) == 3)
+        smi_out = smi.communicate()[0]
         print(f"  {impl:11s} first {tflops(times[0]):6.1f}  last {tflops(times[-1]):6.1f}  "
               f"median {tflops(statistics.median(times)):6.1f} TFLOP/s ({len(times)} windows) | "
-              f"SM clock median {statistics.median(clocks) if clocks else 0:.0f} MHz "
-              f"(min {min(clocks, default=0):.0f}), power median "
-              f"{statistics.median(power) if power else 0:.0f} W (max {max(power, default=0):.0f}) | "
-              f"throttle reasons {dict(reasons)}")
+              + describe(summarize(smi_out)))
         time.sleep(2.0)
     print("  burst (5 calls after 1 s idle): " + ", ".join(
         f"{impl} {tflops(ms):.1f}" for impl, ms in burst.items()) + " TFLOP/s")
