@@ -61,22 +61,16 @@ def _enable_sm90_bwd(monkeypatch, request):
                     bwd_sm90.DQ_EARLY_ENV, bwd_sm90.SWAP_ENV, bwd_sm90.WATCHDOG_ENV,
                     bwd_sm90.FENCE_ENV):
             monkeypatch.delenv(env, raising=False)
-        dispatch._reset()
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) != (9, 0):
-            pytest.skip(f"sm90a kernel: needs compute capability 9.0, got {major}.{minor}")
-        yield
-        dispatch._reset()
-        return
-    ds, dq, *flags = (request.param + "-").split("-")[:4]
-    monkeypatch.setenv(bwd_sm90.DS_ENV, ds)
-    monkeypatch.setenv(bwd_sm90.DQ_ENV, dq)
-    monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "1" if "late" in flags else "0")
-    monkeypatch.setenv(bwd_sm90.STAGES_ENV, "3" if "s3" in flags else "2")
-    if "noearly" in flags:  # the previous GEMM order; else the dQ mode's default order
-        monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "0")
     else:
-        monkeypatch.delenv(bwd_sm90.DQ_EARLY_ENV, raising=False)
+        ds, dq, *flags = (request.param + "-").split("-")[:4]
+        monkeypatch.setenv(bwd_sm90.DS_ENV, ds)
+        monkeypatch.setenv(bwd_sm90.DQ_ENV, dq)
+        monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "1" if "late" in flags else "0")
+        monkeypatch.setenv(bwd_sm90.STAGES_ENV, "3" if "s3" in flags else "2")
+        if "noearly" in flags:  # the previous GEMM order; else the dQ mode's default order
+            monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "0")
+        else:
+            monkeypatch.delenv(bwd_sm90.DQ_EARLY_ENV, raising=False)
     dispatch._reset()
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):

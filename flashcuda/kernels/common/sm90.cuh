@@ -77,12 +77,12 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
                : "memory");
 }
 
-// FC_WAIT_HINT = ns (A/B, written in session 23, not yet run): try_wait with a suspend-time hint
-// (CUTLASS's ClusterBarrier::wait passes 0x989680), so a waiting thread sleeps in the barrier up to
-// that long instead of returning after the system's own limit and polling again. The d64
-// backward's ncu (session 23) counted 2 M poll iterations of the producer's empty waits and
-// 0.6 M of the dQ writer's against FlashAttention 4's 1.5 M BRA in all: issue slots the
-// consumers' warps on the same sub-partitions could use. 0 (the default): no hint, as before.
+// FC_WAIT_HINT = ns (A/B, session 23; a miss in session 24, -1.8 to +1.8%): try_wait with a
+// suspend-time hint (CUTLASS's ClusterBarrier::wait passes 0x989680), so a waiting thread sleeps
+// in the barrier up to that long instead of returning after the system's own limit and polling
+// again. The d64 backward's ncu (session 23) counted 2 M poll iterations of the producer's empty
+// waits and 0.6 M of the dQ writer's against FlashAttention 4's 1.5 M BRA in all: issue slots
+// the consumers' warps on the same sub-partitions could use. 0 (the default): no hint, as before.
 #ifndef FC_WAIT_HINT
 #define FC_WAIT_HINT 0
 #endif
@@ -372,7 +372,8 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
 #define FC_DESC_ADVANCE 1
 #endif
 
-// FC_DESC_ADVANCE = 2 (A/B, session 17): the same sum as one 64-bit add. Equal (the low word's
+// FC_DESC_ADVANCE = 2 (session 17; the d64 backward's default since session 24, +1.8 to +3.6%,
+// bwd_sm90.DESC_ADD64_DIMS; an A/B elsewhere): the same sum as one 64-bit add. Equal (the low word's
 // fields stay below 2^30, so the add never carries into the high word), but ptxas then keeps
 // each descriptor as a 64-bit uniform pair instead of rewriting the constant high words
 // (0x40000040) with two UMOVs before every wgmma (the backward's ncu: 2.8 UMOVs per HGMMA,
