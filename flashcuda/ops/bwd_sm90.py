@@ -150,7 +150,8 @@ FRAG_DIMS = (64, 128)
 # rest beside dS^T's first blocks; the .cu): same-process A/B (session 23, perf-notes) at d64
 # +1.1 to +3.7% at all eight shapes (512-16k, causal and not; GPU tests of the d64 default kernel
 # with it: 35 passed), at d128 +2.3 to +5.5% at all six (k = 4), again +2.6 to +5.1% in session
-# 24 (k = 2 within 1% of it; the d128 64-query and 80-query kernels with it: 224 GPU tests passed)
+# 24 (k = 2 / 3 / 6 no better; the GPU lane's 673 tests at 872ef1c ran the d128 64-query and
+# 80-query kernels with it as the defaults)
 PROBS_EARLY = {64: 4, 128: 4}
 # ... and the splits measured but not yet through the GPU tests: their kernels (the head dim's
 # 64-query default and, where it has one, its 80-query dQ^T form) are built by the CPU lane and
@@ -371,7 +372,8 @@ class Sm90BwdConfig:
                 + ("t" if self.dq_tma else "") + ("s" if self.dq_spread else "")
                 + ("g" if self.dq_frag else "")
                 + ("_early" if self.dq_early else "") + ("_stm" if self.ds_stmatrix else "")
-                + ("_swap" if self.dq_swap else "") + ("" if self.desc_add64 == (self.head_dim in DESC_ADD64_DIMS)
+                + ("_swap" if self.dq_swap else "")
+                + ("" if self.desc_add64 == (self.head_dim in DESC_ADD64_DIMS)
                    else f"_da{2 if self.desc_add64 else 1}")
                 + (f"_pe{self.probs_early}" if self.probs_early != self.block_m // 8 else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
