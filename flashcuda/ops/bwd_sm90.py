@@ -153,11 +153,6 @@ FRAG_DIMS = (64, 128)
 # 24 (k = 2 / 3 / 6 no better; the GPU lane's 673 tests at 872ef1c ran the d128 64-query and
 # 80-query kernels with it as the defaults)
 PROBS_EARLY = {64: 4, 128: 4}
-# ... and the splits measured but not yet through the GPU tests: their kernels (the head dim's
-# 64-query default and, where it has one, its 80-query dQ^T form) are built by the CPU lane and
-# reachable with FLASHCUDA_SM90_BWD_DEFINES=FC_PROBS_EARLY=k; moving an entry to PROBS_EARLY makes
-# it the default (select_config, swapped)
-PROBS_EARLY_AB: dict[int, int] = {}
 # FC_DS_STMATRIX by default (dS^T by stmatrix.x4; the [key][query] layout in FA3's order): d64
 # since session 12 (same-run A/B: +0.8-3.5% at all six d64 points, -2.4 to +0.8% at d128 then);
 # d128 since session 21 (same-process A/B, session 19, on the no-fence kernel: +1.2 to +2.4% at
@@ -477,10 +472,10 @@ def configs() -> list[Sm90BwdConfig]:
     # and without the watchdog
     out += [swapped(Sm90BwdConfig(dtype, d, watchdog=w)) for dtype in DTYPES
             for d in SWAP_HEAD_DIMS for w in (False, True)]
-    # the defaults with the P^T split (FC_PROBS_EARLY) at PROBS_EARLY's and PROBS_EARLY_AB's head
-    # dims, and their 80-query dQ^T forms
+    # the defaults with the P^T split (FC_PROBS_EARLY) at PROBS_EARLY's head dims, and their
+    # 80-query dQ^T forms
     for dtype in DTYPES:
-        for d, k in {**PROBS_EARLY, **PROBS_EARLY_AB}.items():
+        for d, k in PROBS_EARLY.items():
             split = Sm90BwdConfig(dtype, d, dq_early=True, probs_early=k,
                                   **_dq_mode(DQ_DEFAULT[d]))
             out.append(split)

@@ -1,13 +1,13 @@
 """The sm90a backward with its dQ staged in the consumers' register order
-(FLASHCUDA_SM90_BWD_DQ=frag, FC_DQ_FRAG; d128's default, an A/B at d64 since session 23) on the H200: the float64 oracle rule of
-test_bwd_sm90.py over the shapes that exercise what the mode changes — the per-consumer
-dq_full / dq_empty handshakes (many query blocks per CTA, GQA head loops), the register-order
-dq_accum tiles and the CONVERT that reads them back (ragged Sq inside the padded tiles, both
-dtypes, masks). Written in session 11 with the watchdog build (FLASHCUDA_SM90_BWD_WATCHDOG=1:
-a barrier wait that never completes gives up after 2 s and poisons dK / dV with NaN, failing
-the test instead of hanging the GPU lane); first run in session 12 (6 passed), since then
-d128's default, which the rest of the GPU lane runs without the watchdog — these keep the
-watchdog build of the mode covered.
+(FLASHCUDA_SM90_BWD_DQ=frag, FC_DQ_FRAG; d128's default, an A/B at d64 since session 23) on the
+H200: the float64 oracle rule of test_bwd_sm90.py over the shapes that exercise what the mode
+changes — the per-consumer dq_full / dq_empty handshakes (many query blocks per CTA, GQA head
+loops), the register-order dq_accum tiles and the CONVERT that reads them back (ragged Sq inside the
+padded tiles, both dtypes, masks). Written in session 11 with the watchdog build
+(FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that never completes gives up after 2 s and poisons
+dK / dV with NaN, failing the test instead of hanging the GPU lane); first run in session 12 (6
+passed), since then d128's default, which the rest of the GPU lane runs without the watchdog — these
+keep the watchdog build of the mode covered.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""The sm90a backward at 80-query steps with dQ^T = K^T dS^T (FLASHCUDA_SM90_BWD_SWAP=1,
-FC_DQ_SWAP; d128 calls without a mask) on the H200: the float64 oracle rule of test_bwd_sm90.py
-over the shapes that exercise what the variant changes — the m64n80 GEMMs, dS stored [query][key]
-by stmatrix.trans and read K-major as dQ^T's B, the transposed staging into the tensor-map boxes
-with one hand-off per consumer, query blocks of 80 rows (ragged Sq inside them, the padded
-Sq_pad no longer a multiple of PRE's 64-row blocks), GQA head loops, both dtypes; with and
-without the watchdog build (a barrier wait that never completes gives up after 2 s and poisons
-dK / dV with NaN, failing the test instead of hanging the GPU lane).
+"""The sm90a backward at 80-query steps with dQ^T = K^T dS^T (FLASHCUDA_SM90_BWD_SWAP=1, FC_DQ_SWAP;
+d128 calls without a mask) on the H200: the float64 oracle rule of test_bwd_sm90.py over the shapes
+that exercise what the variant changes — the m64n80 GEMMs, dS stored [query][key] by stmatrix.trans
+and read K-major as dQ^T's B, dQ^T staged in each consumer's register order with one hand-off and
+one bulk reduce-add per consumer (read back by CONVERT's FC_DQ_FRAG_T), query blocks of 80 rows
+(ragged Sq inside them, the padded Sq_pad no longer a multiple of PRE's 64-row blocks), GQA head
+loops, both dtypes; with and without the watchdog build (a barrier wait that never completes gives
+up after 2 s and poisons dK / dV with NaN, failing the test instead of hanging the GPU lane).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def test_swap_one_tile_each_dtype():
 
 def test_swap_dq_only():
     """dQ alone (K = identity rows, so dQ = dS): every element of each consumer's dQ^T must come
-    back at its (query, d) through the transposed staging and the tensor-map reductions."""
+    back at its (query, d) through the register-order staging, the bulk reduce-add and CONVERT."""
     q, _, v, dout = make(1, 80, 128, 1, 1, 128, BF16, seed=62)
     k = torch.eye(128, device="cuda", dtype=BF16)[None, :, None, :].contiguous()
     check(q, k, v, dout)

@@ -371,13 +371,14 @@ static_assert(!kDqSwap || (FC_DQ_FRAG && kDsKMajor && FC_DQ_EARLY),
 // (FA3's GEMM order and the [key][query] layout only; no effect elsewhere)
 [[maybe_unused]] constexpr bool kDsStmatrix = FC_DS_STMATRIX && !kDsKMajor && FC_DQ_EARLY;
 // FC_PROBS_EARLY = k (session 23; k = 4 the host's default for the default kernels of d64 and,
-// since session 24, d128 with its 80-query form, bwd_sm90.PROBS_EARLY; an A/B elsewhere): only P^T's first k column blocks of 8 queries before
-// the dP^T wait, the rest after it, in the block that computes dS^T. The d64 backward's ncu source
-// counters against FlashAttention 4's (16 x 1024 x 32, runs/lane-20261202-76195cb): the same
-// 16.8 M MUFU.EX2, but 5468 "wait" stall samples on them against 869 — ours issue back to back
-// (each P^T element is one FFMA and one MUFU, nothing else to put between them), FA4's between
-// its mask FSELs and lse shuffles. After the wait, the FADD / FMUL of dS^T's first blocks can
-// fill the MUFU spacing of P^T's last ones. The default, kBlockM / 8, is the kernel before.
+// since session 24, d128 with its 80-query form, bwd_sm90.PROBS_EARLY; an A/B elsewhere): only
+// P^T's first k column blocks of 8 queries before the dP^T wait, the rest after it, in the block
+// that computes dS^T. The d64 backward's ncu source counters against FlashAttention 4's (16 x 1024
+// x 32, runs/lane-20261202-76195cb): the same 16.8 M MUFU.EX2, but 5468 "wait" stall samples on
+// them against 869 — ours issue back to back (each P^T element is one FFMA and one MUFU, nothing
+// else to put between them), FA4's between its mask FSELs and lse shuffles. After the wait, the
+// FADD / FMUL of dS^T's first blocks can fill the MUFU spacing of P^T's last ones. The default,
+// kBlockM / 8, is the kernel before.
 #ifndef FC_PROBS_EARLY
 #define FC_PROBS_EARLY (kBlockM / 8)
 #endif
