@@ -384,6 +384,44 @@ static_assert(!kDqSwap || (FC_DQ_FRAG && kDsKMajor && FC_DQ_EARLY),
 #endif
 constexpr int kProbsEarly = FC_PROBS_EARLY;
 static_assert(kProbsEarly >= 0 && kProbsEarly <= kBlockM / 8, "FC_PROBS_EARLY: 0 .. kBlockM / 8");
+// FC_PROBS_EMU = k (session 25, an A/B knob): the exp2s of k of P^T's column blocks after the
+// dP^T wait (evenly spaced among them) run on the FMA pipe (exp2_fma) instead of MUFU. Both
+// consumer warpgroups reach that part of the step together (the dS^T barrier keeps them in step),
+// so a sub-partition's two consumer warps issue their MUFUs into one XU pipe at once: 16 results
+// per SM cycle, 8 cycles per warp instruction — at d64 (48 such exp2s per thread) 768 XU cycles
+// against ~480 issue cycles for everything else the block does with those elements. Moving a
+// fifth of them to ~8 FMA-pipe instructions each balances the two. (The forward's version of this,
+// session 14, lost 4-14%: there the warpgroups take turns and the XU pipe is not the bound.)
+#ifndef FC_PROBS_EMU
+#define FC_PROBS_EMU 0
+#endif
+static_assert(FC_PROBS_EMU >= 0 && FC_PROBS_EMU <= kBlockM / 8 - kProbsEarly,
+              "FC_PROBS_EMU: 0 .. the column blocks after the dP^T wait");
+
+// Whether P^T's column block j takes its exp2s on the FMA pipe (FC_PROBS_EMU of the blocks
+// [kProbsEarly, kBlockM / 8), spread out; j is a constant once probs' loop is unrolled).
+__device__ __forceinline__ constexpr bool probs_on_fma(int j) {
+  constexpr int n = kBlockM / 8 - kProbsEarly;
+  return FC_PROBS_EMU > 0 && j >= kProbsEarly &&
+         ((j - kProbsEarly) * FC_PROBS_EMU) / n != ((j - kProbsEarly + 1) * FC_PROBS_EMU) / n;
+}
+
+// 2^x on the FMA pipe, for x <= 0.5 (a score less its row's log-sum-exp, up to rounding) or -inf
+// / NaN: x clamped at -125 keeping NaN; t = x + 1.5 * 2^23 puts n = round(x) in t's low mantissa
+// bits; 2^(x - n) by a cubic fitted for relative error on [-0.5, 0.5] (7.7e-5 in fp32 Horner:
+// 4% of bf16's half-ulp, 16% of fp16's; tests/cpu/test_bwd_sm90_probs_emu.py repeats this
+// arithmetic in numpy); 2^n added into the exponent field: t's bits shifted by 23 are n << 23
+// (the 1.5 * 2^23 part shifts out). -inf gives 2^-125 (not 0; P^T's masked elements are zeroed
+// after this), NaN stays NaN; x >= 127.5 (impossible with the forward's lse) would not be 2^x.
+__device__ __forceinline__ float exp2_fma(float x) {
+  asm("max.NaN.f32 %0, %0, 0fC2FA0000;" : "+f"(x));  // max(x, -125), NaN kept
+  const float t = __fadd_rn(x, 12582912.f);          // 1.5 * 2^23 + round(x)
+  const float f = __fadd_rn(x, -__fadd_rn(t, -12582912.f));
+  float p = fmaf(0.05516774207353592f, f, 0.24260137975215912f);
+  p = fmaf(p, f, 0.6932608485221863f);
+  p = fmaf(p, f, 0.9999287724494934f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
 static_assert(!FC_DQ_LATE || FC_DQ_V4, "late reductions are red.v4 ones (their payload is made "
               "of shuffles, not of registers a wgmma defined)");
 
@@ -761,7 +799,8 @@ struct Consumer {
       const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+        const float x = fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x));
+        float p = probs_on_fma(j) ? exp2_fma(x) : fast_exp2(x);
         if (kMasked && !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1))) p = 0.f;
         s[4 * j + e] = p;
       }
