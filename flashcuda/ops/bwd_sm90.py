@@ -153,6 +153,12 @@ FRAG_DIMS = (64, 128)
 # 24 (k = 2 / 3 / 6 no better; the GPU lane's 673 tests at 872ef1c ran the d128 64-query and
 # 80-query kernels with it as the defaults)
 PROBS_EARLY = {64: 4, 128: 4}
+# FC_PROBS_EMU per head dim (that many of P^T's column blocks after the dP^T wait take their exp2
+# on the FMA pipe, a cubic; the .cu): same-process A/B (session 25, perf-notes) at d64, k = 2:
+# +0.0 to +1.6% at ten shapes (512-16k, causal and not; five beyond p10-p90, none below), sustained
+# at the power cap +1.2 / +0.5% (4 x 4k x 32 / 16 x 1k x 32); k = 3 -5 to -10%; d128 k = 1 / 2
+# noise to -2.5%. Applies with the P^T split only (select_config's default kernel).
+PROBS_EMU = {64: 2}
 # FC_DS_STMATRIX by default (dS^T by stmatrix.x4; the [key][query] layout in FA3's order): d64
 # since session 12 (same-run A/B: +0.8-3.5% at all six d64 points, -2.4 to +0.8% at d128 then);
 # d128 since session 21 (same-process A/B, session 19, on the no-fence kernel: +1.2 to +2.4% at
@@ -217,6 +223,9 @@ class Sm90BwdConfig:
     # all of them (block_m // 8, the kernel's own default); select_config sets PROBS_EARLY's for
     # the default kernel of a head dim
     probs_early: int | None = None
+    # of the blocks after the wait, how many take their exp2 on the FMA pipe (FC_PROBS_EMU, the
+    # .cu's exp2_fma); select_config sets PROBS_EMU's with PROBS_EARLY's
+    probs_emu: int = 0
     # dS^T stored by stmatrix.x4 (FC_DS_STMATRIX; the kernel applies it with the [key][query]
     # layout in FA3's order only); None: on at the head dims of STMATRIX_DIMS there
     ds_stmatrix: bool | None = None
@@ -249,6 +258,10 @@ class Sm90BwdConfig:
         if not 0 <= self.probs_early <= self.block_m // 8:
             raise ValueError(f"Sm90BwdConfig.probs_early: expected 0 .. {self.block_m // 8} "
                              f"(block_m // 8), got {self.probs_early}")
+        if not 0 <= self.probs_emu <= self.block_m // 8 - self.probs_early:
+            raise ValueError(f"Sm90BwdConfig.probs_emu: expected 0 .. "
+                             f"{self.block_m // 8 - self.probs_early} (the column blocks after "
+                             f"the dP^T wait), got {self.probs_emu}")
         if self.release_fence is None:
             object.__setattr__(self, "release_fence", self.head_dim in FENCE_DIMS)
         if self.desc_add64 is None:
@@ -371,6 +384,7 @@ class Sm90BwdConfig:
                 + ("" if self.desc_add64 == (self.head_dim in DESC_ADD64_DIMS)
                    else f"_da{2 if self.desc_add64 else 1}")
                 + (f"_pe{self.probs_early}" if self.probs_early != self.block_m // 8 else "")
+                + (f"_em{self.probs_emu}" if self.probs_emu else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
                 + ("_tl" if self.timeline else "")
                 + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
@@ -403,6 +417,7 @@ class Sm90BwdConfig:
             **({"FC_DESC_ADVANCE": 2} if self.desc_add64 else {}),
             **({"FC_PROBS_EARLY": self.probs_early} if self.probs_early != self.block_m // 8
                else {}),
+            **({"FC_PROBS_EMU": self.probs_emu} if self.probs_emu else {}),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
             **dict(self.defines),
@@ -477,20 +492,22 @@ def configs() -> list[Sm90BwdConfig]:
     for dtype in DTYPES:
         for d, k in PROBS_EARLY.items():
             split = Sm90BwdConfig(dtype, d, dq_early=True, probs_early=k,
-                                  **_dq_mode(DQ_DEFAULT[d]))
+                                  probs_emu=PROBS_EMU.get(d, 0), **_dq_mode(DQ_DEFAULT[d]))
             out.append(split)
             if d in SWAP_HEAD_DIMS:
                 out.append(swapped(split))
     # the timeline variants of the bf16 defaults (scripts/sm90_bwd_timeline.py)
     out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True,
-                          probs_early=PROBS_EARLY.get(d), **_dq_mode(DQ_DEFAULT[d]))
+                          probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
+                          **_dq_mode(DQ_DEFAULT[d]))
             for d in HEAD_DIMS]
     # causal calls' longest-first tail (LPT_TAIL; dispatched), and its timeline variant
     out += [Sm90BwdConfig(dtype, d, dq_early=True, lpt_tail=k, probs_early=PROBS_EARLY.get(d),
-                          **_dq_mode(DQ_DEFAULT[d]))
+                          probs_emu=PROBS_EMU.get(d, 0), **_dq_mode(DQ_DEFAULT[d]))
             for dtype in DTYPES for d, k in LPT_TAIL.items()]
     out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True, lpt_tail=k,
-                          probs_early=PROBS_EARLY.get(d), **_dq_mode(DQ_DEFAULT[d]))
+                          probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
+                          **_dq_mode(DQ_DEFAULT[d]))
             for d, k in LPT_TAIL.items()]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
@@ -550,22 +567,25 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
                         release_fence=None if not fence else fence == "1", dq_late=late == "1",
                         stages=int(stages), dq_early=dq_early,
                         defines=parse_defines(DEFINES_ENV), **_dq_mode(dq))
-    # PROBS_EARLY only in the kernel the measurement and the GPU tests ran (neither the watchdog
-    # build nor a fence set by hand), however its settings were reached
+    # PROBS_EARLY / PROBS_EMU only in the kernel the measurements and the GPU tests ran (neither
+    # the watchdog build nor a fence set by hand), however its settings were reached
     if is_default_kernel(cfg) and not watchdog and not fence:
-        cfg = dataclasses.replace(cfg, probs_early=PROBS_EARLY.get(head_dim))
+        cfg = dataclasses.replace(cfg, probs_early=PROBS_EARLY.get(head_dim),
+                                  probs_emu=PROBS_EMU.get(head_dim, 0))
     return cfg
 
 
 def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
     """Whether `cfg` is its head dim's default 64 / 128-query kernel — the dQ mode, dS layout,
     stages and GEMM order select_config gives with none of their switches set (or set to their
-    defaults) — up to the watchdog, the release fence, extra defines, the P^T split, the causal
-    tail and the timeline. The 80-query dQ^T form and the P^T split are made of this kernel only."""
+    defaults) — up to the watchdog, the release fence, extra defines, the P^T split and its exp2s
+    on the FMA pipe, the causal tail and the timeline. The 80-query dQ^T form and the P^T split
+    are made of this kernel only."""
     plain = Sm90BwdConfig(cfg.dtype, cfg.head_dim, dq_early=True,
                           **_dq_mode(DQ_DEFAULT[cfg.head_dim]))
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
-                               probs_early=None, lpt_tail=0, timeline=False) == plain
+                               probs_early=None, probs_emu=0, lpt_tail=0,
+                               timeline=False) == plain
 
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
@@ -576,7 +596,7 @@ def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
     return Sm90BwdConfig(cfg.dtype, cfg.head_dim, block_m=SWAP_BLOCK_M, ds_k_major=True,
                          watchdog=cfg.watchdog, release_fence=cfg.release_fence,
                          dq_early=True, dq_swap=True, defines=cfg.defines, probs_early=split,
-                         **_dq_mode("frag"))
+                         probs_emu=cfg.probs_emu, **_dq_mode("frag"))
 
 
 def swap_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:

@@ -1,9 +1,10 @@
-"""FC_PROBS_EMU (flash_bwd_sm90.cu's probs; an A/B knob through FLASHCUDA_SM90_BWD_DEFINES,
-session 25): k of P^T's column blocks after the dP^T wait take their exp2s on the FMA pipe
-(exp2_fma) instead of MUFU. Here: exp2_fma's arithmetic, repeated in numpy float32 with the
-.cu's own constants, against float64 2^x over the arguments P^T sees; its edges; and the
-kernels that build with the knob (clean, fewer MUFU.EX2, the right number of them moved). The
-oracle tests of the knob's kernels are the GPU lane's (test_bwd_sm90 with the define set)."""
+"""FC_PROBS_EMU (flash_bwd_sm90.cu's probs; Sm90BwdConfig.probs_emu, the d64 default k = 2 since
+session 25, bwd_sm90.PROBS_EMU): k of P^T's column blocks after the dP^T wait take their exp2s
+on the FMA pipe (exp2_fma) instead of MUFU. Here: exp2_fma's arithmetic, repeated in numpy
+float32 with the .cu's own constants, against float64 2^x over the arguments P^T sees; its
+edges; and the kernels that build with it (clean, fewer MUFU.EX2, the right number of them
+moved). The oracle tests of its kernels are the GPU lane's (test_bwd_sm90's default kernels at
+d64)."""
 
 from __future__ import annotations
 
@@ -82,13 +83,23 @@ def test_exp2_fma_edges():
     assert np.isnan(got[7])  # a NaN score stays NaN (it reaches the gradients)
 
 
+def test_probs_emu_is_the_d64_default_only():
+    d64, d128 = (bwd_sm90.select_config(torch.bfloat16, d) for d in (64, 128))
+    assert d64.probs_emu == bwd_sm90.PROBS_EMU[64] == 2 and d128.probs_emu == 0
+    assert dict(d64.spec().defines)["FC_PROBS_EMU"] == "2" and d64.name.endswith("_pe4_em2")
+    assert "FC_PROBS_EMU" not in dict(d128.spec().defines)
+    # only beside the P^T split: there must be blocks after the dP^T wait to move
+    with pytest.raises(ValueError, match="probs_emu"):
+        dataclasses.replace(d64, probs_early=None)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("k", [2, 4])
 def test_probs_emu_builds_and_moves_exp2s_off_mufu(head_dim, k, tmp_path):
-    base = bwd_sm90.select_config(torch.bfloat16, head_dim)
-    assert "FC_PROBS_EMU" not in dict(base.spec().defines)  # not a default
+    base = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, head_dim), probs_emu=0)
+    assert "FC_PROBS_EMU" not in dict(base.spec().defines)
     mufu = lambda sass: len(re.findall(r"MUFU\.EX2", sass))  # noqa: E731
     plain = mufu(clean_sass(base, tmp_path))
-    emu = mufu(clean_sass(dataclasses.replace(base, defines=(("FC_PROBS_EMU", k),)), tmp_path))
+    emu = mufu(clean_sass(dataclasses.replace(base, probs_emu=k), tmp_path))
     # k column blocks of 4 elements a thread, in both of probs' forms (masked and not)
     assert plain - emu == 2 * 4 * k, (plain, emu)
