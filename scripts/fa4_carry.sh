@@ -8,17 +8,19 @@
 #       --python-version 3.12 --platform manylinux_2_28_x86_64
 #   (flash-attn-4 has pre-releases only: without --pre and the pin pip finds no version)
 #   mkdir -p .fa4a .fa4b .fa4c .fa4d && cp .whl/*.whl .fa4d/ && rm .fa4d/nvidia_cutlass_dsl_libs_cu13-*.whl
-#   split -b 31M .whl/nvidia_cutlass_dsl_libs_cu13-*.whl .fa4a/cu13.part.
-#   mv .fa4a/cu13.part.ab .fa4b/
+#   split -b 23M .whl/nvidia_cutlass_dsl_libs_cu13-*.whl .fa4a/cu13.part.
+#   mv .fa4a/cu13.part.ab .fa4b/ && mv .fa4a/cu13.part.ad .fa4d/
 #   mv .fa4a/cu13.part.ac .fa4d/nvidia_cutlass_dsl_libs_base-*.whl .fa4d/quack_kernels-*.whl \
 #      .fa4d/torch_c_dlpack_ext-*.whl .fa4c/
-#   (.fa4d keeps flash_attn_4, nvidia_cutlass_dsl, -libs-core and apache_tvm_ffi: 5 MB)
+#   (.fa4a / .fa4b 24 MB, .fa4c 29 MB, .fa4d — the last part with flash_attn_4,
+#   nvidia_cutlass_dsl, -libs-core and apache_tvm_ffi — 25 MB)
 # (each part must fit 64 MiB together with the tracked tree: ~9 MB in session 8, 17 MB in
 # session 14 with the run records, 29 MB in session 21, when .fa4b with the two small wheels
 # (38 MB) no longer fit: they travel with the last part; 30 MB in session 22, when .fa4a with
 # quack-kernels and torch-c-dlpack-ext (36 MB) no longer fit: those moved to .fa4c, 35 MB;
 # 32 MB in session 24, when neither .fa4a (35 MB) nor .fa4c (35 MB) fit: their small wheels
-# travel in a fourth call, .fa4d)
+# travel in a fourth call, .fa4d; 33 MB in session 25, when the 31 MB parts of three no longer
+# fit either: four parts of 23 MiB, one per call)
 #
 # (.whl, .fa4a - .fa4d are git-ignored.) Then, on the device, in consecutive calls:
 #   carry [".fa4a"]:  scripts/fa4_carry.sh stash

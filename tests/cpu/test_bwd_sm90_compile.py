@@ -221,7 +221,7 @@ def test_dq_switch(monkeypatch):
     # + P^T's first 4 column blocks before the dP^T wait (FC_PROBS_EARLY, session 23; d128 since
     # session 24); + at d64 the descriptors' 64-bit add (FC_DESC_ADVANCE=2, session 24; in the
     # spec, not the name: every d64 kernel has it)
-    assert d64.name.endswith("_dqwts_early_stm_pe4") and d64.probs_early == 4
+    assert d64.name.endswith("_dqwts_early_stm_pe4_em2") and d64.probs_early == 4
     assert dict(d64.spec().defines)["FC_PROBS_EARLY"] == "4"
     assert dict(d64.spec().defines)["FC_DESC_ADVANCE"] == "2" and d64.desc_add64
     d128 = bwd_sm90.select_config(torch.bfloat16, 128)
@@ -231,7 +231,7 @@ def test_dq_switch(monkeypatch):
     assert "FC_DESC_ADVANCE" not in dict(d128.spec().defines)
     flipped = dataclasses.replace(d128, desc_add64=True)
     assert flipped.name.endswith("_stm_da2_pe4") and dict(flipped.spec().defines)["FC_DESC_ADVANCE"] == "2"
-    assert dataclasses.replace(d64, desc_add64=False).name.endswith("_stm_da1_pe4")
+    assert dataclasses.replace(d64, desc_add64=False).name.endswith("_stm_da1_pe4_em2")
     assert d64 in bwd_sm90.configs() and d128 in bwd_sm90.configs()
     monkeypatch.setenv(DQ_ENV, "warp")  # an A/B reduction keeps the previous order
     warp = bwd_sm90.select_config(torch.bfloat16, 128)
@@ -260,7 +260,7 @@ def test_dq_switch(monkeypatch):
         tma = bwd_sm90.select_config(torch.bfloat16, d)
         assert tma.dq_warp and tma.dq_tma and not tma.dq_warp_flat and tma.dq_early
         # (=tma is d64's default: its kernel, FC_PROBS_EARLY included)
-        assert tma.name.endswith("_dqwts_early_stm_pe4" if d == 64 else "_dqwt_early_stm")
+        assert tma.name.endswith("_dqwts_early_stm_pe4_em2" if d == 64 else "_dqwt_early_stm")
         assert tma in bwd_sm90.configs()
     with pytest.raises(ValueError, match="dq_spread"):
         Sm90BwdConfig(torch.bfloat16, 64, dq_spread=True)
@@ -811,7 +811,8 @@ def test_probs_early_puts_work_between_the_exp2s(tmp_path):
         sass = dump(compile_spec(cfg.spec(), ARCH).cubin, tmp_path, "-sass")
         ops = re.findall(r"\b(MUFU|FADD|FMUL|FFMA|F2FP)\b", sass)
         return ops.count("MUFU"), sum(a == b == "MUFU" for a, b in zip(ops, ops[1:], strict=False))
-    cfg = bwd_sm90.select_config(torch.bfloat16, 64)
+    # (without the default's exp2s on the FMA pipe, FC_PROBS_EMU: the same exp2s either way)
+    cfg = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, 64), probs_emu=0)
     whole = dataclasses.replace(cfg, probs_early=16)
     (n_split, b2b_split), (n_whole, b2b_whole) = back_to_back(cfg), back_to_back(whole)
     assert n_split == n_whole  # the same exp2s

@@ -39,3 +39,16 @@ def test_unknown_layout_prints_the_header():
     rows = [["Address", "Source", "Instructions Executed"], ["0x10", "NOP", "3"]]
     assert "no warp-stall sampling column" in _module().summarize(rows, top=5)
     assert "no 'Source' column" in _module().summarize([["a", "b"]], top=5)
+
+
+def test_executed_instructions_by_opcode():
+    rows = [["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+             "Thread Instructions Executed"],
+            ["0x10", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR26+0x38050], R0", "0", "5,000,000",
+             "5,000,000"],
+            ["0x20", "@!P0  BRA 0x10", "7", "5,000,000", "5,000,000"],
+            ["0x30", "MUFU.EX2 R5, R5", "3", "1,000,000", "32,000,000"]]
+    text = _module().summarize(rows, top=3)
+    tail = text.split("warp instructions executed: 11.00 M; by opcode (M):")[1].split()
+    # (the warp count, not the thread count; a predicated branch under its opcode)
+    assert tail == ["5.00", "SYNCS", "5.00", "BRA", "1.00", "MUFU"]

@@ -431,6 +431,8 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
+// (kProducer: the TMA producer's wait for a free stage, FC_PRODUCER_WAIT's form)
+template <bool kProducer = false>
 __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck) {
   if constexpr (kWatchdog) {
     if (stuck) return;
@@ -441,6 +443,8 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
         return;
       }
     }
+  } else if constexpr (kProducer) {
+    mbar_wait_producer(bar, parity);
   } else {
     mbar_wait(bar, parity);
   }
@@ -552,7 +556,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
   for (int it = 0; it < steps.count(); ++it) {
     const int s = stage_of(it);
     const int h = steps.head(it, head_kv), m0 = steps.m0(it);
-    wait(sm.empty(s), parity_of(it) ^ 1, stuck);  // first pass: stages start empty
+    wait<true>(sm.empty(s), parity_of(it) ^ 1, stuck);  // first pass: stages start empty
     mbar_arrive_expect_tx(sm.full(s), 2 * kQBytes + 2 * kStatBytes);
     const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
     bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));

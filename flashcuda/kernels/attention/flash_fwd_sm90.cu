@@ -515,7 +515,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
 #endif
     // Q round r in buffer r % kQStages; its barriers' parity is (r / kQStages) & 1
     const int qb = q_round % kQStages;
-    mbar_wait(sm.q_empty(qb), ((q_round / kQStages) & 1) ^ 1);  // first pass: Q starts empty
+    mbar_wait_producer(sm.q_empty(qb), ((q_round / kQStages) & 1) ^ 1);  // first: Q empty
     mbar_arrive_expect_tx(sm.q_full(qb), kQBytes);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c)
@@ -525,13 +525,13 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
       const int s = stage_of(ring);
       const uint32_t empty_parity = parity_of(ring) ^ 1;  // first pass: stages start empty
       const int n0 = (blk.n_last - i) * kBlockN;
-      mbar_wait(sm.k_empty(s), empty_parity);
+      mbar_wait_producer(sm.k_empty(s), empty_parity);
       mbar_arrive_expect_tx(sm.k_full(s), kKVBytes);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c)
         tma_load_4d(sm.k(s) + c * kKVChunkBytes, map_k, sm.k_full(s), c * kChunkCols, n0,
                     blk.head_kv, blk.batch);
-      mbar_wait(sm.v_empty(s), empty_parity);
+      mbar_wait_producer(sm.v_empty(s), empty_parity);
 #if FC_MV_SCANNER
       store_shared_32(sm.v_request(s), masked(i) ? kScanTile : kScanSkip);  // (released below)
 #endif

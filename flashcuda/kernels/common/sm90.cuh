@@ -112,6 +112,43 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   }
 }
 
+// FC_PRODUCER_WAIT / FC_PRODUCER_BACKOFF (A/B, session 25): how the TMA producer waits for a
+// free stage — the one wait that is not on the consumers' critical path (the load it precedes
+// has a step or more of slack). The forward's ncu source counters at 1 x 16k x 16 d128
+// (runs/lane-20261202-d75289f/ncu-src-fwd16k) count 51.6 M polls of the producer's v_empty wait
+// (a TRYWAIT + BRA loop with one active thread, one poll per ~13 cycles of its sub-partition)
+// against 12 M barrier instructions in all of FlashAttention 4's kernel: issue slots taken from
+// the two consumer warps beside it, whose warpgroups then wait for them at every wgmma. Both 0
+// (the default): poll, as mbar_wait. FC_PRODUCER_WAIT = n: try_wait with a suspend-time hint of
+// n ns (the thread sleeps in the barrier until the phase completes or n ns pass; FC_WAIT_HINT
+// does this for every wait). FC_PRODUCER_BACKOFF = n: poll with __nanosleep(n) between tries.
+#ifndef FC_PRODUCER_WAIT
+#define FC_PRODUCER_WAIT 0
+#endif
+#ifndef FC_PRODUCER_BACKOFF
+#define FC_PRODUCER_BACKOFF 0
+#endif
+static_assert(FC_PRODUCER_WAIT >= 0 && FC_PRODUCER_BACKOFF >= 0 &&
+                  !(FC_PRODUCER_WAIT && FC_PRODUCER_BACKOFF),
+              "FC_PRODUCER_WAIT / FC_PRODUCER_BACKOFF: nanoseconds, at most one of them");
+__device__ __forceinline__ void mbar_wait_producer(uint32_t bar, uint32_t parity) {
+#if FC_PRODUCER_WAIT
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity), "r"(static_cast<uint32_t>(FC_PRODUCER_WAIT))
+        : "memory");
+  }
+#elif FC_PRODUCER_BACKOFF
+  while (!mbar_try_wait(bar, parity)) __nanosleep(FC_PRODUCER_BACKOFF);
+#else
+  mbar_wait(bar, parity);
+#endif
+}
+
 // ---- TMA ----------------------------------------------------------------------------------------
 
 // Box of `map` at coordinates (c0 innermost .. c3) -> shared memory `dst`; completion (the box's
