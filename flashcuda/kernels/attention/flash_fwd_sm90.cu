@@ -245,6 +245,15 @@ constexpr bool kFastDiv = FC_FAST_DIV;
 #endif
 static_assert(!FC_CROSS_TILE || (FC_Q_STAGES == 2 && !FC_DECODE_AHEAD && !FC_TIMELINE),
               "the cross-tile loop needs two Q buffers, decodes ahead itself, has no timeline");
+#ifndef FC_DESC_EARLY
+// 1 (A/B, session 25, not yet run on a GPU): with ping-pong, a step's K and V wgmma descriptors
+// are made before the warpgroup's turn and kept, instead of after the turn's barrier. ncu at
+// 1 x 16k x 16 d128 (runs/lane-20261202-d75289f/ncu-src-fwd16k*): between our BAR.SYNC and the
+// first HGMMA of a step ptxas placed 27 instructions — the shared-memory base rebuilt from
+// SR_CgaCtaId, then the descriptors, a chain of ~8 dependent uniform operations — against 11 in
+// FlashAttention 4's kernel; the other warpgroup's wgmmas wait for this hand-off every step.
+#define FC_DESC_EARLY 0
+#endif
 #ifndef FC_SMEM_PAD
 #define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
 #endif
@@ -611,12 +620,27 @@ struct Consumer {
   uint32_t p[kBlockN / 16][4];  // P of the previous tile as 16-bit A fragments of P V
   OnlineSoftmax row[2];         // rows g and g + 8 of this warp's 16; l is this lane's partial sum
   uint32_t q_rows;              // shared address of this warpgroup's 64 rows of Q (chunk 0)
+#if FC_DESC_EARLY
+  uint64_t q_desc;   // q_rows' wgmma descriptor, made with it (FC_DESC_EARLY)
+  uint64_t k_desc0;  // stage 0's K / V descriptors: a stage's are these advanced by its offset
+  uint64_t v_desc0;
+#endif
 #if FC_TIMELINE
   uint64_t t_s0;  // when the work tile's first S was ready (Timeline)
 #endif
 
+  __device__ __forceinline__ void set_q(uint32_t rows) {
+    q_rows = rows;
+#if FC_DESC_EARLY
+    q_desc = smem_desc_k_major_sw128(rows);
+#endif
+  }
   __device__ __forceinline__ void init(const Smem& sm, int wg_row0, int q_buffer) {
-    q_rows = sm.q(q_buffer) + wg_row0 * 128;  // 64-row offsets stay 1024-byte aligned
+#if FC_DESC_EARLY
+    k_desc0 = smem_desc_k_major_sw128(sm.k(0));
+    v_desc0 = smem_desc_mn_major_sw128(sm.v(0), kKVChunkBytes);
+#endif
+    set_q(sm.q(q_buffer) + wg_row0 * 128);  // 64-row offsets stay 1024-byte aligned
     row[0].init();
     row[1].init();
 #pragma unroll
@@ -624,9 +648,16 @@ struct Consumer {
   }
 
   // Issue S = Q K^T over kHeadDim / 16 k16 steps (one commit group); step kk reads 32 bytes at
-  // column (kk % 4) * 16 of chunk kk / 4 of both tiles. The caller fenced.
-  __device__ __forceinline__ void issue_scores(uint32_t k_tile) {
-    const uint64_t a0 = smem_desc_k_major_sw128(q_rows), b0 = smem_desc_k_major_sw128(k_tile);
+  // column (kk % 4) * 16 of chunk kk / 4 of both tiles. The caller fenced. (kGiven: `b0` is
+  // k_tile's descriptor, made by the caller, and Q's is q_desc: FC_DESC_EARLY)
+  template <bool kGiven = false>
+  __device__ __forceinline__ void issue_scores(uint32_t k_tile, uint64_t given = 0) {
+#if FC_DESC_EARLY
+    const uint64_t a0 = kGiven ? q_desc : smem_desc_k_major_sw128(q_rows);
+#else
+    const uint64_t a0 = smem_desc_k_major_sw128(q_rows);
+#endif
+    const uint64_t b0 = kGiven ? given : smem_desc_k_major_sw128(k_tile);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t col = (kk / 4), within = (kk % 4) * 32;
@@ -639,9 +670,10 @@ struct Consumer {
 
   // Issue O += P V (one commit group): P's C fragments of n8 blocks 2kk, 2kk + 1 are the A
   // fragment of k16 step kk; step kk reads V rows 16kk .. 16kk + 15 (2048 bytes further per
-  // step), both d chunks.
-  __device__ __forceinline__ void issue_accumulate(uint32_t v_tile) {
-    const uint64_t b0 = smem_desc_mn_major_sw128(v_tile, kKVChunkBytes);
+  // step), both d chunks. (kGiven: `given` is v_tile's descriptor, FC_DESC_EARLY)
+  template <bool kGiven = false>
+  __device__ __forceinline__ void issue_accumulate(uint32_t v_tile, uint64_t given = 0) {
+    const uint64_t b0 = kGiven ? given : smem_desc_mn_major_sw128(v_tile, kKVChunkBytes);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const uint64_t b = mn_major_at(b0, v_tile, kk * 16 * 128, kKVChunkBytes);
@@ -1070,17 +1102,32 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     mbar_wait(sm.v_full(prev), parity_of(ring - 1));
     if constexpr (kScanPrev) v_prev = scanned_v(sm, prev, masked.scan(i - 1), c, poisoned);
   }
+#if FC_DESC_EARLY
+  // The step's K and V descriptors: stage 0's advanced by the stage's offset, one add each (not
+  // rebuilt from the shared-memory base after the turn's barrier); V from a scan keeps its own
+  constexpr bool kEarlyDesc = kPingPong && !kScanPrev;
+  const uint64_t k_desc = desc_advance(cs.k_desc0, st * kKVBytes);
+  const uint64_t v_desc = desc_advance(cs.v_desc0, prev * kKVBytes);
+#endif
   turn_begin(c);
   wgmma_fence_operands(cs.s);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
+#if FC_DESC_EARLY
+  cs.issue_scores<kEarlyDesc>(sm.k(st), k_desc);
+#else
   cs.issue_scores(sm.k(st));
+#endif
   if constexpr (!kFirst) {
     if constexpr (!kVBeforeTurn) {
       mbar_wait(sm.v_full(prev), parity_of(ring - 1));
       v_prev = sm.v(prev);  // (the same address; computed here it keeps the SASS of before)
     }
+#if FC_DESC_EARLY
+    cs.issue_accumulate<kEarlyDesc>(v_prev, v_desc);
+#else
     cs.issue_accumulate(v_prev);
+#endif
   }
   turn_end(c);
   if constexpr (!kFirst) {
@@ -1455,7 +1502,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
         wgmma_fence_operands(cs.o);
         wgmma_fence();
         cs.issue_accumulate(v);
-        cs.q_rows = sm.q(qn % kQStages) + wg_row0 * 128;
+        cs.set_q(sm.q(qn % kQStages) + wg_row0 * 128);
         cs.issue_scores(sm.k(sk));
         turn_end(c);
         decode_after();
