@@ -80,6 +80,7 @@ from .call import (
     LOG2E,
     BwdCall,
     PlanCache,
+    defines_suffix,
     kernel_windows,
     parse_defines,
     register_pool,
@@ -387,7 +388,7 @@ class Sm90BwdConfig:
                 + (f"_em{self.probs_emu}" if self.probs_emu else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
                 + ("_tl" if self.timeline else "")
-                + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
+                + defines_suffix(self.defines))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={

@@ -242,6 +242,12 @@ def register_pool(threads: int) -> int:
     return (65536 // threads) // 8 * 8 * threads
 
 
+def defines_suffix(defines: tuple) -> str:
+    """The kernel-name suffix of A/B defines: "_fc_name<value>" each, a minus sign as "m" (the
+    name is the kernel's C identifier: "FC_X=-1" would otherwise not compile)."""
+    return "".join(f"_{k.lower()}{str(v).replace('-', 'm')}" for k, v in defines)
+
+
 def parse_defines(env: str) -> tuple:
     """The (name, value) pairs of an A/B defines variable (FLASHCUDA_SM90_FWD_DEFINES,
     FLASHCUDA_SM90_BWD_DEFINES): "FC_NAME=<integer>[,...]", sorted; ValueError naming the

@@ -56,6 +56,7 @@ from .call import (
     LOG2E,
     FwdCall,
     PlanCache,
+    defines_suffix,
     parse_defines,
     register_pool,
     vector_layout_problem,
@@ -190,7 +191,7 @@ class Sm90FwdConfig:
                 f"{f'_q{self.q_stages}' if self.q_stages != 1 else ''}"
                 f"{'_ot' if self.o_tma else ''}{'_ms' if self.mv_scanner else ''}"
                 f"{'_fd' if self.fast_div else ''}{'_da' if self.decode_ahead else ''}"
-                + "".join(f"_{k.lower()}{v}" for k, v in self.defines))
+                + defines_suffix(self.defines))
 
     @property
     def windowed(self) -> bool:

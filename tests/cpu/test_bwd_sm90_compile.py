@@ -494,6 +494,11 @@ def test_bwd_defines_switch(monkeypatch):
     cfg = bwd_sm90.select_config(torch.bfloat16, 128)
     assert cfg.defines == (("FC_CONSUMER_REGS", 240), ("FC_DV_EARLY", 1))
     assert dict(cfg.spec().defines)["FC_CONSUMER_REGS"] == "240"  # overrides the config's own
+    # a negative value names the kernel with "m" (the name is its C identifier)
+    monkeypatch.setenv(bwd_sm90.DEFINES_ENV, "FC_X=-3")
+    cfg = bwd_sm90.select_config(torch.bfloat16, 128)
+    assert cfg.name == base.name + "_fc_xm3" and cfg.name.isidentifier()
+    assert dict(cfg.spec().defines)["FC_X"] == "-3"
     monkeypatch.setenv(bwd_sm90.DEFINES_ENV, "DESC_ADVANCE=1")
     with pytest.raises(ValueError, match=bwd_sm90.DEFINES_ENV):
         bwd_sm90.select_config(torch.bfloat16, 128)
