@@ -384,14 +384,17 @@ static_assert(!kDqSwap || (FC_DQ_FRAG && kDsKMajor && FC_DQ_EARLY),
 #endif
 constexpr int kProbsEarly = FC_PROBS_EARLY;
 static_assert(kProbsEarly >= 0 && kProbsEarly <= kBlockM / 8, "FC_PROBS_EARLY: 0 .. kBlockM / 8");
-// FC_PROBS_EMU = k (session 25, an A/B knob): the exp2s of k of P^T's column blocks after the
-// dP^T wait (evenly spaced among them) run on the FMA pipe (exp2_fma) instead of MUFU. Both
+// FC_PROBS_EMU = k (session 25; k = 2 the host's default at d64, bwd_sm90.PROBS_EMU; an A/B
+// elsewhere): the exp2s of k of P^T's column blocks after the dP^T wait (evenly spaced among
+// them) run on the FMA pipe (exp2_fma) instead of MUFU. Both
 // consumer warpgroups reach that part of the step together (the dS^T barrier keeps them in step),
 // so a sub-partition's two consumer warps issue their MUFUs into one XU pipe at once: 16 results
 // per SM cycle, 8 cycles per warp instruction — at d64 (48 such exp2s per thread) 768 XU cycles
 // against ~480 issue cycles for everything else the block does with those elements. Moving a
 // fifth of them to ~8 FMA-pipe instructions each balances the two. (The forward's version of this,
 // session 14, lost 4-14%: there the warpgroups take turns and the XU pipe is not the bound.)
+// Measured (session 25, perf-notes): k = 2 +0.0 to +1.6% at d64, k = 3 -4.5 to -9.6%, d128
+// noise — smaller than this balance predicts: the phase is not purely XU-bound.
 #ifndef FC_PROBS_EMU
 #define FC_PROBS_EMU 0
 #endif

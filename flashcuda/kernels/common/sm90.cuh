@@ -86,24 +86,30 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 #ifndef FC_WAIT_HINT
 #define FC_WAIT_HINT 0
 #endif
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+// try_wait with a suspend-time hint of `ns` nanoseconds (FC_WAIT_HINT, FC_PRODUCER_WAIT)
+__device__ __forceinline__ bool mbar_try_wait_hint(uint32_t bar, uint32_t parity, uint32_t ns) {
   uint32_t done;
-#if FC_WAIT_HINT
   asm volatile(
       "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
       "selp.u32 %0, 1, 0, p;\n}\n"
       : "=r"(done)
-      : "r"(bar), "r"(parity), "r"(static_cast<uint32_t>(FC_WAIT_HINT))
+      : "r"(bar), "r"(parity), "r"(ns)
       : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+#if FC_WAIT_HINT
+  return mbar_try_wait_hint(bar, parity, FC_WAIT_HINT);
 #else
+  uint32_t done;
   asm volatile(
       "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
       "selp.u32 %0, 1, 0, p;\n}\n"
       : "=r"(done)
       : "r"(bar), "r"(parity)
       : "memory");
-#endif
   return done != 0;
+#endif
 }
 
 // Block until the phase with parity `parity` of `bar` has completed.
@@ -133,14 +139,7 @@ static_assert(FC_PRODUCER_WAIT >= 0 && FC_PRODUCER_BACKOFF >= 0 &&
               "FC_PRODUCER_WAIT / FC_PRODUCER_BACKOFF: nanoseconds, at most one of them");
 __device__ __forceinline__ void mbar_wait_producer(uint32_t bar, uint32_t parity) {
 #if FC_PRODUCER_WAIT
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity), "r"(static_cast<uint32_t>(FC_PRODUCER_WAIT))
-        : "memory");
+  while (!mbar_try_wait_hint(bar, parity, FC_PRODUCER_WAIT)) {
   }
 #elif FC_PRODUCER_BACKOFF
   while (!mbar_try_wait(bar, parity)) __nanosleep(FC_PRODUCER_BACKOFF);
