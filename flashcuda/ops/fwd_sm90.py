@@ -66,7 +66,7 @@ from .fwd_sm80 import MAX_SEQLEN_SUM, _device_index, _device_info
 SOURCE = "attention/flash_fwd_sm90.cu"
 ARCHS = ("sm_90a",)
 DTYPES = (torch.float16, torch.bfloat16)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 192, 256)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90"
 PERSISTENT_ENV = "FLASHCUDA_SM90_PERSISTENT"
 GATED = f"fwd_sm90 is turned off ({ENABLE_ENV}=0)"
@@ -131,8 +131,9 @@ class Sm90FwdConfig:
         if self.block_m not in (128, 192):
             raise ValueError(f"Sm90FwdConfig.block_m: expected 128 or 192 (two or three consumer "
                              f"warpgroups), got {self.block_m}")
-        if self.block_n not in (64, 128, 176):
-            raise ValueError(f"Sm90FwdConfig.block_n: expected 64, 128 or 176, got {self.block_n}")
+        if self.block_n not in (64, 80, 128, 176):
+            raise ValueError(f"Sm90FwdConfig.block_n: expected 64, 80, 128 or 176, "
+                             f"got {self.block_n}")
         if self.stages < 1:
             raise ValueError(f"Sm90FwdConfig.stages: expected >= 1, got {self.stages}")
         if self.mv_scanner and not self.masked_v:
@@ -262,19 +263,29 @@ class Sm90FwdConfig:
 # (EXP_SPLIT), 128 x 128 wins +2.4-5.6% at 4k-16k (session 13,
 # "d128 tiles and the exp2 split" in perf-notes).
 TILES_192_FROM = 2048  # causal / windowed d64: 192-row tiles from this seqlen_q on
+# d192 / d256 (session 26): two consumer warpgroups of 64 rows and 64-key tiles. A warpgroup's O
+# takes kHeadDim / 2 registers per thread (128 at d256), and two stages of K / V tiles must fit
+# beside a 128-row Q tile (d256: 1 KB + 64 KB + 2 x 2 x 32 KB = 193 KB of the 227 KB). FA3's
+# d256 tiles are 128 x 80 (built as an A/B: FLASHCUDA_SM90_TILES=d256=bm128_bn80).
+WIDE = (192, 256)
+WIDE_TILES = (128, 64)
 LONG = 8192  # a long call (the default seqlen_q of select_config)
 
 
 def tiles_for(head_dim: int, windowed: bool, seqlen_q: int) -> tuple[int, int]:
     if head_dim == 64:
         return (192, 128) if not windowed or seqlen_q >= TILES_192_FROM else (128, 128)
+    if head_dim in WIDE:
+        return WIDE_TILES
     return (128, 128)
 
 
 # Every (block_m, block_n) tiles_for returns, per head dim; 128 x 128 is also the A/B baseline
 # (FLASHCUDA_SM90_TILES=bm128_bn128 at every head dim, or d64=bm192_bn128,d128=bm128_bn176 ...).
-SHAPES = {64: ((192, 128), (128, 128)), 128: ((128, 176), (128, 128))}
-WINDOWED_TILES = {64: ((192, 128), (128, 128)), 128: ((128, 128),)}  # tiles_for with a window
+SHAPES = {64: ((192, 128), (128, 128)), 128: ((128, 176), (128, 128)),
+          192: ((128, 64),), 256: ((128, 64),)}
+WINDOWED_TILES = {64: ((192, 128), (128, 128)), 128: ((128, 128),),  # tiles_for with a window
+                  192: ((128, 64),), 256: ((128, 64),)}
 TILES_ENV = "FLASHCUDA_SM90_TILES"
 CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
 
@@ -321,7 +332,7 @@ DEFINES_ENV = "FLASHCUDA_SM90_FWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel kn
 # the warpgroup. Same-run A/B (session 9, docs/perf-notes.md): d128 +3-8% (16k: 567 -> 610
 # TFLOP/s without a mask, 548 -> 588 causal), d64 -2-4% (its three warpgroups' ping-pong already
 # hides the softmax; the duplicated code costs more than the overlap gives).
-SOFTMAX_IN_ARMS = (128,)
+SOFTMAX_IN_ARMS = (128, 192, 256)  # (d192 / d256: as d128, not measured apart)
 # Column groups (of 8 keys) whose exp2s run before the previous P V's wait, per head dim; the rest
 # run after it, among the O rescale and the packing (FC_EXP_SPLIT, the .cu; FlashAttention 4's
 # placement). Same-run A/B (session 13, perf-notes): d128 +0-5% (with 128 x 128 tiles +2.4-5.6%
@@ -329,7 +340,7 @@ SOFTMAX_IN_ARMS = (128,)
 # 16 groups (was 8) from session 19's same-process A/B (scripts/ab_probe.py): +1.6 to +2.2% at 4k
 # and 8k, causal and not, against k = 8; 4, 10, 12 slower. An
 # FLASHCUDA_SM90_FWD_DEFINES=FC_EXP_SPLIT=0 run builds the unsplit kernel (A/B).
-EXP_SPLIT = {128: 6}
+EXP_SPLIT = {128: 6, 192: 3, 256: 3}  # (d192 / d256: d128's share of 64-key tiles' 8 groups)
 # The windowed (masked-V) kernels test a masked tile's scores against a bit mask of each lane's
 # visible columns (FC_MASK_BITS, the .cu; 128-key tiles). Same-run A/B (session 18, perf-notes):
 # causal forward +0.3 to +3.4% at 512-8k (the masked first tile of every causal work tile is on
@@ -349,7 +360,7 @@ FIRST_HALF = {64: (128,)}
 # +2-11% (512-1k +6-11%, 4k +2-3.5%, 8k causal 0), the per-work-tile epilogue 2.1 -> 0.9 us
 # (forward timeline); d64 with 192-row tiles +1.4-3.4% without a mask, with 128-row tiles (the
 # causal ones, then below 8k, now below 2k) -1 to -3.6%: not used there.
-O_QUAD = {128: (128,), 64: (192,)}
+O_QUAD = {128: (128,), 64: (192,), 192: (128,), 256: (128,)}
 
 
 def _defines() -> tuple:
@@ -382,8 +393,12 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
                         consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong,
                         snake=snake, masked_v=masked_v, smem_pad=_smem_pad(),
                         defines=_defines())
+    if cfg.masked_v and cfg.smem_bytes > SMEM_OPTIN:
+        # d256's masked-V kernel: its two clean V tiles fit beside one K / V stage only. It runs
+        # as the second of two passes (two_passes), for the CTAs whose first pass saw a NaN / Inf
+        cfg = dataclasses.replace(cfg, stages=1)
     stages = _stages()
-    if stages != cfg.stages and not windowed:
+    if stages != cfg.stages and not (windowed or cfg.masked_v):
         cfg = dataclasses.replace(cfg, stages=stages)
         if cfg.smem_bytes > SMEM_OPTIN:
             raise ValueError(f"{STAGES_ENV}={stages}: {cfg.name} would need {cfg.smem_bytes} "
@@ -427,7 +442,7 @@ def scanned(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     d128 the producer warpgroup gets 32 registers (its consumers 8 fewer): at 24 ptxas spills one
     of the producer's loop invariants once the scan requests are computed beside the loads."""
     regs = {}
-    if cfg.head_dim == 128:
+    if cfg.head_dim >= 128:
         regs = dict(producer_regs=32, consumer_regs=cfg.consumer_regs - 8)
     return dataclasses.replace(cfg, mv_scanner=True, **regs)
 
@@ -467,6 +482,11 @@ def select_config(dtype: torch.dtype, head_dim: int, windowed: bool = False,
                    windowed=windowed, seqlen_q=seqlen_q, few_rounds=few_rounds)
 
 
+# Head dims whose timeline and boundary A/B variants configs() precompiles (d192 / d256: the
+# dispatched kernels and their passes only; an A/B run there compiles its variant on first use)
+AB_HEAD_DIMS = (64, 128)
+
+
 def configs() -> list[Sm90FwdConfig]:
     """Every specialisation dispatch or an A/B run can pick (the CPU lane compiles them all):
     the timeline variants of the ping-pong kernels (bf16: scripts/sm90_timeline.py), the
@@ -478,11 +498,12 @@ def configs() -> list[Sm90FwdConfig]:
            for pingpong in (False, True) for snake in (False, True)
            for mv in (False, True) if not mv or (bm, bn) in WINDOWED_TILES[d]]
     out += [dataclasses.replace(c, timeline=True) for c in out
-            if c.dtype == torch.bfloat16 and c.pingpong and not c.masked_v]
+            if c.dtype == torch.bfloat16 and c.pingpong and not c.masked_v
+            and c.head_dim in AB_HEAD_DIMS]
     # the A/B variants the GPU lane runs (tests/gpu/test_fwd_sm90.py, with dispatch's tiles)
     bare = [_config(c.dtype, c.head_dim, c.block_m, c.block_n, c.pingpong, c.snake,
                     masked_v=c.masked_v, boundary=BOUNDARY_OFF) for c in out
-            if c.pingpong and not c.timeline
+            if c.pingpong and not c.timeline and c.head_dim in AB_HEAD_DIMS
             and (c.block_m, c.block_n) in (tiles_for(c.head_dim, False, LONG),
                                            tiles_for(c.head_dim, True, 1),
                                            tiles_for(c.head_dim, True, LONG))]

@@ -2,7 +2,8 @@
 //
 // Feature matrix
 //   dtypes        fp16, bf16 in and out; fp32 accumulation and softmax
-//   head dims     kHeadDim in {64, 128}, exactly (the runtime head dim equals the kernel's)
+//   head dims     kHeadDim in {64, 128, 192, 256}, exactly (the runtime head dim equals the
+//                 kernel's)
 //   masking       bottom-right aligned band of mask.cuh (causal, sliding window, none); ragged
 //                 seqlen_q / seqlen_k
 //   heads         MHA, GQA, MQA (kv head = head / (nheads / nheads_kv))
@@ -284,11 +285,12 @@ constexpr int kBarriers = 2 * kQStages + 4 * kStages + (FC_MV_SCANNER ? 4 * kSta
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
-static_assert(kHeadDim == 64 || kHeadDim == 128, "sm90 kernel: head dim 64 or 128");
+static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
+              "sm90 kernel: head dim 64, 128, 192 or 256");
 static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups of 64 rows");
 static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma n, TMA box rows <= 256");
-static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 176,
-              "wgmma_ss is instantiated for n = 64, 128, 176");
+static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176,
+              "wgmma_ss is instantiated for n = 64, 80, 128, 176");
 static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= register_pool(kThreads),
               "register split over the CTA's pool at launch (register_pool, sm90.cuh)");
 // The host config (flashcuda/ops/fwd_sm90.py) computes the launch's dynamic smem; it must agree.
@@ -964,11 +966,14 @@ __device__ __forceinline__ uint32_t v_offset(int key, int d) {
 __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, uint32_t scratch,
                                                    const Mask& mask, int row0, int n0,
                                                    const float (&corr)[2]) {
-  static_assert(128 * (kHeadDim / 2) * 4 <= kKVBytes, "a warpgroup's O fits its clean V tile");
+  // O goes through the clean tile in kParts parts of kHeadDim / kParts columns (one at d64 /
+  // d128 / d192, two at d256 with 64-key tiles, where a warpgroup's O is twice a V tile)
+  constexpr int kParts = (128 * (kHeadDim / 2) * 4 + kKVBytes - 1) / kKVBytes;
+  constexpr int kPartGroups = kHeadDim / 8 / kParts;  // column groups of 8 per part
+  static_assert(kPartGroups * kParts * 8 == kHeadDim && 128 * kPartGroups * 4 * 4 <= kKVBytes,
+                "a part of a warpgroup's O fits its clean V tile");
   const int t = static_cast<int>(threadIdx.x & 3);
-  const uint32_t mine = scratch + (threadIdx.x & 127) * (kHeadDim / 2) * 4;
-#pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) store_shared_32(mine + 4 * i, __float_as_uint(cs.o[i]));
+  const uint32_t mine = scratch + (threadIdx.x & 127) * kPartGroups * 4 * 4;
   int lo[2], hi[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -976,29 +981,38 @@ __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, uin
     hi[h] = min(mask.key_end(row0 + 8 * h + 1) - n0, kBlockN);
   }
   const int first = min(lo[0], lo[1]), last = max(hi[0], hi[1]);
-#pragma unroll 1
-  for (int key = first; key < last; ++key) {
-#pragma unroll 1
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      const uint32_t w = load_shared_32(v + v_offset(key, 8 * j + 2 * t));
-      if (!word_nonfinite<T>(w)) continue;
-#pragma unroll  // e, h: two each, kept unrolled so that lo / hi stay in registers
-      for (int e = 0; e < 2; ++e) {
-        const uint32_t bits = e ? (w >> 16) : (w & 0xffffu);
-        if (!half_nonfinite<T>(bits)) continue;
-        const float x = nonfinite_value<T>(bits);  // (scaled below by its row's corr)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (key < lo[h] || key >= hi[h]) continue;
-          const uint32_t at = mine + 4 * (4 * j + 2 * h + e);
-          const float o_at = __uint_as_float(load_shared_32(at));
-          store_shared_32(at, __float_as_uint(o_at + x * corr[h]));
+  for (int part = 0; part < kParts; ++part) {
+    const int i0 = part * kPartGroups * 4;  // the part's first accumulator
+#pragma unroll
+    for (int i = 0; i < kPartGroups * 4; ++i)
+      store_shared_32(mine + 4 * i, __float_as_uint(cs.o[i0 + i]));
+#pragma unroll 1
+    for (int key = first; key < last; ++key) {
+#pragma unroll 1
+      for (int jj = 0; jj < kPartGroups; ++jj) {
+        const int j = part * kPartGroups + jj;
+        const uint32_t w = load_shared_32(v + v_offset(key, 8 * j + 2 * t));
+        if (!word_nonfinite<T>(w)) continue;
+#pragma unroll  // e, h: two each, kept unrolled so that lo / hi stay in registers
+        for (int e = 0; e < 2; ++e) {
+          const uint32_t bits = e ? (w >> 16) : (w & 0xffffu);
+          if (!half_nonfinite<T>(bits)) continue;
+          const float x = nonfinite_value<T>(bits);  // (scaled below by its row's corr)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (key < lo[h] || key >= hi[h]) continue;
+            const uint32_t at = mine + 4 * (4 * jj + 2 * h + e);
+            const float o_at = __uint_as_float(load_shared_32(at));
+            store_shared_32(at, __float_as_uint(o_at + x * corr[h]));
+          }
         }
       }
     }
-  }
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) cs.o[i] = __uint_as_float(load_shared_32(mine + 4 * i));
+    for (int i = 0; i < kPartGroups * 4; ++i)
+      cs.o[i0 + i] = __uint_as_float(load_shared_32(mine + 4 * i));
+  }
 }
 #endif
 
