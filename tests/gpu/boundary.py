@@ -181,9 +181,9 @@ def supports(family: str, case: Case, dtype: torch.dtype) -> tuple[bool, bool]:
     if family == "sm80":
         ok = half and aligned and case.d % 8 == 0
         return ok and case.d <= 256, ok and case.d <= 128
-    if family == "sm90":
-        ok = half and aligned and case.d in (64, 128)
-        return ok, ok and not case.det
+    if family == "sm90":  # (forward at d192 / d256 since session 26; backward d64 / d128)
+        ok = half and aligned
+        return ok and case.d in (64, 128, 192, 256), ok and case.d in (64, 128) and not case.det
     if family in ("simt", "auto"):
         return case.d <= 256, case.d <= 256
     raise ValueError(f"family: expected one of {tuple(FAMILIES)}, got {family!r}")
