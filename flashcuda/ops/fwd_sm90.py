@@ -263,27 +263,31 @@ class Sm90FwdConfig:
 # (EXP_SPLIT), 128 x 128 wins +2.4-5.6% at 4k-16k (session 13,
 # "d128 tiles and the exp2 split" in perf-notes).
 TILES_192_FROM = 2048  # causal / windowed d64: 192-row tiles from this seqlen_q on
-# d192 / d256 (session 26): two consumer warpgroups of 64 rows and 64-key tiles. A warpgroup's O
-# takes kHeadDim / 2 registers per thread (128 at d256), and two stages of K / V tiles must fit
-# beside a 128-row Q tile (d256: 1 KB + 64 KB + 2 x 2 x 32 KB = 193 KB of the 227 KB). FA3's
-# d256 tiles are 128 x 80 (built as an A/B: FLASHCUDA_SM90_TILES=d256=bm128_bn80).
-WIDE = (192, 256)
-WIDE_TILES = (128, 64)
+# d192 / d256 (session 26): two consumer warpgroups of 64 rows. A warpgroup's O takes
+# kHeadDim / 2 registers per thread (128 at d256), and two stages of K / V tiles must fit beside
+# a 128-row Q tile: d192 64 keys (1 KB + 2 x 48 KB of Q + 2 x 2 x 24 KB = 193 KB of the 227 KB),
+# d256 FA3's 80 (1 KB + 64 KB + 2 x 2 x 40 KB = 225 KB). Same-process A/B at 4c36094 (H200,
+# perf-notes): 80 keys against 64 at d256 +3.8 to +5.9% at 1k-16k, causal and not, but causal
+# 1k -2.8%; FLASHCUDA_SM90_TILES=d256=bm128_bn64 builds the 64-key kernel (A/B). Causal /
+# windowed d256 calls keep 64 keys: their masked-V kernel (the two passes' second) spills
+# 104-152 bytes with 80 (NVRTC 13.5), 8-52 with 64, and both passes must share the tiles.
+WIDE_TILES = {192: (128, 64), 256: (128, 80)}
+WIDE_WINDOWED_TILES = {192: (128, 64), 256: (128, 64)}
 LONG = 8192  # a long call (the default seqlen_q of select_config)
 
 
 def tiles_for(head_dim: int, windowed: bool, seqlen_q: int) -> tuple[int, int]:
     if head_dim == 64:
         return (192, 128) if not windowed or seqlen_q >= TILES_192_FROM else (128, 128)
-    if head_dim in WIDE:
-        return WIDE_TILES
+    if head_dim in WIDE_TILES:
+        return (WIDE_WINDOWED_TILES if windowed else WIDE_TILES)[head_dim]
     return (128, 128)
 
 
 # Every (block_m, block_n) tiles_for returns, per head dim; 128 x 128 is also the A/B baseline
 # (FLASHCUDA_SM90_TILES=bm128_bn128 at every head dim, or d64=bm192_bn128,d128=bm128_bn176 ...).
 SHAPES = {64: ((192, 128), (128, 128)), 128: ((128, 176), (128, 128)),
-          192: ((128, 64),), 256: ((128, 64),)}
+          192: ((128, 64),), 256: ((128, 80), (128, 64))}
 WINDOWED_TILES = {64: ((192, 128), (128, 128)), 128: ((128, 128),),  # tiles_for with a window
                   192: ((128, 64),), 256: ((128, 64),)}
 TILES_ENV = "FLASHCUDA_SM90_TILES"

@@ -35,12 +35,11 @@ BF16, FP16 = torch.bfloat16, torch.float16
 WIDE = [192, 256]
 
 
-@pytest.fixture(autouse=True, params=["default", "plain", "d256=bm128_bn80"],
-            ids=["tiles-dispatch", "plain", "d256-bn80"])
+@pytest.fixture(autouse=True, params=["default", "plain", "d256=bm128_bn64"],
+                ids=["tiles-dispatch", "plain", "d256-bn64"])
 def _enable_sm90(monkeypatch, request):
-    """Every test with dispatch's kernels, with neither ping-pong nor snake order, and (d256) with
-    FA3's 128 x 80 tiles (an A/B: FLASHCUDA_SM90_TILES=d256=bm128_bn80; no masked-V kernel is
-    built for them, so windowed calls run without one there)."""
+    """Every test with dispatch's kernels (d256: FA3's 128 x 80 tiles), with neither ping-pong nor
+    snake order, and (d256) with 128 x 64 tiles (the A/B FLASHCUDA_SM90_TILES=d256=bm128_bn64)."""
     monkeypatch.setenv(fwd_sm90.ENABLE_ENV, "1")
     for env in (fwd_sm90.TILES_ENV, fwd_sm90.PINGPONG_ENV, fwd_sm90.SNAKE_ENV):
         monkeypatch.delenv(env, raising=False)
@@ -59,7 +58,7 @@ def _enable_sm90(monkeypatch, request):
 def only_dispatch_tiles(head_dim=None):
     """Tests of what dispatch builds (masked V, the two passes) run under its own parameter;
     d192 tests skip the d256-only tile parameter (it would rerun dispatch's d192 kernel)."""
-    forced = fwd_sm90.select_config(BF16, 256).block_n != 64
+    forced = fwd_sm90.select_config(BF16, 256).block_n != fwd_sm90.tiles_for(256, False, 1)[1]
     pp_off = not fwd_sm90.select_config(BF16, 256).pingpong
     if head_dim is None and (forced or pp_off):
         pytest.skip("runs under the tiles-dispatch parameter")
