@@ -31,6 +31,8 @@ CASES = [
     (2, 113, 203, 4, 1, 64, True, (-1, -1)),  # MQA, Sq < Sk
     (1, 203, 113, 4, 4, 128, False, (32, 8)),  # window, Sq > Sk
     (1, 97, 143, 6, 3, 72, True, (-1, -1)),  # an unusual head dim
+    (1, 300, 333, 4, 2, 256, True, (-1, -1)),  # the sm90 forward's d256 (session 26), GQA
+    (2, 129, 100, 2, 2, 192, False, (-1, -1)),  # ... and d192, Sq > Sk
 ]
 
 
