@@ -92,12 +92,13 @@ def standard_points(seqlens: Iterable[int] = STANDARD_SEQLENS,
                     headdims: Iterable[int] = STANDARD_HEADDIMS,
                     causals: Iterable[bool] = (False, True), dtype: str = "bf16",
                     tokens: int = TOKENS_PER_BATCH, model_dim: int = MODEL_DIM) -> list[SweepPoint]:
-    """batch = tokens // seqlen (at least 1), nheads = model_dim // headdim; ordered by head dim,
-    then seqlen, then causal (the order of the PERFORMANCE.md table)."""
+    """batch = tokens // seqlen (at least 1), nheads = model_dim // headdim (a head dim that does
+    not divide the model dim, e.g. 192 of 2048: the whole heads that fit, 10); ordered by head
+    dim, then seqlen, then causal (the order of the PERFORMANCE.md table)."""
     points = []
     for d in headdims:
-        if model_dim % d:
-            raise ValueError(f"head dim {d} does not divide the model dim {model_dim}")
+        if not 0 < d <= model_dim:
+            raise ValueError(f"head dim {d}: expected 1 .. the model dim {model_dim}")
         for s in seqlens:
             for c in causals:
                 points.append(SweepPoint(max(1, tokens // s), model_dim // d, s, d, bool(c), dtype))

@@ -1,5 +1,5 @@
 """The sm90a forward kernel family (FlashAttention-3 design: TMA, mbarriers, wgmma, a producer
-warpgroup and two consumer warpgroups with setmaxnreg), fp16/bf16, head dims 64 and 128.
+warpgroup and two consumer warpgroups with setmaxnreg), fp16/bf16, head dims 64, 128, 192, 256.
 
 Status: proven on the H200 (tests/gpu/test_fwd_sm90.py against the float64 oracle; records in
 docs/EVIDENCE.md); dispatch prefers it on compute capability 9.0. FLASHCUDA_ENABLE_SM90=0 turns it
@@ -28,6 +28,9 @@ register split, shared memory (the .cu static_asserts the same layout), the name
                          consumer: 137 / 113 KB)
     128        none      128 x 128, 2                 161 KB   2 x 240  (FA4's d128 tiles)
     128        causal    128 x 128, 2                 226 KB   2 x 240  (161 + 2 clean V tiles)
+    192        any       128 x 64, 2 (+ 2 clean V tiles with a mask)   2 x 240
+    256        none      128 x 80, 2                  226 KB   2 x 240  (FA3's d256 tiles)
+    256        causal    128 x 64, 2; the masked-V second pass 1 stage + 2 clean V tiles
     A/B        none      128 x 176 at d128 (FLASHCUDA_SM90_TILES=d128=bm128_bn176, FA3's)
     A/B        any       128 x 128, 2 (FLASHCUDA_SM90_TILES=bm128_bn128)
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512 and
@@ -271,7 +274,7 @@ TILES_192_FROM = 2048  # causal / windowed d64: 192-row tiles from this seqlen_q
 # 1k -2.8%; FLASHCUDA_SM90_TILES=d256=bm128_bn64 builds the 64-key kernel (A/B). Causal /
 # windowed d256 calls keep 64 keys: their masked-V kernel (the two passes' second) spills
 # 104-152 bytes with 80 (NVRTC 13.5), 8-52 with 64, and both passes must share the tiles.
-WIDE_TILES = {192: (128, 64), 256: (128, 80)}
+WIDE_TILES = {192: (128, 80), 256: (128, 80)}
 WIDE_WINDOWED_TILES = {192: (128, 64), 256: (128, 64)}
 LONG = 8192  # a long call (the default seqlen_q of select_config)
 
@@ -287,7 +290,7 @@ def tiles_for(head_dim: int, windowed: bool, seqlen_q: int) -> tuple[int, int]:
 # Every (block_m, block_n) tiles_for returns, per head dim; 128 x 128 is also the A/B baseline
 # (FLASHCUDA_SM90_TILES=bm128_bn128 at every head dim, or d64=bm192_bn128,d128=bm128_bn176 ...).
 SHAPES = {64: ((192, 128), (128, 128)), 128: ((128, 176), (128, 128)),
-          192: ((128, 64),), 256: ((128, 80), (128, 64))}
+          192: ((128, 80), (128, 64)), 256: ((128, 80), (128, 64))}
 WINDOWED_TILES = {64: ((192, 128), (128, 128)), 128: ((128, 128),),  # tiles_for with a window
                   192: ((128, 64),), 256: ((128, 64),)}
 TILES_ENV = "FLASHCUDA_SM90_TILES"

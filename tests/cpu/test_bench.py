@@ -107,8 +107,13 @@ def test_standard_sweep_matches_performance_md():
         assert p.nheads * p.headdim == 2048
         assert p.dtype == "bf16"
     assert SweepPoint(16, 32, 1024, 64, False).flops("fwd") == 4 * 16 * 32 * 1024 * 1024 * 64
+    # a head dim that does not divide the model dim gets the whole heads that fit (d192: 10)
+    (p,) = standard_points((4096,), (192,), (False,))
+    assert (p.batch, p.nheads, p.seqlen, p.headdim) == (4, 10, 4096, 192)
     with pytest.raises(ValueError):
-        standard_points(headdims=(96 + 1,))
+        standard_points(headdims=(0,))
+    with pytest.raises(ValueError):
+        standard_points(headdims=(4096,))
 
 
 def test_tflops_and_quantiles():

@@ -35,11 +35,12 @@ BF16, FP16 = torch.bfloat16, torch.float16
 WIDE = [192, 256]
 
 
-@pytest.fixture(autouse=True, params=["default", "plain", "d256=bm128_bn64"],
-                ids=["tiles-dispatch", "plain", "d256-bn64"])
+@pytest.fixture(autouse=True, params=["default", "plain", "d192=bm128_bn64,d256=bm128_bn64"],
+                ids=["tiles-dispatch", "plain", "bn64"])
 def _enable_sm90(monkeypatch, request):
-    """Every test with dispatch's kernels (d256: FA3's 128 x 80 tiles), with neither ping-pong nor
-    snake order, and (d256) with 128 x 64 tiles (the A/B FLASHCUDA_SM90_TILES=d256=bm128_bn64)."""
+    """Every test with dispatch's kernels (128 x 80 tiles without a mask, 128 x 64 with one), with
+    neither ping-pong nor snake order, and with 128 x 64 tiles for every call (the A/B
+    FLASHCUDA_SM90_TILES=d192=bm128_bn64,d256=bm128_bn64)."""
     monkeypatch.setenv(fwd_sm90.ENABLE_ENV, "1")
     for env in (fwd_sm90.TILES_ENV, fwd_sm90.PINGPONG_ENV, fwd_sm90.SNAKE_ENV):
         monkeypatch.delenv(env, raising=False)
@@ -56,14 +57,12 @@ def _enable_sm90(monkeypatch, request):
 
 
 def only_dispatch_tiles(head_dim=None):
-    """Tests of what dispatch builds (masked V, the two passes) run under its own parameter;
-    d192 tests skip the d256-only tile parameter (it would rerun dispatch's d192 kernel)."""
+    """Tests of what dispatch builds (masked V, the two passes: head_dim None) run under its own
+    parameter only; the others under every parameter."""
     forced = fwd_sm90.select_config(BF16, 256).block_n != fwd_sm90.tiles_for(256, False, 1)[1]
     pp_off = not fwd_sm90.select_config(BF16, 256).pingpong
     if head_dim is None and (forced or pp_off):
         pytest.skip("runs under the tiles-dispatch parameter")
-    if head_dim == 192 and forced:
-        pytest.skip("the d256 tile parameter leaves d192 as dispatched")
 
 
 # ---- the GEMMs, one tile, many tiles ----------------------------------------------------------
