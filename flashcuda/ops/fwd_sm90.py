@@ -268,12 +268,13 @@ class Sm90FwdConfig:
 TILES_192_FROM = 2048  # causal / windowed d64: 192-row tiles from this seqlen_q on
 # d192 / d256 (session 26): two consumer warpgroups of 64 rows. A warpgroup's O takes
 # kHeadDim / 2 registers per thread (128 at d256), and two stages of K / V tiles must fit beside
-# a 128-row Q tile: d192 64 keys (1 KB + 2 x 48 KB of Q + 2 x 2 x 24 KB = 193 KB of the 227 KB),
-# d256 FA3's 80 (1 KB + 64 KB + 2 x 2 x 40 KB = 225 KB). Same-process A/B at 4c36094 (H200,
-# perf-notes): 80 keys against 64 at d256 +3.8 to +5.9% at 1k-16k, causal and not, but causal
-# 1k -2.8%; FLASHCUDA_SM90_TILES=d256=bm128_bn64 builds the 64-key kernel (A/B). Causal /
-# windowed d256 calls keep 64 keys: their masked-V kernel (the two passes' second) spills
-# 104-152 bytes with 80 (NVRTC 13.5), 8-52 with 64, and both passes must share the tiles.
+# a 128-row Q tile. Without a mask FA3's d256 tiles, 128 x 80 (1 KB + 64 KB + 2 x 2 x 40 KB =
+# 225 KB of the 227 KB; d192: + a second Q buffer, 217 KB). Same-process A/Bs (H200, perf-notes
+# "head dims 192 and 256"): 80 keys against 64 at d256 +3.8 to +5.9% at 1k-16k (4c36094), at
+# d192 +5.5 to +7.3% (3ec4f06). With a causal / window mask both keep 64 keys: the masked-V
+# kernel (the two passes' second) does not fit at d192 with 80 (229 KB), spills 104-152 bytes at
+# d256 with 80 (8-52 with 64), and both passes must share the tiles.
+# FLASHCUDA_SM90_TILES=d192=bm128_bn64,d256=bm128_bn64 builds the 64-key kernels (A/B).
 WIDE_TILES = {192: (128, 80), 256: (128, 80)}
 WIDE_WINDOWED_TILES = {192: (128, 64), 256: (128, 64)}
 LONG = 8192  # a long call (the default seqlen_q of select_config)
