@@ -459,6 +459,12 @@ def test_next_first_s_with_the_last_p_v(monkeypatch, head_dim, window):
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_agrees_with_sm80(head_dim, window):
+    check_agrees_with_sm80(head_dim, window)
+
+
+def check_agrees_with_sm80(head_dim, window):
+    """fwd_sm90 and fwd_sm80 on one call (2 x 1023 x 2048, GQA): out within twice the oracle
+    rule's tolerance of each other, lse within 1e-2."""
     q, k, v = make(2, 1023, 2048, 4, 2, head_dim, BF16, seed=9)
     scale = head_dim ** -0.5
     ours, ours_lse = run(fwd_sm90, q, k, v, scale, window)

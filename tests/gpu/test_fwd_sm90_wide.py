@@ -15,15 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashcuda.ops import dispatch, fwd_sm80, fwd_sm90
+from flashcuda.ops import dispatch, fwd_sm90
 from flashcuda.ops.call import FwdCall
-from flashcuda.reference import attention_ref
 from tests.gpu import masked_v
 from tests.gpu.test_fwd_sm90 import (
     CAUSAL,
     FULL,
     PAIRS,
     check,
+    check_agrees_with_sm80,
     check_empty_work_tiles,
     make,
     run,
@@ -212,15 +212,7 @@ def test_d256_two_passes_plan():
 @pytest.mark.parametrize("head_dim", WIDE)
 def test_agrees_with_sm80(head_dim, window):
     only_dispatch_tiles(head_dim)
-    q, k, v = make(2, 1023, 2048, 4, 2, head_dim, BF16, seed=9)
-    scale = head_dim ** -0.5
-    ours, ours_lse = run(fwd_sm90, q, k, v, scale, window)
-    theirs, theirs_lse = run(fwd_sm80, q, k, v, scale, window)
-    ref, _ = attention_ref(q, k, v, scale, window=window)
-    tch, _ = attention_ref(q, k, v, scale, window=window, upcast=False)
-    tol = 2 * (tch.double() - ref).abs().max().item() + 1e-5
-    assert (ours.double() - theirs.double()).abs().max().item() <= 2 * tol
-    assert (ours_lse - theirs_lse).abs().max().item() <= 1e-2
+    check_agrees_with_sm80(head_dim, window)
 
 
 @pytest.mark.parametrize("head_dim", WIDE)
