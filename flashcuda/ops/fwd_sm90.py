@@ -28,9 +28,11 @@ register split, shared memory (the .cu static_asserts the same layout), the name
                          consumer: 137 / 113 KB)
     128        none      128 x 128, 2                 161 KB   2 x 240  (FA4's d128 tiles)
     128        causal    128 x 128, 2                 226 KB   2 x 240  (161 + 2 clean V tiles)
-    192        any       128 x 64, 2 (+ 2 clean V tiles with a mask)   2 x 240
+    192        none      128 x 80, 2 (two Q buffers)    217 KB   2 x 240
+    192        causal    128 x 64, 2                  193 KB   2 x 240  (+ 2 clean V tiles)
     256        none      128 x 80, 2                  226 KB   2 x 240  (FA3's d256 tiles)
-    256        causal    128 x 64, 2; the masked-V second pass 1 stage + 2 clean V tiles
+    256        causal    128 x 64, 2                  193 KB   2 x 240  (the masked-V second
+                         pass: 1 stage + 2 clean V tiles, 193 KB)
     A/B        none      128 x 176 at d128 (FLASHCUDA_SM90_TILES=d128=bm128_bn176, FA3's)
     A/B        any       128 x 128, 2 (FLASHCUDA_SM90_TILES=bm128_bn128)
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512 and
@@ -340,7 +342,7 @@ DEFINES_ENV = "FLASHCUDA_SM90_FWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel kn
 # the warpgroup. Same-run A/B (session 9, docs/perf-notes.md): d128 +3-8% (16k: 567 -> 610
 # TFLOP/s without a mask, 548 -> 588 causal), d64 -2-4% (its three warpgroups' ping-pong already
 # hides the softmax; the duplicated code costs more than the overlap gives).
-SOFTMAX_IN_ARMS = (128, 192, 256)  # (d192 / d256: as d128, not measured apart)
+SOFTMAX_IN_ARMS = (128, 192, 256)  # (d192 / d256: FC_SOFTMAX_IN_ARMS=0 -7 to -18%, session 26)
 # Column groups (of 8 keys) whose exp2s run before the previous P V's wait, per head dim; the rest
 # run after it, among the O rescale and the packing (FC_EXP_SPLIT, the .cu; FlashAttention 4's
 # placement). Same-run A/B (session 13, perf-notes): d128 +0-5% (with 128 x 128 tiles +2.4-5.6%
@@ -348,7 +350,9 @@ SOFTMAX_IN_ARMS = (128, 192, 256)  # (d192 / d256: as d128, not measured apart)
 # 16 groups (was 8) from session 19's same-process A/B (scripts/ab_probe.py): +1.6 to +2.2% at 4k
 # and 8k, causal and not, against k = 8; 4, 10, 12 slower. An
 # FLASHCUDA_SM90_FWD_DEFINES=FC_EXP_SPLIT=0 run builds the unsplit kernel (A/B).
-EXP_SPLIT = {128: 6, 192: 3, 256: 3}  # (d192 / d256: d128's share of 64-key tiles' 8 groups)
+# d192 / d256: 3 of the 8 (64 keys) or 10 (80 keys) groups, about d128's share; session 26 at
+# 64 keys: FC_EXP_SPLIT=0 0 to -6.7%
+EXP_SPLIT = {128: 6, 192: 3, 256: 3}
 # The windowed (masked-V) kernels test a masked tile's scores against a bit mask of each lane's
 # visible columns (FC_MASK_BITS, the .cu; 128-key tiles). Same-run A/B (session 18, perf-notes):
 # causal forward +0.3 to +3.4% at 512-8k (the masked first tile of every causal work tile is on
