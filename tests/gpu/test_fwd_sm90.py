@@ -116,6 +116,11 @@ def assert_oracle(out, lse, q, k, v, window, scale):
 def test_smoke_scores_only(head_dim):
     """Q K^T (SS wgmma, K-major 128B swizzle) alone: V row j = e_j (identity on the first
     head_dim keys), so out[i, j] = P[i, j]; a wrong Q/K descriptor garbles P."""
+    check_scores_only(head_dim)
+
+
+def check_scores_only(head_dim):
+    """test_smoke_scores_only's check (also run at d192 / d256: test_fwd_sm90_wide.py)."""
     q, k, _ = make(1, 128, head_dim, 1, 1, head_dim, BF16, seed=1)
     v = torch.eye(head_dim, device="cuda", dtype=BF16)[None, :, None, :].contiguous()
     out, _ = check(q, k, v)
@@ -128,6 +133,11 @@ def test_smoke_pv_only(head_dim):
     """P V (RS wgmma, V read MN-major, imm-trans-b) alone: Q = 0 gives uniform P, so every
     output row is the mean of the V rows; a wrong V descriptor (the classic transposition bug)
     shows as rows that differ or a wrong mean."""
+    check_pv_only(head_dim)
+
+
+def check_pv_only(head_dim):
+    """test_smoke_pv_only's check (also run at d192 / d256: test_fwd_sm90_wide.py)."""
     _, k, v = make(1, 1, 128, 1, 1, head_dim, BF16, seed=2)
     q = torch.zeros(1, 128, 1, head_dim, device="cuda", dtype=BF16)
     out, _ = check(q, k, v)

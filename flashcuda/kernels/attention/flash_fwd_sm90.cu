@@ -247,14 +247,16 @@ constexpr bool kFastDiv = FC_FAST_DIV;
 static_assert(!FC_CROSS_TILE || (FC_Q_STAGES == 2 && !FC_DECODE_AHEAD && !FC_TIMELINE),
               "the cross-tile loop needs two Q buffers, decodes ahead itself, has no timeline");
 #ifndef FC_DESC_EARLY
-// 1 (A/B, session 25, not yet run on a GPU): with ping-pong, a step's K and V wgmma descriptors
+// 1 (A/B, session 25; measured in session 26: -0.2 to +0.8% at d128, none beyond p10-p90, -1.9%
+// at d64 causal 4k — not used, perf-notes): with ping-pong, a step's K and V wgmma descriptors
 // are stage 0's (made per work tile) advanced by the stage's offset, and Q's is made when its
 // buffer is set, instead of each being rebuilt from the shared-memory base after the turn's
 // barrier. ncu at 1 x 16k x 16 d128 (runs/lane-20261202-d75289f/ncu-src-fwd16k*): between our
 // BAR.SYNC and the first HGMMA of a step ptxas placed 27 instructions — the base rebuilt from
 // SR_CgaCtaId, then the descriptors, a chain of ~8 dependent uniform operations — against 11 in
-// FlashAttention 4's kernel; the other warpgroup's wgmmas wait for this hand-off every step.
-// With the knob 17 (ptxas still sinks part of the arithmetic past the barrier).
+// FlashAttention 4's kernel. With the knob 17 (ptxas still sinks part of the arithmetic past the
+// barrier). The gap was off the critical path: at the turn the other warpgroup's wgmmas are
+// still queued on the tensor cores.
 #define FC_DESC_EARLY 0
 #endif
 #ifndef FC_SMEM_PAD

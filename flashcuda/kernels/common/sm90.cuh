@@ -123,9 +123,9 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // has a step or more of slack). The forward's ncu source counters at 1 x 16k x 16 d128
 // (runs/lane-20261202-d75289f/ncu-src-fwd16k) count 51.6 M polls of the producer's v_empty wait
 // (a TRYWAIT + BRA loop with one active thread, one poll per ~13 cycles of its sub-partition)
-// against 12 M barrier instructions in all of FlashAttention 4's kernel: issue slots taken from
-// the two consumer warps beside it, whose warpgroups then wait for them at every wgmma. Both 0
-// (the default): poll, as mbar_wait. FC_PRODUCER_WAIT = n: try_wait with a suspend-time hint of
+// against 12 M barrier instructions in all of FlashAttention 4's kernel. Measured in session 26
+// (perf-notes): both forms inside the noise, forward and backward — the polls were not on the
+// consumers' critical path; not used. Both 0 (the default): poll, as mbar_wait. FC_PRODUCER_WAIT = n: try_wait with a suspend-time hint of
 // n ns (the thread sleeps in the barrier until the phase completes or n ns pass; FC_WAIT_HINT
 // does this for every wait). FC_PRODUCER_BACKOFF = n: poll with __nanosleep(n) between tries.
 #ifndef FC_PRODUCER_WAIT
