@@ -28,7 +28,7 @@ from .._log import log_once, logger
 from .call import DTYPE_NAME, BwdCall, FwdCall
 
 FWD_FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
-BWD_FAMILIES = ("bwd_sm90", "bwd_sm80", "bwd_simt")
+BWD_FAMILIES = ("bwd_sm90", "bwd_sm90_wide", "bwd_sm80", "bwd_simt")
 PORTABLE = "portable"
 FORCE_ENV = "FLASHCUDA_FORCE_KERNEL"
 

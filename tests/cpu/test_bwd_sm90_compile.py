@@ -125,7 +125,7 @@ def test_variants_registered():
 
 
 def test_dispatch_order_and_plan_key(monkeypatch):
-    assert dispatch.BWD_FAMILIES == ("bwd_sm90", "bwd_sm80", "bwd_simt")
+    assert dispatch.BWD_FAMILIES == ("bwd_sm90", "bwd_sm90_wide", "bwd_sm80", "bwd_simt")
     call = _call()
     monkeypatch.setenv(ENABLE_ENV, "1")
     on = dispatch._plan_key(call, "bwd")

@@ -1,0 +1,292 @@
+"""The sm90a backward for the wide head dims (256), fp16/bf16, non-deterministic dQ.
+
+flash_bwd_sm90.cu (family bwd_sm90) keeps each consumer warpgroup's 64 keys x head dim of dK and
+dV in registers, which does not fit at head dim 256; this family's MAIN kernel
+(kernels/attention/flash_bwd_sm90_wide.cu) computes dK and dV transposed and splits them by
+head-dim columns between its two consumer warpgroups (FlashAttention 3's d256 backward shape),
+with S / dP split by keys and P / dS exchanged through shared memory. Around it, bwd_sm80's PRE
+(delta, lse2, zeroed dq_accum) and CONVERT (dq = dq_accum * softmax_scale) kernels, as in
+bwd_sm90.
+
+    head dim   block_m (queries) x block_n (keys), stages   smem      consumers x registers
+    256        64 x 64, 2                                   226 KB    2 x 240
+
+Dispatch order: bwd_sm90 (d64 / d128) > bwd_sm90_wide (d256) > bwd_sm80 > bwd_simt; the head
+dims are disjoint. FLASHCUDA_ENABLE_SM90_BWD_WIDE=0 turns it off (the SIMT backward then runs
+these head dims). deterministic=True goes elsewhere (dQ is reduced with atomics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from math import lcm
+
+import numpy as np
+import torch
+
+from .._env import env_names, env_values, flag
+from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
+from ..jit.tensor_map import bshd_map, bshd_problem
+from . import bwd_sm80
+from .call import (
+    DTYPE_CODE,
+    DTYPE_NAME,
+    LOG2E,
+    BwdCall,
+    PlanCache,
+    kernel_windows,
+    register_pool,
+    vector_layout_problem,
+)
+
+SOURCE = "attention/flash_bwd_sm90_wide.cu"
+ARCHS = ("sm_90a",)
+DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (256,)
+ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD_WIDE"
+GATED = f"bwd_sm90_wide is turned off ({ENABLE_ENV}=0)"
+BARRIER_BYTES = 8
+# (block_m, block_n, consumers) per head dim: S / dP split by keys (block_n / consumers each),
+# dK^T / dV^T / dQ by head-dim columns (head_dim / consumers each)
+TILES = {256: (64, 64, 2)}
+
+
+@dataclass(frozen=True)
+class Sm90BwdWideConfig:
+    """One specialisation of flash_bwd_sm90_wide.cu (the MAIN kernel)."""
+
+    dtype: torch.dtype
+    head_dim: int
+    block_m: int = 0  # 0: TILES[head_dim]
+    block_n: int = 0
+    consumers: int = 0
+    stages: int = 2
+    producer_regs: int = 24
+    consumer_regs: int = 240
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be float16 or bfloat16, got {self.dtype}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+        bm, bn, cons = TILES[self.head_dim]
+        for name, value in (("block_m", bm), ("block_n", bn), ("consumers", cons)):
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, value)
+        if (self.block_m, self.block_n, self.consumers) != TILES[self.head_dim]:
+            raise ValueError(f"d{self.head_dim}: the kernel is instantiated for block_m x "
+                             f"block_n x consumers = {TILES[self.head_dim]}")
+        if self.stages < 1:
+            raise ValueError(f"stages must be >= 1, got {self.stages}")
+        used = 128 * self.producer_regs + 128 * self.consumers * self.consumer_regs
+        if used > register_pool(self.threads):
+            raise ValueError(f"{self.name}: {used} registers exceed the CTA's pool "
+                             f"{register_pool(self.threads)}")
+        if self.smem_bytes > 232448:
+            raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory "
+                             f"(> 227 KB)")
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)
+
+    @property
+    def q_bytes(self) -> int:
+        return self.block_m * self.head_dim * 2
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.block_n * self.head_dim * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """1024 B alignment slack + K + V + stages x (Q + dO + lse2 + delta) + 2 x (P + dS) + the
+        mbarriers (as the .cu lays out and static_asserts)."""
+        stats = 2 * self.block_m * 4
+        p_bytes = self.block_m * self.block_n * 2
+        return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
+                + 4 * p_bytes + BARRIER_BYTES * (1 + 2 * self.stages))
+
+    @property
+    def name(self) -> str:
+        return (f"flash_bwd_sm90w_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
+                f"_bm{self.block_m}_bn{self.block_n}_c{self.consumers}_s{self.stages}"
+                + ("" if (self.producer_regs, self.consumer_regs) == (24, 240)
+                   else f"_r{self.producer_regs}x{self.consumer_regs}"))
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec.make(self.name, SOURCE, defines={
+            "FC_DTYPE": DTYPE_CODE[self.dtype],
+            "FC_HEAD_DIM": self.head_dim,
+            "FC_BLOCK_M": self.block_m,
+            "FC_BLOCK_N": self.block_n,
+            "FC_STAGES": self.stages,
+            "FC_CONSUMERS": self.consumers,
+            "FC_PRODUCER_REGS": self.producer_regs,
+            "FC_CONSUMER_REGS": self.consumer_regs,
+            "FC_SMEM_BYTES": self.smem_bytes,
+        })
+
+    def aux(self) -> bwd_sm80.BwdSm80Config:
+        """The bwd_sm80 configuration whose PRE and CONVERT kernels this family runs (their
+        row-major dq_accum; bwd_sm80's own MAIN has no d256 tiles, only these two are built)."""
+        return bwd_sm80.BwdSm80Config(self.dtype, self.head_dim, 64, 64, 4)
+
+    def seqlen_pad(self, seqlen_q: int) -> int:
+        """Rows of lse2 / delta / dq_accum: whole query blocks and whole PRE blocks."""
+        step = lcm(self.block_m, self.aux().aux_rows)
+        return -(-seqlen_q // step) * step
+
+    def grid(self, call: BwdCall) -> tuple[int, int, int]:
+        """One CTA per (key block, KV head, batch)."""
+        return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
+
+
+def configs() -> list[Sm90BwdWideConfig]:
+    return [Sm90BwdWideConfig(dt, d) for dt in DTYPES for d in HEAD_DIMS]
+
+
+def enabled() -> bool:
+    """On unless FLASHCUDA_ENABLE_SM90_BWD_WIDE is 0 / false / no / off."""
+    return flag(ENABLE_ENV, True)
+
+
+def can_implement(call: BwdCall) -> str | None:
+    """None if this family can run `call`, else the reason it cannot."""
+    if not enabled():
+        return GATED
+    if call.dtype not in DTYPES:
+        return f"dtype {call.dtype} is not fp16/bf16"
+    if why := call.operand_problem():
+        return why
+    tensors = call.operands()
+    b, sq, h, d = call.q.shape
+    sk = call.seqlen_k
+    if d not in HEAD_DIMS:
+        return f"head_dim {d} is not one of {HEAD_DIMS}"
+    if call.deterministic:
+        return "deterministic dQ is not implemented here (dQ is reduced with atomics)"
+    if sq + sk >= bwd_sm80.MAX_SEQLEN_SUM:
+        return f"seqlen_q + seqlen_k = {sq + sk} >= {bwd_sm80.MAX_SEQLEN_SUM}"
+    if sq == 0 or sk == 0 or b == 0 or h == 0:
+        return "an empty dim (a tensor map needs non-empty dims)"
+    cfg = Sm90BwdWideConfig(call.dtype, d)
+    for name, t in tensors.items():
+        if why := vector_layout_problem(name, t):
+            return why
+    for name, rows in (("q", cfg.block_m), ("dout", cfg.block_m), ("k", cfg.block_n),
+                       ("v", cfg.block_n)):
+        if why := bshd_problem(tensors[name], rows):
+            return f"{name}: TMA: {why}"
+    for name, t in {**tensors, "lse": call.lse}.items():
+        if t.device != call.device or t.device.type != "cuda":
+            return f"{name} is on {t.device}, not on the CUDA device {call.device}"
+    index = call.device.index if call.device.index is not None else torch.cuda.current_device()
+    cc, per_block = bwd_sm80._device_info(index)
+    if cc != (9, 0):
+        return f"GPU compute capability {cc[0]}.{cc[1]} is not 9.0 (sm_90a: wgmma, setmaxnreg)"
+    if cfg.smem_bytes > per_block:
+        return f"{cfg.name} needs {cfg.smem_bytes} bytes of shared memory, the GPU has {per_block}"
+    return None
+
+
+def _strides(t: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
+    return np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The config and the three launches of a call's layout (a call packs only pointers and
+    tensor maps)."""
+
+    cfg: Sm90BwdWideConfig
+    sq_pad: int
+    pre: PreparedLaunch  # out, dout, lse, lse2, delta, dq_accum
+    main: PreparedLaunch  # map_q, map_k, map_v, map_dout, lse2, delta, dq_accum, dk, dv
+    convert: PreparedLaunch  # dq_accum, dq
+
+
+_KEY_ENV = env_names(ENABLE_ENV)
+
+
+def _plan_key(call: BwdCall) -> tuple:
+    """Everything can_implement and the plan read, except the data addresses (a hit skips
+    can_implement)."""
+    return (call.dtype, call.device, call.deterministic, call.window_left, call.window_right,
+            call.softmax_scale, env_values(_KEY_ENV), *call.layouts())
+
+
+def _build_plan(call: BwdCall) -> _Plan:
+    if why := can_implement(call):
+        raise NotImplementedError(f"flash_bwd_sm90_wide cannot run this call: {why}")
+    cfg = Sm90BwdWideConfig(call.dtype, call.head_dim)
+    aux = cfg.aux()
+    b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
+    h, hkv, d = call.nheads, call.nheads_kv, call.head_dim
+    sq_pad = cfg.seqlen_pad(sq)
+    wl, wr = kernel_windows(sq, sk, call.window_left, call.window_right)
+    scale = np.float32(call.softmax_scale)
+    dev = call.device
+    lse_strides = call.lse.stride()[:2] if call.lse.stride(-1) == 1 else (h * sq, sq)
+    pre_args = (*_strides(call.out), *_strides(call.dout), np.int64(lse_strides[0]),
+                np.int64(lse_strides[1]), np.int32(sq), np.int32(h), np.int32(d),
+                np.int32(sq_pad))
+    main_args = (*_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk),
+                 np.int32(h), np.int32(hkv), np.int32(sq_pad),
+                 np.float32(call.softmax_scale * LOG2E), scale, wl, wr)
+    convert_args = (*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
+                    np.int32(sq_pad), scale)
+    t = call.lse  # stands for a pointer argument's kind (run() passes the addresses)
+    main_maps = tuple(bshd_map(x, rows) for x, rows in ((call.q, cfg.block_m),
+                                                        (call.k, cfg.block_n),
+                                                        (call.v, cfg.block_n),
+                                                        (call.dout, cfg.block_m)))
+    return _Plan(
+        cfg, sq_pad,
+        pre=PreparedLaunch(get_kernel(aux.pre_spec(), dev), (-(-sq_pad // aux.aux_rows), h, b),
+                           (bwd_sm80.AUX_THREADS,), 0, (t,) * 6 + pre_args,
+                           fixed=len(pre_args)),
+        main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call), (cfg.threads, 1, 1),
+                            cfg.smem_bytes, main_maps + (t,) * 5 + main_args,
+                            fixed=len(main_args)),
+        convert=PreparedLaunch(get_kernel(convert_spec(cfg), dev),
+                               (-(-sq // aux.aux_rows), h, b), (bwd_sm80.AUX_THREADS,), 0,
+                               (t,) * 2 + convert_args, fixed=len(convert_args)))
+
+
+def convert_spec(cfg: Sm90BwdWideConfig) -> KernelSpec:
+    """CONVERT for the row-major dq_accum."""
+    return cfg.aux().convert_spec(0, True)
+
+
+_plans = PlanCache(_build_plan)
+
+
+def run(call: BwdCall) -> None:
+    """Fill call.dq, call.dk, call.dv (NotImplementedError when can_implement says no). A repeat
+    call with the same layout reuses its plan."""
+    plan = _plans.plan(_plan_key(call), call)
+    cfg = plan.cfg
+    b, h = call.batch, call.nheads
+    lse = call.lse if call.lse.stride(-1) == 1 else call.lse.contiguous()
+    rows = b * h * plan.sq_pad
+    scratch = call.q.new_empty(rows * (2 + call.head_dim), dtype=torch.float32)
+    lse2 = scratch[:rows].view(b, h, plan.sq_pad)
+    delta = scratch[rows:2 * rows].view(b, h, plan.sq_pad)
+    dq_accum = scratch[2 * rows:].view(b, h, plan.sq_pad, call.head_dim)
+    lse2_at, delta_at, accum_at = (x.data_ptr() for x in (lse2, delta, dq_accum))
+    plan.pre(call.out.data_ptr(), call.dout.data_ptr(), lse.data_ptr(), lse2_at, delta_at,
+             accum_at)
+    maps = (bshd_map(call.q, cfg.block_m).raw, bshd_map(call.k, cfg.block_n).raw,
+            bshd_map(call.v, cfg.block_n).raw, bshd_map(call.dout, cfg.block_m).raw)
+    plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
+    plan.convert(accum_at, call.dq.data_ptr())
+
+
+@register
+def variants() -> Iterator[tuple[KernelSpec, tuple[str, ...]]]:
+    for cfg in configs():
+        yield cfg.spec(), ARCHS
+        yield cfg.aux().pre_spec(), ARCHS
+        yield convert_spec(cfg), ARCHS

@@ -1,0 +1,150 @@
+"""The sm90a backward for head dim 256 (bwd_sm90_wide) on the CPU lane: its kernels compile for
+sm_90a with no spills, ptxas warnings or performance notes; the SASS (when cuobjdump is at hand)
+has the loop's HGMMA mix — S and dP as m64n32 (both operands K-major), dV^T and dK^T as m64n64
+with both operands transposed, dQ as m64n128 with B transposed — TMA / bulk loads, red.v2 and no
+local memory; the parameter table matches pack_args; the config, the gate and the plan key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from flashcuda.jit import all_variants, compile_spec
+from flashcuda.jit.runtime import pack_args
+from flashcuda.jit.tensor_map import TensorMap
+from flashcuda.ops import bwd_sm90_wide, dispatch
+from flashcuda.ops.bwd_sm90_wide import ENABLE_ENV, GATED, Sm90BwdWideConfig
+from flashcuda.ops.call import BwdCall
+
+from .sm90_compile import (
+    ARCH,
+    assert_compiled_clean,
+    assert_plan_key_follows_operands,
+    build_all,
+    dump,
+    param_table,
+)
+
+
+@pytest.fixture(scope="module")
+def builds():
+    return build_all(bwd_sm90_wide.configs())
+
+
+@pytest.mark.parametrize("cfg", bwd_sm90_wide.configs(), ids=lambda c: c.name)
+def test_compiles_without_spills(builds, cfg):
+    result = builds[cfg.name]
+    assert_compiled_clean(result, cfg.name)
+    assert not re.search(r"C75\d\d", result.log), result.log
+
+
+@pytest.mark.parametrize("cfg", bwd_sm90_wide.configs(), ids=lambda c: c.name)
+def test_sass_uses_wgmma(builds, cfg, tmp_path):
+    sass = dump(builds[cfg.name].cubin, tmp_path, "-sass")
+    hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
+    d, bm, bn, c = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.consumers
+    bf16 = cfg.dtype == torch.bfloat16
+    assert all(".F32" in line and ("BF16" in line) == bf16 for line in hgmma)
+    assert not [line for line in hgmma if re.search(r"HGMMA\S+ R\d+, R\d+, gdesc", line)], \
+        "every operand from shared memory"
+    scores = [line for line in hgmma if f"64x{bn // c}x16" in line]
+    assert len(scores) == 2 * (d // 16) and not any(".tnsp" in line for line in scores)
+    key_grads = [line for line in hgmma if f"64x{bn}x16" in line]
+    assert len(key_grads) == 2 * (d // c // 64) * (bm // 16)
+    assert all(".tnspA" in line and ".tnspB" in line for line in key_grads)
+    dq = [line for line in hgmma if f"64x{d // c}x16" in line]
+    assert len(dq) == bn // 16 and all(".tnspB" in line and ".tnspA" not in line for line in dq)
+    assert len(hgmma) == len(scores) + len(key_grads) + len(dq)
+    assert "UTMALDG" in sass and "UBLKCP" in sass and "USETMAXREG" in sass
+    assert "REDG.E.ADD.F32x2" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
+
+
+def test_parameter_offsets_match_pack_args(builds, tmp_path):
+    cfg = bwd_sm90_wide.configs()[0]
+    table = param_table(builds[cfg.name].cubin, tmp_path)
+    m = TensorMap(b"\0" * 128)
+    i32, i64 = np.int32(0), np.int64(0)
+    args = (m, m, m, m, None, None, None, None, None, i64, i64, i64, i64, i64, i64, i32, i32,
+            i32, i32, i32, np.float32(0), np.float32(0), i32, i32)
+    _, offsets = pack_args("k", args)
+    assert len(table) == len(args)
+    base = table[0][0]
+    assert [table[i][0] - base for i in range(len(args))] == list(offsets)
+
+
+def test_pre_and_convert_compile_at_d256():
+    cfg = bwd_sm90_wide.configs()[0]
+    for spec in (cfg.aux().pre_spec(), bwd_sm90_wide.convert_spec(cfg)):
+        result = compile_spec(spec, ARCH)
+        res = result.resources()[spec.name]
+        assert res.spill_stores == 0 and res.spill_loads == 0, (spec.name, res)
+
+
+def test_variants_registered():
+    specs = {spec.name: archs for spec, archs in all_variants()}
+    for cfg in bwd_sm90_wide.configs():
+        assert specs[cfg.name] == (ARCH,)
+        assert cfg.aux().pre_spec().name in specs
+
+
+def test_config():
+    cfg = Sm90BwdWideConfig(torch.bfloat16, 256)
+    assert cfg.name == "flash_bwd_sm90w_bf16_d256_bm64_bn64_c2_s2"
+    assert (cfg.block_m, cfg.block_n, cfg.consumers, cfg.threads) == (64, 64, 2, 384)
+    kv, q, p, stats = 64 * 256 * 2, 64 * 256 * 2, 64 * 64 * 2, 2 * 64 * 4
+    assert cfg.smem_bytes == 1024 + 2 * kv + 2 * (2 * q + stats) + 4 * p + 8 * 5
+    assert cfg.smem_bytes <= 232448  # the opt-in limit per block (227 KB)
+    assert dict(cfg.spec().defines) == {
+        "FC_DTYPE": "2", "FC_HEAD_DIM": "256", "FC_BLOCK_M": "64", "FC_BLOCK_N": "64",
+        "FC_STAGES": "2", "FC_CONSUMERS": "2", "FC_PRODUCER_REGS": "24",
+        "FC_CONSUMER_REGS": "240", "FC_SMEM_BYTES": str(cfg.smem_bytes)}
+    assert cfg.aux().head_dim == 256 and cfg.seqlen_pad(65) == 128
+    assert len(bwd_sm90_wide.configs()) == 2
+    with pytest.raises(ValueError, match="head_dim"):
+        Sm90BwdWideConfig(torch.bfloat16, 128)
+    with pytest.raises(ValueError, match="block_m x block_n"):
+        Sm90BwdWideConfig(torch.bfloat16, 256, block_n=128)
+    with pytest.raises(ValueError, match="shared memory"):
+        Sm90BwdWideConfig(torch.bfloat16, 256, stages=3)
+    with pytest.raises(ValueError, match="pool"):
+        Sm90BwdWideConfig(torch.bfloat16, 256, producer_regs=40)
+
+
+def _call(dtype=torch.bfloat16, B=2, Sq=33, Sk=47, H=4, Hkv=2, D=256, deterministic=False):
+    q = torch.randn(B, Sq, H, D, dtype=dtype)
+    k = torch.randn(B, Sk, Hkv, D, dtype=dtype)
+    v = torch.randn(B, Sk, Hkv, D, dtype=dtype)
+    lse = torch.zeros(B, H, Sq, dtype=torch.float32)
+    return BwdCall(q, k, v, torch.randn(q.shape, dtype=dtype), torch.randn(q.shape, dtype=dtype),
+                   lse, torch.empty(q.shape, dtype=dtype), torch.empty_like(k),
+                   torch.empty_like(v), 0.0625, None, 0, deterministic)
+
+
+def test_can_implement_reasons(monkeypatch):
+    ci = bwd_sm90_wide.can_implement
+    monkeypatch.setenv(ENABLE_ENV, "0")
+    assert ci(_call()) == GATED
+    monkeypatch.delenv(ENABLE_ENV)
+    assert "head_dim 128" in ci(_call(D=128))
+    assert "deterministic" in ci(_call(deterministic=True))
+    assert "fp16/bf16" in ci(_call(dtype=torch.float32))
+    assert "not on the CUDA device" in ci(_call())  # CPU tensors pass every layout check first
+    assert "bwd_sm90_wide" in dispatch.BWD_FAMILIES
+
+
+def test_plan_key_holds_what_can_implement_reads(monkeypatch):
+    base = _call()
+    key = assert_plan_key_follows_operands(
+        bwd_sm90_wide._plan_key, base, ("q", "k", "v", "out", "dout", "dq", "dk", "dv"))
+    assert bwd_sm90_wide._plan_key(_call()) == key
+    for change in ({"window_left": 5}, {"window_right": None}, {"softmax_scale": 0.5},
+                   {"deterministic": True}):
+        assert bwd_sm90_wide._plan_key(dataclasses.replace(base, **change)) != key, change
+    monkeypatch.setenv(ENABLE_ENV, "0")
+    assert bwd_sm90_wide._plan_key(base) != key
