@@ -35,7 +35,9 @@ from .call import (
     LOG2E,
     BwdCall,
     PlanCache,
+    defines_suffix,
     kernel_windows,
+    parse_defines,
     register_pool,
     vector_layout_problem,
 )
@@ -45,6 +47,7 @@ ARCHS = ("sm_90a",)
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (256,)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD_WIDE"
+DEFINES_ENV = "FLASHCUDA_SM90_BWD_WIDE_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob)
 GATED = f"bwd_sm90_wide is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 # (block_m, block_n, consumers) per head dim: S / dP split by keys (block_n / consumers each),
@@ -64,6 +67,9 @@ class Sm90BwdWideConfig:
     stages: int = 2
     producer_regs: int = 24
     consumer_regs: int = 240
+    # extra compile-time defines (FLASHCUDA_SM90_BWD_WIDE_DEFINES="NAME=VALUE,..."): A/B variants
+    # of a kernel knob, named by a suffix
+    defines: tuple = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -113,7 +119,8 @@ class Sm90BwdWideConfig:
         return (f"flash_bwd_sm90w_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_c{self.consumers}_s{self.stages}"
                 + ("" if (self.producer_regs, self.consumer_regs) == (24, 240)
-                   else f"_r{self.producer_regs}x{self.consumer_regs}"))
+                   else f"_r{self.producer_regs}x{self.consumer_regs}")
+                + defines_suffix(self.defines))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -126,6 +133,7 @@ class Sm90BwdWideConfig:
             "FC_PRODUCER_REGS": self.producer_regs,
             "FC_CONSUMER_REGS": self.consumer_regs,
             "FC_SMEM_BYTES": self.smem_bytes,
+            **dict(self.defines),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
@@ -143,8 +151,14 @@ class Sm90BwdWideConfig:
         return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
 
 
+# kernel knobs under A/B (compiled and SASS-checked on the CPU lane with the defaults)
+AB_DEFINES = ((("FC_KEY_GRAD_LATE", 1),), (("FC_PROBE_NO_DQ", 1),))
+
+
 def configs() -> list[Sm90BwdWideConfig]:
-    return [Sm90BwdWideConfig(dt, d) for dt in DTYPES for d in HEAD_DIMS]
+    """The default kernel per dtype and head dim, then the A/B variants (AB_DEFINES)."""
+    return [Sm90BwdWideConfig(dt, d, defines=defs) for defs in ((), *AB_DEFINES)
+            for dt in DTYPES for d in HEAD_DIMS]
 
 
 def enabled() -> bool:
@@ -207,7 +221,12 @@ class _Plan:
     convert: PreparedLaunch  # dq_accum, dq
 
 
-_KEY_ENV = env_names(ENABLE_ENV)
+_KEY_ENV = env_names(ENABLE_ENV, DEFINES_ENV)
+
+
+def config_for(call: BwdCall) -> Sm90BwdWideConfig:
+    """The MAIN kernel `call` runs: the head dim's tiles, with FLASHCUDA_SM90_BWD_WIDE_DEFINES."""
+    return Sm90BwdWideConfig(call.dtype, call.head_dim, defines=parse_defines(DEFINES_ENV))
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -220,7 +239,7 @@ def _plan_key(call: BwdCall) -> tuple:
 def _build_plan(call: BwdCall) -> _Plan:
     if why := can_implement(call):
         raise NotImplementedError(f"flash_bwd_sm90_wide cannot run this call: {why}")
-    cfg = Sm90BwdWideConfig(call.dtype, call.head_dim)
+    cfg = config_for(call)
     aux = cfg.aux()
     b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
     h, hkv, d = call.nheads, call.nheads_kv, call.head_dim

@@ -28,8 +28,11 @@ CAUSAL = (None, 0)
 D = 256
 
 
-@pytest.fixture(autouse=True)
-def _sm90():
+@pytest.fixture(autouse=True, params=["", "FC_KEY_GRAD_LATE=1"], ids=["default", "kgl"])
+def _sm90(monkeypatch, request):
+    """Every test with the default kernel and with the A/B knob FC_KEY_GRAD_LATE (dV^T / dK^T
+    issued at the next step)."""
+    monkeypatch.setenv(bwd_sm90_wide.DEFINES_ENV, request.param)
     dispatch._reset()
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):

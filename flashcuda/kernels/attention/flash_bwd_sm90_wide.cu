@@ -103,6 +103,20 @@ constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;
 constexpr int kStageStride = kHeadDim + 8;
 constexpr int kStageBytes = kBlockN * kStageStride * 2;
 
+#ifndef FC_KEY_GRAD_LATE
+// 1: a step's dV^T / dK^T are issued at the next step, right behind its S and dP, so the tensor
+// cores run them while the warpgroup computes the next P and dS (the forward's overlap of one
+// tile's P V with the next tile's S); the step's stage is released one step later. The P / dS
+// tiles they read are retired before the next step's barrier, so two tiles still suffice.
+#define FC_KEY_GRAD_LATE 0
+#endif
+constexpr bool kKeyGradLate = FC_KEY_GRAD_LATE;
+#ifndef FC_PROBE_NO_DQ
+// 1: a timing probe that skips the dQ reductions but keeps the dQ GEMM (dQ is left zero: wrong;
+// never dispatched, an A/B arm measuring what the reductions cost)
+#define FC_PROBE_NO_DQ 0
+#endif
+
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
 static_assert(kHeadDim == 256 && kConsumers == 2 && kBlockN == 64 && kBlockM == 64,
               "instantiated for d256: 64 queries x 64 keys, two consumers (S: m64n32, dQ: "
@@ -214,6 +228,15 @@ __device__ __forceinline__ uint32_t swizzled_word(int row, int col) {
   return row * 128 + ((((col >> 3) ^ (row & 7)) << 4) | ((col & 7) << 1));
 }
 
+// A fresh accumulator: its old values are dead from here (no instruction is emitted). Before a
+// GEMM whose first wgmma overwrites the accumulator (scale-d = 0): the wgmma's read-write operands
+// would otherwise keep the previous step's values live through the loop (S, dP and dQ: 96
+// registers beside dK^T / dV^T's 128).
+template <int N> __device__ __forceinline__ void wgmma_fresh(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "=f"(d[i])::"memory");
+}
+
 struct Consumer {
   float dk[kDTiles][kBlockN / 2];  // dK^T rows [kDRows w + 64 i, + 64) x kBlockN keys (m64n64)
   float dv[kDTiles][kBlockN / 2];
@@ -253,6 +276,16 @@ struct Consumer {
         const uint64_t b = mn_major_at(b0, z, kk * 16 * 128, kPChunkBytes);
         wgmma_ss_tt<kBlockN, T>(acc[i], a, b, 1);
       }
+    }
+  }
+
+  // dK^T / dV^T belong to the tensor cores between a wgmma's issue and its wait: keep the
+  // compiler's reads and writes of them on their side of both.
+  __device__ __forceinline__ void hold_key_grads() {
+#pragma unroll
+    for (int i = 0; i < kDTiles; ++i) {
+      wgmma_fence_operands(dv[i]);
+      wgmma_fence_operands(dk[i]);
     }
   }
 
@@ -449,54 +482,85 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       ++step_g;
     }
     const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
+    const uint32_t p_tile = sm.p(it & 1), ds_tile = sm.ds(it & 1);
 
     mbar_wait(sm.full(st), parity_of(it));
-    wgmma_fence_operands(cs.s);
-    wgmma_fence_operands(cs.dp);
+    wgmma_fresh(cs.s);
+    wgmma_fresh(cs.dp);
     wgmma_fence();
     Consumer::issue_scores(cs.s, sm.q(st), k_rows);
     Consumer::issue_scores(cs.dp, sm.dout(st), v_rows);
+    if constexpr (kKeyGradLate) {  // the previous step's dV^T / dK^T (a group; empty at step 0)
+      if (it > 0) {
+        const int prev = stage_of(it - 1);
+        cs.hold_key_grads();
+        Consumer::issue_key_grad(cs.dv, sm.dout(prev), sm.p((it - 1) & 1), w);
+        Consumer::issue_key_grad(cs.dk, sm.q(prev), sm.ds((it - 1) & 1), w);
+      }
+      wgmma_commit();
+    }
 
-    const uint32_t p_tile = sm.p(it & 1), ds_tile = sm.ds(it & 1);
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + kSKeys * w, kSKeys);
-    wgmma_wait<1>();
+    wgmma_wait<kKeyGradLate ? 2 : 1>();  // S
     wgmma_fence_operands(cs.s);
     if (masked) {
       cs.probs<true>(sm.lse2_ptr(st), scale_log2, mask, m0, n0, row, key0, p_tile);
     } else {
       cs.probs<false>(sm.lse2_ptr(st), scale_log2, mask, m0, n0, row, key0, p_tile);
     }
-    wgmma_wait<0>();
+    wgmma_wait<kKeyGradLate ? 1 : 0>();  // dP
     wgmma_fence_operands(cs.dp);
     if (masked) {
       cs.dsoftmax<true>(sm.delta_ptr(st), row, key0, ds_tile);
     } else {
       cs.dsoftmax<false>(sm.delta_ptr(st), row, key0, ds_tile);
     }
+    if constexpr (kKeyGradLate) {
+      // the previous step's dV^T / dK^T: retired before this step's barrier (so every reader of
+      // the P / dS tiles the next step overwrites is done), then its stage is free
+      wgmma_wait<0>();
+      cs.hold_key_grads();
+      if (it > 0) release(sm.empty(stage_of(it - 1)));
+    }
     fence_proxy_async();  // the generic stores before the async-proxy reads of the wgmmas
     named_barrier_sync(1, 128 * kConsumers);
 
-    wgmma_fence_operands(cs.dq);
+    wgmma_fresh(cs.dq);
     wgmma_fence();
     cs.issue_dq(ds_tile, sm.k(), w);
-#pragma unroll
-    for (int i = 0; i < kDTiles; ++i) {
-      wgmma_fence_operands(cs.dv[i]);
-      wgmma_fence_operands(cs.dk[i]);
+    if constexpr (!kKeyGradLate) {
+      cs.hold_key_grads();
+      Consumer::issue_key_grad(cs.dv, sm.dout(st), p_tile, w);
+      Consumer::issue_key_grad(cs.dk, sm.q(st), ds_tile, w);
+      wgmma_commit();
+      wgmma_wait<1>();  // dQ (groups retire in order); dV^T / dK^T may still run
+    } else {
+      wgmma_wait<0>();
     }
-    Consumer::issue_key_grad(cs.dv, sm.dout(st), p_tile, w);
-    Consumer::issue_key_grad(cs.dk, sm.q(st), ds_tile, w);
-    wgmma_commit();
-    wgmma_wait<1>();  // dQ (groups retire in order); dV^T / dK^T may still run
     wgmma_fence_operands(cs.dq);
-    cs.reduce_dq(dq_accum + (bh * seqlen_q_pad + m0 + row) * kHeadDim + kDRows * w + 2 * t);
-    wgmma_wait<0>();
+    if constexpr (!FC_PROBE_NO_DQ) {
+      cs.reduce_dq(dq_accum + (bh * seqlen_q_pad + m0 + row) * kHeadDim + kDRows * w + 2 * t);
+    } else {  // (the dQ GEMM stays: its results look used)
 #pragma unroll
-    for (int i = 0; i < kDTiles; ++i) {
-      wgmma_fence_operands(cs.dv[i]);
-      wgmma_fence_operands(cs.dk[i]);
+      for (int i = 0; i < kDRows / 2; ++i) asm volatile("" ::"f"(cs.dq[i]));
     }
-    release(sm.empty(st));
+    if constexpr (!kKeyGradLate) {
+      wgmma_wait<0>();
+      cs.hold_key_grads();
+      release(sm.empty(st));
+    }
+  }
+  if constexpr (kKeyGradLate) {  // the last step's dV^T / dK^T
+    if (steps.count() > 0) {
+      const int last = steps.count() - 1;
+      cs.hold_key_grads();
+      wgmma_fence();
+      Consumer::issue_key_grad(cs.dv, sm.dout(stage_of(last)), sm.p(last & 1), w);
+      Consumer::issue_key_grad(cs.dk, sm.q(stage_of(last)), sm.ds(last & 1), w);
+      wgmma_commit();
+      wgmma_wait<0>();
+      cs.hold_key_grads();
+    }
   }
 
   // ---- epilogue: every consumer's wgmmas are done (each waited for its own before the barrier),
