@@ -540,9 +540,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_fence_operands(cs.dq);
     if constexpr (!FC_PROBE_NO_DQ) {
       cs.reduce_dq(dq_accum + (bh * seqlen_q_pad + m0 + row) * kHeadDim + kDRows * w + 2 * t);
-    } else {  // (the dQ GEMM stays: its results look used)
+    } else {  // (the dQ GEMM stays: its results are used, under a condition ptxas cannot fold)
+      float sum = 0.f;
 #pragma unroll
-      for (int i = 0; i < kDRows / 2; ++i) asm volatile("" ::"f"(cs.dq[i]));
+      for (int i = 0; i < kDRows / 2; ++i) sum += cs.dq[i];
+      if (seqlen_q < 0) dq_accum[0] = sum;
     }
     if constexpr (!kKeyGradLate) {
       wgmma_wait<0>();
