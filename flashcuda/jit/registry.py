@@ -23,6 +23,7 @@ _KERNEL_MODULES = (
     "flashcuda.ops.fwd_sm90",
     "flashcuda.ops.bwd_sm80",
     "flashcuda.ops.bwd_sm90",
+    "flashcuda.ops.bwd_sm90_wide",
     "flashcuda.ops.softmax_state",
     "flashcuda.ops.mask_check",
 )

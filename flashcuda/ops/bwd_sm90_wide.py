@@ -18,6 +18,7 @@ these head dims). deterministic=True goes elsewhere (dQ is reduced with atomics)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from math import lcm
@@ -48,6 +49,12 @@ DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (256,)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD_WIDE"
 DEFINES_ENV = "FLASHCUDA_SM90_BWD_WIDE_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob)
+# how MAIN reduces dQ into dq_accum: "red" (red.global per thread, row-major dq_accum) or "stage"
+# (bulk reduce-adds from shared memory, dq_accum in the consumers' register order; the .cu's
+# FC_DQ_STAGE)
+DQ_ENV = "FLASHCUDA_SM90_BWD_WIDE_DQ"
+DQ_MODES = ("red", "stage")
+DQ_DEFAULT = "red"
 GATED = f"bwd_sm90_wide is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 # (block_m, block_n, consumers) per head dim: S / dP split by keys (block_n / consumers each),
@@ -67,6 +74,7 @@ class Sm90BwdWideConfig:
     stages: int = 2
     producer_regs: int = 24
     consumer_regs: int = 240
+    dq_stage: bool = False  # dQ by bulk reductions from shared memory (FC_DQ_STAGE, DQ_ENV)
     # extra compile-time defines (FLASHCUDA_SM90_BWD_WIDE_DEFINES="NAME=VALUE,..."): A/B variants
     # of a kernel knob, named by a suffix
     defines: tuple = ()
@@ -120,6 +128,7 @@ class Sm90BwdWideConfig:
                 f"_bm{self.block_m}_bn{self.block_n}_c{self.consumers}_s{self.stages}"
                 + ("" if (self.producer_regs, self.consumer_regs) == (24, 240)
                    else f"_r{self.producer_regs}x{self.consumer_regs}")
+                + ("_dqs" if self.dq_stage else "")
                 + defines_suffix(self.defines))
 
     def spec(self) -> KernelSpec:
@@ -133,6 +142,7 @@ class Sm90BwdWideConfig:
             "FC_PRODUCER_REGS": self.producer_regs,
             "FC_CONSUMER_REGS": self.consumer_regs,
             "FC_SMEM_BYTES": self.smem_bytes,
+            **({"FC_DQ_STAGE": 1} if self.dq_stage else {}),
             **dict(self.defines),
         })
 
@@ -152,12 +162,13 @@ class Sm90BwdWideConfig:
 
 
 # kernel knobs under A/B (compiled and SASS-checked on the CPU lane with the defaults)
-AB_DEFINES = ((("FC_KEY_GRAD_LATE", 1),), (("FC_PROBE_NO_DQ", 1),))
+AB_DEFINES = ((("FC_DQ_V4", 1),), (("FC_PROBE_NO_DQ", 1),))
 
 
 def configs() -> list[Sm90BwdWideConfig]:
-    """The default kernel per dtype and head dim, then the A/B variants (AB_DEFINES)."""
-    return [Sm90BwdWideConfig(dt, d, defines=defs) for defs in ((), *AB_DEFINES)
+    """Per dtype and head dim: both dQ reductions, then the A/B variants (AB_DEFINES) of red."""
+    return [Sm90BwdWideConfig(dt, d, dq_stage=stage, defines=defs)
+            for stage, defs in ((False, ()), (True, ()), *((False, x) for x in AB_DEFINES))
             for dt in DTYPES for d in HEAD_DIMS]
 
 
@@ -221,12 +232,16 @@ class _Plan:
     convert: PreparedLaunch  # dq_accum, dq
 
 
-_KEY_ENV = env_names(ENABLE_ENV, DEFINES_ENV)
+_KEY_ENV = env_names(ENABLE_ENV, DEFINES_ENV, DQ_ENV)
 
 
 def config_for(call: BwdCall) -> Sm90BwdWideConfig:
     """The MAIN kernel `call` runs: the head dim's tiles, with FLASHCUDA_SM90_BWD_WIDE_DEFINES."""
-    return Sm90BwdWideConfig(call.dtype, call.head_dim, defines=parse_defines(DEFINES_ENV))
+    dq = os.environ.get(DQ_ENV, "").strip() or DQ_DEFAULT
+    if dq not in DQ_MODES:
+        raise ValueError(f"{DQ_ENV}: expected one of {DQ_MODES}, got {dq!r}")
+    return Sm90BwdWideConfig(call.dtype, call.head_dim, dq_stage=dq == "stage",
+                             defines=parse_defines(DEFINES_ENV))
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -275,8 +290,8 @@ def _build_plan(call: BwdCall) -> _Plan:
 
 
 def convert_spec(cfg: Sm90BwdWideConfig) -> KernelSpec:
-    """CONVERT for the row-major dq_accum."""
-    return cfg.aux().convert_spec(0, True)
+    """CONVERT for cfg's dq_accum: row-major, or (dq_stage) 64 x 64 blocks in register order."""
+    return cfg.aux().convert_spec(cfg.block_m if cfg.dq_stage else 0, True)
 
 
 _plans = PlanCache(_build_plan)
@@ -308,4 +323,4 @@ def variants() -> Iterator[tuple[KernelSpec, tuple[str, ...]]]:
     for cfg in configs():
         yield cfg.spec(), ARCHS
         yield cfg.aux().pre_spec(), ARCHS
-        yield convert_spec(cfg), ARCHS
+        yield convert_spec(cfg), ARCHS  # (the same PRE / CONVERT twice: the registry dedups)

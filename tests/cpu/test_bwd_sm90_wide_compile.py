@@ -50,12 +50,7 @@ def test_sass_uses_wgmma(builds, cfg, tmp_path):
     probe = ("FC_PROBE_NO_DQ", 1) in cfg.defines  # the timing probe without dQ's reductions
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
     d, bm, bn, c = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.consumers
-    late = 2 if ("FC_KEY_GRAD_LATE", 1) in cfg.defines else 1
-    # (FC_KEY_GRAD_LATE commits an empty group at step 0, which ptxas fills with one m64n8 HGMMA
-    # of zero registers)
-    dummy = [line for line in hgmma if "64x8x16" in line]
-    assert len(dummy) == (late == 2) and all("RZ, gdesc[URZ], RZ" in x for x in dummy)
-    hgmma = [line for line in hgmma if line not in dummy]
+
     bf16 = cfg.dtype == torch.bfloat16
     assert all(".F32" in line and ("BF16" in line) == bf16 for line in hgmma)
     assert not [line for line in hgmma if re.search(r"HGMMA\S+ R\d+, R\d+, gdesc", line)], \
@@ -63,14 +58,19 @@ def test_sass_uses_wgmma(builds, cfg, tmp_path):
     scores = [line for line in hgmma if f"64x{bn // c}x16" in line]
     assert len(scores) == 2 * (d // 16) and not any(".tnsp" in line for line in scores)
     key_grads = [line for line in hgmma if f"64x{bn}x16" in line]
-    # (FC_KEY_GRAD_LATE: issued in the loop for the previous step and after it for the last)
-    assert len(key_grads) == late * 2 * (d // c // 64) * (bm // 16)
+    assert len(key_grads) == 2 * (d // c // 64) * (bm // 16)
     assert all(".tnspA" in line and ".tnspB" in line for line in key_grads)
     dq = [line for line in hgmma if f"64x{d // c}x16" in line]
     assert len(dq) == bn // 16 and all(".tnspB" in line and ".tnspA" not in line for line in dq)
     assert len(hgmma) == len(scores) + len(key_grads) + len(dq)
     assert "UTMALDG" in sass and "UBLKCP" in sass and "USETMAXREG" in sass
-    assert ("REDG.E.ADD.F32x2" in sass) != probe
+    v4 = ("FC_DQ_V4", 1) in cfg.defines
+    if cfg.dq_stage:  # two bulk reduce-adds per step and warpgroup, no per-thread reductions
+        assert len(re.findall(r"UBLKRED\.G\.S\.ADD\.F32", sass)) == 2 and "REDG" not in sass
+    else:
+        assert "UBLKRED" not in sass
+        assert ("REDG.E.ADD.F32x4" in sass) == (v4 and not probe)
+        assert ("REDG.E.ADD.F32x2" in sass) == (not v4 and not probe)
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
 
 
@@ -114,7 +114,12 @@ def test_config():
         "FC_STAGES": "2", "FC_CONSUMERS": "2", "FC_PRODUCER_REGS": "24",
         "FC_CONSUMER_REGS": "240", "FC_SMEM_BYTES": str(cfg.smem_bytes)}
     assert cfg.aux().head_dim == 256 and cfg.seqlen_pad(65) == 128
-    assert len(bwd_sm90_wide.configs()) == 2 * (1 + len(bwd_sm90_wide.AB_DEFINES))
+    assert len(bwd_sm90_wide.configs()) == 2 * (2 + len(bwd_sm90_wide.AB_DEFINES))
+    stage = Sm90BwdWideConfig(torch.bfloat16, 256, dq_stage=True)
+    assert stage.name.endswith("_dqs") and dict(stage.spec().defines)["FC_DQ_STAGE"] == "1"
+    assert stage.smem_bytes == cfg.smem_bytes  # (staged in the stage's own Q / dO chunks)
+    assert "FC_DQ_FRAG_M" in dict(bwd_sm90_wide.convert_spec(stage).defines)
+    assert "FC_DQ_FRAG_M" not in dict(bwd_sm90_wide.convert_spec(cfg).defines)
     with pytest.raises(ValueError, match="head_dim"):
         Sm90BwdWideConfig(torch.bfloat16, 128)
     with pytest.raises(ValueError, match="block_m x block_n"):

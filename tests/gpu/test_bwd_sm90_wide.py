@@ -28,11 +28,14 @@ CAUSAL = (None, 0)
 D = 256
 
 
-@pytest.fixture(autouse=True, params=["", "FC_KEY_GRAD_LATE=1"], ids=["default", "kgl"])
+@pytest.fixture(autouse=True, params=[("", ""), ("red", ""), ("stage", ""), ("red", "FC_DQ_V4=1")],
+                ids=["default", "dq-red", "dq-stage", "dq-v4"])
 def _sm90(monkeypatch, request):
-    """Every test with the default kernel and with the A/B knob FC_KEY_GRAD_LATE (dV^T / dK^T
-    issued at the next step)."""
-    monkeypatch.setenv(bwd_sm90_wide.DEFINES_ENV, request.param)
+    """Every test with the default kernel, then with each dQ reduction (FLASHCUDA_SM90_BWD_WIDE_DQ:
+    red.v2, bulk reduce-adds from shared memory; red.v4 through the defines)."""
+    dq, defines = request.param
+    monkeypatch.setenv(bwd_sm90_wide.DQ_ENV, dq)
+    monkeypatch.setenv(bwd_sm90_wide.DEFINES_ENV, defines)
     dispatch._reset()
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):

@@ -103,14 +103,21 @@ constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;
 constexpr int kStageStride = kHeadDim + 8;
 constexpr int kStageBytes = kBlockN * kStageStride * 2;
 
-#ifndef FC_KEY_GRAD_LATE
-// 1: a step's dV^T / dK^T are issued at the next step, right behind its S and dP, so the tensor
-// cores run them while the warpgroup computes the next P and dS (the forward's overlap of one
-// tile's P V with the next tile's S); the step's stage is released one step later. The P / dS
-// tiles they read are retired before the next step's barrier, so two tiles still suffice.
-#define FC_KEY_GRAD_LATE 0
+#ifndef FC_DQ_STAGE
+// 1: dQ by bulk reduce-adds from shared memory instead of red.global per thread. Once a step's
+// GEMMs are done, warpgroup w's own Q and dO chunks of the stage (its head-dim columns, read by
+// its dV^T / dK^T only: 2 x 16 KB) are free; it stores its 64 x kDRows dQ tile there in its
+// registers' order (two 64 x 64 blocks, flash_bwd_sm90.cu's FC_DQ_FRAG order), and one thread
+// issues two 16 KB cp.reduce.async.bulk .add.f32 into dq_accum laid out in that order (CONVERT's
+// FC_DQ_FRAG_M reader). That thread waits for the reductions to have read the stage before its
+// warp releases the stage, at the next step (so the wait is off the critical path).
+#define FC_DQ_STAGE 0
 #endif
-constexpr bool kKeyGradLate = FC_KEY_GRAD_LATE;
+constexpr bool kDqStage = FC_DQ_STAGE;
+#ifndef FC_DQ_V4
+// 1: dQ by red.global.add.v4 (16 bytes) after a lane-pair exchange, instead of red.v2 (A/B)
+#define FC_DQ_V4 0
+#endif
 #ifndef FC_PROBE_NO_DQ
 // 1: a timing probe that skips the dQ reductions but keeps the dQ GEMM (dQ is left zero: wrong;
 // never dispatched, an A/B arm measuring what the reductions cost)
@@ -126,6 +133,8 @@ static_assert(kBlockN == 64, "P / dS tiles of one 64-key chunk");
 static_assert(2 * kStageBytes <= 2 * kStages * kQBytes, "dK / dV staging inside the Q / dO ring");
 static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= register_pool(kThreads),
               "register split over the CTA's pool at launch (register_pool, sm90.cuh)");
+static_assert(!kDqStage || (kDRows * 64 * 4 == 2 * 2 * kQChunkBytes && kBlockM == 64),
+              "FC_DQ_STAGE: a warpgroup's 64 x kDRows fp32 dQ tile fills its Q and dO chunks");
 static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with the host's smem_bytes");
 
 struct Smem {
@@ -367,12 +376,38 @@ struct Consumer {
   }
 
   // dq_accum += dQ_w; `dq_row`: this lane's first row (16 warp + g of the step) at column
-  // kDRows w + 2t. Rows past seqlen_q (inside Sq_pad) add zeros.
-  __device__ __forceinline__ void reduce_dq(float* dq_row) const {
+  // kDRows w + 2t. Rows past seqlen_q (inside Sq_pad) add zeros. red.v2: two 8-byte reductions per
+  // lane and 8-column block j; FC_DQ_V4: lanes t, t ^ 1 swap a row's pair so that the even lane
+  // holds 4 columns of row g and the odd one 4 of row g + 8, one 16-byte reduction each.
+  __device__ __forceinline__ void reduce_dq(float* dq_row, int t) const {
 #pragma unroll
     for (int j = 0; j < kDRows / 8; ++j) {
+#if FC_DQ_V4
+      const bool odd = t & 1;
+      const float x = __shfl_xor_sync(0xffffffffu, odd ? dq[4 * j] : dq[4 * j + 2], 1);
+      const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[4 * j + 1] : dq[4 * j + 3], 1);
+      if (odd) {
+        red_add_f32x4(dq_row + 8 * kHeadDim + 8 * j - 2, x, y, dq[4 * j + 2], dq[4 * j + 3]);
+      } else {
+        red_add_f32x4(dq_row + 8 * j, dq[4 * j], dq[4 * j + 1], x, y);
+      }
+#else
       red_add_f32x2(dq_row + 8 * j, dq[4 * j], dq[4 * j + 1]);
       red_add_f32x2(dq_row + 8 * kHeadDim + 8 * j, dq[4 * j + 2], dq[4 * j + 3]);
+#endif
+    }
+  }
+
+  // FC_DQ_STAGE: block h (columns 64 h .. of this warpgroup's dQ, registers 32 h ..) in the
+  // registers' order at `stage`: thread tw's dq[32 h + 4 k .. + 3] at float 512 k + 4 tw (a warp's
+  // 32 float4 are 512 contiguous bytes: no bank conflicts).
+  __device__ __forceinline__ void stage_dq(uint32_t stage, int h, int tw) const {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float* x = &dq[32 * h + 4 * k];
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(stage + 4 * (512 * k + 4 * tw)),
+                   "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3])
+                   : "memory");
     }
   }
 
@@ -473,6 +508,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     for (int j = 0; j < kBlockN / 2; ++j) cs.dk[i][j] = cs.dv[i][j] = 0.f;
   mbar_wait(sm.kv_full(), 0);  // also when there are no steps: no TMA may outlive the CTA
 
+  const int tw = static_cast<int>(threadIdx.x & 127);  // thread within the warpgroup
   int step_g = 0, step_mi = 0;
   for (int it = 0; it < steps.count(); ++it) {
     const int st = stage_of(it);
@@ -490,37 +526,27 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_fence();
     Consumer::issue_scores(cs.s, sm.q(st), k_rows);
     Consumer::issue_scores(cs.dp, sm.dout(st), v_rows);
-    if constexpr (kKeyGradLate) {  // the previous step's dV^T / dK^T (a group; empty at step 0)
+    if constexpr (kDqStage) {  // the previous step's dQ reductions have read its stage: release it
       if (it > 0) {
-        const int prev = stage_of(it - 1);
-        cs.hold_key_grads();
-        Consumer::issue_key_grad(cs.dv, sm.dout(prev), sm.p((it - 1) & 1), w);
-        Consumer::issue_key_grad(cs.dk, sm.q(prev), sm.ds((it - 1) & 1), w);
+        if (tw == 0) bulk_wait_group_read<0>();
+        release(sm.empty(stage_of(it - 1)));
       }
-      wgmma_commit();
     }
 
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + kSKeys * w, kSKeys);
-    wgmma_wait<kKeyGradLate ? 2 : 1>();  // S
+    wgmma_wait<1>();  // S
     wgmma_fence_operands(cs.s);
     if (masked) {
       cs.probs<true>(sm.lse2_ptr(st), scale_log2, mask, m0, n0, row, key0, p_tile);
     } else {
       cs.probs<false>(sm.lse2_ptr(st), scale_log2, mask, m0, n0, row, key0, p_tile);
     }
-    wgmma_wait<kKeyGradLate ? 1 : 0>();  // dP
+    wgmma_wait<0>();  // dP
     wgmma_fence_operands(cs.dp);
     if (masked) {
       cs.dsoftmax<true>(sm.delta_ptr(st), row, key0, ds_tile);
     } else {
       cs.dsoftmax<false>(sm.delta_ptr(st), row, key0, ds_tile);
-    }
-    if constexpr (kKeyGradLate) {
-      // the previous step's dV^T / dK^T: retired before this step's barrier (so every reader of
-      // the P / dS tiles the next step overwrites is done), then its stage is free
-      wgmma_wait<0>();
-      cs.hold_key_grads();
-      if (it > 0) release(sm.empty(stage_of(it - 1)));
     }
     fence_proxy_async();  // the generic stores before the async-proxy reads of the wgmmas
     named_barrier_sync(1, 128 * kConsumers);
@@ -528,41 +554,46 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_fresh(cs.dq);
     wgmma_fence();
     cs.issue_dq(ds_tile, sm.k(), w);
-    if constexpr (!kKeyGradLate) {
-      cs.hold_key_grads();
-      Consumer::issue_key_grad(cs.dv, sm.dout(st), p_tile, w);
-      Consumer::issue_key_grad(cs.dk, sm.q(st), ds_tile, w);
-      wgmma_commit();
-      wgmma_wait<1>();  // dQ (groups retire in order); dV^T / dK^T may still run
-    } else {
+    cs.hold_key_grads();
+    Consumer::issue_key_grad(cs.dv, sm.dout(st), p_tile, w);
+    Consumer::issue_key_grad(cs.dk, sm.q(st), ds_tile, w);
+    wgmma_commit();
+    if constexpr (kDqStage) {
       wgmma_wait<0>();
-    }
-    wgmma_fence_operands(cs.dq);
-    if constexpr (!FC_PROBE_NO_DQ) {
-      cs.reduce_dq(dq_accum + (bh * seqlen_q_pad + m0 + row) * kHeadDim + kDRows * w + 2 * t);
-    } else {  // (the dQ GEMM stays: its results are used, under a condition ptxas cannot fold)
-      float sum = 0.f;
+      wgmma_fence_operands(cs.dq);
+      cs.hold_key_grads();
+      // Since the barrier only this warpgroup's dV^T / dK^T read its Q / dO chunks of the stage
+      // (the S / dP of both warpgroups finished before it): they now take its dQ tile.
+      const uint32_t q_part = sm.q(st) + kDTiles * w * kQChunkBytes;
+      const uint32_t do_part = sm.dout(st) + kDTiles * w * kQChunkBytes;
+      cs.stage_dq(q_part, 0, tw);
+      cs.stage_dq(do_part, 1, tw);
+      fence_proxy_async();  // the generic stores before the bulk reductions' reads
+      named_barrier_sync(3 + w, 128);
+      if (tw == 0) {  // blocks kDTiles w, + 1 of the step's tile in dq_accum (4096 floats each)
+        float* dst = dq_accum + (bh * seqlen_q_pad + m0) * kHeadDim + kDTiles * w * 4096;
+        bulk_reduce_add_f32(dst, q_part, 4096 * 4);
+        bulk_reduce_add_f32(dst + 4096, do_part, 4096 * 4);
+        bulk_commit_group();
+      }
+    } else {
+      wgmma_wait<1>();  // dQ (groups retire in order); dV^T / dK^T may still run
+      wgmma_fence_operands(cs.dq);
+      if constexpr (!FC_PROBE_NO_DQ) {
+        cs.reduce_dq(dq_accum + (bh * seqlen_q_pad + m0 + row) * kHeadDim + kDRows * w + 2 * t, t);
+      } else {  // (the dQ GEMM stays: its results are used, under a condition ptxas cannot fold)
+        float sum = 0.f;
 #pragma unroll
-      for (int i = 0; i < kDRows / 2; ++i) sum += cs.dq[i];
-      if (seqlen_q < 0) dq_accum[0] = sum;
-    }
-    if constexpr (!kKeyGradLate) {
+        for (int i = 0; i < kDRows / 2; ++i) sum += cs.dq[i];
+        if (seqlen_q < 0) dq_accum[0] = sum;
+      }
       wgmma_wait<0>();
       cs.hold_key_grads();
       release(sm.empty(st));
     }
   }
-  if constexpr (kKeyGradLate) {  // the last step's dV^T / dK^T
-    if (steps.count() > 0) {
-      const int last = steps.count() - 1;
-      cs.hold_key_grads();
-      wgmma_fence();
-      Consumer::issue_key_grad(cs.dv, sm.dout(stage_of(last)), sm.p(last & 1), w);
-      Consumer::issue_key_grad(cs.dk, sm.q(stage_of(last)), sm.ds(last & 1), w);
-      wgmma_commit();
-      wgmma_wait<0>();
-      cs.hold_key_grads();
-    }
+  if constexpr (kDqStage) {  // complete, not only read: no reduction outlives the CTA
+    if (tw == 0) bulk_wait_group<0>();
   }
 
   // ---- epilogue: every consumer's wgmmas are done (each waited for its own before the barrier),
