@@ -46,7 +46,7 @@ from .call import (
 SOURCE = "attention/flash_bwd_sm90_wide.cu"
 ARCHS = ("sm_90a",)
 DTYPES = (torch.float16, torch.bfloat16)
-HEAD_DIMS = (256,)
+HEAD_DIMS = (192, 256)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD_WIDE"
 DEFINES_ENV = "FLASHCUDA_SM90_BWD_WIDE_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob)
 # how MAIN reduces dQ into dq_accum: "red" (red.global per thread, row-major dq_accum) or "stage"
@@ -58,8 +58,15 @@ DQ_DEFAULT = "stage"  # +13 to +20% over red.v2 (session 27, same-process A/B)
 GATED = f"bwd_sm90_wide is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 # (block_m, block_n, consumers) per head dim: S / dP split by keys (block_n / consumers each),
-# dK^T / dV^T / dQ by head-dim columns (head_dim / consumers each)
-TILES = {256: (64, 64, 2)}
+# dK^T / dV^T / dQ by head-dim columns (head_dim / consumers each); FA3's d192 shape (64 x 96,
+# three consumers), and 64 keys at d256 (FA3's 80 would split S into 40-key slices that start
+# off the 8-row swizzle atoms of K / V)
+TILES = {256: (64, 64, 2), 192: (64, 96, 3)}
+# P / dS tiles of each kind: two (no barrier before a step's stores), or one where two do not
+# fit (d192: K / V of 96 keys + the ring leave 58 KB; the 96-key tiles take 16 KB each)
+P_BUFFERS = {256: 2, 192: 1}
+# consumer registers: the CTA's pool over 384 / 512 threads, less the producer's 24 per thread
+CONSUMER_REGS = {256: 240, 192: 160}
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ class Sm90BwdWideConfig:
     consumers: int = 0
     stages: int = 2
     producer_regs: int = 24
-    consumer_regs: int = 240
+    consumer_regs: int = 0  # 0: CONSUMER_REGS[head_dim]
     dq_stage: bool = False  # dQ by bulk reductions from shared memory (FC_DQ_STAGE, DQ_ENV)
     # extra compile-time defines (FLASHCUDA_SM90_BWD_WIDE_DEFINES="NAME=VALUE,..."): A/B variants
     # of a kernel knob, named by a suffix
@@ -88,6 +95,8 @@ class Sm90BwdWideConfig:
         for name, value in (("block_m", bm), ("block_n", bn), ("consumers", cons)):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, value)
+        if self.consumer_regs == 0:
+            object.__setattr__(self, "consumer_regs", CONSUMER_REGS[self.head_dim])
         if (self.block_m, self.block_n, self.consumers) != TILES[self.head_dim]:
             raise ValueError(f"d{self.head_dim}: the kernel is instantiated for block_m x "
                              f"block_n x consumers = {TILES[self.head_dim]}")
@@ -114,19 +123,24 @@ class Sm90BwdWideConfig:
         return self.block_n * self.head_dim * 2
 
     @property
+    def p_buffers(self) -> int:
+        return P_BUFFERS[self.head_dim]
+
+    @property
     def smem_bytes(self) -> int:
-        """1024 B alignment slack + K + V + stages x (Q + dO + lse2 + delta) + 2 x (P + dS) + the
-        mbarriers (as the .cu lays out and static_asserts)."""
+        """1024 B alignment slack + K + V + stages x (Q + dO + lse2 + delta) + p_buffers x (P +
+        dS, whole 64-key chunks) + the mbarriers (as the .cu lays out and static_asserts)."""
         stats = 2 * self.block_m * 4
-        p_bytes = self.block_m * self.block_n * 2
+        p_bytes = self.block_m * 128 * -(-self.block_n // 64)
         return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
-                + 4 * p_bytes + BARRIER_BYTES * (1 + 2 * self.stages))
+                + 2 * self.p_buffers * p_bytes + BARRIER_BYTES * (1 + 2 * self.stages))
 
     @property
     def name(self) -> str:
         return (f"flash_bwd_sm90w_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_c{self.consumers}_s{self.stages}"
-                + ("" if (self.producer_regs, self.consumer_regs) == (24, 240)
+                + ("" if (self.producer_regs, self.consumer_regs)
+                   == (24, CONSUMER_REGS[self.head_dim])
                    else f"_r{self.producer_regs}x{self.consumer_regs}")
                 + ("_dqs" if self.dq_stage else "")
                 + defines_suffix(self.defines))
@@ -139,6 +153,7 @@ class Sm90BwdWideConfig:
             "FC_BLOCK_N": self.block_n,
             "FC_STAGES": self.stages,
             "FC_CONSUMERS": self.consumers,
+            "FC_P_BUFFERS": self.p_buffers,
             "FC_PRODUCER_REGS": self.producer_regs,
             "FC_CONSUMER_REGS": self.consumer_regs,
             "FC_SMEM_BYTES": self.smem_bytes,

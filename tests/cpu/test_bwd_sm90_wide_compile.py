@@ -1,7 +1,8 @@
-"""The sm90a backward for head dim 256 (bwd_sm90_wide) on the CPU lane: its kernels compile for
+"""The sm90a backward for head dims 192 and 256 (bwd_sm90_wide) on the CPU lane: its kernels compile for
 sm_90a with no spills, ptxas warnings or performance notes; the SASS (when cuobjdump is at hand)
-has the loop's HGMMA mix — S and dP as m64n32 (both operands K-major), dV^T and dK^T as m64n64
-with both operands transposed, dQ as m64n128 with B transposed — TMA / bulk loads, red.v2 and no
+has the loop's HGMMA mix — S and dP as m64n32 (both operands K-major), dV^T and dK^T as
+m64n{block_n} with both operands transposed, dQ as m64n{head_dim / consumers} with B transposed —
+TMA / bulk loads, the dQ reductions (bulk reduce-adds, red.v2 or red.v4) and no
 local memory; the parameter table matches pack_args; the config, the gate and the plan key.
 """
 
@@ -111,10 +112,18 @@ def test_config():
     assert cfg.smem_bytes <= 232448  # the opt-in limit per block (227 KB)
     assert dict(cfg.spec().defines) == {
         "FC_DTYPE": "2", "FC_HEAD_DIM": "256", "FC_BLOCK_M": "64", "FC_BLOCK_N": "64",
-        "FC_STAGES": "2", "FC_CONSUMERS": "2", "FC_PRODUCER_REGS": "24",
+        "FC_STAGES": "2", "FC_CONSUMERS": "2", "FC_P_BUFFERS": "2", "FC_PRODUCER_REGS": "24",
         "FC_CONSUMER_REGS": "240", "FC_SMEM_BYTES": str(cfg.smem_bytes)}
     assert cfg.aux().head_dim == 256 and cfg.seqlen_pad(65) == 128
-    assert len(bwd_sm90_wide.configs()) == 2 * (2 + len(bwd_sm90_wide.AB_DEFINES))
+    assert len(bwd_sm90_wide.configs()) == 2 * 2 * (2 + len(bwd_sm90_wide.AB_DEFINES))
+    d192 = Sm90BwdWideConfig(torch.float16, 192)
+    assert d192.name == "flash_bwd_sm90w_fp16_d192_bm64_bn96_c3_s2"
+    assert (d192.block_n, d192.consumers, d192.threads, d192.consumer_regs) == (96, 3, 512, 160)
+    # one P / dS tile each, of two 64-key chunks (the second half used)
+    kv192, q192, p192 = 96 * 192 * 2, 64 * 192 * 2, 64 * 128 * 2
+    assert d192.smem_bytes == 1024 + 2 * kv192 + 2 * (2 * q192 + stats) + 2 * p192 + 8 * 5
+    assert dict(d192.spec().defines)["FC_P_BUFFERS"] == "1"
+    assert 24 * 128 + 160 * 384 <= 65536
     stage = Sm90BwdWideConfig(torch.bfloat16, 256, dq_stage=True)
     assert stage.name.endswith("_dqs") and dict(stage.spec().defines)["FC_DQ_STAGE"] == "1"
     assert stage.smem_bytes == cfg.smem_bytes  # (staged in the stage's own Q / dO chunks)
@@ -126,6 +135,8 @@ def test_config():
         Sm90BwdWideConfig(torch.bfloat16, 256, block_n=128)
     with pytest.raises(ValueError, match="shared memory"):
         Sm90BwdWideConfig(torch.bfloat16, 256, stages=3)
+    with pytest.raises(ValueError, match="pool"):
+        Sm90BwdWideConfig(torch.bfloat16, 192, consumer_regs=168)
     with pytest.raises(ValueError, match="pool"):
         Sm90BwdWideConfig(torch.bfloat16, 256, producer_regs=40)
 
@@ -146,6 +157,7 @@ def test_can_implement_reasons(monkeypatch):
     assert ci(_call()) == GATED
     monkeypatch.delenv(ENABLE_ENV)
     assert "head_dim 128" in ci(_call(D=128))
+    assert "not on the CUDA device" in ci(_call(D=192))
     assert "deterministic" in ci(_call(deterministic=True))
     assert "fp16/bf16" in ci(_call(dtype=torch.float32))
     assert "not on the CUDA device" in ci(_call())  # CPU tensors pass every layout check first

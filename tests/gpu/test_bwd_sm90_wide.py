@@ -1,4 +1,4 @@
-"""The sm90a backward for head dim 256 (flashcuda.ops.bwd_sm90_wide) on the H200.
+"""The sm90a backward for head dims 192 and 256 (flashcuda.ops.bwd_sm90_wide) on the H200.
 
 As tests/gpu/test_bwd_sm90.py: `bwd_sm90_wide.run(BwdCall(...))` on NaN-prefilled dq / dk / dv,
 out / lse from the float64 oracle (no forward kernel involved), compared with the float64
@@ -25,14 +25,18 @@ pytestmark = pytest.mark.gpu
 BF16, FP16 = torch.bfloat16, torch.float16
 FULL = (None, None)
 CAUSAL = (None, 0)
-D = 256
 
 
-@pytest.fixture(autouse=True, params=[("", ""), ("red", ""), ("stage", ""), ("red", "FC_DQ_V4=1")],
-                ids=["default", "dq-red", "dq-stage", "dq-v4"])
+@pytest.fixture(params=[256, 192], ids=["d256", "d192"])
+def D(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True, params=[("", ""), ("red", ""), ("red", "FC_DQ_V4=1")],
+                ids=["default", "dq-red", "dq-v4"])
 def _sm90(monkeypatch, request):
-    """Every test with the default kernel, then with each dQ reduction (FLASHCUDA_SM90_BWD_WIDE_DQ:
-    red.v2, bulk reduce-adds from shared memory; red.v4 through the defines)."""
+    """Every test with the default kernel (dQ by staged bulk reduce-adds), then with the other dQ
+    reductions (FLASHCUDA_SM90_BWD_WIDE_DQ=red: red.v2; red.v4 through the defines)."""
     dq, defines = request.param
     monkeypatch.setenv(bwd_sm90_wide.DQ_ENV, dq)
     monkeypatch.setenv(bwd_sm90_wide.DEFINES_ENV, defines)
@@ -64,26 +68,26 @@ def check(q, k, v, dout, window=FULL, scale=None, only=("dq", "dk", "dv")):
 
 # ---- smoke: one CTA, one head, one query block -------------------------------------------------
 
-def test_smoke_dv_only():
-    # Q = 0: S = 0, P uniform (1 / 64 per key): dV = P^T dO alone is exercised
+def test_smoke_dv_only(D):
+    # Q = 0: S = 0, P uniform (1 / 64 per key): dV^T = dO^T P alone is exercised
     q, k, v, dout = make(1, 64, 64, 1, 1, D, BF16, seed=1)
     check(torch.zeros_like(q), k, v, dout, only=("dv",))
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-def test_smoke_one_tile(dtype):
+def test_smoke_one_tile(dtype, D):
     q, k, v, dout = make(1, 64, 64, 1, 1, D, dtype, seed=2)
     check(q, k, v, dout)
 
 
-def test_smoke_dk_dq_causal():
+def test_smoke_dk_dq_causal(D):
     q, k, v, dout = make(1, 64, 64, 1, 1, D, BF16, seed=3)
     check(q, k, v, dout, CAUSAL)
 
 
 # ---- pipeline, shapes, masks ---------------------------------------------------------------------
 
-def test_pipeline_many_query_blocks():
+def test_pipeline_many_query_blocks(D):
     q, k, v, dout = make(1, 1024, 128, 2, 2, D, BF16, seed=4)
     check(q, k, v, dout)
 
@@ -96,32 +100,32 @@ PAIRS = [(a, b) for a in SEQLENS for b in SEQLENS if a == b or (a, b) in
 @pytest.mark.parametrize("window", [FULL, CAUSAL, (100, 20)], ids=["full", "causal", "window"])
 @pytest.mark.parametrize("seqlens", PAIRS, ids=[f"q{a}-k{b}" for a, b in PAIRS])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-def test_seqlens(dtype, seqlens, window):
+def test_seqlens(dtype, seqlens, window, D):
     q, k, v, dout = make(2, seqlens[0], seqlens[1], 2, 1, D, dtype, seed=5)
     check(q, k, v, dout, window)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("nheads_kv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_gqa_batch(batch, nheads_kv):
+def test_gqa_batch(batch, nheads_kv, D):
     q, k, v, dout = make(batch, 300, 257, 4, nheads_kv, D, BF16, seed=6)
     check(q, k, v, dout, CAUSAL)
 
 
-def test_windows_and_fully_masked_rows():
+def test_windows_and_fully_masked_rows(D):
     q, k, v, dout = make(1, 300, 100, 2, 2, D, BF16, seed=9)  # rows < 200 see no key
     (dq, _, _), _ = check(q, k, v, dout, CAUSAL)
     assert (dq[:, :200] == 0).all()
 
 
-def test_keys_no_row_sees_get_zero_grads():
+def test_keys_no_row_sees_get_zero_grads(D):
     # window (2, 0): row i sees keys i + 198 .. i + 200, so keys < 198 are unseen
     q, k, v, dout = make(1, 100, 300, 2, 2, D, FP16, seed=10)
     (_, dk, dv), _ = check(q, k, v, dout, (2, 0))
     assert (dk[:, :198] == 0).all() and (dv[:, :198] == 0).all()
 
 
-def test_nonfinite_v_outside_the_band_does_not_leak():
+def test_nonfinite_v_outside_the_band_does_not_leak(D):
     # causal: keys past a row's diagonal are masked; poison V and K there for the first rows'
     # blocks — dS is forced to 0 where P is masked, whatever dP holds
     q, k, v, dout = make(1, 256, 256, 2, 2, D, BF16, seed=14)
@@ -135,7 +139,7 @@ def test_nonfinite_v_outside_the_band_does_not_leak():
     assert (dq[:, :200].double() - refs[0][:, :200]).abs().max().item() <= tol
 
 
-def test_packed_qkv_views():
+def test_packed_qkv_views(D):
     g = torch.Generator(device="cuda").manual_seed(11)
     qkv = torch.randn(2, 513, 3, 2, D, device="cuda", dtype=FP16, generator=g)
     q, k, v = qkv.unbind(2)
@@ -146,7 +150,7 @@ def test_packed_qkv_views():
 # ---- agreement with the SIMT kernel, and dispatch -----------------------------------------------
 
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])
-def test_agrees_with_simt(window):
+def test_agrees_with_simt(window, D):
     from flashcuda.ops import bwd_simt
 
     q, k, v, dout = make(1, 383, 520, 2, 1, D, BF16, seed=12)
@@ -158,7 +162,7 @@ def test_agrees_with_simt(window):
         assert (a.double() - b.double()).abs().max().item() <= 2 * tolerance(ref, low, BF16), name
 
 
-def test_dispatch_prefers_sm90_wide_at_d256():
+def test_dispatch_prefers_sm90_wide(D):
     q, k, v, dout = make(1, 256, 256, 2, 2, D, BF16, seed=13)
     out = torch.empty_like(q)
     lse = torch.zeros(1, 2, 256, device="cuda", dtype=torch.float32)

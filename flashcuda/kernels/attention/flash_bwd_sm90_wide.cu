@@ -84,16 +84,17 @@ constexpr int kKVChunkBytes = kBlockN * 128;
 constexpr int kQBytes = kChunks * kQChunkBytes;
 constexpr int kKVBytes = kChunks * kKVChunkBytes;
 constexpr int kPChunkBytes = kBlockM * 128;  // 64 keys of every query row
-constexpr int kPBytes = kBlockM * kBlockN * 2;
+constexpr int kPBytes = (kBlockN + 63) / 64 * kPChunkBytes;  // (96 keys: the 2nd chunk half used)
+constexpr int kPBuffers = FC_P_BUFFERS;  // P / dS tiles of each kind: 2, or 1 and a barrier
 constexpr int kStatBytes = kBlockM * 4;
 
 constexpr int kSmemK = 0;
 constexpr int kSmemV = kSmemK + kKVBytes;
 constexpr int kSmemQ = kSmemV + kKVBytes;
 constexpr int kSmemDO = kSmemQ + kStages * kQBytes;
-constexpr int kSmemP = kSmemDO + kStages * kQBytes;  // P[2], then dS[2]
-constexpr int kSmemDS = kSmemP + 2 * kPBytes;
-constexpr int kSmemStats = kSmemDS + 2 * kPBytes;
+constexpr int kSmemP = kSmemDO + kStages * kQBytes;  // P[kPBuffers], then dS[kPBuffers]
+constexpr int kSmemDS = kSmemP + kPBuffers * kPBytes;
+constexpr int kSmemStats = kSmemDS + kPBuffers * kPBytes;
 constexpr int kSmemBar = kSmemStats + kStages * 2 * kStatBytes;
 constexpr int kBarriers = 1 + 2 * kStages;  // kv_full, full[], empty[]
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;
@@ -125,15 +126,16 @@ constexpr bool kDqStage = FC_DQ_STAGE;
 #endif
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
-static_assert(kHeadDim == 256 && kConsumers == 2 && kBlockN == 64 && kBlockM == 64,
-              "instantiated for d256: 64 queries x 64 keys, two consumers (S: m64n32, dQ: "
-              "m64n128, dV^T / dK^T: m64n64)");
+static_assert(kBlockM == 64 && ((kHeadDim == 256 && kConsumers == 2 && kBlockN == 64) ||
+                                 (kHeadDim == 192 && kConsumers == 3 && kBlockN == 96)),
+              "instantiated for d256 (64 x 64, two consumers) and d192 (64 x 96, three): S m64n32, "
+              "dV^T / dK^T m64n{kBlockN}, dQ m64n{kDRows}");
 static_assert(kSKeys % 8 == 0 && kDRows % 64 == 0, "consumer split of keys / head dim");
-static_assert(kBlockN == 64, "P / dS tiles of one 64-key chunk");
+static_assert(kPBuffers == 1 || kPBuffers == 2, "one or two P / dS tiles");
 static_assert(2 * kStageBytes <= 2 * kStages * kQBytes, "dK / dV staging inside the Q / dO ring");
 static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= register_pool(kThreads),
               "register split over the CTA's pool at launch (register_pool, sm90.cuh)");
-static_assert(!kDqStage || (kDRows * 64 * 4 == 2 * 2 * kQChunkBytes && kBlockM == 64),
+static_assert(!kDqStage || (kDRows * 64 * 4 == 2 * kDTiles * kQChunkBytes && kBlockM == 64),
               "FC_DQ_STAGE: a warpgroup's 64 x kDRows fp32 dQ tile fills its Q and dO chunks");
 static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with the host's smem_bytes");
 
@@ -145,8 +147,12 @@ struct Smem {
   __device__ __forceinline__ uint32_t v() const { return base + kSmemV; }
   __device__ __forceinline__ uint32_t q(int s) const { return base + kSmemQ + s * kQBytes; }
   __device__ __forceinline__ uint32_t dout(int s) const { return base + kSmemDO + s * kQBytes; }
-  __device__ __forceinline__ uint32_t p(int b) const { return base + kSmemP + b * kPBytes; }
-  __device__ __forceinline__ uint32_t ds(int b) const { return base + kSmemDS + b * kPBytes; }
+  __device__ __forceinline__ uint32_t p(int b) const {
+    return base + kSmemP + (kPBuffers == 2 ? b : 0) * kPBytes;
+  }
+  __device__ __forceinline__ uint32_t ds(int b) const {
+    return base + kSmemDS + (kPBuffers == 2 ? b : 0) * kPBytes;
+  }
   __device__ __forceinline__ uint32_t lse2(int s) const {
     return base + kSmemStats + s * 2 * kStatBytes;
   }
@@ -398,15 +404,19 @@ struct Consumer {
     }
   }
 
-  // FC_DQ_STAGE: block h (columns 64 h .. of this warpgroup's dQ, registers 32 h ..) in the
-  // registers' order at `stage`: thread tw's dq[32 h + 4 k .. + 3] at float 512 k + 4 tw (a warp's
-  // 32 float4 are 512 contiguous bytes: no bank conflicts).
-  __device__ __forceinline__ void stage_dq(uint32_t stage, int h, int tw) const {
+  // FC_DQ_STAGE: this warpgroup's kDTiles 64 x 64 blocks of dQ in the registers' order, thread
+  // tw's dq[32 b + 4 k .. + 3] (block b, k < 8) at float 4096 b + 512 k + 4 tw of a kDTiles x 16
+  // KB range whose first half is at `lo` and second half at `hi` (a warp's 32 float4 are 512
+  // contiguous bytes: no bank conflicts).
+  __device__ __forceinline__ void stage_dq(uint32_t lo, uint32_t hi, int tw) const {
+    constexpr int kHalf = kDTiles * 2048;  // floats
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const float* x = &dq[32 * h + 4 * k];
-      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(stage + 4 * (512 * k + 4 * tw)),
-                   "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3])
+    for (int q = 0; q < kDRows / 8; ++q) {  // float4 q of the registers
+      const int at = 4096 * (q / 8) + 512 * (q % 8) + 4 * tw;
+      const uint32_t addr = at < kHalf ? lo + 4 * at : hi + 4 * (at - kHalf);
+      const float* x = &dq[4 * q];
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(x[0]),
+                   "f"(x[1]), "f"(x[2]), "f"(x[3])
                    : "memory");
     }
   }
@@ -536,6 +546,10 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + kSKeys * w, kSKeys);
     wgmma_wait<1>();  // S
     wgmma_fence_operands(cs.s);
+    if constexpr (kPBuffers == 1) {
+      // one P / dS tile: every consumer has drained the previous step's GEMMs, which read it
+      if (it > 0) named_barrier_sync(7, 128 * kConsumers);  // (ids 3 .. 5: the warpgroups' own)
+    }
     if (masked) {
       cs.probs<true>(sm.lse2_ptr(st), scale_log2, mask, m0, n0, row, key0, p_tile);
     } else {
@@ -566,14 +580,13 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       // (the S / dP of both warpgroups finished before it): they now take its dQ tile.
       const uint32_t q_part = sm.q(st) + kDTiles * w * kQChunkBytes;
       const uint32_t do_part = sm.dout(st) + kDTiles * w * kQChunkBytes;
-      cs.stage_dq(q_part, 0, tw);
-      cs.stage_dq(do_part, 1, tw);
+      cs.stage_dq(q_part, do_part, tw);
       fence_proxy_async();  // the generic stores before the bulk reductions' reads
       named_barrier_sync(3 + w, 128);
-      if (tw == 0) {  // blocks kDTiles w, + 1 of the step's tile in dq_accum (4096 floats each)
+      if (tw == 0) {  // blocks kDTiles w .. of the step's tile in dq_accum (4096 floats each)
         float* dst = dq_accum + (bh * seqlen_q_pad + m0) * kHeadDim + kDTiles * w * 4096;
-        bulk_reduce_add_f32(dst, q_part, 4096 * 4);
-        bulk_reduce_add_f32(dst + 4096, do_part, 4096 * 4);
+        bulk_reduce_add_f32(dst, q_part, kDTiles * kQChunkBytes);
+        bulk_reduce_add_f32(dst + kDTiles * 2048, do_part, kDTiles * kQChunkBytes);
         bulk_commit_group();
       }
     } else {
