@@ -61,6 +61,7 @@ FAMILIES = {
     "auto": (None, None),
 }
 SM90_ENV = "FLASHCUDA_ENABLE_SM90"
+SM90_WIDE_BWD = "bwd_sm90_wide"  # the sm90 family's backward at head dims 192 and 256
 
 
 @dataclass(frozen=True)
@@ -181,9 +182,10 @@ def supports(family: str, case: Case, dtype: torch.dtype) -> tuple[bool, bool]:
     if family == "sm80":
         ok = half and aligned and case.d % 8 == 0
         return ok and case.d <= 256, ok and case.d <= 128
-    if family == "sm90":  # (forward at d192 / d256 since session 26; backward d64 / d128)
-        ok = half and aligned
-        return ok and case.d in (64, 128, 192, 256), ok and case.d in (64, 128) and not case.det
+    if family == "sm90":  # (forward at d192 / d256 since session 26, backward since session 27:
+        # bwd_sm90 at d64 / d128, bwd_sm90_wide at d192 / d256)
+        ok = half and aligned and case.d in (64, 128, 192, 256)
+        return ok, ok and not case.det
     if family in ("simt", "auto"):
         return case.d <= 256, case.d <= 256
     raise ValueError(f"family: expected one of {tuple(FAMILIES)}, got {family!r}")
@@ -196,6 +198,8 @@ def expected(family: str, case: Case) -> tuple[str | None, str | None]:
         fwd, bwd = "fwd_simt", "bwd_simt"
     if not case.launches:
         return None, None
+    if family == "sm90" and case.d in (192, 256):
+        bwd = SM90_WIDE_BWD
     return fwd, (bwd if case.bwd else None)
 
 
@@ -409,7 +413,9 @@ def prepare(monkeypatch, family: str) -> list[tuple[str, str]]:
         monkeypatch.delenv(dispatch.FORCE_ENV, raising=False)
         monkeypatch.delenv(SM90_ENV, raising=False)
     else:
-        monkeypatch.setenv(dispatch.FORCE_ENV, f"{fwd},{bwd}")
+        # (the sm90 family's backward at d192 / d256 is bwd_sm90_wide's: SM90_WIDE_BWD)
+        wide = f",{SM90_WIDE_BWD}" if family == "sm90" else ""
+        monkeypatch.setenv(dispatch.FORCE_ENV, f"{fwd},{bwd}{wide}")
         if family == "sm90":
             monkeypatch.setenv(SM90_ENV, "1")
         else:
