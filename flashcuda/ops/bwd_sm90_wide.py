@@ -1,20 +1,32 @@
-"""The sm90a backward for the wide head dims (256), fp16/bf16, non-deterministic dQ.
+"""The sm90a backward for the wide head dims (192 and 256), fp16/bf16, non-deterministic dQ.
+
+Status: proven on the H200 (tests/gpu/test_bwd_sm90_wide.py against the float64 oracle, 505
+passed at d03bdf6; sanitizers clean on the boundary case); dispatched by default at these head
+dims: d256 0.96-1.11x cuDNN, d192 0.95-1.44x (docs/perf-notes.md, session 27), where the SIMT
+backward ran at 7-8 TFLOP/s.
 
 flash_bwd_sm90.cu (family bwd_sm90) keeps each consumer warpgroup's 64 keys x head dim of dK and
 dV in registers, which does not fit at head dim 256; this family's MAIN kernel
 (kernels/attention/flash_bwd_sm90_wide.cu) computes dK and dV transposed and splits them by
-head-dim columns between its two consumer warpgroups (FlashAttention 3's d256 backward shape),
+head-dim columns between its consumer warpgroups (FlashAttention 3's d192 / d256 backward shape),
 with S / dP split by keys and P / dS exchanged through shared memory. Around it, bwd_sm80's PRE
 (delta, lse2, zeroed dq_accum) and CONVERT (dq = dq_accum * softmax_scale) kernels, as in
 bwd_sm90.
 
     head dim   block_m (queries) x block_n (keys), stages   smem      consumers x registers
+    192        64 x 96, 2 (one P / dS tile)                 202 KB    3 x 160
     256        64 x 64, 2                                   226 KB    2 x 240
 
-Dispatch order: bwd_sm90 (d64 / d128) > bwd_sm90_wide (d256) > bwd_sm80 > bwd_simt; the head
-dims are disjoint. FLASHCUDA_ENABLE_SM90_BWD_WIDE=0 turns it off (the SIMT backward then runs
-these head dims). deterministic=True goes elsewhere (dQ is reduced with atomics).
-"""
+dQ (FLASHCUDA_SM90_BWD_WIDE_DQ): "stage", the default (+13-20% at d256): each consumer stores
+its dQ tile into its own, then idle, Q / dO chunks of the stage and one thread reduces it into
+dq_accum with two bulk reduce-adds (dq_accum in register order, CONVERT's FC_DQ_FRAG_M reader);
+"red": red.global.add.v2 per thread into a row-major dq_accum. FLASHCUDA_SM90_BWD_WIDE_DEFINES
+("FC_NAME=VALUE,...") builds A/B variants (FC_DQ_V4: red.v4, measured -3 to -4%;
+FC_PROBE_NO_DQ: a timing probe without the dQ reductions, wrong results, never dispatched).
+
+Dispatch order: bwd_sm90 (d64 / d128) > bwd_sm90_wide (d192 / d256) > bwd_sm80 > bwd_simt; the
+head dims are disjoint. FLASHCUDA_ENABLE_SM90_BWD_WIDE=0 turns it off (the SIMT backward then
+runs these head dims). deterministic=True goes elsewhere (dQ is reduced with atomics)."""
 
 from __future__ import annotations
 
@@ -59,8 +71,8 @@ GATED = f"bwd_sm90_wide is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 # (block_m, block_n, consumers) per head dim: S / dP split by keys (block_n / consumers each),
 # dK^T / dV^T / dQ by head-dim columns (head_dim / consumers each); FA3's d192 shape (64 x 96,
-# three consumers), and 64 keys at d256 (FA3's 80 would split S into 40-key slices that start
-# off the 8-row swizzle atoms of K / V)
+# three consumers), and 64 keys at d256 (FA3's 80: K / V of 80 keys beside the two-stage Q / dO
+# ring leave no room for the P / dS tiles; FA3 keeps one dO stage)
 TILES = {256: (64, 64, 2), 192: (64, 96, 3)}
 # P / dS tiles of each kind: two (no barrier before a step's stores), or one where two do not
 # fit (d192: K / V of 96 keys + the ring leave 58 KB; the 96-key tiles take 16 KB each)

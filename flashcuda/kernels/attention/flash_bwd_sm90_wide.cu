@@ -1,5 +1,10 @@
-// Flash attention backward for the wide head dims on sm90a (kHeadDim 256), fp16 / bf16: the main
-// kernel (MAIN) between bwd_sm80's PRE and CONVERT, as flash_bwd_sm90.cu.
+// Flash attention backward for the wide head dims on sm90a (kHeadDim 192 and 256), fp16 / bf16:
+// the main kernel (MAIN) between bwd_sm80's PRE and CONVERT, as flash_bwd_sm90.cu.
+//
+// Status: proven on the H200 (tests/gpu/test_bwd_sm90_wide.py, float64 oracle, 505 passed at
+// d03bdf6; compute-sanitizer memcheck / synccheck / racecheck clean on the boundary case);
+// dispatched by default at these head dims (family bwd_sm90_wide). d256 0.96-1.11x cuDNN, d192
+// 0.95-1.44x (docs/perf-notes.md, session 27).
 //
 // Why a second sm90 backward: flash_bwd_sm90.cu keeps a consumer warpgroup's 64 keys x kHeadDim of
 // dK and of dV in its registers (kHeadDim / 2 floats per thread each): at kHeadDim = 256 that is
@@ -7,7 +12,8 @@
 // (FlashAttention 3's dKV_swapAB for its d256 backward): dK and dV are computed transposed,
 //     dV^T += dO^T P,   dK^T += Q^T dS        (M = head dim, N = the CTA's kBlockN keys),
 // and consumer warpgroup w owns head-dim rows [kDRows w, kDRows (w + 1)) of both: kDTiles m64
-// tiles x kBlockN keys, kDTiles * kBlockN / 2 floats each (d256: 2 x 64 keys: 64 + 64).
+// tiles x kBlockN keys, kDTiles * kBlockN / 2 floats each (d256: two warpgroups, 2 tiles x 64
+// keys: 64 + 64; d192: three warpgroups, 1 tile x 96 keys: 48 + 48).
 // The scores are computed the forward way round (M = the step's kBlockM queries) and split by
 // keys: consumer w computes S = Q K^T and dP = dO V^T for keys [kSKeys w, kSKeys (w + 1)) of the
 // block (m64 n{kSKeys}, K = kHeadDim), P and dS for them, and stores both (16-bit) into shared
@@ -16,13 +22,15 @@
 //     dV^T, dK^T: A = dO^T / Q^T (the stage's tile stored [query][d], read MN-major: imm-trans-a),
 //                 B = P / dS stored [query][key] (read MN-major: imm-trans-b)
 //     dQ_w = dS K[:, kDRows w ..]: A = dS read K-major, B = K stored [key][d] read MN-major;
-//                 M = kBlockM queries, N = kDRows head-dim columns: red.global.add.v2 into
-//                 dq_accum [B, H, Sq_pad, D] (row-major, PRE zeroed it, CONVERT scales it).
+//                 M = kBlockM queries, N = kDRows head-dim columns, reduced into dq_accum (PRE
+//                 zeroed it, CONVERT scales it) by bulk reduce-adds from shared memory
+//                 (FC_DQ_STAGE, the host's default) or red.global.add per thread.
 //
 // Feature matrix
 //   dtypes        fp16, bf16 in and out; fp32 accumulation; fp32 dQ accumulator (atomics: not
 //                 deterministic, as flash_bwd_sm90.cu)
-//   head dims     kHeadDim = 256 (the runtime head dim equals the kernel's)
+//   head dims     kHeadDim = 256 (64 x 64 tiles, 2 consumers) or 192 (64 x 96, 3 consumers);
+//                 the runtime head dim equals the kernel's
 //   masking       mask.cuh's band (causal, sliding window, none); ragged seqlen_q / seqlen_k
 //   heads         MHA, GQA, MQA: the CTA loops over the query heads of its KV head
 //   arch          sm_90a only (wgmma, setmaxnreg)
@@ -38,11 +46,15 @@
 //     wait full[s] | issue S_w = Q K_w^T, then dP_w = dO V_w^T (two commit groups) | wait S:
 //     P = exp2(S scale_log2 - lse2) (0 where masked) -> 16-bit -> P tile | wait dP: dS = P o (dP -
 //     delta) (0 where masked) -> 16-bit -> dS tile | fence.proxy.async, named barrier of the
-//     consumers | issue dQ_w (a group), then dV^T_w and dK^T_w (a group) | wait for dQ: its
-//     reductions into dq_accum while the tensor cores run dV^T / dK^T | wait all, release s.
-// P and dS are double-buffered (tile it & 1), so one barrier per step suffices: at step it + 1 a
-// consumer writes tile (it + 1) & 1, whose last readers (step it - 1's GEMMs of every consumer)
-// finished before their consumer arrived at step it's barrier.
+//     consumers | issue dQ_w (a group), then dV^T_w and dK^T_w (a group) | FC_DQ_STAGE: wait
+//     all, dQ into the stage's own Q / dO chunks, two bulk reduce-adds (the stage is released at
+//     the next step, once they have read it); else: wait for dQ, its red.global while the tensor
+//     cores run dV^T / dK^T, wait all, release s.
+// d256: P and dS are double-buffered (tile it & 1), so one barrier per step suffices: at step
+// it + 1 a consumer writes tile (it + 1) & 1, whose last readers (step it - 1's GEMMs of every
+// consumer) finished before their consumer arrived at step it's barrier. d192 (kPBuffers = 1:
+// two 96-key tiles of each would not fit): a second barrier before a step's stores, once every
+// consumer has drained the previous step's GEMMs.
 // Epilogue: the consumers' barrier, then each stores dK^T * softmax_scale and dV^T transposed
 // into a padded [key][d] staging tile over the (now idle) Q / dO ring, another barrier, and all
 // consumer threads copy the rows inside seqlen_k to dk / dv in 16-byte pieces.
@@ -50,9 +62,10 @@
 // Shared memory (128B-swizzled [rows][64 16-bit] chunks, each region 1024-byte aligned):
 //     K, V      [kBlockN][kHeadDim]             kHeadDim / 64 chunks of kBlockN x 128 B each
 //     Q, dO     kStages x [kBlockM][kHeadDim]   kHeadDim / 64 chunks of kBlockM x 128 B each
-//     P, dS     2 x [kBlockM][kBlockN]          kBlockN / 64 chunks of kBlockM x 128 B each
+//     P, dS     kPBuffers x [kBlockM][kBlockN]  ceil(kBlockN / 64) chunks of kBlockM x 128 B each
 //     lse2, delta  kStages x 2 x [kBlockM] fp32;  mbarriers kv_full, full[], empty[]
-// d256 (kBlockM = kBlockN = 64, 2 stages): 64 + 128 + 32 + 1 KB (+ 1 KB alignment slack).
+// d256 (kBlockM = kBlockN = 64, 2 stages, 2 P / dS tiles): 64 + 128 + 32 + 1 KB (+ 1 KB
+// alignment slack); d192 (96 keys, 1 tile of 2 chunks): 72 + 96 + 32 + 1 KB.
 //
 // Out-of-range rows as flash_bwd_sm90.cu: TMA zero-fills rows past seqlen_q / seqlen_k; a query
 // row past seqlen_q (inside Sq_pad) has lse2 = +inf (P = 0); keys past seqlen_k are masked; a
