@@ -118,13 +118,20 @@ constexpr int kStageStride = kHeadDim + 8;
 constexpr int kStageBytes = kBlockN * kStageStride * 2;
 
 #ifndef FC_DQ_STAGE
-// 1: dQ by bulk reduce-adds from shared memory instead of red.global per thread. Once a step's
-// GEMMs are done, warpgroup w's own Q and dO chunks of the stage (its head-dim columns, read by
-// its dV^T / dK^T only: 2 x 16 KB) are free; it stores its 64 x kDRows dQ tile there in its
-// registers' order (two 64 x 64 blocks, flash_bwd_sm90.cu's FC_DQ_FRAG order), and one thread
-// issues two 16 KB cp.reduce.async.bulk .add.f32 into dq_accum laid out in that order (CONVERT's
-// FC_DQ_FRAG_M reader). That thread waits for the reductions to have read the stage before its
-// warp releases the stage, at the next step (so the wait is off the critical path).
+// 1 (the host's default, FLASHCUDA_SM90_BWD_WIDE_DQ=stage; +13 to +20% over red.v2 at d256 on
+// the H200): dQ by bulk reduce-adds from shared memory instead of red.global per thread (with
+// red.v2 the reductions were 44% of the warp-stall samples and a probe without them ran
+// 1.6-1.9x faster: the L2's reduction rate, not the tensor cores, set the pace). Shared memory
+// has no room for a staging tile, but once a step's GEMMs are done, warpgroup w's own Q and dO
+// chunks of the stage (its head-dim columns, read since the barrier by its dV^T / dK^T only:
+// 2 x kDTiles x 8 KB) are free: it stores its 64 x kDRows dQ tile there in its registers' order
+// (kDTiles 64 x 64 blocks, flash_bwd_sm90.cu's FC_DQ_FRAG order), and one thread issues two
+// cp.reduce.async.bulk .add.f32 into dq_accum laid out in that order (CONVERT's FC_DQ_FRAG_M
+// reader). That thread waits for the reductions to have read the stage before its warp releases
+// the stage, at the next step (so the wait is off the critical path).
+// (Tried in session 27, docs/perf-notes.md: red.v4, FC_DQ_V4 below, -3 to -4%; a step's dV^T /
+// dK^T issued behind the next step's S / dP, -1.3 to 0%, removed; the next step's S / dP issued
+// before this step's dQ reductions: spills and serialised wgmmas at compile time, not run.)
 #define FC_DQ_STAGE 0
 #endif
 constexpr bool kDqStage = FC_DQ_STAGE;
