@@ -646,42 +646,98 @@ def can_implement(call: BwdCall) -> str | None:
     """None if this family can run `call`, else the reason it cannot."""
     if not enabled():
         return GATED
+    if why := call_problem(call, HEAD_DIMS):
+        return why
+    cfg = config_for(call)
+    if why := layout_problem(call, cfg.block_m, cfg.block_n):
+        return why
+    b, sq, h, _ = call.q.shape
+    if cfg.dq_tma and b * h * cfg.seqlen_pad(sq) >= MAX_DIM:
+        return (f"dq_accum's {b * h * cfg.seqlen_pad(sq)} rows exceed the tensor map's int32 "
+                f"coordinates ({DQ_ENV}=tma)")
+    return smem_problem(call, cfg.name, cfg.smem_bytes)
+
+
+# ---- what the sm90 backward families (bwd_sm90, bwd_sm90_wide) check and run alike -------------
+
+def call_problem(call: BwdCall, head_dims: tuple[int, ...]) -> str | None:
+    """The dtype, operand, head-dim, determinism, length and empty-dim checks of an sm90 backward
+    family whose kernels exist for `head_dims`."""
     if call.dtype not in DTYPES:
         return f"dtype {call.dtype} is not fp16/bf16"
     if why := call.operand_problem():
         return why
-    tensors = call.operands()
     b, sq, h, d = call.q.shape
     sk = call.seqlen_k
-    if d not in HEAD_DIMS:
-        return f"head_dim {d} is not one of {HEAD_DIMS}"
+    if d not in head_dims:
+        return f"head_dim {d} is not one of {head_dims}"
     if call.deterministic:
-        return "deterministic dQ is not implemented here (bwd_sm80 has it)"
+        return "deterministic dQ is not implemented here (dQ is reduced with atomics)"
     if sq + sk >= bwd_sm80.MAX_SEQLEN_SUM:
         return f"seqlen_q + seqlen_k = {sq + sk} >= {bwd_sm80.MAX_SEQLEN_SUM}"
     if sq == 0 or sk == 0 or b == 0 or h == 0:
         return "an empty dim (a tensor map needs non-empty dims; bwd_sm80 handles it)"
-    cfg = config_for(call)
+    return None
+
+
+def layout_problem(call: BwdCall, block_m: int, block_n: int) -> str | None:
+    """The vector-access and TMA layout checks (boxes of block_m query / block_n key rows), then
+    the device checks: CUDA tensors on the call's device, compute capability 9.0."""
+    tensors = call.operands()
     for name, t in tensors.items():
         if why := vector_layout_problem(name, t):
             return why
-    for name, rows in (("q", cfg.block_m), ("dout", cfg.block_m), ("k", cfg.block_n),
-                       ("v", cfg.block_n)):
+    for name, rows in (("q", block_m), ("dout", block_m), ("k", block_n), ("v", block_n)):
         if why := bshd_problem(tensors[name], rows):
             return f"{name}: TMA: {why}"
     for name, t in {**tensors, "lse": call.lse}.items():
         if t.device != call.device or t.device.type != "cuda":
             return f"{name} is on {t.device}, not on the CUDA device {call.device}"
-    index = call.device.index if call.device.index is not None else torch.cuda.current_device()
-    cc, per_block = bwd_sm80._device_info(index)
+    cc, _ = bwd_sm80._device_info(_device_index(call))
     if cc != (9, 0):
         return f"GPU compute capability {cc[0]}.{cc[1]} is not 9.0 (sm_90a: wgmma, setmaxnreg)"
-    if cfg.dq_tma and b * h * cfg.seqlen_pad(sq) >= MAX_DIM:
-        return (f"dq_accum's {b * h * cfg.seqlen_pad(sq)} rows exceed the tensor map's int32 "
-                f"coordinates ({DQ_ENV}=tma)")
-    if cfg.smem_bytes > per_block:
-        return f"{cfg.name} needs {cfg.smem_bytes} bytes of shared memory, the GPU has {per_block}"
     return None
+
+
+def smem_problem(call: BwdCall, name: str, smem_bytes: int) -> str | None:
+    """Whether the GPU gives a block `smem_bytes` of shared memory."""
+    _, per_block = bwd_sm80._device_info(_device_index(call))
+    if smem_bytes > per_block:
+        return f"{name} needs {smem_bytes} bytes of shared memory, the GPU has {per_block}"
+    return None
+
+
+def _device_index(call: BwdCall) -> int:
+    return call.device.index if call.device.index is not None else torch.cuda.current_device()
+
+
+def launch_args(call: BwdCall, sq_pad: int) -> tuple[tuple, tuple, tuple]:
+    """The fixed (non-pointer) arguments of PRE, MAIN and CONVERT for `call` (MAIN's: dk / dv
+    strides, lengths, heads, Sq_pad, scales, kernel windows)."""
+    h, sq, d = call.nheads, call.seqlen_q, call.head_dim
+    wl, wr = kernel_windows(sq, call.seqlen_k, call.window_left, call.window_right)
+    scale = np.float32(call.softmax_scale)
+    # run() copies a strided lse to a contiguous one: its strides are then (h * sq, sq, 1)
+    lse_strides = call.lse.stride()[:2] if call.lse.stride(-1) == 1 else (h * sq, sq)
+    pre = (*_strides(call.out), *_strides(call.dout), np.int64(lse_strides[0]),
+           np.int64(lse_strides[1]), np.int32(sq), np.int32(h), np.int32(d), np.int32(sq_pad))
+    main = (*_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(call.seqlen_k),
+            np.int32(h), np.int32(call.nheads_kv), np.int32(sq_pad),
+            np.float32(call.softmax_scale * LOG2E), scale, wl, wr)
+    convert = (*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d), np.int32(sq_pad),
+               scale)
+    return pre, main, convert
+
+
+def scratch(call: BwdCall, sq_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse with unit last stride, lse2 [B, H, Sq_pad], delta [B, H, Sq_pad], dq_accum [B, H,
+    Sq_pad, D]): the three fp32 buffers in one allocation."""
+    b, h = call.batch, call.nheads
+    lse = call.lse if call.lse.stride(-1) == 1 else call.lse.contiguous()
+    rows = b * h * sq_pad
+    buf = call.q.new_empty(rows * (2 + call.head_dim), dtype=torch.float32)
+    return (lse, buf[:rows].view(b, h, sq_pad), buf[rows:2 * rows].view(b, h, sq_pad),
+            buf[2 * rows:].view(b, h, sq_pad, call.head_dim))
 
 
 def _strides(t: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
@@ -720,22 +776,10 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     if timeline:
         cfg = dataclasses.replace(cfg, timeline=True)
     aux = cfg.aux()
-    b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
-    h, hkv, d = call.nheads, call.nheads_kv, call.head_dim
+    b, sq, h = call.batch, call.seqlen_q, call.nheads
     sq_pad = cfg.seqlen_pad(sq)
-    wl, wr = kernel_windows(sq, sk, call.window_left, call.window_right)
-    scale = np.float32(call.softmax_scale)
     dev = call.device
-    # run() copies a strided lse to a contiguous one: its strides are then (h * sq, sq, 1)
-    lse_strides = call.lse.stride()[:2] if call.lse.stride(-1) == 1 else (h * sq, sq)
-    pre_args = (*_strides(call.out), *_strides(call.dout), np.int64(lse_strides[0]),
-                np.int64(lse_strides[1]), np.int32(sq), np.int32(h), np.int32(d),
-                np.int32(sq_pad))
-    main_args = (*_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk),
-                 np.int32(h), np.int32(hkv), np.int32(sq_pad),
-                 np.float32(call.softmax_scale * LOG2E), scale, wl, wr)
-    convert_args = (*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
-                    np.int32(sq_pad), scale)
+    pre_args, main_args, convert_args = launch_args(call, sq_pad)
     # any tensor of the call stands for a pointer argument's kind (run() passes the addresses)
     t = call.lse
     main_maps = tuple(bshd_map(x, rows) for x, rows in ((call.q, cfg.block_m),
@@ -789,14 +833,7 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
     tensor (timeline_shape, zeroed by the caller)."""
     plan = _plan(call) if timeline is None else _timeline_plans.plan(_plan_key(call), call)
     cfg = plan.cfg
-    b, h = call.batch, call.nheads
-    lse = call.lse if call.lse.stride(-1) == 1 else call.lse.contiguous()
-    # lse2 (b, h, sq_pad), delta (same) and dq_accum (b, h, sq_pad, d): one allocation
-    rows = b * h * plan.sq_pad
-    scratch = call.q.new_empty(rows * (2 + call.head_dim), dtype=torch.float32)
-    lse2 = scratch[:rows].view(b, h, plan.sq_pad)
-    delta = scratch[rows:2 * rows].view(b, h, plan.sq_pad)
-    dq_accum = scratch[2 * rows:].view(b, h, plan.sq_pad, call.head_dim)
+    lse, lse2, delta, dq_accum = scratch(call, plan.sq_pad)
     lse2_at, delta_at, accum_at = (x.data_ptr() for x in (lse2, delta, dq_accum))
     plan.pre(call.out.data_ptr(), call.dout.data_ptr(), lse.data_ptr(), lse2_at, delta_at,
              accum_at)

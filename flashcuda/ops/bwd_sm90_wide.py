@@ -35,24 +35,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from math import lcm
 
-import numpy as np
 import torch
 
 from .._env import env_names, env_values, flag
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
-from ..jit.tensor_map import bshd_map, bshd_problem
-from . import bwd_sm80
+from ..jit.tensor_map import bshd_map
+from . import bwd_sm80, bwd_sm90
 from .call import (
     DTYPE_CODE,
     DTYPE_NAME,
-    LOG2E,
     BwdCall,
     PlanCache,
     defines_suffix,
-    kernel_windows,
     parse_defines,
     register_pool,
-    vector_layout_problem,
 )
 
 SOURCE = "attention/flash_bwd_sm90_wide.cu"
@@ -205,46 +201,15 @@ def enabled() -> bool:
 
 
 def can_implement(call: BwdCall) -> str | None:
-    """None if this family can run `call`, else the reason it cannot."""
+    """None if this family can run `call`, else the reason it cannot (bwd_sm90's checks)."""
     if not enabled():
         return GATED
-    if call.dtype not in DTYPES:
-        return f"dtype {call.dtype} is not fp16/bf16"
-    if why := call.operand_problem():
+    if why := bwd_sm90.call_problem(call, HEAD_DIMS):
         return why
-    tensors = call.operands()
-    b, sq, h, d = call.q.shape
-    sk = call.seqlen_k
-    if d not in HEAD_DIMS:
-        return f"head_dim {d} is not one of {HEAD_DIMS}"
-    if call.deterministic:
-        return "deterministic dQ is not implemented here (dQ is reduced with atomics)"
-    if sq + sk >= bwd_sm80.MAX_SEQLEN_SUM:
-        return f"seqlen_q + seqlen_k = {sq + sk} >= {bwd_sm80.MAX_SEQLEN_SUM}"
-    if sq == 0 or sk == 0 or b == 0 or h == 0:
-        return "an empty dim (a tensor map needs non-empty dims)"
-    cfg = Sm90BwdWideConfig(call.dtype, d)
-    for name, t in tensors.items():
-        if why := vector_layout_problem(name, t):
-            return why
-    for name, rows in (("q", cfg.block_m), ("dout", cfg.block_m), ("k", cfg.block_n),
-                       ("v", cfg.block_n)):
-        if why := bshd_problem(tensors[name], rows):
-            return f"{name}: TMA: {why}"
-    for name, t in {**tensors, "lse": call.lse}.items():
-        if t.device != call.device or t.device.type != "cuda":
-            return f"{name} is on {t.device}, not on the CUDA device {call.device}"
-    index = call.device.index if call.device.index is not None else torch.cuda.current_device()
-    cc, per_block = bwd_sm80._device_info(index)
-    if cc != (9, 0):
-        return f"GPU compute capability {cc[0]}.{cc[1]} is not 9.0 (sm_90a: wgmma, setmaxnreg)"
-    if cfg.smem_bytes > per_block:
-        return f"{cfg.name} needs {cfg.smem_bytes} bytes of shared memory, the GPU has {per_block}"
-    return None
-
-
-def _strides(t: torch.Tensor) -> tuple[np.int64, np.int64, np.int64]:
-    return np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2))
+    cfg = Sm90BwdWideConfig(call.dtype, call.head_dim)
+    if why := bwd_sm90.layout_problem(call, cfg.block_m, cfg.block_n):
+        return why
+    return bwd_sm90.smem_problem(call, cfg.name, cfg.smem_bytes)
 
 
 @dataclass(frozen=True)
@@ -283,21 +248,10 @@ def _build_plan(call: BwdCall) -> _Plan:
         raise NotImplementedError(f"flash_bwd_sm90_wide cannot run this call: {why}")
     cfg = config_for(call)
     aux = cfg.aux()
-    b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
-    h, hkv, d = call.nheads, call.nheads_kv, call.head_dim
+    b, sq, h = call.batch, call.seqlen_q, call.nheads
     sq_pad = cfg.seqlen_pad(sq)
-    wl, wr = kernel_windows(sq, sk, call.window_left, call.window_right)
-    scale = np.float32(call.softmax_scale)
     dev = call.device
-    lse_strides = call.lse.stride()[:2] if call.lse.stride(-1) == 1 else (h * sq, sq)
-    pre_args = (*_strides(call.out), *_strides(call.dout), np.int64(lse_strides[0]),
-                np.int64(lse_strides[1]), np.int32(sq), np.int32(h), np.int32(d),
-                np.int32(sq_pad))
-    main_args = (*_strides(call.dk), *_strides(call.dv), np.int32(sq), np.int32(sk),
-                 np.int32(h), np.int32(hkv), np.int32(sq_pad),
-                 np.float32(call.softmax_scale * LOG2E), scale, wl, wr)
-    convert_args = (*_strides(call.dq), np.int32(sq), np.int32(h), np.int32(d),
-                    np.int32(sq_pad), scale)
+    pre_args, main_args, convert_args = bwd_sm90.launch_args(call, sq_pad)
     t = call.lse  # stands for a pointer argument's kind (run() passes the addresses)
     main_maps = tuple(bshd_map(x, rows) for x, rows in ((call.q, cfg.block_m),
                                                         (call.k, cfg.block_n),
@@ -329,13 +283,7 @@ def run(call: BwdCall) -> None:
     call with the same layout reuses its plan."""
     plan = _plans.plan(_plan_key(call), call)
     cfg = plan.cfg
-    b, h = call.batch, call.nheads
-    lse = call.lse if call.lse.stride(-1) == 1 else call.lse.contiguous()
-    rows = b * h * plan.sq_pad
-    scratch = call.q.new_empty(rows * (2 + call.head_dim), dtype=torch.float32)
-    lse2 = scratch[:rows].view(b, h, plan.sq_pad)
-    delta = scratch[rows:2 * rows].view(b, h, plan.sq_pad)
-    dq_accum = scratch[2 * rows:].view(b, h, plan.sq_pad, call.head_dim)
+    lse, lse2, delta, dq_accum = bwd_sm90.scratch(call, plan.sq_pad)
     lse2_at, delta_at, accum_at = (x.data_ptr() for x in (lse2, delta, dq_accum))
     plan.pre(call.out.data_ptr(), call.dout.data_ptr(), lse.data_ptr(), lse2_at, delta_at,
              accum_at)

@@ -397,7 +397,8 @@ def test_dispatch_lists_every_reason_when_none_can(fake_families):
                   for t in (call.q, call.k, call.v)), 0.25, None, 0, False)
     with pytest.raises(NotImplementedError, match="no flashcuda bwd kernel can run fp32 d16 "
                                                   "causal gqa2 on cpu: bwd_sm90: not built; "
-                                                  "bwd_sm80: needs sm80; "
+                                                  "bwd_sm90_wide: dtype torch.float32 is not "
+                                                  "fp16/bf16; bwd_sm80: needs sm80; "
                                                   "bwd_simt: head dim too large"):
         dispatch.run_families(bwd, "bwd")
 

@@ -299,26 +299,7 @@ struct Smem {
   }
 };
 
-// The steps of a CTA: (query head of the group, query block) pairs, the query blocks that see
-// key block [n0, n0 + kBlockN) (the same numbers in every role).
-struct Steps {
-  int m_first, n_m, group;
-
-  __device__ __forceinline__ Steps(const Mask& mask, int n0, int nheads, int nheads_kv) {
-    // Key j is seen by rows j - shift - window_right .. j - shift + window_left.
-    const int n_end = min(n0 + kBlockN, mask.seqlen_k);
-    const int q_begin = max(0, n0 - mask.shift() - mask.window_right);
-    const int q_end = min(mask.seqlen_q, n_end - 1 - mask.shift() + mask.window_left + 1);
-    m_first = q_begin / kBlockM;
-    n_m = q_end > q_begin ? (q_end - 1) / kBlockM - m_first + 1 : 0;
-    group = nheads / nheads_kv;
-  }
-  __device__ __forceinline__ int count() const { return n_m * group; }
-  __device__ __forceinline__ int head(int it, int head_kv) const {
-    return head_kv * group + it / n_m;
-  }
-  __device__ __forceinline__ int m0(int it) const { return (m_first + it % n_m) * kBlockM; }
-};
+using Steps = KeyBlockSteps<kBlockM, kBlockN>;  // (mask.cuh)
 
 #ifndef FC_STEP_COUNTERS
 // 1 (the default since session 18; written in session 17): the consumers walk their steps'

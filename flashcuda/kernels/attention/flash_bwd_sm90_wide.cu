@@ -197,21 +197,7 @@ struct Smem {
   }
 };
 
-// The steps of a CTA: the (query head of the group, query block) pairs whose rows see key block
-// [n0, n0 + kBlockN) (flash_bwd_sm90.cu's Steps).
-struct Steps {
-  int m_first, n_m, group;
-
-  __device__ __forceinline__ Steps(const Mask& mask, int n0, int nheads, int nheads_kv) {
-    const int n_end = min(n0 + kBlockN, mask.seqlen_k);
-    const int q_begin = max(0, n0 - mask.shift() - mask.window_right);
-    const int q_end = min(mask.seqlen_q, n_end - 1 - mask.shift() + mask.window_left + 1);
-    m_first = q_begin / kBlockM;
-    n_m = q_end > q_begin ? (q_end - 1) / kBlockM - m_first + 1 : 0;
-    group = nheads / nheads_kv;
-  }
-  __device__ __forceinline__ int count() const { return n_m * group; }
-};
+using Steps = KeyBlockSteps<kBlockM, kBlockN>;  // (mask.cuh)
 
 __device__ __forceinline__ int stage_of(int it) { return it % kStages; }
 __device__ __forceinline__ uint32_t parity_of(int it) { return (it / kStages) & 1; }

@@ -51,6 +51,30 @@ struct Mask {
   }
 };
 
+// The steps of a backward CTA that owns key block [n0, n0 + kBlockN) (flash_bwd_sm90.cu,
+// flash_bwd_sm90_wide.cu): the query blocks of kBlockM rows whose rows see one of its keys,
+// m_first .. m_first + n_m - 1, for each of the `group` query heads of its KV head; step it is
+// (query head it / n_m of the group, query block m_first + it % n_m).
+template <int kBlockM, int kBlockN>
+struct KeyBlockSteps {
+  int m_first, n_m, group;
+
+  __device__ __forceinline__ KeyBlockSteps(const Mask& mask, int n0, int nheads, int nheads_kv) {
+    // Key j is seen by rows j - shift - window_right .. j - shift + window_left.
+    const int n_end = min(n0 + kBlockN, mask.seqlen_k);
+    const int q_begin = max(0, n0 - mask.shift() - mask.window_right);
+    const int q_end = min(mask.seqlen_q, n_end - 1 - mask.shift() + mask.window_left + 1);
+    m_first = q_begin / kBlockM;
+    n_m = q_end > q_begin ? (q_end - 1) / kBlockM - m_first + 1 : 0;
+    group = nheads / nheads_kv;
+  }
+  __device__ __forceinline__ int count() const { return n_m * group; }
+  __device__ __forceinline__ int head(int it, int head_kv) const {
+    return head_kv * group + it / n_m;
+  }
+  __device__ __forceinline__ int m0(int it) const { return (m_first + it % n_m) * kBlockM; }
+};
+
 // tile_needs_mask over a run of key tiles, decided once: for rows [row0, row0 + rows) and the
 // key tiles n_first .. n_last of `cols` keys each, visited from n_last down (visit index
 // i = n_last - n), the tiles that need the mask are exactly the first `head` visits (the band's
