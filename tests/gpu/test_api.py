@@ -107,8 +107,10 @@ def _force(monkeypatch, family, call):
 @pytest.mark.parametrize("family", [*dispatch.FWD_FAMILIES, *dispatch.BWD_FAMILIES])
 def test_each_family_forced(family, monkeypatch):
     ran, reasons = 0, []
+    # (the wide Hopper backward has only head dims 192 / 256: the last two cases)
+    cases = CASES[5:7] if family == "bwd_sm90_wide" else CASES[1:4]
     for dtype in DTYPES:
-        for case in CASES[1:4]:
+        for case in cases:
             q, k, v = make(case, dtype, seed=3)
             causal, window = case[6], case[7]
             wl, wr = validate.fa_window(window, causal)
