@@ -36,7 +36,7 @@
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // One CTA per (key block of kBlockN keys, KV head, batch); it loops over the (query head, query
-// block of kBlockM rows) pairs that see the key block (Steps, as flash_bwd_sm90.cu). Warpgroups:
+// block of kBlockM rows) pairs that see the key block (mask.cuh's KeyBlockSteps). Warpgroups:
 //   0     producer (setmaxnreg.dec): one elected thread issues the TMA loads: K and V of the key
 //         block once (kv_full), then per step Q and dO of the query block and its lse2 and delta
 //         rows into a kStages-deep ring (full[s]: 1 arrival + bytes; empty[s]: one arrival per
