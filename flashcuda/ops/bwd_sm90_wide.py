@@ -186,12 +186,16 @@ class Sm90BwdWideConfig:
 
 # kernel knobs under A/B (compiled and SASS-checked on the CPU lane with the defaults)
 AB_DEFINES = ((("FC_DQ_V4", 1),), (("FC_PROBE_NO_DQ", 1),))
+# ... and of the staged dQ (FC_DQ_STAGE_SPLIT: its dO half staged and reduced while dK^T runs)
+AB_STAGE_DEFINES = ((("FC_DQ_STAGE_SPLIT", 1),),)
 
 
 def configs() -> list[Sm90BwdWideConfig]:
-    """Per dtype and head dim: both dQ reductions, then the A/B variants (AB_DEFINES) of red."""
+    """Per dtype and head dim: both dQ reductions, then the A/B variants of red (AB_DEFINES) and
+    of stage (AB_STAGE_DEFINES)."""
     return [Sm90BwdWideConfig(dt, d, dq_stage=stage, defines=defs)
-            for stage, defs in ((False, ()), (True, ()), *((False, x) for x in AB_DEFINES))
+            for stage, defs in ((False, ()), (True, ()), *((False, x) for x in AB_DEFINES),
+                                *((True, x) for x in AB_STAGE_DEFINES))
             for dt in DTYPES for d in HEAD_DIMS]
 
 

@@ -68,6 +68,7 @@ def test_sass_uses_wgmma(builds, cfg, tmp_path):
     v4 = ("FC_DQ_V4", 1) in cfg.defines
     if cfg.dq_stage:  # two bulk reduce-adds per step and warpgroup, no per-thread reductions
         assert len(re.findall(r"UBLKRED\.G\.S\.ADD\.F32", sass)) == 2 and "REDG" not in sass
+        # (FC_DQ_STAGE_SPLIT: dQ + dV^T, then dK^T: three commit groups, two waits per step)
     else:
         assert "UBLKRED" not in sass
         assert ("REDG.E.ADD.F32x4" in sass) == (v4 and not probe)
@@ -115,7 +116,8 @@ def test_config():
         "FC_STAGES": "2", "FC_CONSUMERS": "2", "FC_P_BUFFERS": "2", "FC_PRODUCER_REGS": "24",
         "FC_CONSUMER_REGS": "240", "FC_SMEM_BYTES": str(cfg.smem_bytes)}
     assert cfg.aux().head_dim == 256 and cfg.seqlen_pad(65) == 128
-    assert len(bwd_sm90_wide.configs()) == 2 * 2 * (2 + len(bwd_sm90_wide.AB_DEFINES))
+    assert len(bwd_sm90_wide.configs()) == 2 * 2 * (
+        2 + len(bwd_sm90_wide.AB_DEFINES) + len(bwd_sm90_wide.AB_STAGE_DEFINES))
     d192 = Sm90BwdWideConfig(torch.float16, 192)
     assert d192.name == "flash_bwd_sm90w_fp16_d192_bm64_bn96_c3_s2"
     assert (d192.block_n, d192.consumers, d192.threads, d192.consumer_regs) == (96, 3, 512, 160)

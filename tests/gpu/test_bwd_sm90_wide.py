@@ -32,11 +32,13 @@ def D(request):
     return request.param
 
 
-@pytest.fixture(autouse=True, params=[("", ""), ("red", ""), ("red", "FC_DQ_V4=1")],
-                ids=["default", "dq-red", "dq-v4"])
+@pytest.fixture(autouse=True, params=[("", ""), ("red", ""), ("red", "FC_DQ_V4=1"),
+                                      ("stage", "FC_DQ_STAGE_SPLIT=1")],
+                ids=["default", "dq-red", "dq-v4", "dq-split"])
 def _sm90(monkeypatch, request):
     """Every test with the default kernel (dQ by staged bulk reduce-adds), then with the other dQ
-    reductions (FLASHCUDA_SM90_BWD_WIDE_DQ=red: red.v2; red.v4 through the defines)."""
+    reductions (FLASHCUDA_SM90_BWD_WIDE_DQ=red: red.v2; red.v4 through the defines) and the
+    staging split around dK^T (FC_DQ_STAGE_SPLIT, written in session 27, not yet run)."""
     dq, defines = request.param
     monkeypatch.setenv(bwd_sm90_wide.DQ_ENV, dq)
     monkeypatch.setenv(bwd_sm90_wide.DEFINES_ENV, defines)

@@ -135,6 +135,16 @@ constexpr int kStageBytes = kBlockN * kStageStride * 2;
 #define FC_DQ_STAGE 0
 #endif
 constexpr bool kDqStage = FC_DQ_STAGE;
+#ifndef FC_DQ_STAGE_SPLIT
+// 1 (with FC_DQ_STAGE; A/B, written in session 27, not yet run): dQ and dV^T are one commit
+// group and dK^T the next, so once dV^T is done the dO chunks take the second half of the dQ
+// tile and its bulk reduce-add is issued while the tensor cores still run dK^T; then the Q
+// chunks take the first half. Predicted +1-4% at d256 (the staging and its barrier leave the
+// tensor cores idle between a step's last GEMM and the next step's S / dP).
+#define FC_DQ_STAGE_SPLIT 0
+#endif
+constexpr bool kDqStageSplit = FC_DQ_STAGE_SPLIT;
+static_assert(!kDqStageSplit || kDqStage, "FC_DQ_STAGE_SPLIT splits FC_DQ_STAGE's staging");
 #ifndef FC_DQ_V4
 // 1: dQ by red.global.add.v4 (16 bytes) after a lane-pair exchange, instead of red.v2 (A/B)
 #define FC_DQ_V4 0
@@ -426,6 +436,22 @@ struct Consumer {
                    : "memory");
     }
   }
+  // The float4 of half kHalfIndex (0: floats [0, kDTiles 2048) of the range, at `base`; 1: the
+  // rest, at `base`).
+  template <int kHalfIndex>
+  __device__ __forceinline__ void stage_dq_half(uint32_t base, int tw) const {
+    constexpr int kHalf = kDTiles * 2048;  // floats
+#pragma unroll
+    for (int q = 0; q < kDRows / 8; ++q) {  // float4 q of the registers
+      const int at = 4096 * (q / 8) + 512 * (q % 8);  // + 4 tw < 512: the half is q's
+      if ((at < kHalf) != (kHalfIndex == 0)) continue;
+      const uint32_t addr = base + 4 * (at - kHalfIndex * kHalf + 4 * tw);
+      const float* x = &dq[4 * q];
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(x[0]),
+                   "f"(x[1]), "f"(x[2]), "f"(x[3])
+                   : "memory");
+    }
+  }
 
   // acc (m64n{kBlockN} tiles of this warpgroup's head-dim rows) * scale, transposed, into the
   // [key][kStageStride] staging tile: element (d, key) at key * kStageStride + d.
@@ -576,9 +602,30 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     cs.issue_dq(ds_tile, sm.k(), w);
     cs.hold_key_grads();
     Consumer::issue_key_grad(cs.dv, sm.dout(st), p_tile, w);
+    if constexpr (kDqStageSplit) wgmma_commit();  // dQ and dV^T: one group, dK^T the next
     Consumer::issue_key_grad(cs.dk, sm.q(st), ds_tile, w);
     wgmma_commit();
-    if constexpr (kDqStage) {
+    if constexpr (kDqStageSplit) {
+      // dQ and dV^T done: the dO chunks take the second half of the dQ tile while dK^T runs
+      wgmma_wait<1>();
+      wgmma_fence_operands(cs.dq);
+      const uint32_t q_part = sm.q(st) + kDTiles * w * kQChunkBytes;
+      const uint32_t do_part = sm.dout(st) + kDTiles * w * kQChunkBytes;
+      float* dst = dq_accum + (bh * seqlen_q_pad + m0) * kHeadDim + kDTiles * w * 4096;
+      cs.stage_dq_half<1>(do_part, tw);
+      fence_proxy_async();
+      named_barrier_sync(3 + w, 128);
+      if (tw == 0) bulk_reduce_add_f32(dst + kDTiles * 2048, do_part, kDTiles * kQChunkBytes);
+      wgmma_wait<0>();  // dK^T: the Q chunks take the first half
+      cs.hold_key_grads();
+      cs.stage_dq_half<0>(q_part, tw);
+      fence_proxy_async();
+      named_barrier_sync(3 + w, 128);
+      if (tw == 0) {
+        bulk_reduce_add_f32(dst, q_part, kDTiles * kQChunkBytes);
+        bulk_commit_group();
+      }
+    } else if constexpr (kDqStage) {
       wgmma_wait<0>();
       wgmma_fence_operands(cs.dq);
       cs.hold_key_grads();
