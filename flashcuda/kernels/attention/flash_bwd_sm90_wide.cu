@@ -72,6 +72,7 @@
 // masked P and its dS are 0 whatever dP holds (a V row outside the band may hold anything).
 #include "common/types.cuh"
 #include "common/sm90.cuh"
+#include "common/smem.cuh"
 #include "common/reduce.cuh"
 #include "attention/mask.cuh"
 #include "attention/online_softmax.cuh"
@@ -384,17 +385,10 @@ struct Consumer {
     for (int j = 0; j < kSKeys / 8; ++j) {
       const int col = key0 + 8 * j;
       const uint32_t chunk = tile + (col / 64) * kPChunkBytes;
-      st_shared_u32(chunk + swizzled_word(row, col % 64), pack2<T>(c[4 * j], c[4 * j + 1]));
-      st_shared_u32(chunk + swizzled_word(row + 8, col % 64),
-                    pack2<T>(c[4 * j + 2], c[4 * j + 3]));
+      store_shared_32(chunk + swizzled_word(row, col % 64), pack2<T>(c[4 * j], c[4 * j + 1]));
+      store_shared_32(chunk + swizzled_word(row + 8, col % 64),
+                      pack2<T>(c[4 * j + 2], c[4 * j + 3]));
     }
-  }
-
-  __device__ __forceinline__ static void st_shared_u32(uint32_t addr, uint32_t v) {
-    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-  }
-  __device__ __forceinline__ static void st_shared_u16(uint32_t addr, uint16_t v) {
-    asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
   }
 
   // dq_accum += dQ_w; `dq_row`: this lane's first row (16 warp + g of the step) at column
@@ -431,9 +425,8 @@ struct Consumer {
       const int at = 4096 * (q / 8) + 512 * (q % 8) + 4 * tw;
       const uint32_t addr = at < kHalf ? lo + 4 * at : hi + 4 * (at - kHalf);
       const float* x = &dq[4 * q];
-      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(x[0]),
-                   "f"(x[1]), "f"(x[2]), "f"(x[3])
-                   : "memory");
+      store_shared_16(addr, {__float_as_uint(x[0]), __float_as_uint(x[1]),
+                             __float_as_uint(x[2]), __float_as_uint(x[3])});
     }
   }
   // The float4 of half kHalfIndex (0: floats [0, kDTiles 2048) of the range, at `base`; 1: the
@@ -447,9 +440,8 @@ struct Consumer {
       if ((at < kHalf) != (kHalfIndex == 0)) continue;
       const uint32_t addr = base + 4 * (at - kHalfIndex * kHalf + 4 * tw);
       const float* x = &dq[4 * q];
-      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(x[0]),
-                   "f"(x[1]), "f"(x[2]), "f"(x[3])
-                   : "memory");
+      store_shared_16(addr, {__float_as_uint(x[0]), __float_as_uint(x[1]),
+                             __float_as_uint(x[2]), __float_as_uint(x[3])});
     }
   }
 
@@ -466,16 +458,13 @@ struct Consumer {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = key0 + 8 * j + (e & 1), dd = d + 4 * (e & 2);
-          st_shared_u16(stage + 2 * (key * kStageStride + dd),
-                        to_bits(from_float<T>(acc[i][4 * j + e] * scale)));
+          store_shared_2(stage + 2 * (key * kStageStride + dd),
+                         from_float<T>(acc[i][4 * j + e] * scale).bits);
         }
       }
     }
   }
 
-  __device__ __forceinline__ static uint16_t to_bits(T x) {
-    return *reinterpret_cast<const uint16_t*>(&x);
-  }
 };
 
 // The staging tile's rows inside seqlen_k -> dst ([key][..] rows `row_stride` elements apart),

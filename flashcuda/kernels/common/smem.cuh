@@ -1,11 +1,15 @@
 // Shared-memory word access by 32-bit shared-window address (what ld.shared / st.shared take):
-// 4 and 16 bytes. Used by the sm80 building blocks and by the Hopper kernels' generic reads and
+// 2 (stores), 4 and 16 bytes. Used by the sm80 building blocks and by the Hopper kernels' generic reads and
 // writes of tiles that TMA or wgmma also touch.
 #pragma once
 
 #include "common/types.cuh"
 
 struct __align__(16) Bytes16 { uint32_t x, y, z, w; };
+
+__device__ __forceinline__ void store_shared_2(uint32_t addr, uint16_t v) {
+  asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
+}
 
 __device__ __forceinline__ uint32_t load_shared_32(uint32_t addr) {
   uint32_t v;
