@@ -37,3 +37,8 @@ def flag(name: str, default: bool) -> bool:
     if raw in ("1", "0"):
         return raw == "1"
     raise ValueError(f"{name}: expected 0, 1 or unset, got {raw!r}")
+
+
+def switched_on(name: str) -> bool:
+    """A family's on / off switch (FLASHCUDA_ENABLE_*): on unless set to 0 / false / no / off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")

@@ -70,7 +70,7 @@ from math import lcm
 import numpy as np
 import torch
 
-from .._env import env_names, env_values, flag
+from .._env import env_names, env_values, flag, switched_on
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
 from ..jit.tensor_map import MAX_DIM, bshd_map, bshd_problem, rows_f32_map
 from . import bwd_sm80
@@ -639,7 +639,7 @@ def lpt_tail_for(call: BwdCall) -> int:
 
 def enabled() -> bool:
     """On unless FLASHCUDA_ENABLE_SM90_BWD is 0 / false / no / off."""
-    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(ENABLE_ENV)
 
 
 def can_implement(call: BwdCall) -> str | None:

@@ -37,13 +37,14 @@ from math import lcm
 
 import torch
 
-from .._env import env_names, env_values, flag
+from .._env import env_names, env_values, switched_on
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
 from ..jit.tensor_map import bshd_map
 from . import bwd_sm80, bwd_sm90
 from .call import (
     DTYPE_CODE,
     DTYPE_NAME,
+    SMEM_OPTIN,
     BwdCall,
     PlanCache,
     defines_suffix,
@@ -114,9 +115,9 @@ class Sm90BwdWideConfig:
         if used > register_pool(self.threads):
             raise ValueError(f"{self.name}: {used} registers exceed the CTA's pool "
                              f"{register_pool(self.threads)}")
-        if self.smem_bytes > 232448:
+        if self.smem_bytes > SMEM_OPTIN:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory "
-                             f"(> 227 KB)")
+                             f"(> {SMEM_OPTIN})")
 
     @property
     def threads(self) -> int:
@@ -201,7 +202,7 @@ def configs() -> list[Sm90BwdWideConfig]:
 
 def enabled() -> bool:
     """On unless FLASHCUDA_ENABLE_SM90_BWD_WIDE is 0 / false / no / off."""
-    return flag(ENABLE_ENV, True)
+    return switched_on(ENABLE_ENV)
 
 
 def can_implement(call: BwdCall) -> str | None:

@@ -234,6 +234,9 @@ class PlanCache(dict):
         return got
 
 
+SMEM_OPTIN = 232448  # H100 / H200: dynamic shared memory a block may opt in to (227 KB)
+
+
 def register_pool(threads: int) -> int:
     """Registers a CTA of `threads` threads holds from launch under __launch_bounds__(threads, 1):
     the per-thread cap (65536 / threads, rounded down to 8) times threads. The sm90 kernels'

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._env import env_names, env_values, flag
+from .._env import env_names, env_values, flag, switched_on
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
 from ..jit.tensor_map import bshd_map, bshd_problem
 from ..reference import key_range
@@ -59,6 +59,7 @@ from .call import (
     DTYPE_CODE,
     DTYPE_NAME,
     LOG2E,
+    SMEM_OPTIN,
     FwdCall,
     PlanCache,
     defines_suffix,
@@ -333,7 +334,6 @@ FAST_DIV_ENV = "FLASHCUDA_SM90_FWD_FAST_DIV"
 DECODE_AHEAD_ENV = "FLASHCUDA_SM90_FWD_DECODE_AHEAD"
 OFF_SWITCHES = {Q_STAGES_ENV: "1", O_TMA_ENV: "0", MV_SCANNER_ENV: "0", FAST_DIV_ENV: "0",
                 DECODE_AHEAD_ENV: "0"}  # every boundary part off: the kernels before session 17
-SMEM_OPTIN = 232448  # H100 / H200: dynamic shared memory a block may opt in to
 
 
 DEFINES_ENV = "FLASHCUDA_SM90_FWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob)
@@ -532,7 +532,7 @@ def configs() -> list[Sm90FwdConfig]:
 
 def enabled() -> bool:
     """On unless FLASHCUDA_ENABLE_SM90 is 0 / false / no / off."""
-    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(ENABLE_ENV)
 
 
 def can_implement(call: FwdCall) -> str | None:

@@ -155,8 +155,9 @@ def _call(dtype=torch.bfloat16, B=2, Sq=33, Sk=47, H=4, Hkv=2, D=256, determinis
 
 def test_can_implement_reasons(monkeypatch):
     ci = bwd_sm90_wide.can_implement
-    monkeypatch.setenv(ENABLE_ENV, "0")
-    assert ci(_call()) == GATED
+    for off in ("0", "off", "false"):  # (the other families' FLASHCUDA_ENABLE_* spellings)
+        monkeypatch.setenv(ENABLE_ENV, off)
+        assert ci(_call()) == GATED
     monkeypatch.delenv(ENABLE_ENV)
     assert "head_dim 128" in ci(_call(D=128))
     assert "not on the CUDA device" in ci(_call(D=192))
