@@ -260,15 +260,6 @@ __device__ __forceinline__ uint32_t swizzled_word(int row, int col) {
   return row * 128 + ((((col >> 3) ^ (row & 7)) << 4) | ((col & 7) << 1));
 }
 
-// A fresh accumulator: its old values are dead from here (no instruction is emitted). Before a
-// GEMM whose first wgmma overwrites the accumulator (scale-d = 0): the wgmma's read-write operands
-// would otherwise keep the previous step's values live through the loop (S, dP and dQ: 96
-// registers beside dK^T / dV^T's 128).
-template <int N> __device__ __forceinline__ void wgmma_fresh(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "=f"(d[i])::"memory");
-}
-
 struct Consumer {
   float dk[kDTiles][kBlockN / 2];  // dK^T rows [kDRows w + 64 i, + 64) x kBlockN keys (m64n64)
   float dv[kDTiles][kBlockN / 2];

@@ -10,7 +10,7 @@
 //   mbar_init / mbar_arrive / mbar_arrive_expect_tx / mbar_wait      shared-memory mbarriers
 //   fence_barrier_init / fence_proxy_async                            proxy ordering
 //   wgmma_fence / wgmma_commit / wgmma_wait<N> / wgmma_ss / wgmma_rs_tb / wgmma_ss_tt / wgmma_ss_tb /
-//   wgmma_ss_ta
+//   wgmma_ss_ta / wgmma_fence_operands / wgmma_fresh
 //                                            warpgroup MMA
 //   smem_desc_k_major_sw128 / smem_desc_mn_major_sw128                   wgmma matrix descriptors
 //   setmaxnreg_inc<N> / setmaxnreg_dec<N> / elect_one / named_barrier_sync / _arrive
@@ -468,6 +468,15 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 template <int N> __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// A fresh accumulator: its old values are dead from here (no instruction is emitted). Before a
+// GEMM whose first wgmma overwrites the accumulator (scale-d = 0): the wgmma's read-write operands
+// would otherwise keep the previous step's values live through the loop (flash_bwd_sm90_wide.cu:
+// S, dP and dQ, 96 registers beside dK^T / dV^T's 128).
+template <int N> __device__ __forceinline__ void wgmma_fresh(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "=f"(d[i])::"memory");
 }
 
 // d (+)= A B, m64nNk16, A and B from shared memory (both K-major: imm-trans-a = imm-trans-b = 0).
