@@ -1,0 +1,147 @@
+"""Was the GPU waiting for the host inside the sweep's timed calls? One process, on a GPU.
+
+    python scripts/bench_timeline.py [--points B,S,H,D,causal ...] [--impls flashcuda sdpa_cudnn]
+                                     [--rep-ms 100] [--no-gc-arm]
+
+The sweep times a call the way triton.testing.do_bench does: per timed call, zero a 256 MB
+buffer (the L2 flush, ~65 us of GPU), record a start event, run the call, record an end event;
+no synchronisation inside the loop, so the host runs ahead of the GPU whenever its time per call
+is shorter than the GPU's. This repeats that loop (same order, same flush, same events, the
+sweep's own `Impl`s and inputs) and also takes the host clock around every call, with one anchor
+event recorded on an idle GPU to put the GPU's event times on the host clock. A timed call is
+"ahead" when the GPU reached its start event only after the host had finished enqueueing the
+whole call (its host time cannot be in the measurement) and "exposed" otherwise. Printed per
+point, implementation and direction: median / p10 / p90 of the timed calls, the host time of
+the call, how many calls were exposed and the median of each class — and the same loop with
+Python's garbage collector off (a collection inside the host path is a long, rare stall), and
+the call's GPU time alone (calls back to back, no flush).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+
+from flashcuda.bench import peers, timing
+
+FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def timeline(fn, reps: int, flush: torch.Tensor, grad_to_none=None) -> dict:
+    """do_bench's loop with host timestamps; per-call GPU ms and the exposed / ahead split."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    anchor = torch.cuda.Event(enable_timing=True)
+    before, after = [0.0] * reps, [0.0] * reps
+    now = time.perf_counter
+    torch.cuda.synchronize()
+    anchor.record()
+    t0 = now()
+    for i in range(reps):
+        if grad_to_none is not None:
+            for x in grad_to_none:
+                x.grad = None
+        flush.zero_()
+        starts[i].record()
+        before[i] = now()
+        fn()
+        after[i] = now()
+        ends[i].record()
+    torch.cuda.synchronize()
+    ms = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+    gpu_start = [t0 + anchor.elapsed_time(s) * 1e-3 for s in starts]
+    exposed = [gpu_start[i] < after[i] for i in range(reps)]
+    host_us = [(a - b) * 1e6 for a, b in zip(after, before, strict=True)]
+    exp_ms = [m for m, e in zip(ms, exposed, strict=True) if e]
+    ahead_ms = [m for m, e in zip(ms, exposed, strict=True) if not e]
+    return {"ms": ms, "n": reps, "exposed": sum(exposed), "host_us": statistics.median(host_us),
+            "host_p90_us": timing.quantile(host_us, 0.9),
+            "exposed_ms": statistics.median(exp_ms) if exp_ms else None,
+            "ahead_ms": statistics.median(ahead_ms) if ahead_ms else None}
+
+
+def back_to_back_ms(fn, calls: int = 50, grad_to_none=None) -> float:
+    def call():
+        if grad_to_none is not None:
+            for x in grad_to_none:
+                x.grad = None
+        fn()
+    for _ in range(5):
+        call()
+    return timing.events_ms(call, calls)
+
+
+def line(label: str, r: dict) -> str:
+    s = timing.summarize(r["ms"], "timeline")
+
+    def fmt(x):
+        return f"{x * 1e3:7.1f}" if x is not None else "      -"
+
+    return (f"  {label:<26} med {s.median_ms * 1e3:7.1f} p10 {s.p10_ms * 1e3:7.1f} "
+            f"p90 {s.p90_ms * 1e3:7.1f} us | host {r['host_us']:6.1f} (p90 {r['host_p90_us']:6.1f}) "
+            f"| exposed {r['exposed']:4d}/{r['n']:<4d} med {fmt(r['exposed_ms'])} "
+            f"ahead med {fmt(r['ahead_ms'])}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--points", nargs="+", default=["16,1024,16,128,1", "32,512,32,128,1",
+                                                    "16,1024,32,64,1", "32,512,32,64,1",
+                                                    "16,1024,16,128,0"])
+    ap.add_argument("--impls", nargs="+", default=["flashcuda", "sdpa_cudnn", "sdpa_flash"])
+    ap.add_argument("--rep-ms", type=float, default=100.0)
+    ap.add_argument("--no-gc-arm", action="store_true")
+    args = ap.parse_args()
+    loaders = {"flashcuda": peers.load_flashcuda, "fa4": peers.load_fa4}
+    impls = [loaders[n]() if n in loaders else peers.load_sdpa(n) for n in args.impls]
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; per-call times in us")
+    for text in args.points:
+        b, s, h, d, c = (int(x) for x in text.split(","))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        shape = (b, s, h, d)
+        leaves = [torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=gen)
+                  .requires_grad_() for _ in range(3)]
+        dout = torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=gen)
+        print(f"B={b} S={s} H={h} D={d} causal={bool(c)}")
+        for impl in impls:
+            if impl.status != "ok":
+                print(f"  {impl.name}: {impl.status}")
+                continue
+            with impl.context():
+                prepared = impl.prepare(*leaves)
+
+                def fwd(impl=impl, prepared=prepared, c=c, d=d):
+                    return impl.forward(*prepared, bool(c), d ** -0.5)
+
+                out = fwd()
+
+                def bwd(out=out, dout=dout):
+                    out.backward(dout, retain_graph=True)
+
+                for direction, fn, g in (("fwd", fwd, None), ("bwd", bwd, leaves)):
+                    gpu = back_to_back_ms(fn, grad_to_none=g)
+                    reps = max(5, int(args.rep_ms / (gpu + 0.07)))
+                    for _ in range(3):  # the sweep's warm-up
+                        fn()
+                    r = timeline(fn, reps, flush, g)
+                    print(line(f"{impl.name} {direction}", r) + f" | back-to-back {gpu * 1e3:7.1f}")
+                    if not args.no_gc_arm:
+                        gc.disable()
+                        try:
+                            r = timeline(fn, reps, flush, g)
+                        finally:
+                            gc.enable()
+                        print(line(f"{impl.name} {direction} gc off", r))
+                for t in leaves:
+                    t.grad = None
+                del out
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
