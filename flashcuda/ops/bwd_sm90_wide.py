@@ -17,12 +17,14 @@ bwd_sm90.
     192        64 x 96, 2 (one P / dS tile)                 202 KB    3 x 160
     256        64 x 64, 2                                   226 KB    2 x 240
 
-dQ (FLASHCUDA_SM90_BWD_WIDE_DQ): "stage", the default (+13-20% at d256): each consumer stores
-its dQ tile into its own, then idle, Q / dO chunks of the stage and one thread reduces it into
-dq_accum with two bulk reduce-adds (dq_accum in register order, CONVERT's FC_DQ_FRAG_M reader);
+dQ (FLASHCUDA_SM90_BWD_WIDE_DQ): "stage", the default (+13-20% at d256, then +10-15% more with
+the split): each consumer stores its dQ tile into its own, then idle, Q / dO chunks of the stage
+and one thread reduces it into dq_accum with two bulk reduce-adds (dq_accum in register order,
+CONVERT's FC_DQ_FRAG_M reader), the dO half while the tensor cores still run dK^T;
 "red": red.global.add.v2 per thread into a row-major dq_accum. FLASHCUDA_SM90_BWD_WIDE_DEFINES
 ("FC_NAME=VALUE,...") builds A/B variants (FC_DQ_V4: red.v4, measured -3 to -4%;
-FC_PROBE_NO_DQ: a timing probe without the dQ reductions, wrong results, never dispatched).
+FC_DQ_STAGE_SPLIT=0: both halves staged after dK^T, -6 to -13%; FC_PROBE_NO_DQ: a timing probe
+without the dQ reductions, wrong results, never dispatched).
 
 Dispatch order: bwd_sm90 (d64 / d128) > bwd_sm90_wide (d192 / d256) > bwd_sm80 > bwd_simt; the
 head dims are disjoint. FLASHCUDA_ENABLE_SM90_BWD_WIDE=0 turns it off (the SIMT backward then
@@ -63,7 +65,7 @@ DEFINES_ENV = "FLASHCUDA_SM90_BWD_WIDE_DEFINES"  # NAME=VALUE,... (A/B of a kern
 # FC_DQ_STAGE)
 DQ_ENV = "FLASHCUDA_SM90_BWD_WIDE_DQ"
 DQ_MODES = ("red", "stage")
-DQ_DEFAULT = "stage"  # +13 to +20% over red.v2 (session 27, same-process A/B)
+DQ_DEFAULT = "stage"  # +13 to +20% over red.v2 (session 27), its split +6 to +15% (session 28)
 GATED = f"bwd_sm90_wide is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 # (block_m, block_n, consumers) per head dim: S / dP split by keys (block_n / consumers each),
@@ -187,8 +189,9 @@ class Sm90BwdWideConfig:
 
 # kernel knobs under A/B (compiled and SASS-checked on the CPU lane with the defaults)
 AB_DEFINES = ((("FC_DQ_V4", 1),), (("FC_PROBE_NO_DQ", 1),))
-# ... and of the staged dQ (FC_DQ_STAGE_SPLIT: its dO half staged and reduced while dK^T runs)
-AB_STAGE_DEFINES = ((("FC_DQ_STAGE_SPLIT", 1),),)
+# ... and of the staged dQ (FC_DQ_STAGE_SPLIT=0: both halves staged after dK^T, session 27's
+# kernel; the default stages the dO half while dK^T runs)
+AB_STAGE_DEFINES = ((("FC_DQ_STAGE_SPLIT", 0),),)
 
 
 def configs() -> list[Sm90BwdWideConfig]:

@@ -33,12 +33,12 @@ def D(request):
 
 
 @pytest.fixture(autouse=True, params=[("", ""), ("red", ""), ("red", "FC_DQ_V4=1"),
-                                      ("stage", "FC_DQ_STAGE_SPLIT=1")],
-                ids=["default", "dq-red", "dq-v4", "dq-split"])
+                                      ("stage", "FC_DQ_STAGE_SPLIT=0")],
+                ids=["default", "dq-red", "dq-v4", "dq-unsplit"])
 def _sm90(monkeypatch, request):
-    """Every test with the default kernel (dQ by staged bulk reduce-adds), then with the other dQ
-    reductions (FLASHCUDA_SM90_BWD_WIDE_DQ=red: red.v2; red.v4 through the defines) and the
-    staging split around dK^T (FC_DQ_STAGE_SPLIT, written in session 27, not yet run)."""
+    """Every test with the default kernel (dQ by staged bulk reduce-adds, its dO half while dK^T
+    runs), then with the other dQ reductions (FLASHCUDA_SM90_BWD_WIDE_DQ=red: red.v2; red.v4
+    through the defines) and the staging after dK^T (FC_DQ_STAGE_SPLIT=0, session 27's)."""
     dq, defines = request.param
     monkeypatch.setenv(bwd_sm90_wide.DQ_ENV, dq)
     monkeypatch.setenv(bwd_sm90_wide.DEFINES_ENV, defines)

@@ -137,12 +137,14 @@ constexpr int kStageBytes = kBlockN * kStageStride * 2;
 #endif
 constexpr bool kDqStage = FC_DQ_STAGE;
 #ifndef FC_DQ_STAGE_SPLIT
-// 1 (with FC_DQ_STAGE; A/B, written in session 27, not yet run): dQ and dV^T are one commit
-// group and dK^T the next, so once dV^T is done the dO chunks take the second half of the dQ
-// tile and its bulk reduce-add is issued while the tensor cores still run dK^T; then the Q
-// chunks take the first half. Predicted +1-4% at d256 (the staging and its barrier leave the
-// tensor cores idle between a step's last GEMM and the next step's S / dP).
-#define FC_DQ_STAGE_SPLIT 0
+// With FC_DQ_STAGE, the default (0: A/B, the staging after dK^T as first written): dQ and dV^T
+// are one commit group and dK^T the next, so once dV^T is done the dO chunks take the second
+// half of the dQ tile and its bulk reduce-add is issued while the tensor cores still run dK^T;
+// then the Q chunks take the first half. Predicted +1-4% at d256; measured +10.3 to +14.9% at
+// d256 and +6.1 / +6.4% at d192 (session 28, same-process A/B, 15 rounds): the L2's reduction
+// rate is the wall (see FC_DQ_STAGE), and half of each step's dQ bytes now reach it a dK^T
+// earlier, so the reductions overlap the tensor work instead of queueing behind it.
+#define FC_DQ_STAGE_SPLIT FC_DQ_STAGE
 #endif
 constexpr bool kDqStageSplit = FC_DQ_STAGE_SPLIT;
 static_assert(!kDqStageSplit || kDqStage, "FC_DQ_STAGE_SPLIT splits FC_DQ_STAGE's staging");
