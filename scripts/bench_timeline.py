@@ -1,7 +1,7 @@
 """Was the GPU waiting for the host inside the sweep's timed calls? One process, on a GPU.
 
     python scripts/bench_timeline.py [--points B,S,H,D,causal ...] [--impls flashcuda sdpa_cudnn]
-                                     [--rep-ms 100] [--no-gc-arm]
+                                     [--rep-ms 100] [--no-gc-arm] [--sweep-arm]
 
 The sweep times a call the way triton.testing.do_bench does: per timed call, zero a 256 MB
 buffer (the L2 flush, ~65 us of GPU), record a start event, run the call, record an end event;
@@ -14,7 +14,10 @@ whole call (its host time cannot be in the measurement) and "exposed" otherwise.
 point, implementation and direction: median / p10 / p90 of the timed calls, the host time of
 the call, how many calls were exposed and the median of each class — and the same loop with
 Python's garbage collector off (a collection inside the host path is a long, rare stall), and
-the call's GPU time alone (calls back to back, no flush).
+the call's GPU time alone (calls back to back, no flush). --sweep-arm also times each forward
+with the sweep's own Timer (triton.testing.do_bench) in the same place, and runs the sweep's
+run_point (forward only) for the point before and after, so a spread that only the sweep shows
+can be pinned to the timer or to the process.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 
 import torch
 
-from flashcuda.bench import peers, timing
+from flashcuda.bench import peers, sweep, timing
 
 FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -95,6 +98,7 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", default=["flashcuda", "sdpa_cudnn", "sdpa_flash"])
     ap.add_argument("--rep-ms", type=float, default=100.0)
     ap.add_argument("--no-gc-arm", action="store_true")
+    ap.add_argument("--sweep-arm", action="store_true")
     args = ap.parse_args()
     loaders = {"flashcuda": peers.load_flashcuda, "fa4": peers.load_fa4}
     impls = [loaders[n]() if n in loaders else peers.load_sdpa(n) for n in args.impls]
@@ -108,6 +112,9 @@ def main() -> None:
                   .requires_grad_() for _ in range(3)]
         dout = torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=gen)
         print(f"B={b} S={s} H={h} D={d} causal={bool(c)}")
+        point = sweep.SweepPoint(b, h, s, d, bool(c))
+        if args.sweep_arm:
+            sweep_line(point, impls, "run_point, before")
         for impl in impls:
             if impl.status != "ok":
                 print(f"  {impl.name}: {impl.status}")
@@ -130,6 +137,10 @@ def main() -> None:
                         fn()
                     r = timeline(fn, reps, flush, g)
                     print(line(f"{impl.name} {direction}", r) + f" | back-to-back {gpu * 1e3:7.1f}")
+                    if args.sweep_arm and direction == "fwd":
+                        t = timing.Timer()(fn)
+                        print(f"  {impl.name + ' fwd, sweep Timer':<26} med {t.median_ms * 1e3:7.1f} "
+                              f"p10 {t.p10_ms * 1e3:7.1f} p90 {t.p90_ms * 1e3:7.1f} us (n {t.n})")
                     if not args.no_gc_arm:
                         gc.disable()
                         try:
@@ -141,6 +152,21 @@ def main() -> None:
                     t.grad = None
                 del out
             torch.cuda.empty_cache()
+        if args.sweep_arm:
+            del leaves, dout
+            sweep_line(point, impls, "run_point, after")
+
+
+def sweep_line(point, impls, label: str) -> None:
+    """The sweep's own run_point (forward only) at `point`: every impl's median / p10 / p90."""
+    entry = sweep.run_point(point, impls, timing.Timer(), fwd_only=True)
+    parts = []
+    for name, res in entry["results"].items():
+        t = res["fwd"].get("timing")
+        if t:
+            parts.append(f"{name} {t['median_ms'] * 1e3:.1f} ({t['p10_ms'] * 1e3:.1f}-"
+                         f"{t['p90_ms'] * 1e3:.1f})")
+    print(f"  [{label}] " + "; ".join(parts))
 
 
 if __name__ == "__main__":
