@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=float, default=100.0)
     ap.add_argument("--no-gc-arm", action="store_true")
     ap.add_argument("--sweep-arm", action="store_true")
+    ap.add_argument("--sweep-bwd", action="store_true", help="run_point times the backward too")
     args = ap.parse_args()
     loaders = {"flashcuda": peers.load_flashcuda, "fa4": peers.load_fa4}
     impls = [loaders[n]() if n in loaders else peers.load_sdpa(n) for n in args.impls]
@@ -114,7 +115,7 @@ def main() -> None:
         print(f"B={b} S={s} H={h} D={d} causal={bool(c)}")
         point = sweep.SweepPoint(b, h, s, d, bool(c))
         if args.sweep_arm:
-            sweep_line(point, impls, "run_point, before")
+            sweep_line(point, impls, "run_point, before", args.sweep_bwd)
         for impl in impls:
             if impl.status != "ok":
                 print(f"  {impl.name}: {impl.status}")
@@ -154,12 +155,12 @@ def main() -> None:
             torch.cuda.empty_cache()
         if args.sweep_arm:
             del leaves, dout
-            sweep_line(point, impls, "run_point, after")
+            sweep_line(point, impls, "run_point, after", args.sweep_bwd)
 
 
-def sweep_line(point, impls, label: str) -> None:
-    """The sweep's own run_point (forward only) at `point`: every impl's median / p10 / p90."""
-    entry = sweep.run_point(point, impls, timing.Timer(), fwd_only=True)
+def sweep_line(point, impls, label: str, bwd: bool) -> None:
+    """The sweep's own run_point at `point`: every impl's forward median / p10 / p90."""
+    entry = sweep.run_point(point, impls, timing.Timer(), fwd_only=not bwd)
     parts = []
     for name, res in entry["results"].items():
         t = res["fwd"].get("timing")
