@@ -302,7 +302,7 @@ CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
 
 
 # Scheduling variants, measured on the H200 (docs/perf-notes.md, "ping-pong and snake order",
-# "snake order from 4k", "snake order for few rounds"): ping-pong wins everywhere; the snake order
+# "snake order from 4k", "snake order for few rounds"): ping-pong wins almost everywhere; the snake order
 # only where work per tile differs (causal / window), and there from seqlen_q 4k, or when the
 # work tiles make at most SNAKE_ROUNDS rounds over the SMs (the last round's imbalance is then a
 # large share of the call: -10 to -22% kernel time at 2-6 rounds, -2.5% at 11.6, +1% at 15.5).
@@ -311,6 +311,13 @@ PINGPONG_ENV = "FLASHCUDA_SM90_PINGPONG"  # consumer warpgroups take turns issui
 SNAKE_ENV = "FLASHCUDA_SM90_SNAKE"  # snake order of work tiles over the persistent CTAs
 SNAKE_FROM = 4096  # seqlen_q from which a masked call walks its tiles in snake order
 SNAKE_ROUNDS = 12  # ... and below it, when its work tiles are at most this many per SM
+# Exceptions, by same-process A/Bs on the H200 (session 28, perf-notes "ping-pong and snake at
+# the short masked calls"): d64's windowed 128-row tiles (causal / window below 2k) run without
+# ping-pong (causal 1k +3.6 / +4.3%, 512 +-0.6%; its 192-row tiles keep it: -7% at causal 2k
+# without), and d192 keeps the snake order only from SNAKE_FROM (few rounds with it: causal 512
+# -4.3 / -5.3%, 1k -3.7 / -4.2%; 2k / 4k within +-1%).
+NO_PINGPONG_WINDOWED = ((64, 128),)  # (head dim, block_m)
+NO_FEW_ROUNDS_SNAKE = (192,)  # head dims
 # the masked-V variant for windowed calls: on by default (session 9: 1-5% on causal calls, the
 # scans of the masked tiles); 0 builds the kernel that lets 0 x NaN through (A/B; see the .cu)
 MASKED_V_ENV = "FLASHCUDA_SM90_FWD_MASKED_V"
@@ -394,8 +401,11 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
             masked_v: bool | None = None, few_rounds: bool = False,
             boundary: dict | None = None) -> Sm90FwdConfig:
     """The config of these tiles; `boundary` (with_boundary's parts) in place of the env's."""
-    pingpong = flag(PINGPONG_ENV, True) if pingpong is None else pingpong
+    if pingpong is None:
+        pingpong = flag(PINGPONG_ENV,
+                        not (windowed and (head_dim, block_m) in NO_PINGPONG_WINDOWED))
     if snake is None:
+        few_rounds = few_rounds and head_dim not in NO_FEW_ROUNDS_SNAKE
         snake = flag(SNAKE_ENV, windowed and (seqlen_q >= SNAKE_FROM or few_rounds))
     if masked_v is None:  # without a window every key below seqlen_k is seen by every row;
         # built for the windowed tiles only (d128 x 176 with a clean tile per consumer would not fit)
@@ -519,8 +529,10 @@ def configs() -> list[Sm90FwdConfig]:
             and (c.block_m, c.block_n) in (tiles_for(c.head_dim, False, LONG),
                                            tiles_for(c.head_dim, True, 1),
                                            tiles_for(c.head_dim, True, LONG))]
-    # the two passes of dispatch's windowed calls (two_passes; with ping-pong)
-    out += [p for c in out if c.masked_v and c.pingpong and not c.timeline
+    # the two passes of dispatch's windowed calls (two_passes; with ping-pong, and without it
+    # where NO_PINGPONG_WINDOWED says)
+    out += [p for c in out if c.masked_v and not c.timeline
+            and (c.pingpong or (c.head_dim, c.block_m) in NO_PINGPONG_WINDOWED)
             for p in (first_pass(c), second_pass(c))]
     for c in bare:
         out += [c] + [with_boundary(c, **{**BOUNDARY, part: BOUNDARY_OFF[part]})

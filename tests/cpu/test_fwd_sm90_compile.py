@@ -239,9 +239,20 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     assert pick(torch.float16, 64, True, 2047).block_m == 128
     assert pick(torch.float16, 64, True, 2048).block_m == 192
     assert pick(torch.float16, 64, True, 8192).block_m == 192
+    # d64's windowed 128-row tiles run without ping-pong (session 28), its other tiles with it
+    assert not pick(torch.float16, 64, True, 1024).pingpong
+    assert pick(torch.float16, 64, True, 2048).pingpong and pick(torch.float16, 64, False, 1024).pingpong
+    assert pick(torch.float16, 128, True, 1024).pingpong
+    monkeypatch.setenv(fwd_sm90.PINGPONG_ENV, "1")
+    assert pick(torch.float16, 64, True, 1024).pingpong  # the A/B override wins
+    monkeypatch.delenv(fwd_sm90.PINGPONG_ENV)
     names = {c.name for c in fwd_sm90.configs()}
-    assert {pick(dt, d, w).name for dt in fwd_sm90.DTYPES for d in (64, 128)
-            for w in (False, True)} <= names
+    assert {pick(dt, d, w, s).name for dt in fwd_sm90.DTYPES for d in (64, 128)
+            for w in (False, True) for s in (1024, fwd_sm90.LONG)} <= names
+    for dt in fwd_sm90.DTYPES:  # the two passes of the windowed kernels dispatch picks
+        for d, s in ((64, 1024), (64, 4096), (128, 1024), (192, 1024), (256, 1024)):
+            passes = fwd_sm90.two_passes(pick(dt, d, True, s))
+            assert passes and {p.name for p in passes} <= names, (d, s)
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "bm128_bn128")
     assert pick(torch.bfloat16, 64).name == "flash_fwd_sm90_bf16_d64_bm128_bn128_s2_pp_q2_ot_fd_da"
     assert pick(torch.bfloat16, 64).name in names
@@ -284,6 +295,12 @@ def test_snake_order_for_few_rounds(monkeypatch):
     assert not fwd_sm90.plan_config(call(4, 2048, 32), sms).snake  # 2048 tiles, 15.5 rounds
     assert not fwd_sm90.plan_config(call(1, 2048, 32, causal=False), sms).snake
     assert fwd_sm90.plan_config(call(4, 2048, 32), 200).snake  # a larger GPU: fewer rounds
+    # d192 keeps the snake order only from seqlen_q 4k (session 28); d256 takes it for few rounds
+    wide = [torch.zeros(32, 512, 10, d, dtype=torch.bfloat16) for d in (192, 256)]
+    calls = [FwdCall(q, q, q, q, torch.zeros(32, 10, 512), 0.1, None, 0) for q in wide]
+    assert not fwd_sm90.plan_config(calls[0], sms).snake and fwd_sm90.plan_config(calls[1], sms).snake
+    q = torch.zeros(2, 4096, 10, 192, dtype=torch.bfloat16)
+    assert fwd_sm90.plan_config(FwdCall(q, q, q, q, torch.zeros(2, 10, 4096), 0.1, None, 0), sms).snake
     monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "0")
     assert not fwd_sm90.plan_config(serving, sms).snake
     plain = fwd_sm90.plan_config(serving, sms)
