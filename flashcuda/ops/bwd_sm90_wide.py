@@ -1,9 +1,9 @@
 """The sm90a backward for the wide head dims (192 and 256), fp16/bf16, non-deterministic dQ.
 
 Status: proven on the H200 (tests/gpu/test_bwd_sm90_wide.py against the float64 oracle, 505
-passed at d03bdf6; sanitizers clean on the boundary case); dispatched by default at these head
-dims: d256 0.96-1.11x cuDNN, d192 0.95-1.44x (docs/perf-notes.md, session 27), where the SIMT
-backward ran at 7-8 TFLOP/s.
+passed at d03bdf6, 370 at e5b8ef8 with the dQ split; sanitizers clean on the boundary cases);
+dispatched by default at these head dims: d256 1.04-1.18x cuDNN, d192 1.22-1.49x at every sweep
+point (docs/perf-notes.md, sessions 27-28), where the SIMT backward ran at 7-8 TFLOP/s.
 
 flash_bwd_sm90.cu (family bwd_sm90) keeps each consumer warpgroup's 64 keys x head dim of dK and
 dV in registers, which does not fit at head dim 256; this family's MAIN kernel
