@@ -24,47 +24,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import time
 
 import torch
 
 from flashcuda.bench import peers, sweep, timing
 
-FLUSH_BYTES = 256 * 1024 * 1024
+FLUSH_BYTES = timing.L2_FLUSH_BYTES  # the sweep's flush
 
 
 def timeline(fn, reps: int, flush: torch.Tensor, grad_to_none=None) -> dict:
-    """do_bench's loop with host timestamps; per-call GPU ms and the exposed / ahead split."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    anchor = torch.cuda.Event(enable_timing=True)
-    before, after = [0.0] * reps, [0.0] * reps
-    now = time.perf_counter
-    torch.cuda.synchronize()
-    anchor.record()
-    t0 = now()
-    for i in range(reps):
-        if grad_to_none is not None:
-            for x in grad_to_none:
-                x.grad = None
-        flush.zero_()
-        starts[i].record()
-        before[i] = now()
-        fn()
-        after[i] = now()
-        ends[i].record()
-    torch.cuda.synchronize()
-    ms = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
-    gpu_start = [t0 + anchor.elapsed_time(s) * 1e-3 for s in starts]
-    exposed = [gpu_start[i] < after[i] for i in range(reps)]
-    host_us = [(a - b) * 1e6 for a, b in zip(after, before, strict=True)]
-    exp_ms = [m for m, e in zip(ms, exposed, strict=True) if e]
-    ahead_ms = [m for m, e in zip(ms, exposed, strict=True) if not e]
-    return {"ms": ms, "n": reps, "exposed": sum(exposed), "host_us": statistics.median(host_us),
-            "host_p90_us": timing.quantile(host_us, 0.9),
-            "exposed_ms": statistics.median(exp_ms) if exp_ms else None,
-            "ahead_ms": statistics.median(ahead_ms) if ahead_ms else None}
+    """do_bench's loop with host timestamps (flashcuda.bench.timing.timed_loop, what the sweep
+    runs again at an unsteady timing): per-call GPU ms and the exposed / ahead split."""
+    return timing.timed_loop(fn, reps, flush, grad_to_none)
 
 
 def back_to_back_ms(fn, calls: int = 50, grad_to_none=None) -> float:
@@ -85,9 +56,9 @@ def line(label: str, r: dict) -> str:
         return f"{x * 1e3:7.1f}" if x is not None else "      -"
 
     return (f"  {label:<26} med {s.median_ms * 1e3:7.1f} p10 {s.p10_ms * 1e3:7.1f} "
-            f"p90 {s.p90_ms * 1e3:7.1f} us | host {r['host_us']:6.1f} (p90 {r['host_p90_us']:6.1f}) "
-            f"| exposed {r['exposed']:4d}/{r['n']:<4d} med {fmt(r['exposed_ms'])} "
-            f"ahead med {fmt(r['ahead_ms'])}")
+            f"p90 {s.p90_ms * 1e3:7.1f} us | host {r['host_median_us']:6.1f} (p90 {r['host_p90_us']:6.1f}) "
+            f"| exposed {r['exposed']:4d}/{r['calls']:<4d} med {fmt(r['exposed_median_ms'])} "
+            f"ahead med {fmt(r['ahead_median_ms'])}")
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from rich.table import Table
 from .ceilings import copy_ceiling_gbps, fp32_ceiling_tflops, matmul_ceiling_tflops
 from .peers import LABELS, SHORT
 from .sweep import best_peer, point_tflops, ratio
+from .timing import SPREAD_LIMIT
 
 GIB = 1024**3
 
@@ -272,6 +273,7 @@ def summary_table(rec: dict) -> Table:
     for col in ("hd", "seqlen", "causal", "fwd", "best fwd", "×", "bwd", "best bwd", "×", "check"):
         t.add_column(col, justify="right")
     marked, spread = False, False
+    exposures: list[str] = []
     for p in rec.get("points") or []:
         row = [str(p["headdim"]), str(p["seqlen"]), _causal(p)]
         for d in ("fwd", "bwd"):
@@ -282,6 +284,8 @@ def summary_table(rec: dict) -> Table:
             if unsteady(p, "flashcuda", d):
                 mark += SPREAD_MARK
                 spread = True
+                if line := exposure_line(p, "flashcuda", d):
+                    exposures.append(line)
             row += [fmt_tf(fc) + mark, f"{fmt_tf(bt)} {SHORT.get(bname, '')}".strip(),
                     fmt_ratio(ratio(fc, bt)) if _trusted(p) else "WRONG"]
         row.append(check_label(p))
@@ -293,6 +297,7 @@ def summary_table(rec: dict) -> Table:
     if spread:
         notes.append(f"{SPREAD_MARK} unsteady: the timing's p90 is at least {SPREAD_LIMIT:.2f}× its "
                      f"p10 (the median is no stable figure there; see the record's p10 / p90)")
+        notes += exposures
     if notes:
         t.caption = "\n".join(notes)
     return t
@@ -301,10 +306,6 @@ def summary_table(rec: dict) -> Table:
 HOST_MARK = "†"
 HOST_BOUND_SHARE = 0.8
 SPREAD_MARK = "‡"
-# p90 / p10 of one timing from which the summary marks it (the sweep at 4ee486d: 46 of 48
-# flashcuda timings at most 1.10; the d128 causal 512 forward 1.36, host-bound, and backward
-# 1.96, its host time 68% of its median)
-SPREAD_LIMIT = 1.25
 
 
 def unsteady(p: dict, impl: str, direction: str) -> bool:
@@ -314,6 +315,24 @@ def unsteady(p: dict, impl: str, direction: str) -> bool:
     tm = r.get("timing") or {}
     lo, hi = tm.get("p10_ms"), tm.get("p90_ms")
     return bool(lo and hi and hi >= SPREAD_LIMIT * lo)
+
+
+def exposure_line(p: dict, impl: str, direction: str) -> str | None:
+    """One caption line for a timing the sweep re-ran with host timestamps (the record's
+    `exposure`): how many calls the host may have slowed, and the medians of both kinds."""
+    r = ((p.get("results") or {}).get(impl) or {}).get(direction) or {}
+    ex = r.get("exposure")
+    if not ex or not ex.get("calls"):
+        return None
+
+    def us(ms):
+        return f"{ms * 1e3:.0f} µs" if ms is not None else "-"
+
+    mask = "causal" if p["causal"] else "full"
+    return (f"  d{p['headdim']} {p['seqlen']} {mask} {direction}: {ex['exposed']} of "
+            f"{ex['calls']} calls host-exposed on a re-run (median {us(ex['exposed_median_ms'])} "
+            f"exposed, {us(ex['ahead_median_ms'])} queued ahead; host "
+            f"{ex['host_median_us']:.0f} µs per call)")
 
 
 def host_bound(p: dict, impl: str, direction: str) -> bool:

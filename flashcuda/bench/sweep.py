@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from .peers import REFERENCE_ORDER, Impl
-from .timing import Timer, first_call, host_time_us, tflops
+from .timing import Timer, first_call, host_exposure, host_time_us, is_unsteady, tflops
 
 TOKENS_PER_BATCH = 16384
 MODEL_DIM = 2048
@@ -227,6 +227,8 @@ def _run_impl(impl: Impl, point: SweepPoint, leaves, dout, scale, timer: Timer, 
             res["fwd"] = {"status": "ok", "timing": timing.to_dict(), "first_call_ms": first,
                           "tflops": tflops(flops_fwd, timing.median_ms),
                           "host_us": host_time_us(fwd)}
+            if is_unsteady(timing):
+                res["fwd"]["exposure"] = host_exposure(fwd, timing.median_ms)
     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
         res["fwd"] = {"status": "failed", "error": _error_text(exc)}
         res["bwd"] = {"status": "skipped", "error": "forward failed"}
@@ -255,6 +257,8 @@ def _run_impl(impl: Impl, point: SweepPoint, leaves, dout, scale, timer: Timer, 
             res["bwd"] = {"status": "ok", "timing": timing.to_dict(), "first_call_ms": first,
                           "tflops": tflops(flops_bwd, timing.median_ms),
                           "host_us": host_time_us(bwd, grad_to_none=leaves)}
+            if is_unsteady(timing):
+                res["bwd"]["exposure"] = host_exposure(bwd, timing.median_ms, grad_to_none=leaves)
     except Exception as exc:  # noqa: BLE001
         res["bwd"] = {"status": "failed", "error": _error_text(exc)}
         _sync_quietly()

@@ -218,6 +218,84 @@ def host_time_us(fn: Callable[[], object], grad_to_none=None, calls: int = 20,
     return med if med < spin_ms * 1e3 / calls else None  # longer: some call waited for the GPU
 
 
+# p90 / p10 of one timing from which a timing counts as unsteady (the report's ‡; the sweep then
+# also measures its host exposure). The sweep at 4ee486d: 46 of 48 flashcuda timings at most
+# 1.10; the d128 causal 512 forward 1.36, host-bound, and backward 1.96.
+SPREAD_LIMIT = 1.25
+
+
+def is_unsteady(timing: Timing) -> bool:
+    return timing.p10_ms > 0 and timing.p90_ms >= SPREAD_LIMIT * timing.p10_ms
+
+
+def exposure_summary(ms: Sequence[float], gpu_start_s: Sequence[float],
+                     host_done_s: Sequence[float], host_us: Sequence[float]) -> dict:
+    """Which timed calls the host may have slowed. A call is *exposed* when the GPU reached its
+    start event (gpu_start_s, on the host's clock) before the host had finished enqueueing the
+    call (host_done_s): then the GPU may have waited inside the measured time. Otherwise the
+    whole call was queued before its timing began, so its host time cannot be in it."""
+    exposed = [g < h for g, h in zip(gpu_start_s, host_done_s, strict=True)]
+    hit = [m for m, e in zip(ms, exposed, strict=True) if e]
+    ahead = [m for m, e in zip(ms, exposed, strict=True) if not e]
+    return {"calls": len(ms), "exposed": sum(exposed),
+            "exposed_median_ms": quantile(hit, 0.5) if hit else None,
+            "ahead_median_ms": quantile(ahead, 0.5) if ahead else None,
+            "host_median_us": quantile(host_us, 0.5) if host_us else None,
+            "host_p90_us": quantile(host_us, 0.9) if host_us else None}
+
+
+def timed_loop(fn: Callable[[], object], reps: int, flush, grad_to_none=None) -> dict:
+    """The timed loop of do_bench (per call: clear grads, zero the flush buffer, start event, fn,
+    end event; no synchronisation inside), with the host clock taken around each call and one
+    anchor event recorded on an idle GPU, which puts the GPU's event times on the host clock.
+    Returns the per-call ms with exposure_summary's fields."""
+    import torch
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    anchor = torch.cuda.Event(enable_timing=True)
+    before, after = [0.0] * reps, [0.0] * reps
+    now = time.perf_counter
+    torch.cuda.synchronize()
+    anchor.record()
+    t0 = now()
+    for i in range(reps):
+        _clear_grads(grad_to_none)
+        flush.zero_()
+        starts[i].record()
+        before[i] = now()
+        fn()
+        after[i] = now()
+        ends[i].record()
+    torch.cuda.synchronize()
+    ms = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+    gpu_start = [t0 + anchor.elapsed_time(s) * 1e-3 for s in starts]
+    host_us = [(a - b) * 1e6 for a, b in zip(after, before, strict=True)]
+    return {"ms": ms, **exposure_summary(ms, gpu_start, after, host_us)}
+
+
+def host_exposure(fn: Callable[[], object], median_ms: float, grad_to_none=None,
+                  rep_ms: float = 100.0) -> dict | None:
+    """timed_loop for about `rep_ms` of calls (their count from `median_ms`, the timing just
+    taken) without the per-call times: how many of the calls the host may have slowed, and the
+    median time of those and of the others. None if it cannot be measured (a diagnostic: never
+    fails a run)."""
+    import torch
+
+    _clear_grads(grad_to_none)
+    try:
+        flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+        reps = int(min(10_000, max(5, rep_ms / max(median_ms + 0.07, 1e-3))))
+        out = timed_loop(fn, reps, flush, grad_to_none)
+        del flush
+    except Exception:  # noqa: BLE001
+        _clear_grads(grad_to_none)
+        return None
+    _clear_grads(grad_to_none)
+    out.pop("ms")
+    return out
+
+
 def spin_up(ms: float = 500.0) -> None:
     """Keep the GPU busy with matmuls for about `ms`, so the first measurement of a run is not
     taken while the clocks ramp up from idle (345 MHz at rest on the H200, 1980 MHz under load)."""

@@ -454,6 +454,42 @@ def test_summary_marks_unsteady_timings():
     assert SPREAD_MARK not in plain and "unsteady" not in plain
 
 
+def test_exposure_summary_splits_calls_by_when_the_gpu_reached_them():
+    """A timed call is exposed exactly when the GPU reached its start event before the host had
+    finished enqueueing it; the medians are those of each class (host clock in seconds)."""
+    from flashcuda.bench.timing import exposure_summary
+
+    ms = [0.15, 0.30, 0.16, 0.31, 0.15]
+    gpu_start = [1.000, 1.001, 1.010, 1.003, 1.020]
+    host_done = [0.990, 1.002, 1.000, 1.004, 1.010]  # calls 1 and 3: the GPU got there first
+    host_us = [80.0, 300.0, 90.0, 280.0, 85.0]
+    ex = exposure_summary(ms, gpu_start, host_done, host_us)
+    assert (ex["calls"], ex["exposed"]) == (5, 2)
+    assert ex["exposed_median_ms"] == pytest.approx(0.305)
+    assert ex["ahead_median_ms"] == pytest.approx(0.15)
+    assert ex["host_median_us"] == 90.0
+    none = exposure_summary(ms[:1], [2.0], [1.0], [50.0])  # queued ahead: no exposed median
+    assert none["exposed"] == 0 and none["exposed_median_ms"] is None
+    with pytest.raises(ValueError):  # lengths must agree
+        exposure_summary(ms, gpu_start[:4], host_done, host_us)
+
+
+def test_summary_captions_the_exposure_of_unsteady_timings():
+    """An unsteady timing that the sweep re-ran with host timestamps gets a caption line with the
+    exposed count; without the record's `exposure` the caption has only the ‡ line."""
+    from flashcuda.bench.report import SPREAD_LIMIT
+
+    rec = synthetic_record()
+    bwd = rec["points"][0]["results"]["flashcuda"]["bwd"]
+    bwd["timing"]["p10_ms"], bwd["timing"]["p90_ms"] = 0.37, 0.37 * SPREAD_LIMIT * 1.01
+    plain = render_text([summary_table(rec)], width=160)
+    assert "host-exposed" not in plain
+    bwd["exposure"] = {"calls": 191, "exposed": 112, "exposed_median_ms": 0.556,
+                       "ahead_median_ms": 0.443, "host_median_us": 457.4, "host_p90_us": 659.6}
+    text = render_text([summary_table(rec)], width=160)
+    assert "112 of 191 calls host-exposed" in text and "556 µs" in text and "443 µs" in text
+
+
 def test_serving_table_shows_graph_replay_and_its_failure():
     """The serving extra's CUDA-graph column: a replay p50 where capture worked, "failed" plus the
     error line where it did not, empty for records written before the column existed."""
