@@ -522,10 +522,12 @@ def configs() -> list[Sm90FwdConfig]:
     out += [dataclasses.replace(c, timeline=True) for c in out
             if c.dtype == torch.bfloat16 and c.pingpong and not c.masked_v
             and c.head_dim in AB_HEAD_DIMS]
-    # the A/B variants the GPU lane runs (tests/gpu/test_fwd_sm90.py, with dispatch's tiles)
+    # the A/B variants the GPU lane runs (tests/gpu/test_fwd_sm90.py, with dispatch's tiles and
+    # pipeline: ping-pong, except the windowed tiles of NO_PINGPONG_WINDOWED)
     bare = [_config(c.dtype, c.head_dim, c.block_m, c.block_n, c.pingpong, c.snake,
                     masked_v=c.masked_v, boundary=BOUNDARY_OFF) for c in out
-            if c.pingpong and not c.timeline and c.head_dim in AB_HEAD_DIMS
+            if (c.pingpong or (c.masked_v and (c.head_dim, c.block_m) in NO_PINGPONG_WINDOWED))
+            and not c.timeline and c.head_dim in AB_HEAD_DIMS
             and (c.block_m, c.block_n) in (tiles_for(c.head_dim, False, LONG),
                                            tiles_for(c.head_dim, True, 1),
                                            tiles_for(c.head_dim, True, LONG))]

@@ -41,6 +41,9 @@ def test_decode_ahead_builds_clean_with_the_decode_under_the_last_p_v(monkeypatc
                                                                      windowed, seqlen, tmp_path):
     monkeypatch.delenv(fwd_sm90.DECODE_AHEAD_ENV, raising=False)
     names = {c.name for c in fwd_sm90.configs()}
+    # the ping-pong pipeline (the turns' BAR.ARV mark where the decode goes), also for the d64
+    # windowed 128-row tiles, which dispatch runs without it since session 28
+    monkeypatch.setenv(fwd_sm90.PINGPONG_ENV, "1")
     monkeypatch.setenv(fwd_sm90.FAST_DIV_ENV, "0")
     ahead = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
     assert ahead.decode_ahead and ahead.name in names  # precompiled (the A/B variant)
