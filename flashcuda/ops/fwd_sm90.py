@@ -372,7 +372,9 @@ MASK_BITS = True
 # Same-process A/B (session 19, scripts/ab_probe.py, perf-notes): d64 causal 512 +5.3%, 1k +1.8%
 # (both beyond the run's p10-p90); d128 causal 512 -1.1%, 1k -1.3%: not used there. The 192-row
 # d64 tiles (from 2k) were not measured with it. FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=0 (A/B).
-# Only on the default pipeline (ping-pong and fast divisions): Sm90FwdConfig.first_half.
+# Only on the ping-pong pipeline with fast divisions (Sm90FwdConfig.first_half) — so since session
+# 28, when d64's windowed 128-row tiles went without ping-pong (NO_PINGPONG_WINDOWED: +3.6 /
+# +4.3% at causal 1k net of this), dispatch no longer runs it; its kernels stay the ping-pong A/B.
 FIRST_HALF = {64: (128,)}
 # Query-block heights (block_m) whose kernel stores O in 16-byte stores after a transpose within
 # each quad (FC_O_QUAD, the .cu), per head dim. Same-run A/B (session 14, perf-notes): d128
