@@ -165,7 +165,8 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 constexpr bool kMaskBits = FC_MASK_BITS && kBlockN <= 128;
 constexpr int kMaskPairs = kBlockN <= 128 ? kBlockN / 8 : 16;  // fragment_bits' column pairs
 #ifndef FC_FIRST_HALF
-// 1 (the host's default for d64's 128-row windowed kernels since session 19: fwd_sm90.FIRST_HALF;
+// 1 (the host's default for d64's 128-row windowed ping-pong kernels since session 19 — since
+// session 28 dispatch runs those tiles without ping-pong and without it: fwd_sm90.FIRST_HALF;
 // same-process A/B d64 causal 512 +5.3%, 1k +1.8%, d128 -1.1 / -1.3%): a work tile's first key tile (with a causal mask: the diagonal one, on
 // every work tile's critical path) skips the upper half of its keys in a warp none of whose rows
 // sees them (the first consumer warpgroup's rows at a causal diagonal of 128-key tiles): its
@@ -1171,6 +1172,13 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   } else {
     cs.masked_softmax(masked(i), mask, row0, col0, scale_log2, corr);
   }
+  // Without ping-pong no turn barrier reconverges the warpgroup between this warp-uniform
+  // branch and the next wgmma, and ptxas serialises the wgmmas (C7519: its WG.AR in a divergent
+  // path; session 20). One warpgroup barrier on the first key tile avoids that (session 28,
+  // compile-verified; the A/B FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=1 on the no-ping-pong
+  // kernels is not yet measured). kOBarrier + c: every thread of the warpgroup passes here once
+  // per work tile, before its O store's own uses of that barrier.
+  if constexpr (kFirst && !kPingPong) named_barrier_sync(kOBarrier + c, 128);
 #else
   cs.masked_softmax(masked(i), mask, row0,
                     (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3), scale_log2,
