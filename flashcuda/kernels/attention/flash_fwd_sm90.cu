@@ -211,6 +211,10 @@ constexpr int kMaskPairs = kBlockN <= 128 ? kBlockN / 8 : 16;  // fragment_bits'
 constexpr int kOBarrier = 12;  // + c: FC_O_TMA's staging tile, per consumer warpgroup (named
                                // barriers 1 .. 3: the ping-pong turns, 8 ..: the masked-V votes)
 #endif
+// + c: FC_FIRST_HALF's reconvergence without ping-pong (attend_key_tile), per consumer warpgroup
+constexpr int kFirstHalfBarrier = 4;
+static_assert(kFirstHalfBarrier > kConsumers && kFirstHalfBarrier + kConsumers <= 8,
+              "named barriers: 1 .. kConsumers the turns, 8 .. the masked-V votes");
 #ifndef FC_DECODE_AHEAD
 // 1 (the host's default since session 17; session 16 on the H200: -4 to +3% alone, the decode
 // stayed on the warp's path; one of the boundary's parts, perf-notes): a consumer decodes its next work tile
@@ -1176,9 +1180,8 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   // branch and the next wgmma, and ptxas serialises the wgmmas (C7519: its WG.AR in a divergent
   // path; session 20). One warpgroup barrier on the first key tile avoids that (session 28,
   // compile-verified; the A/B FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=1 on the no-ping-pong
-  // kernels is not yet measured). kOBarrier + c: every thread of the warpgroup passes here once
-  // per work tile, before its O store's own uses of that barrier.
-  if constexpr (kFirst && !kPingPong) named_barrier_sync(kOBarrier + c, 128);
+  // kernels is not yet measured).
+  if constexpr (kFirst && !kPingPong) named_barrier_sync(kFirstHalfBarrier + c, 128);
 #else
   cs.masked_softmax(masked(i), mask, row0,
                     (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3), scale_log2,
