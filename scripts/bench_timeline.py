@@ -40,10 +40,9 @@ def timeline(fn, reps: int, flush: torch.Tensor, grad_to_none=None) -> dict:
 
 def back_to_back_ms(fn, calls: int = 50, grad_to_none=None) -> float:
     def call():
-        if grad_to_none is not None:
-            for x in grad_to_none:
-                x.grad = None
+        timing._clear_grads(grad_to_none)
         fn()
+
     for _ in range(5):
         call()
     return timing.events_ms(call, calls)

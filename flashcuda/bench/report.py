@@ -17,7 +17,7 @@ from rich.table import Table
 from .ceilings import copy_ceiling_gbps, fp32_ceiling_tflops, matmul_ceiling_tflops
 from .peers import LABELS, SHORT
 from .sweep import best_peer, point_tflops, ratio
-from .timing import SPREAD_LIMIT
+from .timing import SPREAD_LIMIT, spread_too_wide
 
 GIB = 1024**3
 
@@ -313,8 +313,7 @@ def unsteady(p: dict, impl: str, direction: str) -> bool:
     p90 at least SPREAD_LIMIT times p10."""
     r = ((p.get("results") or {}).get(impl) or {}).get(direction) or {}
     tm = r.get("timing") or {}
-    lo, hi = tm.get("p10_ms"), tm.get("p90_ms")
-    return bool(lo and hi and hi >= SPREAD_LIMIT * lo)
+    return spread_too_wide(tm.get("p10_ms"), tm.get("p90_ms"))
 
 
 def exposure_line(p: dict, impl: str, direction: str) -> str | None:

@@ -224,8 +224,13 @@ def host_time_us(fn: Callable[[], object], grad_to_none=None, calls: int = 20,
 SPREAD_LIMIT = 1.25
 
 
+def spread_too_wide(p10_ms: float | None, p90_ms: float | None) -> bool:
+    """The unsteady rule: p90 at least SPREAD_LIMIT times p10 (False when either is missing)."""
+    return bool(p10_ms and p90_ms and p90_ms >= SPREAD_LIMIT * p10_ms)
+
+
 def is_unsteady(timing: Timing) -> bool:
-    return timing.p10_ms > 0 and timing.p90_ms >= SPREAD_LIMIT * timing.p10_ms
+    return spread_too_wide(timing.p10_ms, timing.p90_ms)
 
 
 def exposure_summary(ms: Sequence[float], gpu_start_s: Sequence[float],
