@@ -312,6 +312,15 @@ def main() -> None:
         ("  same, bare cuLaunchKernel", _bare_launch(plan.kernel, plan.grid, (cfg.threads, 1, 1),
                                                      (*maps, out, lse, *flags, *plan.constants),
                                                      cfg.smem_bytes)),
+        ("FwdCall(...).layouts()", lambda: FwdCall(q, k, v, out, lse, d ** -0.5, None,
+                                                   wr).layouts()),
+        ("flags: torch.empty per call", lambda: torch.empty(
+            plan.grid[0] * fwd_sm90.NAN_FLAG_BYTES, dtype=torch.uint8, device="cuda")),
+        ("flags: fwd_sm90.nan_flags", lambda: fwd_sm90.nan_flags(
+            out.device, 0, torch.cuda.current_stream().cuda_stream,
+            plan.grid[0] * fwd_sm90.NAN_FLAG_BYTES)),
+        ("fwd_sm90.launch_plan", lambda: fwd_sm90.launch_plan(plan, call,
+                                                              [m.raw for m in maps])),
         ("fwd_sm90.run", lambda: fwd_sm90.run(call)),
         ("dispatch.forward", lambda: dispatch.forward(call)),
         ("torch.cuda.current_stream", lambda: torch.cuda.current_stream(0)),

@@ -11,6 +11,7 @@ from .runtime import (
     device_arch,
     disk_cache,
     get_kernel,
+    launch_stream,
     reset_disk_cache,
 )
 from .spec import KERNELS_DIR, KernelSpec
@@ -19,5 +20,5 @@ __all__ = [
     "KERNELS_DIR", "CacheError", "CompileError", "CompileResult", "CompiledKernel", "DiskCache",
     "KernelPerformanceWarning", "KernelSpec", "PreparedLaunch", "Resources", "all_variants",
     "arch_for", "build_cubin", "cache_dir", "compile_spec", "device_arch", "disk_cache",
-    "get_kernel", "nvrtc_version", "register", "reset_disk_cache",
+    "get_kernel", "launch_stream", "nvrtc_version", "register", "reset_disk_cache",
 ]

@@ -185,6 +185,14 @@ def _make_current(device_index: int) -> None:
             raise _cu_error(err, "cuCtxSetCurrent")
 
 
+def launch_stream(device_index: int) -> int:
+    """Make the device's primary context current on this thread and return torch's current
+    stream there, as the driver's handle: what each PreparedLaunch call does first, done once by
+    a caller that launches several kernels in a row (PreparedLaunch's `handle=`)."""
+    _make_current(device_index)
+    return _current_stream_handle(device_index)
+
+
 def _is_tensor_map(a) -> bool:
     return hasattr(type(a), "__cuda_tensor_map__")
 
@@ -399,8 +407,10 @@ class PreparedLaunch:
     a tensor, a tensor map's 128 bytes, a Python number for a scalar) and packs them with one
     struct.pack_into into a parameter buffer of the calling thread's (the driver copies the
     parameters during cuLaunchKernel, so the buffer is free again when the call returns), then
-    launches on torch's current stream. The caller owns the values' meaning: nothing here checks
-    a pointer's device (kernel.launch does; a family's plan key holds the device).
+    launches on torch's current stream (or on `handle`, a caller's `launch_stream`, for several
+    launches in a row: the context check and the stream lookup once). The caller owns the values'
+    meaning: nothing here checks a pointer's device (kernel.launch does; a family's plan key
+    holds the device).
     """
 
     def __init__(self, kernel: CompiledKernel, grid, block, shared_mem: int, example_args: tuple,
@@ -429,6 +439,7 @@ class PreparedLaunch:
         # its predecessor with griddepcontrol.wait), where the driver has cuLaunchKernelEx
         self.programmatic = (programmatic
                              and getattr(_libcuda(), "cuLaunchKernelEx", None) is not None)
+        self._launch = None  # cuLaunchKernel with all but the stream and parameters bound
         self._local = threading.local()
 
     def _buffers(self) -> tuple:
@@ -447,20 +458,25 @@ class PreparedLaunch:
         self._local.buffers = (params, pointers, config)
         return params, pointers, config
 
-    def __call__(self, *values, stream=None) -> None:
+    def __call__(self, *values, stream=None, handle: int | None = None) -> None:
         buffers = getattr(self._local, "buffers", None)
         params, pointers, config = buffers if buffers is not None else self._buffers()
         self.head.pack_into(params, 0, *values)
-        index = self.kernel.device_index
-        _make_current(index)
-        handle = _current_stream_handle(index) if stream is None else stream.cuda_stream
+        if handle is None:
+            index = self.kernel.device_index
+            _make_current(index)
+            handle = _current_stream_handle(index) if stream is None else stream.cuda_stream
         if config is not None:
             config.stream = handle
             err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), self.kernel.function_handle,
                                               pointers, None)
         else:
-            err = _libcuda().cuLaunchKernel(self.kernel.function_handle, *self.grid, *self.block,
-                                            self.shared_mem, handle, pointers, None)
+            launch = self._launch
+            if launch is None:  # (bound at the first launch: constructing needs no driver)
+                launch = self._launch = functools.partial(
+                    _libcuda().cuLaunchKernel, self.kernel.function_handle, *self.grid,
+                    *self.block, self.shared_mem)
+            err = launch(handle, pointers, None)
         if err:
             raise _cu_error(err, f"launching {self.kernel.name} grid={self.grid} "
                                  f"block={self.block} smem={self.shared_mem}")

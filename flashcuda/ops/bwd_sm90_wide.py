@@ -40,7 +40,7 @@ from math import lcm
 import torch
 
 from .._env import env_names, env_values, switched_on
-from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
+from ..jit import KernelSpec, PreparedLaunch, get_kernel, launch_stream, register
 from ..jit.tensor_map import bshd_map
 from . import bwd_sm80, bwd_sm90
 from .call import (
@@ -293,12 +293,14 @@ def run(call: BwdCall) -> None:
     cfg = plan.cfg
     lse, lse2, delta, dq_accum = bwd_sm90.scratch(call, plan.sq_pad)
     lse2_at, delta_at, accum_at = (x.data_ptr() for x in (lse2, delta, dq_accum))
+    handle = launch_stream(plan.main.kernel.device_index)  # (once for the three launches)
     plan.pre(call.out.data_ptr(), call.dout.data_ptr(), lse.data_ptr(), lse2_at, delta_at,
-             accum_at)
+             accum_at, handle=handle)
     maps = (bshd_map(call.q, cfg.block_m).raw, bshd_map(call.k, cfg.block_n).raw,
             bshd_map(call.v, cfg.block_n).raw, bshd_map(call.dout, cfg.block_m).raw)
-    plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
-    plan.convert(accum_at, call.dq.data_ptr())
+    plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr(),
+              handle=handle)
+    plan.convert(accum_at, call.dq.data_ptr(), handle=handle)
 
 
 @register

@@ -88,14 +88,15 @@ class FwdCall:
     def layouts(self) -> tuple:
         """layout_key of q, k, v, out, lse, computed once per call (dispatch and the family's
         plan both key on them)."""
-        return _layouts(self, ("q", "k", "v", "out", "lse"))
+        got = self.__dict__.get("_layouts")
+        if got is None:
+            got = _memo_layouts(self, (self.q, self.k, self.v, self.out, self.lse))
+        return got
 
 
-def _layouts(call: object, names: tuple[str, ...]) -> tuple:
+def _memo_layouts(call: object, tensors: tuple) -> tuple:
     # calls are frozen: the tensors cannot change under the memo (kept out of the fields)
-    got = call.__dict__.get("_layouts")
-    if got is None:
-        got = call.__dict__["_layouts"] = tuple(layout_key(getattr(call, n)) for n in names)
+    got = call.__dict__["_layouts"] = tuple([layout_key(t) for t in tensors])
     return got
 
 
@@ -186,7 +187,11 @@ class BwdCall:
 
     def layouts(self) -> tuple:
         """layout_key of q, k, v, out, dout, lse, dq, dk, dv, computed once per call."""
-        return _layouts(self, ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv"))
+        got = self.__dict__.get("_layouts")
+        if got is None:
+            got = _memo_layouts(self, (self.q, self.k, self.v, self.out, self.dout, self.lse,
+                                       self.dq, self.dk, self.dv))
+        return got
 
     def operands(self) -> dict[str, torch.Tensor]:
         """Every tensor of the call in q's dtype, by name (lse, float32, is apart)."""

@@ -45,6 +45,7 @@ import dataclasses
 import math
 import os
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ import numpy as np
 import torch
 
 from .._env import env_names, env_values, flag, switched_on
-from ..jit import KernelSpec, PreparedLaunch, get_kernel, register
+from ..jit import KernelSpec, PreparedLaunch, get_kernel, launch_stream, register
 from ..jit.tensor_map import bshd_map, bshd_problem
 from ..reference import key_range
 from .call import (
@@ -929,16 +930,43 @@ def run(call: FwdCall) -> None:
 def launch_plan(plan: _Plan, call: FwdCall, maps: list) -> None:
     """Launch `plan`'s kernel (or two passes) for `call`, given its tensor maps for `plan.cfg`
     as raw bytes (run's last step; the host-overhead scripts time it alone)."""
+    out_at, lse_at = call.out.data_ptr(), call.lse.data_ptr()
     if plan.fixup is None:
-        plan.launch(*maps, call.out.data_ptr(), call.lse.data_ptr())
+        plan.launch(*maps, out_at, lse_at)
         return
-    # (a buffer per call, from torch's stream-aware allocator: calls on two streams never share
-    # one; the first pass writes every byte the second reads)
-    flags = torch.empty(plan.grid[0] * NAN_FLAG_BYTES, dtype=torch.uint8, device=call.device)
-    plan.launch(*maps, call.out.data_ptr(), call.lse.data_ptr(), flags.data_ptr())
+    index = plan.launch.kernel.device_index
+    handle = launch_stream(index)  # (once for both passes)
+    flags = nan_flags(call.device, index, handle, plan.grid[0] * NAN_FLAG_BYTES)
+    plan.launch(*maps, out_at, lse_at, flags.data_ptr(), handle=handle)
     if plan.fixup_cfg.o_tma != plan.cfg.o_tma:
         maps = [m.raw for m in _maps(call, plan.fixup_cfg)]
-    plan.fixup(*maps, call.out.data_ptr(), call.lse.data_ptr(), flags.data_ptr())
+    plan.fixup(*maps, out_at, lse_at, flags.data_ptr(), handle=handle)
+
+
+_flag_buffers = threading.local()  # .by_stream: (device index, stream handle) -> uint8 tensor
+
+
+def nan_flags(device: torch.device, index: int, handle: int, nbytes: int) -> torch.Tensor:
+    """A buffer of at least `nbytes` on `device` (index `index`) for the two passes' NaN flags
+    of a call on stream `handle` (the driver's handle of torch's current stream there).
+
+    One buffer per (thread, device, stream), kept between calls: the calls a thread makes on a
+    stream run in the order it launched them, each call's first pass writes every byte its second
+    pass reads, so the next call's first pass cannot overwrite flags a second pass has still to
+    read. (Per thread: two threads sharing a stream could interleave their launches, A's first
+    pass, B's first pass, A's second.) While the stream is being captured into a CUDA graph, a
+    new buffer per call from torch's allocator (the graph's pool): the graph's replays may run
+    beside eager calls on the same stream, so they must not share one."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    by_stream = getattr(_flag_buffers, "by_stream", None)
+    if by_stream is None:
+        by_stream = _flag_buffers.by_stream = {}
+    key = (index, handle)  # (the legacy default stream is handle 0 on every device)
+    buf = by_stream.get(key)
+    if buf is None or buf.numel() < nbytes:
+        buf = by_stream[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf
 
 
 @register

@@ -113,6 +113,99 @@ def test_threads_give_the_single_threaded_results_bitwise(mode):
         assert torch.equal(lse, expected[i][1]), f"problem {i}: lse differs from 1 thread"
 
 
+# ---- (a2) the sm90 forward's NaN flags: one buffer per thread and stream, a fresh one in a capture
+
+def _force_sm90_forward(monkeypatch) -> None:
+    cc = torch.cuda.get_device_capability()
+    if cc != (9, 0):
+        pytest.skip(f"fwd_sm90 needs compute capability 9.0, the GPU has {cc[0]}.{cc[1]}")
+    monkeypatch.setenv(dispatch.FORCE_ENV, "fwd_sm90")
+    monkeypatch.setenv("FLASHCUDA_ENABLE_SM90", "1")
+    dispatch._reset()
+
+
+def test_nan_flag_buffers_kept_per_thread_and_stream_fresh_in_a_capture():
+    """fwd_sm90.nan_flags: the same buffer for the calls of one thread on one stream (grown when
+    a call needs more), another for another stream or thread, and a new one for every call
+    while the stream is being captured (a graph's replays must not share the eager calls')."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    here = torch.cuda.current_stream().cuda_stream
+    first = fwd_sm90.nan_flags(dev, dev.index, here, 64)
+    assert fwd_sm90.nan_flags(dev, dev.index, here, 64) is first
+    assert fwd_sm90.nan_flags(dev, dev.index, here, 16) is first
+    grown = fwd_sm90.nan_flags(dev, dev.index, here, 4096)
+    assert grown.numel() >= 4096 and grown.device == dev
+    assert fwd_sm90.nan_flags(dev, dev.index, here, 64) is grown
+    side = torch.cuda.Stream()
+    assert fwd_sm90.nan_flags(dev, dev.index, side.cuda_stream, 64) is not grown
+    other: list[torch.Tensor] = []
+    t = threading.Thread(target=lambda: other.append(fwd_sm90.nan_flags(dev, dev.index, here, 64)))
+    t.start()
+    t.join()
+    assert other and other[0] is not grown
+    x = torch.zeros(8, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        capturing = torch.cuda.current_stream().cuda_stream
+        got = [fwd_sm90.nan_flags(dev, dev.index, capturing, 64) for _ in range(2)]
+        x.add_(1)  # (a graph with one node)
+    assert got[0].data_ptr() != got[1].data_ptr()
+    after = fwd_sm90.nan_flags(dev, dev.index, capturing, 64)  # (eager again: the kept one)
+    assert all(after.data_ptr() != g.data_ptr() for g in got)
+    assert fwd_sm90.nan_flags(dev, dev.index, capturing, 64) is after
+
+
+def interleaved_mismatches(threads: int = 4, iters: int = 24) -> int:
+    """Threads on one shared stream, half of them calling the causal forward with a NaN in V
+    (its first pass flags a CTA, whose second pass must redo it) and half without, their launches
+    interleaving; the number of results that differ bitwise from the same call alone. A flags
+    buffer shared between the threads would let a clean call's first pass clear a NaN call's flags
+    before its second pass reads them (the NaN then leaks into rows that do not see key 200)."""
+    q, k, v = make(1, 256, 256, 2, 2, 64, BF16, seed=14)
+    vn = v.clone()
+    vn[0, 200, 1] = NAN
+    problems = [(q, k, vn), (q, k, v)]
+    alone = [flash_attn_func(*p, causal=True) for p in problems]
+    torch.cuda.synchronize()
+    shared = torch.cuda.Stream()
+    shared.wait_stream(torch.cuda.current_stream())
+    barrier = threading.Barrier(threads, timeout=60)
+    results: list[tuple[int, torch.Tensor]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def work(tid: int) -> None:
+        try:
+            with torch.cuda.stream(shared):
+                barrier.wait()
+                mine = [(tid % 2, flash_attn_func(*problems[tid % 2], causal=True))
+                        for _ in range(iters)]
+                torch.cuda.synchronize()
+            with lock:
+                results.extend(mine)
+        except BaseException as exc:  # surfaced in the caller's thread
+            errors.append(exc)
+
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in pool), "a thread hung"
+    assert not errors, errors
+    assert len(results) == threads * iters
+    bits = [a.view(torch.int16) for a in alone]  # (bitwise, NaN rows included)
+    return sum(not torch.equal(out.view(torch.int16), bits[i]) for i, out in results)
+
+
+def test_nan_call_and_clean_calls_interleaved_on_one_stream(monkeypatch):
+    _force_sm90_forward(monkeypatch)
+    try:
+        assert interleaved_mismatches() == 0
+    finally:
+        dispatch._reset()
+
+
 # ---- (b) CUDA graphs: test_api.py::test_cuda_graph_capture_and_replay covers fp16 sm80; this is
 # the SIMT family (fp32) with GQA and a sliding window -----------------------------------------
 
