@@ -295,6 +295,7 @@ def main() -> None:
     # the first pass's report buffer where a causal call runs two passes (fwd_sm90.two_passes)
     flags = ((torch.empty(plan.grid[0] * fwd_sm90.NAN_FLAG_BYTES, dtype=torch.uint8,
                           device="cuda"),) if plan.fixup is not None else ())
+    handle = torch.cuda.current_stream().cuda_stream
     pieces = [
         ("validate.check_qkv", lambda: validate.check_qkv(q, k, v)),
         ("torch.empty out + lse", lambda: (torch.empty_like(q),
@@ -317,8 +318,7 @@ def main() -> None:
         ("flags: torch.empty per call", lambda: torch.empty(
             plan.grid[0] * fwd_sm90.NAN_FLAG_BYTES, dtype=torch.uint8, device="cuda")),
         ("flags: fwd_sm90.nan_flags", lambda: fwd_sm90.nan_flags(
-            out.device, 0, torch.cuda.current_stream().cuda_stream,
-            plan.grid[0] * fwd_sm90.NAN_FLAG_BYTES)),
+            out.device, 0, handle, plan.grid[0] * fwd_sm90.NAN_FLAG_BYTES)),
         ("fwd_sm90.launch_plan", lambda: fwd_sm90.launch_plan(plan, call,
                                                               [m.raw for m in maps])),
         ("fwd_sm90.run", lambda: fwd_sm90.run(call)),
