@@ -275,12 +275,18 @@ TILES_192_FROM = 2048  # causal / windowed d64: 192-row tiles from this seqlen_q
 # a 128-row Q tile. Without a mask FA3's d256 tiles, 128 x 80 (1 KB + 64 KB + 2 x 2 x 40 KB =
 # 225 KB of the 227 KB; d192: + a second Q buffer, 217 KB). Same-process A/Bs (H200, perf-notes
 # "head dims 192 and 256"): 80 keys against 64 at d256 +3.8 to +5.9% at 1k-16k (4c36094), at
-# d192 +5.5 to +7.3% (3ec4f06). With a causal / window mask both keep 64 keys: the masked-V
-# kernel (the two passes' second) does not fit at d192 with 80 (229 KB), spills 104-152 bytes at
-# d256 with 80 (8-52 with 64), and both passes must share the tiles.
+# d192 +5.5 to +7.3% (3ec4f06). With a causal / window mask, 80 keys from WIDE_80_FROM since
+# session 29, 64 below: the first pass is the 80-key kernel without masked V; the second
+# (masked-V, run for the CTAs whose first pass saw a NaN / Inf) must share its tiles and gets one
+# K / V stage (_config: at two it would not fit at d192, 229 KB). Same-process A/Bs (f59cdfa,
+# perf-notes session 29), 80 keys against 64, causal: d256 +5.4 / +6.5% at 4k / 16k, +1.1% at
+# 2k, -4.4 / -8.1% at 512 / 1k; d192 +6.2 / +9.3% at 4k / 16k, +3.5% at 2k, -7.2% at 512, 0 at 1k
+# (the diagonal's masked share of a tile grows with its keys, and short calls have few tiles).
 # FLASHCUDA_SM90_TILES=d192=bm128_bn64,d256=bm128_bn64 builds the 64-key kernels (A/B).
 WIDE_TILES = {192: (128, 80), 256: (128, 80)}
-WIDE_WINDOWED_TILES = {192: (128, 64), 256: (128, 64)}
+WIDE_WINDOWED_TILES = {192: (128, 80), 256: (128, 80)}  # from WIDE_80_FROM
+WIDE_WINDOWED_SHORT = (128, 64)  # below it
+WIDE_80_FROM = 2048
 LONG = 8192  # a long call (the default seqlen_q of select_config)
 
 
@@ -288,6 +294,8 @@ def tiles_for(head_dim: int, windowed: bool, seqlen_q: int) -> tuple[int, int]:
     if head_dim == 64:
         return (192, 128) if not windowed or seqlen_q >= TILES_192_FROM else (128, 128)
     if head_dim in WIDE_TILES:
+        if windowed and seqlen_q < WIDE_80_FROM:
+            return WIDE_WINDOWED_SHORT
         return (WIDE_WINDOWED_TILES if windowed else WIDE_TILES)[head_dim]
     return (128, 128)
 
@@ -297,7 +305,7 @@ def tiles_for(head_dim: int, windowed: bool, seqlen_q: int) -> tuple[int, int]:
 SHAPES = {64: ((192, 128), (128, 128)), 128: ((128, 176), (128, 128)),
           192: ((128, 80), (128, 64)), 256: ((128, 80), (128, 64))}
 WINDOWED_TILES = {64: ((192, 128), (128, 128)), 128: ((128, 128),),  # tiles_for with a window
-                  192: ((128, 64),), 256: ((128, 64),)}
+                  192: ((128, 80), (128, 64)), 256: ((128, 80), (128, 64))}
 TILES_ENV = "FLASHCUDA_SM90_TILES"
 CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
 

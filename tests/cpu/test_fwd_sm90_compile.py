@@ -42,9 +42,11 @@ def builds():
 # d256's masked-V kernels (the second of a windowed call's two passes, run only for the CTAs whose
 # first pass saw a NaN / Inf; or alone under FLASHCUDA_SM90_FWD_NAN_FIXUP=0) spill: 128 O
 # registers per thread plus the masked-V state exceed 240 (NVRTC 13.5: 8-52 bytes; the producer's
-# share and FC_SOFTMAX_IN_ARMS / FC_EXP_SPLIT / FC_MASK_BITS off did not remove them). Held to
-# this budget; every other kernel spills nothing.
-D256_MASKED_V_SPILL_BUDGET = 64
+# share and FC_SOFTMAX_IN_ARMS / FC_EXP_SPLIT / FC_MASK_BITS off did not remove them); with the
+# 80-key tiles that causal / windowed d256 calls take since session 29, 152 bytes (NVRTC 13.0:
+# the A/B variant without ping-pong). Held to these budgets, by keys per tile; every other kernel
+# spills nothing.
+D256_MASKED_V_SPILL_BUDGET = {64: 64, 80: 160}
 
 
 def spills_allowed(cfg) -> bool:
@@ -55,8 +57,9 @@ def spills_allowed(cfg) -> bool:
 def test_sm90_compiles_without_spills(builds, cfg):
     if spills_allowed(cfg):
         res = builds[cfg.name].resources()[cfg.name]
-        assert res.spill_stores <= D256_MASKED_V_SPILL_BUDGET, res
-        assert res.stack_bytes <= D256_MASKED_V_SPILL_BUDGET, res
+        budget = D256_MASKED_V_SPILL_BUDGET[cfg.block_n]
+        assert res.spill_stores <= budget, res
+        assert res.stack_bytes <= budget, res
         assert "warning" not in builds[cfg.name].log.lower(), builds[cfg.name].log
         assert not builds[cfg.name].performance_notes(), builds[cfg.name].log
         return
@@ -247,10 +250,20 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     assert pick(torch.float16, 64, True, 1024).pingpong  # the A/B override wins
     monkeypatch.delenv(fwd_sm90.PINGPONG_ENV)
     names = {c.name for c in fwd_sm90.configs()}
-    assert {pick(dt, d, w, s).name for dt in fwd_sm90.DTYPES for d in (64, 128)
+    assert {pick(dt, d, w, s).name for dt in fwd_sm90.DTYPES for d in (64, 128, 192, 256)
             for w in (False, True) for s in (1024, fwd_sm90.LONG)} <= names
+    # d192 / d256: 128 x 80 without a window; with one, 128 x 64 below 2k and 128 x 80 from it
+    # (session 29), its second pass with one K / V stage
+    for d in (192, 256):
+        assert (pick(torch.bfloat16, d).block_m, pick(torch.bfloat16, d).block_n) == (128, 80)
+        assert pick(torch.bfloat16, d, False, 512).block_n == 80
+        assert pick(torch.bfloat16, d, True, 2047).block_n == 64
+        assert pick(torch.bfloat16, d, True, 2048).block_n == 80
+        assert pick(torch.bfloat16, d, True, 16384).block_n == 80
+        assert fwd_sm90.two_passes(pick(torch.bfloat16, d, True, 4096))[1].stages == 1
     for dt in fwd_sm90.DTYPES:  # the two passes of the windowed kernels dispatch picks
-        for d, s in ((64, 1024), (64, 4096), (128, 1024), (192, 1024), (256, 1024)):
+        for d, s in ((64, 1024), (64, 4096), (128, 1024), (192, 1024), (256, 1024), (192, 4096),
+                     (256, 4096), (192, 16384), (256, 16384)):
             passes = fwd_sm90.two_passes(pick(dt, d, True, s))
             assert passes and {p.name for p in passes} <= names, (d, s)
     monkeypatch.setenv(fwd_sm90.TILES_ENV, "bm128_bn128")
