@@ -67,6 +67,25 @@ THREAD_CASES = [
 THREADS, ITERS = 8, 12
 
 
+def run_threads(work, n: int) -> None:
+    """work(tid) on n threads at once; fails on a thread that hangs or on what one raised."""
+    errors: list[BaseException] = []
+
+    def guarded(tid: int) -> None:
+        try:
+            work(tid)
+        except BaseException as exc:  # surfaced in the caller's thread
+            errors.append(exc)
+
+    pool = [threading.Thread(target=guarded, args=(t,)) for t in range(n)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in pool), "a thread hung"
+    assert not errors, errors
+
+
 @pytest.mark.parametrize("mode", ["own_streams", "default_stream", "shared_side_stream"])
 def test_threads_give_the_single_threaded_results_bitwise(mode):
     problems = [(make(*c[:7], seed=i), c[7]) for i, c in enumerate(THREAD_CASES)]
@@ -76,36 +95,26 @@ def test_threads_give_the_single_threaded_results_bitwise(mode):
     shared = torch.cuda.Stream() if mode == "shared_side_stream" else None
     barrier = threading.Barrier(THREADS, timeout=60)
     results: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-    errors: list[BaseException] = []
     lock = threading.Lock()
 
     def work(tid: int) -> None:
-        try:
-            stream = torch.cuda.Stream() if mode == "own_streams" else shared
-            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-            with ctx:
-                if stream is not None:
-                    stream.wait_stream(torch.cuda.default_stream())
-                barrier.wait()
-                mine = []
-                for it in range(ITERS):
-                    i = (tid + it) % len(problems)
-                    (q, k, v), causal = problems[i]
-                    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
-                    mine.append((i, out, lse))
-                torch.cuda.synchronize()
-            with lock:
-                results.extend(mine)
-        except BaseException as exc:  # surfaced in the main thread
-            errors.append(exc)
+        stream = torch.cuda.Stream() if mode == "own_streams" else shared
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            if stream is not None:
+                stream.wait_stream(torch.cuda.default_stream())
+            barrier.wait()
+            mine = []
+            for it in range(ITERS):
+                i = (tid + it) % len(problems)
+                (q, k, v), causal = problems[i]
+                out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+                mine.append((i, out, lse))
+            torch.cuda.synchronize()
+        with lock:
+            results.extend(mine)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
-    assert not errors, errors
+    run_threads(work, THREADS)
     torch.cuda.synchronize()
     assert len(results) == THREADS * ITERS
     for i, out, lse in results:
@@ -171,28 +180,18 @@ def interleaved_mismatches(threads: int = 4, iters: int = 24) -> int:
     shared.wait_stream(torch.cuda.current_stream())
     barrier = threading.Barrier(threads, timeout=60)
     results: list[tuple[int, torch.Tensor]] = []
-    errors: list[BaseException] = []
     lock = threading.Lock()
 
     def work(tid: int) -> None:
-        try:
-            with torch.cuda.stream(shared):
-                barrier.wait()
-                mine = [(tid % 2, flash_attn_func(*problems[tid % 2], causal=True))
-                        for _ in range(iters)]
-                torch.cuda.synchronize()
-            with lock:
-                results.extend(mine)
-        except BaseException as exc:  # surfaced in the caller's thread
-            errors.append(exc)
+        with torch.cuda.stream(shared):
+            barrier.wait()
+            mine = [(tid % 2, flash_attn_func(*problems[tid % 2], causal=True))
+                    for _ in range(iters)]
+            torch.cuda.synchronize()
+        with lock:
+            results.extend(mine)
 
-    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in pool), "a thread hung"
-    assert not errors, errors
+    run_threads(work, threads)
     assert len(results) == threads * iters
     bits = [a.view(torch.int16) for a in alone]  # (bitwise, NaN rows included)
     return sum(not torch.equal(out.view(torch.int16), bits[i]) for i, out in results)
