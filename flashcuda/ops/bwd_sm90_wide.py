@@ -3,7 +3,9 @@
 Status: proven on the H200 (tests/gpu/test_bwd_sm90_wide.py against the float64 oracle, 505
 passed at d03bdf6, 370 at e5b8ef8 with the dQ split; sanitizers clean on the boundary cases);
 dispatched by default at these head dims: d256 1.04-1.18x cuDNN, d192 1.22-1.49x at every sweep
-point (docs/perf-notes.md, sessions 27-28), where the SIMT backward ran at 7-8 TFLOP/s.
+point (docs/perf-notes.md, sessions 27-28), where the SIMT backward ran at 7-8 TFLOP/s. Against
+FlashAttention 4 (session 29): d256 1.02-1.12x the best peer, d192 0.83-0.89x FA4 (its d192
+splits dK / dV by keys over two warpgroups: perf-notes' plan of session 29).
 
 flash_bwd_sm90.cu (family bwd_sm90) keeps each consumer warpgroup's 64 keys x head dim of dK and
 dV in registers, which does not fit at head dim 256; this family's MAIN kernel

@@ -384,6 +384,9 @@ MASK_BITS = True
 # Only on the ping-pong pipeline with fast divisions (Sm90FwdConfig.first_half) — so since session
 # 28, when d64's windowed 128-row tiles went without ping-pong (NO_PINGPONG_WINDOWED: +3.6 /
 # +4.3% at causal 1k net of this), dispatch no longer runs it; its kernels stay the ping-pong A/B.
+# On the no-ping-pong kernels (FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=1) it lost 3.7 / 5.7% at
+# d64 causal 512 / 1k (session 29): the two warpgroups' softmax runs side by side there, not in
+# turns, so the shorter first tile shortens no critical path and the barrier it needs costs.
 FIRST_HALF = {64: (128,)}
 # Query-block heights (block_m) whose kernel stores O in 16-byte stores after a transpose within
 # each quad (FC_O_QUAD, the .cu), per head dim. Same-run A/B (session 14, perf-notes): d128

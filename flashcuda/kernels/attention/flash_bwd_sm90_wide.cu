@@ -3,8 +3,8 @@
 //
 // Status: proven on the H200 (tests/gpu/test_bwd_sm90_wide.py, float64 oracle, 505 passed at
 // d03bdf6; compute-sanitizer memcheck / synccheck / racecheck clean on the boundary case);
-// dispatched by default at these head dims (family bwd_sm90_wide). d256 0.96-1.11x cuDNN, d192
-// 0.95-1.44x (docs/perf-notes.md, session 27).
+// dispatched by default at these head dims (family bwd_sm90_wide). d256 1.02-1.12x the best peer,
+// d192 0.83-0.89x FlashAttention 4 (docs/perf-notes.md, sessions 27-29).
 //
 // Why a second sm90 backward: flash_bwd_sm90.cu keeps a consumer warpgroup's 64 keys x kHeadDim of
 // dK and of dV in its registers (kHeadDim / 2 floats per thread each): at kHeadDim = 256 that is
