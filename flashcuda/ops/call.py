@@ -88,15 +88,14 @@ class FwdCall:
     def layouts(self) -> tuple:
         """layout_key of q, k, v, out, lse, computed once per call (dispatch and the family's
         plan both key on them)."""
-        got = self.__dict__.get("_layouts")
-        if got is None:
-            got = _memo_layouts(self, (self.q, self.k, self.v, self.out, self.lse))
-        return got
+        return _layouts(self, (self.q, self.k, self.v, self.out, self.lse))
 
 
-def _memo_layouts(call: object, tensors: tuple) -> tuple:
+def _layouts(call: object, tensors: tuple) -> tuple:
     # calls are frozen: the tensors cannot change under the memo (kept out of the fields)
-    got = call.__dict__["_layouts"] = tuple([layout_key(t) for t in tensors])
+    got = call.__dict__.get("_layouts")
+    if got is None:
+        got = call.__dict__["_layouts"] = tuple([layout_key(t) for t in tensors])
     return got
 
 
@@ -187,11 +186,8 @@ class BwdCall:
 
     def layouts(self) -> tuple:
         """layout_key of q, k, v, out, dout, lse, dq, dk, dv, computed once per call."""
-        got = self.__dict__.get("_layouts")
-        if got is None:
-            got = _memo_layouts(self, (self.q, self.k, self.v, self.out, self.dout, self.lse,
-                                       self.dq, self.dk, self.dv))
-        return got
+        return _layouts(self, (self.q, self.k, self.v, self.out, self.dout, self.lse, self.dq,
+                               self.dk, self.dv))
 
     def operands(self) -> dict[str, torch.Tensor]:
         """Every tensor of the call in q's dtype, by name (lse, float32, is apart)."""

@@ -283,9 +283,8 @@ TILES_192_FROM = 2048  # causal / windowed d64: 192-row tiles from this seqlen_q
 # 2k, -4.4 / -8.1% at 512 / 1k; d192 +6.2 / +9.3% at 4k / 16k, +3.5% at 2k, -7.2% at 512, 0 at 1k
 # (the diagonal's masked share of a tile grows with its keys, and short calls have few tiles).
 # FLASHCUDA_SM90_TILES=d192=bm128_bn64,d256=bm128_bn64 builds the 64-key kernels (A/B).
-WIDE_TILES = {192: (128, 80), 256: (128, 80)}
-WIDE_WINDOWED_TILES = {192: (128, 80), 256: (128, 80)}  # from WIDE_80_FROM
-WIDE_WINDOWED_SHORT = (128, 64)  # below it
+WIDE_TILES = {192: (128, 80), 256: (128, 80)}  # with a window: from WIDE_80_FROM
+WIDE_WINDOWED_SHORT = (128, 64)  # with a window below it
 WIDE_80_FROM = 2048
 LONG = 8192  # a long call (the default seqlen_q of select_config)
 
@@ -294,9 +293,7 @@ def tiles_for(head_dim: int, windowed: bool, seqlen_q: int) -> tuple[int, int]:
     if head_dim == 64:
         return (192, 128) if not windowed or seqlen_q >= TILES_192_FROM else (128, 128)
     if head_dim in WIDE_TILES:
-        if windowed and seqlen_q < WIDE_80_FROM:
-            return WIDE_WINDOWED_SHORT
-        return (WIDE_WINDOWED_TILES if windowed else WIDE_TILES)[head_dim]
+        return WIDE_WINDOWED_SHORT if windowed and seqlen_q < WIDE_80_FROM else WIDE_TILES[head_dim]
     return (128, 128)
 
 

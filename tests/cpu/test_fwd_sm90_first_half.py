@@ -9,8 +9,8 @@ kernel without it (FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=0, the A/B variant);
 slower) and d64's 192-row tiles (not measured with it) do not, nor the A/B variants without
 ping-pong or the fast divisions; forced onto the no-ping-pong kernel
 (FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=1, an A/B: -3.7 / -5.7% at d64 causal 512 / 1k in
-session 29) it builds clean: a
-warpgroup barrier after its branch keeps ptxas from serialising the wgmma."""
+session 29) it builds clean: a warpgroup barrier after its branch keeps ptxas from serialising
+the wgmma."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 // Shared-memory word access by 32-bit shared-window address (what ld.shared / st.shared take):
-// 2 (stores), 4 and 16 bytes. Used by the sm80 building blocks and by the Hopper kernels' generic reads and
-// writes of tiles that TMA or wgmma also touch.
+// 2 (stores), 4 and 16 bytes. Used by the sm80 building blocks and by the Hopper kernels' generic
+// reads and writes of tiles that TMA or wgmma also touch.
 #pragma once
 
 #include "common/types.cuh"
