@@ -5,7 +5,8 @@
 
 A map describes a 4-D box walk over a (B, S, H, D) tensor with dims listed innermost first,
 (D, S, H, B), byte strides (row, head, batch), and a box of (64 elements = one 128-byte swizzled
-row, box_rows, 1, 1): what flashcuda/kernels/common/sm90.cuh calls one chunk of a tile. Elements
+row, box_rows, 1, 1): what flashcuda/kernels/common/sm90.cuh calls one chunk of a tile
+(`swizzle_bytes=64` or 32: boxes of 32 or 16 elements in the 64- or 32-byte swizzle). Elements
 outside the dims are zero-filled by the copy engine (and still count as transaction bytes).
 
 `tiled_problem` checks the driver's rules without a GPU (can_implement uses it); `encode_tiled`
@@ -21,6 +22,8 @@ import functools
 
 SWIZZLE_BYTES = 128
 BOX_COLS = SWIZZLE_BYTES // 2  # 16-bit elements per swizzled row
+# cuTensorMapEncodeTiled's CUtensorMapSwizzle by swizzle width in bytes (cuda.h)
+_SWIZZLE_CODES = {32: 1, 64: 2, 128: 3}
 MAX_BOX = 256
 MAX_STRIDE = 1 << 40
 MAX_DIM = 1 << 31  # kernel coordinates are int32
@@ -58,8 +61,10 @@ def bshd_geometry(shape: tuple[int, ...], strides: tuple[int, ...],
 
 
 def tiled_problem(address: int, dims: tuple[int, ...], byte_strides: tuple[int, ...],
-                  box: tuple[int, ...], elem_bytes: int, last_stride: int = 1) -> str | None:
-    """Why cuTensorMapEncodeTiled (128B swizzle, no interleave) would refuse this, or None."""
+                  box: tuple[int, ...], elem_bytes: int, last_stride: int = 1,
+                  swizzle_bytes: int = SWIZZLE_BYTES) -> str | None:
+    """Why cuTensorMapEncodeTiled (no interleave, a `swizzle_bytes` swizzle) would refuse this,
+    or None."""
     if last_stride != 1 and dims[0] > 1:
         return f"innermost stride must be 1 element, got {last_stride}"
     if address % 16:
@@ -73,24 +78,26 @@ def tiled_problem(address: int, dims: tuple[int, ...], byte_strides: tuple[int, 
     for i, n in enumerate(box):
         if not 0 < n <= MAX_BOX:
             return f"box dim {i} = {n} must be in [1, {MAX_BOX}]"
-    if box[0] * elem_bytes > SWIZZLE_BYTES or (box[0] * elem_bytes) % 16:
-        return f"box inner extent {box[0] * elem_bytes} B must be a multiple of 16, <= 128"
+    if box[0] * elem_bytes > swizzle_bytes or (box[0] * elem_bytes) % 16:
+        return (f"box inner extent {box[0] * elem_bytes} B must be a multiple of 16, "
+                f"<= {swizzle_bytes}")
     return None
 
 
-def bshd_problem(t, box_rows: int) -> str | None:
-    """tiled_problem for the map bshd_map(t, box_rows) would encode (no GPU needed)."""
+def bshd_problem(t, box_rows: int, swizzle_bytes: int = SWIZZLE_BYTES) -> str | None:
+    """tiled_problem for the map bshd_map(t, box_rows, swizzle_bytes) would encode (no GPU
+    needed)."""
     if t.dim() != 4:
         return f"expected a 4-D (B, S, H, D) tensor, got {t.dim()} dims"
     elem = t.element_size()
     dims, strides = bshd_geometry(tuple(t.shape), tuple(t.stride()), elem)
-    return tiled_problem(t.data_ptr(), dims, strides, (BOX_COLS, box_rows, 1, 1), elem,
-                         t.stride(3))
+    return tiled_problem(t.data_ptr(), dims, strides, (swizzle_bytes // 2, box_rows, 1, 1), elem,
+                         t.stride(3), swizzle_bytes)
 
 
 # cuTensorMapEncodeTiled's enum values (cuda.h; checked against cuda.bindings in the CPU lane).
 _DTYPE_CODES = {"torch.float16": 6, "torch.bfloat16": 9, "torch.float32": 7}
-_INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_NONE = 0, 3, 3, 0
+_INTERLEAVE_NONE, _L2_PROMOTION_256B, _OOB_FILL_NONE = 0, 3, 0
 
 
 @functools.cache
@@ -107,9 +114,9 @@ def _libcuda_encode():
 
 
 def encode_tiled(dtype, address: int, dims: tuple[int, ...], byte_strides: tuple[int, ...],
-                 box: tuple[int, ...]) -> TensorMap:
-    """cuTensorMapEncodeTiled for an fp16 / bf16 / fp32 tensor, 128B swizzle, zero fill, L2 256B
-    promotion."""
+                 box: tuple[int, ...], swizzle_bytes: int = SWIZZLE_BYTES) -> TensorMap:
+    """cuTensorMapEncodeTiled for an fp16 / bf16 / fp32 tensor, a 128B (64B, 32B) swizzle, zero
+    fill, L2 256B promotion."""
     code = _DTYPE_CODES.get(str(dtype))
     if code is None:
         raise ValueError(f"encode_tiled: dtype must be fp16, bf16 or fp32, got {dtype}")
@@ -119,8 +126,8 @@ def encode_tiled(dtype, address: int, dims: tuple[int, ...], byte_strides: tuple
     err = _libcuda_encode()(
         aligned, code, rank, address, (ctypes.c_uint64 * rank)(*dims),
         (ctypes.c_uint64 * (rank - 1))(*byte_strides), (ctypes.c_uint32 * rank)(*box),
-        (ctypes.c_uint32 * rank)(*([1] * rank)), _INTERLEAVE_NONE, _SWIZZLE_128B,
-        _L2_PROMOTION_256B, _OOB_FILL_NONE)
+        (ctypes.c_uint32 * rank)(*([1] * rank)), _INTERLEAVE_NONE,
+        _SWIZZLE_CODES[swizzle_bytes], _L2_PROMOTION_256B, _OOB_FILL_NONE)
     if err != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled(dims={dims}, strides={byte_strides}, "
                            f"box={box}) failed: CUresult {err}")
@@ -132,32 +139,34 @@ _memo: dict[tuple, TensorMap] = {}
 
 
 def _encode_new(key: tuple, t, dims: tuple[int, ...], byte_strides: tuple[int, ...],
-                box: tuple[int, ...]) -> TensorMap:
+                box: tuple[int, ...], swizzle_bytes: int = SWIZZLE_BYTES) -> TensorMap:
     """A memo miss whose layout was checked: encode the map on t's device, keep it under `key`."""
     from .runtime import _make_current
 
     _make_current(t.get_device())  # a CUDA tensor's device index
-    m = encode_tiled(t.dtype, t.data_ptr(), dims, byte_strides, box)
+    m = encode_tiled(t.dtype, t.data_ptr(), dims, byte_strides, box, swizzle_bytes)
     if len(_memo) >= _MEMO_SIZE:
         _memo.clear()  # training brings new activations each step: keep the newest only
     _memo[key] = m
     return m
 
 
-def bshd_map(t, box_rows: int) -> TensorMap:
-    """The map of a CUDA (B, S, H, D) fp16/bf16 tensor, box (64 cols, box_rows rows, 1, 1).
+def bshd_map(t, box_rows: int, swizzle_bytes: int = SWIZZLE_BYTES) -> TensorMap:
+    """The map of a CUDA (B, S, H, D) fp16/bf16 tensor, box (64 cols, box_rows rows, 1, 1) in
+    the 128-byte swizzle, or (32 / 16 cols, ...) in the 64- / 32-byte one.
 
-    Memoised by (dtype, address, shape, strides, box): a map holds nothing else, so a hit is
-    exactly the map an encode would give (the hot path of a repeated call: one dict lookup).
-    A miss checks the layout (ValueError naming the rule) and encodes."""
-    key = (t.dtype, t.data_ptr(), t.shape, t.stride(), box_rows)
+    Memoised by (dtype, address, shape, strides, box, swizzle): a map holds nothing else, so a
+    hit is exactly the map an encode would give (the hot path of a repeated call: one dict
+    lookup). A miss checks the layout (ValueError naming the rule) and encodes."""
+    key = (t.dtype, t.data_ptr(), t.shape, t.stride(), box_rows, swizzle_bytes)
     m = _memo.get(key)
     if m is not None:
         return m
-    if why := bshd_problem(t, box_rows):
+    if why := bshd_problem(t, box_rows, swizzle_bytes):
         raise ValueError(f"bshd_map: {why}")
     dims, byte_strides = bshd_geometry(tuple(t.shape), tuple(t.stride()), t.element_size())
-    return _encode_new(key, t, dims, byte_strides, (BOX_COLS, box_rows, 1, 1))
+    return _encode_new(key, t, dims, byte_strides, (swizzle_bytes // 2, box_rows, 1, 1),
+                       swizzle_bytes)
 
 
 def _rows_f32_geometry(t, box_rows: int) -> tuple[tuple[int, ...], ...]:

@@ -57,6 +57,8 @@ from .call import (
 )
 
 SOURCE = "attention/flash_bwd_sm90_wide.cu"
+# d192 with dK / dV split by keys over two consumers (FlashAttention 4's d192 shape)
+KEYS_SOURCE = "attention/flash_bwd_sm90_keys.cu"
 ARCHS = ("sm_90a",)
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (192, 256)
@@ -68,6 +70,12 @@ DEFINES_ENV = "FLASHCUDA_SM90_BWD_WIDE_DEFINES"  # NAME=VALUE,... (A/B of a kern
 DQ_ENV = "FLASHCUDA_SM90_BWD_WIDE_DQ"
 DQ_MODES = ("red", "stage")
 DQ_DEFAULT = "stage"  # +13 to +20% over red.v2 (session 27), its split +6 to +15% (session 28)
+# how the consumers split dK^T / dV^T: "dims" (head-dim rows, flash_bwd_sm90_wide.cu) or "keys"
+# (their own keys, flash_bwd_sm90_keys.cu: d192 only, dQ staged)
+SPLIT_ENV = "FLASHCUDA_SM90_BWD_WIDE_SPLIT"
+SPLITS = ("dims", "keys")
+SPLIT_DEFAULT = {192: "dims", 256: "dims"}
+KEYS_HEAD_DIMS = (192,)
 GATED = f"bwd_sm90_wide is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 # (block_m, block_n, consumers) per head dim: S / dP split by keys (block_n / consumers each),
@@ -80,6 +88,8 @@ TILES = {256: (64, 64, 2), 192: (64, 96, 3)}
 P_BUFFERS = {256: 2, 192: 1}
 # consumer registers: the CTA's pool over 384 / 512 threads, less the producer's 24 per thread
 CONSUMER_REGS = {256: 240, 192: 160}
+# the key split's shape: 64 x 96, two consumers of 240 registers; Q two stages, dO one
+KEYS_TILES, KEYS_REGS = (64, 96, 2), 240
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,7 @@ class Sm90BwdWideConfig:
     producer_regs: int = 24
     consumer_regs: int = 0  # 0: CONSUMER_REGS[head_dim]
     dq_stage: bool = False  # dQ by bulk reductions from shared memory (FC_DQ_STAGE, DQ_ENV)
+    split: str = "dims"  # "keys": flash_bwd_sm90_keys.cu (d192, dq_stage; SPLIT_ENV)
     # extra compile-time defines (FLASHCUDA_SM90_BWD_WIDE_DEFINES="NAME=VALUE,..."): A/B variants
     # of a kernel knob, named by a suffix
     defines: tuple = ()
@@ -104,15 +115,25 @@ class Sm90BwdWideConfig:
             raise ValueError(f"dtype must be float16 or bfloat16, got {self.dtype}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
-        bm, bn, cons = TILES[self.head_dim]
-        for name, value in (("block_m", bm), ("block_n", bn), ("consumers", cons)):
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
+        if self.keys_split and self.head_dim not in KEYS_HEAD_DIMS:
+            raise ValueError(f"split='keys' is built for head_dim {KEYS_HEAD_DIMS}, got "
+                             f"{self.head_dim}")
+        if self.keys_split and not self.dq_stage:
+            raise ValueError("split='keys' stages dQ (dq_stage=True, "
+                             f"{DQ_ENV}=stage)")
+        tiles = self.tiles
+        for name, value in zip(("block_m", "block_n", "consumers"), tiles, strict=True):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, value)
         if self.consumer_regs == 0:
-            object.__setattr__(self, "consumer_regs", CONSUMER_REGS[self.head_dim])
-        if (self.block_m, self.block_n, self.consumers) != TILES[self.head_dim]:
+            object.__setattr__(self, "consumer_regs", self.default_regs)
+        if (self.block_m, self.block_n, self.consumers) != tiles:
             raise ValueError(f"d{self.head_dim}: the kernel is instantiated for block_m x "
-                             f"block_n x consumers = {TILES[self.head_dim]}")
+                             f"block_n x consumers = {tiles}")
+        if self.keys_split and self.stages != 2:
+            raise ValueError(f"split='keys' has two Q stages, got stages={self.stages}")
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
         used = 128 * self.producer_regs + 128 * self.consumers * self.consumer_regs
@@ -122,6 +143,25 @@ class Sm90BwdWideConfig:
         if self.smem_bytes > SMEM_OPTIN:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory "
                              f"(> {SMEM_OPTIN})")
+
+    @property
+    def keys_split(self) -> bool:
+        return self.split == "keys"
+
+    @property
+    def tiles(self) -> tuple[int, int, int]:
+        """(block_m, block_n, consumers) of the kernel's instantiation."""
+        return KEYS_TILES if self.keys_split else TILES[self.head_dim]
+
+    @property
+    def default_regs(self) -> int:
+        return KEYS_REGS if self.keys_split else CONSUMER_REGS[self.head_dim]
+
+    @property
+    def k_swizzle(self) -> int:
+        """K's TMA swizzle in bytes: the key split reads K's dQ columns from mid-way through a
+        128-byte atom, so it loads K in 64-byte-swizzled boxes of 32 columns."""
+        return 64 if self.keys_split else 128
 
     @property
     def threads(self) -> int:
@@ -142,8 +182,15 @@ class Sm90BwdWideConfig:
     @property
     def smem_bytes(self) -> int:
         """1024 B alignment slack + K + V + stages x (Q + dO + lse2 + delta) + p_buffers x (P +
-        dS, whole 64-key chunks) + the mbarriers (as the .cu lays out and static_asserts)."""
+        dS, whole 64-key chunks) + the mbarriers (as the .cu lays out and static_asserts). The key
+        split: K + V + 2 x (Q + lse2 + delta) + dO + P + dS (no padding) + the consumers' fp32 dQ
+        staging tiles + 7 mbarriers."""
         stats = 2 * self.block_m * 4
+        if self.keys_split:
+            p_bytes = self.block_m * self.block_n * 2
+            dq_bytes = self.block_m * self.head_dim * 4
+            return (1024 + 2 * self.kv_bytes + 2 * (self.q_bytes + stats) + self.q_bytes
+                    + 2 * p_bytes + dq_bytes + BARRIER_BYTES * 7)
         p_bytes = self.block_m * 128 * -(-self.block_n // 64)
         return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
                 + 2 * self.p_buffers * p_bytes + BARRIER_BYTES * (1 + 2 * self.stages))
@@ -152,13 +199,20 @@ class Sm90BwdWideConfig:
     def name(self) -> str:
         return (f"flash_bwd_sm90w_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_c{self.consumers}_s{self.stages}"
-                + ("" if (self.producer_regs, self.consumer_regs)
-                   == (24, CONSUMER_REGS[self.head_dim])
+                + ("" if (self.producer_regs, self.consumer_regs) == (24, self.default_regs)
                    else f"_r{self.producer_regs}x{self.consumer_regs}")
-                + ("_dqs" if self.dq_stage else "")
+                + ("_dqs" if self.dq_stage else "") + ("_keys" if self.keys_split else "")
                 + defines_suffix(self.defines))
 
     def spec(self) -> KernelSpec:
+        if self.keys_split:  # (its shape is fixed in the source)
+            return KernelSpec.make(self.name, KEYS_SOURCE, defines={
+                "FC_DTYPE": DTYPE_CODE[self.dtype],
+                "FC_PRODUCER_REGS": self.producer_regs,
+                "FC_CONSUMER_REGS": self.consumer_regs,
+                "FC_SMEM_BYTES": self.smem_bytes,
+                **dict(self.defines),
+            })
         return KernelSpec.make(self.name, SOURCE, defines={
             "FC_DTYPE": DTYPE_CODE[self.dtype],
             "FC_HEAD_DIM": self.head_dim,
@@ -198,11 +252,13 @@ AB_STAGE_DEFINES = ((("FC_DQ_STAGE_SPLIT", 0),),)
 
 def configs() -> list[Sm90BwdWideConfig]:
     """Per dtype and head dim: both dQ reductions, then the A/B variants of red (AB_DEFINES) and
-    of stage (AB_STAGE_DEFINES)."""
+    of stage (AB_STAGE_DEFINES); then the key split per dtype."""
     return [Sm90BwdWideConfig(dt, d, dq_stage=stage, defines=defs)
             for stage, defs in ((False, ()), (True, ()), *((False, x) for x in AB_DEFINES),
                                 *((True, x) for x in AB_STAGE_DEFINES))
-            for dt in DTYPES for d in HEAD_DIMS]
+            for dt in DTYPES for d in HEAD_DIMS] + [
+        Sm90BwdWideConfig(dt, d, dq_stage=True, split="keys")
+        for dt in DTYPES for d in KEYS_HEAD_DIMS]
 
 
 def enabled() -> bool:
@@ -216,7 +272,8 @@ def can_implement(call: BwdCall) -> str | None:
         return GATED
     if why := bwd_sm90.call_problem(call, HEAD_DIMS):
         return why
-    cfg = Sm90BwdWideConfig(call.dtype, call.head_dim)
+    split = split_for(call.head_dim)
+    cfg = Sm90BwdWideConfig(call.dtype, call.head_dim, dq_stage=split == "keys", split=split)
     if why := bwd_sm90.layout_problem(call, cfg.block_m, cfg.block_n):
         return why
     return bwd_sm90.smem_problem(call, cfg.name, cfg.smem_bytes)
@@ -234,15 +291,28 @@ class _Plan:
     convert: PreparedLaunch  # dq_accum, dq
 
 
-_KEY_ENV = env_names(ENABLE_ENV, DEFINES_ENV, DQ_ENV)
+_KEY_ENV = env_names(ENABLE_ENV, DEFINES_ENV, DQ_ENV, SPLIT_ENV)
+
+
+def split_for(head_dim: int) -> str:
+    """FLASHCUDA_SM90_BWD_WIDE_SPLIT where it names a split built for head_dim, else the head
+    dim's default ("keys" exists at KEYS_HEAD_DIMS only; a bad name is a ValueError)."""
+    split = os.environ.get(SPLIT_ENV, "").strip() or SPLIT_DEFAULT[head_dim]
+    if split not in SPLITS:
+        raise ValueError(f"{SPLIT_ENV}: expected one of {SPLITS}, got {split!r}")
+    return split if head_dim in KEYS_HEAD_DIMS else "dims"
 
 
 def config_for(call: BwdCall) -> Sm90BwdWideConfig:
-    """The MAIN kernel `call` runs: the head dim's tiles, with FLASHCUDA_SM90_BWD_WIDE_DEFINES."""
+    """The MAIN kernel `call` runs: the head dim's split and tiles, with
+    FLASHCUDA_SM90_BWD_WIDE_DEFINES (the key split always stages dQ)."""
     dq = os.environ.get(DQ_ENV, "").strip() or DQ_DEFAULT
     if dq not in DQ_MODES:
         raise ValueError(f"{DQ_ENV}: expected one of {DQ_MODES}, got {dq!r}")
-    return Sm90BwdWideConfig(call.dtype, call.head_dim, dq_stage=dq == "stage",
+    split = split_for(call.head_dim)
+    if split == "keys" and dq != "stage":
+        raise ValueError(f"{DQ_ENV}={dq}: the key split ({SPLIT_ENV}=keys, d192) stages dQ")
+    return Sm90BwdWideConfig(call.dtype, call.head_dim, dq_stage=dq == "stage", split=split,
                              defines=parse_defines(DEFINES_ENV))
 
 
@@ -263,10 +333,7 @@ def _build_plan(call: BwdCall) -> _Plan:
     dev = call.device
     pre_args, main_args, convert_args = bwd_sm90.launch_args(call, sq_pad)
     t = call.lse  # stands for a pointer argument's kind (run() passes the addresses)
-    main_maps = tuple(bshd_map(x, rows) for x, rows in ((call.q, cfg.block_m),
-                                                        (call.k, cfg.block_n),
-                                                        (call.v, cfg.block_n),
-                                                        (call.dout, cfg.block_m)))
+    main_maps = _maps(call, cfg)
     return _Plan(
         cfg, sq_pad,
         pre=PreparedLaunch(get_kernel(aux.pre_spec(), dev), (-(-sq_pad // aux.aux_rows), h, b),
@@ -278,6 +345,12 @@ def _build_plan(call: BwdCall) -> _Plan:
         convert=PreparedLaunch(get_kernel(convert_spec(cfg), dev),
                                (-(-sq // aux.aux_rows), h, b), (bwd_sm80.AUX_THREADS,), 0,
                                (t,) * 2 + convert_args, fixed=len(convert_args)))
+
+
+def _maps(call: BwdCall, cfg: Sm90BwdWideConfig) -> tuple:
+    """MAIN's tensor maps of q, k, v, dout (K in cfg.k_swizzle)."""
+    return (bshd_map(call.q, cfg.block_m), bshd_map(call.k, cfg.block_n, cfg.k_swizzle),
+            bshd_map(call.v, cfg.block_n), bshd_map(call.dout, cfg.block_m))
 
 
 def convert_spec(cfg: Sm90BwdWideConfig) -> KernelSpec:
@@ -298,8 +371,7 @@ def run(call: BwdCall) -> None:
     handle = launch_stream(plan.main.kernel.device_index)  # (once for the three launches)
     plan.pre(call.out.data_ptr(), call.dout.data_ptr(), lse.data_ptr(), lse2_at, delta_at,
              accum_at, handle=handle)
-    maps = (bshd_map(call.q, cfg.block_m).raw, bshd_map(call.k, cfg.block_n).raw,
-            bshd_map(call.v, cfg.block_n).raw, bshd_map(call.dout, cfg.block_m).raw)
+    maps = (m.raw for m in _maps(call, cfg))
     plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr(),
               handle=handle)
     plan.convert(accum_at, call.dq.data_ptr(), handle=handle)

@@ -56,18 +56,25 @@ def test_sass_uses_wgmma(builds, cfg, tmp_path):
     assert all(".F32" in line and ("BF16" in line) == bf16 for line in hgmma)
     assert not [line for line in hgmma if re.search(r"HGMMA\S+ R\d+, R\d+, gdesc", line)], \
         "every operand from shared memory"
-    scores = [line for line in hgmma if f"64x{bn // c}x16" in line]
-    assert len(scores) == 2 * (d // 16) and not any(".tnsp" in line for line in scores)
-    key_grads = [line for line in hgmma if f"64x{bn}x16" in line]
-    assert len(key_grads) == 2 * (d // c // 64) * (bm // 16)
+    scores = [line for line in hgmma if f"64x{bn // c}x16" in line and ".tnsp" not in line]
+    assert len(scores) == 2 * (d // 16)
+    if cfg.keys_split:  # dV^T / dK^T over all head-dim tiles, this consumer's keys
+        key_grads = [line for line in hgmma if f"64x{bn // c}x16" in line and ".tnsp" in line]
+        assert len(key_grads) == 2 * (d // 64) * (bm // 16)
+    else:  # over this consumer's head-dim tiles, all keys
+        key_grads = [line for line in hgmma if f"64x{bn}x16" in line]
+        assert len(key_grads) == 2 * (d // c // 64) * (bm // 16)
     assert all(".tnspA" in line and ".tnspB" in line for line in key_grads)
     dq = [line for line in hgmma if f"64x{d // c}x16" in line]
     assert len(dq) == bn // 16 and all(".tnspB" in line and ".tnspA" not in line for line in dq)
     assert len(hgmma) == len(scores) + len(key_grads) + len(dq)
     assert "UTMALDG" in sass and "UBLKCP" in sass and "USETMAXREG" in sass
     v4 = ("FC_DQ_V4", 1) in cfg.defines
-    if cfg.dq_stage:  # two bulk reduce-adds per step and warpgroup, no per-thread reductions
-        assert len(re.findall(r"UBLKRED\.G\.S\.ADD\.F32", sass)) == 2 and "REDG" not in sass
+    if cfg.dq_stage:  # two (the key split: one) bulk reduce-adds per step and warpgroup, no
+        # per-thread reductions
+        reductions = 1 if cfg.keys_split else 2
+        assert len(re.findall(r"UBLKRED\.G\.S\.ADD\.F32", sass)) == reductions
+        assert "REDG" not in sass
         # (FC_DQ_STAGE_SPLIT: dQ + dV^T, then dK^T: three commit groups, two waits per step)
     else:
         assert "UBLKRED" not in sass
@@ -117,7 +124,24 @@ def test_config():
         "FC_CONSUMER_REGS": "240", "FC_SMEM_BYTES": str(cfg.smem_bytes)}
     assert cfg.aux().head_dim == 256 and cfg.seqlen_pad(65) == 128
     assert len(bwd_sm90_wide.configs()) == 2 * 2 * (
-        2 + len(bwd_sm90_wide.AB_DEFINES) + len(bwd_sm90_wide.AB_STAGE_DEFINES))
+        2 + len(bwd_sm90_wide.AB_DEFINES) + len(bwd_sm90_wide.AB_STAGE_DEFINES)) + 2
+    keys = Sm90BwdWideConfig(torch.bfloat16, 192, dq_stage=True, split="keys")
+    assert keys.name == "flash_bwd_sm90w_bf16_d192_bm64_bn96_c2_s2_dqs_keys"
+    assert (keys.consumers, keys.threads, keys.consumer_regs, keys.k_swizzle) == (2, 384, 240, 64)
+    # K, V; two Q stages with lse2 / delta; one dO; P, dS unpadded; two fp32 dQ staging tiles
+    assert keys.smem_bytes == (1024 + 2 * 96 * 192 * 2 + 2 * (64 * 192 * 2 + stats)
+                               + 64 * 192 * 2 + 2 * 64 * 96 * 2 + 2 * 64 * 96 * 4 + 8 * 7)
+    assert dict(keys.spec().defines) == {
+        "FC_DTYPE": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
+        "FC_SMEM_BYTES": str(keys.smem_bytes)}
+    assert keys.spec().source != cfg.spec().source
+    assert "FC_DQ_FRAG_M" in dict(bwd_sm90_wide.convert_spec(keys).defines)
+    with pytest.raises(ValueError, match="stages dQ"):
+        Sm90BwdWideConfig(torch.bfloat16, 192, split="keys")
+    with pytest.raises(ValueError, match="head_dim"):
+        Sm90BwdWideConfig(torch.bfloat16, 256, dq_stage=True, split="keys")
+    with pytest.raises(ValueError, match="split"):
+        Sm90BwdWideConfig(torch.bfloat16, 192, split="rows")
     d192 = Sm90BwdWideConfig(torch.float16, 192)
     assert d192.name == "flash_bwd_sm90w_fp16_d192_bm64_bn96_c3_s2"
     assert (d192.block_n, d192.consumers, d192.threads, d192.consumer_regs) == (96, 3, 512, 160)
@@ -151,6 +175,28 @@ def _call(dtype=torch.bfloat16, B=2, Sq=33, Sk=47, H=4, Hkv=2, D=256, determinis
     return BwdCall(q, k, v, torch.randn(q.shape, dtype=dtype), torch.randn(q.shape, dtype=dtype),
                    lse, torch.empty(q.shape, dtype=dtype), torch.empty_like(k),
                    torch.empty_like(v), 0.0625, None, 0, deterministic)
+
+
+def test_split_follows_its_env(monkeypatch):
+    """FLASHCUDA_SM90_BWD_WIDE_SPLIT picks the d192 kernel (d256 has only the head-dim split); a
+    bad name, or the key split with red.global dQ, is a ValueError naming the variable."""
+    env, dq = bwd_sm90_wide.SPLIT_ENV, bwd_sm90_wide.DQ_ENV
+    monkeypatch.setenv(env, "keys")
+    assert bwd_sm90_wide.config_for(_call(D=192)).keys_split
+    assert not bwd_sm90_wide.config_for(_call(D=256)).keys_split
+    monkeypatch.setenv(env, "dims")
+    assert not bwd_sm90_wide.config_for(_call(D=192)).keys_split
+    monkeypatch.setenv(env, "rows")
+    with pytest.raises(ValueError, match=env):
+        bwd_sm90_wide.config_for(_call(D=192))
+    monkeypatch.setenv(env, "keys")
+    monkeypatch.setenv(dq, "red")
+    with pytest.raises(ValueError, match=dq):
+        bwd_sm90_wide.config_for(_call(D=192))
+    monkeypatch.delenv(env)
+    monkeypatch.delenv(dq)
+    cfg = bwd_sm90_wide.config_for(_call(D=192))
+    assert cfg.split == bwd_sm90_wide.SPLIT_DEFAULT[192]
 
 
 def test_can_implement_reasons(monkeypatch):

@@ -123,7 +123,9 @@ def test_tensor_map_enum_values_match_cuda_bindings():
         "torch.bfloat16": int(driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16),
         "torch.float32": int(driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32)}
     assert tm._INTERLEAVE_NONE == int(driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE)
-    assert tm._SWIZZLE_128B == int(driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B)
+    assert tm._SWIZZLE_CODES == {
+        n: int(getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{n}B"))
+        for n in (32, 64, 128)}
     assert tm._L2_PROMOTION_256B == int(
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B)
     assert tm._OOB_FILL_NONE == int(

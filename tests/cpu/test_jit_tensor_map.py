@@ -113,8 +113,9 @@ def encoded(monkeypatch):
 
     calls = []
 
-    def fake_encode(dtype, address, dims, byte_strides, box):
-        calls.append((dtype, address, dims, byte_strides, box))
+    def fake_encode(dtype, address, dims, byte_strides, box, swizzle_bytes=128):
+        calls.append((dtype, address, dims, byte_strides, box) + (
+            () if swizzle_bytes == 128 else (swizzle_bytes,)))
         return TensorMap(bytes([len(calls)]) * 128)
 
     monkeypatch.setattr(tensor_map, "encode_tiled", fake_encode)
@@ -136,11 +137,13 @@ def test_bshd_map_memo_hits_only_the_same_geometry(monkeypatch, encoded):
     assert tensor_map.bshd_map(base[:, :39], 64) is not m1               # shape
     assert tensor_map.bshd_map(base.transpose(0, 1).contiguous().transpose(0, 1), 64) is not m1
     assert tensor_map.bshd_map(base.to(torch.float16), 64) is not m1     # dtype and address
-    assert len(encoded) == 5
+    m64 = tensor_map.bshd_map(base, 64, swizzle_bytes=64)                 # swizzle: its box
+    assert m64 is not m1 and encoded[-1][4:] == ((32, 64, 1, 1), 64)
+    assert len(encoded) == 6
     misaligned = torch.zeros(2 * 40 * 3 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 40, 3, 64)
     with pytest.raises(ValueError, match="not 16-byte aligned"):
         tensor_map.bshd_map(misaligned, 64)
-    assert len(encoded) == 5
+    assert len(encoded) == 6
     monkeypatch.setattr(tensor_map, "_MEMO_SIZE", 2)
     tensor_map._memo.clear()
     for rows in (16, 32, 48):

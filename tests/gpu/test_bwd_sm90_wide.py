@@ -28,25 +28,31 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(params=[256, 192], ids=["d256", "d192"])
-def D(request):
+def D(request, _sm90):
+    if _sm90 == "keys" and request.param not in bwd_sm90_wide.KEYS_HEAD_DIMS:
+        pytest.skip(f"the key split is built for {bwd_sm90_wide.KEYS_HEAD_DIMS}")
     return request.param
 
 
-@pytest.fixture(autouse=True, params=[("", ""), ("red", ""), ("red", "FC_DQ_V4=1"),
-                                      ("stage", "FC_DQ_STAGE_SPLIT=0")],
-                ids=["default", "dq-red", "dq-v4", "dq-unsplit"])
+@pytest.fixture(autouse=True, params=[("", "", "dims"), ("red", "", "dims"),
+                                      ("red", "FC_DQ_V4=1", "dims"),
+                                      ("stage", "FC_DQ_STAGE_SPLIT=0", "dims"),
+                                      ("stage", "", "keys")],
+                ids=["default", "dq-red", "dq-v4", "dq-unsplit", "keys"])
 def _sm90(monkeypatch, request):
-    """Every test with the default kernel (dQ by staged bulk reduce-adds, its dO half while dK^T
-    runs), then with the other dQ reductions (FLASHCUDA_SM90_BWD_WIDE_DQ=red: red.v2; red.v4
-    through the defines) and the staging after dK^T (FC_DQ_STAGE_SPLIT=0, session 27's)."""
-    dq, defines = request.param
+    """Every test with the head-dim split's default kernel (dQ by staged bulk reduce-adds, its
+    dO half while dK^T runs), then with its other dQ reductions (FLASHCUDA_SM90_BWD_WIDE_DQ=red:
+    red.v2; red.v4 through the defines) and the staging after dK^T (FC_DQ_STAGE_SPLIT=0, session
+    27's); then the key split (flash_bwd_sm90_keys.cu, d192). Yields the split."""
+    dq, defines, split = request.param
     monkeypatch.setenv(bwd_sm90_wide.DQ_ENV, dq)
     monkeypatch.setenv(bwd_sm90_wide.DEFINES_ENV, defines)
+    monkeypatch.setenv(bwd_sm90_wide.SPLIT_ENV, split)
     dispatch._reset()
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
         pytest.skip(f"sm90a kernel: needs compute capability 9.0, got {major}.{minor}")
-    yield
+    yield split
     dispatch._reset()
 
 

@@ -1,0 +1,575 @@
+// Flash attention backward for head dim 192 on sm90a, fp16 / bf16, with dK / dV split by keys
+// between two consumer warpgroups: the main kernel (MAIN) between bwd_sm80's PRE and CONVERT, as
+// flash_bwd_sm90_wide.cu, whose d192 shape it replaces (FlashAttention 4's d192 Hopper shape).
+//
+// Status: written in session 30 (docs/perf-notes.md); tests/gpu/test_bwd_sm90_wide.py runs it
+// against the float64 oracle (FLASHCUDA_SM90_BWD_WIDE_SPLIT, ops/bwd_sm90_wide.py).
+//
+// Why: flash_bwd_sm90_wide.cu's d192 shape (three warpgroups, dK^T / dV^T split by head-dim rows)
+// makes every warpgroup's key gradients read the P / dS of all three, so one barrier of all
+// three stands before every step's dV^T / dK^T (36% of the stall samples at its d256 sibling).
+// Here a warpgroup's dK^T / dV^T cover all 192 head-dim rows but only its own 48 keys:
+//     dV^T_w += dO^T P_w,  dK^T_w += Q^T dS_w    (M = 192: three m64 tiles; N = 48 keys)
+// so they read only the P / dS the warpgroup wrote itself (a barrier of its own 128 threads), and
+// only dQ, split by head-dim columns (96 each), needs the other warpgroup's dS:
+//     dQ_w = dS K[:, 96 w .. 96 w + 95]           (M = 64 queries, N = 96, K = 96 keys)
+// Each wgmma is wider than the three-warpgroup split's (S / dP n48 instead of n32, dV^T / dK^T
+// n48 over 3 tiles instead of n96 over 1), and there are two warpgroups of 240 registers.
+//
+// Slices that start inside a 128-byte swizzle atom: warpgroup 1's 48 keys of P / dS start at key
+// 48 of a 64-key atom, and its 96 dQ columns at column 96 of K (mid-atom of a 64-column chunk).
+// An MN-major wgmma operand cannot start there, so those two tiles take narrower swizzles whose
+// atoms divide the slices (FlashAttention 4 chooses swizzles the same way):
+//     K       [key][d] in 6 chunks of 32 columns, 64-byte swizzle (TMA box 32 x 96)
+//     P, dS   [query][key] in 6 chunks of 16 keys, 32-byte swizzle (stored by the consumers)
+// Q, dO and V keep 128-byte swizzled 64-column chunks (their slices start on chunk boundaries).
+//
+// Feature matrix
+//   dtypes        fp16, bf16 in and out; fp32 accumulation; fp32 dQ accumulator (bulk
+//                 reduce-adds: not deterministic)
+//   head dims     192 only (64 queries x 96 keys per step, two consumers)
+//   masking       mask.cuh's band (causal, sliding window, none); ragged seqlen_q / seqlen_k
+//   heads         MHA, GQA, MQA: the CTA loops over the query heads of its KV head
+//   arch          sm_90a only (wgmma, setmaxnreg)
+//
+// One CTA per (key block of 96 keys, KV head, batch); it loops over the (query head, query block
+// of 64 rows) pairs that see the key block (mask.cuh's KeyBlockSteps). Warpgroups:
+//   0     producer (setmaxnreg.dec): one elected thread issues the TMA loads: K and V once
+//         (kv_full); per step Q with its lse2 / delta rows into a two-deep ring (q_full[s],
+//         q_empty[s]) and dO into a single buffer (do_full, do_empty): shared memory has no room
+//         for a second dO beside the dQ staging (FlashAttention 4 keeps one dO stage too).
+//   1, 2  consumers w = 0, 1 (setmaxnreg.inc).
+// Per step (query block m0, Q stage s), consumer w:
+//     wait q_full[s] | issue S_w = Q K_w^T | wait do_full | issue dP_w = dO V_w^T |
+//     wait S: P = exp2(S scale_log2 - lse2) (0 where masked) -> 16-bit -> its keys of the P tile |
+//     own barrier | issue dV^T_w | wait dP: dS = P o (dP - delta) (0 where masked) | (the other
+//     warpgroup's previous dQ has read dS) -> its keys of the dS tile | barrier of both |
+//     issue dQ_w, dK^T_w | wait dV^T: release dO | wait dQ: tell the other warpgroup, stage dQ,
+//     one bulk reduce-add into dq_accum | wait dK^T: release Q stage s.
+// Epilogue: a barrier of both, then each stores its keys of dK^T * softmax_scale and dV^T
+// transposed into padded [key][d] staging rows over the (idle) Q / dO / P / dS region, a
+// barrier, and all consumer threads copy the rows inside seqlen_k to dk / dv in 16-byte pieces.
+//
+// Shared memory (each region 1024-byte aligned):
+//     K       [96][192]      6 chunks x 96 rows x 64 B (64B swizzle)         36 KB
+//     V       [96][192]      3 chunks x 96 rows x 128 B (128B swizzle)       36 KB
+//     Q       2 x [64][192]  3 chunks x 64 rows x 128 B each                 48 KB
+//     dO      [64][192]      3 chunks x 64 rows x 128 B                      24 KB
+//     P, dS   [64][96]       6 chunks x 64 rows x 32 B each (32B swizzle)    24 KB
+//     dQ      2 x 64 x 96 fp32 staging, one per consumer (register order)    48 KB
+//     lse2, delta  2 x 2 x [64] fp32; mbarriers                              1 KB
+// 217 KB + 1 KB alignment slack.
+//
+// Out-of-range rows as flash_bwd_sm90_wide.cu: TMA zero-fills rows past seqlen_q / seqlen_k; a
+// query row past seqlen_q (inside Sq_pad) has lse2 = +inf (P = 0); keys past seqlen_k are masked;
+// a masked P and its dS are 0 whatever dP holds.
+#include "common/types.cuh"
+#include "common/sm90.cuh"
+#include "common/smem.cuh"
+#include "common/reduce.cuh"
+#include "attention/mask.cuh"
+#include "attention/online_softmax.cuh"
+
+using T = typename dtype_of<FC_DTYPE>::type;
+constexpr int kHeadDim = 192;
+constexpr int kBlockM = 64;   // query rows per step
+constexpr int kBlockN = 96;   // keys per CTA
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kConsumerWarps = 4 * kConsumers;
+constexpr int kProducerRegs = FC_PRODUCER_REGS;
+constexpr int kConsumerRegs = FC_CONSUMER_REGS;
+
+constexpr int kKeys = kBlockN / kConsumers;    // 48: keys of S / dP / dK^T / dV^T per warpgroup
+constexpr int kDCols = kHeadDim / kConsumers;  // 96: dQ columns per warpgroup
+constexpr int kDTiles = kHeadDim / 64;         // 3: m64 tiles of dK^T / dV^T's head-dim rows
+
+constexpr int kQChunkBytes = kBlockM * 128;          // Q, dO: 64 columns x 64 rows
+constexpr int kQBytes = kDTiles * kQChunkBytes;      // 24 KB
+constexpr int kVChunkBytes = kBlockN * 128;          // V: 64 columns x 96 rows
+constexpr int kKChunkBytes = kBlockN * 64;           // K: 32 columns x 96 rows
+constexpr int kKVBytes = kBlockN * kHeadDim * 2;     // 36 KB each
+constexpr int kPChunkBytes = kBlockM * 32;           // P, dS: 16 keys x 64 rows
+constexpr int kPBytes = kBlockN / 16 * kPChunkBytes;  // 12 KB
+constexpr int kDqBytes = kBlockM * kDCols * 4;       // 24 KB per consumer
+constexpr int kStatBytes = kBlockM * 4;
+
+constexpr int kSmemK = 0;
+constexpr int kSmemV = kSmemK + kKVBytes;
+constexpr int kSmemQ = kSmemV + kKVBytes;
+constexpr int kSmemDO = kSmemQ + 2 * kQBytes;
+constexpr int kSmemP = kSmemDO + kQBytes;
+constexpr int kSmemDS = kSmemP + kPBytes;
+constexpr int kSmemDQ = kSmemDS + kPBytes;
+constexpr int kSmemStats = kSmemDQ + kConsumers * kDqBytes;
+constexpr int kSmemBar = kSmemStats + 2 * 2 * kStatBytes;
+constexpr int kBarriers = 7;  // kv_full, q_full[2], q_empty[2], do_full, do_empty
+constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;
+
+// Epilogue staging of dK (then dV) as [key][kHeadDim + 8] 16-bit rows over Q .. dS: the
+// transposed 16-bit stores of a warp then hit distinct banks (row stride = 4 banks mod 32).
+constexpr int kStageStride = kHeadDim + 8;
+constexpr int kStageBytes = kBlockN * kStageStride * 2;
+
+// Named barriers (0 is __syncthreads): 1 both consumers' dS stored; 2 the epilogue's; 3 + w
+// consumer w's own threads; 5 + w "the other consumer's dQ has read this step's dS" (an arrive
+// by the other, a sync by w before it stores the next step's dS).
+constexpr int kBarBoth = 1, kBarEpilogue = 2, kBarOwn = 3, kBarDsRead = 5;
+
+static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
+static_assert(kKeys % 16 == 0 && kDCols % 32 == 0, "slices on the narrow swizzles' atoms");
+static_assert(2 * kStageBytes <= kSmemDQ - kSmemQ, "dK / dV staging inside Q .. dS");
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= register_pool(kThreads),
+              "register split over the CTA's pool at launch (register_pool, sm90.cuh)");
+static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with the host's smem_bytes");
+
+struct Smem {
+  uint32_t base;  // 1024-byte aligned
+  uint8_t* ptr;   // the same, as a generic pointer
+
+  __device__ __forceinline__ uint32_t k() const { return base + kSmemK; }
+  __device__ __forceinline__ uint32_t v() const { return base + kSmemV; }
+  __device__ __forceinline__ uint32_t q(int s) const { return base + kSmemQ + s * kQBytes; }
+  __device__ __forceinline__ uint32_t dout() const { return base + kSmemDO; }
+  __device__ __forceinline__ uint32_t p() const { return base + kSmemP; }
+  __device__ __forceinline__ uint32_t ds() const { return base + kSmemDS; }
+  __device__ __forceinline__ uint32_t dq(int w) const { return base + kSmemDQ + w * kDqBytes; }
+  __device__ __forceinline__ uint32_t lse2(int s) const {
+    return base + kSmemStats + s * 2 * kStatBytes;
+  }
+  __device__ __forceinline__ uint32_t delta(int s) const { return lse2(s) + kStatBytes; }
+  __device__ __forceinline__ const float* lse2_ptr(int s) const {
+    return reinterpret_cast<const float*>(ptr + kSmemStats + s * 2 * kStatBytes);
+  }
+  __device__ __forceinline__ const float* delta_ptr(int s) const { return lse2_ptr(s) + kBlockM; }
+  __device__ __forceinline__ uint32_t bar(int i) const { return base + kSmemBar + 8 * i; }
+  __device__ __forceinline__ uint32_t kv_full() const { return bar(0); }
+  __device__ __forceinline__ uint32_t q_full(int s) const { return bar(1 + s); }
+  __device__ __forceinline__ uint32_t q_empty(int s) const { return bar(3 + s); }
+  __device__ __forceinline__ uint32_t do_full() const { return bar(5); }
+  __device__ __forceinline__ uint32_t do_empty() const { return bar(6); }
+
+  __device__ __forceinline__ void init_barriers() const {
+    mbar_init(kv_full(), 1);
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(q_full(s), 1);
+      mbar_init(q_empty(s), kConsumerWarps);
+    }
+    mbar_init(do_full(), 1);
+    mbar_init(do_empty(), kConsumerWarps);
+    fence_barrier_init();
+  }
+};
+
+using Steps = KeyBlockSteps<kBlockM, kBlockN>;  // (mask.cuh)
+
+// Step it's Q stage and the parities of its waits (the Q ring is two deep, dO one).
+__device__ __forceinline__ int q_stage(int it) { return it & 1; }
+__device__ __forceinline__ uint32_t q_parity(int it) { return (it >> 1) & 1; }
+__device__ __forceinline__ uint32_t do_parity(int it) { return it & 1; }
+
+// ---- producer: one thread issues every TMA load --------------------------------------------------
+__device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int n0, int head_kv,
+                                        int batch, const TmaMap& map_q, const TmaMap& map_k,
+                                        const TmaMap& map_v, const TmaMap& map_do,
+                                        const float* lse2, const float* delta, int nheads,
+                                        int seqlen_q_pad) {
+  mbar_arrive_expect_tx(sm.kv_full(), 2 * kKVBytes);
+#pragma unroll
+  for (int c = 0; c < kHeadDim / 32; ++c)  // K: 32-column boxes, 64-byte swizzle
+    tma_load_4d(sm.k() + c * kKChunkBytes, map_k, sm.kv_full(), 32 * c, n0, head_kv, batch);
+#pragma unroll
+  for (int c = 0; c < kDTiles; ++c)
+    tma_load_4d(sm.v() + c * kVChunkBytes, map_v, sm.kv_full(), 64 * c, n0, head_kv, batch);
+  int g = 0, mi = 0;  // the step's query head in the group, its query block - m_first
+  for (int it = 0; it < steps.count(); ++it) {
+    const int s = q_stage(it);
+    const int h = head_kv * steps.group + g, m0 = (steps.m_first + mi) * kBlockM;
+    if (++mi == steps.n_m) {
+      mi = 0;
+      ++g;
+    }
+    mbar_wait_producer(sm.q_empty(s), q_parity(it) ^ 1);  // first pass: stages start empty
+    mbar_arrive_expect_tx(sm.q_full(s), kQBytes + 2 * kStatBytes);
+    const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
+    bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.q_full(s));
+    bulk_load(sm.delta(s), delta + row, kStatBytes, sm.q_full(s));
+#pragma unroll
+    for (int c = 0; c < kDTiles; ++c)
+      tma_load_4d(sm.q(s) + c * kQChunkBytes, map_q, sm.q_full(s), 64 * c, m0, h, batch);
+    mbar_wait_producer(sm.do_empty(), do_parity(it) ^ 1);
+    mbar_arrive_expect_tx(sm.do_full(), kQBytes);
+#pragma unroll
+    for (int c = 0; c < kDTiles; ++c)
+      tma_load_4d(sm.dout() + c * kQChunkBytes, map_do, sm.do_full(), 64 * c, m0, h, batch);
+  }
+}
+
+// One arrival per consumer warp once every lane's wgmmas reading the buffer have completed
+// (flash_bwd_sm90_wide.cu's release).
+__device__ __forceinline__ void release(uint32_t bar) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
+}
+
+// 32B-swizzled [row][16 16-bit] chunk (Swizzle<1,4,3>: the 16-byte half XOR row bit 2): byte
+// offset of the 4-byte word holding columns col, col + 1 (col even, < 16) of `row`.
+__device__ __forceinline__ uint32_t swizzled32_word(int row, int col) {
+  return row * 32 + ((((col >> 3) ^ ((row >> 2) & 1)) << 4) | ((col & 7) << 1));
+}
+
+struct Consumer {
+  float dk[kDTiles][kKeys / 2];  // dK^T rows [64 i, + 64) x this warpgroup's 48 keys (m64n48)
+  float dv[kDTiles][kKeys / 2];
+  float s[kKeys / 2];            // S, then P (fp32): 64 queries x 48 keys
+  float dp[kKeys / 2];           // dP, then dS
+  float dq[kDCols / 2];          // dQ: 64 queries x 96 columns
+
+  // S_w = Q K_w^T (one commit group): A = the Q stage (128B chunks of 64 columns; step kk: 32
+  // bytes at column (kk % 4) 16 of chunk kk / 4), B = this warpgroup's 48 K rows (64B chunks of
+  // 32 columns, 8 rows = 512 bytes; step kk: 32 bytes at column (kk % 2) 16 of chunk kk / 2).
+  __device__ __forceinline__ void issue_scores(uint32_t q, uint32_t k_rows) {
+    const uint64_t a0 = smem_desc_k_major_sw128(q);
+    const uint64_t b0 = smem_desc(k_rows, 16, 512, kSwizzle64B);
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint64_t a = desc_advance(a0, (kk / 4) * kQChunkBytes + (kk % 4) * 32);
+      const uint64_t b = desc_advance(b0, (kk / 2) * kKChunkBytes + (kk % 2) * 32);
+      wgmma_ss<kKeys, T>(s, a, b, kk > 0);
+    }
+    wgmma_commit();
+  }
+
+  // dP_w = dO V_w^T (one commit group): both 128B chunks of 64 columns, as issue_scores' A.
+  __device__ __forceinline__ void issue_dp(uint32_t dout, uint32_t v_rows) {
+    const uint64_t a0 = smem_desc_k_major_sw128(dout), b0 = smem_desc_k_major_sw128(v_rows);
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t within = (kk % 4) * 32;
+      const uint64_t a = desc_advance(a0, (kk / 4) * kQChunkBytes + within);
+      const uint64_t b = desc_advance(b0, (kk / 4) * kVChunkBytes + within);
+      wgmma_ss<kKeys, T>(dp, a, b, kk > 0);
+    }
+    wgmma_commit();
+  }
+
+  // acc[i] += X^T Z_w for the three head-dim tiles i (no commit): X = the Q stage or dO
+  // ([query][d]; tile i = chunk i, read MN-major, step kk: queries 16 kk .. at 2048 bytes
+  // further), Z_w = this warpgroup's 48 keys of the P or dS tile ([query][key], 32B chunks of 16
+  // keys read MN-major: the next 16 keys at LBO = a chunk, 8 queries at SBO = 256 bytes; step kk:
+  // 512 bytes further).
+  __device__ __forceinline__ static void issue_key_grad(float (&acc)[kDTiles][kKeys / 2],
+                                                        uint32_t x, uint32_t z_keys) {
+    const uint64_t b0 = smem_desc(z_keys, kPChunkBytes, 256, kSwizzle32B);
+#pragma unroll
+    for (int i = 0; i < kDTiles; ++i) {
+      const uint64_t a0 = smem_desc_mn_major_sw128(x + i * kQChunkBytes, kQChunkBytes);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        wgmma_ss_tt<kKeys, T>(acc[i], desc_advance(a0, kk * 2048), desc_advance(b0, kk * 512),
+                              1);
+      }
+    }
+  }
+
+  // dK^T / dV^T belong to the tensor cores between a wgmma's issue and its wait: keep the
+  // compiler's reads and writes of them on their side of both.
+  __device__ __forceinline__ void hold_key_grads() {
+#pragma unroll
+    for (int i = 0; i < kDTiles; ++i) {
+      wgmma_fence_operands(dv[i]);
+      wgmma_fence_operands(dk[i]);
+    }
+  }
+
+  // dq = dS K[:, 96 w ..] (one commit group): A = dS [query][key] read K-major (32B chunks of 16
+  // keys: step kk is chunk kk; 8 rows at SBO = 256), B = K [key][d] read MN-major from chunk 3w
+  // (64B chunks of 32 columns: the next 32 at LBO = a chunk; 8 keys at SBO = 512; step kk: key
+  // rows 16 kk .., 1024 bytes further).
+  __device__ __forceinline__ void issue_dq(uint32_t ds, uint32_t k_cols) {
+    const uint64_t a0 = smem_desc(ds, 16, 256, kSwizzle32B);
+    const uint64_t b0 = smem_desc(k_cols, kKChunkBytes, 512, kSwizzle64B);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      wgmma_ss_tb<kDCols, T>(dq, desc_advance(a0, kk * kPChunkBytes), desc_advance(b0, kk * 1024),
+                             kk > 0);
+    }
+    wgmma_commit();
+  }
+
+  // P = exp2(S scale_log2 - lse2[query]) in place, 0 where the key is hidden from the query
+  // (kMasked); then stored (16-bit) into the P tile at this warpgroup's keys. `row` = this lane's
+  // first query row in the block (16 warp + g), `key0` = its first key column in the block
+  // (48 w + 2t), `at` its store_tile offsets.
+  template <bool kMasked>
+  __device__ __forceinline__ void probs(const float* lse2, float scale_log2, const Mask& mask,
+                                        int m0, int n0, int row, int key0, uint32_t p_tile,
+                                        const uint32_t (&at)[2]) {
+    const float l0 = lse2[row], l1 = lse2[row + 8];
+#pragma unroll
+    for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -((e & 2) ? l1 : l0)));
+        if (kMasked && !mask.visible(m0 + row + 4 * (e & 2), n0 + key0 + 8 * j + (e & 1)))
+          p = 0.f;
+        s[4 * j + e] = p;
+      }
+    }
+    store_tile(p_tile, s, at);
+  }
+
+  // dS = P o (dP - delta[query]) in dp's registers, 0 wherever P is 0 (kMasked: whatever dP
+  // holds there).
+  template <bool kMasked>
+  __device__ __forceinline__ void dsoftmax(const float* delta, int row) {
+    const float d0 = delta[row], d1 = delta[row + 8];
+#pragma unroll
+    for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 2) ? d1 : d0));
+        if (kMasked && s[4 * j + e] == 0.f) ds = 0.f;
+        dp[4 * j + e] = ds;
+      }
+    }
+  }
+
+  // A m64n48 accumulator (16-bit) into this warpgroup's keys of a [query][key] tile of 32B
+  // chunks: lane (g, t) holds rows row, row + 8 and keys 48 w + 8 j + 2t, + 1, i.e. chunk 3w + j / 2,
+  // 16-byte half j & 1 of the chunk's row, swizzled by row bit 2 (the same for row + 8). So the
+  // lane's word is at one of two offsets from `tile`, `at[j & 1]` (lane_offsets), plus the
+  // constant (j / 2) chunks + 8 rows: two registers for every store of P and of dS. A warp's
+  // stores of one j cover 8 rows x 16 bytes of a 256-byte atom in distinct banks.
+  __device__ __forceinline__ static void store_tile(uint32_t tile, const float (&c)[kKeys / 2],
+                                                    const uint32_t (&at)[2]) {
+#pragma unroll
+    for (int j = 0; j < kKeys / 8; ++j) {
+      const uint32_t word = tile + at[j & 1] + (j / 2) * kPChunkBytes;
+      store_shared_32(word, pack2<T>(c[4 * j], c[4 * j + 1]));
+      store_shared_32(word + 8 * 32, pack2<T>(c[4 * j + 2], c[4 * j + 3]));
+    }
+  }
+  // store_tile's two offsets of lane (row, t) in consumer w's keys: swizzled32_word(row, 8 h +
+  // 2t) of chunk 3w, h = 0, 1.
+  __device__ __forceinline__ static void lane_offsets(uint32_t (&at)[2], int w, int row, int t) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      at[h] = (kKeys / 16) * w * kPChunkBytes + swizzled32_word(row, 8 * h + 2 * t);
+  }
+
+  // This warpgroup's 64 x 96 dQ tile in its registers' order into its staging buffer: dq[4 j ..
+  // + 3] of thread tw at float 512 j + 4 tw (a warp's 32 float4 are 512 contiguous bytes: no bank
+  // conflicts). In dq_accum's 64-row block of the step this is floats [6144 w, 6144 (w + 1)):
+  // CONVERT's FC_DQ_FRAG_M order puts column c's 8-column group at 512 (c / 8), and this
+  // warpgroup's group j is column 96 w + 8 j.
+  __device__ __forceinline__ void stage_dq(uint32_t buf, int tw) const {
+#pragma unroll
+    for (int j = 0; j < kDCols / 8; ++j) {
+      const float* x = &dq[4 * j];
+      store_shared_16(buf + 4 * (512 * j + 4 * tw),
+                      {__float_as_uint(x[0]), __float_as_uint(x[1]), __float_as_uint(x[2]),
+                       __float_as_uint(x[3])});
+    }
+  }
+
+  // acc (three m64n48 tiles: head-dim rows 64 i + .., this warpgroup's keys) * scale, transposed,
+  // into the [key][kStageStride] staging tile: element (d, key) at key * kStageStride + d.
+  __device__ __forceinline__ static void stage_transposed(uint32_t stage,
+                                                          const float (&acc)[kDTiles][kKeys / 2],
+                                                          float scale, int row, int key0) {
+#pragma unroll
+    for (int i = 0; i < kDTiles; ++i) {
+      const int d = 64 * i + row;
+#pragma unroll
+      for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + 8 * j + (e & 1), dd = d + 4 * (e & 2);
+          store_shared_2(stage + 2 * (key * kStageStride + dd),
+                         from_float<T>(acc[i][4 * j + e] * scale).bits);
+        }
+      }
+    }
+  }
+};
+
+// The staging tile's rows inside seqlen_k -> dst ([key][..] rows `row_stride` elements apart),
+// 16 bytes per thread and iteration; `tid` counts the consumers' threads.
+__device__ __forceinline__ void copy_rows(const uint8_t* stage, T* dst, int64_t row_stride,
+                                          int keys, int tid) {
+  constexpr int kPieces = kHeadDim * 2 / 16;  // 16-byte pieces per row
+  for (int i = tid; i < kBlockN * kPieces; i += 128 * kConsumers) {
+    const int key = i / kPieces, piece = i % kPieces;
+    if (key < keys) {
+      const uint4 x = *reinterpret_cast<const uint4*>(stage + key * kStageStride * 2 + 16 * piece);
+      *reinterpret_cast<uint4*>(dst + key * row_stride + 8 * piece) = x;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 64 x 64, 128B
+               const __grid_constant__ TmaMap map_k,   // k [B, Sk, Hkv, D]: box 32 x 96, 64B
+               const __grid_constant__ TmaMap map_v,   // v [B, Sk, Hkv, D]: box 64 x 96, 128B
+               const __grid_constant__ TmaMap map_do,  // dout [B, Sq, H, D]: box 64 x 64, 128B
+               const float* __restrict__ lse2,         // [B, H, Sq_pad] (PRE)
+               const float* __restrict__ delta,        // [B, H, Sq_pad] (PRE)
+               float* __restrict__ dq_accum,           // [B, H, Sq_pad, D] (PRE zeroed it)
+               T* __restrict__ dk,                     // [B, Sk, Hkv, D]
+               T* __restrict__ dv,                     // [B, Sk, Hkv, D]
+               int64_t dk_sb, int64_t dk_ss, int64_t dk_sh, int64_t dv_sb, int64_t dv_ss,
+               int64_t dv_sh, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
+               int seqlen_q_pad, float scale_log2, float softmax_scale, int window_left,
+               int window_right) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
+  const Smem sm{raw + pad, smem_raw + pad};
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+  const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
+  const int n0 = blockIdx.x * kBlockN, head_kv = blockIdx.y, batch = blockIdx.z;
+  const Steps steps(mask, n0, nheads, nheads_kv);
+
+  if (threadIdx.x == 0) {
+    sm.init_barriers();
+    tma_prefetch(map_q);
+    tma_prefetch(map_k);
+    tma_prefetch(map_v);
+    tma_prefetch(map_do);
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---- producer warpgroup
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x < 32 && elect_one()) {
+      produce(sm, steps, n0, head_kv, batch, map_q, map_k, map_v, map_do, lse2, delta, nheads,
+              seqlen_q_pad);
+    }
+    return;
+  }
+
+  // ---- consumer warpgroups
+  setmaxnreg_inc<kConsumerRegs>();
+  const int w = wg - 1;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int warp = static_cast<int>((threadIdx.x / 32) % 4);  // within the warpgroup
+  const int g = lane >> 2, t = lane & 3;
+  const int row = 16 * warp + g;       // this lane's first accumulator row (query / d in a tile)
+  const int key0 = kKeys * w + 2 * t;  // this lane's first S / dP key column in the block
+  const int tw = static_cast<int>(threadIdx.x & 127);  // thread within the warpgroup
+  // this warpgroup's operand slices: its 48 K / V rows, its 3 chunks of P / dS keys, its 3
+  // chunks of K's columns for dQ
+  const uint32_t k_rows0 = sm.k() + kKeys * w * 64;
+  const uint32_t v_rows0 = sm.v() + kKeys * w * 128;
+  const uint32_t p_keys0 = sm.p() + (kKeys / 16) * w * kPChunkBytes;
+  const uint32_t ds_keys0 = sm.ds() + (kKeys / 16) * w * kPChunkBytes;
+  const uint32_t k_cols0 = sm.k() + (kDCols / 32) * w * kKChunkBytes;
+  uint32_t at[2];  // this lane's word offsets in the P / dS tiles (store_tile)
+  Consumer::lane_offsets(at, w, row, t);
+  Consumer cs;
+#pragma unroll
+  for (int i = 0; i < kDTiles; ++i)
+#pragma unroll
+    for (int j = 0; j < kKeys / 2; ++j) cs.dk[i][j] = cs.dv[i][j] = 0.f;
+  mbar_wait(sm.kv_full(), 0);  // also when there are no steps: no TMA may outlive the CTA
+
+  const int count = steps.count();
+  int step_g = 0, step_mi = 0;
+  for (int it = 0; it < count; ++it) {
+    // The slices' addresses made opaque each step: their descriptors are then summed where the
+    // wgmmas are issued (uniform adds) instead of 54 of them hoisted out of the loop into
+    // registers, which spilled (the accumulators take 192 of the 240).
+    uint32_t k_rows = k_rows0, v_rows = v_rows0, p_keys = p_keys0, ds_keys = ds_keys0;
+    uint32_t k_cols = k_cols0, dout = sm.dout();
+    asm volatile("" : "+r"(k_rows), "+r"(v_rows), "+r"(p_keys), "+r"(ds_keys), "+r"(k_cols),
+                 "+r"(dout));
+    const int st = q_stage(it);
+    const int h = head_kv * steps.group + step_g, m0 = (steps.m_first + step_mi) * kBlockM;
+    if (++step_mi == steps.n_m) {
+      step_mi = 0;
+      ++step_g;
+    }
+    const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
+
+    mbar_wait(sm.q_full(st), q_parity(it));
+    wgmma_fresh(cs.s);
+    wgmma_fresh(cs.dp);
+    wgmma_fence();
+    cs.issue_scores(sm.q(st), k_rows);
+    mbar_wait(sm.do_full(), do_parity(it));
+    cs.issue_dp(dout, v_rows);
+
+    const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + kKeys * w, kKeys);
+    wgmma_wait<1>();  // S
+    wgmma_fence_operands(cs.s);
+    // P_w's only reader is this warpgroup's previous dV^T, complete (waited at its step)
+    if (masked) {
+      cs.probs<true>(sm.lse2_ptr(st), scale_log2, mask, m0, n0, row, key0, sm.p(), at);
+    } else {
+      cs.probs<false>(sm.lse2_ptr(st), scale_log2, mask, m0, n0, row, key0, sm.p(), at);
+    }
+    fence_proxy_async();  // the generic stores before the async-proxy reads of the wgmmas
+    named_barrier_sync(kBarOwn + w, 128);
+    cs.hold_key_grads();
+    wgmma_fence();
+    Consumer::issue_key_grad(cs.dv, dout, p_keys);
+    wgmma_commit();
+
+    wgmma_wait<1>();  // dP (dV^T may still run)
+    wgmma_fence_operands(cs.dp);
+    if (masked) {
+      cs.dsoftmax<true>(sm.delta_ptr(st), row);
+    } else {
+      cs.dsoftmax<false>(sm.delta_ptr(st), row);
+    }
+    // dS_w is read by this warpgroup's dK^T and by both dQs: the other's previous dQ must be done
+    if (it > 0) named_barrier_sync(kBarDsRead + w, 256);
+    Consumer::store_tile(sm.ds(), cs.dp, at);
+    if (tw == 0) bulk_wait_group_read<0>();  // the previous dQ reduction has read the staging
+    fence_proxy_async();
+    named_barrier_sync(kBarBoth, 256);
+
+    wgmma_fresh(cs.dq);
+    wgmma_fence();
+    cs.issue_dq(sm.ds(), k_cols);
+    cs.hold_key_grads();
+    Consumer::issue_key_grad(cs.dk, sm.q(st), ds_keys);
+    wgmma_commit();
+
+    wgmma_wait<2>();  // dV^T: dO is free
+    release(sm.do_empty());
+    wgmma_wait<1>();  // dQ
+    wgmma_fence_operands(cs.dq);
+    if (it + 1 < count) named_barrier_arrive(kBarDsRead + (1 - w), 256);
+    cs.stage_dq(sm.dq(w), tw);
+    fence_proxy_async();  // the generic stores before the bulk reduction's read
+    named_barrier_sync(kBarOwn + w, 128);
+    if (tw == 0) {  // floats [6144 w, + 6144) of the step's 64-row block of dq_accum
+      float* dst = dq_accum + (bh * seqlen_q_pad + m0) * kHeadDim + (kBlockM * kDCols) * w;
+      bulk_reduce_add_f32(dst, sm.dq(w), kDqBytes);
+      bulk_commit_group();
+    }
+    wgmma_wait<0>();  // dK^T: the Q stage (and its lse2 / delta) is free
+    cs.hold_key_grads();
+    release(sm.q_empty(st));
+  }
+  if (tw == 0) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
+
+  // ---- epilogue: every consumer's wgmmas are done (each waited for its own before the barrier),
+  // so Q .. dS are free: dK^T * softmax_scale, then dV^T, transposed through them.
+  const int tid = static_cast<int>(threadIdx.x) - 128;
+  const int keys = min(kBlockN, seqlen_k - n0);
+  const uint32_t stage = sm.q(0);
+  const uint8_t* stage_ptr = sm.ptr + kSmemQ;
+  named_barrier_sync(kBarEpilogue, 256);
+  Consumer::stage_transposed(stage, cs.dk, softmax_scale, row, key0);
+  Consumer::stage_transposed(stage + kStageBytes, cs.dv, 1.f, row, key0);
+  named_barrier_sync(kBarEpilogue, 256);
+  copy_rows(stage_ptr, dk + batch * dk_sb + static_cast<int64_t>(n0) * dk_ss + head_kv * dk_sh,
+            dk_ss, keys, tid);
+  copy_rows(stage_ptr + kStageBytes,
+            dv + batch * dv_sb + static_cast<int64_t>(n0) * dv_ss + head_kv * dv_sh, dv_ss, keys,
+            tid);
+}
