@@ -74,7 +74,7 @@ DQ_DEFAULT = "stage"  # +13 to +20% over red.v2 (session 27), its split +6 to +1
 # (their own keys, flash_bwd_sm90_keys.cu: d192 only, dQ staged)
 SPLIT_ENV = "FLASHCUDA_SM90_BWD_WIDE_SPLIT"
 SPLITS = ("dims", "keys")
-SPLIT_DEFAULT = {192: "dims", 256: "dims"}
+SPLIT_DEFAULT = {192: "keys", 256: "dims"}  # keys at d192: +5 to +14% (session 30)
 KEYS_HEAD_DIMS = (192,)
 GATED = f"bwd_sm90_wide is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8

@@ -27,24 +27,30 @@ FULL = (None, None)
 CAUSAL = (None, 0)
 
 
+VARIANTS = {  # id: (FLASHCUDA_SM90_BWD_WIDE_DQ, _DEFINES, _SPLIT)
+    "default": ("", "", ""),
+    "dims": ("stage", "", "dims"),  # (d192 only: at d256 it is the default)
+    "dq-red": ("red", "", "dims"),
+    "dq-v4": ("red", "FC_DQ_V4=1", "dims"),
+    "dq-unsplit": ("stage", "FC_DQ_STAGE_SPLIT=0", "dims"),
+}
+
+
 @pytest.fixture(params=[256, 192], ids=["d256", "d192"])
 def D(request, _sm90):
-    if _sm90 == "keys" and request.param not in bwd_sm90_wide.KEYS_HEAD_DIMS:
-        pytest.skip(f"the key split is built for {bwd_sm90_wide.KEYS_HEAD_DIMS}")
+    if _sm90 == "dims" and request.param not in bwd_sm90_wide.KEYS_HEAD_DIMS:
+        pytest.skip("d256 has only the head-dim split: the default kernel")
     return request.param
 
 
-@pytest.fixture(autouse=True, params=[("", "", "dims"), ("red", "", "dims"),
-                                      ("red", "FC_DQ_V4=1", "dims"),
-                                      ("stage", "FC_DQ_STAGE_SPLIT=0", "dims"),
-                                      ("stage", "", "keys")],
-                ids=["default", "dq-red", "dq-v4", "dq-unsplit", "keys"])
+@pytest.fixture(autouse=True, params=list(VARIANTS))
 def _sm90(monkeypatch, request):
-    """Every test with the head-dim split's default kernel (dQ by staged bulk reduce-adds, its
-    dO half while dK^T runs), then with its other dQ reductions (FLASHCUDA_SM90_BWD_WIDE_DQ=red:
-    red.v2; red.v4 through the defines) and the staging after dK^T (FC_DQ_STAGE_SPLIT=0, session
-    27's); then the key split (flash_bwd_sm90_keys.cu, d192). Yields the split."""
-    dq, defines, split = request.param
+    """Every test with the default kernels (d192: dK / dV split by keys, flash_bwd_sm90_keys.cu;
+    d256: split by head-dim rows, flash_bwd_sm90_wide.cu with dQ by staged bulk reduce-adds,
+    its dO half while dK^T runs), then the head-dim split at d192 ("dims"), and its other dQ
+    reductions (FLASHCUDA_SM90_BWD_WIDE_DQ=red: red.v2; red.v4 through the defines) and the
+    staging after dK^T (FC_DQ_STAGE_SPLIT=0, session 27's). Yields the variant's id."""
+    dq, defines, split = VARIANTS[request.param]
     monkeypatch.setenv(bwd_sm90_wide.DQ_ENV, dq)
     monkeypatch.setenv(bwd_sm90_wide.DEFINES_ENV, defines)
     monkeypatch.setenv(bwd_sm90_wide.SPLIT_ENV, split)
@@ -52,8 +58,17 @@ def _sm90(monkeypatch, request):
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
         pytest.skip(f"sm90a kernel: needs compute capability 9.0, got {major}.{minor}")
-    yield split
+    yield request.param
     dispatch._reset()
+
+
+def test_the_variant_runs_its_kernel(D, _sm90):
+    """The call's MAIN kernel is the variant's: the key split exactly at d192 by default."""
+    q, k, v, dout = make(1, 64, 64, 1, 1, D, BF16, seed=1)
+    call = BwdCall(q, k, v, dout, dout, torch.zeros(1, 1, 64, device="cuda"), q, k, v, 0.1,
+                   None, None, False)
+    keys = _sm90 == "default" and D == 192
+    assert bwd_sm90_wide.config_for(call).keys_split == keys
 
 
 def tolerance(ref, low, dtype):
