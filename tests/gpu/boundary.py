@@ -119,7 +119,7 @@ def C(b, sq, sk, h, hkv, d, *, causal=False, window=(-1, -1), layout="contig", b
 # The boundary list (issue 8): seqlens 1, 2, the tiles' edges (sm80 / sm90: 64 and 128, so 63,
 # 65, 127, 129; simt: 32 (16 at d256), so 31, 33, 17), primes 17, 143, 1021; Sq != Sk both ways;
 # full, causal (rows that see nothing when Sq > Sk), sliding windows (one-sided, two-sided, the
-# diagonal alone); MHA, GQA, MQA; head dims 64 and 128 with 32, 40 (padded), 96 and 256; batch 0,
+# diagonal alone); MHA, GQA, MQA; head dims 64 and 128 with 32, 40 (padded), 96, 192, 256; batch 0,
 # seqlen_q 0 and seqlen_k 0 (the API launches nothing); every layout.
 BASE = [
     C(1, 1, 1, 1, 1, 64),
@@ -146,6 +146,7 @@ BASE = [
     C(1, 65, 65, 2, 2, 40, causal=True),  # padded head dim
     C(1, 129, 63, 2, 2, 96, window=(32, 8), det=True),  # head dim 96
     C(1, 127, 17, 2, 1, 256, causal=True),  # head dim 256 (simt tile 16: 17 = 16 + 1)
+    C(1, 129, 97, 2, 1, 192, window=(40, 8)),  # head dim 192 (sm90 backward: 96 keys + 1)
     C(0, 17, 17, 2, 2, 64),  # batch 0
     C(2, 0, 17, 2, 1, 64, causal=True),  # seqlen_q 0
     C(2, 17, 0, 2, 1, 64),  # seqlen_k 0: out 0, lse -inf, zero gradients
