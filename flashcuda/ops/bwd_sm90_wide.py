@@ -1,11 +1,12 @@
 """The sm90a backward for the wide head dims (192 and 256), fp16/bf16, non-deterministic dQ.
 
 Status: proven on the H200 (tests/gpu/test_bwd_sm90_wide.py against the float64 oracle, 505
-passed at d03bdf6, 370 at e5b8ef8 with the dQ split; sanitizers clean on the boundary cases);
+passed at d03bdf6, 370 at e5b8ef8 with the dQ split, 850 run / 0 failed at ca2a337 with the key
+split; sanitizers clean on the boundary cases);
 dispatched by default at these head dims: d256 1.04-1.18x cuDNN, d192 1.22-1.49x at every sweep
 point (docs/perf-notes.md, sessions 27-28), where the SIMT backward ran at 7-8 TFLOP/s. Against
 FlashAttention 4 (session 29): d256 1.02-1.12x the best peer, d192 0.83-0.89x FA4 (its d192
-splits dK / dV by keys over two warpgroups: perf-notes' plan of session 29).
+splits dK / dV by keys over two warpgroups) -> session 30's key split below, 0.90-0.96x.
 
 flash_bwd_sm90.cu (family bwd_sm90) keeps each consumer warpgroup's 64 keys x head dim of dK and
 dV in registers, which does not fit at head dim 256; this family's MAIN kernel
@@ -16,8 +17,15 @@ with S / dP split by keys and P / dS exchanged through shared memory. Around it,
 bwd_sm90.
 
     head dim   block_m (queries) x block_n (keys), stages   smem      consumers x registers
-    192        64 x 96, 2 (one P / dS tile)                 202 KB    3 x 160
+    192        64 x 96, 2 (one P / dS tile)                 202 KB    3 x 160   (split "dims")
+    192        64 x 96, Q 2 / dO 1                          218 KB    2 x 240   (split "keys")
     256        64 x 64, 2                                   226 KB    2 x 240
+
+The split (FLASHCUDA_SM90_BWD_WIDE_SPLIT): "keys", d192's default since session 30 (+5 to +14%
+over "dims"; 0.90-0.96x FA4, was 0.83-0.89x), runs kernels/attention/flash_bwd_sm90_keys.cu:
+FA4's d192 shape, dK^T / dV^T split by keys between two warpgroups so that only dQ needs the
+other warpgroup's dS; K in 64-byte-swizzled TMA boxes of 32 columns (cfg.k_swizzle), P / dS in
+a 32-byte swizzle, dQ always staged. "dims" is the head-dim split above (d256 has only it).
 
 dQ (FLASHCUDA_SM90_BWD_WIDE_DQ): "stage", the default (+13-20% at d256, then +10-15% more with
 the split): each consumer stores its dQ tile into its own, then idle, Q / dO chunks of the stage

@@ -3,8 +3,9 @@
 //
 // Status: proven on the H200 (tests/gpu/test_bwd_sm90_wide.py, float64 oracle, 505 passed at
 // d03bdf6; compute-sanitizer memcheck / synccheck / racecheck clean on the boundary case);
-// dispatched by default at these head dims (family bwd_sm90_wide). d256 1.02-1.12x the best peer,
-// d192 0.83-0.89x FlashAttention 4 (docs/perf-notes.md, sessions 27-29).
+// dispatched by default at d256 (family bwd_sm90_wide), 1.02-1.12x the best peer; d192 runs
+// flash_bwd_sm90_keys.cu by default since session 30 (this kernel's d192 shape read 0.83-0.89x
+// FlashAttention 4, the key split 0.90-0.96x; FLASHCUDA_SM90_BWD_WIDE_SPLIT=dims selects this one).
 //
 // Why a second sm90 backward: flash_bwd_sm90.cu keeps a consumer warpgroup's 64 keys x kHeadDim of
 // dK and of dV in its registers (kHeadDim / 2 floats per thread each): at kHeadDim = 256 that is
