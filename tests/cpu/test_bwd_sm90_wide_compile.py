@@ -83,8 +83,10 @@ def test_sass_uses_wgmma(builds, cfg, tmp_path):
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
 
 
-def test_parameter_offsets_match_pack_args(builds, tmp_path):
-    cfg = bwd_sm90_wide.configs()[0]
+@pytest.mark.parametrize("split", ["dims", "keys"])
+def test_parameter_offsets_match_pack_args(builds, tmp_path, split):
+    """Both MAIN kernels (the head-dim split's and the key split's) take the same parameters."""
+    cfg = next(c for c in bwd_sm90_wide.configs() if c.split == split)
     table = param_table(builds[cfg.name].cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
     i32, i64 = np.int32(0), np.int64(0)

@@ -72,6 +72,7 @@
 #include "common/reduce.cuh"
 #include "attention/mask.cuh"
 #include "attention/online_softmax.cuh"
+#include "attention/sm90_bwd_wide.cuh"
 
 using T = typename dtype_of<FC_DTYPE>::type;
 constexpr int kHeadDim = 192;
@@ -209,13 +210,6 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
   }
 }
 
-// One arrival per consumer warp once every lane's wgmmas reading the buffer have completed
-// (flash_bwd_sm90_wide.cu's release).
-__device__ __forceinline__ void release(uint32_t bar) {
-  __syncwarp();
-  if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
-}
-
 // 32B-swizzled [row][16 16-bit] chunk (Swizzle<1,4,3>: the 16-byte half XOR row bit 2): byte
 // offset of the 4-byte word holding columns col, col + 1 (col even, < 16) of `row`.
 __device__ __forceinline__ uint32_t swizzled32_word(int row, int col) {
@@ -301,42 +295,15 @@ struct Consumer {
     wgmma_commit();
   }
 
-  // P = exp2(S scale_log2 - lse2[query]) in place, 0 where the key is hidden from the query
-  // (kMasked); then stored (16-bit) into the P tile at this warpgroup's keys. `row` = this lane's
-  // first query row in the block (16 warp + g), `key0` = its first key column in the block
-  // (48 w + 2t), `at` its store_tile offsets.
+  // P (wide_bwd::probs), then stored (16-bit) into the P tile at this warpgroup's keys; `row` =
+  // this lane's first query row in the block (16 warp + g), `key0` = its first key column in the
+  // block (48 w + 2t), `at` its store_tile offsets.
   template <bool kMasked>
   __device__ __forceinline__ void probs(const float* lse2, float scale_log2, const Mask& mask,
                                         int m0, int n0, int row, int key0, uint32_t p_tile,
                                         const uint32_t (&at)[2]) {
-    const float l0 = lse2[row], l1 = lse2[row + 8];
-#pragma unroll
-    for (int j = 0; j < kKeys / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -((e & 2) ? l1 : l0)));
-        if (kMasked && !mask.visible(m0 + row + 4 * (e & 2), n0 + key0 + 8 * j + (e & 1)))
-          p = 0.f;
-        s[4 * j + e] = p;
-      }
-    }
+    wide_bwd::probs<kMasked, kKeys>(s, lse2, scale_log2, mask, m0, n0, row, key0);
     store_tile(p_tile, s, at);
-  }
-
-  // dS = P o (dP - delta[query]) in dp's registers, 0 wherever P is 0 (kMasked: whatever dP
-  // holds there).
-  template <bool kMasked>
-  __device__ __forceinline__ void dsoftmax(const float* delta, int row) {
-    const float d0 = delta[row], d1 = delta[row + 8];
-#pragma unroll
-    for (int j = 0; j < kKeys / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 2) ? d1 : d0));
-        if (kMasked && s[4 * j + e] == 0.f) ds = 0.f;
-        dp[4 * j + e] = ds;
-      }
-    }
   }
 
   // A m64n48 accumulator (16-bit) into this warpgroup's keys of a [query][key] tile of 32B
@@ -376,41 +343,7 @@ struct Consumer {
                        __float_as_uint(x[3])});
     }
   }
-
-  // acc (three m64n48 tiles: head-dim rows 64 i + .., this warpgroup's keys) * scale, transposed,
-  // into the [key][kStageStride] staging tile: element (d, key) at key * kStageStride + d.
-  __device__ __forceinline__ static void stage_transposed(uint32_t stage,
-                                                          const float (&acc)[kDTiles][kKeys / 2],
-                                                          float scale, int row, int key0) {
-#pragma unroll
-    for (int i = 0; i < kDTiles; ++i) {
-      const int d = 64 * i + row;
-#pragma unroll
-      for (int j = 0; j < kKeys / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key0 + 8 * j + (e & 1), dd = d + 4 * (e & 2);
-          store_shared_2(stage + 2 * (key * kStageStride + dd),
-                         from_float<T>(acc[i][4 * j + e] * scale).bits);
-        }
-      }
-    }
-  }
 };
-
-// The staging tile's rows inside seqlen_k -> dst ([key][..] rows `row_stride` elements apart),
-// 16 bytes per thread and iteration; `tid` counts the consumers' threads.
-__device__ __forceinline__ void copy_rows(const uint8_t* stage, T* dst, int64_t row_stride,
-                                          int keys, int tid) {
-  constexpr int kPieces = kHeadDim * 2 / 16;  // 16-byte pieces per row
-  for (int i = tid; i < kBlockN * kPieces; i += 128 * kConsumers) {
-    const int key = i / kPieces, piece = i % kPieces;
-    if (key < keys) {
-      const uint4 x = *reinterpret_cast<const uint4*>(stage + key * kStageStride * 2 + 16 * piece);
-      *reinterpret_cast<uint4*>(dst + key * row_stride + 8 * piece) = x;
-    }
-  }
-}
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 64 x 64, 128B
@@ -523,9 +456,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
     wgmma_wait<1>();  // dP (dV^T may still run)
     wgmma_fence_operands(cs.dp);
     if (masked) {
-      cs.dsoftmax<true>(sm.delta_ptr(st), row);
+      wide_bwd::dsoftmax<true, kKeys>(cs.s, cs.dp, sm.delta_ptr(st), row);
     } else {
-      cs.dsoftmax<false>(sm.delta_ptr(st), row);
+      wide_bwd::dsoftmax<false, kKeys>(cs.s, cs.dp, sm.delta_ptr(st), row);
     }
     // dS_w is read by this warpgroup's dK^T and by both dQs: the other's previous dQ must be done
     if (it > 0) named_barrier_sync(kBarDsRead + w, 256);
@@ -542,7 +475,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
     wgmma_commit();
 
     wgmma_wait<2>();  // dV^T: dO is free
-    release(sm.do_empty());
+    wide_bwd::release(sm.do_empty());
     wgmma_wait<1>();  // dQ
     wgmma_fence_operands(cs.dq);
     if (it + 1 < count) named_barrier_arrive(kBarDsRead + (1 - w), 256);
@@ -556,7 +489,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
     }
     wgmma_wait<0>();  // dK^T: the Q stage (and its lse2 / delta) is free
     cs.hold_key_grads();
-    release(sm.q_empty(st));
+    wide_bwd::release(sm.q_empty(st));
   }
   if (tw == 0) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
 
@@ -567,12 +500,16 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
   const uint32_t stage = sm.q(0);
   const uint8_t* stage_ptr = sm.ptr + kSmemQ;
   named_barrier_sync(kBarEpilogue, 256);
-  Consumer::stage_transposed(stage, cs.dk, softmax_scale, row, key0);
-  Consumer::stage_transposed(stage + kStageBytes, cs.dv, 1.f, row, key0);
+  // (dK^T / dV^T: all head-dim rows, this warpgroup's 48 keys)
+  using wide_bwd::copy_rows, wide_bwd::stage_transposed;
+  stage_transposed<T, kDTiles, kKeys, kStageStride>(stage, cs.dk, softmax_scale, 0, row, key0);
+  stage_transposed<T, kDTiles, kKeys, kStageStride>(stage + kStageBytes, cs.dv, 1.f, 0, row,
+                                                    key0);
   named_barrier_sync(kBarEpilogue, 256);
-  copy_rows(stage_ptr, dk + batch * dk_sb + static_cast<int64_t>(n0) * dk_ss + head_kv * dk_sh,
-            dk_ss, keys, tid);
-  copy_rows(stage_ptr + kStageBytes,
-            dv + batch * dv_sb + static_cast<int64_t>(n0) * dv_ss + head_kv * dv_sh, dv_ss, keys,
-            tid);
+  copy_rows<T, kBlockN, kHeadDim, kStageStride, 256>(
+      stage_ptr, dk + batch * dk_sb + static_cast<int64_t>(n0) * dk_ss + head_kv * dk_sh, dk_ss,
+      keys, tid);
+  copy_rows<T, kBlockN, kHeadDim, kStageStride, 256>(
+      stage_ptr + kStageBytes,
+      dv + batch * dv_sb + static_cast<int64_t>(n0) * dv_ss + head_kv * dv_sh, dv_ss, keys, tid);
 }

@@ -77,6 +77,7 @@
 #include "common/reduce.cuh"
 #include "attention/mask.cuh"
 #include "attention/online_softmax.cuh"
+#include "attention/sm90_bwd_wide.cuh"
 
 using T = typename dtype_of<FC_DTYPE>::type;
 constexpr int kHeadDim = FC_HEAD_DIM;
@@ -249,14 +250,6 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
   }
 }
 
-// One arrival per consumer warp once every lane's wgmmas reading the stage have completed
-// (flash_bwd_sm90.cu's release without the proxy fence: each lse2 / delta value a lane loaded
-// fed the arithmetic of this step's completed wgmmas).
-__device__ __forceinline__ void release(uint32_t bar) {
-  __syncwarp();
-  if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
-}
-
 // 128B-swizzled [row][64 16-bit] chunk: byte offset of the 4-byte word holding columns col, col + 1
 // (col even) of `row`.
 __device__ __forceinline__ uint32_t swizzled_word(int row, int col) {
@@ -331,42 +324,21 @@ struct Consumer {
     wgmma_commit();
   }
 
-  // P = exp2(S scale_log2 - lse2[query]) in place, 0 where the key is hidden from the query
-  // (kMasked); then stored (16-bit) into the P tile at this warpgroup's keys. `row` = this lane's
-  // first query row in the block (16 warp + g), `key0` = its first key column in the block
-  // (kSKeys w + 2t).
+  // P (wide_bwd::probs), then stored (16-bit) into the P tile at this warpgroup's keys; `row` =
+  // this lane's first query row in the block (16 warp + g), `key0` = its first key column in the
+  // block (kSKeys w + 2t).
   template <bool kMasked>
   __device__ __forceinline__ void probs(const float* lse2, float scale_log2, const Mask& mask,
                                         int m0, int n0, int row, int key0, uint32_t p_tile) {
-    const float l0 = lse2[row], l1 = lse2[row + 8];
-#pragma unroll
-    for (int j = 0; j < kSKeys / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -((e & 2) ? l1 : l0)));
-        if (kMasked && !mask.visible(m0 + row + 4 * (e & 2), n0 + key0 + 8 * j + (e & 1)))
-          p = 0.f;
-        s[4 * j + e] = p;
-      }
-    }
+    wide_bwd::probs<kMasked, kSKeys>(s, lse2, scale_log2, mask, m0, n0, row, key0);
     store_tile(p_tile, s, row, key0);
   }
 
-  // dS = P o (dP - delta[query]) in dp's registers, 0 wherever P is 0 (kMasked: whatever dP
-  // holds there); then stored (16-bit) into the dS tile.
+  // dS (wide_bwd::dsoftmax) in dp's registers, then stored (16-bit) into the dS tile.
   template <bool kMasked>
   __device__ __forceinline__ void dsoftmax(const float* delta, int row, int key0,
                                            uint32_t ds_tile) {
-    const float d0 = delta[row], d1 = delta[row + 8];
-#pragma unroll
-    for (int j = 0; j < kSKeys / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 2) ? d1 : d0));
-        if (kMasked && s[4 * j + e] == 0.f) ds = 0.f;
-        dp[4 * j + e] = ds;
-      }
-    }
+    wide_bwd::dsoftmax<kMasked, kSKeys>(s, dp, delta, row);
     store_tile(ds_tile, dp, row, key0);
   }
 
@@ -438,42 +410,7 @@ struct Consumer {
                              __float_as_uint(x[2]), __float_as_uint(x[3])});
     }
   }
-
-  // acc (m64n{kBlockN} tiles of this warpgroup's head-dim rows) * scale, transposed, into the
-  // [key][kStageStride] staging tile: element (d, key) at key * kStageStride + d.
-  __device__ __forceinline__ static void stage_transposed(uint32_t stage,
-                                                          const float (&acc)[kDTiles][kBlockN / 2],
-                                                          float scale, int w, int row, int key0) {
-#pragma unroll
-    for (int i = 0; i < kDTiles; ++i) {
-      const int d = kDRows * w + 64 * i + row;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key0 + 8 * j + (e & 1), dd = d + 4 * (e & 2);
-          store_shared_2(stage + 2 * (key * kStageStride + dd),
-                         from_float<T>(acc[i][4 * j + e] * scale).bits);
-        }
-      }
-    }
-  }
-
 };
-
-// The staging tile's rows inside seqlen_k -> dst ([key][..] rows `row_stride` elements apart),
-// 16 bytes per thread and iteration; `tid` counts the consumers' threads.
-__device__ __forceinline__ void copy_rows(const uint8_t* stage, T* dst, int64_t row_stride,
-                                          int keys, int tid) {
-  constexpr int kPieces = kHeadDim * 2 / 16;  // 16-byte pieces per row
-  for (int i = tid; i < kBlockN * kPieces; i += 128 * kConsumers) {
-    const int key = i / kPieces, piece = i % kPieces;
-    if (key < keys) {
-      const uint4 x = *reinterpret_cast<const uint4*>(stage + key * kStageStride * 2 + 16 * piece);
-      *reinterpret_cast<uint4*>(dst + key * row_stride + 8 * piece) = x;
-    }
-  }
-}
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims (D, Sq, H, B)
@@ -554,7 +491,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     if constexpr (kDqStage) {  // the previous step's dQ reductions have read its stage: release it
       if (it > 0) {
         if (tw == 0) bulk_wait_group_read<0>();
-        release(sm.empty(stage_of(it - 1)));
+        wide_bwd::release(sm.empty(stage_of(it - 1)));
       }
     }
 
@@ -638,7 +575,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       }
       wgmma_wait<0>();
       cs.hold_key_grads();
-      release(sm.empty(st));
+      wide_bwd::release(sm.empty(st));
     }
   }
   if constexpr (kDqStage) {  // complete, not only read: no reduction outlives the CTA
@@ -652,12 +589,18 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   const uint32_t stage = sm.q(0);
   const uint8_t* stage_ptr = sm.ptr + kSmemQ;
   named_barrier_sync(2, 128 * kConsumers);
-  Consumer::stage_transposed(stage, cs.dk, softmax_scale, w, row, 2 * t);
-  Consumer::stage_transposed(stage + kStageBytes, cs.dv, 1.f, w, row, 2 * t);
+  // (dK^T / dV^T: this warpgroup's head-dim rows kDRows w .., all kBlockN keys)
+  using wide_bwd::copy_rows, wide_bwd::stage_transposed;
+  stage_transposed<T, kDTiles, kBlockN, kStageStride>(stage, cs.dk, softmax_scale, kDRows * w,
+                                                      row, 2 * t);
+  stage_transposed<T, kDTiles, kBlockN, kStageStride>(stage + kStageBytes, cs.dv, 1.f,
+                                                      kDRows * w, row, 2 * t);
   named_barrier_sync(2, 128 * kConsumers);
-  copy_rows(stage_ptr, dk + batch * dk_sb + static_cast<int64_t>(n0) * dk_ss + head_kv * dk_sh,
-            dk_ss, keys, tid);
-  copy_rows(stage_ptr + kStageBytes,
-            dv + batch * dv_sb + static_cast<int64_t>(n0) * dv_ss + head_kv * dv_sh, dv_ss, keys,
-            tid);
+  constexpr int kCopiers = 128 * kConsumers;
+  copy_rows<T, kBlockN, kHeadDim, kStageStride, kCopiers>(
+      stage_ptr, dk + batch * dk_sb + static_cast<int64_t>(n0) * dk_ss + head_kv * dk_sh, dk_ss,
+      keys, tid);
+  copy_rows<T, kBlockN, kHeadDim, kStageStride, kCopiers>(
+      stage_ptr + kStageBytes,
+      dv + batch * dv_sb + static_cast<int64_t>(n0) * dv_ss + head_kv * dv_sh, dv_ss, keys, tid);
 }
