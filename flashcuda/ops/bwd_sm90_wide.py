@@ -256,20 +256,17 @@ AB_DEFINES = ((("FC_DQ_V4", 1),), (("FC_PROBE_NO_DQ", 1),))
 # ... and of the staged dQ (FC_DQ_STAGE_SPLIT=0: both halves staged after dK^T, session 27's
 # kernel; the default stages the dO half while dK^T runs)
 AB_STAGE_DEFINES = ((("FC_DQ_STAGE_SPLIT", 0),),)
-# ... and of the key split (FC_SCORES_AHEAD: the next step's S issued under the dQ staging)
-AB_KEYS_DEFINES = ((("FC_SCORES_AHEAD", 1),),)
 
 
 def configs() -> list[Sm90BwdWideConfig]:
     """Per dtype and head dim: both dQ reductions, then the A/B variants of red (AB_DEFINES) and
-    of stage (AB_STAGE_DEFINES); then the key split and its A/B variants (AB_KEYS_DEFINES) per
-    dtype."""
+    of stage (AB_STAGE_DEFINES); then the key split per dtype."""
     return [Sm90BwdWideConfig(dt, d, dq_stage=stage, defines=defs)
             for stage, defs in ((False, ()), (True, ()), *((False, x) for x in AB_DEFINES),
                                 *((True, x) for x in AB_STAGE_DEFINES))
             for dt in DTYPES for d in HEAD_DIMS] + [
-        Sm90BwdWideConfig(dt, d, dq_stage=True, split="keys", defines=defs)
-        for defs in ((), *AB_KEYS_DEFINES) for dt in DTYPES for d in KEYS_HEAD_DIMS]
+        Sm90BwdWideConfig(dt, d, dq_stage=True, split="keys")
+        for dt in DTYPES for d in KEYS_HEAD_DIMS]
 
 
 def enabled() -> bool:

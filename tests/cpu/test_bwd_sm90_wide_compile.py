@@ -57,9 +57,7 @@ def test_sass_uses_wgmma(builds, cfg, tmp_path):
     assert not [line for line in hgmma if re.search(r"HGMMA\S+ R\d+, R\d+, gdesc", line)], \
         "every operand from shared memory"
     scores = [line for line in hgmma if f"64x{bn // c}x16" in line and ".tnsp" not in line]
-    # (FC_SCORES_AHEAD issues S in two places: before the loop and at the end of every step)
-    ahead = ("FC_SCORES_AHEAD", 1) in cfg.defines
-    assert len(scores) == (3 if ahead else 2) * (d // 16)
+    assert len(scores) == 2 * (d // 16)
     if cfg.keys_split:  # dV^T / dK^T over all head-dim tiles, this consumer's keys
         key_grads = [line for line in hgmma if f"64x{bn // c}x16" in line and ".tnsp" in line]
         assert len(key_grads) == 2 * (d // 64) * (bm // 16)
@@ -128,8 +126,7 @@ def test_config():
         "FC_CONSUMER_REGS": "240", "FC_SMEM_BYTES": str(cfg.smem_bytes)}
     assert cfg.aux().head_dim == 256 and cfg.seqlen_pad(65) == 128
     assert len(bwd_sm90_wide.configs()) == 2 * 2 * (
-        2 + len(bwd_sm90_wide.AB_DEFINES) + len(bwd_sm90_wide.AB_STAGE_DEFINES)) + 2 * (
-        1 + len(bwd_sm90_wide.AB_KEYS_DEFINES))
+        2 + len(bwd_sm90_wide.AB_DEFINES) + len(bwd_sm90_wide.AB_STAGE_DEFINES)) + 2
     keys = Sm90BwdWideConfig(torch.bfloat16, 192, dq_stage=True, split="keys")
     assert keys.name == "flash_bwd_sm90w_bf16_d192_bm64_bn96_c2_s2_dqs_keys"
     assert (keys.consumers, keys.threads, keys.consumer_regs, keys.k_swizzle) == (2, 384, 240, 64)

@@ -120,16 +120,6 @@ constexpr int kStageBytes = kBlockN * kStageStride * 2;
 // by the other, a sync by w before it stores the next step's dS).
 constexpr int kBarBoth = 1, kBarEpilogue = 2, kBarOwn = 3, kBarDsRead = 5;
 
-#ifndef FC_SCORES_AHEAD
-// 1 (A/B): the loop rotated so that the next step's S = Q K^T is issued as soon as this step's dQ
-// is in its staging buffer (the last step issues one on the idle Q stage, discarded): the tensor
-// cores then have S queued behind dK^T while the warpgroup fences, meets its barrier and issues
-// the bulk reduce-add (ncu, session 30: the staging path ~21% of the stall samples). S issued
-// before the stores spills (S's 24 accumulators beside dQ's 48 and dK^T / dV^T's 144).
-#define FC_SCORES_AHEAD 0
-#endif
-constexpr bool kScoresAhead = FC_SCORES_AHEAD;
-
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
 static_assert(kKeys % 16 == 0 && kDCols % 32 == 0, "slices on the narrow swizzles' atoms");
 static_assert(2 * kStageBytes <= kSmemDQ - kSmemQ, "dK / dV staging inside Q .. dS");
@@ -422,12 +412,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
   mbar_wait(sm.kv_full(), 0);  // also when there are no steps: no TMA may outlive the CTA
 
   const int count = steps.count();
-  if constexpr (kScoresAhead) {  // step 0's S (the loop issues each next one; none: discarded)
-    if (count > 0) mbar_wait(sm.q_full(0), 0);
-    wgmma_fresh(cs.s);
-    wgmma_fence();
-    cs.issue_scores(sm.q(0), k_rows0);
-  }
   int step_g = 0, step_mi = 0;
   for (int it = 0; it < count; ++it) {
     // The slices' addresses made opaque each step: their descriptors are then summed where the
@@ -445,20 +429,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
     }
     const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
 
-    if constexpr (!kScoresAhead) {
-      mbar_wait(sm.q_full(st), q_parity(it));
-      wgmma_fresh(cs.s);
-      wgmma_fresh(cs.dp);
-      wgmma_fence();
-      cs.issue_scores(sm.q(st), k_rows);
-    } else {  // S was issued at the end of the previous step (or before the loop): wait for it
-      // here (ptxas serialises every wgmma, C7514, when a group is still in flight after the
-      // loop's back edge; S then runs alone and dP is issued behind it)
-      wgmma_wait<0>();
-      wgmma_fence_operands(cs.s);
-      wgmma_fresh(cs.dp);
-      wgmma_fence();
-    }
+    mbar_wait(sm.q_full(st), q_parity(it));
+    wgmma_fresh(cs.s);
+    wgmma_fresh(cs.dp);
+    wgmma_fence();
+    cs.issue_scores(sm.q(st), k_rows);
     mbar_wait(sm.do_full(), do_parity(it));
     cs.issue_dp(dout, v_rows);
 
@@ -504,16 +479,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
     wgmma_wait<1>();  // dQ
     wgmma_fence_operands(cs.dq);
     if (it + 1 < count) named_barrier_arrive(kBarDsRead + (1 - w), 256);
-    if constexpr (kScoresAhead) {  // the next step's S under the dQ staging
-      cs.stage_dq(sm.dq(w), tw);
-      // the last step's S reads the idle stage and is discarded: no wait for a load there
-      if (it + 1 < count) mbar_wait(sm.q_full(q_stage(it + 1)), q_parity(it + 1));
-      wgmma_fresh(cs.s);
-      wgmma_fence();
-      cs.issue_scores(sm.q(q_stage(it + 1)), k_rows);
-    } else {
-      cs.stage_dq(sm.dq(w), tw);
-    }
+    cs.stage_dq(sm.dq(w), tw);
     fence_proxy_async();  // the generic stores before the bulk reduction's read
     named_barrier_sync(kBarOwn + w, 128);
     if (tw == 0) {  // floats [6144 w, + 6144) of the step's 64-row block of dq_accum
@@ -521,17 +487,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
       bulk_reduce_add_f32(dst, sm.dq(w), kDqBytes);
       bulk_commit_group();
     }
-    if constexpr (kScoresAhead) {
-      wgmma_wait<1>();  // dK^T: the Q stage (and its lse2 / delta) is free; the next S may run
-    } else {
-      wgmma_wait<0>();  // dK^T: the Q stage (and its lse2 / delta) is free
-    }
+    wgmma_wait<0>();  // dK^T: the Q stage (and its lse2 / delta) is free
     cs.hold_key_grads();
     wide_bwd::release(sm.q_empty(st));
-  }
-  if constexpr (kScoresAhead) {  // the discarded S, before the epilogue rewrites the Q stages
-    wgmma_wait<0>();
-    wgmma_fence_operands(cs.s);
   }
   if (tw == 0) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
 
