@@ -27,6 +27,10 @@
 #              (NCU_SHAPE, NCU_ARGS, NCU_KERNELS), ncu.txt
 #   ncu-source warp-stall samples per SASS instruction of one kernel (NCU_KERNELS, default
 #              flash_bwd_sm90): ncu-source.ncu-rep, ncu-source-sass.csv, ncu-source-top.txt
+#   ncu-full   `ncu --set full` of one kernel (NCU_KERNELS, NCU_SHAPE, NCU_ARGS as ncu-source; e.g.
+#              NCU_ARGS="--impl fa4" for the peer's): ncu-full-details.txt, ncu-full-raw.csv, and
+#              the pipes that bound a step printed (L1/TEX, the LSU's shared wavefronts by op,
+#              bank reads / writes, tensor pipe, issue slots)
 #   timeline   the sm90 forward's per-CTA timeline (scripts/sm90_timeline.py) at TIMELINE_SHAPES
 #              (default: the serving shape 1 2048 32 128 and 4 4096 16 128, causal), both
 #              work-tile orders: timeline-*.json / .png, a summary per run
@@ -194,6 +198,33 @@ for step in "${steps[@]}"; do
         > "$OUT/ncu-source-sass.csv" 2>> "$OUT/ncu-source.log" || rc=$?
       python3 scripts/ncu_source_summary.py "$OUT/ncu-source-sass.csv" > "$OUT/ncu-source-top.txt" 2>&1
       head -n 60 "$OUT/ncu-source-top.txt" ;;
+    ncu-full)
+      timeout "${NCU_TIMEOUT:-300}" ncu --clock-control none -k "regex:${NCU_KERNELS:-flash_bwd_sm90}" \
+        --launch-skip "${NCU_SKIP:-1}" --launch-count 1 --set full -f -o "$OUT/ncu-full" \
+        python3 scripts/profile_call.py --bwd --shape ${NCU_SHAPE:-4 4096 16 128} ${NCU_ARGS:-} \
+        > "$OUT/ncu-full.log" 2>&1; rc=$?
+      ncu --import "$OUT/ncu-full.ncu-rep" --page details > "$OUT/ncu-full-details.txt" 2>> "$OUT/ncu-full.log" || rc=$?
+      ncu --import "$OUT/ncu-full.ncu-rep" --page raw --csv > "$OUT/ncu-full-raw.csv" 2>> "$OUT/ncu-full.log" || rc=$?
+      python3 - "$OUT/ncu-full-raw.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+if len(rows) >= 3:
+    head, vals = rows[0], rows[-1]
+    want = ("l1tex__throughput.avg.pct_of_peak_sustained_active",
+            "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed",
+            "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum.pct_of_peak_sustained_elapsed",
+            "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum.pct_of_peak_sustained_elapsed",
+            "l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed",
+            "l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed",
+            "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
+            "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio",
+            "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+            "gpu__time_duration.sum")
+    for name in want:
+        if name in head:
+            print(f"{name:80s} {vals[head.index(name)]}")
+PY
+      ;;
     *)
       echo "unknown step $step"; rc=2 ;;
   esac
