@@ -2,8 +2,13 @@
 // head-dim rows; flash_bwd_sm90_keys.cu: split by keys): the consumers' softmax gradients on a
 // m64nN accumulator slice, the hand-back of a ring buffer, and the dK / dV epilogue (transposed
 // through shared memory, then 16-byte rows out). Templates over the kernel's sizes; T is the
-// kernel's 16-bit type. Include after common/types.cuh, common/sm90.cuh, attention/mask.cuh.
+// kernel's 16-bit type.
 #pragma once
+#include "common/types.cuh"
+#include "common/sm90.cuh"
+#include "common/smem.cuh"
+#include "attention/mask.cuh"
+#include "attention/online_softmax.cuh"
 
 namespace wide_bwd {
 
