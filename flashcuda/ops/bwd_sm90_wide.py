@@ -258,15 +258,21 @@ AB_DEFINES = ((("FC_DQ_V4", 1),), (("FC_PROBE_NO_DQ", 1),))
 AB_STAGE_DEFINES = ((("FC_DQ_STAGE_SPLIT", 0),),)
 
 
+# ... and of the key split (FC_KV_ROLES=1: dV^T in warpgroup 0, dK^T in warpgroup 1, each over
+# all 96 keys, instead of both over each warpgroup's 48)
+AB_KEYS_DEFINES = ((("FC_KV_ROLES", 1),),)
+
+
 def configs() -> list[Sm90BwdWideConfig]:
     """Per dtype and head dim: both dQ reductions, then the A/B variants of red (AB_DEFINES) and
-    of stage (AB_STAGE_DEFINES); then the key split per dtype."""
+    of stage (AB_STAGE_DEFINES); then the key split per dtype, and its A/B variants
+    (AB_KEYS_DEFINES)."""
     return [Sm90BwdWideConfig(dt, d, dq_stage=stage, defines=defs)
             for stage, defs in ((False, ()), (True, ()), *((False, x) for x in AB_DEFINES),
                                 *((True, x) for x in AB_STAGE_DEFINES))
             for dt in DTYPES for d in HEAD_DIMS] + [
-        Sm90BwdWideConfig(dt, d, dq_stage=True, split="keys")
-        for dt in DTYPES for d in KEYS_HEAD_DIMS]
+        Sm90BwdWideConfig(dt, d, dq_stage=True, split="keys", defines=defs)
+        for defs in ((), *AB_KEYS_DEFINES) for dt in DTYPES for d in KEYS_HEAD_DIMS]
 
 
 def enabled() -> bool:

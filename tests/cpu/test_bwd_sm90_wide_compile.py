@@ -57,22 +57,26 @@ def test_sass_uses_wgmma(builds, cfg, tmp_path):
     assert not [line for line in hgmma if re.search(r"HGMMA\S+ R\d+, R\d+, gdesc", line)], \
         "every operand from shared memory"
     scores = [line for line in hgmma if f"64x{bn // c}x16" in line and ".tnsp" not in line]
-    assert len(scores) == 2 * (d // 16)
-    if cfg.keys_split:  # dV^T / dK^T over all head-dim tiles, this consumer's keys
+    roles = ("FC_KV_ROLES", 1) in cfg.defines  # one step loop per consumer: each GEMM twice
+    assert len(scores) == 2 * (d // 16) * (2 if roles else 1)
+    if roles:  # dV^T in consumer 0, dK^T in consumer 1: all head-dim tiles, all keys
+        key_grads = [line for line in hgmma if f"64x{bn}x16" in line and ".tnspA" in line]
+        assert len(key_grads) == 2 * (d // 64) * (bm // 16)
+    elif cfg.keys_split:  # dV^T / dK^T over all head-dim tiles, this consumer's keys
         key_grads = [line for line in hgmma if f"64x{bn // c}x16" in line and ".tnsp" in line]
         assert len(key_grads) == 2 * (d // 64) * (bm // 16)
     else:  # over this consumer's head-dim tiles, all keys
         key_grads = [line for line in hgmma if f"64x{bn}x16" in line]
         assert len(key_grads) == 2 * (d // c // 64) * (bm // 16)
     assert all(".tnspA" in line and ".tnspB" in line for line in key_grads)
-    dq = [line for line in hgmma if f"64x{d // c}x16" in line]
-    assert len(dq) == bn // 16 and all(".tnspB" in line and ".tnspA" not in line for line in dq)
+    dq = [line for line in hgmma if f"64x{d // c}x16" in line and ".tnspA" not in line]
+    assert len(dq) == bn // 16 * (2 if roles else 1) and all(".tnspB" in line for line in dq)
     assert len(hgmma) == len(scores) + len(key_grads) + len(dq)
     assert "UTMALDG" in sass and "UBLKCP" in sass and "USETMAXREG" in sass
     v4 = ("FC_DQ_V4", 1) in cfg.defines
     if cfg.dq_stage:  # two (the key split: one) bulk reduce-adds per step and warpgroup, no
         # per-thread reductions
-        reductions = 1 if cfg.keys_split else 2
+        reductions = (2 if roles else 1) if cfg.keys_split else 2
         assert len(re.findall(r"UBLKRED\.G\.S\.ADD\.F32", sass)) == reductions
         assert "REDG" not in sass
         # (FC_DQ_STAGE_SPLIT: dQ + dV^T, then dK^T: three commit groups, two waits per step)
@@ -126,7 +130,8 @@ def test_config():
         "FC_CONSUMER_REGS": "240", "FC_SMEM_BYTES": str(cfg.smem_bytes)}
     assert cfg.aux().head_dim == 256 and cfg.seqlen_pad(65) == 128
     assert len(bwd_sm90_wide.configs()) == 2 * 2 * (
-        2 + len(bwd_sm90_wide.AB_DEFINES) + len(bwd_sm90_wide.AB_STAGE_DEFINES)) + 2
+        2 + len(bwd_sm90_wide.AB_DEFINES) + len(bwd_sm90_wide.AB_STAGE_DEFINES)) + 2 * (
+        1 + len(bwd_sm90_wide.AB_KEYS_DEFINES))
     keys = Sm90BwdWideConfig(torch.bfloat16, 192, dq_stage=True, split="keys")
     assert keys.name == "flash_bwd_sm90w_bf16_d192_bm64_bn96_c2_s2_dqs_keys"
     assert (keys.consumers, keys.threads, keys.consumer_regs, keys.k_swizzle) == (2, 384, 240, 64)

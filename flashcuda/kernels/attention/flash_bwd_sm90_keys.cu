@@ -74,6 +74,10 @@
 #include "attention/online_softmax.cuh"
 #include "attention/sm90_bwd_wide.cuh"
 
+#ifndef FC_KV_ROLES
+#define FC_KV_ROLES 0  // 1: dV^T in warpgroup 0, dK^T in warpgroup 1 (A/B; see consume_roles)
+#endif
+
 using T = typename dtype_of<FC_DTYPE>::type;
 constexpr int kHeadDim = 192;
 constexpr int kBlockM = 64;   // query rows per step
@@ -216,12 +220,12 @@ __device__ __forceinline__ uint32_t swizzled32_word(int row, int col) {
   return row * 32 + ((((col >> 3) ^ ((row >> 2) & 1)) << 4) | ((col & 7) << 1));
 }
 
-struct Consumer {
-  float dk[kDTiles][kKeys / 2];  // dK^T rows [64 i, + 64) x this warpgroup's 48 keys (m64n48)
-  float dv[kDTiles][kKeys / 2];
-  float s[kKeys / 2];            // S, then P (fp32): 64 queries x 48 keys
-  float dp[kKeys / 2];           // dP, then dS
-  float dq[kDCols / 2];          // dQ: 64 queries x 96 columns
+// A consumer warpgroup's per-step tiles and the GEMMs that make them (both layouts of the key
+// gradients below share them).
+struct StepTiles {
+  float s[kKeys / 2];    // S, then P (fp32): 64 queries x 48 keys
+  float dp[kKeys / 2];   // dP, then dS
+  float dq[kDCols / 2];  // dQ: 64 queries x 96 columns
 
   // S_w = Q K_w^T (one commit group): A = the Q stage (128B chunks of 64 columns; step kk: 32
   // bytes at column (kk % 4) 16 of chunk kk / 4), B = this warpgroup's 48 K rows (64B chunks of
@@ -251,35 +255,6 @@ struct Consumer {
     wgmma_commit();
   }
 
-  // acc[i] += X^T Z_w for the three head-dim tiles i (no commit): X = the Q stage or dO
-  // ([query][d]; tile i = chunk i, read MN-major, step kk: queries 16 kk .. at 2048 bytes
-  // further), Z_w = this warpgroup's 48 keys of the P or dS tile ([query][key], 32B chunks of 16
-  // keys read MN-major: the next 16 keys at LBO = a chunk, 8 queries at SBO = 256 bytes; step kk:
-  // 512 bytes further).
-  __device__ __forceinline__ static void issue_key_grad(float (&acc)[kDTiles][kKeys / 2],
-                                                        uint32_t x, uint32_t z_keys) {
-    const uint64_t b0 = smem_desc(z_keys, kPChunkBytes, 256, kSwizzle32B);
-#pragma unroll
-    for (int i = 0; i < kDTiles; ++i) {
-      const uint64_t a0 = smem_desc_mn_major_sw128(x + i * kQChunkBytes, kQChunkBytes);
-#pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        wgmma_ss_tt<kKeys, T>(acc[i], desc_advance(a0, kk * 2048), desc_advance(b0, kk * 512),
-                              1);
-      }
-    }
-  }
-
-  // dK^T / dV^T belong to the tensor cores between a wgmma's issue and its wait: keep the
-  // compiler's reads and writes of them on their side of both.
-  __device__ __forceinline__ void hold_key_grads() {
-#pragma unroll
-    for (int i = 0; i < kDTiles; ++i) {
-      wgmma_fence_operands(dv[i]);
-      wgmma_fence_operands(dk[i]);
-    }
-  }
-
   // dq = dS K[:, 96 w ..] (one commit group): A = dS [query][key] read K-major (32B chunks of 16
   // keys: step kk is chunk kk; 8 rows at SBO = 256), B = K [key][d] read MN-major from chunk 3w
   // (64B chunks of 32 columns: the next 32 at LBO = a chunk; 8 keys at SBO = 512; step kk: key
@@ -293,6 +268,25 @@ struct Consumer {
                              kk > 0);
     }
     wgmma_commit();
+  }
+
+  // acc[i] += X^T Z for the three head-dim tiles i (no commit): X = the Q stage or dO
+  // ([query][d]; tile i = chunk i, read MN-major, step kk: queries 16 kk .. at 2048 bytes
+  // further), Z = N keys of the P or dS tile from `z_keys` on ([query][key], 32B chunks of 16
+  // keys read MN-major: the next 16 keys at LBO = a chunk, 8 queries at SBO = 256 bytes; step kk:
+  // 512 bytes further).
+  template <int N>
+  __device__ __forceinline__ static void issue_key_grad(float (&acc)[kDTiles][N / 2], uint32_t x,
+                                                        uint32_t z_keys) {
+    const uint64_t b0 = smem_desc(z_keys, kPChunkBytes, 256, kSwizzle32B);
+#pragma unroll
+    for (int i = 0; i < kDTiles; ++i) {
+      const uint64_t a0 = smem_desc_mn_major_sw128(x + i * kQChunkBytes, kQChunkBytes);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        wgmma_ss_tt<N, T>(acc[i], desc_advance(a0, kk * 2048), desc_advance(b0, kk * 512), 1);
+      }
+    }
   }
 
   // P (wide_bwd::probs), then stored (16-bit) into the P tile at this warpgroup's keys; `row` =
@@ -343,7 +337,181 @@ struct Consumer {
                        __float_as_uint(x[3])});
     }
   }
+
+  // The step's dQ (waited for) into warpgroup w's staging buffer, then one bulk reduce-add into
+  // floats [6144 w, + 6144) of dq_accum's 64-row block of the step (query block m0 of head bh).
+  __device__ __forceinline__ void reduce_dq(const Smem& sm, int w, int tw, float* dq_accum,
+                                            int64_t bh, int seqlen_q_pad, int m0) const {
+    stage_dq(sm.dq(w), tw);
+    fence_proxy_async();  // the generic stores before the bulk reduction's read
+    named_barrier_sync(kBarOwn + w, 128);
+    if (tw == 0) {
+      float* dst = dq_accum + (bh * seqlen_q_pad + m0) * kHeadDim + (kBlockM * kDCols) * w;
+      bulk_reduce_add_f32(dst, sm.dq(w), kDqBytes);
+      bulk_commit_group();
+    }
+  }
 };
+
+// The key split's consumer: dK^T_w / dV^T_w over all head-dim rows and this warpgroup's keys.
+struct Consumer : StepTiles {
+  float dk[kDTiles][kKeys / 2];  // dK^T rows [64 i, + 64) x this warpgroup's 48 keys (m64n48)
+  float dv[kDTiles][kKeys / 2];
+
+  // dK^T / dV^T belong to the tensor cores between a wgmma's issue and its wait: keep the
+  // compiler's reads and writes of them on their side of both.
+  __device__ __forceinline__ void hold_key_grads() {
+#pragma unroll
+    for (int i = 0; i < kDTiles; ++i) {
+      wgmma_fence_operands(dv[i]);
+      wgmma_fence_operands(dk[i]);
+    }
+  }
+};
+
+#if FC_KV_ROLES
+// ---- FC_KV_ROLES: dV^T in warpgroup 0, dK^T in warpgroup 1 --------------------------------------
+// The key split above makes each warpgroup's dV^T_w / dK^T_w read all of dO^T / Q^T as their A
+// operands (3 x 8 KB each per step, twice over the two warpgroups) for an N of 48 keys. Here
+// warpgroup 0 keeps dV^T and warpgroup 1 dK^T, each over all 96 keys (m64n96, the same 144
+// accumulator registers): A is read once per step, and the per-step operand reads of the key
+// gradients fall from 2 x 84 KB to 2 x 60 KB (the step is bound by the shared-memory pipe:
+// docs/perf-notes.md, session 30's ncu). S / dP stay split by keys and dQ by columns; the
+// hand-offs become
+//   P:  dV^T (warpgroup 0) reads both halves: warpgroup 1 arrives on kBarP once its P_1 is
+//       stored, and waits on kBarPRead (warpgroup 0's previous dV^T is done) before storing it;
+//   dS: dK^T (warpgroup 1) and both dQs read both halves: kBarBoth as in the key split; before
+//       storing dS_0, warpgroup 0 waits for warpgroup 1's previous dQ_1 and dK^T (kBarDsRead),
+//       before dS_1 warpgroup 1 for warpgroup 0's previous dQ_0.
+// dO is released by warpgroup 0 after dV^T and by warpgroup 1 after dP; the Q stage by warpgroup
+// 0 after its dS, by warpgroup 1 after dK^T.
+constexpr int kBarP = 7, kBarPRead = 8;
+
+struct RoleConsumer : StepTiles {
+  float kv[kDTiles][kBlockN / 2];  // dV^T (w = 0) or dK^T (w = 1): rows [64 i, + 64) x 96 keys
+
+  __device__ __forceinline__ void hold_key_grads() {
+#pragma unroll
+    for (int i = 0; i < kDTiles; ++i) wgmma_fence_operands(kv[i]);
+  }
+};
+
+// Consumer warpgroup kW's steps, then its key gradient (dK^T * softmax_scale for w = 1, dV^T for
+// w = 0) transposed into its half of the epilogue's staging (kernel's epilogue copies it out).
+template <int kW>
+__device__ __forceinline__ void consume_roles(const Smem& sm, const Steps& steps, const Mask& mask,
+                                              int n0, int head_kv, int batch, int nheads,
+                                              int seqlen_q_pad, float scale_log2,
+                                              float softmax_scale, float* __restrict__ dq_accum) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int warp = static_cast<int>((threadIdx.x / 32) % 4);  // within the warpgroup
+  const int g = lane >> 2, t = lane & 3;
+  const int row = 16 * warp + g;
+  const int key0 = kKeys * kW + 2 * t;  // this lane's first S / dP key column in the block
+  const int tw = static_cast<int>(threadIdx.x & 127);
+  const uint32_t k_rows0 = sm.k() + kKeys * kW * 64;
+  const uint32_t v_rows0 = sm.v() + kKeys * kW * 128;
+  const uint32_t k_cols0 = sm.k() + (kDCols / 32) * kW * kKChunkBytes;
+  uint32_t at[2];
+  StepTiles::lane_offsets(at, kW, row, t);
+  RoleConsumer cs;
+#pragma unroll
+  for (int i = 0; i < kDTiles; ++i)
+#pragma unroll
+    for (int j = 0; j < kBlockN / 2; ++j) cs.kv[i][j] = 0.f;
+  mbar_wait(sm.kv_full(), 0);  // also when there are no steps: no TMA may outlive the CTA
+
+  const int count = steps.count();
+  int step_g = 0, step_mi = 0;
+  for (int it = 0; it < count; ++it) {
+    // (opaque each step, as in the key split's loop)
+    uint32_t k_rows = k_rows0, v_rows = v_rows0, k_cols = k_cols0, p_all = sm.p();
+    uint32_t ds_all = sm.ds(), dout = sm.dout();
+    asm volatile("" : "+r"(k_rows), "+r"(v_rows), "+r"(k_cols), "+r"(p_all), "+r"(ds_all),
+                 "+r"(dout));
+    const int st = q_stage(it);
+    const int h = head_kv * steps.group + step_g, m0 = (steps.m_first + step_mi) * kBlockM;
+    if (++step_mi == steps.n_m) {
+      step_mi = 0;
+      ++step_g;
+    }
+    const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
+
+    mbar_wait(sm.q_full(st), q_parity(it));
+    wgmma_fresh(cs.s);
+    wgmma_fresh(cs.dp);
+    wgmma_fence();
+    cs.issue_scores(sm.q(st), k_rows);
+    mbar_wait(sm.do_full(), do_parity(it));
+    cs.issue_dp(dout, v_rows);
+
+    const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + kKeys * kW, kKeys);
+    wgmma_wait<1>();  // S
+    wgmma_fence_operands(cs.s);
+    if (kW == 1 && it > 0) named_barrier_sync(kBarPRead, 256);  // the previous dV^T read P_1
+    if (masked) {
+      cs.probs<true>(sm.lse2_ptr(st), scale_log2, mask, m0, n0, row, key0, sm.p(), at);
+    } else {
+      cs.probs<false>(sm.lse2_ptr(st), scale_log2, mask, m0, n0, row, key0, sm.p(), at);
+    }
+    fence_proxy_async();  // the generic stores before the async-proxy reads of the wgmmas
+    if constexpr (kW == 0) {
+      named_barrier_sync(kBarP, 256);  // both halves of P stored
+      cs.hold_key_grads();
+      wgmma_fence();
+      StepTiles::issue_key_grad<kBlockN>(cs.kv, dout, p_all);  // dV^T += dO^T P
+      wgmma_commit();
+      wgmma_wait<1>();  // dP (dV^T may still run)
+    } else {
+      named_barrier_arrive(kBarP, 256);
+      wgmma_wait<0>();  // dP
+      wide_bwd::release(sm.do_empty());  // this warpgroup's only read of dO
+    }
+    wgmma_fence_operands(cs.dp);
+    if (masked) {
+      wide_bwd::dsoftmax<true, kKeys>(cs.s, cs.dp, sm.delta_ptr(st), row);
+    } else {
+      wide_bwd::dsoftmax<false, kKeys>(cs.s, cs.dp, sm.delta_ptr(st), row);
+    }
+    if constexpr (kW == 0) wide_bwd::release(sm.q_empty(st));  // S, lse2, delta: all read
+    if (it > 0) named_barrier_sync(kBarDsRead + kW, 256);  // the other's readers of dS are done
+    StepTiles::store_tile(sm.ds(), cs.dp, at);
+    if (tw == 0) bulk_wait_group_read<0>();  // the previous dQ reduction has read the staging
+    fence_proxy_async();
+    named_barrier_sync(kBarBoth, 256);
+
+    wgmma_fresh(cs.dq);
+    wgmma_fence();
+    cs.issue_dq(ds_all, k_cols);
+    cs.hold_key_grads();
+    if constexpr (kW == 0) {
+      wgmma_wait<1>();  // dV^T: dO is free, and P_1 for warpgroup 1's next step
+      cs.hold_key_grads();
+      wide_bwd::release(sm.do_empty());
+      if (it + 1 < count) named_barrier_arrive(kBarPRead, 256);
+      wgmma_wait<0>();  // dQ
+      wgmma_fence_operands(cs.dq);
+      if (it + 1 < count) named_barrier_arrive(kBarDsRead + 1, 256);
+      cs.reduce_dq(sm, kW, tw, dq_accum, bh, seqlen_q_pad, m0);
+    } else {
+      StepTiles::issue_key_grad<kBlockN>(cs.kv, sm.q(st), ds_all);  // dK^T += Q^T dS
+      wgmma_commit();
+      wgmma_wait<1>();  // dQ
+      wgmma_fence_operands(cs.dq);
+      cs.reduce_dq(sm, kW, tw, dq_accum, bh, seqlen_q_pad, m0);
+      wgmma_wait<0>();  // dK^T: dS_0 is read, and the Q stage is free
+      cs.hold_key_grads();
+      if (it + 1 < count) named_barrier_arrive(kBarDsRead + 0, 256);
+      wide_bwd::release(sm.q_empty(st));
+    }
+  }
+  if (tw == 0) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
+
+  named_barrier_sync(kBarEpilogue, 256);  // every wgmma of both is done: Q .. dS are free
+  wide_bwd::stage_transposed<T, kDTiles, kBlockN, kStageStride>(
+      sm.q(0) + (1 - kW) * kStageBytes, cs.kv, kW == 1 ? softmax_scale : 1.f, 0, row, 2 * t);
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 64 x 64, 128B
@@ -388,6 +556,19 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
 
   // ---- consumer warpgroups
   setmaxnreg_inc<kConsumerRegs>();
+#if FC_KV_ROLES
+  if (wg == 1) {
+    consume_roles<0>(sm, steps, mask, n0, head_kv, batch, nheads, seqlen_q_pad, scale_log2,
+                     softmax_scale, dq_accum);
+  } else {
+    consume_roles<1>(sm, steps, mask, n0, head_kv, batch, nheads, seqlen_q_pad, scale_log2,
+                     softmax_scale, dq_accum);
+  }
+  const int tid = static_cast<int>(threadIdx.x) - 128;
+  const int keys = min(kBlockN, seqlen_k - n0);
+  const uint8_t* stage_ptr = sm.ptr + kSmemQ;
+  using wide_bwd::copy_rows;
+#else
   const int w = wg - 1;
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int warp = static_cast<int>((threadIdx.x / 32) % 4);  // within the warpgroup
@@ -450,7 +631,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
     named_barrier_sync(kBarOwn + w, 128);
     cs.hold_key_grads();
     wgmma_fence();
-    Consumer::issue_key_grad(cs.dv, dout, p_keys);
+    Consumer::issue_key_grad<kKeys>(cs.dv, dout, p_keys);
     wgmma_commit();
 
     wgmma_wait<1>();  // dP (dV^T may still run)
@@ -471,7 +652,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
     wgmma_fence();
     cs.issue_dq(sm.ds(), k_cols);
     cs.hold_key_grads();
-    Consumer::issue_key_grad(cs.dk, sm.q(st), ds_keys);
+    Consumer::issue_key_grad<kKeys>(cs.dk, sm.q(st), ds_keys);
     wgmma_commit();
 
     wgmma_wait<2>();  // dV^T: dO is free
@@ -479,14 +660,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
     wgmma_wait<1>();  // dQ
     wgmma_fence_operands(cs.dq);
     if (it + 1 < count) named_barrier_arrive(kBarDsRead + (1 - w), 256);
-    cs.stage_dq(sm.dq(w), tw);
-    fence_proxy_async();  // the generic stores before the bulk reduction's read
-    named_barrier_sync(kBarOwn + w, 128);
-    if (tw == 0) {  // floats [6144 w, + 6144) of the step's 64-row block of dq_accum
-      float* dst = dq_accum + (bh * seqlen_q_pad + m0) * kHeadDim + (kBlockM * kDCols) * w;
-      bulk_reduce_add_f32(dst, sm.dq(w), kDqBytes);
-      bulk_commit_group();
-    }
+    cs.reduce_dq(sm, w, tw, dq_accum, bh, seqlen_q_pad, m0);
     wgmma_wait<0>();  // dK^T: the Q stage (and its lse2 / delta) is free
     cs.hold_key_grads();
     wide_bwd::release(sm.q_empty(st));
@@ -505,6 +679,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
   stage_transposed<T, kDTiles, kKeys, kStageStride>(stage, cs.dk, softmax_scale, 0, row, key0);
   stage_transposed<T, kDTiles, kKeys, kStageStride>(stage + kStageBytes, cs.dv, 1.f, 0, row,
                                                     key0);
+#endif
   named_barrier_sync(kBarEpilogue, 256);
   copy_rows<T, kBlockN, kHeadDim, kStageStride, 256>(
       stage_ptr, dk + batch * dk_sb + static_cast<int64_t>(n0) * dk_ss + head_kv * dk_sh, dk_ss,
