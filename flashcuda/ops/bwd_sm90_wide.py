@@ -6,7 +6,8 @@ split; sanitizers clean on the boundary cases);
 dispatched by default at these head dims: d256 1.04-1.18x cuDNN, d192 1.22-1.49x at every sweep
 point (docs/perf-notes.md, sessions 27-28), where the SIMT backward ran at 7-8 TFLOP/s. Against
 FlashAttention 4 (session 29): d256 1.02-1.12x the best peer, d192 0.83-0.89x FA4 (its d192
-splits dK / dV by keys over two warpgroups) -> session 30's key split below, 0.90-0.96x.
+splits dK / dV by keys over two warpgroups) -> session 30's key split below, 0.90-0.96x; with
+session 31's role split of dK / dV a further +4 to +10% (same-process A/B).
 
 flash_bwd_sm90.cu (family bwd_sm90) keeps each consumer warpgroup's 64 keys x head dim of dK and
 dV in registers, which does not fit at head dim 256; this family's MAIN kernel
@@ -23,9 +24,12 @@ bwd_sm90.
 
 The split (FLASHCUDA_SM90_BWD_WIDE_SPLIT): "keys", d192's default since session 30 (+5 to +14%
 over "dims"; 0.90-0.96x FA4, was 0.83-0.89x), runs kernels/attention/flash_bwd_sm90_keys.cu:
-FA4's d192 shape, dK^T / dV^T split by keys between two warpgroups so that only dQ needs the
-other warpgroup's dS; K in 64-byte-swizzled TMA boxes of 32 columns (cfg.k_swizzle), P / dS in
-a 32-byte swizzle, dQ always staged. "dims" is the head-dim split above (d256 has only it).
+S / dP split by keys between two warpgroups (FA4's d192 shape), and since session 31 dV^T kept
+by warpgroup 0 and dK^T by warpgroup 1, each over all 96 keys (FC_KV_ROLES, default 1: each step
+reads dO^T / Q^T once as wgmma operands; +4 to +10% over FA4's layout, FC_KV_ROLES=0, where each
+warpgroup keeps both over its own 48 keys); K in 64-byte-swizzled TMA boxes of 32 columns
+(cfg.k_swizzle), P / dS in a 32-byte swizzle, dQ always staged. "dims" is the head-dim split
+above (d256 has only it).
 
 dQ (FLASHCUDA_SM90_BWD_WIDE_DQ): "stage", the default (+13-20% at d256, then +10-15% more with
 the split): each consumer stores its dQ tile into its own, then idle, Q / dO chunks of the stage
@@ -258,9 +262,10 @@ AB_DEFINES = ((("FC_DQ_V4", 1),), (("FC_PROBE_NO_DQ", 1),))
 AB_STAGE_DEFINES = ((("FC_DQ_STAGE_SPLIT", 0),),)
 
 
-# ... and of the key split (FC_KV_ROLES=1: dV^T in warpgroup 0, dK^T in warpgroup 1, each over
-# all 96 keys, instead of both over each warpgroup's 48)
-AB_KEYS_DEFINES = ((("FC_KV_ROLES", 1),),)
+# ... and of the key split (FC_KV_ROLES=0: dV^T / dK^T both split by keys, 48 per warpgroup,
+# session 30's; the default keeps dV^T in warpgroup 0 and dK^T in warpgroup 1, over all 96 keys:
+# +4 to +10%, session 31)
+AB_KEYS_DEFINES = ((("FC_KV_ROLES", 0),),)
 
 
 def configs() -> list[Sm90BwdWideConfig]:

@@ -57,7 +57,8 @@ def test_sass_uses_wgmma(builds, cfg, tmp_path):
     assert not [line for line in hgmma if re.search(r"HGMMA\S+ R\d+, R\d+, gdesc", line)], \
         "every operand from shared memory"
     scores = [line for line in hgmma if f"64x{bn // c}x16" in line and ".tnsp" not in line]
-    roles = ("FC_KV_ROLES", 1) in cfg.defines  # one step loop per consumer: each GEMM twice
+    # the key split's default: one step loop per consumer (each GEMM twice in the SASS)
+    roles = cfg.keys_split and ("FC_KV_ROLES", 0) not in cfg.defines
     assert len(scores) == 2 * (d // 16) * (2 if roles else 1)
     if roles:  # dV^T in consumer 0, dK^T in consumer 1: all head-dim tiles, all keys
         key_grads = [line for line in hgmma if f"64x{bn}x16" in line and ".tnspA" in line]

@@ -1,23 +1,29 @@
-// Flash attention backward for head dim 192 on sm90a, fp16 / bf16, with dK / dV split by keys
-// between two consumer warpgroups: the main kernel (MAIN) between bwd_sm80's PRE and CONVERT, as
-// flash_bwd_sm90_wide.cu, whose d192 shape it replaces (FlashAttention 4's d192 Hopper shape).
+// Flash attention backward for head dim 192 on sm90a, fp16 / bf16, S / dP split by keys between
+// two consumer warpgroups and dV / dK split by role (dV in warpgroup 0, dK in warpgroup 1): the
+// main kernel (MAIN) between bwd_sm80's PRE and CONVERT, as flash_bwd_sm90_wide.cu, whose d192
+// shape it replaces.
 //
-// Status: proven on the H200 (tests/gpu/test_bwd_sm90_wide.py, float64 oracle, 850 run / 0 failed
-// at ca2a337 with this kernel as the d192 default; memcheck / synccheck 0 errors, racecheck only
-// the analysed lse2 / delta report, on the boundary suite's d192 case); the d192 default of
-// family bwd_sm90_wide since ca2a337 (FLASHCUDA_SM90_BWD_WIDE_SPLIT=keys | dims): +5 to +14% over
-// the head-dim split, 0.90-0.96x FlashAttention 4 (docs/perf-notes.md, session 30).
+// Status: proven on the H200 (tests/gpu/test_bwd_sm90_wide.py, float64 oracle; 850 run / 0 failed
+// at ca2a337 with the key split below as the d192 default, 170 / 0 at 9206e80 with both key-
+// gradient layouts; sanitizer records in docs/GUARANTEES.md §1); the d192 default of family
+// bwd_sm90_wide (FLASHCUDA_SM90_BWD_WIDE_SPLIT=keys | dims): the key split +5 to +14% over the
+// head-dim split (session 30), the role split a further +4 to +10% (session 31,
+// docs/perf-notes.md).
 //
 // Why: flash_bwd_sm90_wide.cu's d192 shape (three warpgroups, dK^T / dV^T split by head-dim rows)
 // makes every warpgroup's key gradients read the P / dS of all three, so one barrier of all
 // three stands before every step's dV^T / dK^T (36% of the stall samples at its d256 sibling).
-// Here a warpgroup's dK^T / dV^T cover all 192 head-dim rows but only its own 48 keys:
-//     dV^T_w += dO^T P_w,  dK^T_w += Q^T dS_w    (M = 192: three m64 tiles; N = 48 keys)
-// so they read only the P / dS the warpgroup wrote itself (a barrier of its own 128 threads), and
-// only dQ, split by head-dim columns (96 each), needs the other warpgroup's dS:
+// Here S / dP are split by keys (48 each; FlashAttention 4's d192 Hopper shape) and
+// (FC_KV_ROLES = 1, the default) one warpgroup keeps each key gradient, over all 96 keys:
+//     dV^T += dO^T P  (warpgroup 0),  dK^T += Q^T dS  (warpgroup 1)   (M = 192: three m64 tiles)
+// so dV^T waits only for P (warpgroup 1 arrives, never waits), dK^T stands behind the dS barrier
+// that dQ needs anyway, and each step reads dO^T / Q^T once as an A operand: the step is bound
+// by the shared-memory pipe (session 30's ncu), and this cuts its operand reads by ~12%.
+// FC_KV_ROLES = 0 builds session 30's key split instead, FlashAttention 4's: each warpgroup
+// keeps dV^T_w / dK^T_w over all head-dim rows and only its own 48 keys, reading only the P / dS
+// it wrote (dO^T and Q^T then read by both). In both, dQ is split by head-dim columns:
 //     dQ_w = dS K[:, 96 w .. 96 w + 95]           (M = 64 queries, N = 96, K = 96 keys)
-// Each wgmma is wider than the three-warpgroup split's (S / dP n48 instead of n32, dV^T / dK^T
-// n48 over 3 tiles instead of n96 over 1), and there are two warpgroups of 240 registers.
+// and there are two warpgroups of 240 registers.
 //
 // Slices that start inside a 128-byte swizzle atom: warpgroup 1's 48 keys of P / dS start at key
 // 48 of a 64-key atom, and its 96 dQ columns at column 96 of K (mid-atom of a 64-column chunk).
@@ -42,16 +48,24 @@
 //         q_empty[s]) and dO into a single buffer (do_full, do_empty): shared memory has no room
 //         for a second dO beside the dQ staging (FlashAttention 4 keeps one dO stage too).
 //   1, 2  consumers w = 0, 1 (setmaxnreg.inc).
-// Per step (query block m0, Q stage s), consumer w:
+// Per step (query block m0, Q stage s), consumer w (the default, consume_roles):
 //     wait q_full[s] | issue S_w = Q K_w^T | wait do_full | issue dP_w = dO V_w^T |
-//     wait S: P = exp2(S scale_log2 - lse2) (0 where masked) -> 16-bit -> its keys of the P tile |
-//     own barrier | issue dV^T_w | wait dP: dS = P o (dP - delta) (0 where masked) | (the other
-//     warpgroup's previous dQ has read dS) -> its keys of the dS tile | barrier of both |
-//     issue dQ_w, dK^T_w | wait dV^T: release dO | wait dQ: tell the other warpgroup, stage dQ,
-//     one bulk reduce-add into dq_accum | wait dK^T: release Q stage s.
-// Epilogue: a barrier of both, then each stores its keys of dK^T * softmax_scale and dV^T
-// transposed into padded [key][d] staging rows over the (idle) Q / dO / P / dS region, a
-// barrier, and all consumer threads copy the rows inside seqlen_k to dk / dv in 16-byte pieces.
+//     wait S: P = exp2(S scale_log2 - lse2) (0 where masked) -> 16-bit -> its keys of the P tile
+//     (w = 1: after warpgroup 0's previous dV^T) |
+//       w = 0: barrier of both's P | issue dV^T | wait dP
+//       w = 1: arrive on the P barrier | wait dP: release dO |
+//     dS = P o (dP - delta) (0 where masked) (w = 0: release Q stage s) | (the other warpgroup's
+//     previous readers of dS are done) -> its keys of the dS tile | barrier of both | issue dQ_w |
+//       w = 0: wait dV^T: release dO, tell warpgroup 1 | wait dQ: tell warpgroup 1, stage dQ,
+//              one bulk reduce-add into dq_accum
+//       w = 1: issue dK^T | wait dQ: stage dQ, one bulk reduce-add | wait dK^T: tell warpgroup
+//              0, release Q stage s.
+// (FC_KV_ROLES = 0, the kernel's second loop: both issue dV^T_w after their own barrier and
+// dK^T_w beside dQ_w, and release dO / the Q stage after them.)
+// Epilogue: a barrier of both, then each stores its key gradient (dK^T * softmax_scale, dV^T;
+// FC_KV_ROLES = 0: its keys of both) transposed into padded [key][d] staging rows over the (idle)
+// Q / dO / P / dS region, a barrier, and all consumer threads copy the rows inside seqlen_k to
+// dk / dv in 16-byte pieces.
 //
 // Shared memory (each region 1024-byte aligned):
 //     K       [96][192]      6 chunks x 96 rows x 64 B (64B swizzle)         36 KB
@@ -75,7 +89,7 @@
 #include "attention/sm90_bwd_wide.cuh"
 
 #ifndef FC_KV_ROLES
-#define FC_KV_ROLES 0  // 1: dV^T in warpgroup 0, dK^T in warpgroup 1 (A/B; see consume_roles)
+#define FC_KV_ROLES 1  // dV^T in warpgroup 0, dK^T in warpgroup 1; 0: both split by keys (A/B)
 #endif
 
 using T = typename dtype_of<FC_DTYPE>::type;
@@ -120,8 +134,9 @@ constexpr int kStageStride = kHeadDim + 8;
 constexpr int kStageBytes = kBlockN * kStageStride * 2;
 
 // Named barriers (0 is __syncthreads): 1 both consumers' dS stored; 2 the epilogue's; 3 + w
-// consumer w's own threads; 5 + w "the other consumer's dQ has read this step's dS" (an arrive
-// by the other, a sync by w before it stores the next step's dS).
+// consumer w's own threads; 5 + w "the other consumer's readers of this step's dS are done" (an
+// arrive by the other, a sync by w before it stores the next step's dS); FC_KV_ROLES adds 7 (P)
+// and 8 (P read), see consume_roles.
 constexpr int kBarBoth = 1, kBarEpilogue = 2, kBarOwn = 3, kBarDsRead = 5;
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -370,14 +385,14 @@ struct Consumer : StepTiles {
 };
 
 #if FC_KV_ROLES
-// ---- FC_KV_ROLES: dV^T in warpgroup 0, dK^T in warpgroup 1 --------------------------------------
-// The key split above makes each warpgroup's dV^T_w / dK^T_w read all of dO^T / Q^T as their A
-// operands (3 x 8 KB each per step, twice over the two warpgroups) for an N of 48 keys. Here
-// warpgroup 0 keeps dV^T and warpgroup 1 dK^T, each over all 96 keys (m64n96, the same 144
-// accumulator registers): A is read once per step, and the per-step operand reads of the key
-// gradients fall from 2 x 84 KB to 2 x 60 KB (the step is bound by the shared-memory pipe:
-// docs/perf-notes.md, session 30's ncu). S / dP stay split by keys and dQ by columns; the
-// hand-offs become
+// ---- FC_KV_ROLES = 1 (the default): dV^T in warpgroup 0, dK^T in warpgroup 1 ----------------------
+// The key split (FC_KV_ROLES = 0, the kernel's own loop below) makes each warpgroup's dV^T_w /
+// dK^T_w read all of dO^T / Q^T as their A operands (3 x 8 KB each per step, twice over the two
+// warpgroups) for an N of 48 keys. Here warpgroup 0 keeps dV^T and warpgroup 1 dK^T, each over
+// all 96 keys (m64n96, the same 144 accumulator registers): A is read once per step, and the
+// per-step operand reads of the key gradients fall from 2 x 84 KB to 2 x 60 KB (the step is
+// bound by the shared-memory pipe: docs/perf-notes.md, session 30's ncu; +4 to +10%, session 31).
+// S / dP stay split by keys and dQ by columns; the hand-offs become
 //   P:  dV^T (warpgroup 0) reads both halves: warpgroup 1 arrives on kBarP once its P_1 is
 //       stored, and waits on kBarPRead (warpgroup 0's previous dV^T is done) before storing it;
 //   dS: dK^T (warpgroup 1) and both dQs read both halves: kBarBoth as in the key split; before
