@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FlashAttention 4 as a bench peer on a GPU machine without network, in four consecutive device
+# FlashAttention 4 as a bench peer on a GPU machine without network, in five consecutive device
 # calls (one call carries at most 64 MiB; the wheels are ~100 MB). On this machine, once:
 #
 #   pip download --no-deps --pre --only-binary=:all: -d .whl flash-attn-4==4.0.0b36 \
@@ -7,29 +7,20 @@
 #       nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels \
 #       --python-version 3.12 --platform manylinux_2_28_x86_64
 #   (flash-attn-4 has pre-releases only: without --pre and the pin pip finds no version)
-#   mkdir -p .fa4a .fa4b .fa4c .fa4d && cp .whl/*.whl .fa4d/ && rm .fa4d/nvidia_cutlass_dsl_libs_cu13-*.whl
-#   split -b 23M .whl/nvidia_cutlass_dsl_libs_cu13-*.whl .fa4a/cu13.part.
-#   mv .fa4a/cu13.part.ab .fa4b/ && mv .fa4a/cu13.part.ad .fa4d/
-#   mv .fa4a/cu13.part.ac .fa4d/nvidia_cutlass_dsl_libs_base-*.whl .fa4d/quack_kernels-*.whl \
-#      .fa4d/torch_c_dlpack_ext-*.whl .fa4c/
-#   (.fa4a / .fa4b 24 MB, .fa4c 29 MB, .fa4d — the last part with flash_attn_4,
-#   nvidia_cutlass_dsl, -libs-core and apache_tvm_ffi — 25 MB)
+#   mkdir -p .fa4a .fa4b .fa4c .fa4d .fa4e && split -b 21M .whl/nvidia_cutlass_dsl_libs_cu13-*.whl \
+#       .fa4a/cu13.part. && for p in b c d e; do mv .fa4a/cu13.part.a$p .fa4$p/; done
+#   cp .whl/*.whl .fa4e/ && rm .fa4e/nvidia_cutlass_dsl_libs_cu13-*.whl
+#   (.fa4a - .fa4d 21 MiB each, .fa4e the 4 MiB tail with the seven small wheels: 14 MiB)
 # (each part must fit 64 MiB together with the tracked tree: ~9 MB in session 8, 17 MB in
-# session 14 with the run records, 29 MB in session 21, when .fa4b with the two small wheels
-# (38 MB) no longer fit: they travel with the last part; 30 MB in session 22, when .fa4a with
-# quack-kernels and torch-c-dlpack-ext (36 MB) no longer fit: those moved to .fa4c, 35 MB;
-# 32 MB in session 24, when neither .fa4a (35 MB) nor .fa4c (35 MB) fit: their small wheels
-# travel in a fourth call, .fa4d; 33 MB in session 25, when the 31 MB parts of three no longer
-# fit either: four parts of 23 MiB, one per call)
+# session 14 with the run records, 29 MB in session 21, 33 MB in session 25 (four parts of
+# 23 MiB, one per call), 39 MiB in session 31: five parts of at most 21 MiB, one per call)
 #
-# (.whl, .fa4a - .fa4d are git-ignored.) Then, on the device, in consecutive calls:
-#   carry [".fa4a"]:  scripts/fa4_carry.sh stash
-#   carry [".fa4b"]:  scripts/fa4_carry.sh stash
-#   carry [".fa4d"]:  scripts/fa4_carry.sh stash
-#   carry [".fa4c"]:  scripts/fa4_carry.sh install && FLASHCUDA_BENCH_SITE=/root/fa4 \
+# (.whl, .fa4a - .fa4e are git-ignored.) Then, on the device, in consecutive calls:
+#   carry [".fa4a"], [".fa4b"], [".fa4c"], [".fa4d"]:  scripts/fa4_carry.sh stash
+#   carry [".fa4e"]:  scripts/fa4_carry.sh install && FLASHCUDA_BENCH_SITE=/root/fa4 \
 #                       scripts/gpu_lane.sh bench-full
 # The machine must still be warm for each next call (it keeps /root between calls for ~30 s).
-# The kernel cache (.kcache) does not fit next to .fa4b: call 2 compiles on the device (seconds).
+# The kernel cache (.kcache) does not travel with the parts: the calls compile on the device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STASH=${FA4_STASH:-/root/stash}
@@ -41,7 +32,7 @@ CU13=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
 case "${1:-}" in
   stash)  # whatever parts this call carries, into the stash
     mkdir -p "$STASH"
-    for d in .fa4a .fa4b .fa4c .fa4d; do
+    for d in .fa4a .fa4b .fa4c .fa4d .fa4e; do
       [ -d "$d" ] && cp "$d"/* "$STASH"/
     done
     ls -la "$STASH" ;;
