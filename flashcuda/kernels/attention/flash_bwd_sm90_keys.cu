@@ -192,6 +192,21 @@ __device__ __forceinline__ int q_stage(int it) { return it & 1; }
 __device__ __forceinline__ uint32_t q_parity(int it) { return (it >> 1) & 1; }
 __device__ __forceinline__ uint32_t do_parity(int it) { return it & 1; }
 
+// The (query head, query block) pairs of a CTA's steps in order: the group's heads outer, the
+// query blocks from m_first inner. take() gives the current step's head and first query row and
+// moves to the next.
+struct StepCursor {
+  int g = 0, mi = 0;  // the step's query head in the group, its query block - m_first
+  __device__ __forceinline__ void take(const Steps& steps, int head_kv, int& h, int& m0) {
+    h = head_kv * steps.group + g;
+    m0 = (steps.m_first + mi) * kBlockM;
+    if (++mi == steps.n_m) {
+      mi = 0;
+      ++g;
+    }
+  }
+};
+
 // ---- producer: one thread issues every TMA load --------------------------------------------------
 __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int n0, int head_kv,
                                         int batch, const TmaMap& map_q, const TmaMap& map_k,
@@ -205,14 +220,11 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
 #pragma unroll
   for (int c = 0; c < kDTiles; ++c)
     tma_load_4d(sm.v() + c * kVChunkBytes, map_v, sm.kv_full(), 64 * c, n0, head_kv, batch);
-  int g = 0, mi = 0;  // the step's query head in the group, its query block - m_first
+  StepCursor cursor;
   for (int it = 0; it < steps.count(); ++it) {
     const int s = q_stage(it);
-    const int h = head_kv * steps.group + g, m0 = (steps.m_first + mi) * kBlockM;
-    if (++mi == steps.n_m) {
-      mi = 0;
-      ++g;
-    }
+    int h, m0;
+    cursor.take(steps, head_kv, h, m0);
     mbar_wait_producer(sm.q_empty(s), q_parity(it) ^ 1);  // first pass: stages start empty
     mbar_arrive_expect_tx(sm.q_full(s), kQBytes + 2 * kStatBytes);
     const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
@@ -255,6 +267,19 @@ struct StepTiles {
       wgmma_ss<kKeys, T>(s, a, b, kk > 0);
     }
     wgmma_commit();
+  }
+
+  // A step's first GEMMs: S_w once Q stage q_stage(it) has arrived, then dP_w once dO has (two
+  // commit groups).
+  __device__ __forceinline__ void issue_scores_dp(const Smem& sm, int it, uint32_t k_rows,
+                                                  uint32_t v_rows, uint32_t dout) {
+    mbar_wait(sm.q_full(q_stage(it)), q_parity(it));
+    wgmma_fresh(s);
+    wgmma_fresh(dp);
+    wgmma_fence();
+    issue_scores(sm.q(q_stage(it)), k_rows);
+    mbar_wait(sm.do_full(), do_parity(it));
+    issue_dp(dout, v_rows);
   }
 
   // dP_w = dO V_w^T (one commit group): both 128B chunks of 64 columns, as issue_scores' A.
@@ -437,7 +462,7 @@ __device__ __forceinline__ void consume_roles(const Smem& sm, const Steps& steps
   mbar_wait(sm.kv_full(), 0);  // also when there are no steps: no TMA may outlive the CTA
 
   const int count = steps.count();
-  int step_g = 0, step_mi = 0;
+  StepCursor cursor;
   for (int it = 0; it < count; ++it) {
     // (opaque each step, as in the key split's loop)
     uint32_t k_rows = k_rows0, v_rows = v_rows0, k_cols = k_cols0, p_all = sm.p();
@@ -445,20 +470,11 @@ __device__ __forceinline__ void consume_roles(const Smem& sm, const Steps& steps
     asm volatile("" : "+r"(k_rows), "+r"(v_rows), "+r"(k_cols), "+r"(p_all), "+r"(ds_all),
                  "+r"(dout));
     const int st = q_stage(it);
-    const int h = head_kv * steps.group + step_g, m0 = (steps.m_first + step_mi) * kBlockM;
-    if (++step_mi == steps.n_m) {
-      step_mi = 0;
-      ++step_g;
-    }
+    int h, m0;
+    cursor.take(steps, head_kv, h, m0);
     const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
 
-    mbar_wait(sm.q_full(st), q_parity(it));
-    wgmma_fresh(cs.s);
-    wgmma_fresh(cs.dp);
-    wgmma_fence();
-    cs.issue_scores(sm.q(st), k_rows);
-    mbar_wait(sm.do_full(), do_parity(it));
-    cs.issue_dp(dout, v_rows);
+    cs.issue_scores_dp(sm, it, k_rows, v_rows, dout);
 
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + kKeys * kW, kKeys);
     wgmma_wait<1>();  // S
@@ -608,7 +624,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
   mbar_wait(sm.kv_full(), 0);  // also when there are no steps: no TMA may outlive the CTA
 
   const int count = steps.count();
-  int step_g = 0, step_mi = 0;
+  StepCursor cursor;
   for (int it = 0; it < count; ++it) {
     // The slices' addresses made opaque each step: their descriptors are then summed where the
     // wgmmas are issued (uniform adds) instead of 54 of them hoisted out of the loop into
@@ -618,20 +634,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
     asm volatile("" : "+r"(k_rows), "+r"(v_rows), "+r"(p_keys), "+r"(ds_keys), "+r"(k_cols),
                  "+r"(dout));
     const int st = q_stage(it);
-    const int h = head_kv * steps.group + step_g, m0 = (steps.m_first + step_mi) * kBlockM;
-    if (++step_mi == steps.n_m) {
-      step_mi = 0;
-      ++step_g;
-    }
+    int h, m0;
+    cursor.take(steps, head_kv, h, m0);
     const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
 
-    mbar_wait(sm.q_full(st), q_parity(it));
-    wgmma_fresh(cs.s);
-    wgmma_fresh(cs.dp);
-    wgmma_fence();
-    cs.issue_scores(sm.q(st), k_rows);
-    mbar_wait(sm.do_full(), do_parity(it));
-    cs.issue_dp(dout, v_rows);
+    cs.issue_scores_dp(sm, it, k_rows, v_rows, dout);
 
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + kKeys * w, kKeys);
     wgmma_wait<1>();  // S
