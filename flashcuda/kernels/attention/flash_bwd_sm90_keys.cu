@@ -135,8 +135,9 @@ constexpr int kStageBytes = kBlockN * kStageStride * 2;
 
 // Named barriers (0 is __syncthreads): 1 both consumers' dS stored; 2 the epilogue's; 3 + w
 // consumer w's own threads; 5 + w "the other consumer's readers of this step's dS are done" (an
-// arrive by the other, a sync by w before it stores the next step's dS); FC_KV_ROLES adds 7 (P)
-// and 8 (P read), see consume_roles.
+// arrive by the other, a sync by w before it stores the next step's dS); FC_KV_ROLES adds 7 (P),
+// 8 (P read), 9 (with 1: both dS halves stored) and 10, 11 (the epilogue's meeting), see
+// consume_roles.
 constexpr int kBarBoth = 1, kBarEpilogue = 2, kBarOwn = 3, kBarDsRead = 5;
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -426,6 +427,22 @@ struct Consumer : StepTiles {
 // dO is released by warpgroup 0 after dV^T and by warpgroup 1 after dP; the Q stage by warpgroup
 // 0 after its dS, by warpgroup 1 after dK^T.
 constexpr int kBarP = 7, kBarPRead = 8;
+// Where both warpgroups must wait for each other (the dS tile stored; the epilogue), each waits
+// at its own instantiation's instruction. bar.sync is barrier.sync.aligned, which PTX defines only
+// when every thread meeting at the barrier executes the same instruction (compute-sanitizer's
+// synccheck reports "divergent thread(s)" otherwise), so the meeting is two bar.arrive / bar.sync
+// pairs: warpgroup 0 arrives on id0 and waits on id1, warpgroup 1 the other way round (ids
+// kBarBoth / kBarMeet, then kBarMeet + 1 / + 2 below: not kBarEpilogue, which the kernel's
+// epilogue syncs on right after, and a warpgroup through the meeting could otherwise count
+// towards the meeting's instance). Each warpgroup's own writes before it are ordered too: its
+// warps all wait on the same barrier.
+constexpr int kBarMeet = 9;  // 9: dS stored (with kBarBoth); 10, 11: the epilogue's
+
+template <int kW>
+__device__ __forceinline__ void meet(int id0, int id1) {
+  named_barrier_arrive(kW == 0 ? id0 : id1, 256);
+  named_barrier_sync(kW == 0 ? id1 : id0, 256);
+}
 
 struct RoleConsumer : StepTiles {
   float kv[kDTiles][kBlockN / 2];  // dV^T (w = 0) or dK^T (w = 1): rows [64 i, + 64) x 96 keys
@@ -509,7 +526,7 @@ __device__ __forceinline__ void consume_roles(const Smem& sm, const Steps& steps
     StepTiles::store_tile(sm.ds(), cs.dp, at);
     if (tw == 0) bulk_wait_group_read<0>();  // the previous dQ reduction has read the staging
     fence_proxy_async();
-    named_barrier_sync(kBarBoth, 256);
+    meet<kW>(kBarBoth, kBarMeet);  // both halves of dS stored
 
     wgmma_fresh(cs.dq);
     wgmma_fence();
@@ -538,7 +555,7 @@ __device__ __forceinline__ void consume_roles(const Smem& sm, const Steps& steps
   }
   if (tw == 0) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
 
-  named_barrier_sync(kBarEpilogue, 256);  // every wgmma of both is done: Q .. dS are free
+  meet<kW>(kBarMeet + 1, kBarMeet + 2);  // every wgmma of both is done: Q .. dS are free
   wide_bwd::stage_transposed<T, kDTiles, kBlockN, kStageStride>(
       sm.q(0) + (1 - kW) * kStageBytes, cs.kv, kW == 1 ? softmax_scale : 1.f, 0, row, 2 * t);
 }
