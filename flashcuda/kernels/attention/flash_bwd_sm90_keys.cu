@@ -4,8 +4,9 @@
 // shape it replaces.
 //
 // Status: proven on the H200 (tests/gpu/test_bwd_sm90_wide.py, float64 oracle; 850 run / 0 failed
-// at ca2a337 with the key split below as the d192 default, 170 / 0 at 9206e80 with both key-
-// gradient layouts; sanitizer records in docs/GUARANTEES.md §1); the d192 default of family
+// at ca2a337 with the key split below as the d192 default, 853 passed at 1a27a88 and 510 (d192)
+// at afddf15 with the role split; memcheck / synccheck 0 errors, racecheck only the analysed
+// lse2 / delta report at afddf15, docs/GUARANTEES.md §1); the d192 default of family
 // bwd_sm90_wide (FLASHCUDA_SM90_BWD_WIDE_SPLIT=keys | dims): the key split +5 to +14% over the
 // head-dim split (session 30), the role split a further +4 to +10% (session 31,
 // docs/perf-notes.md).
