@@ -613,10 +613,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
     consume_roles<1>(sm, steps, mask, n0, head_kv, batch, nheads, seqlen_q_pad, scale_log2,
                      softmax_scale, dq_accum);
   }
-  const int tid = static_cast<int>(threadIdx.x) - 128;
-  const int keys = min(kBlockN, seqlen_k - n0);
-  const uint8_t* stage_ptr = sm.ptr + kSmemQ;
-  using wide_bwd::copy_rows;
 #else
   const int w = wg - 1;
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -709,17 +705,18 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
 
   // ---- epilogue: every consumer's wgmmas are done (each waited for its own before the barrier),
   // so Q .. dS are free: dK^T * softmax_scale, then dV^T, transposed through them.
-  const int tid = static_cast<int>(threadIdx.x) - 128;
-  const int keys = min(kBlockN, seqlen_k - n0);
   const uint32_t stage = sm.q(0);
-  const uint8_t* stage_ptr = sm.ptr + kSmemQ;
   named_barrier_sync(kBarEpilogue, 256);
   // (dK^T / dV^T: all head-dim rows, this warpgroup's 48 keys)
-  using wide_bwd::copy_rows, wide_bwd::stage_transposed;
+  using wide_bwd::stage_transposed;
   stage_transposed<T, kDTiles, kKeys, kStageStride>(stage, cs.dk, softmax_scale, 0, row, key0);
   stage_transposed<T, kDTiles, kKeys, kStageStride>(stage + kStageBytes, cs.dv, 1.f, 0, row,
                                                     key0);
 #endif
+  const int tid = static_cast<int>(threadIdx.x) - 128;
+  const int keys = min(kBlockN, seqlen_k - n0);
+  const uint8_t* stage_ptr = sm.ptr + kSmemQ;
+  using wide_bwd::copy_rows;
   named_barrier_sync(kBarEpilogue, 256);
   copy_rows<T, kBlockN, kHeadDim, kStageStride, 256>(
       stage_ptr, dk + batch * dk_sb + static_cast<int64_t>(n0) * dk_ss + head_kv * dk_sh, dk_ss,
