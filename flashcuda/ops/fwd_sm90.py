@@ -138,8 +138,8 @@ class Sm90FwdConfig:
         if self.block_m not in (128, 192):
             raise ValueError(f"Sm90FwdConfig.block_m: expected 128 or 192 (two or three consumer "
                              f"warpgroups), got {self.block_m}")
-        if self.block_n not in (64, 80, 128, 176):
-            raise ValueError(f"Sm90FwdConfig.block_n: expected 64, 80, 128 or 176, "
+        if self.block_n not in (64, 80, 112, 128, 176):
+            raise ValueError(f"Sm90FwdConfig.block_n: expected 64, 80, 112, 128 or 176, "
                              f"got {self.block_n}")
         if self.stages < 1:
             raise ValueError(f"Sm90FwdConfig.stages: expected >= 1, got {self.stages}")
@@ -300,9 +300,9 @@ def tiles_for(head_dim: int, windowed: bool, seqlen_q: int) -> tuple[int, int]:
 # Every (block_m, block_n) tiles_for returns, per head dim; 128 x 128 is also the A/B baseline
 # (FLASHCUDA_SM90_TILES=bm128_bn128 at every head dim, or d64=bm192_bn128,d128=bm128_bn176 ...).
 SHAPES = {64: ((192, 128), (128, 128)), 128: ((128, 176), (128, 128)),
-          192: ((128, 80), (128, 64)), 256: ((128, 80), (128, 64))}
+          192: ((128, 80), (128, 64), (128, 112)), 256: ((128, 80), (128, 64))}
 WINDOWED_TILES = {64: ((192, 128), (128, 128)), 128: ((128, 128),),  # tiles_for with a window
-                  192: ((128, 80), (128, 64)), 256: ((128, 80), (128, 64))}
+                  192: ((128, 80), (128, 64), (128, 112)), 256: ((128, 80), (128, 64))}
 TILES_ENV = "FLASHCUDA_SM90_TILES"
 CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread; the producer keeps 24
 
