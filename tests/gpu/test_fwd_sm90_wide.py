@@ -37,12 +37,18 @@ BF16, FP16 = torch.bfloat16, torch.float16
 WIDE = [192, 256]
 
 
-@pytest.fixture(autouse=True, params=["default", "plain", "d192=bm128_bn64,d256=bm128_bn64"],
-                ids=["tiles-dispatch", "plain", "bn64"])
+@pytest.fixture(autouse=True, params=["default", "plain", "d192=bm128_bn64,d256=bm128_bn64",
+                                      "d192=bm128_bn112"],
+                ids=["tiles-dispatch", "plain", "bn64", "bn112"])
 def _enable_sm90(monkeypatch, request):
     """Every test with dispatch's kernels (128 x 80 tiles without a mask, 128 x 64 with one), with
-    neither ping-pong nor snake order, and with 128 x 64 tiles for every call (the A/B
-    FLASHCUDA_SM90_TILES=d192=bm128_bn64,d256=bm128_bn64)."""
+    neither ping-pong nor snake order, with 128 x 64 tiles for every call (the A/B
+    FLASHCUDA_SM90_TILES=d192=bm128_bn64,d256=bm128_bn64), and with d192's 128 x 112 tiles (FA4's;
+    the A/B FLASHCUDA_SM90_TILES=d192=bm128_bn112: its d256 cases would repeat dispatch's)."""
+    callspec = getattr(request.node, "callspec", None)
+    if (request.param == "d192=bm128_bn112" and callspec is not None
+            and callspec.params.get("head_dim") == 256):
+        pytest.skip("bn112 is a d192 A/B; d256 runs dispatch's tiles")
     monkeypatch.setenv(fwd_sm90.ENABLE_ENV, "1")
     for env in (fwd_sm90.TILES_ENV, fwd_sm90.PINGPONG_ENV, fwd_sm90.SNAKE_ENV):
         monkeypatch.delenv(env, raising=False)
