@@ -28,10 +28,12 @@ register split, shared memory (the .cu static_asserts the same layout), the name
                          consumer: 137 / 113 KB)
     128        none      128 x 128, 2                 161 KB   2 x 240  (FA4's d128 tiles)
     128        causal    128 x 128, 2                 226 KB   2 x 240  (161 + 2 clean V tiles)
-    192        none      128 x 80, 2 (two Q buffers)    217 KB   2 x 240
-    192        causal    128 x 64, 2                  193 KB   2 x 240  (+ 2 clean V tiles)
+    192        none      128 x 80, 2 (two Q buffers)  217 KB   2 x 240  (below seqlen_q 2k)
+    192        any       128 x 112, 2 from seqlen_q 2k 222 KB   2 x 240  (FA4's d192 tiles; the
+                         masked-V second pass: 1 stage + 2 clean V tiles)
+    192        causal    128 x 64, 2 below 2k         193 KB   2 x 240  (+ 2 clean V tiles)
     256        none      128 x 80, 2                  226 KB   2 x 240  (FA3's d256 tiles)
-    256        causal    128 x 64, 2                  193 KB   2 x 240  (the masked-V second
+    256        causal    128 x 64, 2 below 2k, 128 x 80 from it (the masked-V second
                          pass: 1 stage + 2 clean V tiles, 193 KB)
     A/B        none      128 x 176 at d128 (FLASHCUDA_SM90_TILES=d128=bm128_bn176, FA3's)
     A/B        any       128 x 128, 2 (FLASHCUDA_SM90_TILES=bm128_bn128)
@@ -275,7 +277,7 @@ TILES_192_FROM = 2048  # causal / windowed d64: 192-row tiles from this seqlen_q
 # a 128-row Q tile. Without a mask FA3's d256 tiles, 128 x 80 (1 KB + 64 KB + 2 x 2 x 40 KB =
 # 225 KB of the 227 KB; d192: + a second Q buffer, 217 KB). Same-process A/Bs (H200, perf-notes
 # "head dims 192 and 256"): 80 keys against 64 at d256 +3.8 to +5.9% at 1k-16k (4c36094), at
-# d192 +5.5 to +7.3% (3ec4f06). With a causal / window mask, 80 keys from WIDE_80_FROM since
+# d192 +5.5 to +7.3% (3ec4f06). With a causal / window mask, 80 keys from 2k since
 # session 29, 64 below: the first pass is the 80-key kernel without masked V; the second
 # (masked-V, run for the CTAs whose first pass saw a NaN / Inf) must share its tiles and gets one
 # K / V stage (_config: at two it would not fit at d192, 229 KB). Same-process A/Bs (f59cdfa,
@@ -283,9 +285,17 @@ TILES_192_FROM = 2048  # causal / windowed d64: 192-row tiles from this seqlen_q
 # 2k, -4.4 / -8.1% at 512 / 1k; d192 +6.2 / +9.3% at 4k / 16k, +3.5% at 2k, -7.2% at 512, 0 at 1k
 # (the diagonal's masked share of a tile grows with its keys, and short calls have few tiles).
 # FLASHCUDA_SM90_TILES=d192=bm128_bn64,d256=bm128_bn64 builds the 64-key kernels (A/B).
-WIDE_TILES = {192: (128, 80), 256: (128, 80)}  # with a window: from WIDE_80_FROM
+# d192 from WIDE_LONG_FROM: FA4's 128 x 112 (its _tile_size_fwd_sm90, causal or not), one Q
+# buffer (1 KB + 48 KB + 2 x 2 x 42 KB = 222 KB; the masked-V second pass: one K / V stage and
+# its clean V tiles). Same-process A/B (67c649e, perf-notes session 32), 112 keys against the
+# default: without a mask +4.0 / +8.0 / +8.0 / +6.8% at 2k / 4k / 8k / 16k (+3.7% at 512, -1.0% at
+# 1k: 1024 keys are 10 tiles of 112, the last with 16 keys, against 13 of 80); causal +3.2 /
+# +3.4 / +6.2 / +7.9% at 2k - 16k, -11% at 512, +0.4% at 1k. FLASHCUDA_SM90_TILES=d192=bm128_bn80
+# (or =bm128_bn112 at every length) for A/Bs.
+WIDE_TILES = {192: (128, 80), 256: (128, 80)}  # without a window below WIDE_LONG_FROM
+WIDE_LONG_TILES = {192: (128, 112), 256: (128, 80)}  # from WIDE_LONG_FROM, with a window or not
 WIDE_WINDOWED_SHORT = (128, 64)  # with a window below it
-WIDE_80_FROM = 2048
+WIDE_LONG_FROM = 2048
 LONG = 8192  # a long call (the default seqlen_q of select_config)
 
 
@@ -293,7 +303,9 @@ def tiles_for(head_dim: int, windowed: bool, seqlen_q: int) -> tuple[int, int]:
     if head_dim == 64:
         return (192, 128) if not windowed or seqlen_q >= TILES_192_FROM else (128, 128)
     if head_dim in WIDE_TILES:
-        return WIDE_WINDOWED_SHORT if windowed and seqlen_q < WIDE_80_FROM else WIDE_TILES[head_dim]
+        if seqlen_q >= WIDE_LONG_FROM:
+            return WIDE_LONG_TILES[head_dim]
+        return WIDE_WINDOWED_SHORT if windowed else WIDE_TILES[head_dim]
     return (128, 128)
 
 

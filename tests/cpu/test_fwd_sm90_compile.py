@@ -254,14 +254,17 @@ def test_tiles_follow_the_table_and_the_ab_override(monkeypatch):
     names = {c.name for c in fwd_sm90.configs()}
     assert {pick(dt, d, w, s).name for dt in fwd_sm90.DTYPES for d in (64, 128, 192, 256)
             for w in (False, True) for s in (1024, fwd_sm90.LONG)} <= names
-    # d192 / d256: 128 x 80 without a window; with one, 128 x 64 below 2k and 128 x 80 from it
-    # (session 29), its second pass with one K / V stage
-    for d in (192, 256):
-        assert (pick(torch.bfloat16, d).block_m, pick(torch.bfloat16, d).block_n) == (128, 80)
+    # d192 / d256: below 2k 128 x 80 without a window, 128 x 64 with one; from 2k d256 128 x 80
+    # (session 29) and d192 128 x 112 (session 32) with a window or not, the windowed second
+    # pass with one K / V stage
+    for d, long_n in ((192, 112), (256, 80)):
+        assert (pick(torch.bfloat16, d).block_m, pick(torch.bfloat16, d).block_n) == (128, long_n)
         assert pick(torch.bfloat16, d, False, 512).block_n == 80
+        assert pick(torch.bfloat16, d, False, 2047).block_n == 80
+        assert pick(torch.bfloat16, d, False, 2048).block_n == long_n
         assert pick(torch.bfloat16, d, True, 2047).block_n == 64
-        assert pick(torch.bfloat16, d, True, 2048).block_n == 80
-        assert pick(torch.bfloat16, d, True, 16384).block_n == 80
+        assert pick(torch.bfloat16, d, True, 2048).block_n == long_n
+        assert pick(torch.bfloat16, d, True, 16384).block_n == long_n
         assert fwd_sm90.two_passes(pick(torch.bfloat16, d, True, 4096))[1].stages == 1
     for dt in fwd_sm90.DTYPES:  # the two passes of the windowed kernels dispatch picks
         for d, s in ((64, 1024), (64, 4096), (128, 1024), (192, 1024), (256, 1024), (192, 4096),

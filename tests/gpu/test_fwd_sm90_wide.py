@@ -41,10 +41,11 @@ WIDE = [192, 256]
                                       "d192=bm128_bn112"],
                 ids=["tiles-dispatch", "plain", "bn64", "bn112"])
 def _enable_sm90(monkeypatch, request):
-    """Every test with dispatch's kernels (128 x 80 tiles without a mask, 128 x 64 with one), with
-    neither ping-pong nor snake order, with 128 x 64 tiles for every call (the A/B
-    FLASHCUDA_SM90_TILES=d192=bm128_bn64,d256=bm128_bn64), and with d192's 128 x 112 tiles (FA4's;
-    the A/B FLASHCUDA_SM90_TILES=d192=bm128_bn112: its d256 cases would repeat dispatch's)."""
+    """Every test with dispatch's kernels (below seqlen_q 2k, where most of these cases lie, 128
+    x 80 tiles without a mask, 128 x 64 with one), with neither ping-pong nor snake order, with
+    128 x 64 tiles for every call (the A/B FLASHCUDA_SM90_TILES=d192=bm128_bn64,d256=bm128_bn64),
+    and with d192's 128 x 112 tiles for every call (dispatch's from 2k, session 32;
+    FLASHCUDA_SM90_TILES=d192=bm128_bn112 — its d256 cases would repeat dispatch's)."""
     callspec = getattr(request.node, "callspec", None)
     if (request.param == "d192=bm128_bn112" and callspec is not None
             and callspec.params.get("head_dim") == 256):
