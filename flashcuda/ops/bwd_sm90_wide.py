@@ -46,6 +46,7 @@ runs these head dims). deterministic=True goes elsewhere (dQ is reduced with ato
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,6 +103,13 @@ P_BUFFERS = {256: 2, 192: 1}
 CONSUMER_REGS = {256: 240, 192: 160}
 # the key split's shape: 64 x 96, two consumers of 240 registers; Q two stages, dO one
 KEYS_TILES, KEYS_REGS = (64, 96, 2), 240
+# FC_LPT_TAIL for causal calls (a right edge and no left one: key block 0 has the most steps),
+# per head dim: the grid's last K (KV head, batch) pairs' CTAs longest-first (bwd_sm90's
+# LPT_TAIL, session 14). Same-process A/B (97e7873, perf-notes session 32), K = 8 against
+# blockIdx order: d192 causal +2.2 / +4.1 / +6.0% at 1k / 2k / 4k, +0.2% at 512, -1.1% at 16k
+# (inside p10-p90); d256 causal +3.3 / +3.2% at 2k / 4k. K = 16: d192 +3.0 / +3.7 / +4.3%,
+# d256 4k -11.5%. FLASHCUDA_SM90_BWD_WIDE_DEFINES=FC_LPT_TAIL=0 turns it off (A/B).
+LPT_TAIL = {192: 8, 256: 8}
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,9 @@ class Sm90BwdWideConfig:
     consumer_regs: int = 0  # 0: CONSUMER_REGS[head_dim]
     dq_stage: bool = False  # dQ by bulk reductions from shared memory (FC_DQ_STAGE, DQ_ENV)
     split: str = "dims"  # "keys": flash_bwd_sm90_keys.cu (d192, dq_stage; SPLIT_ENV)
+    # FC_LPT_TAIL: the grid's last lpt_tail (KV head, batch) pairs longest-first (causal calls,
+    # LPT_TAIL; config_for)
+    lpt_tail: int = 0
     # extra compile-time defines (FLASHCUDA_SM90_BWD_WIDE_DEFINES="NAME=VALUE,..."): A/B variants
     # of a kernel knob, named by a suffix
     defines: tuple = ()
@@ -214,6 +225,7 @@ class Sm90BwdWideConfig:
                 + ("" if (self.producer_regs, self.consumer_regs) == (24, self.default_regs)
                    else f"_r{self.producer_regs}x{self.consumer_regs}")
                 + ("_dqs" if self.dq_stage else "") + ("_keys" if self.keys_split else "")
+                + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
                 + defines_suffix(self.defines))
 
     def spec(self) -> KernelSpec:
@@ -223,6 +235,7 @@ class Sm90BwdWideConfig:
                 "FC_PRODUCER_REGS": self.producer_regs,
                 "FC_CONSUMER_REGS": self.consumer_regs,
                 "FC_SMEM_BYTES": self.smem_bytes,
+                **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
                 **dict(self.defines),
             })
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -237,6 +250,7 @@ class Sm90BwdWideConfig:
             "FC_CONSUMER_REGS": self.consumer_regs,
             "FC_SMEM_BYTES": self.smem_bytes,
             **({"FC_DQ_STAGE": 1} if self.dq_stage else {}),
+            **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
             **dict(self.defines),
         })
 
@@ -271,8 +285,10 @@ AB_KEYS_DEFINES = ((("FC_KV_ROLES", 0),),)
 def configs() -> list[Sm90BwdWideConfig]:
     """Per dtype and head dim: both dQ reductions, then the A/B variants of red (AB_DEFINES) and
     of stage (AB_STAGE_DEFINES); then the key split per dtype, and its A/B variants
-    (AB_KEYS_DEFINES)."""
-    return [Sm90BwdWideConfig(dt, d, dq_stage=stage, defines=defs)
+    (AB_KEYS_DEFINES); then the default kernels of causal calls (LPT_TAIL)."""
+    causal = [dataclasses.replace(default_config(dt, d), lpt_tail=k)
+              for dt in DTYPES for d, k in LPT_TAIL.items()]
+    return causal + [Sm90BwdWideConfig(dt, d, dq_stage=stage, defines=defs)
             for stage, defs in ((False, ()), (True, ()), *((False, x) for x in AB_DEFINES),
                                 *((True, x) for x in AB_STAGE_DEFINES))
             for dt in DTYPES for d in HEAD_DIMS] + [
@@ -332,7 +348,22 @@ def config_for(call: BwdCall) -> Sm90BwdWideConfig:
     if split == "keys" and dq != "stage":
         raise ValueError(f"{DQ_ENV}={dq}: the key split ({SPLIT_ENV}=keys, d192) stages dQ")
     return Sm90BwdWideConfig(call.dtype, call.head_dim, dq_stage=dq == "stage", split=split,
-                             defines=parse_defines(DEFINES_ENV))
+                             lpt_tail=lpt_tail_for(call), defines=parse_defines(DEFINES_ENV))
+
+
+def default_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdWideConfig:
+    """The head dim's default MAIN kernel without the environment's A/B knobs (no mask)."""
+    return Sm90BwdWideConfig(dtype, head_dim, dq_stage=DQ_DEFAULT == "stage",
+                             split=SPLIT_DEFAULT[head_dim])
+
+
+def lpt_tail_for(call: BwdCall) -> int:
+    """FC_LPT_TAIL's K for `call`: LPT_TAIL[head_dim] when the mask has a right edge and no left
+    one (causal: the earliest key blocks have the most steps), else 0 (every CTA the same work,
+    or a sliding window's, unmeasured)."""
+    if call.window_left is None and call.window_right is not None:
+        return LPT_TAIL.get(call.head_dim, 0)
+    return 0
 
 
 def _plan_key(call: BwdCall) -> tuple:

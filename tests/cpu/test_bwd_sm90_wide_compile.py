@@ -132,7 +132,7 @@ def test_config():
     assert cfg.aux().head_dim == 256 and cfg.seqlen_pad(65) == 128
     assert len(bwd_sm90_wide.configs()) == 2 * 2 * (
         2 + len(bwd_sm90_wide.AB_DEFINES) + len(bwd_sm90_wide.AB_STAGE_DEFINES)) + 2 * (
-        1 + len(bwd_sm90_wide.AB_KEYS_DEFINES))
+        1 + len(bwd_sm90_wide.AB_KEYS_DEFINES)) + 2 * len(bwd_sm90_wide.LPT_TAIL)
     keys = Sm90BwdWideConfig(torch.bfloat16, 192, dq_stage=True, split="keys")
     assert keys.name == "flash_bwd_sm90w_bf16_d192_bm64_bn96_c2_s2_dqs_keys"
     assert (keys.consumers, keys.threads, keys.consumer_regs, keys.k_swizzle) == (2, 384, 240, 64)
@@ -175,14 +175,15 @@ def test_config():
         Sm90BwdWideConfig(torch.bfloat16, 256, producer_regs=40)
 
 
-def _call(dtype=torch.bfloat16, B=2, Sq=33, Sk=47, H=4, Hkv=2, D=256, deterministic=False):
+def _call(dtype=torch.bfloat16, B=2, Sq=33, Sk=47, H=4, Hkv=2, D=256, deterministic=False,
+          window=(None, 0)):
     q = torch.randn(B, Sq, H, D, dtype=dtype)
     k = torch.randn(B, Sk, Hkv, D, dtype=dtype)
     v = torch.randn(B, Sk, Hkv, D, dtype=dtype)
     lse = torch.zeros(B, H, Sq, dtype=torch.float32)
     return BwdCall(q, k, v, torch.randn(q.shape, dtype=dtype), torch.randn(q.shape, dtype=dtype),
                    lse, torch.empty(q.shape, dtype=dtype), torch.empty_like(k),
-                   torch.empty_like(v), 0.0625, None, 0, deterministic)
+                   torch.empty_like(v), 0.0625, *window, deterministic)
 
 
 def test_split_follows_its_env(monkeypatch):
@@ -205,6 +206,22 @@ def test_split_follows_its_env(monkeypatch):
     monkeypatch.delenv(dq)
     cfg = bwd_sm90_wide.config_for(_call(D=192))
     assert cfg.split == bwd_sm90_wide.SPLIT_DEFAULT[192]
+
+
+def test_causal_tail_longest_first(monkeypatch):
+    """Causal calls (a right edge, no left one) run the kernels with the grid's last LPT_TAIL
+    pairs longest-first, compiled with FC_LPT_TAIL and named for it; a sliding window or no mask
+    keeps blockIdx order; every such kernel is one configs() builds."""
+    monkeypatch.delenv(bwd_sm90_wide.DEFINES_ENV, raising=False)
+    names = {c.name for c in bwd_sm90_wide.configs()}
+    for d in (192, 256):
+        cfg = bwd_sm90_wide.config_for(_call(D=d))
+        assert cfg.lpt_tail == bwd_sm90_wide.LPT_TAIL[d] == 8
+        assert ("FC_LPT_TAIL", "8") in cfg.spec().defines and cfg.name.endswith("_lpt8")
+        assert cfg.name in names
+        assert bwd_sm90_wide.config_for(_call(D=d, window=(None, None))).lpt_tail == 0
+        assert bwd_sm90_wide.config_for(_call(D=d, window=(30, 0))).lpt_tail == 0
+        assert bwd_sm90_wide.config_for(_call(D=d, window=(None, 5))).lpt_tail == 8
 
 
 def test_can_implement_reasons(monkeypatch):
