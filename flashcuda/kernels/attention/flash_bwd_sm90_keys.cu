@@ -92,6 +92,11 @@
 #ifndef FC_KV_ROLES
 #define FC_KV_ROLES 1  // dV^T in warpgroup 0, dK^T in warpgroup 1; 0: both split by keys (A/B)
 #endif
+#ifndef FC_PDS_STMATRIX
+// 1: P and dS into shared memory by stmatrix.x4 (three per tile and warp, FA4's way) instead of
+// 24 32-bit stores (A/B, session 32: ncu counts our shared stores at twice FA4's)
+#define FC_PDS_STMATRIX 0
+#endif
 
 using T = typename dtype_of<FC_DTYPE>::type;
 constexpr int kHeadDim = 192;
@@ -348,8 +353,21 @@ struct StepTiles {
   // lane's word is at one of two offsets from `tile`, `at[j & 1]` (lane_offsets), plus the
   // constant (j / 2) chunks + 8 rows: two registers for every store of P and of dS. A warp's
   // stores of one j cover 8 rows x 16 bytes of a 256-byte atom in distinct banks.
+  // FC_PDS_STMATRIX: stmatrix.x4 k stores key groups 2k, 2k + 1 (8 keys each) of the warp's 16
+  // rows as four 8 x 8 matrices — (2k, rows 0-7), (2k, 8-15), (2k + 1, 0-7), (2k + 1, 8-15) —
+  // whose registers are exactly the accumulator's pairs c[8k ..]; lane l gives the row address of
+  // matrix l / 8, row l % 8: at[0] + k chunks (lane_offsets).
   __device__ __forceinline__ static void store_tile(uint32_t tile, const float (&c)[kKeys / 2],
                                                     const uint32_t (&at)[2]) {
+#if FC_PDS_STMATRIX
+#pragma unroll
+    for (int k = 0; k < kKeys / 16; ++k) {
+      stmatrix_x4(tile + at[0] + k * kPChunkBytes, pack2<T>(c[8 * k], c[8 * k + 1]),
+                  pack2<T>(c[8 * k + 2], c[8 * k + 3]), pack2<T>(c[8 * k + 4], c[8 * k + 5]),
+                  pack2<T>(c[8 * k + 6], c[8 * k + 7]));
+    }
+    return;
+#endif
 #pragma unroll
     for (int j = 0; j < kKeys / 8; ++j) {
       const uint32_t word = tile + at[j & 1] + (j / 2) * kPChunkBytes;
@@ -360,6 +378,15 @@ struct StepTiles {
   // store_tile's two offsets of lane (row, t) in consumer w's keys: swizzled32_word(row, 8 h +
   // 2t) of chunk 3w, h = 0, 1.
   __device__ __forceinline__ static void lane_offsets(uint32_t (&at)[2], int w, int row, int t) {
+#if FC_PDS_STMATRIX
+    // stmatrix: lane l = 4 (row % 8) + t addresses row l % 8 (+ 8 for odd matrices l / 8) of the
+    // warp's 16 and the 16-byte half (l / 8) / 2 of chunk 3w (+ k chunks per store)
+    const int lane = 4 * (row & 7) + t, f = lane >> 3;
+    at[0] = (kKeys / 16) * w * kPChunkBytes +
+            swizzled32_word((row & ~15) + (lane & 7) + 8 * (f & 1), 8 * (f >> 1));
+    at[1] = 0;
+    return;
+#endif
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       at[h] = (kKeys / 16) * w * kPChunkBytes + swizzled32_word(row, 8 * h + 2 * t);
