@@ -279,7 +279,8 @@ AB_STAGE_DEFINES = ((("FC_DQ_STAGE_SPLIT", 0),),)
 # ... and of the key split (FC_KV_ROLES=0: dV^T / dK^T both split by keys, 48 per warpgroup,
 # session 30's; the default keeps dV^T in warpgroup 0 and dK^T in warpgroup 1, over all 96 keys:
 # +4 to +10%, session 31)
-AB_KEYS_DEFINES = ((("FC_KV_ROLES", 0),),)
+# (FC_PDS_STMATRIX=1: P / dS stored by stmatrix.x4, session 32, not yet measured)
+AB_KEYS_DEFINES = ((("FC_KV_ROLES", 0),), (("FC_PDS_STMATRIX", 1),))
 
 
 def configs() -> list[Sm90BwdWideConfig]:

@@ -366,14 +366,14 @@ struct StepTiles {
                   pack2<T>(c[8 * k + 2], c[8 * k + 3]), pack2<T>(c[8 * k + 4], c[8 * k + 5]),
                   pack2<T>(c[8 * k + 6], c[8 * k + 7]));
     }
-    return;
-#endif
+#else
 #pragma unroll
     for (int j = 0; j < kKeys / 8; ++j) {
       const uint32_t word = tile + at[j & 1] + (j / 2) * kPChunkBytes;
       store_shared_32(word, pack2<T>(c[4 * j], c[4 * j + 1]));
       store_shared_32(word + 8 * 32, pack2<T>(c[4 * j + 2], c[4 * j + 3]));
     }
+#endif
   }
   // store_tile's two offsets of lane (row, t) in consumer w's keys: swizzled32_word(row, 8 h +
   // 2t) of chunk 3w, h = 0, 1.
@@ -385,11 +385,11 @@ struct StepTiles {
     at[0] = (kKeys / 16) * w * kPChunkBytes +
             swizzled32_word((row & ~15) + (lane & 7) + 8 * (f & 1), 8 * (f >> 1));
     at[1] = 0;
-    return;
-#endif
+#else
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       at[h] = (kKeys / 16) * w * kPChunkBytes + swizzled32_word(row, 8 * h + 2 * t);
+#endif
   }
 
   // This warpgroup's 64 x 96 dQ tile in its registers' order into its staging buffer: dq[4 j ..
