@@ -628,12 +628,12 @@ def config_for(call: BwdCall) -> Sm90BwdConfig:
     return cfg
 
 
-def lpt_tail_for(call: BwdCall) -> int:
-    """FC_LPT_TAIL's K for `call`: LPT_TAIL[head_dim] when the mask has a right edge and no left
-    one (causal: the earliest key blocks have the most steps), else 0 (every CTA the same work,
-    or a sliding window's, unmeasured)."""
+def lpt_tail_for(call: BwdCall, table: dict[int, int] | None = None) -> int:
+    """FC_LPT_TAIL's K for `call`: `table` (LPT_TAIL; bwd_sm90_wide passes its own)[head_dim]
+    when the mask has a right edge and no left one (causal: the earliest key blocks have the
+    most steps), else 0 (every CTA the same work, or a sliding window's, unmeasured)."""
     if call.window_left is None and call.window_right is not None:
-        return LPT_TAIL.get(call.head_dim, 0)
+        return (LPT_TAIL if table is None else table).get(call.head_dim, 0)
     return 0
 
 

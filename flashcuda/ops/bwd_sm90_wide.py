@@ -349,22 +349,14 @@ def config_for(call: BwdCall) -> Sm90BwdWideConfig:
     if split == "keys" and dq != "stage":
         raise ValueError(f"{DQ_ENV}={dq}: the key split ({SPLIT_ENV}=keys, d192) stages dQ")
     return Sm90BwdWideConfig(call.dtype, call.head_dim, dq_stage=dq == "stage", split=split,
-                             lpt_tail=lpt_tail_for(call), defines=parse_defines(DEFINES_ENV))
+                             lpt_tail=bwd_sm90.lpt_tail_for(call, LPT_TAIL),
+                             defines=parse_defines(DEFINES_ENV))
 
 
 def default_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdWideConfig:
     """The head dim's default MAIN kernel without the environment's A/B knobs (no mask)."""
     return Sm90BwdWideConfig(dtype, head_dim, dq_stage=DQ_DEFAULT == "stage",
                              split=SPLIT_DEFAULT[head_dim])
-
-
-def lpt_tail_for(call: BwdCall) -> int:
-    """FC_LPT_TAIL's K for `call`: LPT_TAIL[head_dim] when the mask has a right edge and no left
-    one (causal: the earliest key blocks have the most steps), else 0 (every CTA the same work,
-    or a sliding window's, unmeasured)."""
-    if call.window_left is None and call.window_right is not None:
-        return LPT_TAIL.get(call.head_dim, 0)
-    return 0
 
 
 def _plan_key(call: BwdCall) -> tuple:

@@ -119,6 +119,7 @@
 #include "common/types.cuh"
 #include "common/sm90.cuh"
 #include "common/reduce.cuh"
+#include "attention/block_order.cuh"
 #include "attention/mask.cuh"
 #include "attention/online_softmax.cuh"
 
@@ -495,29 +496,6 @@ __device__ __forceinline__ void timeline_mark(uint64_t* timeline, int word) {
   timeline_record(timeline)[word] = globaltimer_ns();
 }
 #endif
-
-struct BlockCoord {
-  int key_block, head_kv, batch;
-};
-
-// The (key block, KV head, batch) of the CTA (x, y, z) of a (gx, gy, gz) grid (the block index
-// and gridDim): the index itself, or under FC_LPT_TAIL = K inside the tail, the CTA's rank j in
-// blockIdx order gives key block j / K of pair first + j % K (a bijection of the tail's gx * K
-// CTAs onto themselves).
-__device__ __forceinline__ BlockCoord block_coord(int x, int y, int z, int gx, int gy, int gz) {
-#if FC_LPT_TAIL
-  const int pairs = gy * gz;
-  const int tail = FC_LPT_TAIL < pairs ? FC_LPT_TAIL : pairs;
-  const int first = pairs - tail;
-  const int pair = y + gy * z;
-  if (pair >= first) {
-    const int j = x + gx * (pair - first);
-    const int p = first + j % tail;
-    return {j / tail, p % gy, p / gy};
-  }
-#endif
-  return {x, y, z};
-}
 
 __device__ __forceinline__ int stage_of(int it) { return it % kStages; }
 __device__ __forceinline__ uint32_t parity_of(int it) { return (it / kStages) & 1; }
@@ -1021,8 +999,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
   // the CTA's work item: its key block, KV head and batch, and the steps that see the key block
-  const BlockCoord blk =
-      block_coord(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, gridDim.z);
+  const BlockCoord blk = block_coord<FC_LPT_TAIL>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x,
+                                                 gridDim.y, gridDim.z);
   const int n0 = blk.key_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
   const Steps steps(mask, n0, nheads, nheads_kv);
 

@@ -432,8 +432,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   const Smem sm{raw + pad, smem_raw + pad};
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
-  const wide_bwd::BlockCoord blk = wide_bwd::block_coord();
-  const int n0 = blk.n_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
+  const BlockCoord blk = block_coord<FC_LPT_TAIL>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x,
+                                                 gridDim.y, gridDim.z);
+  const int n0 = blk.key_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
   const Steps steps(mask, n0, nheads, nheads_kv);
 
   if (threadIdx.x == 0) {

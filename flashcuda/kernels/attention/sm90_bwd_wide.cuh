@@ -7,6 +7,7 @@
 #include "common/types.cuh"
 #include "common/sm90.cuh"
 #include "common/smem.cuh"
+#include "attention/block_order.cuh"
 #include "attention/mask.cuh"
 #include "attention/online_softmax.cuh"
 
@@ -15,34 +16,14 @@ namespace wide_bwd {
 #ifndef FC_LPT_TAIL
 // K > 0: the CTAs of the grid's last K (KV head, batch) pairs run longest-first across those
 // pairs (key block 0 of all K pairs, then key block 1, ...) instead of pair after pair; the rest
-// keep blockIdx order. bwd_sm90's FC_LPT_TAIL (session 14) brought to the wide kernels: the GPU
+// keep blockIdx order (block_coord<FC_LPT_TAIL>, attention/block_order.cuh, which both wide
+// kernels call). bwd_sm90's FC_LPT_TAIL (session 14) brought to the wide kernels: the GPU
 // starts CTAs in blockIdx order, and under a causal mask (a right edge, no left one) key block 0
 // has the most steps, so the last pairs' heaviest CTAs would start near the end of the grid. A
 // list-schedule model of d192's 96-key CTAs in blockIdx order puts the last SM 3-8% past an even
 // split at causal 512-8k (perf-notes, session 32); K = 8 -> 0.3-4.7%, K = 16 -> 0.2-2.6%.
 #define FC_LPT_TAIL 0
 #endif
-
-// The (key block, KV head, batch) of CTA (x, y, z) of a (gx, gy, gz) grid: itself, or under
-// FC_LPT_TAIL = K inside the tail, the CTA's rank j in blockIdx order gives key block j / K of
-// pair first + j % K (a bijection of the tail's gx * K CTAs onto themselves).
-struct BlockCoord {
-  int n_block, head_kv, batch;
-};
-__device__ __forceinline__ BlockCoord block_coord() {
-  const int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
-#if FC_LPT_TAIL
-  const int gx = gridDim.x, gy = gridDim.y, pairs = gy * gridDim.z;
-  const int tail = FC_LPT_TAIL < pairs ? FC_LPT_TAIL : pairs;
-  const int first = pairs - tail, pair = y + gy * z;
-  if (pair >= first) {
-    const int j = x + gx * (pair - first);
-    const int p = first + j % tail;
-    return {j / tail, p % gy, p / gy};
-  }
-#endif
-  return {x, y, z};
-}
 
 // One arrival per consumer warp once every lane's wgmmas reading the buffer have completed
 // (flash_bwd_sm90.cu's release without the proxy fence: each lse2 / delta value a lane loaded
