@@ -22,6 +22,7 @@ from tests.gpu.test_fwd_sm90 import (
     CAUSAL,
     FULL,
     PAIRS,
+    assert_oracle,
     check,
     check_agrees_with_sm80,
     check_empty_work_tiles,
@@ -98,6 +99,26 @@ def test_one_tile_and_many(head_dim, dtype):
     check(*make(1, 128, 128, 1, 1, head_dim, dtype, seed=3))
     check(*make(1, 128, 64 * 7 + 5, 1, 1, head_dim, dtype, seed=4))
     check(*make(1, 200, 200, 1, 1, head_dim, dtype, seed=5), CAUSAL)
+
+
+@pytest.mark.parametrize("pingpong", ["1", "0"], ids=["pp", "no-pp"])
+@pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", WIDE)
+def test_rescale_early_same_bits(head_dim, window, pingpong, monkeypatch):
+    """FC_RESCALE_EARLY (the A/B of FA4's rescale of O before the P V GEMM, session 32) gives O
+    the same multiplications in the same order: its output and lse equal the default kernel's
+    bit for bit, with and without ping-pong, and pass the oracle."""
+    only_dispatch_tiles(head_dim)
+    q, k, v = make(2, 700, 700, 3, 1, head_dim, BF16, seed=11)  # 6-9 key tiles, two work tiles
+    scale = head_dim ** -0.5
+    monkeypatch.setenv(fwd_sm90.PINGPONG_ENV, pingpong)
+    dispatch._reset()
+    want_out, want_lse = run(fwd_sm90, q, k, v, scale, window)
+    monkeypatch.setenv(fwd_sm90.DEFINES_ENV, "FC_RESCALE_EARLY=1")
+    dispatch._reset()
+    out, lse = run(fwd_sm90, q, k, v, scale, window)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert_oracle(out, lse, q, k, v, window, scale)
 
 
 # ---- the grid: lengths, causal, GQA, batch, windows -------------------------------------------

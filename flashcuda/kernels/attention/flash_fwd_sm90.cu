@@ -251,6 +251,18 @@ constexpr bool kFastDiv = FC_FAST_DIV;
 #endif
 static_assert(!FC_CROSS_TILE || (FC_Q_STAGES == 2 && !FC_DECODE_AHEAD && !FC_TIMELINE),
               "the cross-tile loop needs two Q buffers, decodes ahead itself, has no timeline");
+#ifndef FC_RESCALE_EARLY
+// 1 (A/B, session 32, written, not run): O's rescale by a key tile's correction waits for the
+// next tile and runs between issuing its S and the P V that adds to O (FA4's order for head dims
+// above 128, `rescale_O_before_gemm`, where FA4 also drops the warpgroups' turn-taking: pair it
+// with FLASHCUDA_SM90_PINGPONG=0), so the kHeadDim / 2 FMULs per thread run while the S GEMM is
+// in flight instead of between the P V wait and the next issue. O sees the same multiplications
+// in the same order (O c_i + P_i V_i), so the results are the same bits. Ignored by the masked-V
+// kernels (their put-back follows the rescale; a windowed call's second pass keeps the order)
+// and under FC_CROSS_TILE.
+#define FC_RESCALE_EARLY 0
+#endif
+#define FC_RESCALE_EARLY_ON (FC_RESCALE_EARLY && !FC_MASKED_V && !FC_CROSS_TILE)
 #ifndef FC_DESC_EARLY
 // 1 (A/B, session 25; measured in session 26: -0.2 to +0.8% at d128, none beyond p10-p90, -1.9%
 // at d64 causal 4k — not used, perf-notes): with ping-pong, a step's K and V wgmma descriptors
@@ -630,6 +642,9 @@ struct Consumer {
   float s[kBlockN / 2];         // S of the current key tile, then its P (fp32)
   uint32_t p[kBlockN / 16][4];  // P of the previous tile as 16-bit A fragments of P V
   OnlineSoftmax row[2];         // rows g and g + 8 of this warp's 16; l is this lane's partial sum
+#if FC_RESCALE_EARLY_ON
+  float corr_next[2];  // the last tile's correction, applied before the next P V
+#endif
   uint32_t q_rows;              // shared address of this warpgroup's 64 rows of Q (chunk 0)
 #if FC_DESC_EARLY
   uint64_t q_desc;   // q_rows' wgmma descriptor, made with it (FC_DESC_EARLY)
@@ -1141,6 +1156,13 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
 #else
   cs.issue_scores(sm.k(st));
 #endif
+#if FC_RESCALE_EARLY_ON
+  if constexpr (!kFirst) {  // O (no GEMM writes it now) by the previous tile's correction
+    cs.rescale(cs.corr_next);
+    wgmma_fence_operands(cs.o);
+    wgmma_fence();
+  }
+#endif
   if constexpr (!kFirst) {
     if constexpr (!kVBeforeTurn) {
       mbar_wait(sm.v_full(prev), parity_of(ring - 1));
@@ -1198,7 +1220,12 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
 #else
   cs.softmax_tail(scale_log2);  // (FC_EXP_SPLIT; nothing otherwise)
 #endif
+#if FC_RESCALE_EARLY_ON
+  cs.corr_next[0] = corr[0];  // (rescaled before the next P V)
+  cs.corr_next[1] = corr[1];
+#else
   cs.rescale(corr);
+#endif
   cs.pack_p();
   // The slow path's branch comes after the softmax, rescale and packing, not between them: there
   // it split their basic block, and ptxas no longer hid the exp2s' latency behind the rescale
@@ -1250,6 +1277,9 @@ __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block&
   const int stage = stage_of(last);
   const bool scan = FC_MASKED_V && masked(i);
   bool poisoned = false;
+#if FC_RESCALE_EARLY_ON
+  cs.rescale(cs.corr_next);  // (the last tile's correction, before its P V)
+#endif
   mbar_wait(sm.v_full(stage), parity_of(last));
   const uint32_t v = scan ? scanned_v(sm, stage, masked.scan(i), c, poisoned) : sm.v(stage);
   turn_begin(c);
