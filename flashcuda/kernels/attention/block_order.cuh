@@ -2,8 +2,13 @@
 // flash_bwd_sm90_keys.cu): one CTA per (key block, KV head, batch), which the GPU starts in
 // blockIdx order (the backward timeline, session 13). Under a causal mask key block 0 has the
 // most steps, so a grid walked pair after pair starts its last pairs' heaviest CTAs near its end;
-// FC_LPT_TAIL = K (each kernel's define) runs the last K pairs longest-first across them.
+// FC_LPT_TAIL = K runs the last K pairs longest-first across them (bwd_sm90.LPT_TAIL,
+// bwd_sm90_wide.LPT_TAIL: causal calls only).
 #pragma once
+
+#ifndef FC_LPT_TAIL
+#define FC_LPT_TAIL 0  // K of the kernels' block_coord<FC_LPT_TAIL>; the hosts set it per call
+#endif
 
 struct BlockCoord {
   int key_block, head_kv, batch;

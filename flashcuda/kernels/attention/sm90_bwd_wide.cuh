@@ -11,19 +11,13 @@
 #include "attention/mask.cuh"
 #include "attention/online_softmax.cuh"
 
-namespace wide_bwd {
+// FC_LPT_TAIL (block_order.cuh) in the wide kernels, bwd_sm90's session-14 order: under a causal
+// mask key block 0 has the most steps, so a grid in blockIdx order starts its last pairs'
+// heaviest CTAs near its end. A list-schedule model of d192's 96-key CTAs in blockIdx order puts
+// the last SM 3-8% past an even split at causal 512-8k (perf-notes, session 32); K = 8 ->
+// 0.3-4.7%, K = 16 -> 0.2-2.6%.
 
-#ifndef FC_LPT_TAIL
-// K > 0: the CTAs of the grid's last K (KV head, batch) pairs run longest-first across those
-// pairs (key block 0 of all K pairs, then key block 1, ...) instead of pair after pair; the rest
-// keep blockIdx order (block_coord<FC_LPT_TAIL>, attention/block_order.cuh, which both wide
-// kernels call). bwd_sm90's FC_LPT_TAIL (session 14) brought to the wide kernels: the GPU
-// starts CTAs in blockIdx order, and under a causal mask (a right edge, no left one) key block 0
-// has the most steps, so the last pairs' heaviest CTAs would start near the end of the grid. A
-// list-schedule model of d192's 96-key CTAs in blockIdx order puts the last SM 3-8% past an even
-// split at causal 512-8k (perf-notes, session 32); K = 8 -> 0.3-4.7%, K = 16 -> 0.2-2.6%.
-#define FC_LPT_TAIL 0
-#endif
+namespace wide_bwd {
 
 // One arrival per consumer warp once every lane's wgmmas reading the buffer have completed
 // (flash_bwd_sm90.cu's release without the proxy fence: each lse2 / delta value a lane loaded
