@@ -242,6 +242,7 @@ class Sm90FwdConfig:
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
             **({"FC_MASK_BITS": 1} if MASK_BITS and self.windowed and self.block_n <= 128 else {}),
             **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
+            **({"FC_RESCALE_EARLY": 1} if self.head_dim in RESCALE_EARLY else {}),
             **({"FC_FIRST_HALF": 1} if self.first_half else {}),
             **({"FC_O_QUAD": 1} if self.block_m in O_QUAD.get(self.head_dim, ()) else {}),
             **dict(self.defines),
@@ -378,6 +379,12 @@ SOFTMAX_IN_ARMS = (128, 192, 256)  # (d192 / d256: FC_SOFTMAX_IN_ARMS=0 -7 to -1
 # d192 / d256: 3 of the 8 (64 keys) or 10 (80 keys) groups, about d128's share; session 26 at
 # 64 keys: FC_EXP_SPLIT=0 0 to -6.7%
 EXP_SPLIT = {128: 6, 192: 3, 256: 3}
+# Head dims whose kernel rescales O by the previous key tile's correction while the scores GEMM
+# runs, before the P V (FC_RESCALE_EARLY, the .cu; FA4's rescale_O_before_gemm above d128; inert
+# in the masked-V kernels). Same-process A/B (session 33, e2ca481, with ping-pong): d256 +0.6 /
+# +2.3 / +0.9 / +3.3% at 4k / 4k causal / 16k / 16k causal, all beyond p10-p90; d192 -1.0 to
+# -1.8% (not used there). FLASHCUDA_SM90_FWD_DEFINES=FC_RESCALE_EARLY=0 builds the old order.
+RESCALE_EARLY = (256,)
 # The windowed (masked-V) kernels test a masked tile's scores against a bit mask of each lane's
 # visible columns (FC_MASK_BITS, the .cu; 128-key tiles). Same-run A/B (session 18, perf-notes):
 # causal forward +0.3 to +3.4% at 512-8k (the masked first tile of every causal work tile is on

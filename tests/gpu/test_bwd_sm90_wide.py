@@ -38,10 +38,11 @@ VARIANTS = {  # id: (FLASHCUDA_SM90_BWD_WIDE_DQ, _DEFINES, _SPLIT)
     # the default kernels with the grid's last 8 (KV head, batch) pairs longest-first
     # (FC_LPT_TAIL=8, session 32's A/B; with fewer pairs the whole grid is remapped)
     "lpt8": ("", "FC_LPT_TAIL=8", ""),
-    # (d192 only) P / dS stored by stmatrix.x4 (FC_PDS_STMATRIX=1, session 32's A/B)
-    "stm": ("", "FC_PDS_STMATRIX=1", "keys"),
+    # (d192 only) P / dS by 32-bit shared stores (FC_PDS_STMATRIX=0; stmatrix.x4 is the default
+    # since session 33)
+    "st32": ("", "FC_PDS_STMATRIX=0", "keys"),
 }
-KEYS_ONLY = ("dims", "keys48", "stm")  # variants of the d192 kernels
+KEYS_ONLY = ("dims", "keys48", "st32")  # variants of the d192 kernels
 
 
 @pytest.fixture(params=[256, 192], ids=["d256", "d192"])
@@ -59,8 +60,8 @@ def _sm90(monkeypatch, request):
     reductions (FLASHCUDA_SM90_BWD_WIDE_DQ=red: red.v2; red.v4 through the defines) and the
     staging after dK^T (FC_DQ_STAGE_SPLIT=0, session 27's); the key split with dV^T / dK^T
     both split by keys (FC_KV_ROLES=0, "keys48"); the default kernels with the causal tail
-    longest-first (FC_LPT_TAIL=8, "lpt8"); d192's P / dS by stmatrix (FC_PDS_STMATRIX=1,
-    "stm"). Yields the variant's id."""
+    longest-first (FC_LPT_TAIL=8, "lpt8"); d192's P / dS by 32-bit stores (FC_PDS_STMATRIX=0,
+    "st32"). Yields the variant's id."""
     dq, defines, split = VARIANTS[request.param]
     monkeypatch.setenv(bwd_sm90_wide.DQ_ENV, dq)
     monkeypatch.setenv(bwd_sm90_wide.DEFINES_ENV, defines)
@@ -78,7 +79,7 @@ def test_the_variant_runs_its_kernel(D, _sm90):
     q, k, v, dout = make(1, 64, 64, 1, 1, D, BF16, seed=1)
     call = BwdCall(q, k, v, dout, dout, torch.zeros(1, 1, 64, device="cuda"), q, k, v, 0.1,
                    None, None, False)
-    keys = _sm90 in ("default", "keys48", "lpt8", "stm") and D == 192
+    keys = _sm90 in ("default", "keys48", "lpt8", "st32") and D == 192
     cfg = bwd_sm90_wide.config_for(call)
     assert cfg.keys_split == keys
     assert (("FC_KV_ROLES", 0) in cfg.defines) == (_sm90 == "keys48")

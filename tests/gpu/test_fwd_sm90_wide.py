@@ -105,13 +105,14 @@ def test_one_tile_and_many(head_dim, dtype):
 @pytest.mark.parametrize("window", [FULL, CAUSAL], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", WIDE)
 def test_rescale_early_same_bits(head_dim, window, pingpong, monkeypatch):
-    """FC_RESCALE_EARLY (the A/B of FA4's rescale of O before the P V GEMM, session 32) gives O
-    the same multiplications in the same order: its output and lse equal the default kernel's
-    bit for bit, with and without ping-pong, and pass the oracle."""
+    """FC_RESCALE_EARLY (FA4's rescale of O before the P V GEMM; session 32, d256's default since
+    session 33) gives O the same multiplications in the same order: its output and lse equal the
+    old order's bit for bit, with and without ping-pong, and pass the oracle."""
     only_dispatch_tiles(head_dim)
     q, k, v = make(2, 700, 700, 3, 1, head_dim, BF16, seed=11)  # 6-9 key tiles, two work tiles
     scale = head_dim ** -0.5
     monkeypatch.setenv(fwd_sm90.PINGPONG_ENV, pingpong)
+    monkeypatch.setenv(fwd_sm90.DEFINES_ENV, "FC_RESCALE_EARLY=0")
     dispatch._reset()
     want_out, want_lse = run(fwd_sm90, q, k, v, scale, window)
     monkeypatch.setenv(fwd_sm90.DEFINES_ENV, "FC_RESCALE_EARLY=1")
