@@ -2,7 +2,7 @@
 
     python scripts/ab_probe.py --arm def: --arm mb:FLASHCUDA_SM90_FWD_DEFINES=FC_MASK_BITS=0 \\
         [--shapes 32,512,16,64 16,1024,16,128 ...] [--causal 0|1|both] [--direction fwd|bwd|both]
-        [--rounds 15] [--calls 20] [--out ab-probe.json]
+        [--rounds 15] [--calls 20] [--peer fa4 ...] [--out ab-probe.json]
 
 Why: `gpu_lane.sh ab` benches each arm in separate processes, and between two processes the same
 kernel read up to ±3-6% (session 18), more than the 1-3% a kernel change often moves. Here every
@@ -19,6 +19,11 @@ excludes 1.00 is beyond this run's noise. The forward is flashcuda.flash_attn_fu
 backward is torch.autograd.grad through it (dq, dk, dv: PRE, MAIN and CONVERT), the forward run
 once per arm and round outside the timed calls. The shapes should keep the GPU busier than the
 host (a backward call costs ~0.3 ms of host time).
+
+`--peer NAME` (repeatable; flashcuda.bench.peers' names, e.g. fa4 with FLASHCUDA_BENCH_SITE,
+sdpa_cudnn) adds an arm that runs that implementation instead of flashcuda, in the same rotation
+on the same tensors: a same-process ratio against a peer, where the sweep's points (separate
+timed loops with a cache flush) move with the process and its host.
 """
 
 from __future__ import annotations
@@ -103,11 +108,15 @@ def _with_env(env: dict[str, str], fn: Callable[[], object]) -> object:
 
 
 def measure(arms: list[tuple[str, dict[str, str]]], shape: tuple[int, int, int, int],
-            causal: bool, direction: str, rounds: int, calls: int) -> dict[str, list[float]]:
+            causal: bool, direction: str, rounds: int, calls: int,
+            peers: dict | None = None) -> dict[str, list[float]]:
+    """Per arm, its ms per call in each counted round. `peers`: label -> a forward
+    (q, k, v, causal) -> out run in place of flashcuda.flash_attn_func for that arm."""
     import torch
 
     import flashcuda
 
+    peers = peers or {}
     b, s, h, d = shape
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
@@ -116,13 +125,14 @@ def measure(arms: list[tuple[str, dict[str, str]]], shape: tuple[int, int, int, 
     for r in range(rounds + 1):  # round 0 compiles and warms up
         for i in rotation(len(arms), r):
             label, env = arms[i]
+            fwd = peers.get(label, lambda q, k, v, causal: flashcuda.flash_attn_func(
+                q, k, v, causal=causal))
 
-            def one():
+            def one(fwd=fwd):
                 if direction == "fwd":
                     with torch.no_grad():
-                        return events_ms(
-                            lambda: flashcuda.flash_attn_func(q, k, v, causal=causal), calls)
-                out = flashcuda.flash_attn_func(q, k, v, causal=causal)
+                        return events_ms(lambda: fwd(q, k, v, causal), calls)
+                out = fwd(q, k, v, causal)
                 return events_ms(
                     lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), calls)
 
@@ -130,6 +140,24 @@ def measure(arms: list[tuple[str, dict[str, str]]], shape: tuple[int, int, int, 
             if r:
                 times[label].append(t)
     return times
+
+
+def load_peers(names: list[str]) -> dict:
+    """name -> forward (q, k, v, causal) -> out, at the default scale; SystemExit naming the
+    peer when it cannot be loaded."""
+    from flashcuda.bench import peers as bench_peers
+
+    out = {}
+    for impl in bench_peers.discover(names)[1:]:
+        if impl.status != "ok":
+            raise SystemExit(f"--peer {impl.name}: {impl.detail or impl.status}")
+
+        def fwd(q, k, v, causal, impl=impl):
+            prepared = impl.prepare(q, k, v)
+            return impl.forward(*prepared, causal, q.shape[-1] ** -0.5)
+
+        out[impl.name] = fwd
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,8 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--direction", choices=("fwd", "bwd", "both"), default="fwd")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--peer", action="append", default=[],
+                    help="a peer's name (flashcuda.bench.peers) as one more arm (repeat)")
     ap.add_argument("--out", default="", help="write the raw times and rows as JSON here")
     a = ap.parse_args(argv)
+    peers = load_peers(a.peer)
+    a.arm += [(name, {}) for name in peers]
     if len(a.arm) < 2:
         ap.error("give at least two --arm (the first is the base)")
     if len({label for label, _ in a.arm}) != len(a.arm):
@@ -162,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in a.shapes:
         for causal in masks:
             for direction in directions:
-                times = measure(a.arm, shape, causal, direction, a.rounds, a.calls)
+                times = measure(a.arm, shape, causal, direction, a.rounds, a.calls, peers)
                 b, s, h, d = shape
                 rows = summarise(times, attention_flops(b, h, s, s, d, causal, direction))
                 title = (f"-- {direction} {'x'.join(map(str, shape[:3]))} d{shape[3]}"

@@ -71,3 +71,23 @@ def test_env_is_restored_after_an_arm(probe, monkeypatch):
                            lambda: (os.environ["FC_PROBE_KEEP"], os.environ["FC_PROBE_NEW"]))
     assert seen == ("arm", "1")
     assert os.environ["FC_PROBE_KEEP"] == "old" and "FC_PROBE_NEW" not in os.environ
+
+
+def test_a_peer_arm_runs_the_peer_and_an_absent_one_is_named(probe, monkeypatch):
+    import torch
+
+    from flashcuda.bench import peers
+
+    fwd = probe.load_peers(["sdpa_math"])["sdpa_math"]
+    q, k, v = (torch.randn(1, 5, 2, 8, dtype=torch.float64) for _ in range(3))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * 8 ** -0.5
+    s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+    torch.testing.assert_close(fwd(q, k, v, True), want)
+
+    def absent():
+        return peers._absent("fa4", ImportError("no flash_attn here"))
+
+    monkeypatch.setitem(peers.LOADERS, "fa4", absent)
+    with pytest.raises(SystemExit, match="--peer fa4: ImportError: no flash_attn here"):
+        probe.load_peers(["fa4"])
