@@ -148,6 +148,8 @@ def load_peers(names: list[str]) -> dict:
     from flashcuda.bench import peers as bench_peers
 
     out = {}
+    if not names:  # (discover() with no names loads every peer)
+        return out
     for impl in bench_peers.discover(names)[1:]:
         if impl.status != "ok":
             raise SystemExit(f"--peer {impl.name}: {impl.detail or impl.status}")
