@@ -91,3 +91,7 @@ def test_a_peer_arm_runs_the_peer_and_an_absent_one_is_named(probe, monkeypatch)
     monkeypatch.setitem(peers.LOADERS, "fa4", absent)
     with pytest.raises(SystemExit, match="--peer fa4: ImportError: no flash_attn here"):
         probe.load_peers(["fa4"])
+
+
+def test_no_peer_loads_none(probe):
+    assert probe.load_peers([]) == {}
