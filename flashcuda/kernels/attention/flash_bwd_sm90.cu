@@ -448,13 +448,14 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
 #endif
 // FC_LPT_TAIL (attention/block_order.cuh, default 0) = K > 0: the CTAs of the last K (KV head,
 // batch) pairs of the grid run longest-first across those pairs — key block 0 of all K pairs,
-// then key block 1, ... — instead of pair after pair; the rest of the grid keeps blockIdx order (the CTAs that run together read the same heads' Q / dO:
-// session 12's FC_LPT_ORDER, which reordered the whole grid, lost up to 6% at d64). The GPU
-// starts CTAs in blockIdx order (the backward timeline, session 13), and under a causal mask key
-// block 0 has the most steps, so the last pair's heaviest CTAs would start near the end: at
-// 4 x 4096 x 16 d128 causal the SMs idled 83 us (median) of a 1299 us makespan. The host sets
-// K = 8 for causal calls at d128 (bwd_sm90.LPT_TAIL; session 14 on the H200: +1-2.7% at causal
-// 1k / 4k / 8k, 0 at 2k; d64 -3 to -4%, so 0 there and without a mask).
+// then key block 1, ... — instead of pair after pair; the rest of the grid keeps blockIdx order
+// (the CTAs that run together read the same heads' Q / dO: session 12's FC_LPT_ORDER, which
+// reordered the whole grid, lost up to 6% at d64). The GPU starts CTAs in blockIdx order (the
+// backward timeline, session 13), and under a causal mask key block 0 has the most steps, so the
+// last pair's heaviest CTAs would start near the end: at 4 x 4096 x 16 d128 causal the SMs idled
+// 83 us (median) of a 1299 us makespan. The host sets K = 8 for causal calls at d128
+// (bwd_sm90.LPT_TAIL; session 14 on the H200: +1-2.7% at causal 1k / 4k / 8k, 0 at 2k); d64
+// lost 3-4% (session 14) and 5.5-9.4% with K = 4 / 8 (session 33), so 0 there and without a mask.
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif

@@ -252,15 +252,15 @@ constexpr bool kFastDiv = FC_FAST_DIV;
 static_assert(!FC_CROSS_TILE || (FC_Q_STAGES == 2 && !FC_DECODE_AHEAD && !FC_TIMELINE),
               "the cross-tile loop needs two Q buffers, decodes ahead itself, has no timeline");
 #ifndef FC_RESCALE_EARLY
-// 1 (session 32; on at d256 since session 33, fwd_sm90.RESCALE_EARLY): O's rescale by a key tile's correction waits for the
-// next tile and runs between issuing its S and the P V that adds to O (FA4's order for head dims
-// above 128, `rescale_O_before_gemm`, where FA4 also drops the warpgroups' turn-taking: pair it
-// with FLASHCUDA_SM90_PINGPONG=0), so the kHeadDim / 2 FMULs per thread run while the S GEMM is
-// in flight instead of between the P V wait and the next issue (with the turn-taking kept, it
-// measured best at d256 and lost 1-2% at d192). O sees the same multiplications
-// in the same order (O c_i + P_i V_i), so the results are the same bits. Ignored by the masked-V
-// kernels (their put-back follows the rescale; a windowed call's second pass keeps the order)
-// and under FC_CROSS_TILE.
+// 1 (session 32; on at d256 since session 33, fwd_sm90.RESCALE_EARLY): O's rescale by a key
+// tile's correction waits for the next tile and runs between issuing its S and the P V that adds
+// to O (FA4's order for head dims above 128, `rescale_O_before_gemm`), so the kHeadDim / 2 FMULs
+// per thread run while the S GEMM is in flight instead of between the P V wait and the next
+// issue. FA4 also drops the warpgroups' turn-taking there; ours keeps it (without the turns it
+// lost 3-6% at d256; with them the early rescale won up to 3.3% at d256 and lost 1-2% at d192).
+// O sees the same multiplications in the same order (O c_i + P_i V_i), so the results are the
+// same bits. Ignored by the masked-V kernels (their put-back follows the rescale; a windowed
+// call's second pass keeps the order) and under FC_CROSS_TILE.
 #define FC_RESCALE_EARLY 0
 #endif
 #define FC_RESCALE_EARLY_ON (FC_RESCALE_EARLY && !FC_MASKED_V && !FC_CROSS_TILE)
