@@ -156,7 +156,8 @@ def load_peers(names: list[str]) -> dict:
 
         def fwd(q, k, v, causal, impl=impl):
             prepared = impl.prepare(q, k, v)
-            return impl.forward(*prepared, causal, q.shape[-1] ** -0.5)
+            with impl.context():  # SDPA's peers pin their backend here
+                return impl.forward(*prepared, causal, q.shape[-1] ** -0.5)
 
         out[impl.name] = fwd
     return out

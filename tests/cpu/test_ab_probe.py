@@ -95,3 +95,29 @@ def test_a_peer_arm_runs_the_peer_and_an_absent_one_is_named(probe, monkeypatch)
 
 def test_no_peer_loads_none(probe):
     assert probe.load_peers([]) == {}
+
+
+def test_a_peer_runs_inside_its_context(probe, monkeypatch):
+    """SDPA's peers pin their backend with a context manager: the arm must enter it."""
+    import contextlib
+
+    from flashcuda.bench import peers
+
+    entered = []
+
+    @contextlib.contextmanager
+    def pinned():
+        entered.append("in")
+        yield
+
+    def fake():
+        return peers.Impl("fa4", "ok", "fake", lambda q, k, v, causal, scale: q * scale,
+                          context=pinned)
+
+    monkeypatch.setitem(peers.LOADERS, "fa4", fake)
+    import torch
+
+    fwd = probe.load_peers(["fa4"])["fa4"]
+    q = torch.full((1, 2, 1, 4), 3.0)
+    torch.testing.assert_close(fwd(q, q, q, False), q * 0.5)  # scale 4 ** -0.5
+    assert entered == ["in"]
