@@ -127,6 +127,11 @@ CONVERT_SPANS_ENV = "FLASHCUDA_SM90_BWD_CONVERT_SPANS"
 # allow). By default only with the 64-query kernel's default settings (is_default_kernel): an A/B
 # of them (DQ, DS, STAGES, DQ_EARLY, DQ_LATE set away from the default) keeps 64 queries.
 SWAP_ENV = "FLASHCUDA_SM90_BWD_SWAP"
+# dK / dV through shared memory and tensor stores (FC_DKV_TMA, the .cu; FA3 / FA4's epilogue)
+# at these head dims; FLASHCUDA_SM90_BWD_DKV_TMA=0 / 1 turns it off / on (A/B). Only where dk
+# and dv take a tensor map (bshd_problem); otherwise the 16-byte st.global epilogue.
+DKV_TMA_ENV = "FLASHCUDA_SM90_BWD_DKV_TMA"
+DKV_TMA_DIMS: tuple[int, ...] = ()
 SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T rows each)
 SWAP_DIMS = (128,)
 SWAP_MIN_SEQLEN_Q = 2048
@@ -242,6 +247,9 @@ class Sm90BwdConfig:
     # (key block 0 of every such pair first); dispatch sets it for causal calls at the head dims
     # of LPT_TAIL (the .cu; _build_plan)
     lpt_tail: int = 0
+    # dK / dV through K's / V's shared tiles and two tensor stores (FC_DKV_TMA; two more tensor
+    # maps after map_dq's place: map_dk, map_dv); config_for sets it (DKV_TMA_DIMS, DKV_TMA_ENV)
+    dkv_tma: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
     defines: tuple = ()
@@ -387,6 +395,7 @@ class Sm90BwdConfig:
                 + (f"_pe{self.probs_early}" if self.probs_early != self.block_m // 8 else "")
                 + (f"_em{self.probs_emu}" if self.probs_emu else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
+                + ("_dkvt" if self.dkv_tma else "")
                 + ("_tl" if self.timeline else "")
                 + defines_suffix(self.defines))
 
@@ -421,6 +430,7 @@ class Sm90BwdConfig:
             **({"FC_PROBS_EMU": self.probs_emu} if self.probs_emu else {}),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
+            **({"FC_DKV_TMA": 1} if self.dkv_tma else {}),
             **dict(self.defines),
         })
 
@@ -510,6 +520,11 @@ def configs() -> list[Sm90BwdConfig]:
                           probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
                           **_dq_mode(DQ_DEFAULT[d]))
             for d, k in LPT_TAIL.items()]
+    # dK / dV by tensor stores (FC_DKV_TMA; DKV_TMA_DIMS / FLASHCUDA_SM90_BWD_DKV_TMA): the bf16
+    # defaults with the P^T split, d128's 80-query form and the causal tails
+    dkv = [c for c in out if c.dtype == torch.bfloat16 and not c.timeline and not c.watchdog
+           and c.probs_early != c.block_m // 8 and not c.defines]
+    out += [dataclasses.replace(c, dkv_tma=True) for c in dkv]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
@@ -585,7 +600,7 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
     plain = Sm90BwdConfig(cfg.dtype, cfg.head_dim, dq_early=True,
                           **_dq_mode(DQ_DEFAULT[cfg.head_dim]))
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
-                               probs_early=None, probs_emu=0, lpt_tail=0,
+                               probs_early=None, probs_emu=0, lpt_tail=0, dkv_tma=False,
                                timeline=False) == plain
 
 
@@ -625,7 +640,23 @@ def config_for(call: BwdCall) -> Sm90BwdConfig:
         cfg = swapped(cfg)
     if lpt_tail := lpt_tail_for(call):
         cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
+    if dkv_tma_for(call, cfg):
+        cfg = dataclasses.replace(cfg, dkv_tma=True)
     return cfg
+
+
+def dkv_tma_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
+    """Whether `call`'s MAIN kernel `cfg` stores dK / dV by tensor maps (FC_DKV_TMA):
+    FLASHCUDA_SM90_BWD_DKV_TMA=1, or unset at DKV_TMA_DIMS; never in the watchdog build, and
+    only where dk and dv take K's tensor map (else the st.global epilogue, which needs 16-byte
+    rows only)."""
+    raw = os.environ.get(DKV_TMA_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{DKV_TMA_ENV}: expected 0 or 1, got {raw!r}")
+    want = raw == "1" if raw else call.head_dim in DKV_TMA_DIMS
+    if not want or cfg.watchdog:
+        return False
+    return all(bshd_problem(t, cfg.block_n) is None for t in (call.dk, call.dv))
 
 
 def lpt_tail_for(call: BwdCall, table: dict[int, int] | None = None) -> int:
@@ -758,7 +789,8 @@ class _Plan:
 
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
-                    STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV)
+                    STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
+                    DKV_TMA_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -788,6 +820,8 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
                                                         (call.dout, cfg.block_m)))
     if cfg.dq_tma:  # any map stands for map_dq's kind (run() passes the call's own)
         main_maps += main_maps[:1]
+    if cfg.dkv_tma:  # map_dk, map_dv
+        main_maps += main_maps[:2]
     return _Plan(
         cfg, sq_pad,
         pre=PreparedLaunch(get_kernel(aux.pre_spec(), dev), (-(-sq_pad // aux.aux_rows), h, b),
@@ -842,6 +876,8 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
             bshd_map(call.v, cfg.block_n).raw, bshd_map(call.dout, cfg.block_m).raw)
     if cfg.dq_tma:
         maps += (rows_f32_map(dq_accum, cfg.block_m).raw,)
+    if cfg.dkv_tma:
+        maps += (bshd_map(call.dk, cfg.block_n).raw, bshd_map(call.dv, cfg.block_n).raw)
     if timeline is None:
         plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr(),
                   handle=handle)

@@ -100,15 +100,16 @@ def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
     assert ("GLOBALTIMER" in sass) == (cfg.watchdog or cfg.timeline)
 
 
-@pytest.mark.parametrize("dq", ["default", "tma"])
+@pytest.mark.parametrize("dq", ["default", "tma", "tma-dkvt", "frag-dkvt"])
 def test_sm90_bwd_parameter_offsets_match_pack_args(builds, tmp_path, dq):
     """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout (the tma
-    dQ variant has a fifth tensor map, map_dq)."""
-    cfg = next(c for c in bwd_sm90.configs() if c.dq_tma == (dq == "tma"))
+    dQ variant has a fifth tensor map, map_dq; FC_DKV_TMA two more, map_dk and map_dv)."""
+    cfg = next(c for c in bwd_sm90.configs() if c.dq_tma == dq.startswith("tma")
+               and c.dkv_tma == dq.endswith("dkvt"))
     table = param_table(builds[cfg.name].cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
     i32, i64 = np.int32(0), np.int64(0)
-    maps = (m,) * (5 if cfg.dq_tma else 4)
+    maps = (m,) * (4 + cfg.dq_tma + 2 * cfg.dkv_tma)
     args = (*maps, None, None, None, None, None, i64, i64, i64, i64, i64, i64, i32, i32,
             i32, i32, i32, np.float32(0), np.float32(0), i32, i32)
     _, offsets = pack_args("k", args)
@@ -438,7 +439,7 @@ def test_plan_key_holds_what_can_implement_reads(monkeypatch):
                    {"deterministic": True}):
         assert bwd_sm90._plan_key(dataclasses.replace(base, **change)) != key, change
     for env in (ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, bwd_sm90.FENCE_ENV,
-                bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV):
+                bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV, bwd_sm90.DKV_TMA_ENV):
         monkeypatch.setenv(env, "x")
         assert bwd_sm90._plan_key(base) != key, env
         monkeypatch.delenv(env)
@@ -712,6 +713,103 @@ def test_dkv_quad_epilogue_builds_clean_with_16_byte_stores(tmp_path):
         assert len(re.findall(r"STG\.E\.128 ", plain)) == 0
         stores = lambda s: len(re.findall(r"\bSTG\.E(\.[A-Z0-9.]+)? ", s))  # noqa: E731
         assert stores(plain) - stores(vec) == 2 * 2 * d // 8 - 2 * 2 * d // 32
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dkv_tma_staging_puts_each_element_where_the_tensor_store_reads_it(head_dim):
+    """Consumer::stage_kv_grad (FC_DKV_TMA) in Python: lane l of warp w gives stmatrix.x4 the
+    address of row l % 8 of matrix l / 8 for column blocks j, j + 1; register f holds the
+    accumulator's elements (row 16 w + g + 8 (f & 1), columns 8 (j + (f >> 1)) + 2t, + 1) of
+    lane 4g + t. Every element of the warpgroup's 64 x head_dim tile must land where TMA's 128B
+    swizzle puts (row, col) of K's tile — chunk col / 64, row r: 16-byte unit ((col % 64) / 8)
+    ^ (r % 8) — once."""
+    chunk_bytes = 128 * 128  # kKVChunkBytes: 128 rows of one 64-column chunk
+
+    def tma_addr(r, col):
+        return (col // 64) * chunk_bytes + r * 128 + (((col % 64) // 8) ^ (r % 8)) * 16 \
+            + (col % 8) * 2
+
+    seen = {}
+    for w in range(4):
+        for j in range(0, head_dim // 8, 2):
+            addr = {}
+            for lane in range(32):  # the addresses stage_kv_grad computes
+                f, i = lane >> 3, lane & 7
+                r = 16 * w + 8 * (f & 1) + i
+                jj = j + (f >> 1)
+                addr[(f, i)] = (jj // 8) * chunk_bytes + r * 128 + ((jj % 8) ^ (r % 8)) * 16
+            for lane in range(32):  # the elements each lane's registers carry
+                g, t = lane >> 2, lane & 3
+                for f in range(4):
+                    for e in range(2):
+                        acc = 4 * j + 4 * (f >> 1) + 2 * (f & 1) + e  # a[4 f' ..] of the .cu
+                        row = 16 * w + g + 8 * ((acc % 4) >> 1)
+                        col = 8 * (acc // 4) + 2 * t + (acc & 1)
+                        got = addr[(f, g)] + (2 * t + e) * 2
+                        assert got == tma_addr(row, col), (w, j, lane, f, e)
+                        seen[(row, col)] = got
+    assert len(seen) == 64 * head_dim and len(set(seen.values())) == len(seen)
+
+
+def test_dkv_tma_builds_clean_with_tensor_stores(tmp_path):
+    """FC_DKV_TMA: the epilogue's st.global are gone; kHeadDim / 64 tensor stores each for dK and
+    dV, and 2 x kHeadDim / 16 more stmatrix.x4 (one per two 8-column blocks per tensor)."""
+    for cfg in (c for c in bwd_sm90.configs() if c.dkv_tma and not c.dq_swap):
+        base = dataclasses.replace(cfg, dkv_tma=False)
+        tma, plain = clean_sass(cfg, tmp_path), clean_sass(base, tmp_path)
+        d = cfg.head_dim
+        assert len(re.findall(r"UTMASTG\.4D", tma)) == 2 * d // 64
+        assert "UTMASTG" not in plain
+        assert not re.search(r"\bSTG\.E", tma) and re.search(r"\bSTG\.E", plain)
+        stsm = lambda s: len(re.findall(r"\bSTSM\b", s))  # noqa: E731
+        assert stsm(tma) - stsm(plain) == 2 * d // 16
+
+
+def test_dq_end_read_builds_clean(tmp_path):
+    """FC_DQ_END_READ (A/B): the dQ writer's last wait for reads only, both staging forms."""
+    for d in (64, 128):
+        cfg = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, d),
+                                  defines=(("FC_DQ_END_READ", 1),))
+        clean_sass(cfg, tmp_path)
+
+
+def test_dkv_tma_switch(monkeypatch):
+    """FLASHCUDA_SM90_BWD_DKV_TMA=1 puts the tensor-store epilogue in the call's MAIN config
+    (named _dkvt, FC_DKV_TMA=1, part of the plan key) — the same kernel otherwise, still the
+    default one for is_default_kernel — except in the watchdog build or where dk / dv take no
+    tensor map; 0 or unset (DKV_TMA_DIMS) leave it out; another value is refused."""
+    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
+                bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV,
+                bwd_sm90.SWAP_ENV, bwd_sm90.DKV_TMA_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(bwd_sm90, "DKV_TMA_DIMS", ())
+    for d in (64, 128):
+        call = _call(D=d)
+        off = bwd_sm90.config_for(call)
+        key = bwd_sm90._plan_key(call)
+        assert not off.dkv_tma
+        monkeypatch.setenv(bwd_sm90.DKV_TMA_ENV, "1")
+        on = bwd_sm90.config_for(call)
+        assert on == dataclasses.replace(off, dkv_tma=True) and on.name == off.name + "_dkvt"
+        assert dict(on.spec().defines)["FC_DKV_TMA"] == "1"
+        assert bwd_sm90.is_default_kernel(on) and bwd_sm90._plan_key(call) != key
+        # a dk whose rows TMA cannot address (stride of 132 elements: 264 bytes)
+        odd = torch.empty(2, 47, 2, d + 4, dtype=torch.bfloat16)[..., :d]
+        assert not bwd_sm90.config_for(dataclasses.replace(call, dk=odd)).dkv_tma
+        monkeypatch.setenv(WATCHDOG_ENV, "1")
+        assert not bwd_sm90.config_for(call).dkv_tma
+        monkeypatch.delenv(WATCHDOG_ENV)
+        monkeypatch.setenv(bwd_sm90.DKV_TMA_ENV, "0")
+        assert bwd_sm90.config_for(call) == off
+        monkeypatch.setattr(bwd_sm90, "DKV_TMA_DIMS", (d,))
+        assert bwd_sm90.config_for(call) == off  # 0 wins over the table
+        monkeypatch.delenv(bwd_sm90.DKV_TMA_ENV)
+        assert bwd_sm90.config_for(call).dkv_tma  # the table's head dim
+        monkeypatch.setattr(bwd_sm90, "DKV_TMA_DIMS", ())
+        monkeypatch.setenv(bwd_sm90.DKV_TMA_ENV, "yes")
+        with pytest.raises(ValueError, match=bwd_sm90.DKV_TMA_ENV):
+            bwd_sm90.config_for(call)
+        monkeypatch.delenv(bwd_sm90.DKV_TMA_ENV)
 
 
 def _block_coord(bx: int, by: int, bz: int, gx: int, gy: int, gz: int, k: int):

@@ -446,6 +446,24 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
 // to +1% at 16k (perf-notes).
 #define FC_DKV_QUAD 1
 #endif
+#ifndef FC_DKV_TMA
+// 1 (A/B; the host passes map_dk / map_dv): dK / dV leave through shared memory and TMA, as
+// FlashAttention 3 / 4's epilogue does — each consumer stmatrix-stores its 64 rows into K's and
+// V's tiles (free once both consumers' last GEMMs are done) in the layout TMA loaded them in, and
+// one thread issues a tensor store per chunk and waits only until TMA has read the tiles. The
+// 16-byte st.global of FC_DKV_QUAD must drain before their warps can exit (ncu at 32 x 512 x 32
+// d64 causal, session 34: drain stalls 3.6% of the samples against FA4's 1.0%) and took 1.3 us
+// per CTA from the last step to the exit (timeline, session 13) — a third of a short causal
+// CTA's fixed cost. Rows past seqlen_k: the tensor store clips them.
+#define FC_DKV_TMA 0
+#endif
+#ifndef FC_DQ_END_READ
+// 1 (A/B): the dQ writer's last wait is for its reductions' reads of the staging tile only
+// (cp.async.bulk.wait_group.read), as FA3 / FA4 and CUTLASS's TMA epilogues end; 0 waits for
+// them to complete. Either way no bulk operation reads shared memory after the CTA; the next
+// kernel (CONVERT) sees dq_accum whole either way (it starts after this grid has completed).
+#define FC_DQ_END_READ 0
+#endif
 // FC_LPT_TAIL (attention/block_order.cuh, default 0) = K > 0: the CTAs of the last K (KV head,
 // batch) pairs of the grid run longest-first across those pairs — key block 0 of all K pairs,
 // then key block 1, ... — instead of pair after pair; the rest of the grid keeps blockIdx order
@@ -584,7 +602,9 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
         __syncwarp();
       }
     }
-    if (lane == 0) bulk_wait_group<0>();
+    if (lane == 0) {
+      if constexpr (FC_DQ_END_READ) bulk_wait_group_read<0>(); else bulk_wait_group<0>();
+    }
   } else {
     for (int it = 0; it < steps.count(); ++it) {
       const int h = steps.head(it, head_kv), m0 = steps.m0(it);
@@ -611,7 +631,7 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
       __syncwarp();
       if (lane == 0) mbar_arrive(sm.dq_empty());
     }
-    bulk_wait_group<0>();
+    if constexpr (FC_DQ_END_READ) bulk_wait_group_read<0>(); else bulk_wait_group<0>();
   }
 }
 
@@ -730,6 +750,27 @@ struct Consumer {
     }
 #endif
     wgmma_commit();
+  }
+
+  // FC_DKV_TMA: this warpgroup's 64 rows of dK or dV times `scale`, 16-bit, into `rows` (its 64
+  // rows of K's or V's tile, chunk 0; kChunks chunks kKVChunkBytes apart) as TMA laid K / V out
+  // (16-byte unit u of row r at u ^ (r % 8)): one stmatrix.x4 per two 8-column blocks j, j + 1,
+  // matrix f = rows 16 warp + 8 (f & 1) .., block j + (f >> 1) — registers acc[4 j ..] in the
+  // stmatrix layout (row g, columns 2t, 2t + 1). Lane l gives row l % 8 of matrix l / 8.
+  __device__ __forceinline__ static void stage_kv_grad(uint32_t rows,
+                                                       const float (&acc)[kHeadDim / 2],
+                                                       float scale, int warp, int lane) {
+    const int f = lane >> 3;
+    const int r = 16 * warp + 8 * (f & 1) + (lane & 7);
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; j += 2) {
+      const int jj = j + (f >> 1);
+      const uint32_t unit = static_cast<uint32_t>((jj % 8) ^ (r % 8));
+      const float* a = &acc[4 * j];
+      stmatrix_x4(rows + (jj / 8) * kKVChunkBytes + r * 128 + unit * 16,
+                  pack2<T>(a[0] * scale, a[1] * scale), pack2<T>(a[2] * scale, a[3] * scale),
+                  pack2<T>(a[4] * scale, a[5] * scale), pack2<T>(a[6] * scale, a[7] * scale));
+    }
   }
 
   // The A registers of in-flight wgmmas belong to the tensor cores until they drain.
@@ -974,6 +1015,10 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_DQ_TMA
                const __grid_constant__ TmaMap map_dq,  // dq_accum as (D, B H Sq_pad) fp32
 #endif
+#if FC_DKV_TMA
+               const __grid_constant__ TmaMap map_dk,  // dk [B, Sk, Hkv, D], K's box
+               const __grid_constant__ TmaMap map_dv,  // dv [B, Sk, Hkv, D]
+#endif
                const float* __restrict__ lse2,         // [B, H, Sq_pad] (PRE)
                const float* __restrict__ delta,        // [B, H, Sq_pad] (PRE)
                float* __restrict__ dq_accum,           // [B, H, Sq_pad, D] (PRE zeroed it)
@@ -1010,6 +1055,10 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     tma_prefetch(map_do);
 #if FC_DQ_TMA
     tma_prefetch(map_dq);
+#endif
+#if FC_DKV_TMA
+    tma_prefetch(map_dk);
+    tma_prefetch(map_dv);
 #endif
   }
   __syncthreads();
@@ -1249,7 +1298,24 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   const bool wrong = kWatchdog && stuck;
   const float v_scale = wrong ? __int_as_float(0x7fc00000) : 1.f;
   const float k_scale = softmax_scale * v_scale;
-#if FC_DKV_QUAD
+#if FC_DKV_TMA
+  // Both consumers' last GEMMs are done (each loop ends after a wgmma_wait<0>), the dQ ones read
+  // all of K: then K's and V's tiles take dK and dV, and one thread stores the block's 128 rows.
+  named_barrier_sync(2, 128 * kConsumers);
+  Consumer::stage_kv_grad(cs.k_rows, cs.dk, k_scale, warp, lane);
+  Consumer::stage_kv_grad(cs.v_rows, cs.dv, v_scale, warp, lane);
+  fence_proxy_async();  // the generic stores before the tensor stores' (async-proxy) reads
+  named_barrier_sync(2, 128 * kConsumers);
+  if (threadIdx.x == 128) {
+#pragma unroll
+    for (int ch = 0; ch < kChunks; ++ch) {
+      tma_store_4d(map_dk, sm.k() + ch * kKVChunkBytes, ch * kChunkCols, n0, head_kv, batch);
+      tma_store_4d(map_dv, sm.v() + ch * kKVChunkBytes, ch * kChunkCols, n0, head_kv, batch);
+    }
+    bulk_commit_group();
+    bulk_wait_group_read<0>();  // TMA has read the tiles: the CTA's shared memory may go
+  }
+#elif FC_DKV_QUAD
   // (store_row_v4's transposes, written out for dK and dV together: the measured SASS)
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
