@@ -170,15 +170,17 @@ def test_config_is_the_single_source_of_truth():
     # variants of the bf16 defaults (two); + the causal calls' longest-first tail at d128 (per
     # dtype, and its bf16 timeline variant); + the 80-query dQ^T kernels (dtype x watchdog); + d64
     # frag in FA3's order (per dtype); + the defaults with FC_PROBS_EARLY (per dtype: d64, d128 and
-    # its 80-query form)
-    assert len({c.name for c in bwd_sm90.configs()}) == 73
+    # its 80-query form); + the bf16 kernels with FC_PROBS_EARLY with dK / dV by tensor stores
+    # (four: d64, d128, its 80-query form, its causal tail)
+    assert len({c.name for c in bwd_sm90.configs()}) == 77
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and with the release fence flipped, x 4; + the two
     # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants; + the
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four dQ^T kernels;
-    # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three)
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 31
+    # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three); + the four
+    # FC_DKV_TMA kernels
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 35
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
