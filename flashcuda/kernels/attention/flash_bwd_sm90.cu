@@ -1156,7 +1156,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 
     const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's query columns
     const float* st_delta = sm.delta_ptr(st) + 2 * t;
+#if defined(FC_FORCE_MASKED)  // (diagnostic A/B: 1 every step masked, 0 none: wrong with a mask)
+    const bool masked = FC_FORCE_MASKED;
+#else
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + wg_key0, 64);
+#endif
     wgmma_wait<1>();
     wgmma_fence_operands(cs.s);
     if (masked) {
