@@ -446,6 +446,17 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
 // to +1% at 16k (perf-notes).
 #define FC_DKV_QUAD 1
 #endif
+#ifndef FC_MASK_BITS
+// 1 (A/B): a masked step tests, per element of P^T and dS^T, one bit of its key row's visible
+// queries among the lane's columns (mask.cuh's fragment_bits, built once per step and row: the
+// forward's FC_MASK_BITS, here also in place of dS^T's P == 0 test) instead of Mask::visible's
+// compares and the dS^T select's float compare (static SASS at d64: +290 instructions per warp
+// on a masked step, session 34). Session 18 measured the bits in P^T alone: -1.6 to +1.1%.
+// dS^T is then 0 exactly where the mask hides the element, as P^T is.
+#define FC_MASK_BITS 0
+#endif
+constexpr bool kMaskBits = FC_MASK_BITS != 0;
+constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 #ifndef FC_DKV_TMA
 // 1 (A/B; the host passes map_dk / map_dv): dK / dV leave through shared memory and TMA, as
 // FlashAttention 3 / 4's epilogue does — each consumer stmatrix-stores its 64 rows into K's and
@@ -671,6 +682,23 @@ struct Consumer {
   float dq[kDqSwap ? kBlockM / 2 : 32];  // this consumer's 64 x 64 dQ tile (FC_DQ_SWAP: 64 x
                                         // kBlockM of dQ^T)
   uint32_t k_rows, v_rows;         // shared address of this warpgroup's 64 K / V rows (chunk 0)
+  uint32_t vis[2];                 // (FC_MASK_BITS, masked steps) rows g, g + 8: visible columns
+
+  // FC_MASK_BITS: the step's visible-column bits of this lane's two key rows key0, key0 + 8
+  // (query columns col0 + 8j + c): key r sees queries r - shift - right .. r - shift + left, and
+  // none when r >= seqlen_k (Mask::visible).
+  __device__ __forceinline__ void set_visible(const Mask& mask, int key0, int col0) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = key0 + 8 * hh;
+      const int lo = r - mask.shift() - mask.window_right;
+      const int hi = r < mask.seqlen_k ? r - mask.shift() + mask.window_left + 1 : lo;
+      vis[hh] = fragment_bits<kBlockM / 8>(lo - col0, hi - col0);
+    }
+  }
+  __device__ __forceinline__ bool hidden(int j, int e) const {
+    return !((vis[e >> 1] >> (2 * j + (e & 1))) & 1u);
+  }
 
   __device__ __forceinline__ void init(const Smem& sm, int wg_key0) {
     k_rows = sm.k() + wg_key0 * 128;  // 64-row offsets stay 1024-byte aligned
@@ -806,7 +834,9 @@ struct Consumer {
       for (int e = 0; e < 4; ++e) {
         const float x = fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x));
         float p = probs_on_fma(j) ? exp2_fma(x) : fast_exp2(x);
-        if (kMasked && !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1))) p = 0.f;
+        if (kMasked && (kBitsInProbs ? hidden(j, e)
+                                  : !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1))))
+          p = 0.f;
         s[4 * j + e] = p;
       }
     }
@@ -822,7 +852,7 @@ struct Consumer {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
-        if (kMasked && s[4 * j + e] == 0.f) ds = 0.f;
+        if (kMasked && (kBitsInDs ? hidden(j, e) : s[4 * j + e] == 0.f)) ds = 0.f;
         dp[4 * j + e] = ds;
       }
     }
@@ -1161,6 +1191,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #else
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + wg_key0, 64);
 #endif
+    if (kBitsInProbs && masked) cs.set_visible(mask, n0 + key_row, m0 + 2 * t);
     wgmma_wait<1>();
     wgmma_fence_operands(cs.s);
     if (masked) {
@@ -1171,6 +1202,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_wait<0>();
     wgmma_fence_operands(cs.dp);
     // (FC_PROBS_EARLY: the rest of P^T here, beside dS^T of the first blocks)
+    if (kMaskBits && masked) {  // the bits again rather than live across the wait (d64 spilled)
+      int key0 = n0 + key_row;
+      asm volatile("" : "+r"(key0));  // (a new value to ptxas: no reuse of the first bits)
+      cs.set_visible(mask, key0, m0 + 2 * t);
+    }
     if (masked) {
       cs.probs<true, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
       cs.dsoftmax<true>(st_delta);
