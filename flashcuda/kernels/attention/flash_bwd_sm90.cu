@@ -852,7 +852,9 @@ struct Consumer {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
+#if !defined(FC_DS_SELECT) || FC_DS_SELECT  // (diagnostic 0: no select; NaN then leaks)
         if (kMasked && (kBitsInDs ? hidden(j, e) : s[4 * j + e] == 0.f)) ds = 0.f;
+#endif
         dp[4 * j + e] = ds;
       }
     }
