@@ -775,6 +775,18 @@ def test_dq_end_read_builds_clean(tmp_path):
         clean_sass(cfg, tmp_path)
 
 
+def test_masked_step_ab_knobs_build_clean(tmp_path):
+    """The masked-step A/B knobs of session 34 (all off by default): FC_MASKED_FUSED at both head
+    dims, FC_MASK_BITS=3 at d128 (at d64 it spills 4 bytes: an A/B only) — fewer float compares
+    (dS^T's P == 0 test) than the default kernel's masked step."""
+    fsetp = lambda sass: len(re.findall(r"\bFSETP\b", sass))  # noqa: E731
+    for d, defines in ((64, (("FC_MASKED_FUSED", 1),)), (128, (("FC_MASKED_FUSED", 1),)),
+                       (128, (("FC_MASK_BITS", 3),))):
+        base = bwd_sm90.select_config(torch.bfloat16, d)
+        knob = dataclasses.replace(base, defines=defines)
+        assert fsetp(clean_sass(knob, tmp_path)) < fsetp(clean_sass(base, tmp_path)), defines
+
+
 def test_dkv_tma_switch(monkeypatch):
     """FLASHCUDA_SM90_BWD_DKV_TMA=1 puts the tensor-store epilogue in the call's MAIN config
     (named _dkvt, FC_DKV_TMA=1, part of the plan key) — the same kernel otherwise, still the
