@@ -132,6 +132,10 @@ SWAP_ENV = "FLASHCUDA_SM90_BWD_SWAP"
 # and dv take a tensor map (bshd_problem); otherwise the 16-byte st.global epilogue.
 DKV_TMA_ENV = "FLASHCUDA_SM90_BWD_DKV_TMA"
 DKV_TMA_DIMS: tuple[int, ...] = ()
+# FlashAttention 4's load order (FC_SPLIT_LOADS, the .cu): S^T waits for K, Q and lse2 only, dP^T
+# for V, dO and delta; at these head dims, FLASHCUDA_SM90_BWD_SPLIT_LOADS=0 / 1 off / on (A/B)
+SPLIT_LOADS_ENV = "FLASHCUDA_SM90_BWD_SPLIT_LOADS"
+SPLIT_LOADS_DIMS: tuple[int, ...] = ()
 SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T rows each)
 SWAP_DIMS = (128,)
 SWAP_MIN_SEQLEN_Q = 2048
@@ -250,6 +254,10 @@ class Sm90BwdConfig:
     # dK / dV through K's / V's shared tiles and two tensor stores (FC_DKV_TMA; two more tensor
     # maps after map_dq's place: map_dk, map_dv); config_for sets it (DKV_TMA_DIMS, DKV_TMA_ENV)
     dkv_tma: bool = False
+    # FlashAttention 4's load order: two barriers per stage (Q + lse2, dO + delta) and V apart
+    # from K (FC_SPLIT_LOADS; 1 + stages more mbarriers); config_for sets it (SPLIT_LOADS_DIMS,
+    # SPLIT_LOADS_ENV)
+    split_loads: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
     defines: tuple = ()
@@ -364,7 +372,7 @@ class Sm90BwdConfig:
     def smem_bytes(self) -> int:
         """1024 B alignment slack + K + V + stages x (Q + dO + lse2 + delta) + 2 x dS
         (+ a dQ staging tile per consumer with dq_bulk) + the mbarriers (as the .cu lays out)."""
-        barriers = 1 + 2 * self.stages
+        barriers = 1 + 2 * self.stages + (1 + self.stages if self.split_loads else 0)
         stats = 2 * self.block_m * 4
         if self.dq_bulk:
             staging = self.consumers * DQ_STAGE_BYTES
@@ -395,7 +403,7 @@ class Sm90BwdConfig:
                 + (f"_pe{self.probs_early}" if self.probs_early != self.block_m // 8 else "")
                 + (f"_em{self.probs_emu}" if self.probs_emu else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
-                + ("_dkvt" if self.dkv_tma else "")
+                + ("_dkvt" if self.dkv_tma else "") + ("_spl" if self.split_loads else "")
                 + ("_tl" if self.timeline else "")
                 + defines_suffix(self.defines))
 
@@ -431,6 +439,7 @@ class Sm90BwdConfig:
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
             **({"FC_DKV_TMA": 1} if self.dkv_tma else {}),
+            **({"FC_SPLIT_LOADS": 1} if self.split_loads else {}),
             **dict(self.defines),
         })
 
@@ -525,6 +534,7 @@ def configs() -> list[Sm90BwdConfig]:
     dkv = [c for c in out if c.dtype == torch.bfloat16 and not c.timeline and not c.watchdog
            and c.probs_early != c.block_m // 8 and not c.defines]
     out += [dataclasses.replace(c, dkv_tma=True) for c in dkv]
+    out += [dataclasses.replace(c, split_loads=True) for c in dkv]  # (FC_SPLIT_LOADS: the same)
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
@@ -601,7 +611,7 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
                           **_dq_mode(DQ_DEFAULT[cfg.head_dim]))
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
                                probs_early=None, probs_emu=0, lpt_tail=0, dkv_tma=False,
-                               timeline=False) == plain
+                               split_loads=False, timeline=False) == plain
 
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
@@ -642,7 +652,17 @@ def config_for(call: BwdCall) -> Sm90BwdConfig:
         cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
     if dkv_tma_for(call, cfg):
         cfg = dataclasses.replace(cfg, dkv_tma=True)
+    if _switch(SPLIT_LOADS_ENV, call.head_dim in SPLIT_LOADS_DIMS):
+        cfg = dataclasses.replace(cfg, split_loads=True)
     return cfg
+
+
+def _switch(env: str, default: bool) -> bool:
+    """A 0 / 1 switch: `env`'s value, or `default` when unset; another value is refused."""
+    raw = os.environ.get(env, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{env}: expected 0 or 1, got {raw!r}")
+    return raw == "1" if raw else default
 
 
 def dkv_tma_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
@@ -790,7 +810,7 @@ class _Plan:
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
                     STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
-                    DKV_TMA_ENV)
+                    DKV_TMA_ENV, SPLIT_LOADS_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:

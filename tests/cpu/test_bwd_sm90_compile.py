@@ -171,16 +171,16 @@ def test_config_is_the_single_source_of_truth():
     # dtype, and its bf16 timeline variant); + the 80-query dQ^T kernels (dtype x watchdog); + d64
     # frag in FA3's order (per dtype); + the defaults with FC_PROBS_EARLY (per dtype: d64, d128 and
     # its 80-query form); + the bf16 kernels with FC_PROBS_EARLY with dK / dV by tensor stores
-    # (four: d64, d128, its 80-query form, its causal tail)
-    assert len({c.name for c in bwd_sm90.configs()}) == 77
+    # (four: d64, d128, its 80-query form, its causal tail), and the same four in FA4's load order
+    assert len({c.name for c in bwd_sm90.configs()}) == 81
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and with the release fence flipped, x 4; + the two
     # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants; + the
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four dQ^T kernels;
     # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three); + the four
-    # FC_DKV_TMA kernels
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 35
+    # FC_DKV_TMA kernels; + the four FC_SPLIT_LOADS ones
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 39
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
@@ -441,7 +441,8 @@ def test_plan_key_holds_what_can_implement_reads(monkeypatch):
                    {"deterministic": True}):
         assert bwd_sm90._plan_key(dataclasses.replace(base, **change)) != key, change
     for env in (ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, bwd_sm90.FENCE_ENV,
-                bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV, bwd_sm90.DKV_TMA_ENV):
+                bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV, bwd_sm90.DKV_TMA_ENV,
+                bwd_sm90.SPLIT_LOADS_ENV):
         monkeypatch.setenv(env, "x")
         assert bwd_sm90._plan_key(base) != key, env
         monkeypatch.delenv(env)
@@ -785,6 +786,34 @@ def test_masked_step_ab_knobs_build_clean(tmp_path):
         base = bwd_sm90.select_config(torch.bfloat16, d)
         knob = dataclasses.replace(base, defines=defines)
         assert fsetp(clean_sass(knob, tmp_path)) < fsetp(clean_sass(base, tmp_path)), defines
+
+
+def test_split_loads_switch_and_build(monkeypatch, tmp_path):
+    """FLASHCUDA_SM90_BWD_SPLIT_LOADS=1: the call's MAIN config in FA4's load order (named _spl,
+    FC_SPLIT_LOADS=1, 1 + stages more mbarriers in its shared memory, still the default kernel
+    for is_default_kernel); 0 / unset (SPLIT_LOADS_DIMS) not; another value refused. Its SASS
+    loads as many tiles (UTMALDG) and stats (UBLKCP) as the default's."""
+    monkeypatch.delenv(bwd_sm90.SPLIT_LOADS_ENV, raising=False)
+    monkeypatch.setattr(bwd_sm90, "SPLIT_LOADS_DIMS", ())
+    for d in (64, 128):
+        call = _call(D=d)
+        off = bwd_sm90.config_for(call)
+        monkeypatch.setenv(bwd_sm90.SPLIT_LOADS_ENV, "1")
+        on = bwd_sm90.config_for(call)
+        assert on == dataclasses.replace(off, split_loads=True) and on.name == off.name + "_spl"
+        assert dict(on.spec().defines)["FC_SPLIT_LOADS"] == "1"
+        assert on.smem_bytes == off.smem_bytes + 8 * (1 + off.stages)
+        assert bwd_sm90.is_default_kernel(on)
+        monkeypatch.setenv(bwd_sm90.SPLIT_LOADS_ENV, "0")
+        assert bwd_sm90.config_for(call) == off
+        monkeypatch.setenv(bwd_sm90.SPLIT_LOADS_ENV, "on")
+        with pytest.raises(ValueError, match=bwd_sm90.SPLIT_LOADS_ENV):
+            bwd_sm90.config_for(call)
+        monkeypatch.delenv(bwd_sm90.SPLIT_LOADS_ENV)
+        base = bwd_sm90.select_config(torch.bfloat16, d)
+        a, b = (clean_sass(c, tmp_path) for c in (base, dataclasses.replace(base, split_loads=True)))
+        for op in ("UTMALDG", "UBLKCP"):
+            assert len(re.findall(op, a)) == len(re.findall(op, b)), op
 
 
 def test_dkv_tma_switch(monkeypatch):

@@ -227,7 +227,18 @@ constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
                                                     : FC_DQ_WARP ? kDqWarpBytes : 0);
 // kv_full, full[], empty[] (+ dq_full, dq_empty with FC_DQ_WARP; one pair per consumer with
 // FC_DQ_FRAG)
-constexpr int kBarriers = 1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0);
+#ifndef FC_SPLIT_LOADS
+// 1 (A/B; the host's Sm90BwdConfig.split_loads, which counts the barriers): FlashAttention 4's
+// load order — a stage's Q and lse2 complete full[s], its dO and delta a second barrier
+// dfull[s], and V (loaded with step 0's dO, after step 0's Q) its own v_full, so a step's S^T
+// waits only for K, Q and lse2 and its dP^T for V, dO and delta; 0: K and V complete kv_full,
+// a whole stage full[s]. The consumers wait at each CTA's start for K / V (ncu, session 34: 8%
+// of the d64 causal 512 kernel's stall samples on that wait).
+#define FC_SPLIT_LOADS 0
+#endif
+constexpr bool kSplitLoads = FC_SPLIT_LOADS;
+constexpr int kBarriers = 1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0) +
+                          (kSplitLoads ? 1 + kStages : 0);
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -277,6 +288,10 @@ struct Smem {
   __device__ __forceinline__ uint32_t dq_empty(int c = 0) const {
     return bar(1 + 2 * kStages + kDqHandshakes + c);
   }
+  // FC_SPLIT_LOADS: V (kv_full then holds K alone) and stage s's dO + delta (full(s): Q + lse2)
+  static constexpr int kVFull = 1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0);
+  __device__ __forceinline__ uint32_t v_full() const { return bar(kVFull); }
+  __device__ __forceinline__ uint32_t dfull(int s) const { return bar(kVFull + 1 + s); }
   // FC_DQ_FRAG: consumer c's 16 KB staging tile
   __device__ __forceinline__ uint32_t dq_frag(int c) const {
     return base + kSmemDqStage + c * kDqFragBytes;
@@ -295,6 +310,11 @@ struct Smem {
         mbar_init(dq_full(c), FC_DQ_FRAG ? 4 : kConsumerWarps);  // one arrival per (its) warp
         mbar_init(dq_empty(c), 1);
       }
+    }
+    if constexpr (kSplitLoads) {
+      mbar_init(v_full(), 1);
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) mbar_init(dfull(s), 1);
     }
     fence_barrier_init();
   }
@@ -542,18 +562,41 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
                                         const float* lse2, const float* delta, int nheads,
                                         int seqlen_q_pad) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
-  mbar_arrive_expect_tx(sm.kv_full(), 2 * kKVBytes);
+  mbar_arrive_expect_tx(sm.kv_full(), (kSplitLoads ? 1 : 2) * kKVBytes);
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     tma_load_4d(sm.k() + c * kKVChunkBytes, map_k, sm.kv_full(), c * kChunkCols, n0, head_kv,
                 batch);
-    tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.kv_full(), c * kChunkCols, n0, head_kv,
-                batch);
+    if constexpr (!kSplitLoads)
+      tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.kv_full(), c * kChunkCols, n0, head_kv,
+                  batch);
   }
   for (int it = 0; it < steps.count(); ++it) {
     const int s = stage_of(it);
     const int h = steps.head(it, head_kv), m0 = steps.m0(it);
     wait<true>(sm.empty(s), parity_of(it) ^ 1, stuck);  // first pass: stages start empty
+    if constexpr (kSplitLoads) {
+      const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
+      mbar_arrive_expect_tx(sm.full(s), kQBytes + kStatBytes);
+      bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        tma_load_4d(sm.q(s) + c * kQChunkBytes, map_q, sm.full(s), c * kChunkCols, m0, h, batch);
+      if (it == 0) {  // V after step 0's Q: S^T does not wait for it
+        mbar_arrive_expect_tx(sm.v_full(), kKVBytes);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c)
+          tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.v_full(), c * kChunkCols, n0,
+                      head_kv, batch);
+      }
+      mbar_arrive_expect_tx(sm.dfull(s), kQBytes + kStatBytes);
+      bulk_load(sm.delta(s), delta + row, kStatBytes, sm.dfull(s));
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        tma_load_4d(sm.dout(s) + c * kQChunkBytes, map_do, sm.dfull(s), c * kChunkCols, m0, h,
+                    batch);
+      continue;
+    }
     mbar_arrive_expect_tx(sm.full(s), 2 * kQBytes + 2 * kStatBytes);
     const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
     bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
@@ -1216,6 +1259,10 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_fence_operands(cs.dp);
     wgmma_fence();
 #endif
+    if constexpr (kSplitLoads) {  // dP^T's operands: V (once) and the stage's dO + delta
+      if (it == 0) wait(sm.v_full(), 0, stuck);
+      wait(sm.dfull(st), parity_of(it), stuck);
+    }
     cs.issue_transposed_scores(cs.dp, cs.v_rows, sm.dout(st));
 
     const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's query columns
