@@ -271,11 +271,14 @@ class BwdSm80Config:
             ),
         )
 
-    def pre_spec(self) -> KernelSpec:
+    def pre_spec(self, pdl_trigger: bool = False) -> KernelSpec:
+        """PRE; pdl_trigger: it lets its programmatic dependent (bwd_sm90's MAIN with FC_PDL)
+        launch at once (griddepcontrol.launch_dependents; sm_90 and later)."""
         return KernelSpec.make(
-            f"flash_bwd_pre_sm80_{self._prefix}_r{self.aux_rows}",
+            f"flash_bwd_pre_sm80_{self._prefix}_r{self.aux_rows}" + ("_pdl" if pdl_trigger else ""),
             SOURCE,
-            defines=self._defines(PART_PRE, FC_BLOCK_M=self.aux_rows),
+            defines=self._defines(PART_PRE, FC_BLOCK_M=self.aux_rows,
+                                  **({"FC_PDL_TRIGGER": 1} if pdl_trigger else {})),
         )
 
     def convert_spec(self, frag_m: int = 0, spans: bool = True) -> KernelSpec:

@@ -136,6 +136,10 @@ DKV_TMA_DIMS: tuple[int, ...] = ()
 # for V, dO and delta; at these head dims, FLASHCUDA_SM90_BWD_SPLIT_LOADS=0 / 1 off / on (A/B)
 SPLIT_LOADS_ENV = "FLASHCUDA_SM90_BWD_SPLIT_LOADS"
 SPLIT_LOADS_DIMS: tuple[int, ...] = ()
+# MAIN launched as PRE's programmatic dependent (FC_PDL, the .cu; PRE triggers at its start) at
+# these head dims; FLASHCUDA_SM90_BWD_PDL=0 / 1 off / on (A/B)
+PDL_ENV = "FLASHCUDA_SM90_BWD_PDL"
+PDL_DIMS: tuple[int, ...] = ()
 SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T rows each)
 SWAP_DIMS = (128,)
 SWAP_MIN_SEQLEN_Q = 2048
@@ -258,6 +262,9 @@ class Sm90BwdConfig:
     # from K (FC_SPLIT_LOADS; 1 + stages more mbarriers); config_for sets it (SPLIT_LOADS_DIMS,
     # SPLIT_LOADS_ENV)
     split_loads: bool = False
+    # MAIN launched as PRE's programmatic dependent, PRE's trigger at its start (FC_PDL here,
+    # FC_PDL_TRIGGER in PRE); config_for sets it (PDL_DIMS, PDL_ENV)
+    pdl: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
     defines: tuple = ()
@@ -404,6 +411,7 @@ class Sm90BwdConfig:
                 + (f"_em{self.probs_emu}" if self.probs_emu else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
                 + ("_dkvt" if self.dkv_tma else "") + ("_spl" if self.split_loads else "")
+                + ("_pdl" if self.pdl else "")
                 + ("_tl" if self.timeline else "")
                 + defines_suffix(self.defines))
 
@@ -440,6 +448,7 @@ class Sm90BwdConfig:
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
             **({"FC_DKV_TMA": 1} if self.dkv_tma else {}),
             **({"FC_SPLIT_LOADS": 1} if self.split_loads else {}),
+            **({"FC_PDL": 1} if self.pdl else {}),
             **dict(self.defines),
         })
 
@@ -535,6 +544,7 @@ def configs() -> list[Sm90BwdConfig]:
            and c.probs_early != c.block_m // 8 and not c.defines]
     out += [dataclasses.replace(c, dkv_tma=True) for c in dkv]
     out += [dataclasses.replace(c, split_loads=True) for c in dkv]  # (FC_SPLIT_LOADS: the same)
+    out += [dataclasses.replace(c, pdl=True) for c in dkv]  # (FC_PDL: the same)
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
@@ -611,7 +621,7 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
                           **_dq_mode(DQ_DEFAULT[cfg.head_dim]))
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
                                probs_early=None, probs_emu=0, lpt_tail=0, dkv_tma=False,
-                               split_loads=False, timeline=False) == plain
+                               split_loads=False, pdl=False, timeline=False) == plain
 
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
@@ -654,6 +664,8 @@ def config_for(call: BwdCall) -> Sm90BwdConfig:
         cfg = dataclasses.replace(cfg, dkv_tma=True)
     if _switch(SPLIT_LOADS_ENV, call.head_dim in SPLIT_LOADS_DIMS):
         cfg = dataclasses.replace(cfg, split_loads=True)
+    if _switch(PDL_ENV, call.head_dim in PDL_DIMS):
+        cfg = dataclasses.replace(cfg, pdl=True)
     return cfg
 
 
@@ -810,7 +822,7 @@ class _Plan:
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
                     STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
-                    DKV_TMA_ENV, SPLIT_LOADS_ENV)
+                    DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -844,13 +856,14 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         main_maps += main_maps[:2]
     return _Plan(
         cfg, sq_pad,
-        pre=PreparedLaunch(get_kernel(aux.pre_spec(), dev), (-(-sq_pad // aux.aux_rows), h, b),
+        pre=PreparedLaunch(get_kernel(aux.pre_spec(pdl_trigger=cfg.pdl), dev),
+                           (-(-sq_pad // aux.aux_rows), h, b),
                            (bwd_sm80.AUX_THREADS,), 0, (t,) * 6 + pre_args,
                            fixed=len(pre_args)),
         main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call), (cfg.threads, 1, 1),
                             cfg.smem_bytes,
                             main_maps + (t,) * (6 if cfg.timeline else 5) + main_args,
-                            fixed=len(main_args)),
+                            fixed=len(main_args), programmatic=cfg.pdl),
         convert=PreparedLaunch(get_kernel(convert_spec(cfg), dev),
                                (-(-sq // convert_rows(cfg)), h, b), (bwd_sm80.AUX_THREADS,), 0,
                                (t,) * 2 + convert_args, fixed=len(convert_args)))
@@ -922,6 +935,8 @@ def run_timeline(call: BwdCall) -> tuple[Sm90BwdConfig, torch.Tensor]:
 def variants() -> Iterator[tuple[KernelSpec, tuple[str, ...]]]:
     for cfg in configs():
         yield cfg.spec(), ARCHS
+        if cfg.pdl:  # its PRE triggers the dependent launch
+            yield cfg.aux().pre_spec(pdl_trigger=True), ARCHS
         if cfg.dq_swap:  # its CONVERT reads the transposed register-order tiles
             yield convert_spec(cfg), ARCHS
         elif cfg.dq_frag:  # its CONVERT reads the register-order dq_accum (both readers: A/B)

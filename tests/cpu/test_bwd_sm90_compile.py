@@ -171,16 +171,17 @@ def test_config_is_the_single_source_of_truth():
     # dtype, and its bf16 timeline variant); + the 80-query dQ^T kernels (dtype x watchdog); + d64
     # frag in FA3's order (per dtype); + the defaults with FC_PROBS_EARLY (per dtype: d64, d128 and
     # its 80-query form); + the bf16 kernels with FC_PROBS_EARLY with dK / dV by tensor stores
-    # (four: d64, d128, its 80-query form, its causal tail), and the same four in FA4's load order
-    assert len({c.name for c in bwd_sm90.configs()}) == 81
+    # (four: d64, d128, its 80-query form, its causal tail), the same four in FA4's load order and
+    # launched as PRE's programmatic dependents
+    assert len({c.name for c in bwd_sm90.configs()}) == 85
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and with the release fence flipped, x 4; + the two
     # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants; + the
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four dQ^T kernels;
     # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three); + the four
-    # FC_DKV_TMA kernels; + the four FC_SPLIT_LOADS ones
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 39
+    # FC_DKV_TMA kernels; + the four FC_SPLIT_LOADS ones; + the four FC_PDL ones
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 43
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
@@ -442,7 +443,7 @@ def test_plan_key_holds_what_can_implement_reads(monkeypatch):
         assert bwd_sm90._plan_key(dataclasses.replace(base, **change)) != key, change
     for env in (ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, bwd_sm90.FENCE_ENV,
                 bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV, bwd_sm90.DKV_TMA_ENV,
-                bwd_sm90.SPLIT_LOADS_ENV):
+                bwd_sm90.SPLIT_LOADS_ENV, bwd_sm90.PDL_ENV):
         monkeypatch.setenv(env, "x")
         assert bwd_sm90._plan_key(base) != key, env
         monkeypatch.delenv(env)
@@ -814,6 +815,36 @@ def test_split_loads_switch_and_build(monkeypatch, tmp_path):
         a, b = (clean_sass(c, tmp_path) for c in (base, dataclasses.replace(base, split_loads=True)))
         for op in ("UTMALDG", "UBLKCP"):
             assert len(re.findall(op, a)) == len(re.findall(op, b)), op
+
+
+def test_pdl_switch_and_build(monkeypatch, tmp_path):
+    """FLASHCUDA_SM90_BWD_PDL=1: MAIN (named _pdl, FC_PDL=1) waits for PRE with
+    griddepcontrol.wait (ACQBULK) in its producer, dQ writer and consumers, and its plan
+    launches it programmatically after a PRE that triggers at once (PREEXIT; the plain PRE has
+    neither); 0 / unset (PDL_DIMS) not; another value refused."""
+    monkeypatch.delenv(bwd_sm90.PDL_ENV, raising=False)
+    monkeypatch.setattr(bwd_sm90, "PDL_DIMS", ())
+    for d in (64, 128):
+        call = _call(D=d)
+        off = bwd_sm90.config_for(call)
+        monkeypatch.setenv(bwd_sm90.PDL_ENV, "1")
+        on = bwd_sm90.config_for(call)
+        assert on == dataclasses.replace(off, pdl=True) and on.name == off.name + "_pdl"
+        assert dict(on.spec().defines)["FC_PDL"] == "1" and bwd_sm90.is_default_kernel(on)
+        monkeypatch.setenv(bwd_sm90.PDL_ENV, "0")
+        assert bwd_sm90.config_for(call) == off
+        monkeypatch.setenv(bwd_sm90.PDL_ENV, "2")
+        with pytest.raises(ValueError, match=bwd_sm90.PDL_ENV):
+            bwd_sm90.config_for(call)
+        monkeypatch.delenv(bwd_sm90.PDL_ENV)
+        base = bwd_sm90.select_config(torch.bfloat16, d)
+        main = clean_sass(dataclasses.replace(base, pdl=True), tmp_path)
+        assert len(re.findall(r"\bACQBULK\b", main)) == 3
+        assert "ACQBULK" not in clean_sass(base, tmp_path)
+        aux = base.aux()
+        pre_pdl = dump(compile_spec(aux.pre_spec(pdl_trigger=True), ARCH).cubin, tmp_path, "-sass")
+        pre = dump(compile_spec(aux.pre_spec(), ARCH).cubin, tmp_path, "-sass")
+        assert "PREEXIT" in pre_pdl and "PREEXIT" not in pre
 
 
 def test_dkv_tma_switch(monkeypatch):

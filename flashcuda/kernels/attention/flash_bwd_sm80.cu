@@ -190,6 +190,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     float* __restrict__ dq_accum,       // [B, H, Sq_pad, kD] or null
     int64_t o_sb, int64_t o_ss, int64_t o_sh, int64_t do_sb, int64_t do_ss, int64_t do_sh,
     int64_t lse_sb, int64_t lse_sh, int seqlen_q, int nheads, int head_dim, int seqlen_q_pad) {
+#if defined(FC_PDL_TRIGGER) && FC_PDL_TRIGGER && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // bwd_sm90's MAIN, launched as this grid's programmatic dependent (FC_PDL there), may start
+  // on the SMs beside these CTAs at once: it waits (griddepcontrol.wait) before it reads what
+  // this grid writes
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   const int tid = threadIdx.x;
   const int sub = tid % kLanesPerRow;  // this lane's chunk of the row
   const int col = sub * 8;

@@ -227,6 +227,15 @@ constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
                                                     : FC_DQ_WARP ? kDqWarpBytes : 0);
 // kv_full, full[], empty[] (+ dq_full, dq_empty with FC_DQ_WARP; one pair per consumer with
 // FC_DQ_FRAG)
+#ifndef FC_PDL
+// 1 (A/B; the host launches this kernel as PRE's programmatic dependent and PRE triggers at its
+// start, Sm90BwdConfig.pdl): CTAs may start beside PRE's; everything PRE writes (lse2, delta,
+// the zeroed dq_accum) is read only after griddepcontrol.wait — the producer's first lse2 /
+// delta loads (after step 0's Q, dO and K / V are issued, as FlashAttention 4 does), the
+// consumers and the dQ writer before their first reduction. Without the launch attribute the
+// wait returns at once (stream order).
+#define FC_PDL 0
+#endif
 #ifndef FC_SPLIT_LOADS
 // 1 (A/B; the host's Sm90BwdConfig.split_loads, which counts the barriers): FlashAttention 4's
 // load order — a stage's Q and lse2 complete full[s], its dO and delta a second barrier
@@ -578,10 +587,11 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
     if constexpr (kSplitLoads) {
       const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
       mbar_arrive_expect_tx(sm.full(s), kQBytes + kStatBytes);
-      bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
 #pragma unroll
       for (int c = 0; c < kChunks; ++c)
         tma_load_4d(sm.q(s) + c * kQChunkBytes, map_q, sm.full(s), c * kChunkCols, m0, h, batch);
+      if (FC_PDL && it == 0) griddepcontrol_wait();  // (PRE's lse2 / delta from here on)
+      bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
       if (it == 0) {  // V after step 0's Q: S^T does not wait for it
         mbar_arrive_expect_tx(sm.v_full(), kKVBytes);
 #pragma unroll
@@ -599,13 +609,20 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
     }
     mbar_arrive_expect_tx(sm.full(s), 2 * kQBytes + 2 * kStatBytes);
     const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
-    bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
-    bulk_load(sm.delta(s), delta + row, kStatBytes, sm.full(s));
+    if constexpr (!FC_PDL) {
+      bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
+      bulk_load(sm.delta(s), delta + row, kStatBytes, sm.full(s));
+    }
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       tma_load_4d(sm.q(s) + c * kQChunkBytes, map_q, sm.full(s), c * kChunkCols, m0, h, batch);
       tma_load_4d(sm.dout(s) + c * kQChunkBytes, map_do, sm.full(s), c * kChunkCols, m0, h,
                   batch);
+    }
+    if constexpr (FC_PDL) {  // PRE's lse2 / delta: after the tiles that do not need PRE
+      if (it == 0) griddepcontrol_wait();
+      bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
+      bulk_load(sm.delta(s), delta + row, kStatBytes, sm.full(s));
     }
   }
 }
@@ -642,6 +659,7 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
                                          int batch, float* dq_accum, const TmaMap* map_dq,
                                          int nheads, int seqlen_q_pad, int lane) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
+  if constexpr (FC_PDL) griddepcontrol_wait();  // dq_accum zeroed by PRE
   if constexpr (FC_DQ_FRAG) {
     // Per step and consumer c, as soon as c has staged: one 16 KB (FC_DQ_SWAP: 20 KB) reduce-add
     // of its tile, then its buffer back once the reduction has read it; the other consumer is not
@@ -1214,6 +1232,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   cs.init(sm, wg_key0);
   // also when there are no steps: no TMA may outlive the CTA
   wait(sm.kv_full(), 0, stuck);
+  if constexpr (FC_PDL) griddepcontrol_wait();  // (their own dQ reductions: dq_accum by PRE)
 #if FC_TIMELINE
   if (threadIdx.x == 128) timeline_mark(timeline, kTlKv);
   if (steps.count() > 0) {  // step 0's stage: the loop's wait on the same phase then passes
