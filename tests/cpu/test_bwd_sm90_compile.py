@@ -789,29 +789,40 @@ def test_masked_step_ab_knobs_build_clean(tmp_path):
         assert fsetp(clean_sass(knob, tmp_path)) < fsetp(clean_sass(base, tmp_path)), defines
 
 
-def test_split_loads_switch_and_build(monkeypatch, tmp_path):
-    """FLASHCUDA_SM90_BWD_SPLIT_LOADS=1: the call's MAIN config in FA4's load order (named _spl,
-    FC_SPLIT_LOADS=1, 1 + stages more mbarriers in its shared memory, still the default kernel
-    for is_default_kernel); 0 / unset (SPLIT_LOADS_DIMS) not; another value refused. Its SASS
-    loads as many tiles (UTMALDG) and stats (UBLKCP) as the default's."""
-    monkeypatch.delenv(bwd_sm90.SPLIT_LOADS_ENV, raising=False)
-    monkeypatch.setattr(bwd_sm90, "SPLIT_LOADS_DIMS", ())
+def _one_switch(monkeypatch, env: str, dims: str, field: str, suffix: str, define: str,
+                bad: str) -> list:
+    """A 0 / 1 config switch of config_for (SPLIT_LOADS_ENV, PDL_ENV): with `env`=1 the call's
+    MAIN config at d64 / d128 has `field` set, the name `suffix` and `define`=1, and still counts
+    as the head dim's default kernel; 0 leaves it as unset (`dims` empty) does; `bad` is
+    refused naming `env`. Returns the (off, on) pairs."""
+    monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(bwd_sm90, dims, ())
+    pairs = []
     for d in (64, 128):
         call = _call(D=d)
         off = bwd_sm90.config_for(call)
-        monkeypatch.setenv(bwd_sm90.SPLIT_LOADS_ENV, "1")
+        monkeypatch.setenv(env, "1")
         on = bwd_sm90.config_for(call)
-        assert on == dataclasses.replace(off, split_loads=True) and on.name == off.name + "_spl"
-        assert dict(on.spec().defines)["FC_SPLIT_LOADS"] == "1"
-        assert on.smem_bytes == off.smem_bytes + 8 * (1 + off.stages)
-        assert bwd_sm90.is_default_kernel(on)
-        monkeypatch.setenv(bwd_sm90.SPLIT_LOADS_ENV, "0")
+        assert on == dataclasses.replace(off, **{field: True}) and on.name == off.name + suffix
+        assert dict(on.spec().defines)[define] == "1" and bwd_sm90.is_default_kernel(on)
+        monkeypatch.setenv(env, "0")
         assert bwd_sm90.config_for(call) == off
-        monkeypatch.setenv(bwd_sm90.SPLIT_LOADS_ENV, "on")
-        with pytest.raises(ValueError, match=bwd_sm90.SPLIT_LOADS_ENV):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
             bwd_sm90.config_for(call)
-        monkeypatch.delenv(bwd_sm90.SPLIT_LOADS_ENV)
-        base = bwd_sm90.select_config(torch.bfloat16, d)
+        monkeypatch.delenv(env)
+        pairs.append((off, on))
+    return pairs
+
+
+def test_split_loads_switch_and_build(monkeypatch, tmp_path):
+    """FLASHCUDA_SM90_BWD_SPLIT_LOADS=1: the call's MAIN config in FA4's load order (named _spl,
+    FC_SPLIT_LOADS=1, 1 + stages more mbarriers in its shared memory). Its SASS loads as many
+    tiles (UTMALDG) and stats (UBLKCP) as the default's."""
+    for off, on in _one_switch(monkeypatch, bwd_sm90.SPLIT_LOADS_ENV, "SPLIT_LOADS_DIMS",
+                               "split_loads", "_spl", "FC_SPLIT_LOADS", "on"):
+        assert on.smem_bytes == off.smem_bytes + 8 * (1 + off.stages)
+        base = bwd_sm90.select_config(torch.bfloat16, off.head_dim)
         a, b = (clean_sass(c, tmp_path) for c in (base, dataclasses.replace(base, split_loads=True)))
         for op in ("UTMALDG", "UBLKCP"):
             assert len(re.findall(op, a)) == len(re.findall(op, b)), op
@@ -821,23 +832,10 @@ def test_pdl_switch_and_build(monkeypatch, tmp_path):
     """FLASHCUDA_SM90_BWD_PDL=1: MAIN (named _pdl, FC_PDL=1) waits for PRE with
     griddepcontrol.wait (ACQBULK) in its producer, dQ writer and consumers, and its plan
     launches it programmatically after a PRE that triggers at once (PREEXIT; the plain PRE has
-    neither); 0 / unset (PDL_DIMS) not; another value refused."""
-    monkeypatch.delenv(bwd_sm90.PDL_ENV, raising=False)
-    monkeypatch.setattr(bwd_sm90, "PDL_DIMS", ())
-    for d in (64, 128):
-        call = _call(D=d)
-        off = bwd_sm90.config_for(call)
-        monkeypatch.setenv(bwd_sm90.PDL_ENV, "1")
-        on = bwd_sm90.config_for(call)
-        assert on == dataclasses.replace(off, pdl=True) and on.name == off.name + "_pdl"
-        assert dict(on.spec().defines)["FC_PDL"] == "1" and bwd_sm90.is_default_kernel(on)
-        monkeypatch.setenv(bwd_sm90.PDL_ENV, "0")
-        assert bwd_sm90.config_for(call) == off
-        monkeypatch.setenv(bwd_sm90.PDL_ENV, "2")
-        with pytest.raises(ValueError, match=bwd_sm90.PDL_ENV):
-            bwd_sm90.config_for(call)
-        monkeypatch.delenv(bwd_sm90.PDL_ENV)
-        base = bwd_sm90.select_config(torch.bfloat16, d)
+    neither)."""
+    for off, _ in _one_switch(monkeypatch, bwd_sm90.PDL_ENV, "PDL_DIMS", "pdl", "_pdl", "FC_PDL",
+                              "2"):
+        base = bwd_sm90.select_config(torch.bfloat16, off.head_dim)
         main = clean_sass(dataclasses.replace(base, pdl=True), tmp_path)
         assert len(re.findall(r"\bACQBULK\b", main)) == 3
         assert "ACQBULK" not in clean_sass(base, tmp_path)
