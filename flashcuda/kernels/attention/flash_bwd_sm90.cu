@@ -233,7 +233,7 @@ constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
 // the zeroed dq_accum) is read only after griddepcontrol.wait — the producer's first lse2 /
 // delta loads (after step 0's Q, dO and K / V are issued, as FlashAttention 4 does), the
 // consumers and the dQ writer before their first reduction. Without the launch attribute the
-// wait returns at once (stream order).
+// wait returns at once (stream order). Written in session 34, not yet run on the GPU.
 #define FC_PDL 0
 #endif
 #ifndef FC_SPLIT_LOADS
@@ -242,7 +242,8 @@ constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
 // dfull[s], and V (loaded with step 0's dO, after step 0's Q) its own v_full, so a step's S^T
 // waits only for K, Q and lse2 and its dP^T for V, dO and delta; 0: K and V complete kv_full,
 // a whole stage full[s]. The consumers wait at each CTA's start for K / V (ncu, session 34: 8%
-// of the d64 causal 512 kernel's stall samples on that wait).
+// of the d64 causal 512 kernel's stall samples on that wait); measured as noise (session 34:
+// -0.4 to +0.9% at d64 512-4k): K + Q come back barely before all four tiles.
 #define FC_SPLIT_LOADS 0
 #endif
 constexpr bool kSplitLoads = FC_SPLIT_LOADS;
@@ -480,7 +481,9 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
 // queries among the lane's columns (mask.cuh's fragment_bits, built once per step and row: the
 // forward's FC_MASK_BITS, here also in place of dS^T's P == 0 test) instead of Mask::visible's
 // compares and the dS^T select's float compare (static SASS at d64: +290 instructions per warp
-// on a masked step, session 34). Session 18 measured the bits in P^T alone: -1.6 to +1.1%.
+// on a masked step, session 34). Session 18 measured the bits in P^T alone: -1.6 to +1.1%;
+// session 34 both (=3): -1.0 to +0.4% on causal calls (the masked step is each CTA's first and
+// hides behind the pipeline's start); d64 spills 4-12 bytes with any of 1 / 2 / 3.
 // dS^T is then 0 exactly where the mask hides the element, as P^T is.
 #define FC_MASK_BITS 0
 #endif
@@ -491,7 +494,7 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 // visibility test per element for both (p and dS^T selected to 0 where it fails); dS^T's
 // P == 0 select (a float compare and a select per element) stays for the blocks before the
 // wait only. A non-causal call with every step forced masked (FC_FORCE_MASKED=1, session 34)
-// ran 4-14% slower; without the dS^T select, 1-9%.
+// ran 4-14% slower; without the dS^T select, 1-9%. On causal calls: -0.1 to +0.4% (session 34).
 #define FC_MASKED_FUSED 0
 #endif
 #ifndef FC_DKV_TMA
@@ -500,9 +503,10 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 // V's tiles (free once both consumers' last GEMMs are done) in the layout TMA loaded them in, and
 // one thread issues a tensor store per chunk and waits only until TMA has read the tiles. The
 // 16-byte st.global of FC_DKV_QUAD must drain before their warps can exit (ncu at 32 x 512 x 32
-// d64 causal, session 34: drain stalls 3.6% of the samples against FA4's 1.0%) and took 1.3 us
-// per CTA from the last step to the exit (timeline, session 13) — a third of a short causal
-// CTA's fixed cost. Rows past seqlen_k: the tensor store clips them.
+// d64 causal, session 34: drain stalls 3.6% of the samples against FA4's 1.0%) and take 1.25
+// us per CTA from the last step to the exit (timeline). Rows past seqlen_k: the tensor store
+// clips them. Measured (session 34): d64 -1 to -4%, d128 -2 to +2%, and the epilogue no
+// shorter (1.38 us): its time is the 64 KB (dK, dV, the last dQ tile) leaving the SM.
 #define FC_DKV_TMA 0
 #endif
 #ifndef FC_DQ_END_READ
@@ -510,6 +514,7 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 // (cp.async.bulk.wait_group.read), as FA3 / FA4 and CUTLASS's TMA epilogues end; 0 waits for
 // them to complete. Either way no bulk operation reads shared memory after the CTA; the next
 // kernel (CONVERT) sees dq_accum whole either way (it starts after this grid has completed).
+// Measured as noise (session 34: -0.6 to +0.9%).
 #define FC_DQ_END_READ 0
 #endif
 // FC_LPT_TAIL (attention/block_order.cuh, default 0) = K > 0: the CTAs of the last K (KV head,
