@@ -682,11 +682,7 @@ def dkv_tma_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
     FLASHCUDA_SM90_BWD_DKV_TMA=1, or unset at DKV_TMA_DIMS; never in the watchdog build, and
     only where dk and dv take K's tensor map (else the st.global epilogue, which needs 16-byte
     rows only)."""
-    raw = os.environ.get(DKV_TMA_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{DKV_TMA_ENV}: expected 0 or 1, got {raw!r}")
-    want = raw == "1" if raw else call.head_dim in DKV_TMA_DIMS
-    if not want or cfg.watchdog:
+    if not _switch(DKV_TMA_ENV, call.head_dim in DKV_TMA_DIMS) or cfg.watchdog:
         return False
     return all(bshd_problem(t, cfg.block_n) is None for t in (call.dk, call.dv))
 
