@@ -662,19 +662,11 @@ def config_for(call: BwdCall) -> Sm90BwdConfig:
         cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
     if dkv_tma_for(call, cfg):
         cfg = dataclasses.replace(cfg, dkv_tma=True)
-    if _switch(SPLIT_LOADS_ENV, call.head_dim in SPLIT_LOADS_DIMS):
+    if flag(SPLIT_LOADS_ENV, call.head_dim in SPLIT_LOADS_DIMS):
         cfg = dataclasses.replace(cfg, split_loads=True)
-    if _switch(PDL_ENV, call.head_dim in PDL_DIMS):
+    if flag(PDL_ENV, call.head_dim in PDL_DIMS):
         cfg = dataclasses.replace(cfg, pdl=True)
     return cfg
-
-
-def _switch(env: str, default: bool) -> bool:
-    """A 0 / 1 switch: `env`'s value, or `default` when unset; another value is refused."""
-    raw = os.environ.get(env, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{env}: expected 0 or 1, got {raw!r}")
-    return raw == "1" if raw else default
 
 
 def dkv_tma_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
@@ -682,7 +674,7 @@ def dkv_tma_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
     FLASHCUDA_SM90_BWD_DKV_TMA=1, or unset at DKV_TMA_DIMS; never in the watchdog build, and
     only where dk and dv take K's tensor map (else the st.global epilogue, which needs 16-byte
     rows only)."""
-    if not _switch(DKV_TMA_ENV, call.head_dim in DKV_TMA_DIMS) or cfg.watchdog:
+    if not flag(DKV_TMA_ENV, call.head_dim in DKV_TMA_DIMS) or cfg.watchdog:
         return False
     return all(bshd_problem(t, cfg.block_n) is None for t in (call.dk, call.dv))
 

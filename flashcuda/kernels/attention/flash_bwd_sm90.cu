@@ -614,10 +614,11 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
     }
     mbar_arrive_expect_tx(sm.full(s), 2 * kQBytes + 2 * kStatBytes);
     const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
-    if constexpr (!FC_PDL) {
+    const auto load_stats = [&] {
       bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
       bulk_load(sm.delta(s), delta + row, kStatBytes, sm.full(s));
-    }
+    };
+    if constexpr (!FC_PDL) load_stats();
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       tma_load_4d(sm.q(s) + c * kQChunkBytes, map_q, sm.full(s), c * kChunkCols, m0, h, batch);
@@ -626,8 +627,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
     }
     if constexpr (FC_PDL) {  // PRE's lse2 / delta: after the tiles that do not need PRE
       if (it == 0) griddepcontrol_wait();
-      bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
-      bulk_load(sm.delta(s), delta + row, kStatBytes, sm.full(s));
+      load_stats();
     }
   }
 }
