@@ -755,12 +755,19 @@ def test_dkv_tma_staging_puts_each_element_where_the_tensor_store_reads_it(head_
     assert len(seen) == 64 * head_dim and len(set(seen.values())) == len(seen)
 
 
-def test_dkv_tma_builds_clean_with_tensor_stores(tmp_path):
+def _built_sass(builds, cfg, tmp_path) -> str:
+    """The SASS of a config of configs() from the module's builds (each checked clean by
+    test_sm90_bwd_compiles_without_spills), not compiled again."""
+    assert cfg.name in builds, f"{cfg.name} is not one of configs()"
+    return dump(builds[cfg.name].cubin, tmp_path, "-sass")
+
+
+def test_dkv_tma_builds_clean_with_tensor_stores(builds, tmp_path):
     """FC_DKV_TMA: the epilogue's st.global are gone; kHeadDim / 64 tensor stores each for dK and
     dV, and 2 x kHeadDim / 16 more stmatrix.x4 (one per two 8-column blocks per tensor)."""
     for cfg in (c for c in bwd_sm90.configs() if c.dkv_tma and not c.dq_swap):
         base = dataclasses.replace(cfg, dkv_tma=False)
-        tma, plain = clean_sass(cfg, tmp_path), clean_sass(base, tmp_path)
+        tma, plain = _built_sass(builds, cfg, tmp_path), _built_sass(builds, base, tmp_path)
         d = cfg.head_dim
         assert len(re.findall(r"UTMASTG\.4D", tma)) == 2 * d // 64
         assert "UTMASTG" not in plain
@@ -815,7 +822,7 @@ def _one_switch(monkeypatch, env: str, dims: str, field: str, suffix: str, defin
     return pairs
 
 
-def test_split_loads_switch_and_build(monkeypatch, tmp_path):
+def test_split_loads_switch_and_build(builds, monkeypatch, tmp_path):
     """FLASHCUDA_SM90_BWD_SPLIT_LOADS=1: the call's MAIN config in FA4's load order (named _spl,
     FC_SPLIT_LOADS=1, 1 + stages more mbarriers in its shared memory). Its SASS loads as many
     tiles (UTMALDG) and stats (UBLKCP) as the default's."""
@@ -823,12 +830,13 @@ def test_split_loads_switch_and_build(monkeypatch, tmp_path):
                                "split_loads", "_spl", "FC_SPLIT_LOADS", "on"):
         assert on.smem_bytes == off.smem_bytes + 8 * (1 + off.stages)
         base = bwd_sm90.select_config(torch.bfloat16, off.head_dim)
-        a, b = (clean_sass(c, tmp_path) for c in (base, dataclasses.replace(base, split_loads=True)))
+        a, b = (_built_sass(builds, c, tmp_path)
+                for c in (base, dataclasses.replace(base, split_loads=True)))
         for op in ("UTMALDG", "UBLKCP"):
             assert len(re.findall(op, a)) == len(re.findall(op, b)), op
 
 
-def test_pdl_switch_and_build(monkeypatch, tmp_path):
+def test_pdl_switch_and_build(builds, monkeypatch, tmp_path):
     """FLASHCUDA_SM90_BWD_PDL=1: MAIN (named _pdl, FC_PDL=1) waits for PRE with
     griddepcontrol.wait (ACQBULK) in its producer, dQ writer and consumers, and its plan
     launches it programmatically after a PRE that triggers at once (PREEXIT; the plain PRE has
@@ -836,9 +844,9 @@ def test_pdl_switch_and_build(monkeypatch, tmp_path):
     for off, _ in _one_switch(monkeypatch, bwd_sm90.PDL_ENV, "PDL_DIMS", "pdl", "_pdl", "FC_PDL",
                               "2"):
         base = bwd_sm90.select_config(torch.bfloat16, off.head_dim)
-        main = clean_sass(dataclasses.replace(base, pdl=True), tmp_path)
+        main = _built_sass(builds, dataclasses.replace(base, pdl=True), tmp_path)
         assert len(re.findall(r"\bACQBULK\b", main)) == 3
-        assert "ACQBULK" not in clean_sass(base, tmp_path)
+        assert "ACQBULK" not in _built_sass(builds, base, tmp_path)
         aux = base.aux()
         pre_pdl = dump(compile_spec(aux.pre_spec(pdl_trigger=True), ARCH).cubin, tmp_path, "-sass")
         pre = dump(compile_spec(aux.pre_spec(), ARCH).cubin, tmp_path, "-sass")
