@@ -858,14 +858,99 @@ def two_passes(cfg: Sm90FwdConfig) -> tuple[Sm90FwdConfig, Sm90FwdConfig] | None
     return first_pass(cfg), second_pass(cfg)
 
 
+# The two passes in one kernel (flash_fwd_sm90_fused.cu): every CTA walks its work tiles as the
+# first pass, and a CTA whose consumers saw a NaN / Inf in O walks them again as the masked-V
+# kernel, in the same launch. Saves the second launch (session 22: 2.2 µs of kernel time plus the
+# gap between the kernels, the two passes' whole cost over the first pass alone).
+# FLASHCUDA_SM90_FWD_FUSED=1 (A/B, off by default until measured).
+FUSED_ENV = "FLASHCUDA_SM90_FWD_FUSED"
+FUSED_SOURCE = "attention/flash_fwd_sm90_fused.cu"
+# the macros that may differ between the two passes: the fused kernel takes each as FC_P1_X and
+# FC_P2_X (attention/fwd_sm90_pass.cuh); every other define must be the same in both
+PASS_MACROS = ("FC_STAGES", "FC_Q_STAGES", "FC_O_TMA", "FC_SMEM_BYTES", "FC_MASKED_V",
+               "FC_NAN_FLAGS", "FC_MV_SCANNER", "FC_PRODUCER_REGS", "FC_CONSUMER_REGS")
+
+
+@dataclass(frozen=True)
+class Sm90FwdFused:
+    """Both passes of a windowed call in one kernel: `first` (the report, FC_NAN_FLAGS) and
+    `second` (the masked-V kernel, not the FC_NAN_FIXUP launch: the CTA decides by itself). The
+    kernel always takes map_o (first and second differ in FC_O_TMA at d192 / d256)."""
+
+    first: Sm90FwdConfig
+    second: Sm90FwdConfig
+
+    def __post_init__(self) -> None:
+        a, b = self.first, self.second
+        if not a.nan_flags or not b.masked_v or b.nan_fixup:
+            raise ValueError("Sm90FwdFused: first is a first pass (nan_flags), second a masked-V "
+                             "kernel without nan_fixup")
+        same = ("dtype", "head_dim", "block_m", "block_n", "pingpong", "snake", "fast_div",
+                "decode_ahead", "defines", "timeline")
+        if differ := [f for f in same if getattr(a, f) != getattr(b, f)]:
+            raise ValueError(f"Sm90FwdFused: the passes differ in {', '.join(differ)}")
+        if b.producer_regs < a.producer_regs or b.consumer_regs > a.consumer_regs:
+            raise ValueError("Sm90FwdFused: the second pass's register split may only move "
+                             "registers from the consumers to the producer")
+
+    @property
+    def block_m(self) -> int:
+        return self.first.block_m
+
+    @property
+    def block_n(self) -> int:
+        return self.first.block_n
+
+    @property
+    def threads(self) -> int:
+        return self.first.threads
+
+    o_tma = True  # (map_o: _maps builds it)
+    nan_flags = nan_fixup = False  # (one launch, no report buffer)
+
+    @property
+    def smem_bytes(self) -> int:
+        """The larger pass's: the second lays its tiles over the first's."""
+        return max(self.first.smem_bytes, self.second.smem_bytes)
+
+    @property
+    def name(self) -> str:
+        b = self.second
+        return (self.first.name.replace("_nf", "_fu", 1) + f"_s{b.stages}"
+                + ("_ms" if b.mv_scanner else ""))
+
+    def spec(self) -> KernelSpec:
+        d1, d2 = dict(self.first.spec().defines), dict(self.second.spec().defines)
+        shared = {k: v for k, v in d1.items() if k not in PASS_MACROS}
+        for k in (set(d1) | set(d2)) - set(PASS_MACROS):
+            if d1.get(k) != d2.get(k):
+                raise ValueError(f"Sm90FwdFused: {k} is {d1.get(k)} in the first pass, "
+                                 f"{d2.get(k)} in the second (not one of PASS_MACROS)")
+        return KernelSpec.make(self.name, FUSED_SOURCE, defines={
+            **shared,
+            **{f"FC_P1_{k[3:]}": v for k, v in d1.items() if k in PASS_MACROS},
+            **{f"FC_P2_{k[3:]}": v for k, v in d2.items() if k in PASS_MACROS},
+            "FC_FUSED_SMEM_BYTES": self.smem_bytes,
+        })
+
+
+def fused_passes(cfg: Sm90FwdConfig) -> Sm90FwdFused | None:
+    """The fused kernel for a call `cfg` would run alone (a masked-V kernel), or None where the
+    call runs one pass (FLASHCUDA_SM90_FWD_NAN_FIXUP=0, or no mask)."""
+    if not cfg.masked_v or not flag(NAN_FIXUP_ENV, True):
+        return None
+    return Sm90FwdFused(first_pass(cfg), cfg)
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What a call's layout decides once: config, kernel, grid, the constant arguments, and the
     launch with those fixed (a call packs only its three tensor maps and two pointers). With two
     passes (two_passes), `cfg` / `launch` are the first pass's and `fixup` the second's; each
-    call gives both a buffer of NAN_FLAG_BYTES per CTA (the first pass writes all of it)."""
+    call gives both a buffer of NAN_FLAG_BYTES per CTA (the first pass writes all of it). With
+    FUSED_ENV, `cfg` is the Sm90FwdFused kernel of both passes and there is no fixup."""
 
-    cfg: Sm90FwdConfig
+    cfg: Sm90FwdConfig | Sm90FwdFused
     kernel: object
     grid: tuple[int, int, int]
     constants: tuple
@@ -880,7 +965,7 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
                      MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV,
                      Q_STAGES_ENV, O_TMA_ENV, MV_SCANNER_ENV, FAST_DIV_ENV, DECODE_AHEAD_ENV,
-                     L2_BALANCE_ENV, NAN_FIXUP_ENV, PDL_ENV)
+                     L2_BALANCE_ENV, NAN_FIXUP_ENV, PDL_ENV, FUSED_ENV)
 
 
 def _plan_key(call: FwdCall) -> tuple:
@@ -924,17 +1009,30 @@ def _build_plan(call: FwdCall) -> _Plan | str:
                                       fixed=len(fixed),
                                       programmatic=c.nan_fixup and flag(PDL_ENV, False))
 
+    if passes and flag(FUSED_ENV, False):
+        fused = fused_passes(cfg)
+        _same_walk(call, sms, props.L2_cache_size, first, fused.second, grid, by_block, fixed)
+        kernel = get_kernel(fused.spec(), call.device)
+        args = (*_maps(call, fused), call.out, call.lse, *fixed)
+        return _Plan(fused, kernel, grid, fixed,
+                     PreparedLaunch(kernel, grid, (fused.threads, 1, 1), fused.smem_bytes, args,
+                                    fixed=len(fixed)))
     kernel, launch = prepare(first)
     if not passes:
         return _Plan(cfg, kernel, grid, fixed, launch)
     second = passes[1]
-    # the second pass must walk what the first walked: CTA b redoes CTA b's work tiles
+    _same_walk(call, sms, props.L2_cache_size, first, second, grid, by_block, fixed)
+    return _Plan(first, kernel, grid, fixed, launch, second, prepare(second)[1])
+
+
+def _same_walk(call: FwdCall, sms: int, l2_bytes: int, first: Sm90FwdConfig,
+               second: Sm90FwdConfig, grid: tuple, by_block: int, fixed: tuple) -> None:
+    """The second pass must walk what the first walked: CTA b redoes CTA b's work tiles."""
     if (second.grid(call, sms) != grid
-            or schedule_arg(call, second, props.L2_cache_size, grid[0]) != by_block
+            or schedule_arg(call, second, l2_bytes, grid[0]) != by_block
             or constants(call, second, by_block, grid[0]) != fixed):
         raise RuntimeError(f"fwd_sm90: {first.name} and {second.name} would walk different "
                            f"work tiles")
-    return _Plan(first, kernel, grid, fixed, launch, second, prepare(second)[1])
 
 
 _plans = PlanCache(_build_plan)
@@ -996,7 +1094,20 @@ def nan_flags(device: torch.device, index: int, handle: int, nbytes: int) -> tor
     return buf
 
 
+def fused_configs() -> list[Sm90FwdFused]:
+    """The fused kernels (FUSED_ENV) of the windowed kernels dispatch picks without A/B
+    variables: every dtype and head dim, at the sequence lengths where the tiles change, with
+    many rounds of work tiles and few (the snake order)."""
+    picked = {select_config(dtype, d, True, s, few_rounds=few).name: select_config(
+                  dtype, d, True, s, few_rounds=few)
+              for dtype in DTYPES for d in HEAD_DIMS for s in (1, 2048, LONG)
+              for few in (False, True)}
+    return [Sm90FwdFused(first_pass(c), c) for c in picked.values() if c.masked_v]
+
+
 @register
 def variants() -> Iterator[tuple[KernelSpec, tuple[str, ...]]]:
     for cfg in configs():
         yield cfg.spec(), ARCHS
+    for fused in fused_configs():
+        yield fused.spec(), ARCHS

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashcuda.jit import all_variants
+from flashcuda.jit import all_variants, compile_spec
 from flashcuda.jit.runtime import pack_args
 from flashcuda.jit.tensor_map import TensorMap
 from flashcuda.ops import dispatch, fwd_sm90
@@ -540,3 +540,79 @@ def test_two_passes_parameters_and_sass(builds, tmp_path, which):
         waits = [i for i, line in enumerate(lines) if "ACQBULK" in line]  # griddepcontrol.wait
         assert loads and syncs and max(loads) < min(syncs), "the report is read first"
         assert len(waits) == 1 and waits[0] < min(loads), "after the first pass is complete"
+
+
+# ---- both passes in one kernel (fwd_sm90.Sm90FwdFused, flash_fwd_sm90_fused.cu) -----------------
+
+@pytest.fixture(scope="module")
+def fused_builds():
+    return build_all(fwd_sm90.fused_configs())
+
+
+# Spill budgets of the fused kernels, by (head dim, keys per tile): d256's are its second pass's
+# (the masked-V kernel spills alone, D256_MASKED_V_SPILL_BUDGET); at d192 x 112 the fused kernel
+# spills 4 bytes where neither pass spills alone (NVRTC 13.0). Every other fused kernel: none.
+FUSED_SPILL_BUDGET = {(256, 64): 64, (256, 80): 160, (192, 112): 8}
+
+
+@pytest.mark.parametrize("fused", fwd_sm90.fused_configs(), ids=lambda c: c.name)
+def test_fused_compiles(fused_builds, fused):
+    first = fused.first
+    budget = FUSED_SPILL_BUDGET.get((first.head_dim, first.block_n))
+    result = fused_builds[fused.name]
+    if budget is None:
+        assert_compiled_clean(result, fused.name)
+        return
+    res = result.resources()[fused.name]
+    assert res.spill_stores <= budget and res.stack_bytes <= budget, res
+    assert "warning" not in result.log.lower(), result.log
+    assert not result.performance_notes(), result.log
+
+
+@pytest.mark.parametrize("fused", fwd_sm90.fused_configs()[:4], ids=lambda c: c.name)
+def test_fused_sass_holds_both_passes(fused_builds, builds, fused, tmp_path):
+    """The fused kernel's HGMMAs are the first pass's plus the masked-V kernel's (nothing of
+    either dropped), its register split moves once more where the passes' differ, and it never
+    reads a report buffer (no nan_flags argument: 4 tensor maps, out, lse and the scalars)."""
+    def hgmma(cubin):
+        return sum("HGMMA" in line for line in dump(cubin, tmp_path, "-sass").splitlines())
+
+    fused_sass = dump(fused_builds[fused.name].cubin, tmp_path, "-sass")
+    assert hgmma(fused_builds[fused.name].cubin) == (
+        hgmma(builds[fused.first.name].cubin) + hgmma(compile_spec(fused.second.spec(),
+                                                                   ARCH).cubin))
+    moves = 2 + 2 * (fused.first.producer_regs != fused.second.producer_regs)
+    assert fused_sass.count("USETMAXREG") >= moves
+    table = param_table(fused_builds[fused.name].cubin, tmp_path)
+    m = TensorMap(b"\0" * 128)
+    args = ((m,) * 4 + (None, None) + (np.int64(0),) * 3 + (np.int32(0),) * 4
+            + (np.float32(0),) + (np.int32(0),) * 4)
+    if fused.first.fast_div:
+        args += (np.uint64(0),) * 8 + (np.int32(0),) * 2
+    _, offsets = pack_args("k", args)
+    assert len(table) == len(args)
+    assert [table[i][0] - table[0][0] for i in range(len(args))] == list(offsets)
+
+
+def test_fused_config(monkeypatch):
+    """fused_passes pairs a windowed call's first pass with its masked-V kernel (not the second
+    launch's FC_NAN_FIXUP variant); the spec hands the pass-specific macros over prefixed; passes
+    that differ elsewhere are refused."""
+    cfg = fwd_sm90.select_config(torch.bfloat16, 128, True, 1024)
+    fused = fwd_sm90.fused_passes(cfg)
+    assert fused.first == fwd_sm90.first_pass(cfg) and fused.second == cfg
+    assert fused.smem_bytes == max(fused.first.smem_bytes, cfg.smem_bytes)
+    defines = dict(fused.spec().defines)
+    assert defines["FC_P1_NAN_FLAGS"] == "1" and defines["FC_P2_MASKED_V"] == "1"
+    assert defines["FC_P2_MV_SCANNER"] == "1" and "FC_NAN_FLAGS" not in defines
+    assert (defines["FC_P1_PRODUCER_REGS"], defines["FC_P2_PRODUCER_REGS"]) == ("24", "32")
+    assert fused.spec().source == fwd_sm90.FUSED_SOURCE
+    assert fwd_sm90.fused_passes(fwd_sm90.select_config(torch.bfloat16, 128, False, 1024)) is None
+    with pytest.raises(ValueError, match="differ in block_n"):
+        fwd_sm90.Sm90FwdFused(fused.first, dataclasses.replace(cfg, block_n=64))
+    with pytest.raises(ValueError, match="nan_fixup"):
+        fwd_sm90.Sm90FwdFused(fused.first, fwd_sm90.second_pass(cfg))
+    monkeypatch.setenv(fwd_sm90.NAN_FIXUP_ENV, "0")
+    assert fwd_sm90.fused_passes(cfg) is None
+    names = {spec.name for spec, _ in all_variants()}
+    assert {f.name for f in fwd_sm90.fused_configs()} <= names

@@ -521,7 +521,7 @@ def test_masked_v_fast_path_is_the_default_kernel_bitwise(dtype, head_dim, windo
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("passes", ["", "0"], ids=["two-passes", "masked-v-alone"])
+@pytest.mark.parametrize("passes", ["", "0", "fused"], ids=["two-passes", "masked-v-alone", "fused"])
 @pytest.mark.parametrize("value", masked_v.VALUES)
 @pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (FP16, 128)], ids=["bf16-d64", "fp16-d128"])
 def test_masked_v_nonfinite_reaches_only_rows_that_see_it(dtype, head_dim, value, passes,
@@ -532,10 +532,13 @@ def test_masked_v_nonfinite_reaches_only_rows_that_see_it(dtype, head_dim, value
     rows that see the key get what IEEE gives (NaN; +Inf / -Inf in those columns and the clean
     values elsewhere; NaN where +Inf and -Inf meet, from row 201). By default in two passes (the
     kernel without masked V, then the masked-V kernel for the CTA that reported a non-finite O);
-    FLASHCUDA_SM90_FWD_NAN_FIXUP=0: the masked-V kernel alone."""
+    FLASHCUDA_SM90_FWD_NAN_FIXUP=0: the masked-V kernel alone; FLASHCUDA_SM90_FWD_FUSED=1: both
+    passes in one kernel."""
     q, k, v = make(1, 256, 256, 2, 2, head_dim, dtype, seed=20)
     scale = head_dim ** -0.5
-    if passes:
+    if passes == "fused":
+        monkeypatch.setenv(fwd_sm90.FUSED_ENV, "1")
+    elif passes:
         monkeypatch.setenv(fwd_sm90.NAN_FIXUP_ENV, passes)
     cfg = _masked_v_or_skip(monkeypatch, q, k, CAUSAL)
     assert cfg.masked_v
@@ -557,6 +560,8 @@ def test_two_passes_report_and_redo(dtype, head_dim):
     0 (out and lse keep a sentinel), and with every flag set writes the masked-V kernel's answer:
     the oracle's, bit for bit the first pass's on finite V."""
     skip_unless_dispatch_tiles()
+    if os.environ.get(fwd_sm90.FUSED_ENV):
+        pytest.skip("the two launches of the default plan (FLASHCUDA_SM90_FWD_FUSED is set)")
     q, k, v = make(1, 256, 256, 2, 2, head_dim, dtype, seed=42)
     scale = head_dim ** -0.5
     B, Sq, H, D = q.shape
@@ -627,3 +632,35 @@ def test_two_passes_equal_the_masked_v_kernel_alone(monkeypatch, head_dim, windo
     want, want_lse = run(fwd_sm90, q, k, v, scale, window)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got_lse, want_lse)
+
+
+# ---- both passes in one kernel (FLASHCUDA_SM90_FWD_FUSED=1: flash_fwd_sm90_fused.cu) ----------------
+
+@pytest.mark.parametrize("poison", ["clean", "nan"])
+@pytest.mark.parametrize("window", [CAUSAL, (200, 0), (37, 5)], ids=["causal", "wl200", "wl37-wr5"])
+@pytest.mark.parametrize("head_dim,seqlen", [(64, 1000), (64, 4100), (128, 1000), (192, 777),
+                                             (256, 600)])
+def test_fused_equals_two_passes(monkeypatch, head_dim, seqlen, window, poison):
+    """The fused kernel against the default two launches, many CTAs (2 x seqlen, 8 heads; 4100
+    takes d64's 192-row tiles): on clean inputs the first pass's bits, which meet the oracle; with
+    a NaN in V of key 200 (every head), the same bits, NaN for NaN: the CTAs that reported redo
+    their work tiles as the masked-V kernel, as the second launch does."""
+    skip_unless_dispatch_tiles()
+    q, k, v = make(2, seqlen, seqlen, 8, 8, head_dim, BF16, seed=44 + head_dim)
+    if poison == "nan":
+        v[:, 200, :, 3] = float("nan")
+    scale = head_dim ** -0.5
+    want, want_lse = run(fwd_sm90, q, k, v, scale, window)
+    monkeypatch.setenv(fwd_sm90.FUSED_ENV, "1")
+    dispatch._reset()
+    out, lse = torch.empty_like(q), torch.empty(2, 8, seqlen, device="cuda")
+    plan = fwd_sm90._plan(FwdCall(q, k, v, out, lse, scale, *window))
+    assert isinstance(plan.cfg, fwd_sm90.Sm90FwdFused) and plan.fixup is None
+    got, got_lse = run(fwd_sm90, q, k, v, scale, window)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got_lse.isnan(), want_lse.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(got_lse.nan_to_num(), want_lse.nan_to_num())
+    if poison == "clean" and seqlen < 2000:
+        assert_oracle(got, got_lse, q, k, v, window, scale)
+    else:
+        assert got.isnan().any(), "the poisoned key reaches the rows that see it"

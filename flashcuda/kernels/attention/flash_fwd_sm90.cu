@@ -119,6 +119,17 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 // before it touches shared memory, the others redo every work tile they walk (O and lse).
 #define FC_NAN_FIXUP 0
 #endif
+#ifndef FC_FUSED_PART
+// 1: this file as one part of flash_fwd_sm90_fused.cu (both passes in one kernel): a device
+// function `run` in place of the kernel, the first pass ending in the FC_FUSED_*_TAIL hooks
+#define FC_FUSED_PART 0
+#endif
+#ifndef FC_ROLE_ONLY
+// with FC_FUSED_PART: 1 the producer warpgroup's code only, 2 the consumer warpgroups' only (the
+// second pass, entered from either role's end of the first, each keeping its register count)
+#define FC_ROLE_ONLY 0
+#endif
+static_assert(!FC_ROLE_ONLY || FC_FUSED_PART, "one role's code: a part of the fused kernel");
 static_assert(!FC_NAN_FLAGS || !FC_MASKED_V, "the first pass is a kernel without masked V");
 static_assert(!FC_NAN_FIXUP || FC_MASKED_V, "the second pass is the masked-V kernel");
 constexpr int kNanFlagBytes = 16;  // per CTA in nan_flags: one per consumer warp, the rest unused
@@ -375,6 +386,11 @@ struct Smem {
 #endif
     }
     fence_barrier_init();
+  }
+  // FC_FUSED_PART: the first pass's barriers, once both roles are past them, before the second
+  // pass lays its tiles and barriers over the same shared memory
+  __device__ __forceinline__ void inval_barriers() const {
+    for (int i = 0; i < kBarriers; ++i) mbar_inval(bar(i));
   }
 };
 
@@ -1337,6 +1353,24 @@ struct Timeline {
 };
 #endif
 
+#if FC_FUSED_PART
+// One pass of flash_fwd_sm90_fused.cu's kernel (its parameters, by reference to its own)
+__device__ __forceinline__ void run(const TmaMap& map_q, const TmaMap& map_k, const TmaMap& map_v,
+                                    const TmaMap& map_o, T* __restrict__ out,
+                                    float* __restrict__ lse, int64_t o_batch_stride,
+                                    int64_t o_row_stride, int64_t o_head_stride, int seqlen_q,
+                                    int seqlen_k, int nheads, int nheads_kv, float scale_log2,
+                                    int window_left, int window_right, int batch, int by_block
+#if FC_FAST_DIV
+                                    , uint64_t magic_num_m, uint64_t magic_heads,
+                                    uint64_t magic_section, uint64_t magic_by_block,
+                                    uint64_t magic_last, uint64_t magic_nheads,
+                                    uint64_t magic_group, uint64_t magic_grid, int sections,
+                                    int last_size
+#endif
+                                    ) {
+  static_assert(!FC_TIMELINE && !FC_NAN_FIXUP, "the fused kernel: no timeline, no flags");
+#else
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (D, Sq, H, B)
                const __grid_constant__ TmaMap map_k,  // k [B, Sk, Hkv, D]: dims (D, Sk, Hkv, B)
@@ -1363,7 +1397,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
                , uint64_t* __restrict__ timeline, int timeline_slots
 #endif
                ) {
-#if FC_NAN_FLAGS
+#endif  // FC_FUSED_PART
+#if FC_NAN_FLAGS && !FC_FUSED_PART
   // the second pass may start launching where it is this grid's programmatic dependent
   // (fwd_sm90.PDL_ENV, an A/B: measured as noise): its CTAs take the SMs this grid's CTAs leave
   // and wait there (griddepcontrol.wait) for this grid
@@ -1405,17 +1440,26 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   }
   __syncthreads();
 
-  if (wg == 0) {  // ---- producer warpgroup
+#if FC_ROLE_ONLY != 2
+  if (FC_ROLE_ONLY == 1 || wg == 0) {  // ---- producer warpgroup
+#if !FC_ROLE_ONLY
     setmaxnreg_dec<kProducerRegs>();
+#endif
     if (threadIdx.x < 32 && elect_one()) produce(sm, sched, mask, map_q, map_k, map_v);
 #if FC_MV_SCANNER
     if (threadIdx.x >= 32) scan_v_tiles(sm, static_cast<int>(threadIdx.x / 32) - 1);
 #endif
+#ifdef FC_FUSED_PRODUCER_TAIL
+    FC_FUSED_PRODUCER_TAIL  // (flash_fwd_sm90_fused.cu: the second pass's producer role)
+#endif
     return;
   }
-
+#endif
+#if FC_ROLE_ONLY != 1
   // ---- consumer warpgroups
+#if !FC_ROLE_ONLY
   setmaxnreg_inc<kConsumerRegs>();
+#endif
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int c = wg - 1;               // consumer index
   const int wg_row0 = c * 64;         // this warpgroup's first row in the block
@@ -1679,10 +1723,14 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   if ((threadIdx.x & 127) == 0) bulk_wait_group<0>();  // no store outlives the shared memory
 #endif
 #if FC_NAN_FLAGS
-  {
-    const bool reported = __any_sync(0xffffffffu, float_nonfinite(nonfinite_probe));
-    if (lane == 0) nan_flags[kNanFlagBytes * blockIdx.x + threadIdx.x / 32 - 4] = reported;
-  }
+  const bool reported = __any_sync(0xffffffffu, float_nonfinite(nonfinite_probe));
+#if !FC_FUSED_PART
+  if (lane == 0) nan_flags[kNanFlagBytes * blockIdx.x + threadIdx.x / 32 - 4] = reported;
+#endif
 #endif
   turn_close(c);
+#ifdef FC_FUSED_CONSUMER_TAIL
+  FC_FUSED_CONSUMER_TAIL(reported)  // (flash_fwd_sm90_fused.cu: the second pass's consumer role)
+#endif
+#endif  // FC_ROLE_ONLY != 1
 }

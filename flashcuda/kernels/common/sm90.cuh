@@ -7,7 +7,8 @@
 //   bulk_reduce_add_f32 / bulk_commit_group / bulk_wait_group_read<N> / bulk_wait_group<N>
 //                                            cp.reduce.async.bulk shared -> global (add), completing
 //                                            in this thread's bulk async-groups
-//   mbar_init / mbar_arrive / mbar_arrive_expect_tx / mbar_wait      shared-memory mbarriers
+//   mbar_init / mbar_inval / mbar_arrive / mbar_arrive_expect_tx / mbar_wait
+//                                                                    shared-memory mbarriers
 //   fence_barrier_init / fence_proxy_async                            proxy ordering
 //   wgmma_fence / wgmma_commit / wgmma_wait<N> / wgmma_ss / wgmma_rs_tb / wgmma_ss_tt / wgmma_ss_tb /
 //   wgmma_ss_ta / wgmma_fence_operands / wgmma_fresh
@@ -59,6 +60,12 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// The end of a barrier's life (PTX: before its 8 bytes serve anything else, another mbarrier
+// or data): every wait on it and every transaction it counts must be over.
+__device__ __forceinline__ void mbar_inval(uint32_t bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 // Make barrier initialisation visible to the async proxy (TMA) before any thread uses them;

@@ -1,0 +1,113 @@
+// Flash attention forward, sm90a: a windowed call's two passes in one kernel.
+//
+// flash_fwd_sm90.cu runs a causal / windowed call in two passes (fwd_sm90.two_passes): the
+// kernel without masked V, which reports whether any O value a CTA computed is NaN / Inf, then
+// the masked-V kernel on the same grid, which exits at once in the CTAs that reported none. That
+// second launch costs ~3 µs per call whatever the inputs (session 22: 2.2 µs of kernel time plus
+// the gap between two kernels). Here both passes are one kernel: each CTA walks its work tiles
+// as the first pass, and only a CTA whose report is set walks them again as the masked-V kernel,
+// in the same shared memory (the first pass's barriers invalidated, the second's laid out anew).
+//
+// The file includes flash_fwd_sm90.cu three times, each in a namespace of its own and with its
+// pass's macros (fwd_sm90_pass.cuh; FC_FUSED_PART makes it a device function `run`): the second
+// pass twice, once with the producer warpgroup's code only and once with the consumers' only
+// (FC_ROLE_ONLY), and then the first pass, whose producer and consumer roles each end in a hook
+// (FC_FUSED_*_TAIL) that votes with the whole CTA (bar.red.or) and, when any consumer warp
+// reported, enters its own role of the second pass. Each role's code thus stays in its own
+// region of setmaxnreg's register count (moved to the second pass's split where that differs),
+// and ptxas never merges the roles' code.
+//
+// The guarantee is the two passes': a NaN / Inf of V reaches only the rows that see its key, and
+// a CTA that reported nothing wrote exactly what the masked-V kernel would have (up to
+// rounding: flash_fwd_sm90.cu, FC_NAN_FLAGS).
+#include "common/types.cuh"
+#include "common/sm90.cuh"
+#include "common/smem.cuh"
+#include "attention/mask.cuh"
+#include "attention/online_softmax.cuh"
+#include "attention/nonfinite.cuh"
+
+#define FC_FUSED_PART 1
+
+// ---- the second pass (the masked-V kernel): the producer warpgroup's role, then the consumers'
+#define FC_PASS 2
+#include "attention/fwd_sm90_pass.cuh"
+#define FC_ROLE_ONLY 1
+namespace pass2p {
+#include "attention/flash_fwd_sm90.cu"
+}  // namespace pass2p
+
+#include "attention/fwd_sm90_pass.cuh"
+#define FC_ROLE_ONLY 2
+namespace pass2c {
+#include "attention/flash_fwd_sm90.cu"
+}  // namespace pass2c
+
+// ---- the first pass, whose roles end in the second's
+#undef FC_PASS
+#define FC_PASS 1
+#include "attention/fwd_sm90_pass.cuh"
+#define FC_ROLE_ONLY 0
+static_assert(FC_P1_NAN_FLAGS && FC_P2_MASKED_V, "first the report, then the masked-V kernel");
+
+#if FC_FAST_DIV
+#define FC_FUSED_DIV_ARGS                                                                       \
+  , magic_num_m, magic_heads, magic_section, magic_by_block, magic_last, magic_nheads,          \
+      magic_group, magic_grid, sections, last_size
+#else
+#define FC_FUSED_DIV_ARGS
+#endif
+#define FC_FUSED_ARGS                                                                           \
+  map_q, map_k, map_v, map_o, out, lse, o_batch_stride, o_row_stride, o_head_stride, seqlen_q,  \
+      seqlen_k, nheads, nheads_kv, scale_log2, window_left, window_right, batch,                \
+      by_block FC_FUSED_DIV_ARGS
+// The producer warpgroup, its first-pass loads issued: the vote (0 from these threads), then,
+// where some consumer warp reported, the first pass's barriers end and the second pass begins.
+// The second pass's register split where it differs (the masked-V kernel's producer keeps 32
+// registers from d128: fwd_sm90.scanned): the consumers give theirs back first (setmaxnreg.dec
+// does not wait), the producer's setmaxnreg.inc waits until the pool has them.
+static_assert(FC_P2_PRODUCER_REGS >= FC_P1_PRODUCER_REGS &&
+                  FC_P2_CONSUMER_REGS <= FC_P1_CONSUMER_REGS,
+              "the second pass moves registers from the consumers to the producer, if at all");
+#define FC_FUSED_PRODUCER_TAIL                                                                  \
+  if (__syncthreads_or(0)) {                                                                    \
+    if (threadIdx.x == 0) sm.inval_barriers();                                                  \
+    if constexpr (FC_P2_PRODUCER_REGS != FC_P1_PRODUCER_REGS)                                   \
+      setmaxnreg_inc<FC_P2_PRODUCER_REGS>();                                                    \
+    ::pass2p::run(FC_FUSED_ARGS);                                                               \
+  }
+// A consumer warpgroup, its first-pass work tiles stored (O's tensor stores complete): its vote
+#define FC_FUSED_CONSUMER_TAIL(reported)                                                        \
+  if (__syncthreads_or(reported)) {                                                             \
+    if constexpr (FC_P2_CONSUMER_REGS != FC_P1_CONSUMER_REGS)                                   \
+      setmaxnreg_dec<FC_P2_CONSUMER_REGS>();                                                    \
+    ::pass2c::run(FC_FUSED_ARGS);                                                               \
+  }
+
+namespace pass1 {
+#include "attention/flash_fwd_sm90.cu"
+}  // namespace pass1
+
+static_assert(pass1::kThreads == pass2p::kThreads, "one CTA shape for both passes");
+static_assert((pass1::kSmemBytes > pass2p::kSmemBytes ? pass1::kSmemBytes : pass2p::kSmemBytes) ==
+                  FC_FUSED_SMEM_BYTES,
+              "the launch's shared memory: the larger pass's (Sm90FwdFused.smem_bytes)");
+
+extern "C" __global__ void __launch_bounds__(pass1::kThreads, 1)
+FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (D, Sq, H, B)
+               const __grid_constant__ TmaMap map_k,  // k [B, Sk, Hkv, D]: dims (D, Sk, Hkv, B)
+               const __grid_constant__ TmaMap map_v,  // v [B, Sk, Hkv, D]: dims (D, Sk, Hkv, B)
+               const __grid_constant__ TmaMap map_o,  // out, as q, box 64 x 64 (the store)
+               pass1::T* __restrict__ out,            // [B, Sq, H, D]
+               float* __restrict__ lse,               // [B, H, Sq]
+               int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride,
+               int seqlen_q, int seqlen_k, int nheads, int nheads_kv, float scale_log2,
+               int window_left, int window_right, int batch, int by_block
+#if FC_FAST_DIV
+               , uint64_t magic_num_m, uint64_t magic_heads, uint64_t magic_section,
+               uint64_t magic_by_block, uint64_t magic_last, uint64_t magic_nheads,
+               uint64_t magic_group, uint64_t magic_grid, int sections, int last_size
+#endif
+               ) {
+  pass1::run(FC_FUSED_ARGS);
+}
