@@ -862,8 +862,12 @@ def two_passes(cfg: Sm90FwdConfig) -> tuple[Sm90FwdConfig, Sm90FwdConfig] | None
 # first pass, and a CTA whose consumers saw a NaN / Inf in O walks them again as the masked-V
 # kernel, in the same launch. Saves the second launch (session 22: 2.2 µs of kernel time plus the
 # gap between the kernels, the two passes' whole cost over the first pass alone).
-# FLASHCUDA_SM90_FWD_FUSED=1 (A/B, off by default until measured).
+# Same-process A/B (H200, session 35, 11 rounds, causal forward): +1.5 / +0.3% at d64 512 / 1k,
+# +1.9 / +0.6 / -0.2% at d128 512 / 1k / 2k, +0.4% at d192 512, -2.3% at d256 512 (its fused
+# kernel spills more than its masked-V kernel alone). The default at FUSED_DIMS;
+# FLASHCUDA_SM90_FWD_FUSED=1 / 0 turns it on / off at every head dim (A/B).
 FUSED_ENV = "FLASHCUDA_SM90_FWD_FUSED"
+FUSED_DIMS = (64, 128)
 FUSED_SOURCE = "attention/flash_fwd_sm90_fused.cu"
 # the macros that may differ between the two passes: the fused kernel takes each as FC_P1_X and
 # FC_P2_X (attention/fwd_sm90_pass.cuh); every other define must be the same in both
@@ -1009,7 +1013,7 @@ def _build_plan(call: FwdCall) -> _Plan | str:
                                       fixed=len(fixed),
                                       programmatic=c.nan_fixup and flag(PDL_ENV, False))
 
-    if passes and flag(FUSED_ENV, False):
+    if passes and flag(FUSED_ENV, cfg.head_dim in FUSED_DIMS):
         fused = fused_passes(cfg)
         _same_walk(call, sms, props.L2_cache_size, first, fused.second, grid, by_block, fixed)
         kernel = get_kernel(fused.spec(), call.device)
