@@ -885,17 +885,22 @@ class Sm90FwdFused:
     second: Sm90FwdConfig
 
     def __post_init__(self) -> None:
-        a, b = self.first, self.second
+        if why := self.mismatch(self.first, self.second):
+            raise ValueError(f"Sm90FwdFused: {why}")
+
+    @staticmethod
+    def mismatch(a: Sm90FwdConfig, b: Sm90FwdConfig) -> str | None:
+        """Why first pass `a` and masked-V kernel `b` cannot share a kernel, or None."""
         if not a.nan_flags or not b.masked_v or b.nan_fixup:
-            raise ValueError("Sm90FwdFused: first is a first pass (nan_flags), second a masked-V "
-                             "kernel without nan_fixup")
+            return "first is a first pass (nan_flags), second a masked-V kernel without nan_fixup"
         same = ("dtype", "head_dim", "block_m", "block_n", "pingpong", "snake", "fast_div",
                 "decode_ahead", "defines", "timeline")
         if differ := [f for f in same if getattr(a, f) != getattr(b, f)]:
-            raise ValueError(f"Sm90FwdFused: the passes differ in {', '.join(differ)}")
+            return f"the passes differ in {', '.join(differ)}"
         if b.producer_regs < a.producer_regs or b.consumer_regs > a.consumer_regs:
-            raise ValueError("Sm90FwdFused: the second pass's register split may only move "
-                             "registers from the consumers to the producer")
+            return ("the second pass's register split may only move registers from the "
+                    "consumers to the producer")
+        return None
 
     @property
     def block_m(self) -> int:
@@ -940,10 +945,13 @@ class Sm90FwdFused:
 
 def fused_passes(cfg: Sm90FwdConfig) -> Sm90FwdFused | None:
     """The fused kernel for a call `cfg` would run alone (a masked-V kernel), or None where the
-    call runs one pass (FLASHCUDA_SM90_FWD_NAN_FIXUP=0, or no mask)."""
+    call runs one pass (FLASHCUDA_SM90_FWD_NAN_FIXUP=0, or no mask) or the passes cannot share a
+    kernel (an A/B define of one pass only, e.g. FC_CROSS_TILE, which needs two Q buffers: then
+    two launches)."""
     if not cfg.masked_v or not flag(NAN_FIXUP_ENV, True):
         return None
-    return Sm90FwdFused(first_pass(cfg), cfg)
+    first = first_pass(cfg)
+    return None if Sm90FwdFused.mismatch(first, cfg) else Sm90FwdFused(first, cfg)
 
 
 @dataclass(frozen=True)
@@ -1013,8 +1021,8 @@ def _build_plan(call: FwdCall) -> _Plan | str:
                                       fixed=len(fixed),
                                       programmatic=c.nan_fixup and flag(PDL_ENV, False))
 
-    if passes and flag(FUSED_ENV, cfg.head_dim in FUSED_DIMS):
-        fused = fused_passes(cfg)
+    fused = fused_passes(cfg) if passes and flag(FUSED_ENV, cfg.head_dim in FUSED_DIMS) else None
+    if fused is not None:
         _same_walk(call, sms, props.L2_cache_size, first, fused.second, grid, by_block, fixed)
         kernel = get_kernel(fused.spec(), call.device)
         args = (*_maps(call, fused), call.out, call.lse, *fixed)
