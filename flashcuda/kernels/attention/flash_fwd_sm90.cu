@@ -1438,7 +1438,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
     tma_prefetch(map_o);
 #endif
   }
+#if FC_ROLE_ONLY
+  cta_sync_unaligned();  // (each role reaches it from its own end of the first pass)
+#else
   __syncthreads();
+#endif
 
 #if FC_ROLE_ONLY != 2
   if (FC_ROLE_ONLY == 1 || wg == 0) {  // ---- producer warpgroup

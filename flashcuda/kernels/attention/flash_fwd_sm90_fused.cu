@@ -12,8 +12,9 @@
 // pass's macros (fwd_sm90_pass.cuh; FC_FUSED_PART makes it a device function `run`): the second
 // pass twice, once with the producer warpgroup's code only and once with the consumers' only
 // (FC_ROLE_ONLY), and then the first pass, whose producer and consumer roles each end in a hook
-// (FC_FUSED_*_TAIL) that votes with the whole CTA (bar.red.or) and, when any consumer warp
-// reported, enters its own role of the second pass. Each role's code thus stays in its own
+// (FC_FUSED_*_TAIL) that votes with the whole CTA (barrier.cta.red.or, cta_vote_any: not
+// .aligned, since the two roles reach it from different places, as they reach the second pass's
+// start) and, when any consumer warp reported, enters its own role of the second pass. Each role's code thus stays in its own
 // region of setmaxnreg's register count (moved to the second pass's split where that differs),
 // and ptxas never merges the roles' code.
 //
@@ -70,7 +71,7 @@ static_assert(FC_P2_PRODUCER_REGS >= FC_P1_PRODUCER_REGS &&
                   FC_P2_CONSUMER_REGS <= FC_P1_CONSUMER_REGS,
               "the second pass moves registers from the consumers to the producer, if at all");
 #define FC_FUSED_PRODUCER_TAIL                                                                  \
-  if (__syncthreads_or(0)) {                                                                    \
+  if (cta_vote_any(false)) {                                                                    \
     if (threadIdx.x == 0) sm.inval_barriers();                                                  \
     if constexpr (FC_P2_PRODUCER_REGS != FC_P1_PRODUCER_REGS)                                   \
       setmaxnreg_inc<FC_P2_PRODUCER_REGS>();                                                    \
@@ -78,7 +79,7 @@ static_assert(FC_P2_PRODUCER_REGS >= FC_P1_PRODUCER_REGS &&
   }
 // A consumer warpgroup, its first-pass work tiles stored (O's tensor stores complete): its vote
 #define FC_FUSED_CONSUMER_TAIL(reported)                                                        \
-  if (__syncthreads_or(reported)) {                                                             \
+  if (cta_vote_any(reported)) {                                                                 \
     if constexpr (FC_P2_CONSUMER_REGS != FC_P1_CONSUMER_REGS)                                   \
       setmaxnreg_dec<FC_P2_CONSUMER_REGS>();                                                    \
     ::pass2c::run(FC_FUSED_ARGS);                                                               \

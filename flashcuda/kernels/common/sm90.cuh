@@ -68,6 +68,18 @@ __device__ __forceinline__ void mbar_inval(uint32_t bar) {
   asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
+// CTA barrier 0 without .aligned (PTX barrier.cta.*): every thread of the CTA, from different
+// places in the code (bar.sync / bar.red, __syncthreads*, are .aligned: one instruction for all)
+__device__ __forceinline__ void cta_sync_unaligned() {
+  asm volatile("barrier.cta.sync 0;\n" ::: "memory");
+}
+__device__ __forceinline__ bool cta_vote_any(bool p) {
+  uint32_t r;
+  asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n barrier.cta.red.or.pred q, 0, p;\n"
+               " selp.u32 %0, 1, 0, q;\n}\n" : "=r"(r) : "r"(static_cast<uint32_t>(p)) : "memory");
+  return r != 0;
+}
+
 // Make barrier initialisation visible to the async proxy (TMA) before any thread uses them;
 // follow it with a CTA barrier.
 __device__ __forceinline__ void fence_barrier_init() {
