@@ -867,11 +867,12 @@ def two_passes(cfg: Sm90FwdConfig) -> tuple[Sm90FwdConfig, Sm90FwdConfig] | None
 # (its fused kernel spills more than its masked-V kernel alone). Not yet a default: that run's
 # kernel voted with __syncthreads_or, an .aligned barrier, from two places in the code (the
 # producer's end and the consumers'), which compute-sanitizer synccheck reports as divergent
-# threads; the roles now meet on barrier.cta (cta_vote_any, cta_sync_unaligned), compiled, not
-# yet run. FUSED_DIMS holds the head dims where it is the default (none until synccheck is
-# clean); FLASHCUDA_SM90_FWD_FUSED=1 / 0 turns it on / off at every head dim (A/B).
+# threads; the roles now vote and hand over on mbarriers (the .cu's Vote), compiled, not yet
+# run. FUSED_DIMS holds the head dims where it is the default (none until synccheck is clean);
+# FLASHCUDA_SM90_FWD_FUSED=1 / 0 turns it on / off at every head dim (A/B).
 FUSED_ENV = "FLASHCUDA_SM90_FWD_FUSED"
 FUSED_DIMS: tuple[int, ...] = ()
+FUSED_VOTE_BYTES = 24  # the fused kernel's vote: two mbarriers and a word (flash_fwd_sm90_fused.cu)
 FUSED_SOURCE = "attention/flash_fwd_sm90_fused.cu"
 # the macros that may differ between the two passes: the fused kernel takes each as FC_P1_X and
 # FC_P2_X (attention/fwd_sm90_pass.cuh); every other define must be the same in both
@@ -923,8 +924,9 @@ class Sm90FwdFused:
 
     @property
     def smem_bytes(self) -> int:
-        """The larger pass's: the second lays its tiles over the first's."""
-        return max(self.first.smem_bytes, self.second.smem_bytes)
+        """The larger pass's (the second lays its tiles over the first's) and the vote's two
+        mbarriers and word past it (FUSED_VOTE_BYTES)."""
+        return max(self.first.smem_bytes, self.second.smem_bytes) + FUSED_VOTE_BYTES
 
     @property
     def name(self) -> str:
@@ -944,6 +946,8 @@ class Sm90FwdFused:
             **{f"FC_P1_{k[3:]}": v for k, v in d1.items() if k in PASS_MACROS},
             **{f"FC_P2_{k[3:]}": v for k, v in d2.items() if k in PASS_MACROS},
             "FC_FUSED_SMEM_BYTES": self.smem_bytes,
+            # (from the 1024-aligned base: the larger layout's end, without its alignment slack)
+            "FC_FUSED_VOTE_OFFSET": self.smem_bytes - FUSED_VOTE_BYTES - 1024,
         })
 
 
@@ -955,7 +959,10 @@ def fused_passes(cfg: Sm90FwdConfig) -> Sm90FwdFused | None:
     if not cfg.masked_v or not flag(NAN_FIXUP_ENV, True):
         return None
     first = first_pass(cfg)
-    return None if Sm90FwdFused.mismatch(first, cfg) else Sm90FwdFused(first, cfg)
+    if Sm90FwdFused.mismatch(first, cfg):
+        return None
+    fused = Sm90FwdFused(first, cfg)
+    return fused if fused.smem_bytes <= SMEM_OPTIN else None
 
 
 @dataclass(frozen=True)

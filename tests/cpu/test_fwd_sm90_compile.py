@@ -557,6 +557,7 @@ FUSED_SPILL_BUDGET = {(256, 64): 64, (256, 80): 160, (192, 112): 8}
 
 @pytest.mark.parametrize("fused", fwd_sm90.fused_configs(), ids=lambda c: c.name)
 def test_fused_compiles(fused_builds, fused):
+    assert fused.smem_bytes <= fwd_sm90.SMEM_OPTIN
     first = fused.first
     budget = FUSED_SPILL_BUDGET.get((first.head_dim, first.block_n))
     result = fused_builds[fused.name]
@@ -572,8 +573,9 @@ def test_fused_compiles(fused_builds, fused):
 @pytest.mark.parametrize("fused", fwd_sm90.fused_configs()[:4], ids=lambda c: c.name)
 def test_fused_sass_holds_both_passes(fused_builds, builds, fused, tmp_path):
     """The fused kernel's HGMMAs are the first pass's plus the masked-V kernel's (nothing of
-    either dropped), its register split moves once more where the passes' differ, and it never
-    reads a report buffer (no nan_flags argument: 4 tensor maps, out, lse and the scalars)."""
+    either dropped), its register split moves once more where the passes' differ, one CTA
+    barrier, and it never reads a report buffer (no nan_flags argument: 4 tensor maps, out,
+    lse and the scalars)."""
     def hgmma(cubin):
         return sum("HGMMA" in line for line in dump(cubin, tmp_path, "-sass").splitlines())
 
@@ -583,6 +585,9 @@ def test_fused_sass_holds_both_passes(fused_builds, builds, fused, tmp_path):
                                                                    ARCH).cubin))
     moves = 2 + 2 * (fused.first.producer_regs != fused.second.producer_regs)
     assert fused_sass.count("USETMAXREG") >= moves
+    # one CTA barrier, the first pass's setup: the roles vote and hand over on mbarriers (a CTA
+    # barrier reached from two places in the code is what synccheck reported in session 35)
+    assert len(re.findall(r"BAR\.(?:RED|SYNC)\S* 0x0\b", fused_sass)) == 1
     table = param_table(fused_builds[fused.name].cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
     args = ((m,) * 4 + (None, None) + (np.int64(0),) * 3 + (np.int32(0),) * 4
@@ -601,7 +606,8 @@ def test_fused_config(monkeypatch):
     cfg = fwd_sm90.select_config(torch.bfloat16, 128, True, 1024)
     fused = fwd_sm90.fused_passes(cfg)
     assert fused.first == fwd_sm90.first_pass(cfg) and fused.second == cfg
-    assert fused.smem_bytes == max(fused.first.smem_bytes, cfg.smem_bytes)
+    assert fused.smem_bytes == max(fused.first.smem_bytes, cfg.smem_bytes) + 24  # (the vote)
+    assert fused.smem_bytes <= fwd_sm90.SMEM_OPTIN
     defines = dict(fused.spec().defines)
     assert defines["FC_P1_NAN_FLAGS"] == "1" and defines["FC_P2_MASKED_V"] == "1"
     assert defines["FC_P2_MV_SCANNER"] == "1" and "FC_NAN_FLAGS" not in defines

@@ -1430,7 +1430,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #endif
 
   if (threadIdx.x == 0) {
-    sm.init_barriers();
+#if !FC_ROLE_ONLY
+    sm.init_barriers();  // (FC_ROLE_ONLY: the first pass's end did, before it let the roles go)
+#endif
     tma_prefetch(map_q);
     tma_prefetch(map_k);
     tma_prefetch(map_v);
@@ -1438,9 +1440,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
     tma_prefetch(map_o);
 #endif
   }
-#if FC_ROLE_ONLY
-  cta_sync_unaligned();  // (each role reaches it from its own end of the first pass)
-#else
+#if !FC_ROLE_ONLY
   __syncthreads();
 #endif
 

@@ -68,16 +68,18 @@ __device__ __forceinline__ void mbar_inval(uint32_t bar) {
   asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
-// CTA barrier 0 without .aligned (PTX barrier.cta.*): every thread of the CTA, from different
-// places in the code (bar.sync / bar.red, __syncthreads*, are .aligned: one instruction for all)
-__device__ __forceinline__ void cta_sync_unaligned() {
-  asm volatile("barrier.cta.sync 0;\n" ::: "memory");
+// A 32-bit word of shared memory by its shared-window address (one register, where a generic
+// pointer takes two): store, load (volatile: after an mbarrier wait, the value then), or-in.
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
-__device__ __forceinline__ bool cta_vote_any(bool p) {
-  uint32_t r;
-  asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n barrier.cta.red.or.pred q, 0, p;\n"
-               " selp.u32 %0, 1, 0, q;\n}\n" : "=r"(r) : "r"(static_cast<uint32_t>(p)) : "memory");
-  return r != 0;
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.volatile.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void atom_or_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("red.shared.or.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
 // Make barrier initialisation visible to the async proxy (TMA) before any thread uses them;
