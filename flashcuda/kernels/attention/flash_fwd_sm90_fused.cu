@@ -102,11 +102,11 @@ __device__ __forceinline__ bool vote(bool reported) {
                   // across the producer's second pass at 24 registers)
   asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
   if (lane == 0) {
-    if (reported) atom_or_shared_u32(v.word, 1u);
+    if (reported) or_shared_32(v.word, 1u);
     mbar_arrive(v.vote);  // (release: the report before it)
   }
   mbar_wait(v.vote, 0);
-  return ld_shared_u32(v.word) != 0;
+  return load_shared_32(v.word) != 0;  // (asm volatile: read after the wait)
 }
 __device__ __forceinline__ void wait_go() { mbar_wait(vote_slots().go, 0); }
 }  // namespace fused
@@ -174,7 +174,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
     const fused::Vote v = fused::vote_slots();
     mbar_init(v.vote, fused::kWarps);
     mbar_init(v.go, 1);
-    st_shared_u32(v.word, 0u);
+    store_shared_32(v.word, 0u);
   }
   pass1::run(FC_FUSED_ARGS);
 }

@@ -68,20 +68,6 @@ __device__ __forceinline__ void mbar_inval(uint32_t bar) {
   asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
-// A 32-bit word of shared memory by its shared-window address (one register, where a generic
-// pointer takes two): store, load (volatile: after an mbarrier wait, the value then), or-in.
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.volatile.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ void atom_or_shared_u32(uint32_t addr, uint32_t v) {
-  asm volatile("red.shared.or.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-
 // Make barrier initialisation visible to the async proxy (TMA) before any thread uses them;
 // follow it with a CTA barrier.
 __device__ __forceinline__ void fence_barrier_init() {

@@ -1,6 +1,6 @@
 // Shared-memory word access by 32-bit shared-window address (what ld.shared / st.shared take):
-// 2 (stores), 4 and 16 bytes. Used by the sm80 building blocks and by the Hopper kernels' generic
-// reads and writes of tiles that TMA or wgmma also touch.
+// 2 (stores), 4 (and or-ing one in) and 16 bytes. Used by the sm80 building blocks and by the
+// Hopper kernels' generic reads and writes of tiles that TMA or wgmma also touch.
 #pragma once
 
 #include "common/types.cuh"
@@ -19,6 +19,11 @@ __device__ __forceinline__ uint32_t load_shared_32(uint32_t addr) {
 
 __device__ __forceinline__ void store_shared_32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// v or-ed into the word (relaxed; an mbarrier arrival after it publishes it)
+__device__ __forceinline__ void or_shared_32(uint32_t addr, uint32_t v) {
+  asm volatile("red.shared.or.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ Bytes16 load_shared_16(uint32_t addr) {
