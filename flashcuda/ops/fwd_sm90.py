@@ -1121,11 +1121,10 @@ def fused_configs() -> list[Sm90FwdFused]:
     """The fused kernels (FUSED_ENV) of the windowed kernels dispatch picks without A/B
     variables: every dtype and head dim, at the sequence lengths where the tiles change, with
     many rounds of work tiles and few (the snake order)."""
-    picked = {select_config(dtype, d, True, s, few_rounds=few).name: select_config(
-                  dtype, d, True, s, few_rounds=few)
-              for dtype in DTYPES for d in HEAD_DIMS for s in (1, 2048, LONG)
-              for few in (False, True)}
-    return [Sm90FwdFused(first_pass(c), c) for c in picked.values() if c.masked_v]
+    picked = (select_config(dtype, d, True, s, few_rounds=few) for dtype in DTYPES
+              for d in HEAD_DIMS for s in (1, 2048, LONG) for few in (False, True))
+    unique = {c.name: c for c in picked}
+    return [Sm90FwdFused(first_pass(c), c) for c in unique.values() if c.masked_v]
 
 
 @register

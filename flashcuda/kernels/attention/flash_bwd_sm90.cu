@@ -233,7 +233,8 @@ constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
 // the zeroed dq_accum) is read only after griddepcontrol.wait — the producer's first lse2 /
 // delta loads (after step 0's Q, dO and K / V are issued, as FlashAttention 4 does), the
 // consumers and the dQ writer before their first reduction. Without the launch attribute the
-// wait returns at once (stream order). Written in session 34, not yet run on the GPU.
+// wait returns at once (stream order). Measured as noise (session 35: -0.9 to +1.3% at d64 /
+// d128 512 / 1k).
 #define FC_PDL 0
 #endif
 #ifndef FC_SPLIT_LOADS

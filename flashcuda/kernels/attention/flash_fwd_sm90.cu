@@ -1353,22 +1353,35 @@ struct Timeline {
 };
 #endif
 
+// The parameters after the tensor maps and the out / lse pointers (fwd_sm90.constant_args, then
+// fast_div_args), and their names: the kernel's, and the fused kernel's and its passes' `run`
+// (flash_fwd_sm90_fused.cu)
+#if FC_FAST_DIV
+// the schedule's magic numbers (Magic; fwd_sm90.fast_div_args)
+#define FC_FWD_MAGIC_PARAMS                                                                    \
+  , uint64_t magic_num_m, uint64_t magic_heads, uint64_t magic_section,                        \
+      uint64_t magic_by_block, uint64_t magic_last, uint64_t magic_nheads,                     \
+      uint64_t magic_group, uint64_t magic_grid, int sections, int last_size
+#define FC_FWD_MAGIC_ARGS                                                                      \
+  , magic_num_m, magic_heads, magic_section, magic_by_block, magic_last, magic_nheads,         \
+      magic_group, magic_grid, sections, last_size
+#else
+#define FC_FWD_MAGIC_PARAMS
+#define FC_FWD_MAGIC_ARGS
+#endif
+#define FC_FWD_SCALAR_PARAMS                                                                   \
+  int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride, int seqlen_q,           \
+      int seqlen_k, int nheads, int nheads_kv, float scale_log2, int window_left,              \
+      int window_right, int batch, int by_block FC_FWD_MAGIC_PARAMS
+#define FC_FWD_SCALAR_ARGS                                                                     \
+  o_batch_stride, o_row_stride, o_head_stride, seqlen_q, seqlen_k, nheads, nheads_kv,          \
+      scale_log2, window_left, window_right, batch, by_block FC_FWD_MAGIC_ARGS
+
 #if FC_FUSED_PART
 // One pass of flash_fwd_sm90_fused.cu's kernel (its parameters, by reference to its own)
 __device__ __forceinline__ void run(const TmaMap& map_q, const TmaMap& map_k, const TmaMap& map_v,
                                     const TmaMap& map_o, T* __restrict__ out,
-                                    float* __restrict__ lse, int64_t o_batch_stride,
-                                    int64_t o_row_stride, int64_t o_head_stride, int seqlen_q,
-                                    int seqlen_k, int nheads, int nheads_kv, float scale_log2,
-                                    int window_left, int window_right, int batch, int by_block
-#if FC_FAST_DIV
-                                    , uint64_t magic_num_m, uint64_t magic_heads,
-                                    uint64_t magic_section, uint64_t magic_by_block,
-                                    uint64_t magic_last, uint64_t magic_nheads,
-                                    uint64_t magic_group, uint64_t magic_grid, int sections,
-                                    int last_size
-#endif
-                                    ) {
+                                    float* __restrict__ lse, FC_FWD_SCALAR_PARAMS) {
   static_assert(!FC_TIMELINE && !FC_NAN_FIXUP, "the fused kernel: no timeline, no flags");
 #else
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
@@ -1383,15 +1396,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #if FC_NAN_FLAGS || FC_NAN_FIXUP
                uint8_t* __restrict__ nan_flags,       // [gridDim.x][kNanFlagBytes]: FC_NAN_FLAGS
 #endif
-               int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride,
-               int seqlen_q, int seqlen_k, int nheads, int nheads_kv, float scale_log2,
-               int window_left, int window_right, int batch, int by_block
-#if FC_FAST_DIV
-               // the schedule's magic numbers (Magic; fwd_sm90.fast_div_args)
-               , uint64_t magic_num_m, uint64_t magic_heads, uint64_t magic_section,
-               uint64_t magic_by_block, uint64_t magic_last, uint64_t magic_nheads,
-               uint64_t magic_group, uint64_t magic_grid, int sections, int last_size
-#endif
+               FC_FWD_SCALAR_PARAMS
 #if FC_TIMELINE
                // [gridDim.x][kConsumers][timeline_slots][kTimelineWords]: see Timeline
                , uint64_t* __restrict__ timeline, int timeline_slots

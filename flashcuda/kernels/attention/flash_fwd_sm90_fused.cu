@@ -58,25 +58,8 @@ namespace pass2c {
 #define FC_ROLE_ONLY 0
 static_assert(FC_P1_NAN_FLAGS && FC_P2_MASKED_V, "first the report, then the masked-V kernel");
 
-#if FC_FAST_DIV
-#define FC_FUSED_DIV_ARGS                                                                       \
-  , magic_num_m, magic_heads, magic_section, magic_by_block, magic_last, magic_nheads,          \
-      magic_group, magic_grid, sections, last_size
-#else
-#define FC_FUSED_DIV_ARGS
-#endif
-#define FC_FUSED_ARGS                                                                           \
-  map_q, map_k, map_v, map_o, out, lse, o_batch_stride, o_row_stride, o_head_stride, seqlen_q,  \
-      seqlen_k, nheads, nheads_kv, scale_log2, window_left, window_right, batch,                \
-      by_block FC_FUSED_DIV_ARGS
-// The producer warpgroup, its first-pass loads issued: the vote (0 from these threads), then,
-// where some consumer warp reported, the first pass's barriers end and the second pass begins.
-// The second pass's register split where it differs (the masked-V kernel's producer keeps 32
-// registers from d128: fwd_sm90.scanned): the consumers give theirs back first (setmaxnreg.dec
-// does not wait), the producer's setmaxnreg.inc waits until the pool has them.
-static_assert(FC_P2_PRODUCER_REGS >= FC_P1_PRODUCER_REGS &&
-                  FC_P2_CONSUMER_REGS <= FC_P1_CONSUMER_REGS,
-              "the second pass moves registers from the consumers to the producer, if at all");
+// (flash_fwd_sm90.cu's parameter names: the kernel's below, each pass's run)
+#define FC_FUSED_ARGS map_q, map_k, map_v, map_o, out, lse, FC_FWD_SCALAR_ARGS
 // Past the larger pass's layout (FC_FUSED_VOTE_OFFSET from the 1024-aligned base, as each pass
 // aligns it): `vote` (one arrival per warp), `go` (thread 0's), the word of reports.
 namespace fused {
@@ -161,15 +144,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
                const __grid_constant__ TmaMap map_o,  // out, as q, box 64 x 64 (the store)
                pass1::T* __restrict__ out,            // [B, Sq, H, D]
                float* __restrict__ lse,               // [B, H, Sq]
-               int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride,
-               int seqlen_q, int seqlen_k, int nheads, int nheads_kv, float scale_log2,
-               int window_left, int window_right, int batch, int by_block
-#if FC_FAST_DIV
-               , uint64_t magic_num_m, uint64_t magic_heads, uint64_t magic_section,
-               uint64_t magic_by_block, uint64_t magic_last, uint64_t magic_nheads,
-               uint64_t magic_group, uint64_t magic_grid, int sections, int last_size
-#endif
-               ) {
+               FC_FWD_SCALAR_PARAMS) {
   if (threadIdx.x == 0) {  // (the first pass's setup ends in a CTA barrier before any use)
     const fused::Vote v = fused::vote_slots();
     mbar_init(v.vote, fused::kWarps);
