@@ -2,7 +2,7 @@
 compute-sanitizer racecheck reports about it (docs/GUARANTEES.md), and check its values:
 
     compute-sanitizer --tool racecheck python scripts/racecheck_probe.py bulk ordered|racy|fenced
-    compute-sanitizer --tool racecheck python scripts/racecheck_probe.py handoff ordered|racy|tx
+    compute-sanitizer --tool racecheck python scripts/racecheck_probe.py handoff ordered|racy|tx|reinit
 
 bulk (flashcuda/kernels/common/bulk_copy_probe.cu): cp.async.bulk into shared memory, ordered by
 mbarriers as in the backward's ring stages ("ordered"), read before the wait ("racy", a real
@@ -10,7 +10,9 @@ race), or ordered with a fence.proxy.async before the release ("fenced"); the va
 handoff (flashcuda/kernels/common/mbarrier_handoff_probe.cu): 32-bit shared words handed from one
 thread to three warps through mbarriers, as the forward's V scanner's requests and verdicts:
 "full" completed by a plain arrival ("ordered") or by an arrive.expect_tx and a bulk copy
-("tx"), or the words read before the wait ("racy"); the words as written. If racecheck reports
+("tx"), or the words read before the wait ("racy"), or with the fused forward kernel's
+hand-over between its passes in the middle ("reinit": a vote and a go on two more mbarriers,
+the ring's barriers invalidated and initialised anew between them); the words as written. If racecheck reports
 the ordered patterns too, its reports on the kernels' same patterns are the tool's model, not a
 race. Exits 1 when a mode other than "racy" gets wrong values.
 """
@@ -25,7 +27,7 @@ import torch
 from flashcuda.jit import KernelSpec, get_kernel
 
 MODES = {"bulk": {"ordered": 0, "racy": 1, "fenced": 2},
-         "handoff": {"ordered": 0, "racy": 1, "tx": 2}}
+         "handoff": {"ordered": 0, "racy": 1, "tx": 2, "reinit": 3}}
 
 
 def run(probe: str, code: int) -> bool:

@@ -862,16 +862,16 @@ def two_passes(cfg: Sm90FwdConfig) -> tuple[Sm90FwdConfig, Sm90FwdConfig] | None
 # first pass, and a CTA whose consumers saw a NaN / Inf in O walks them again as the masked-V
 # kernel, in the same launch. Saves the second launch (session 22: 2.2 µs of kernel time plus the
 # gap between the kernels, the two passes' whole cost over the first pass alone).
-# Same-process A/B (H200, session 35, 13 rounds, causal forward, against the two launches):
+# Same-process A/B (H200, 13 rounds, causal forward, against the two launches): session 35
 # +1.6 / +1.1% at d64 512 / 1k, +2.6 / +0.9% at d128 512 / 1k, 0 at d192 512, -2.9% at d256 512
-# (its fused kernel spills more than its masked-V kernel alone). Not yet a default: that run's
-# kernel voted with __syncthreads_or, an .aligned barrier, from two places in the code (the
-# producer's end and the consumers'), which compute-sanitizer synccheck reports as divergent
-# threads; the roles now vote and hand over on mbarriers (the .cu's Vote), compiled, not yet
-# run. FUSED_DIMS holds the head dims where it is the default (none until synccheck is clean);
-# FLASHCUDA_SM90_FWD_FUSED=1 / 0 turns it on / off at every head dim (A/B).
+# (its fused kernel spills more than its masked-V kernel alone); session 36, with the vote on
+# mbarriers, +2.0 / 0% at d64, +2.7 / +0.5% at d128. The roles vote and hand over on mbarriers
+# (the .cu's Vote): the first version's __syncthreads_or, an .aligned barrier reached from two
+# places, was what compute-sanitizer synccheck reported; now synccheck and memcheck report 0
+# errors on the boundary cases and the NaN path (session 36). FUSED_DIMS holds the head dims
+# where it is the default; FLASHCUDA_SM90_FWD_FUSED=1 / 0 turns it on / off at every head dim.
 FUSED_ENV = "FLASHCUDA_SM90_FWD_FUSED"
-FUSED_DIMS: tuple[int, ...] = ()
+FUSED_DIMS: tuple[int, ...] = (64, 128)
 FUSED_VOTE_BYTES = 24  # the fused kernel's vote: two mbarriers and a word (flash_fwd_sm90_fused.cu)
 FUSED_SOURCE = "attention/flash_fwd_sm90_fused.cu"
 # the macros that may differ between the two passes: the fused kernel takes each as FC_P1_X and

@@ -13,6 +13,11 @@
 // mode 1: the readers read before waiting on "full" (a real race).
 // mode 2: "full" completed by an arrive.expect_tx and a 16-byte cp.async.bulk into the slot's
 // other half (the kernel's in-loop requests, whose stage's phase the V tile's TMA completes).
+// mode 3: as mode 0, but between rounds 1 and 2 the CTA hands over as the fused forward kernel
+// does between its passes (flash_fwd_sm90_fused.cu): every warp arrives on `vote` and waits for
+// it, thread 0 invalidates the four barriers, initialises them anew and arrives on `go`, every
+// thread waits for `go`; rounds 2 and 3 then start from the fresh barriers' first phase. The
+// barriers' re-initialisation and the rounds' waits on both sides are ordered by `vote` / `go`.
 #include "common/sm90.cuh"
 #include "common/smem.cuh"
 
@@ -20,7 +25,7 @@ extern "C" __global__ void FC_KERNEL_NAME(const float* __restrict__ src,  // [4]
                                           uint32_t* __restrict__ dst,     // [4 rounds][3 warps]
                                           int mode) {
   __shared__ alignas(128) uint32_t slot[2][8];  // word 0: the hand-off; words 4 .. 7: the copy
-  __shared__ alignas(8) uint64_t bars[4];
+  __shared__ alignas(8) uint64_t bars[4], handover[2];
   const uint32_t full[2] = {smem_addr(&bars[0]), smem_addr(&bars[1])};
   const uint32_t empty[2] = {smem_addr(&bars[2]), smem_addr(&bars[3])};
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
@@ -29,15 +34,33 @@ extern "C" __global__ void FC_KERNEL_NAME(const float* __restrict__ src,  // [4]
       mbar_init(full[s], 1);
       mbar_init(empty[s], 3);
     }
+    mbar_init(smem_addr(&handover[0]), 4);  // vote: one arrival per warp
+    mbar_init(smem_addr(&handover[1]), 1);  // go: thread 0's
     fence_barrier_init();
   }
   __syncthreads();
   for (int round = 0; round < 4; ++round) {
     const int s = round & 1;
-    const uint32_t parity = (round >> 1) & 1;
+    const bool fresh = mode == 3 && round >= 2;  // (the barriers re-initialised before round 2)
+    const uint32_t parity = fresh ? 0 : (round >> 1) & 1;
+    if (mode == 3 && round == 2) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_addr(&handover[0]));
+      mbar_wait(smem_addr(&handover[0]), 0);
+      if (threadIdx.x == 0) {
+        for (int b = 0; b < 4; ++b) mbar_inval(smem_addr(&bars[b]));
+        for (int t = 0; t < 2; ++t) {
+          mbar_init(full[t], 1);
+          mbar_init(empty[t], 3);
+        }
+        fence_barrier_init();
+        mbar_arrive(smem_addr(&handover[1]));
+      }
+      mbar_wait(smem_addr(&handover[1]), 0);
+    }
     if (warp == 0) {
       if (threadIdx.x == 0) {
-        if (round >= 2) mbar_wait(empty[s], parity ^ 1);
+        if (round >= 2 && !fresh) mbar_wait(empty[s], parity ^ 1);
         store_shared_32(smem_addr(&slot[s][0]), 1000u + round);
         if (mode == 2) {
           mbar_arrive_expect_tx(full[s], 16);
