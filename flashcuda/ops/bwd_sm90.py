@@ -140,6 +140,11 @@ SPLIT_LOADS_DIMS: tuple[int, ...] = ()
 # these head dims; FLASHCUDA_SM90_BWD_PDL=0 / 1 off / on (A/B)
 PDL_ENV = "FLASHCUDA_SM90_BWD_PDL"
 PDL_DIMS: tuple[int, ...] = ()
+# lse2 / delta in each consumer lane's order (FC_STAT_LANES, the .cu; PRE writes each 16 rows
+# permuted): one 16-byte load per two column blocks instead of one 8-byte load per block; at
+# these head dims, FLASHCUDA_SM90_BWD_STAT_LANES=0 / 1 off / on (A/B)
+STAT_LANES_ENV = "FLASHCUDA_SM90_BWD_STAT_LANES"
+STAT_LANES_DIMS: tuple[int, ...] = ()
 SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T rows each)
 SWAP_DIMS = (128,)
 SWAP_MIN_SEQLEN_Q = 2048
@@ -265,6 +270,9 @@ class Sm90BwdConfig:
     # MAIN launched as PRE's programmatic dependent, PRE's trigger at its start (FC_PDL here,
     # FC_PDL_TRIGGER in PRE); config_for sets it (PDL_DIMS, PDL_ENV)
     pdl: bool = False
+    # lse2 / delta in the consumer lanes' order (FC_STAT_LANES here and in PRE); config_for sets
+    # it (STAT_LANES_DIMS, STAT_LANES_ENV)
+    stat_lanes: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
     defines: tuple = ()
@@ -411,7 +419,7 @@ class Sm90BwdConfig:
                 + (f"_em{self.probs_emu}" if self.probs_emu else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
                 + ("_dkvt" if self.dkv_tma else "") + ("_spl" if self.split_loads else "")
-                + ("_pdl" if self.pdl else "")
+                + ("_pdl" if self.pdl else "") + ("_sl" if self.stat_lanes else "")
                 + ("_tl" if self.timeline else "")
                 + defines_suffix(self.defines))
 
@@ -449,6 +457,7 @@ class Sm90BwdConfig:
             **({"FC_DKV_TMA": 1} if self.dkv_tma else {}),
             **({"FC_SPLIT_LOADS": 1} if self.split_loads else {}),
             **({"FC_PDL": 1} if self.pdl else {}),
+            **({"FC_STAT_LANES": 1} if self.stat_lanes else {}),
             **dict(self.defines),
         })
 
@@ -545,6 +554,7 @@ def configs() -> list[Sm90BwdConfig]:
     out += [dataclasses.replace(c, dkv_tma=True) for c in dkv]
     out += [dataclasses.replace(c, split_loads=True) for c in dkv]  # (FC_SPLIT_LOADS: the same)
     out += [dataclasses.replace(c, pdl=True) for c in dkv]  # (FC_PDL: the same)
+    out += [dataclasses.replace(c, stat_lanes=True) for c in dkv]  # (FC_STAT_LANES: the same)
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
@@ -621,7 +631,8 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
                           **_dq_mode(DQ_DEFAULT[cfg.head_dim]))
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
                                probs_early=None, probs_emu=0, lpt_tail=0, dkv_tma=False,
-                               split_loads=False, pdl=False, timeline=False) == plain
+                               split_loads=False, pdl=False, stat_lanes=False,
+                               timeline=False) == plain
 
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
@@ -666,6 +677,8 @@ def config_for(call: BwdCall) -> Sm90BwdConfig:
         cfg = dataclasses.replace(cfg, split_loads=True)
     if flag(PDL_ENV, call.head_dim in PDL_DIMS):
         cfg = dataclasses.replace(cfg, pdl=True)
+    if flag(STAT_LANES_ENV, call.head_dim in STAT_LANES_DIMS):
+        cfg = dataclasses.replace(cfg, stat_lanes=True)
     return cfg
 
 
@@ -810,7 +823,7 @@ class _Plan:
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
                     STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
-                    DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV)
+                    DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV, STAT_LANES_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -844,7 +857,8 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         main_maps += main_maps[:2]
     return _Plan(
         cfg, sq_pad,
-        pre=PreparedLaunch(get_kernel(aux.pre_spec(pdl_trigger=cfg.pdl), dev),
+        pre=PreparedLaunch(get_kernel(aux.pre_spec(pdl_trigger=cfg.pdl,
+                                                   stat_lanes=cfg.stat_lanes), dev),
                            (-(-sq_pad // aux.aux_rows), h, b),
                            (bwd_sm80.AUX_THREADS,), 0, (t,) * 6 + pre_args,
                            fixed=len(pre_args)),
@@ -923,8 +937,8 @@ def run_timeline(call: BwdCall) -> tuple[Sm90BwdConfig, torch.Tensor]:
 def variants() -> Iterator[tuple[KernelSpec, tuple[str, ...]]]:
     for cfg in configs():
         yield cfg.spec(), ARCHS
-        if cfg.pdl:  # its PRE triggers the dependent launch
-            yield cfg.aux().pre_spec(pdl_trigger=True), ARCHS
+        if cfg.pdl or cfg.stat_lanes:  # its PRE triggers the dependent launch / permutes
+            yield cfg.aux().pre_spec(pdl_trigger=cfg.pdl, stat_lanes=cfg.stat_lanes), ARCHS
         if cfg.dq_swap:  # its CONVERT reads the transposed register-order tiles
             yield convert_spec(cfg), ARCHS
         elif cfg.dq_frag:  # its CONVERT reads the register-order dq_accum (both readers: A/B)

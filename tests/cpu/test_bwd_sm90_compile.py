@@ -853,6 +853,24 @@ def test_pdl_switch_and_build(builds, monkeypatch, tmp_path):
         assert "PREEXIT" in pre_pdl and "PREEXIT" not in pre
 
 
+def test_stat_lanes_switch_and_build(builds, monkeypatch, tmp_path):
+    """FLASHCUDA_SM90_BWD_STAT_LANES=1: MAIN (named _sl, FC_STAT_LANES=1) reads each lane's lse2
+    / delta pairs of two column blocks with one LDS.128 where the default reads each block's
+    with an LDS.64 (half the loads, no other shared load); its plan's PRE is the permuting one
+    (named _sl, FC_STAT_LANES=1)."""
+    for off, on in _one_switch(monkeypatch, bwd_sm90.STAT_LANES_ENV, "STAT_LANES_DIMS",
+                               "stat_lanes", "_sl", "FC_STAT_LANES", "yes"):
+        base = bwd_sm90.select_config(torch.bfloat16, off.head_dim)
+        plain = _built_sass(builds, base, tmp_path)
+        lanes = _built_sass(builds, dataclasses.replace(base, stat_lanes=True), tmp_path)
+        n64 = len(re.findall(r"\bLDS\.64\b", plain))
+        assert n64 > 0 and not re.search(r"\bLDS\.128\b", plain)
+        assert re.findall(r"\bLDS[\w.]*", lanes) == ["LDS.128"] * (n64 // 2)
+        pre = on.aux().pre_spec(stat_lanes=True)
+        assert pre.name.endswith("_sl") and dict(pre.defines)["FC_STAT_LANES"] == "1"
+        assert pre.name in {spec.name for spec, _ in bwd_sm90.variants()}
+
+
 def test_dkv_tma_switch(monkeypatch):
     """FLASHCUDA_SM90_BWD_DKV_TMA=1 puts the tensor-store epilogue in the call's MAIN config
     (named _dkvt, FC_DKV_TMA=1, part of the plan key) — the same kernel otherwise, still the

@@ -181,6 +181,17 @@ constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
 static_assert(kRows % 8 == 0, "rows per CTA");
 static_assert(kChunks <= 32, "one 16-byte chunk per lane covers at most 256 columns");
 
+// Where row `row`'s lse2 / delta go: at `row`, or with FC_STAT_LANES (bwd_sm90's MAIN built
+// with it, flash_bwd_sm90.cu) permuted inside each 16-row group, 16k + 8a + 2t + e at
+// 16k + 4t + 2a + e (a group is whole: seqlen_q_pad is a multiple of MAIN's query block)
+__device__ __forceinline__ int stat_slot(int row) {
+#if defined(FC_STAT_LANES) && FC_STAT_LANES
+  return (row & ~15) | ((row & 6) << 1) | ((row & 8) >> 2) | (row & 1);
+#else
+  return row;
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     const T* __restrict__ out,          // [B, Sq, H, D]
     const T* __restrict__ dout,         // [B, Sq, H, D]
@@ -237,8 +248,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     if (sub == 0 && r < kRows && row < seqlen_q_pad) {
       // +inf for padding rows and rows with no visible key (lse -inf): P = 0 there, never NaN
       const float l2 = (row < seqlen_q && l[p] != neg_inf()) ? l[p] * kLog2e : pos_inf();
-      delta[bh * seqlen_q_pad + row] = row < seqlen_q ? acc : 0.f;
-      lse2[bh * seqlen_q_pad + row] = l2;
+      const int64_t at = bh * seqlen_q_pad + stat_slot(row);
+      delta[at] = row < seqlen_q ? acc : 0.f;
+      lse2[at] = l2;
     }
   }
 }

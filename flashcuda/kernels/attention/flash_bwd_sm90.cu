@@ -237,6 +237,19 @@ constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
 // d128 512 / 1k).
 #define FC_PDL 0
 #endif
+#ifndef FC_STAT_LANES
+// 1 (A/B; the host's Sm90BwdConfig.stat_lanes, whose PRE writes the same order): lse2 and delta
+// in each lane's order. A consumer lane t needs the two query columns 8j + 2t, 8j + 2t + 1 of
+// every block j: in query order that is one 8-byte load per j (kBlockM / 8 per array and step,
+// the kernel's LDS count ~9x FlashAttention 4's at d64, ncu session 34). PRE writes each 16
+// queries q = 16k + 8a + 2t + e at 16k + 4t + 2a + e (stat_slot), so lane t's pairs of blocks
+// 2k and 2k + 1 are one 16-byte load at 16k + 4t: half the loads, and the four t of a
+// quarter-warp read 64 contiguous bytes (no bank conflict). The bulk copies and the buffers'
+// sizes stay as they are (a permutation inside whole 16-row groups; kBlockM % 16 == 0).
+#define FC_STAT_LANES 0
+#endif
+constexpr bool kStatLanes = FC_STAT_LANES;
+static_assert(!kStatLanes || kBlockM % 16 == 0, "FC_STAT_LANES permutes whole 16-query groups");
 #ifndef FC_SPLIT_LOADS
 // 1 (A/B; the host's Sm90BwdConfig.split_loads, which counts the barriers): FlashAttention 4's
 // load order — a stage's Q and lse2 complete full[s], its dO and delta a second barrier
@@ -894,6 +907,19 @@ struct Consumer {
       for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(ds16[kk][r])::"memory");
   }
 
+  // This lane's lse2 / delta pair of column block j from `p` (the stage's array at this lane's
+  // first column): query order, one 8-byte load; FC_STAT_LANES, one 16-byte load per block
+  // pair (2k, 2k + 1) into `held`, at block 2k or at the loop's first block kJ0.
+  template <int kJ0>
+  __device__ __forceinline__ static float2 stat_pair(const float* p, int j, float4& held) {
+    if constexpr (kStatLanes) {
+      if (j == kJ0 || (j & 1) == 0) held = *reinterpret_cast<const float4*>(p + 16 * (j >> 1));
+      return (j & 1) ? make_float2(held.z, held.w) : make_float2(held.x, held.y);
+    } else {
+      return *reinterpret_cast<const float2*>(p + 8 * j);
+    }
+  }
+
   // P^T = exp2(S^T * scale_log2 - lse2[query]); with kMasked, 0 where the key is hidden from the
   // query. `lse2`: the stage's lse2 (shared) at this lane's column 2t; `key0`: key of row g;
   // `col0`: query of column 2t. (Loading lse2 / delta into registers while the step's wgmmas
@@ -902,9 +928,10 @@ struct Consumer {
   template <bool kMasked, int kJ0 = 0, int kJ1 = kBlockM / 8>
   __device__ __forceinline__ void probs(const float* lse2, float scale_log2, const Mask& mask,
                                         int key0, int col0) {
+    float4 held_l2;  // (FC_STAT_LANES: the pair of blocks 2k and 2k + 1)
 #pragma unroll
     for (int j = kJ0; j < kJ1; ++j) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
+      const float2 l2 = stat_pair<kJ0>(lse2, j, held_l2);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x));
@@ -921,9 +948,10 @@ struct Consumer {
   // `delta`: the stage's delta (shared) at this lane's column 2t.
   template <bool kMasked, int kJ0 = 0, int kJ1 = kBlockM / 8>
   __device__ __forceinline__ void dsoftmax(const float* delta) {
+    float4 held_dl;  // (FC_STAT_LANES: the pair of blocks 2k and 2k + 1)
 #pragma unroll
     for (int j = kJ0; j < kJ1; ++j) {
-      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j);
+      const float2 dl = stat_pair<kJ0>(delta, j, held_dl);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
@@ -941,10 +969,11 @@ struct Consumer {
   __device__ __forceinline__ void probs_ds_masked(const float* lse2, const float* delta,
                                                   float scale_log2, const Mask& mask, int key0,
                                                   int col0) {
+    float4 held_l2, held_dl;  // (FC_STAT_LANES: the pairs of blocks 2k and 2k + 1)
 #pragma unroll
     for (int j = kJ0; j < kBlockM / 8; ++j) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
-      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j);
+      const float2 l2 = stat_pair<kJ0>(lse2, j, held_l2);
+      const float2 dl = stat_pair<kJ0>(delta, j, held_dl);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x));
@@ -1290,8 +1319,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     }
     cs.issue_transposed_scores(cs.dp, cs.v_rows, sm.dout(st));
 
-    const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's query columns
-    const float* st_delta = sm.delta_ptr(st) + 2 * t;
+    const float* st_lse2 = sm.lse2_ptr(st) + (kStatLanes ? 4 : 2) * t;  // this lane's columns
+    const float* st_delta = sm.delta_ptr(st) + (kStatLanes ? 4 : 2) * t;
 #if defined(FC_FORCE_MASKED)  // (diagnostic A/B: 1 every step masked, 0 none: wrong with a mask)
     const bool masked = FC_FORCE_MASKED;
 #else
