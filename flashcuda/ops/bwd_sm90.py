@@ -142,7 +142,8 @@ PDL_ENV = "FLASHCUDA_SM90_BWD_PDL"
 PDL_DIMS: tuple[int, ...] = ()
 # lse2 / delta in each consumer lane's order (FC_STAT_LANES, the .cu; PRE writes each 16 rows
 # permuted): one 16-byte load per two column blocks instead of one 8-byte load per block; at
-# these head dims, FLASHCUDA_SM90_BWD_STAT_LANES=0 / 1 off / on (A/B)
+# these head dims, FLASHCUDA_SM90_BWD_STAT_LANES=0 / 1 off / on (A/B). Measured as noise
+# (session 36: -1.7 to +1.0% at d64 / d128 512-2k, none beyond p10-p90)
 STAT_LANES_ENV = "FLASHCUDA_SM90_BWD_STAT_LANES"
 STAT_LANES_DIMS: tuple[int, ...] = ()
 SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T rows each)
