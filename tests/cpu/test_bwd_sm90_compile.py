@@ -171,17 +171,18 @@ def test_config_is_the_single_source_of_truth():
     # dtype, and its bf16 timeline variant); + the 80-query dQ^T kernels (dtype x watchdog); + d64
     # frag in FA3's order (per dtype); + the defaults with FC_PROBS_EARLY (per dtype: d64, d128 and
     # its 80-query form); + the bf16 kernels with FC_PROBS_EARLY with dK / dV by tensor stores
-    # (four: d64, d128, its 80-query form, its causal tail), the same four in FA4's load order and
-    # launched as PRE's programmatic dependents
-    assert len({c.name for c in bwd_sm90.configs()}) == 85
+    # (four: d64, d128, its 80-query form, its causal tail), the same four in FA4's load order,
+    # launched as PRE's programmatic dependents and with lse2 / delta in lane order
+    assert len({c.name for c in bwd_sm90.configs()}) == 89
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and with the release fence flipped, x 4; + the two
     # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants; + the
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four dQ^T kernels;
     # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three); + the four
-    # FC_DKV_TMA kernels; + the four FC_SPLIT_LOADS ones; + the four FC_PDL ones
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 43
+    # FC_DKV_TMA kernels; + the four FC_SPLIT_LOADS ones; + the four FC_PDL ones; + the four
+    # FC_STAT_LANES ones
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 47
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
