@@ -132,6 +132,12 @@ SWAP_ENV = "FLASHCUDA_SM90_BWD_SWAP"
 # and dv take a tensor map (bshd_problem); otherwise the 16-byte st.global epilogue.
 DKV_TMA_ENV = "FLASHCUDA_SM90_BWD_DKV_TMA"
 DKV_TMA_DIMS: tuple[int, ...] = ()
+# that epilogue in FlashAttention 4's order, per consumer (FC_DKV_TMA=2: dV's 64 rows stored
+# while dK is staged, 64-row boxes); FLASHCUDA_SM90_BWD_DKV_SPLIT=1 (A/B; written in session 36,
+# not yet run on a GPU) implies the tensor-store epilogue where dk / dv take a tensor map
+DKV_SPLIT_ENV = "FLASHCUDA_SM90_BWD_DKV_SPLIT"
+DKV_SPLIT_DIMS: tuple[int, ...] = ()
+DKV_SPLIT_ROWS = 64  # the split epilogue's box: one consumer's key rows
 # FlashAttention 4's load order (FC_SPLIT_LOADS, the .cu): S^T waits for K, Q and lse2 only, dP^T
 # for V, dO and delta; at these head dims, FLASHCUDA_SM90_BWD_SPLIT_LOADS=0 / 1 off / on (A/B)
 SPLIT_LOADS_ENV = "FLASHCUDA_SM90_BWD_SPLIT_LOADS"
@@ -264,6 +270,9 @@ class Sm90BwdConfig:
     # dK / dV through K's / V's shared tiles and two tensor stores (FC_DKV_TMA; two more tensor
     # maps after map_dq's place: map_dk, map_dv); config_for sets it (DKV_TMA_DIMS, DKV_TMA_ENV)
     dkv_tma: bool = False
+    # that epilogue per consumer, dV first (FC_DKV_TMA=2; maps with DKV_SPLIT_ROWS-row boxes);
+    # needs dkv_tma; config_for sets it (DKV_SPLIT_DIMS, DKV_SPLIT_ENV)
+    dkv_split: bool = False
     # FlashAttention 4's load order: two barriers per stage (Q + lse2, dO + delta) and V apart
     # from K (FC_SPLIT_LOADS; 1 + stages more mbarriers); config_for sets it (SPLIT_LOADS_DIMS,
     # SPLIT_LOADS_ENV)
@@ -311,6 +320,9 @@ class Sm90BwdConfig:
         if self.dq_frag and not (self.dq_warp and not self.dq_warp_flat and not self.dq_tma):
             raise ValueError("Sm90BwdConfig.dq_frag: expected it as a form of dq_warp (without "
                              "dq_warp_flat and dq_tma)")
+        if self.dkv_split and not self.dkv_tma:
+            raise ValueError("Sm90BwdConfig.dkv_split: expected False without dkv_tma (it is a "
+                             "form of the tensor-store epilogue)")
         if self.dq_spread and not self.dq_tma:
             raise ValueError("Sm90BwdConfig.dq_spread: expected False without dq_tma (it orders "
                              "the tensor-map staging stores)")
@@ -419,7 +431,8 @@ class Sm90BwdConfig:
                 + (f"_pe{self.probs_early}" if self.probs_early != self.block_m // 8 else "")
                 + (f"_em{self.probs_emu}" if self.probs_emu else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
-                + ("_dkvt" if self.dkv_tma else "") + ("_spl" if self.split_loads else "")
+                + ("_dkvt" if self.dkv_tma else "") + ("s" if self.dkv_split else "")
+                + ("_spl" if self.split_loads else "")
                 + ("_pdl" if self.pdl else "") + ("_sl" if self.stat_lanes else "")
                 + ("_tl" if self.timeline else "")
                 + defines_suffix(self.defines))
@@ -455,7 +468,7 @@ class Sm90BwdConfig:
             **({"FC_PROBS_EMU": self.probs_emu} if self.probs_emu else {}),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
-            **({"FC_DKV_TMA": 1} if self.dkv_tma else {}),
+            **({"FC_DKV_TMA": 2 if self.dkv_split else 1} if self.dkv_tma else {}),
             **({"FC_SPLIT_LOADS": 1} if self.split_loads else {}),
             **({"FC_PDL": 1} if self.pdl else {}),
             **({"FC_STAT_LANES": 1} if self.stat_lanes else {}),
@@ -553,6 +566,7 @@ def configs() -> list[Sm90BwdConfig]:
     dkv = [c for c in out if c.dtype == torch.bfloat16 and not c.timeline and not c.watchdog
            and c.probs_early != c.block_m // 8 and not c.defines]
     out += [dataclasses.replace(c, dkv_tma=True) for c in dkv]
+    out += [dataclasses.replace(c, dkv_tma=True, dkv_split=True) for c in dkv]  # (FC_DKV_TMA=2)
     out += [dataclasses.replace(c, split_loads=True) for c in dkv]  # (FC_SPLIT_LOADS: the same)
     out += [dataclasses.replace(c, pdl=True) for c in dkv]  # (FC_PDL: the same)
     out += [dataclasses.replace(c, stat_lanes=True) for c in dkv]  # (FC_STAT_LANES: the same)
@@ -632,6 +646,7 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
                           **_dq_mode(DQ_DEFAULT[cfg.head_dim]))
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
                                probs_early=None, probs_emu=0, lpt_tail=0, dkv_tma=False,
+                               dkv_split=False,
                                split_loads=False, pdl=False, stat_lanes=False,
                                timeline=False) == plain
 
@@ -672,7 +687,9 @@ def config_for(call: BwdCall) -> Sm90BwdConfig:
         cfg = swapped(cfg)
     if lpt_tail := lpt_tail_for(call):
         cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
-    if dkv_tma_for(call, cfg):
+    if dkv_split_for(call, cfg):
+        cfg = dataclasses.replace(cfg, dkv_tma=True, dkv_split=True)
+    elif dkv_tma_for(call, cfg):
         cfg = dataclasses.replace(cfg, dkv_tma=True)
     if flag(SPLIT_LOADS_ENV, call.head_dim in SPLIT_LOADS_DIMS):
         cfg = dataclasses.replace(cfg, split_loads=True)
@@ -691,6 +708,16 @@ def dkv_tma_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
     if not flag(DKV_TMA_ENV, call.head_dim in DKV_TMA_DIMS) or cfg.watchdog:
         return False
     return all(bshd_problem(t, cfg.block_n) is None for t in (call.dk, call.dv))
+
+
+def dkv_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
+    """Whether `call`'s MAIN kernel `cfg` stores dK / dV by tensor maps per consumer, dV first
+    (FC_DKV_TMA=2): FLASHCUDA_SM90_BWD_DKV_SPLIT=1, or unset at DKV_SPLIT_DIMS; as
+    dkv_tma_for otherwise (never in the watchdog build; only where dk and dv take a map of
+    DKV_SPLIT_ROWS-row boxes)."""
+    if not flag(DKV_SPLIT_ENV, call.head_dim in DKV_SPLIT_DIMS) or cfg.watchdog:
+        return False
+    return all(bshd_problem(t, DKV_SPLIT_ROWS) is None for t in (call.dk, call.dv))
 
 
 def lpt_tail_for(call: BwdCall, table: dict[int, int] | None = None) -> int:
@@ -824,7 +851,7 @@ class _Plan:
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
                     STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
-                    DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV, STAT_LANES_ENV)
+                    DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV, STAT_LANES_ENV, DKV_SPLIT_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -913,7 +940,8 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
     if cfg.dq_tma:
         maps += (rows_f32_map(dq_accum, cfg.block_m).raw,)
     if cfg.dkv_tma:
-        maps += (bshd_map(call.dk, cfg.block_n).raw, bshd_map(call.dv, cfg.block_n).raw)
+        rows = DKV_SPLIT_ROWS if cfg.dkv_split else cfg.block_n
+        maps += (bshd_map(call.dk, rows).raw, bshd_map(call.dv, rows).raw)
     if timeline is None:
         plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr(),
                   handle=handle)

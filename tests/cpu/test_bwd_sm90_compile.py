@@ -172,8 +172,9 @@ def test_config_is_the_single_source_of_truth():
     # frag in FA3's order (per dtype); + the defaults with FC_PROBS_EARLY (per dtype: d64, d128 and
     # its 80-query form); + the bf16 kernels with FC_PROBS_EARLY with dK / dV by tensor stores
     # (four: d64, d128, its 80-query form, its causal tail), the same four in FA4's load order,
-    # launched as PRE's programmatic dependents and with lse2 / delta in lane order
-    assert len({c.name for c in bwd_sm90.configs()}) == 89
+    # launched as PRE's programmatic dependents, with lse2 / delta in lane order and with the
+    # tensor-store epilogue per consumer (FC_DKV_TMA=2)
+    assert len({c.name for c in bwd_sm90.configs()}) == 93
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and with the release fence flipped, x 4; + the two
@@ -181,8 +182,8 @@ def test_config_is_the_single_source_of_truth():
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four dQ^T kernels;
     # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three); + the four
     # FC_DKV_TMA kernels; + the four FC_SPLIT_LOADS ones; + the four FC_PDL ones; + the four
-    # FC_STAT_LANES ones
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 47
+    # FC_STAT_LANES ones; + the four FC_DKV_TMA=2 ones
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 51
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
@@ -764,10 +765,11 @@ def _built_sass(builds, cfg, tmp_path) -> str:
 
 
 def test_dkv_tma_builds_clean_with_tensor_stores(builds, tmp_path):
-    """FC_DKV_TMA: the epilogue's st.global are gone; kHeadDim / 64 tensor stores each for dK and
-    dV, and 2 x kHeadDim / 16 more stmatrix.x4 (one per two 8-column blocks per tensor)."""
+    """FC_DKV_TMA (1, and 2: per consumer, dV first): the epilogue's st.global are gone;
+    kHeadDim / 64 tensor stores each for dK and dV, and 2 x kHeadDim / 16 more stmatrix.x4 (one
+    per two 8-column blocks per tensor)."""
     for cfg in (c for c in bwd_sm90.configs() if c.dkv_tma and not c.dq_swap):
-        base = dataclasses.replace(cfg, dkv_tma=False)
+        base = dataclasses.replace(cfg, dkv_tma=False, dkv_split=False)
         tma, plain = _built_sass(builds, cfg, tmp_path), _built_sass(builds, base, tmp_path)
         d = cfg.head_dim
         assert len(re.findall(r"UTMASTG\.4D", tma)) == 2 * d // 64
@@ -909,6 +911,41 @@ def test_dkv_tma_switch(monkeypatch):
         with pytest.raises(ValueError, match=bwd_sm90.DKV_TMA_ENV):
             bwd_sm90.config_for(call)
         monkeypatch.delenv(bwd_sm90.DKV_TMA_ENV)
+
+
+def test_dkv_split_switch(monkeypatch):
+    """FLASHCUDA_SM90_BWD_DKV_SPLIT=1: the tensor-store epilogue per consumer, dV first (named
+    _dkvts, FC_DKV_TMA=2), still the default kernel for is_default_kernel; it needs dk / dv
+    that take a map of 64-row boxes, and never goes into the watchdog build; 0 or unset
+    (DKV_SPLIT_DIMS) leave it out; another value is refused; without dkv_tma the config is
+    refused."""
+    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
+                bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV,
+                bwd_sm90.SWAP_ENV, bwd_sm90.DKV_TMA_ENV, bwd_sm90.DKV_SPLIT_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(bwd_sm90, "DKV_TMA_DIMS", ())
+    monkeypatch.setattr(bwd_sm90, "DKV_SPLIT_DIMS", ())
+    with pytest.raises(ValueError, match="dkv_split"):
+        Sm90BwdConfig(torch.bfloat16, 64, dkv_split=True)
+    for d in (64, 128):
+        call = _call(D=d)
+        off = bwd_sm90.config_for(call)
+        monkeypatch.setenv(bwd_sm90.DKV_SPLIT_ENV, "1")
+        on = bwd_sm90.config_for(call)
+        assert on == dataclasses.replace(off, dkv_tma=True, dkv_split=True)
+        assert on.name == off.name + "_dkvts" and dict(on.spec().defines)["FC_DKV_TMA"] == "2"
+        assert bwd_sm90.is_default_kernel(on)
+        odd = torch.empty(2, 47, 2, d + 4, dtype=torch.bfloat16)[..., :d]
+        assert not bwd_sm90.config_for(dataclasses.replace(call, dk=odd)).dkv_tma
+        monkeypatch.setenv(WATCHDOG_ENV, "1")
+        assert not bwd_sm90.config_for(call).dkv_tma
+        monkeypatch.delenv(WATCHDOG_ENV)
+        monkeypatch.setenv(bwd_sm90.DKV_SPLIT_ENV, "0")
+        assert bwd_sm90.config_for(call) == off
+        monkeypatch.setenv(bwd_sm90.DKV_SPLIT_ENV, "2")
+        with pytest.raises(ValueError, match=bwd_sm90.DKV_SPLIT_ENV):
+            bwd_sm90.config_for(call)
+        monkeypatch.delenv(bwd_sm90.DKV_SPLIT_ENV)
 
 
 def _block_coord(bx: int, by: int, bz: int, gx: int, gy: int, gz: int, k: int):

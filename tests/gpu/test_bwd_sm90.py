@@ -42,9 +42,9 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True,
-                params=["default", "dkvt", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
+                params=["default", "dkvt", "dkvs", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
                         "mn-warp", "mn-warpflat", "mn-tma", "mn--s3", "mn--noearly"],
-                ids=["default", "dkvt", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
+                ids=["default", "dkvt", "dkvs", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
                      "dq-warpflat", "dq-tma", "stages3", "dq-noearly"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
@@ -56,19 +56,22 @@ def _enable_sm90_bwd(monkeypatch, request):
     register-order staging, 80 query rows per step without a mask from SWAP_MIN_SEQLEN_Q; P^T
     split at both head dims; FLASHCUDA_SM90_BWD_DEFINES, if the lane sets it, passes through);
     "dkvt": those kernels with dK / dV stored through shared memory by tensor maps
-    (FLASHCUDA_SM90_BWD_DKV_TMA=1; FC_DKV_TMA); "spl": those kernels in FlashAttention 4's load
+    (FLASHCUDA_SM90_BWD_DKV_TMA=1; FC_DKV_TMA); "dkvs": that epilogue per consumer, dV first
+    (FLASHCUDA_SM90_BWD_DKV_SPLIT=1; FC_DKV_TMA=2); "spl": those kernels in FlashAttention 4's load
     order (FLASHCUDA_SM90_BWD_SPLIT_LOADS=1; FC_SPLIT_LOADS); "pdl": MAIN launched as PRE's
     programmatic dependent (FLASHCUDA_SM90_BWD_PDL=1; FC_PDL); "stl": lse2 / delta in the
     consumer lanes' order (FLASHCUDA_SM90_BWD_STAT_LANES=1; FC_STAT_LANES, PRE permuting)."""
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
-    if request.param in ("default", "dkvt", "spl", "pdl", "stl"):
+    if request.param in ("default", "dkvt", "dkvs", "spl", "pdl", "stl"):
         for env in (bwd_sm90.DS_ENV, bwd_sm90.DQ_ENV, bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV,
                     bwd_sm90.DQ_EARLY_ENV, bwd_sm90.SWAP_ENV, bwd_sm90.WATCHDOG_ENV,
                     bwd_sm90.FENCE_ENV, bwd_sm90.DKV_TMA_ENV, bwd_sm90.SPLIT_LOADS_ENV,
-                    bwd_sm90.PDL_ENV, bwd_sm90.STAT_LANES_ENV):
+                    bwd_sm90.PDL_ENV, bwd_sm90.STAT_LANES_ENV, bwd_sm90.DKV_SPLIT_ENV):
             monkeypatch.delenv(env, raising=False)
         if request.param == "dkvt":
             monkeypatch.setenv(bwd_sm90.DKV_TMA_ENV, "1")
+        if request.param == "dkvs":
+            monkeypatch.setenv(bwd_sm90.DKV_SPLIT_ENV, "1")
         if request.param == "spl":
             monkeypatch.setenv(bwd_sm90.SPLIT_LOADS_ENV, "1")
         if request.param == "pdl":

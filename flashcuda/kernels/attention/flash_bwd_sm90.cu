@@ -522,6 +522,10 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 // us per CTA from the last step to the exit (timeline). Rows past seqlen_k: the tensor store
 // clips them. Measured (session 34): d64 -1 to -4%, d128 -2 to +2%, and the epilogue no
 // shorter (1.38 us): its time is the 64 KB (dK, dV, the last dQ tile) leaving the SM.
+// 2 (A/B, written in session 36, not yet run): FlashAttention 4's order, per consumer — each
+// consumer stages its own 64 rows of dV into V's tile and its first thread stores them (64-row
+// boxes) while its warps stage dK, which waits for both consumers' dQ GEMMs only; dV's store
+// thus runs under dK's staging and no barrier of both consumers precedes it.
 #define FC_DKV_TMA 0
 #endif
 #ifndef FC_DQ_END_READ
@@ -1480,7 +1484,35 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   const bool wrong = kWatchdog && stuck;
   const float v_scale = wrong ? __int_as_float(0x7fc00000) : 1.f;
   const float k_scale = softmax_scale * v_scale;
-#if FC_DKV_TMA
+#if FC_DKV_TMA == 2
+  // Each consumer its own 64 rows (the host's dk / dv maps have 64-row boxes): first dV, into
+  // its own rows of V's tile, which only its own dP^T GEMMs read (done: the loop ended after a
+  // wgmma_wait<0>), stored by its first thread while its warps stage dK; dK once both
+  // consumers' dQ GEMMs (they read all of K) are done. Barriers 3 and 4: each consumer's own.
+  const uint32_t own_rows = static_cast<uint32_t>(wg_key0) * 128;  // (1024-byte aligned)
+  Consumer::stage_kv_grad(cs.v_rows, cs.dv, v_scale, warp, lane);
+  fence_proxy_async();  // the generic stores before the tensor store's (async-proxy) reads
+  named_barrier_sync(3 + c, 128);
+  if ((threadIdx.x & 127) == 0) {
+#pragma unroll
+    for (int ch = 0; ch < kChunks; ++ch)
+      tma_store_4d(map_dv, sm.v() + ch * kKVChunkBytes + own_rows, ch * kChunkCols,
+                   n0 + wg_key0, head_kv, batch);
+    bulk_commit_group();
+  }
+  named_barrier_sync(2, 128 * kConsumers);
+  Consumer::stage_kv_grad(cs.k_rows, cs.dk, k_scale, warp, lane);
+  fence_proxy_async();
+  named_barrier_sync(3 + c, 128);
+  if ((threadIdx.x & 127) == 0) {
+#pragma unroll
+    for (int ch = 0; ch < kChunks; ++ch)
+      tma_store_4d(map_dk, sm.k() + ch * kKVChunkBytes + own_rows, ch * kChunkCols,
+                   n0 + wg_key0, head_kv, batch);
+    bulk_commit_group();
+    bulk_wait_group_read<0>();  // TMA has read both tiles: the CTA's shared memory may go
+  }
+#elif FC_DKV_TMA
   // Both consumers' last GEMMs are done (each loop ends after a wgmma_wait<0>), the dQ ones read
   // all of K: then K's and V's tiles take dK and dV, and one thread stores the block's 128 rows.
   named_barrier_sync(2, 128 * kConsumers);
