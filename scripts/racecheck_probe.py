@@ -12,9 +12,9 @@ thread to three warps through mbarriers, as the forward's V scanner's requests a
 "full" completed by a plain arrival ("ordered") or by an arrive.expect_tx and a bulk copy
 ("tx"), or the words read before the wait ("racy"), or with the fused forward kernel's
 hand-over between its passes in the middle ("reinit": a vote and a go on two more mbarriers,
-the ring's barriers invalidated and initialised anew between them); the words as written. If racecheck reports
-the ordered patterns too, its reports on the kernels' same patterns are the tool's model, not a
-race. Exits 1 when a mode other than "racy" gets wrong values.
+the ring's barriers invalidated and initialised anew between them); the words as written. If
+racecheck reports the ordered patterns too, its reports on the kernels' same patterns are the
+tool's model, not a race. Exits 1 when a mode other than "racy" gets wrong values.
 """
 
 from __future__ import annotations

@@ -646,8 +646,7 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
                           **_dq_mode(DQ_DEFAULT[cfg.head_dim]))
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
                                probs_early=None, probs_emu=0, lpt_tail=0, dkv_tma=False,
-                               dkv_split=False,
-                               split_loads=False, pdl=False, stat_lanes=False,
+                               dkv_split=False, split_loads=False, pdl=False, stat_lanes=False,
                                timeline=False) == plain
 
 
@@ -705,9 +704,7 @@ def dkv_tma_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
     FLASHCUDA_SM90_BWD_DKV_TMA=1, or unset at DKV_TMA_DIMS; never in the watchdog build, and
     only where dk and dv take K's tensor map (else the st.global epilogue, which needs 16-byte
     rows only)."""
-    if not flag(DKV_TMA_ENV, call.head_dim in DKV_TMA_DIMS) or cfg.watchdog:
-        return False
-    return all(bshd_problem(t, cfg.block_n) is None for t in (call.dk, call.dv))
+    return _tensor_store_epilogue(call, cfg, DKV_TMA_ENV, DKV_TMA_DIMS, cfg.block_n)
 
 
 def dkv_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
@@ -715,9 +712,16 @@ def dkv_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
     (FC_DKV_TMA=2): FLASHCUDA_SM90_BWD_DKV_SPLIT=1, or unset at DKV_SPLIT_DIMS; as
     dkv_tma_for otherwise (never in the watchdog build; only where dk and dv take a map of
     DKV_SPLIT_ROWS-row boxes)."""
-    if not flag(DKV_SPLIT_ENV, call.head_dim in DKV_SPLIT_DIMS) or cfg.watchdog:
+    return _tensor_store_epilogue(call, cfg, DKV_SPLIT_ENV, DKV_SPLIT_DIMS, DKV_SPLIT_ROWS)
+
+
+def _tensor_store_epilogue(call: BwdCall, cfg: Sm90BwdConfig, env: str,
+                           dims: tuple[int, ...], rows: int) -> bool:
+    """`env` on (or unset at `dims`), not the watchdog build, and dk / dv both take a tensor
+    map of `rows`-row boxes."""
+    if not flag(env, call.head_dim in dims) or cfg.watchdog:
         return False
-    return all(bshd_problem(t, DKV_SPLIT_ROWS) is None for t in (call.dk, call.dv))
+    return all(bshd_problem(t, rows) is None for t in (call.dk, call.dv))
 
 
 def lpt_tail_for(call: BwdCall, table: dict[int, int] | None = None) -> int:

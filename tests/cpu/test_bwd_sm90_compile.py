@@ -874,16 +874,22 @@ def test_stat_lanes_switch_and_build(builds, monkeypatch, tmp_path):
         assert pre.name in {spec.name for spec, _ in bwd_sm90.variants()}
 
 
+def _no_epilogue_switches(monkeypatch):
+    """config_for's switches unset (the two tensor-store epilogues' tables empty too)."""
+    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
+                bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV,
+                bwd_sm90.SWAP_ENV, bwd_sm90.DKV_TMA_ENV, bwd_sm90.DKV_SPLIT_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(bwd_sm90, "DKV_TMA_DIMS", ())
+    monkeypatch.setattr(bwd_sm90, "DKV_SPLIT_DIMS", ())
+
+
 def test_dkv_tma_switch(monkeypatch):
     """FLASHCUDA_SM90_BWD_DKV_TMA=1 puts the tensor-store epilogue in the call's MAIN config
     (named _dkvt, FC_DKV_TMA=1, part of the plan key) — the same kernel otherwise, still the
     default one for is_default_kernel — except in the watchdog build or where dk / dv take no
     tensor map; 0 or unset (DKV_TMA_DIMS) leave it out; another value is refused."""
-    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
-                bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV,
-                bwd_sm90.SWAP_ENV, bwd_sm90.DKV_TMA_ENV):
-        monkeypatch.delenv(env, raising=False)
-    monkeypatch.setattr(bwd_sm90, "DKV_TMA_DIMS", ())
+    _no_epilogue_switches(monkeypatch)
     for d in (64, 128):
         call = _call(D=d)
         off = bwd_sm90.config_for(call)
@@ -919,12 +925,7 @@ def test_dkv_split_switch(monkeypatch):
     that take a map of 64-row boxes, and never goes into the watchdog build; 0 or unset
     (DKV_SPLIT_DIMS) leave it out; another value is refused; without dkv_tma the config is
     refused."""
-    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
-                bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV,
-                bwd_sm90.SWAP_ENV, bwd_sm90.DKV_TMA_ENV, bwd_sm90.DKV_SPLIT_ENV):
-        monkeypatch.delenv(env, raising=False)
-    monkeypatch.setattr(bwd_sm90, "DKV_TMA_DIMS", ())
-    monkeypatch.setattr(bwd_sm90, "DKV_SPLIT_DIMS", ())
+    _no_epilogue_switches(monkeypatch)
     with pytest.raises(ValueError, match="dkv_split"):
         Sm90BwdConfig(torch.bfloat16, 64, dkv_split=True)
     for d in (64, 128):

@@ -62,22 +62,16 @@ def _enable_sm90_bwd(monkeypatch, request):
     programmatic dependent (FLASHCUDA_SM90_BWD_PDL=1; FC_PDL); "stl": lse2 / delta in the
     consumer lanes' order (FLASHCUDA_SM90_BWD_STAT_LANES=1; FC_STAT_LANES, PRE permuting)."""
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
-    if request.param in ("default", "dkvt", "dkvs", "spl", "pdl", "stl"):
+    switches = {"dkvt": bwd_sm90.DKV_TMA_ENV, "dkvs": bwd_sm90.DKV_SPLIT_ENV,
+                "spl": bwd_sm90.SPLIT_LOADS_ENV, "pdl": bwd_sm90.PDL_ENV,
+                "stl": bwd_sm90.STAT_LANES_ENV}  # (the defaults with one 0 / 1 switch on)
+    if request.param == "default" or request.param in switches:
         for env in (bwd_sm90.DS_ENV, bwd_sm90.DQ_ENV, bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV,
                     bwd_sm90.DQ_EARLY_ENV, bwd_sm90.SWAP_ENV, bwd_sm90.WATCHDOG_ENV,
-                    bwd_sm90.FENCE_ENV, bwd_sm90.DKV_TMA_ENV, bwd_sm90.SPLIT_LOADS_ENV,
-                    bwd_sm90.PDL_ENV, bwd_sm90.STAT_LANES_ENV, bwd_sm90.DKV_SPLIT_ENV):
+                    bwd_sm90.FENCE_ENV, *switches.values()):
             monkeypatch.delenv(env, raising=False)
-        if request.param == "dkvt":
-            monkeypatch.setenv(bwd_sm90.DKV_TMA_ENV, "1")
-        if request.param == "dkvs":
-            monkeypatch.setenv(bwd_sm90.DKV_SPLIT_ENV, "1")
-        if request.param == "spl":
-            monkeypatch.setenv(bwd_sm90.SPLIT_LOADS_ENV, "1")
-        if request.param == "pdl":
-            monkeypatch.setenv(bwd_sm90.PDL_ENV, "1")
-        if request.param == "stl":
-            monkeypatch.setenv(bwd_sm90.STAT_LANES_ENV, "1")
+        if request.param in switches:
+            monkeypatch.setenv(switches[request.param], "1")
     else:
         ds, dq, *flags = (request.param + "-").split("-")[:4]
         monkeypatch.setenv(bwd_sm90.DS_ENV, ds)

@@ -1489,29 +1489,26 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   // its own rows of V's tile, which only its own dP^T GEMMs read (done: the loop ended after a
   // wgmma_wait<0>), stored by its first thread while its warps stage dK; dK once both
   // consumers' dQ GEMMs (they read all of K) are done. Barriers 3 and 4: each consumer's own.
-  const uint32_t own_rows = static_cast<uint32_t>(wg_key0) * 128;  // (1024-byte aligned)
-  Consumer::stage_kv_grad(cs.v_rows, cs.dv, v_scale, warp, lane);
-  fence_proxy_async();  // the generic stores before the tensor store's (async-proxy) reads
-  named_barrier_sync(3 + c, 128);
-  if ((threadIdx.x & 127) == 0) {
+  // (stage this consumer's rows of `acc` at `rows`, then its first thread stores them from
+  // `tile`, the tensor's whole shared tile, through `map`)
+  const auto stage_and_store = [&](uint32_t rows, const float(&acc)[kHeadDim / 2], float scale,
+                                   uint32_t tile, const TmaMap& map) {
+    Consumer::stage_kv_grad(rows, acc, scale, warp, lane);
+    fence_proxy_async();  // the generic stores before the tensor store's (async-proxy) reads
+    named_barrier_sync(3 + c, 128);
+    if ((threadIdx.x & 127) == 0) {
 #pragma unroll
-    for (int ch = 0; ch < kChunks; ++ch)
-      tma_store_4d(map_dv, sm.v() + ch * kKVChunkBytes + own_rows, ch * kChunkCols,
-                   n0 + wg_key0, head_kv, batch);
-    bulk_commit_group();
-  }
+      for (int ch = 0; ch < kChunks; ++ch)
+        tma_store_4d(map, tile + ch * kKVChunkBytes + wg_key0 * 128, ch * kChunkCols,
+                     n0 + wg_key0, head_kv, batch);
+      bulk_commit_group();
+    }
+  };
+  stage_and_store(cs.v_rows, cs.dv, v_scale, sm.v(), map_dv);
   named_barrier_sync(2, 128 * kConsumers);
-  Consumer::stage_kv_grad(cs.k_rows, cs.dk, k_scale, warp, lane);
-  fence_proxy_async();
-  named_barrier_sync(3 + c, 128);
-  if ((threadIdx.x & 127) == 0) {
-#pragma unroll
-    for (int ch = 0; ch < kChunks; ++ch)
-      tma_store_4d(map_dk, sm.k() + ch * kKVChunkBytes + own_rows, ch * kChunkCols,
-                   n0 + wg_key0, head_kv, batch);
-    bulk_commit_group();
+  stage_and_store(cs.k_rows, cs.dk, k_scale, sm.k(), map_dk);
+  if ((threadIdx.x & 127) == 0)
     bulk_wait_group_read<0>();  // TMA has read both tiles: the CTA's shared memory may go
-  }
 #elif FC_DKV_TMA
   // Both consumers' last GEMMs are done (each loop ends after a wgmma_wait<0>), the dQ ones read
   // all of K: then K's and V's tiles take dK and dV, and one thread stores the block's 128 rows.

@@ -29,11 +29,14 @@ extern "C" __global__ void FC_KERNEL_NAME(const float* __restrict__ src,  // [4]
   const uint32_t full[2] = {smem_addr(&bars[0]), smem_addr(&bars[1])};
   const uint32_t empty[2] = {smem_addr(&bars[2]), smem_addr(&bars[3])};
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
-  if (threadIdx.x == 0) {
+  const auto init_ring = [&] {
     for (int s = 0; s < 2; ++s) {
       mbar_init(full[s], 1);
       mbar_init(empty[s], 3);
     }
+  };
+  if (threadIdx.x == 0) {
+    init_ring();
     mbar_init(smem_addr(&handover[0]), 4);  // vote: one arrival per warp
     mbar_init(smem_addr(&handover[1]), 1);  // go: thread 0's
     fence_barrier_init();
@@ -49,10 +52,7 @@ extern "C" __global__ void FC_KERNEL_NAME(const float* __restrict__ src,  // [4]
       mbar_wait(smem_addr(&handover[0]), 0);
       if (threadIdx.x == 0) {
         for (int b = 0; b < 4; ++b) mbar_inval(smem_addr(&bars[b]));
-        for (int t = 0; t < 2; ++t) {
-          mbar_init(full[t], 1);
-          mbar_init(empty[t], 3);
-        }
+        init_ring();
         fence_barrier_init();
         mbar_arrive(smem_addr(&handover[1]));
       }
