@@ -6,6 +6,9 @@
 // bwd_sm90_wide.LPT_TAIL: causal calls only).
 #pragma once
 
+#ifndef FC_LPT_SAME_ORDER
+#define FC_LPT_SAME_ORDER 0  // 1 (diagnostic A/B): FC_LPT_TAIL's arithmetic, blockIdx order kept
+#endif
 #ifndef FC_LPT_TAIL
 #define FC_LPT_TAIL 0  // K of the kernels' block_coord<FC_LPT_TAIL>; the hosts set it per call
 #endif
@@ -27,8 +30,15 @@ __device__ __forceinline__ BlockCoord block_coord(int x, int y, int z, int gx, i
     const int pair = y + gy * z;
     if (pair >= first) {
       const int j = x + gx * (pair - first);
+#if FC_LPT_SAME_ORDER
+      // (diagnostic: the tail's arithmetic, giving blockIdx order back: its cost without its
+      // order)
+      const int p = first + j / gx;
+      return {j % gx, p % gy, p / gy};
+#else
       const int p = first + j % tail;
       return {j / tail, p % gy, p / gy};
+#endif
     }
   }
   return {x, y, z};
