@@ -138,6 +138,13 @@ DKV_TMA_DIMS: tuple[int, ...] = ()
 DKV_SPLIT_ENV = "FLASHCUDA_SM90_BWD_DKV_SPLIT"
 DKV_SPLIT_DIMS: tuple[int, ...] = ()
 DKV_SPLIT_ROWS = 64  # the split epilogue's box: one consumer's key rows
+# The causal grid launched as (KV heads, key blocks, batch) (FC_HEADS_FIRST, block_order.cuh):
+# each batch's CTAs longest-first, every coordinate one blockIdx component (FC_LPT_TAIL's
+# arithmetic cost the d64 kernel its uniform descriptors, session 37). At these head dims for
+# causal calls (lpt_tail_for's masks), in place of FC_LPT_TAIL; FLASHCUDA_SM90_BWD_HEADS_FIRST=0 /
+# 1 off / on (A/B)
+HEADS_FIRST_ENV = "FLASHCUDA_SM90_BWD_HEADS_FIRST"
+HEADS_FIRST_DIMS: tuple[int, ...] = ()
 # FlashAttention 4's load order (FC_SPLIT_LOADS, the .cu): S^T waits for K, Q and lse2 only, dP^T
 # for V, dO and delta; at these head dims, FLASHCUDA_SM90_BWD_SPLIT_LOADS=0 / 1 off / on (A/B)
 SPLIT_LOADS_ENV = "FLASHCUDA_SM90_BWD_SPLIT_LOADS"
@@ -267,6 +274,9 @@ class Sm90BwdConfig:
     # (key block 0 of every such pair first); dispatch sets it for causal calls at the head dims
     # of LPT_TAIL (the .cu; _build_plan)
     lpt_tail: int = 0
+    # the grid as (KV heads, key blocks, batch) (FC_HEADS_FIRST; grid()); dispatch sets it for
+    # causal calls at HEADS_FIRST_DIMS (heads_first_for), never with lpt_tail
+    heads_first: bool = False
     # dK / dV through K's / V's shared tiles and two tensor stores (FC_DKV_TMA; two more tensor
     # maps after map_dq's place: map_dk, map_dv); config_for sets it (DKV_TMA_DIMS, DKV_TMA_ENV)
     dkv_tma: bool = False
@@ -363,6 +373,9 @@ class Sm90BwdConfig:
                              "reductions are red.v4 ones), got True")
         if self.stages < 1:
             raise ValueError(f"Sm90BwdConfig.stages: expected >= 1, got {self.stages}")
+        if self.heads_first and self.lpt_tail:
+            raise ValueError(f"Sm90BwdConfig.heads_first: expected False with lpt_tail "
+                             f"{self.lpt_tail} (heads first orders the whole grid)")
         if self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers > self.register_pool:
             raise ValueError(f"Sm90BwdConfig: register split {self.producer_regs} / "
                              f"{self.consumer_regs} exceeds the CTA's pool of "
@@ -431,6 +444,7 @@ class Sm90BwdConfig:
                 + (f"_pe{self.probs_early}" if self.probs_early != self.block_m // 8 else "")
                 + (f"_em{self.probs_emu}" if self.probs_emu else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
+                + ("_hf" if self.heads_first else "")
                 + ("_dkvt" if self.dkv_tma else "") + ("s" if self.dkv_split else "")
                 + ("_spl" if self.split_loads else "")
                 + ("_pdl" if self.pdl else "") + ("_sl" if self.stat_lanes else "")
@@ -468,6 +482,7 @@ class Sm90BwdConfig:
             **({"FC_PROBS_EMU": self.probs_emu} if self.probs_emu else {}),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
+            **({"FC_HEADS_FIRST": 1} if self.heads_first else {}),
             **({"FC_DKV_TMA": 2 if self.dkv_split else 1} if self.dkv_tma else {}),
             **({"FC_SPLIT_LOADS": 1} if self.split_loads else {}),
             **({"FC_PDL": 1} if self.pdl else {}),
@@ -493,8 +508,12 @@ class Sm90BwdConfig:
         return -(-seqlen_q // step) * step
 
     def grid(self, call: BwdCall) -> tuple[int, int, int]:
-        """One CTA per work item: (key blocks, KV heads, batch)."""
-        return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
+        """One CTA per work item: (key blocks, KV heads, batch), or with heads_first (KV heads,
+        key blocks, batch)."""
+        blocks = -(-call.seqlen_k // self.block_n)
+        if self.heads_first:
+            return (call.nheads_kv, blocks, call.batch)
+        return (blocks, call.nheads_kv, call.batch)
 
     def timeline_shape(self, call: BwdCall) -> tuple[int, int, int, int]:
         """The timeline buffer (int64), a record per work item (CTA): [batch][nheads_kv]
@@ -561,10 +580,20 @@ def configs() -> list[Sm90BwdConfig]:
                           probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
                           **_dq_mode(DQ_DEFAULT[d]))
             for d, k in LPT_TAIL.items()]
+    # causal grids heads first (FC_HEADS_FIRST; HEADS_FIRST_DIMS / FLASHCUDA_SM90_BWD_HEADS_FIRST)
+    # and its timeline variant
+    out += [Sm90BwdConfig(dtype, d, dq_early=True, heads_first=True,
+                          probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
+                          **_dq_mode(DQ_DEFAULT[d]))
+            for dtype in DTYPES for d in HEAD_DIMS]
+    out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True, heads_first=True,
+                          probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
+                          **_dq_mode(DQ_DEFAULT[d]))
+            for d in HEAD_DIMS]
     # dK / dV by tensor stores (FC_DKV_TMA; DKV_TMA_DIMS / FLASHCUDA_SM90_BWD_DKV_TMA): the bf16
     # defaults with the P^T split, d128's 80-query form and the causal tails
     dkv = [c for c in out if c.dtype == torch.bfloat16 and not c.timeline and not c.watchdog
-           and c.probs_early != c.block_m // 8 and not c.defines]
+           and c.probs_early != c.block_m // 8 and not c.defines and not c.heads_first]
     out += [dataclasses.replace(c, dkv_tma=True) for c in dkv]
     out += [dataclasses.replace(c, dkv_tma=True, dkv_split=True) for c in dkv]  # (FC_DKV_TMA=2)
     out += [dataclasses.replace(c, split_loads=True) for c in dkv]  # (FC_SPLIT_LOADS: the same)
@@ -645,7 +674,8 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
     plain = Sm90BwdConfig(cfg.dtype, cfg.head_dim, dq_early=True,
                           **_dq_mode(DQ_DEFAULT[cfg.head_dim]))
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
-                               probs_early=None, probs_emu=0, lpt_tail=0, dkv_tma=False,
+                               probs_early=None, probs_emu=0, lpt_tail=0, heads_first=False,
+                               dkv_tma=False,
                                dkv_split=False, split_loads=False, pdl=False, stat_lanes=False,
                                timeline=False) == plain
 
@@ -684,7 +714,9 @@ def config_for(call: BwdCall) -> Sm90BwdConfig:
     cfg = select_config(call.dtype, call.head_dim)
     if swap_for(call, cfg):
         cfg = swapped(cfg)
-    if lpt_tail := lpt_tail_for(call):
+    if heads_first_for(call):
+        cfg = dataclasses.replace(cfg, heads_first=True)
+    elif lpt_tail := lpt_tail_for(call):
         cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
     if dkv_split_for(call, cfg):
         cfg = dataclasses.replace(cfg, dkv_tma=True, dkv_split=True)
@@ -731,6 +763,13 @@ def lpt_tail_for(call: BwdCall, table: dict[int, int] | None = None) -> int:
     if call.window_left is None and call.window_right is not None:
         return (LPT_TAIL if table is None else table).get(call.head_dim, 0)
     return 0
+
+
+def heads_first_for(call: BwdCall) -> bool:
+    """Whether `call`'s grid runs heads first (FC_HEADS_FIRST): a causal mask as lpt_tail_for
+    reads it, and FLASHCUDA_SM90_BWD_HEADS_FIRST=1 or unset at HEADS_FIRST_DIMS."""
+    causal = call.window_left is None and call.window_right is not None
+    return causal and flag(HEADS_FIRST_ENV, call.head_dim in HEADS_FIRST_DIMS)
 
 
 def enabled() -> bool:
@@ -855,7 +894,8 @@ class _Plan:
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
                     STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
-                    DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV, STAT_LANES_ENV, DKV_SPLIT_ENV)
+                    DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV, STAT_LANES_ENV, DKV_SPLIT_ENV,
+                    HEADS_FIRST_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:

@@ -173,8 +173,9 @@ def test_config_is_the_single_source_of_truth():
     # its 80-query form); + the bf16 kernels with FC_PROBS_EARLY with dK / dV by tensor stores
     # (four: d64, d128, its 80-query form, its causal tail), the same four in FA4's load order,
     # launched as PRE's programmatic dependents, with lse2 / delta in lane order and with the
-    # tensor-store epilogue per consumer (FC_DKV_TMA=2)
-    assert len({c.name for c in bwd_sm90.configs()}) == 93
+    # tensor-store epilogue per consumer (FC_DKV_TMA=2); + the causal grids heads first (per dtype
+    # and head dim, and the bf16 timeline variants)
+    assert len({c.name for c in bwd_sm90.configs()}) == 99
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and with the release fence flipped, x 4; + the two
@@ -182,8 +183,8 @@ def test_config_is_the_single_source_of_truth():
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four dQ^T kernels;
     # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three); + the four
     # FC_DKV_TMA kernels; + the four FC_SPLIT_LOADS ones; + the four FC_PDL ones; + the four
-    # FC_STAT_LANES ones; + the four FC_DKV_TMA=2 ones
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 51
+    # FC_STAT_LANES ones; + the four FC_DKV_TMA=2 ones; + the six FC_HEADS_FIRST ones
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 57
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
@@ -1004,6 +1005,69 @@ def test_lpt_tail_is_dispatched_for_causal_calls_at_its_head_dims():
     for dtype in bwd_sm90.DTYPES:
         cfg = dataclasses.replace(bwd_sm90.select_config(dtype, 128), lpt_tail=k)
         assert cfg.name in names and dict(cfg.spec().defines)["FC_LPT_TAIL"] == str(k)
+
+
+def _opcodes(sass: str) -> list[str]:
+    """The SASS's instructions as opcodes (predicates and operands dropped), in order."""
+    ops = []
+    for line in sass.splitlines():
+        if not re.search(r"/\*[0-9a-f]{4}\*/", line):
+            continue
+        words = re.sub(r"/\*[0-9a-f]+\*/", "", line).split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        if words:
+            ops.append(words[0].rstrip(";"))
+    return ops
+
+
+def test_heads_first_keeps_the_kernels_code(tmp_path):
+    """FC_HEADS_FIRST only swaps which blockIdx component is the key block: the kernel's
+    instructions are the default's, opcode for opcode (no R2UR more: the point of the order,
+    where FC_LPT_TAIL's remap moved d64's wgmma descriptors into vector registers), and it
+    builds clean. FC_LPT_TAIL with it is refused."""
+    for d in (64, 128):
+        base = bwd_sm90.select_config(torch.bfloat16, d)
+        hf = dataclasses.replace(base, heads_first=True)
+        assert hf.name == base.name + "_hf" and dict(hf.spec().defines)["FC_HEADS_FIRST"] == "1"
+        assert _opcodes(clean_sass(hf, tmp_path)) == _opcodes(clean_sass(base, tmp_path))
+        with pytest.raises(ValueError, match="heads_first"):
+            dataclasses.replace(base, heads_first=True, lpt_tail=8)
+
+
+def test_heads_first_switch(monkeypatch):
+    """FLASHCUDA_SM90_BWD_HEADS_FIRST=1 launches a causal call's grid as (KV heads, key blocks,
+    batch) with the FC_HEADS_FIRST kernel in place of the LPT tail (a kernel configs() builds,
+    part of the plan key); a call without a mask or with a sliding window keeps the default;
+    0 or unset (HEADS_FIRST_DIMS) leave it out; another value is refused."""
+    _no_epilogue_switches(monkeypatch)
+    monkeypatch.delenv(bwd_sm90.HEADS_FIRST_ENV, raising=False)
+    monkeypatch.setattr(bwd_sm90, "HEADS_FIRST_DIMS", ())
+    names = {c.name for c in bwd_sm90.configs()}
+    for d in (64, 128):
+        for dtype in bwd_sm90.DTYPES:
+            call = _call(dtype=dtype, D=d)  # causal (window (None, 0)), 47 keys: one key block
+            full = dataclasses.replace(call, window_right=None)
+            off, key = bwd_sm90.config_for(call), bwd_sm90._plan_key(call)
+            assert not off.heads_first and off.lpt_tail == bwd_sm90.LPT_TAIL.get(d, 0)
+            assert off.grid(call) == (1, 2, 2)  # (key blocks, KV heads, batch)
+            monkeypatch.setenv(bwd_sm90.HEADS_FIRST_ENV, "1")
+            on = bwd_sm90.config_for(call)
+            assert on == dataclasses.replace(off, heads_first=True, lpt_tail=0)
+            assert on.grid(call) == (2, 1, 2) and on.name in names
+            assert bwd_sm90.is_default_kernel(on) and bwd_sm90._plan_key(call) != key
+            assert not bwd_sm90.config_for(full).heads_first
+            assert not bwd_sm90.config_for(dataclasses.replace(call, window_left=64)).heads_first
+            monkeypatch.setenv(bwd_sm90.HEADS_FIRST_ENV, "0")
+            assert bwd_sm90.config_for(call) == off
+            monkeypatch.setattr(bwd_sm90, "HEADS_FIRST_DIMS", (d,))
+            assert bwd_sm90.config_for(call) == off  # 0 wins over the table
+            monkeypatch.delenv(bwd_sm90.HEADS_FIRST_ENV)
+            assert bwd_sm90.config_for(call) == on  # the table's head dim
+            monkeypatch.setattr(bwd_sm90, "HEADS_FIRST_DIMS", ())
+    monkeypatch.setenv(bwd_sm90.HEADS_FIRST_ENV, "yes")
+    with pytest.raises(ValueError, match=bwd_sm90.HEADS_FIRST_ENV):
+        bwd_sm90.config_for(_call())
 
 
 # ---- FC_PROBS_EARLY (session 23) -------------------------------------------------------------------

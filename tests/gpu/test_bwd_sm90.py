@@ -42,9 +42,9 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True,
-                params=["default", "dkvt", "dkvs", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
+                params=["default", "dkvt", "dkvs", "hf", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
                         "mn-warp", "mn-warpflat", "mn-tma", "mn--s3", "mn--noearly"],
-                ids=["default", "dkvt", "dkvs", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
+                ids=["default", "dkvt", "dkvs", "hf", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
                      "dq-warpflat", "dq-tma", "stages3", "dq-noearly"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
@@ -57,12 +57,14 @@ def _enable_sm90_bwd(monkeypatch, request):
     split at both head dims; FLASHCUDA_SM90_BWD_DEFINES, if the lane sets it, passes through);
     "dkvt": those kernels with dK / dV stored through shared memory by tensor maps
     (FLASHCUDA_SM90_BWD_DKV_TMA=1; FC_DKV_TMA); "dkvs": that epilogue per consumer, dV first
-    (FLASHCUDA_SM90_BWD_DKV_SPLIT=1; FC_DKV_TMA=2); "spl": those kernels in FlashAttention 4's load
+    (FLASHCUDA_SM90_BWD_DKV_SPLIT=1; FC_DKV_TMA=2); "hf": causal grids launched heads first
+    (FLASHCUDA_SM90_BWD_HEADS_FIRST=1; FC_HEADS_FIRST); "spl": those kernels in FlashAttention 4's load
     order (FLASHCUDA_SM90_BWD_SPLIT_LOADS=1; FC_SPLIT_LOADS); "pdl": MAIN launched as PRE's
     programmatic dependent (FLASHCUDA_SM90_BWD_PDL=1; FC_PDL); "stl": lse2 / delta in the
     consumer lanes' order (FLASHCUDA_SM90_BWD_STAT_LANES=1; FC_STAT_LANES, PRE permuting)."""
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     switches = {"dkvt": bwd_sm90.DKV_TMA_ENV, "dkvs": bwd_sm90.DKV_SPLIT_ENV,
+                "hf": bwd_sm90.HEADS_FIRST_ENV,
                 "spl": bwd_sm90.SPLIT_LOADS_ENV, "pdl": bwd_sm90.PDL_ENV,
                 "stl": bwd_sm90.STAT_LANES_ENV}  # (the defaults with one 0 / 1 switch on)
     if request.param == "default" or request.param in switches:
@@ -230,7 +232,9 @@ def test_causal_longest_first_tail_over_part_of_the_grid():
     for window, tail in ((CAUSAL, bwd_sm90.LPT_TAIL[128]), (FULL, 0)):
         call = BwdCall(q, k, v, torch.empty_like(q), dout, lse, torch.empty_like(q),
                        torch.empty_like(k), torch.empty_like(v), 0.088, *window, False)
-        assert bwd_sm90._plan(call).cfg.lpt_tail == tail
+        hf = bwd_sm90.heads_first_for(call)  # (the "hf" parameter: the grid heads first instead)
+        assert bwd_sm90._plan(call).cfg.lpt_tail == (0 if hf else tail)
+        assert bwd_sm90._plan(call).cfg.heads_first == hf
         assert 3 * 5 > tail
 
 

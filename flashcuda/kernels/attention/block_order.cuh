@@ -6,6 +6,17 @@
 // bwd_sm90_wide.LPT_TAIL: causal calls only).
 #pragma once
 
+#ifndef FC_HEADS_FIRST
+// 1: the host launches the grid as (KV heads, key blocks, batch) instead of (key blocks, KV
+// heads, batch): the GPU starts a batch's CTAs key block by key block, each over all KV heads,
+// so under a causal mask each batch runs longest-first (key block 0 has the most steps) and the
+// grid ends with its shortest CTAs, while every coordinate stays one blockIdx component. The
+// FC_LPT_TAIL remap gets the same kind of order for the grid's last pairs by arithmetic on
+// blockIdx, whose results the kernel must then keep for its whole life: at d64 that cost ptxas
+// its uniform wgmma descriptors (R2UR 22 -> 111 in the default kernel's SASS; the same-order
+// diagnostic FC_LPT_SAME_ORDER measured -4.5 to -9.5% at d64 causal 512-4k, session 37).
+#define FC_HEADS_FIRST 0
+#endif
 #ifndef FC_LPT_SAME_ORDER
 #define FC_LPT_SAME_ORDER 0  // 1 (diagnostic A/B): FC_LPT_TAIL's arithmetic, blockIdx order kept
 #endif
@@ -23,6 +34,8 @@ struct BlockCoord {
 // themselves). With fewer than K pairs the whole grid is the tail.
 template <int kTail>
 __device__ __forceinline__ BlockCoord block_coord(int x, int y, int z, int gx, int gy, int gz) {
+  static_assert(!(FC_HEADS_FIRST && kTail), "FC_HEADS_FIRST orders the whole grid: no tail");
+  if constexpr (FC_HEADS_FIRST) return {y, x, z};
   if constexpr (kTail > 0) {
     const int pairs = gy * gz;
     const int tail = kTail < pairs ? kTail : pairs;
