@@ -138,13 +138,17 @@ DKV_TMA_DIMS: tuple[int, ...] = ()
 DKV_SPLIT_ENV = "FLASHCUDA_SM90_BWD_DKV_SPLIT"
 DKV_SPLIT_DIMS: tuple[int, ...] = ()
 DKV_SPLIT_ROWS = 64  # the split epilogue's box: one consumer's key rows
-# The causal grid launched as (KV heads, key blocks, batch) (FC_HEADS_FIRST, block_order.cuh):
-# each batch's CTAs longest-first, every coordinate one blockIdx component (FC_LPT_TAIL's
-# arithmetic cost the d64 kernel its uniform descriptors, session 37). At these head dims for
+# The causal grid launched as (G, key blocks, KV heads / G x batch) (FC_HEADS_FIRST,
+# block_order.cuh): each group of G KV heads longest-first, the key block one blockIdx component
+# (FC_LPT_TAIL's arithmetic cost the d64 kernel its uniform descriptors, session 37). At these head dims for
 # causal calls (lpt_tail_for's masks), in place of FC_LPT_TAIL; FLASHCUDA_SM90_BWD_HEADS_FIRST=0 /
 # 1 off / on (A/B)
 HEADS_FIRST_ENV = "FLASHCUDA_SM90_BWD_HEADS_FIRST"
 HEADS_FIRST_DIMS: tuple[int, ...] = ()
+# its group: the largest divisor of the KV heads up to this many (FLASHCUDA_SM90_BWD_HEADS_GROUP
+# for A/Bs; a whole batch's heads when it is at least the KV heads)
+HEADS_GROUP = 8
+HEADS_GROUP_ENV = "FLASHCUDA_SM90_BWD_HEADS_GROUP"
 # FlashAttention 4's load order (FC_SPLIT_LOADS, the .cu): S^T waits for K, Q and lse2 only, dP^T
 # for V, dO and delta; at these head dims, FLASHCUDA_SM90_BWD_SPLIT_LOADS=0 / 1 off / on (A/B)
 SPLIT_LOADS_ENV = "FLASHCUDA_SM90_BWD_SPLIT_LOADS"
@@ -508,11 +512,12 @@ class Sm90BwdConfig:
         return -(-seqlen_q // step) * step
 
     def grid(self, call: BwdCall) -> tuple[int, int, int]:
-        """One CTA per work item: (key blocks, KV heads, batch), or with heads_first (KV heads,
-        key blocks, batch)."""
+        """One CTA per work item: (key blocks, KV heads, batch), or with heads_first (G, key
+        blocks, KV heads / G x batch), G = heads_group."""
         blocks = -(-call.seqlen_k // self.block_n)
         if self.heads_first:
-            return (call.nheads_kv, blocks, call.batch)
+            g = heads_group(call.nheads_kv)
+            return (g, blocks, call.nheads_kv // g * call.batch)
         return (blocks, call.nheads_kv, call.batch)
 
     def timeline_shape(self, call: BwdCall) -> tuple[int, int, int, int]:
@@ -772,6 +777,16 @@ def heads_first_for(call: BwdCall) -> bool:
     return causal and flag(HEADS_FIRST_ENV, call.head_dim in HEADS_FIRST_DIMS)
 
 
+def heads_group(nheads_kv: int) -> int:
+    """FC_HEADS_FIRST's group: the largest divisor of nheads_kv up to HEADS_GROUP (or
+    FLASHCUDA_SM90_BWD_HEADS_GROUP, a positive integer)."""
+    raw = os.environ.get(HEADS_GROUP_ENV, "").strip()
+    if raw and not (raw.isdigit() and int(raw) > 0):
+        raise ValueError(f"{HEADS_GROUP_ENV}: expected a positive integer, got {raw!r}")
+    cap = int(raw) if raw else HEADS_GROUP
+    return max(g for g in range(1, min(cap, nheads_kv) + 1) if nheads_kv % g == 0)
+
+
 def enabled() -> bool:
     """On unless FLASHCUDA_ENABLE_SM90_BWD is 0 / false / no / off."""
     return switched_on(ENABLE_ENV)
@@ -895,7 +910,7 @@ class _Plan:
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
                     STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
                     DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV, STAT_LANES_ENV, DKV_SPLIT_ENV,
-                    HEADS_FIRST_ENV)
+                    HEADS_FIRST_ENV, HEADS_GROUP_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:

@@ -1021,16 +1021,27 @@ def _opcodes(sass: str) -> list[str]:
     return ops
 
 
-def test_heads_first_keeps_the_kernels_code(tmp_path):
-    """FC_HEADS_FIRST only swaps which blockIdx component is the key block: the kernel's
-    instructions are the default's, opcode for opcode (no R2UR more: the point of the order,
-    where FC_LPT_TAIL's remap moved d64's wgmma descriptors into vector registers), and it
-    builds clean. FC_LPT_TAIL with it is refused."""
+def _gemm_region(sass: str) -> list[str]:
+    """The opcodes from the kernel's first wgmma to its last: the consumers' loop."""
+    ops = _opcodes(sass)
+    at = [i for i, op in enumerate(ops) if op.startswith("HGMMA")]
+    return ops[at[0]:at[-1] + 1]
+
+
+def test_heads_first_keeps_the_consumers_loop(tmp_path):
+    """FC_HEADS_FIRST keeps the key block one blockIdx component, so the consumers' loop (first
+    wgmma to last) is the default's up to a few instructions, with no R2UR more — where
+    FC_LPT_TAIL's remapped key block, kept live through the loop, moved d64's wgmma descriptors
+    into vector registers (R2UR per wgmma). It builds clean; FC_LPT_TAIL with it is refused."""
     for d in (64, 128):
         base = bwd_sm90.select_config(torch.bfloat16, d)
         hf = dataclasses.replace(base, heads_first=True)
         assert hf.name == base.name + "_hf" and dict(hf.spec().defines)["FC_HEADS_FIRST"] == "1"
-        assert _opcodes(clean_sass(hf, tmp_path)) == _opcodes(clean_sass(base, tmp_path))
+        loop, plain = _gemm_region(clean_sass(hf, tmp_path)), _gemm_region(clean_sass(base, tmp_path))
+        assert len(plain) <= len(loop) <= len(plain) + 8
+        assert loop.count("R2UR") == plain.count("R2UR")
+        assert [op for op in loop if op.startswith("HGMMA")] == \
+            [op for op in plain if op.startswith("HGMMA")]
         with pytest.raises(ValueError, match="heads_first"):
             dataclasses.replace(base, heads_first=True, lpt_tail=8)
 
@@ -1054,7 +1065,7 @@ def test_heads_first_switch(monkeypatch):
             monkeypatch.setenv(bwd_sm90.HEADS_FIRST_ENV, "1")
             on = bwd_sm90.config_for(call)
             assert on == dataclasses.replace(off, heads_first=True, lpt_tail=0)
-            assert on.grid(call) == (2, 1, 2) and on.name in names
+            assert on.grid(call) == (2, 1, 2) and on.name in names  # (G = 2: both KV heads)
             assert bwd_sm90.is_default_kernel(on) and bwd_sm90._plan_key(call) != key
             assert not bwd_sm90.config_for(full).heads_first
             assert not bwd_sm90.config_for(dataclasses.replace(call, window_left=64)).heads_first
@@ -1068,6 +1079,42 @@ def test_heads_first_switch(monkeypatch):
     monkeypatch.setenv(bwd_sm90.HEADS_FIRST_ENV, "yes")
     with pytest.raises(ValueError, match=bwd_sm90.HEADS_FIRST_ENV):
         bwd_sm90.config_for(_call())
+
+
+def test_heads_group():
+    """FC_HEADS_FIRST's group of KV heads: the largest divisor up to HEADS_GROUP (8), or
+    FLASHCUDA_SM90_BWD_HEADS_GROUP; the grid covers every (key block, KV head, batch) once as
+    heads_first_coord (block_order.cuh) reads it, each group's key block 0 first."""
+    import os
+
+    assert [bwd_sm90.heads_group(h) for h in (1, 2, 5, 6, 8, 12, 16, 32, 40)] == \
+        [1, 2, 5, 6, 8, 6, 8, 8, 8]
+    env = bwd_sm90.HEADS_GROUP_ENV
+    try:
+        os.environ[env] = "32"
+        assert bwd_sm90.heads_group(32) == 32 and bwd_sm90.heads_group(48) == 24
+        os.environ[env] = "0"
+        with pytest.raises(ValueError, match=env):
+            bwd_sm90.heads_group(8)
+    finally:
+        os.environ.pop(env, None)
+    cfg = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, 64), heads_first=True)
+    for b, sk, hkv in ((3, 700, 12), (2, 300, 5), (1, 129, 16)):
+        call = _call(B=b, Sk=sk, H=hkv, Hkv=hkv, D=64)
+        gx, gy, gz = cfg.grid(call)
+        got = []
+        for z in range(gz):  # blockIdx order: x fastest
+            for y in range(gy):
+                for x in range(gx):
+                    groups = hkv // gx  # heads_first_coord
+                    batch = z // groups
+                    got.append((y, (z - batch * groups) * gx + x, batch))
+        assert sorted(got) == sorted((n, h, bb) for n in range(gy) for h in range(hkv)
+                                     for bb in range(b))
+        # within each group (a run of gx * gy CTAs) the key blocks do not decrease
+        for start in range(0, len(got), gx * gy):
+            blocks = [n for n, _, _ in got[start:start + gx * gy]]
+            assert blocks == sorted(blocks)
 
 
 # ---- FC_PROBS_EARLY (session 23) -------------------------------------------------------------------

@@ -238,6 +238,25 @@ def test_causal_longest_first_tail_over_part_of_the_grid():
         assert 3 * 5 > tail
 
 
+@pytest.mark.parametrize("group", ["2", "3", "8"])
+def test_causal_heads_first_in_groups(monkeypatch, group):
+    """FC_HEADS_FIRST's grid (G, key blocks, KV heads / G x batch) with groups smaller than a
+    batch's KV heads (G = 2 / 3 of 6, and 8 capped to 6): every (key block, KV head, batch)'s dK /
+    dV lands in place, GQA 2:1, three batches, six key blocks with a ragged last one. Runs under
+    the "hf" parameter only."""
+    if os.environ.get(bwd_sm90.HEADS_FIRST_ENV) != "1":
+        pytest.skip("runs under the hf fixture parameter")
+    monkeypatch.setenv(bwd_sm90.HEADS_GROUP_ENV, group)
+    q, k, v, dout = make(3, 700, 700, 12, 6, 64, BF16, seed=23)
+    check(q, k, v, dout, CAUSAL)
+    lse = torch.zeros(3, 12, 700, device="cuda", dtype=torch.float32)
+    call = BwdCall(q, k, v, torch.empty_like(q), dout, lse, torch.empty_like(q),
+                   torch.empty_like(k), torch.empty_like(v), 0.125, *CAUSAL, False)
+    cfg = bwd_sm90._plan(call).cfg
+    g = min(int(group), 6)
+    assert cfg.heads_first and cfg.grid(call) == (g, 6, 6 // g * 3)
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 def test_convert_readers_agree(monkeypatch, dtype):
     """d128's CONVERT reads the register-order dq_accum in whole 64-byte spans and writes dq

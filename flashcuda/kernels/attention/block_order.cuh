@@ -7,14 +7,15 @@
 #pragma once
 
 #ifndef FC_HEADS_FIRST
-// 1: the host launches the grid as (KV heads, key blocks, batch) instead of (key blocks, KV
-// heads, batch): the GPU starts a batch's CTAs key block by key block, each over all KV heads,
-// so under a causal mask each batch runs longest-first (key block 0 has the most steps) and the
-// grid ends with its shortest CTAs, while every coordinate stays one blockIdx component. The
-// FC_LPT_TAIL remap gets the same kind of order for the grid's last pairs by arithmetic on
-// blockIdx, whose results the kernel must then keep for its whole life: at d64 that cost ptxas
-// its uniform wgmma descriptors (R2UR 22 -> 111 in the default kernel's SASS; the same-order
-// diagnostic FC_LPT_SAME_ORDER measured -4.5 to -9.5% at d64 causal 512-4k, session 37).
+// 1: the host launches the grid as (G, key blocks, KV heads / G x batch) for a group size G that
+// divides the KV heads (instead of (key blocks, KV heads, batch)): the GPU starts a group's CTAs
+// key block by key block, each over the group's G heads, so under a causal mask every group runs
+// longest-first (key block 0 has the most steps) and the grid ends with its shortest CTAs. The
+// key block stays one blockIdx component (heads_first_coord): the consumers' loop needs only it.
+// FC_LPT_TAIL's remap gets that order for the grid's last pairs by arithmetic on blockIdx whose
+// key block the consumers must then keep through their loop: at d64 that cost ptxas its uniform
+// wgmma descriptors (R2UR 22 -> 111 in the kernel's SASS; the same-order diagnostic
+// FC_LPT_SAME_ORDER measured -4.5 to -9.5% at d64 causal 512-4k, session 37).
 #define FC_HEADS_FIRST 0
 #endif
 #ifndef FC_LPT_SAME_ORDER
@@ -35,7 +36,6 @@ struct BlockCoord {
 template <int kTail>
 __device__ __forceinline__ BlockCoord block_coord(int x, int y, int z, int gx, int gy, int gz) {
   static_assert(!(FC_HEADS_FIRST && kTail), "FC_HEADS_FIRST orders the whole grid: no tail");
-  if constexpr (FC_HEADS_FIRST) return {y, x, z};
   if constexpr (kTail > 0) {
     const int pairs = gy * gz;
     const int tail = kTail < pairs ? kTail : pairs;
@@ -55,4 +55,21 @@ __device__ __forceinline__ BlockCoord block_coord(int x, int y, int z, int gx, i
     }
   }
   return {x, y, z};
+}
+
+// FC_HEADS_FIRST's (key block, KV head, batch) of CTA (x, y, z): a grid of (G, key blocks,
+// nheads_kv / G x batch), G = gx; z counts the groups of G heads of each batch
+__device__ __forceinline__ BlockCoord heads_first_coord(int x, int y, int z, int gx,
+                                                        int nheads_kv) {
+  const int groups = nheads_kv / gx;
+  const int batch = z / groups;
+  return {y, (z - batch * groups) * gx + x, batch};
+}
+
+// The kernels' (key block, KV head, batch): FC_HEADS_FIRST's or block_coord<kTail>'s.
+template <int kTail>
+__device__ __forceinline__ BlockCoord cta_coord(int nheads_kv) {
+  if constexpr (FC_HEADS_FIRST)
+    return heads_first_coord(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, nheads_kv);
+  return block_coord<kTail>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, gridDim.z);
 }

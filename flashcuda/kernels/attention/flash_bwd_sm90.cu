@@ -1207,8 +1207,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
   // the CTA's work item: its key block, KV head and batch, and the steps that see the key block
-  const BlockCoord blk = block_coord<FC_LPT_TAIL>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x,
-                                                 gridDim.y, gridDim.z);
+  const BlockCoord blk = cta_coord<FC_LPT_TAIL>(nheads_kv);
   const int n0 = blk.key_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
   const Steps steps(mask, n0, nheads, nheads_kv);
 
