@@ -133,16 +133,18 @@ SWAP_ENV = "FLASHCUDA_SM90_BWD_SWAP"
 DKV_TMA_ENV = "FLASHCUDA_SM90_BWD_DKV_TMA"
 DKV_TMA_DIMS: tuple[int, ...] = ()
 # that epilogue in FlashAttention 4's order, per consumer (FC_DKV_TMA=2: dV's 64 rows stored
-# while dK is staged, 64-row boxes); FLASHCUDA_SM90_BWD_DKV_SPLIT=1 (A/B; written in session 36,
-# not yet run on a GPU) implies the tensor-store epilogue where dk / dv take a tensor map
+# while dK is staged, 64-row boxes); FLASHCUDA_SM90_BWD_DKV_SPLIT=1 (A/B; session 37: d64 -4.1
+# to -1.5%, d128 -2.3 to 0%) implies the tensor-store epilogue where dk / dv take a tensor map
 DKV_SPLIT_ENV = "FLASHCUDA_SM90_BWD_DKV_SPLIT"
 DKV_SPLIT_DIMS: tuple[int, ...] = ()
 DKV_SPLIT_ROWS = 64  # the split epilogue's box: one consumer's key rows
 # The causal grid launched as (G, key blocks, KV heads / G x batch) (FC_HEADS_FIRST,
 # block_order.cuh): each group of G KV heads longest-first, the key block one blockIdx component
-# (FC_LPT_TAIL's arithmetic cost the d64 kernel its uniform descriptors, session 37). At these head dims for
-# causal calls (lpt_tail_for's masks), in place of FC_LPT_TAIL; FLASHCUDA_SM90_BWD_HEADS_FIRST=0 /
-# 1 off / on (A/B)
+# (FC_LPT_TAIL's arithmetic cost the d64 kernel its uniform descriptors, session 37). At these
+# head dims for causal calls (lpt_tail_for's masks), in place of FC_LPT_TAIL;
+# FLASHCUDA_SM90_BWD_HEADS_FIRST=0 / 1 off / on (A/B). Measured in session 37 (same process,
+# causal 512-16k): G = 8 -3.1 to +0.4% at d64, -1.3 to +0.4% at d128 (against its LPT tail); all
+# KV heads -4.6 to +1.7%: the tail shrinks (timeline), the CTAs' K / V arrive later. Off.
 HEADS_FIRST_ENV = "FLASHCUDA_SM90_BWD_HEADS_FIRST"
 HEADS_FIRST_DIMS: tuple[int, ...] = ()
 # its group: the largest divisor of the KV heads up to this many (FLASHCUDA_SM90_BWD_HEADS_GROUP
@@ -177,7 +179,8 @@ SPREAD_DIMS = (64,)
 # FC_LPT_TAIL for causal calls (a right edge and no left one: key block 0 has the most steps), per
 # head dim: the last K (KV head, batch) pairs' CTAs longest-first. Same-run A/B (session 14,
 # perf-notes): d128 +1-2.7% at causal 1k / 4k / 8k (K = 8; 0 at 2k; K = 4 a little less), d64
-# -3 to -4% (its two CTAs per SM share the tail already): not used there, nor without a mask.
+# -3 to -4%: not used there, nor without a mask. The d64 loss is the remap's code, not its order
+# (session 37: the remapped key block held through the loop costs d64 its uniform descriptors).
 LPT_TAIL = {128: 8}
 # FLASHCUDA_SM90_BWD_DQ=frag builds without spills at these head dims (d64 since session 23: its
 # consumers spilled 60 bytes at 232 registers in session 12, none with the kernel of session 21's
@@ -586,15 +589,10 @@ def configs() -> list[Sm90BwdConfig]:
                           **_dq_mode(DQ_DEFAULT[d]))
             for d, k in LPT_TAIL.items()]
     # causal grids heads first (FC_HEADS_FIRST; HEADS_FIRST_DIMS / FLASHCUDA_SM90_BWD_HEADS_FIRST)
-    # and its timeline variant
     out += [Sm90BwdConfig(dtype, d, dq_early=True, heads_first=True,
                           probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
                           **_dq_mode(DQ_DEFAULT[d]))
             for dtype in DTYPES for d in HEAD_DIMS]
-    out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True, heads_first=True,
-                          probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
-                          **_dq_mode(DQ_DEFAULT[d]))
-            for d in HEAD_DIMS]
     # dK / dV by tensor stores (FC_DKV_TMA; DKV_TMA_DIMS / FLASHCUDA_SM90_BWD_DKV_TMA): the bf16
     # defaults with the P^T split, d128's 80-query form and the causal tails
     dkv = [c for c in out if c.dtype == torch.bfloat16 and not c.timeline and not c.watchdog

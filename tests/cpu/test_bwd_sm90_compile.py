@@ -174,8 +174,8 @@ def test_config_is_the_single_source_of_truth():
     # (four: d64, d128, its 80-query form, its causal tail), the same four in FA4's load order,
     # launched as PRE's programmatic dependents, with lse2 / delta in lane order and with the
     # tensor-store epilogue per consumer (FC_DKV_TMA=2); + the causal grids heads first (per dtype
-    # and head dim, and the bf16 timeline variants)
-    assert len({c.name for c in bwd_sm90.configs()}) == 99
+    # and head dim)
+    assert len({c.name for c in bwd_sm90.configs()}) == 97
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and with the release fence flipped, x 4; + the two
@@ -183,8 +183,8 @@ def test_config_is_the_single_source_of_truth():
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four dQ^T kernels;
     # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three); + the four
     # FC_DKV_TMA kernels; + the four FC_SPLIT_LOADS ones; + the four FC_PDL ones; + the four
-    # FC_STAT_LANES ones; + the four FC_DKV_TMA=2 ones; + the six FC_HEADS_FIRST ones
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 57
+    # FC_STAT_LANES ones; + the four FC_DKV_TMA=2 ones; + the four FC_HEADS_FIRST ones
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 55
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)

@@ -522,10 +522,11 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 // us per CTA from the last step to the exit (timeline). Rows past seqlen_k: the tensor store
 // clips them. Measured (session 34): d64 -1 to -4%, d128 -2 to +2%, and the epilogue no
 // shorter (1.38 us): its time is the 64 KB (dK, dV, the last dQ tile) leaving the SM.
-// 2 (A/B, written in session 36, not yet run): FlashAttention 4's order, per consumer — each
-// consumer stages its own 64 rows of dV into V's tile and its first thread stores them (64-row
-// boxes) while its warps stage dK, which waits for both consumers' dQ GEMMs only; dV's store
-// thus runs under dK's staging and no barrier of both consumers precedes it.
+// 2 (A/B, session 36): FlashAttention 4's order, per consumer — each consumer stages its own 64
+// rows of dV into V's tile and its first thread stores them (64-row boxes) while its warps stage
+// dK, which waits for both consumers' dQ GEMMs only; dV's store thus runs under dK's staging and
+// no barrier of both consumers precedes it. Measured (session 37, same process): d64 -4.1 to
+// -1.5% (512 / 1k, causal and not), d128 -2.3 to 0% against the default; no better than 1.
 #define FC_DKV_TMA 0
 #endif
 #ifndef FC_DQ_END_READ
@@ -546,6 +547,10 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 // 83 us (median) of a 1299 us makespan. The host sets K = 8 for causal calls at d128
 // (bwd_sm90.LPT_TAIL; session 14 on the H200: +1-2.7% at causal 1k / 4k / 8k, 0 at 2k); d64
 // lost 3-4% (session 14) and 5.5-9.4% with K = 4 / 8 (session 33), so 0 there and without a mask.
+// Why (session 37): the remapped key block is no blockIdx component, and holding it through the
+// consumers' loop moves d64's wgmma descriptors into vector registers (R2UR 22 -> 111); the
+// remap's arithmetic with blockIdx order kept (FC_LPT_SAME_ORDER) loses as much (-4.5 to -9.5%),
+// the order itself gains +1 to +3% (FC_HEADS_FIRST keeps the key block a component instead).
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
