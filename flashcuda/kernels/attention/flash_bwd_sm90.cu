@@ -262,6 +262,18 @@ static_assert(!kStatLanes || kBlockM % 16 == 0, "FC_STAT_LANES permutes whole 16
 #define FC_SPLIT_LOADS 0
 #endif
 constexpr bool kSplitLoads = FC_SPLIT_LOADS;
+#ifndef FC_EARLY_LOADS
+// 1 (A/B, FLASHCUDA_SM90_BWD_DEFINES=FC_EARLY_LOADS=1): thread 0 issues the CTA's K / V loads
+// and step 0's stage right after it initialises the mbarriers, before the CTA's __syncthreads
+// and the producer's setmaxnreg, instead of the elected producer thread after both (the loads
+// complete_tx on barriers already initialised and fenced; the consumers wait on them only after
+// the __syncthreads). The backward timeline put 0.35 us between a CTA's entry and its first
+// TMA issue and ~1.3 us to K / V's arrival, of a 10-23 us CTA at d64 causal 512-2k (session 37).
+// Not with FC_SPLIT_LOADS or FC_PDL (their first loads differ).
+#define FC_EARLY_LOADS 0
+#endif
+static_assert(!(FC_EARLY_LOADS && (FC_SPLIT_LOADS || FC_PDL)),
+              "FC_EARLY_LOADS: the plain load order only");
 constexpr int kBarriers = 1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0) +
                           (kSplitLoads ? 1 + kStages : 0);
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
@@ -594,22 +606,27 @@ __device__ __forceinline__ int stage_of(int it) { return it % kStages; }
 __device__ __forceinline__ uint32_t parity_of(int it) { return (it / kStages) & 1; }
 
 // ---- producer: one thread issues every TMA load -------------------------------------------------
+// (kEarly: K / V and step 0 only, FC_EARLY_LOADS's part before the __syncthreads; it0 = 1: the
+// rest, K / V already issued)
+template <bool kEarly = false>
 __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int n0, int head_kv,
                                         int batch, const TmaMap& map_q, const TmaMap& map_k,
                                         const TmaMap& map_v, const TmaMap& map_do,
                                         const float* lse2, const float* delta, int nheads,
-                                        int seqlen_q_pad) {
+                                        int seqlen_q_pad, int it0 = 0) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
-  mbar_arrive_expect_tx(sm.kv_full(), (kSplitLoads ? 1 : 2) * kKVBytes);
+  if (it0 == 0) {
+    mbar_arrive_expect_tx(sm.kv_full(), (kSplitLoads ? 1 : 2) * kKVBytes);
 #pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    tma_load_4d(sm.k() + c * kKVChunkBytes, map_k, sm.kv_full(), c * kChunkCols, n0, head_kv,
-                batch);
-    if constexpr (!kSplitLoads)
-      tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.kv_full(), c * kChunkCols, n0, head_kv,
+    for (int c = 0; c < kChunks; ++c) {
+      tma_load_4d(sm.k() + c * kKVChunkBytes, map_k, sm.kv_full(), c * kChunkCols, n0, head_kv,
                   batch);
+      if constexpr (!kSplitLoads)
+        tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.kv_full(), c * kChunkCols, n0,
+                    head_kv, batch);
+    }
   }
-  for (int it = 0; it < steps.count(); ++it) {
+  for (int it = it0; it < (kEarly ? min(1, steps.count()) : steps.count()); ++it) {
     const int s = stage_of(it);
     const int h = steps.head(it, head_kv), m0 = steps.m0(it);
     wait<true>(sm.empty(s), parity_of(it) ^ 1, stuck);  // first pass: stages start empty
@@ -1229,6 +1246,10 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     tma_prefetch(map_dk);
     tma_prefetch(map_dv);
 #endif
+#if FC_EARLY_LOADS
+    produce<true>(sm, steps, n0, head_kv, batch, map_q, map_k, map_v, map_do, lse2, delta,
+                  nheads, seqlen_q_pad);
+#endif
   }
   __syncthreads();
 
@@ -1240,7 +1261,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       timeline_mark(timeline, kTlFirstTma);
 #endif
       produce(sm, steps, n0, head_kv, batch, map_q, map_k, map_v, map_do, lse2, delta, nheads,
-              seqlen_q_pad);
+              seqlen_q_pad, FC_EARLY_LOADS);
 #if FC_TIMELINE
       timeline_mark(timeline, kTlProduced);
 #endif
