@@ -269,7 +269,9 @@ constexpr bool kSplitLoads = FC_SPLIT_LOADS;
 // complete_tx on barriers already initialised and fenced; the consumers wait on them only after
 // the __syncthreads). The backward timeline put 0.35 us between a CTA's entry and its first
 // TMA issue and ~1.3 us to K / V's arrival, of a 10-23 us CTA at d64 causal 512-2k (session 37).
-// Not with FC_SPLIT_LOADS or FC_PDL (their first loads differ).
+// Measured (session 37, same process): d64 -0.8 to +0.8%, d128 +0.2 to +1.3% at 512-2k, none
+// beyond the noise: the arrival is the load's own latency. Not with FC_SPLIT_LOADS or FC_PDL
+// (their first loads differ).
 #define FC_EARLY_LOADS 0
 #endif
 static_assert(!(FC_EARLY_LOADS && (FC_SPLIT_LOADS || FC_PDL)),
