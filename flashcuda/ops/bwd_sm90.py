@@ -281,8 +281,8 @@ class Sm90BwdConfig:
     # (key block 0 of every such pair first); dispatch sets it for causal calls at the head dims
     # of LPT_TAIL (the .cu; _build_plan)
     lpt_tail: int = 0
-    # the grid as (KV heads, key blocks, batch) (FC_HEADS_FIRST; grid()); dispatch sets it for
-    # causal calls at HEADS_FIRST_DIMS (heads_first_for), never with lpt_tail
+    # the grid as (G, key blocks, KV heads / G x batch), G = heads_group (FC_HEADS_FIRST; grid());
+    # dispatch sets it for causal calls at HEADS_FIRST_DIMS (heads_first_for), never with lpt_tail
     heads_first: bool = False
     # dK / dV through K's / V's shared tiles and two tensor stores (FC_DKV_TMA; two more tensor
     # maps after map_dq's place: map_dk, map_dv); config_for sets it (DKV_TMA_DIMS, DKV_TMA_ENV)
