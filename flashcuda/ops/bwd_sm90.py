@@ -678,9 +678,8 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
                           **_dq_mode(DQ_DEFAULT[cfg.head_dim]))
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
                                probs_early=None, probs_emu=0, lpt_tail=0, heads_first=False,
-                               dkv_tma=False,
-                               dkv_split=False, split_loads=False, pdl=False, stat_lanes=False,
-                               timeline=False) == plain
+                               dkv_tma=False, dkv_split=False, split_loads=False, pdl=False,
+                               stat_lanes=False, timeline=False) == plain
 
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
@@ -763,16 +762,21 @@ def lpt_tail_for(call: BwdCall, table: dict[int, int] | None = None) -> int:
     """FC_LPT_TAIL's K for `call`: `table` (LPT_TAIL; bwd_sm90_wide passes its own)[head_dim]
     when the mask has a right edge and no left one (causal: the earliest key blocks have the
     most steps), else 0 (every CTA the same work, or a sliding window's, unmeasured)."""
-    if call.window_left is None and call.window_right is not None:
+    if _right_edge_only(call):
         return (LPT_TAIL if table is None else table).get(call.head_dim, 0)
     return 0
+
+
+def _right_edge_only(call: BwdCall) -> bool:
+    """A causal mask (either alignment): a right edge and no left one, so key block 0 has the
+    most steps."""
+    return call.window_left is None and call.window_right is not None
 
 
 def heads_first_for(call: BwdCall) -> bool:
     """Whether `call`'s grid runs heads first (FC_HEADS_FIRST): a causal mask as lpt_tail_for
     reads it, and FLASHCUDA_SM90_BWD_HEADS_FIRST=1 or unset at HEADS_FIRST_DIMS."""
-    causal = call.window_left is None and call.window_right is not None
-    return causal and flag(HEADS_FIRST_ENV, call.head_dim in HEADS_FIRST_DIMS)
+    return _right_edge_only(call) and flag(HEADS_FIRST_ENV, call.head_dim in HEADS_FIRST_DIMS)
 
 
 def heads_group(nheads_kv: int) -> int:

@@ -885,6 +885,17 @@ def _no_epilogue_switches(monkeypatch):
     monkeypatch.setattr(bwd_sm90, "DKV_SPLIT_DIMS", ())
 
 
+def _assert_no_tensor_store_epilogue_without_a_map(monkeypatch, call, d):
+    """With a switch of the tensor-store epilogues on: a dk whose rows TMA cannot address
+    (stride of d + 4 elements, 264 bytes at d128) and the watchdog build both keep the st.global
+    epilogue."""
+    odd = torch.empty(2, 47, 2, d + 4, dtype=torch.bfloat16)[..., :d]
+    assert not bwd_sm90.config_for(dataclasses.replace(call, dk=odd)).dkv_tma
+    monkeypatch.setenv(WATCHDOG_ENV, "1")
+    assert not bwd_sm90.config_for(call).dkv_tma
+    monkeypatch.delenv(WATCHDOG_ENV)
+
+
 def test_dkv_tma_switch(monkeypatch):
     """FLASHCUDA_SM90_BWD_DKV_TMA=1 puts the tensor-store epilogue in the call's MAIN config
     (named _dkvt, FC_DKV_TMA=1, part of the plan key) — the same kernel otherwise, still the
@@ -901,12 +912,7 @@ def test_dkv_tma_switch(monkeypatch):
         assert on == dataclasses.replace(off, dkv_tma=True) and on.name == off.name + "_dkvt"
         assert dict(on.spec().defines)["FC_DKV_TMA"] == "1"
         assert bwd_sm90.is_default_kernel(on) and bwd_sm90._plan_key(call) != key
-        # a dk whose rows TMA cannot address (stride of 132 elements: 264 bytes)
-        odd = torch.empty(2, 47, 2, d + 4, dtype=torch.bfloat16)[..., :d]
-        assert not bwd_sm90.config_for(dataclasses.replace(call, dk=odd)).dkv_tma
-        monkeypatch.setenv(WATCHDOG_ENV, "1")
-        assert not bwd_sm90.config_for(call).dkv_tma
-        monkeypatch.delenv(WATCHDOG_ENV)
+        _assert_no_tensor_store_epilogue_without_a_map(monkeypatch, call, d)
         monkeypatch.setenv(bwd_sm90.DKV_TMA_ENV, "0")
         assert bwd_sm90.config_for(call) == off
         monkeypatch.setattr(bwd_sm90, "DKV_TMA_DIMS", (d,))
@@ -937,11 +943,7 @@ def test_dkv_split_switch(monkeypatch):
         assert on == dataclasses.replace(off, dkv_tma=True, dkv_split=True)
         assert on.name == off.name + "_dkvts" and dict(on.spec().defines)["FC_DKV_TMA"] == "2"
         assert bwd_sm90.is_default_kernel(on)
-        odd = torch.empty(2, 47, 2, d + 4, dtype=torch.bfloat16)[..., :d]
-        assert not bwd_sm90.config_for(dataclasses.replace(call, dk=odd)).dkv_tma
-        monkeypatch.setenv(WATCHDOG_ENV, "1")
-        assert not bwd_sm90.config_for(call).dkv_tma
-        monkeypatch.delenv(WATCHDOG_ENV)
+        _assert_no_tensor_store_epilogue_without_a_map(monkeypatch, call, d)
         monkeypatch.setenv(bwd_sm90.DKV_SPLIT_ENV, "0")
         assert bwd_sm90.config_for(call) == off
         monkeypatch.setenv(bwd_sm90.DKV_SPLIT_ENV, "2")
@@ -1081,23 +1083,20 @@ def test_heads_first_switch(monkeypatch):
         bwd_sm90.config_for(_call())
 
 
-def test_heads_group():
+def test_heads_group(monkeypatch):
     """FC_HEADS_FIRST's group of KV heads: the largest divisor up to HEADS_GROUP (8), or
     FLASHCUDA_SM90_BWD_HEADS_GROUP; the grid covers every (key block, KV head, batch) once as
     heads_first_coord (block_order.cuh) reads it, each group's key block 0 first."""
-    import os
-
+    env = bwd_sm90.HEADS_GROUP_ENV
+    monkeypatch.delenv(env, raising=False)
     assert [bwd_sm90.heads_group(h) for h in (1, 2, 5, 6, 8, 12, 16, 32, 40)] == \
         [1, 2, 5, 6, 8, 6, 8, 8, 8]
-    env = bwd_sm90.HEADS_GROUP_ENV
-    try:
-        os.environ[env] = "32"
-        assert bwd_sm90.heads_group(32) == 32 and bwd_sm90.heads_group(48) == 24
-        os.environ[env] = "0"
-        with pytest.raises(ValueError, match=env):
-            bwd_sm90.heads_group(8)
-    finally:
-        os.environ.pop(env, None)
+    monkeypatch.setenv(env, "32")
+    assert bwd_sm90.heads_group(32) == 32 and bwd_sm90.heads_group(48) == 24
+    monkeypatch.setenv(env, "0")
+    with pytest.raises(ValueError, match=env):
+        bwd_sm90.heads_group(8)
+    monkeypatch.delenv(env)
     cfg = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, 64), heads_first=True)
     for b, sk, hkv in ((3, 700, 12), (2, 300, 5), (1, 129, 16)):
         call = _call(B=b, Sk=sk, H=hkv, Hkv=hkv, D=64)
