@@ -73,7 +73,7 @@ import torch
 from .._env import env_names, env_values, flag, switched_on
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, launch_stream, register
 from ..jit.tensor_map import MAX_DIM, bshd_map, bshd_problem, rows_f32_map
-from . import bwd_sm80
+from . import bwd_sm80, wave_split
 from .call import (
     DTYPE_CODE,
     DTYPE_NAME,
@@ -165,6 +165,13 @@ PDL_DIMS: tuple[int, ...] = ()
 # (session 36: -1.7 to +1.0% at d64 / d128 512-2k, none beyond p10-p90)
 STAT_LANES_ENV = "FLASHCUDA_SM90_BWD_STAT_LANES"
 STAT_LANES_DIMS: tuple[int, ...] = ()
+# The last-wave split (FC_WAVE_SPLIT, the .cu; wave_split.py): the last wave's work items run as
+# pieces of their steps in a second kernel, MAIN's programmatic dependent, at these head dims;
+# FLASHCUDA_SM90_BWD_WAVE_SPLIT=0 / 1 off / on (A/B). FLASHCUDA_SM90_BWD_WAVE_SMS=n plans it for
+# n SMs instead of the GPU's (tests: MAIN and the pieces both at small sizes).
+WAVE_SPLIT_ENV = "FLASHCUDA_SM90_BWD_WAVE_SPLIT"
+WAVE_SPLIT_DIMS: tuple[int, ...] = ()
+WAVE_SMS_ENV = "FLASHCUDA_SM90_BWD_WAVE_SMS"
 SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T rows each)
 SWAP_DIMS = (128,)
 SWAP_MIN_SEQLEN_Q = 2048
@@ -300,6 +307,11 @@ class Sm90BwdConfig:
     # lse2 / delta in the consumer lanes' order (FC_STAT_LANES here and in PRE); config_for sets
     # it (STAT_LANES_DIMS, STAT_LANES_ENV)
     stat_lanes: bool = False
+    # the last-wave split (FC_WAVE_SPLIT): 1 MAIN, whose CTAs from its main_ctas argument on exit
+    # and which triggers its dependents; 2 the pieces kernel (three more pointers after dv: the
+    # piece table, the fp32 dK / dV sums, the step counters); _build_plan sets both
+    # (wave_split_for, wave_split.plan)
+    wave_split: int = 0
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
     defines: tuple = ()
@@ -380,6 +392,14 @@ class Sm90BwdConfig:
                              "reductions are red.v4 ones), got True")
         if self.stages < 1:
             raise ValueError(f"Sm90BwdConfig.stages: expected >= 1, got {self.stages}")
+        if self.wave_split not in (0, 1, 2):
+            raise ValueError(f"Sm90BwdConfig.wave_split: expected 0, 1 or 2, got "
+                             f"{self.wave_split}")
+        if self.wave_split and (self.timeline or self.dkv_tma or self.lpt_tail
+                                or self.heads_first or self.pdl):
+            raise ValueError("Sm90BwdConfig.wave_split: expected 0 with timeline, dkv_tma, "
+                             "lpt_tail, heads_first or pdl (blockIdx order, the default "
+                             "epilogue, MAIN after PRE)")
         if self.heads_first and self.lpt_tail:
             raise ValueError(f"Sm90BwdConfig.heads_first: expected False with lpt_tail "
                              f"{self.lpt_tail} (heads first orders the whole grid)")
@@ -455,6 +475,7 @@ class Sm90BwdConfig:
                 + ("_dkvt" if self.dkv_tma else "") + ("s" if self.dkv_split else "")
                 + ("_spl" if self.split_loads else "")
                 + ("_pdl" if self.pdl else "") + ("_sl" if self.stat_lanes else "")
+                + (f"_ws{self.wave_split}" if self.wave_split else "")
                 + ("_tl" if self.timeline else "")
                 + defines_suffix(self.defines))
 
@@ -494,6 +515,7 @@ class Sm90BwdConfig:
             **({"FC_SPLIT_LOADS": 1} if self.split_loads else {}),
             **({"FC_PDL": 1} if self.pdl else {}),
             **({"FC_STAT_LANES": 1} if self.stat_lanes else {}),
+            **({"FC_WAVE_SPLIT": self.wave_split} if self.wave_split else {}),
             **dict(self.defines),
         })
 
@@ -602,6 +624,9 @@ def configs() -> list[Sm90BwdConfig]:
     out += [dataclasses.replace(c, split_loads=True) for c in dkv]  # (FC_SPLIT_LOADS: the same)
     out += [dataclasses.replace(c, pdl=True) for c in dkv]  # (FC_PDL: the same)
     out += [dataclasses.replace(c, stat_lanes=True) for c in dkv]  # (FC_STAT_LANES: the same)
+    # the last-wave split's MAIN and pieces kernels (FC_WAVE_SPLIT; WAVE_SPLIT_DIMS /
+    # FLASHCUDA_SM90_BWD_WAVE_SPLIT) of those kernels in blockIdx order
+    out += [dataclasses.replace(c, wave_split=w) for c in dkv if not c.lpt_tail for w in (1, 2)]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
@@ -679,7 +704,7 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
                                probs_early=None, probs_emu=0, lpt_tail=0, heads_first=False,
                                dkv_tma=False, dkv_split=False, split_loads=False, pdl=False,
-                               stat_lanes=False, timeline=False) == plain
+                               stat_lanes=False, timeline=False, wave_split=0) == plain
 
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
@@ -787,6 +812,39 @@ def heads_group(nheads_kv: int) -> int:
         raise ValueError(f"{HEADS_GROUP_ENV}: expected a positive integer, got {raw!r}")
     cap = int(raw) if raw else HEADS_GROUP
     return max(g for g in range(1, min(cap, nheads_kv) + 1) if nheads_kv % g == 0)
+
+
+def wave_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
+    """Whether `call`'s MAIN kernel `cfg` may leave its last wave to the pieces kernel
+    (FC_WAVE_SPLIT; wave_plan decides whether it does): FLASHCUDA_SM90_BWD_WAVE_SPLIT=1, or unset
+    at WAVE_SPLIT_DIMS, for a kernel in blockIdx order with the default epilogue, after PRE."""
+    return flag(WAVE_SPLIT_ENV, call.head_dim in WAVE_SPLIT_DIMS) and not (
+        cfg.timeline or cfg.dkv_tma or cfg.lpt_tail or cfg.heads_first or cfg.pdl)
+
+
+def wave_sms(call: BwdCall) -> int:
+    """The SMs the split plans for: the GPU's, or FLASHCUDA_SM90_BWD_WAVE_SMS (a positive
+    integer; tests)."""
+    raw = os.environ.get(WAVE_SMS_ENV, "").strip()
+    if raw:
+        if not (raw.isdigit() and int(raw) > 0):
+            raise ValueError(f"{WAVE_SMS_ENV}: expected a positive integer, got {raw!r}")
+        return int(raw)
+    return torch.cuda.get_device_properties(_device_index(call)).multi_processor_count
+
+
+def wave_plan(call: BwdCall, cfg: Sm90BwdConfig, sms: int) -> wave_split.WavePlan | None:
+    """wave_split.plan of `call`'s grid under `cfg` (blockIdx order: key block fastest) on `sms`
+    SMs: each work item's steps are its key block's query blocks times the query heads per KV
+    head."""
+    blocks, _, _ = cfg.grid(call)
+    total = blocks * call.nheads_kv * call.batch
+    wl, wr = (int(w) for w in kernel_windows(call.seqlen_q, call.seqlen_k, call.window_left,
+                                             call.window_right))
+    group = call.nheads // call.nheads_kv
+    per_block = [wave_split.query_blocks(call.seqlen_q, call.seqlen_k, wl, wr, cfg.block_m,
+                                         cfg.block_n, n) * group for n in range(blocks)]
+    return wave_split.plan(total, lambda item: per_block[item % blocks], sms)
 
 
 def enabled() -> bool:
@@ -907,12 +965,17 @@ class _Plan:
     pre: PreparedLaunch  # out, dout, lse, lse2, delta, dq_accum
     main: PreparedLaunch  # map_q, map_k, map_v, map_dout, lse2, delta, dq_accum, dk, dv
     convert: PreparedLaunch  # dq_accum, dq
+    # the last-wave split (FC_WAVE_SPLIT): the plan, the pieces kernel's launch (MAIN's pointers,
+    # then table, part, part_steps) and its piece table (int32 [pieces, 4] on the device)
+    wave: wave_split.WavePlan | None = None
+    pieces: PreparedLaunch | None = None
+    table: torch.Tensor | None = None
 
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
                     STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
                     DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV, STAT_LANES_ENV, DKV_SPLIT_ENV,
-                    HEADS_FIRST_ENV, HEADS_GROUP_ENV)
+                    HEADS_FIRST_ENV, HEADS_GROUP_ENV, WAVE_SPLIT_ENV, WAVE_SMS_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -929,6 +992,9 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     cfg = config_for(call)
     if timeline:
         cfg = dataclasses.replace(cfg, timeline=True)
+    wave = wave_plan(call, cfg, wave_sms(call)) if wave_split_for(call, cfg) else None
+    if wave is not None:
+        cfg = dataclasses.replace(cfg, wave_split=1)
     aux = cfg.aux()
     b, sq, h = call.batch, call.seqlen_q, call.nheads
     sq_pad = cfg.seqlen_pad(sq)
@@ -944,6 +1010,14 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         main_maps += main_maps[:1]
     if cfg.dkv_tma:  # map_dk, map_dv
         main_maps += main_maps[:2]
+    pieces = table = None
+    if wave is not None:
+        pieces = PreparedLaunch(get_kernel(dataclasses.replace(cfg, wave_split=2).spec(), dev),
+                                (len(wave.pieces), 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
+                                main_maps + (t,) * 8 + main_args, fixed=len(main_args),
+                                programmatic=wave.main_ctas > 0)
+        table = torch.tensor(wave.pieces, dtype=torch.int32, device=dev)
+        main_args += (np.int32(wave.main_ctas),)
     return _Plan(
         cfg, sq_pad,
         pre=PreparedLaunch(get_kernel(aux.pre_spec(pdl_trigger=cfg.pdl,
@@ -957,7 +1031,8 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
                             fixed=len(main_args), programmatic=cfg.pdl),
         convert=PreparedLaunch(get_kernel(convert_spec(cfg), dev),
                                (-(-sq // convert_rows(cfg)), h, b), (bwd_sm80.AUX_THREADS,), 0,
-                               (t,) * 2 + convert_args, fixed=len(convert_args)))
+                               (t,) * 2 + convert_args, fixed=len(convert_args)),
+        wave=wave, pieces=pieces, table=table)
 
 
 def convert_spec(cfg: Sm90BwdConfig) -> KernelSpec:
@@ -1003,7 +1078,15 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
     if cfg.dkv_tma:
         rows = DKV_SPLIT_ROWS if cfg.dkv_split else cfg.block_n
         maps += (bshd_map(call.dk, rows).raw, bshd_map(call.dv, rows).raw)
-    if timeline is None:
+    if plan.wave is not None:  # MAIN's first main_ctas CTAs, the rest as pieces
+        grads = plan.wave.slots * 2 * cfg.block_n * cfg.head_dim  # fp32 dK / dV sums per slot
+        part = torch.zeros(grads + plan.wave.slots, dtype=torch.float32, device=call.device)
+        pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
+        if plan.wave.main_ctas:
+            plan.main(*maps, *pointers, handle=handle)
+        plan.pieces(*maps, *pointers, plan.table.data_ptr(), part.data_ptr(),
+                    part.data_ptr() + 4 * grads, handle=handle)
+    elif timeline is None:
         plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr(),
                   handle=handle)
     else:

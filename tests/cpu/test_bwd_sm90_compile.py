@@ -21,7 +21,7 @@ import torch
 from flashcuda.jit import all_variants, compile_spec
 from flashcuda.jit.runtime import pack_args
 from flashcuda.jit.tensor_map import TensorMap
-from flashcuda.ops import bwd_sm90, dispatch
+from flashcuda.ops import bwd_sm90, dispatch, wave_split
 from flashcuda.ops.bwd_sm90 import (
     DQ_ENV,
     DS_ENV,
@@ -1114,6 +1114,91 @@ def test_heads_group(monkeypatch):
         for start in range(0, len(got), gx * gy):
             blocks = [n for n, _, _ in got[start:start + gx * gy]]
             assert blocks == sorted(blocks)
+
+
+# ---- FC_WAVE_SPLIT (session 38) --------------------------------------------------------------------
+
+def test_wave_split_main_keeps_the_consumers_loop(builds, tmp_path):
+    """The split's MAIN (FC_WAVE_SPLIT=1) is the default kernel with an early exit for the CTAs
+    the pieces take and the dependents' trigger at its start: its consumers' loop is the
+    default's, R2UR for R2UR. The pieces kernel (=2) sums dK / dV with 16-byte fp32 reductions,
+    counts steps with one atomic, waits for MAIN (griddepcontrol.wait: ACQBULK) and builds
+    clean (both in configs()). Both refuse the features that reorder the grid or change the
+    epilogue."""
+    names = {c.name for c in bwd_sm90.configs()}
+    for d in (64, 128):
+        base = bwd_sm90.select_config(torch.bfloat16, d)
+        main, pieces = (dataclasses.replace(base, wave_split=w) for w in (1, 2))
+        assert main.name == base.name + "_ws1" and pieces.name == base.name + "_ws2"
+        assert {main.name, pieces.name} <= names
+        main_sass, plain = clean_sass(main, tmp_path), clean_sass(base, tmp_path)
+        loop, plain_loop = _gemm_region(main_sass), _gemm_region(plain)
+        assert len(plain_loop) <= len(loop) <= len(plain_loop) + 4
+        assert loop.count("R2UR") == plain_loop.count("R2UR")
+        assert "PREEXIT" in main_sass and "PREEXIT" not in plain
+        sass = clean_sass(pieces, tmp_path)
+        assert sass.count("REDG.E.ADD.F32x4") == d // 4  # dK and dV: d / 8 float4 each
+        assert sass.count("ATOMG.E.ADD") == 1 and "ACQBULK" in sass
+        for other in ({"timeline": True}, {"dkv_tma": True}, {"lpt_tail": 8},
+                      {"heads_first": True}, {"pdl": True}):
+            with pytest.raises(ValueError, match="wave_split"):
+                dataclasses.replace(base, wave_split=1, **other)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_wave_split_parameter_offsets_match_pack_args(builds, tmp_path, split):
+    """MAIN's extra trailing int32 (main_ctas) and the pieces kernel's three pointers after dv
+    (table, part, part_steps), as _build_plan lays out its launches."""
+    cfg = next(c for c in bwd_sm90.configs() if c.wave_split == split)
+    table = param_table(builds[cfg.name].cubin, tmp_path)
+    m = TensorMap(b"\0" * 128)
+    i32, i64 = np.int32(0), np.int64(0)
+    maps = (m,) * (4 + cfg.dq_tma)
+    args = (*maps, *(None,) * (8 if split == 2 else 5), i64, i64, i64, i64, i64, i64, i32, i32,
+            i32, i32, i32, np.float32(0), np.float32(0), i32, i32, *((i32,) if split == 1 else ()))
+    _, offsets = pack_args("k", args)
+    assert len(table) == len(args)
+    assert [table[i][0] - table[0][0] for i in range(len(args))] == list(offsets)
+
+
+def test_wave_split_switch(monkeypatch):
+    """FLASHCUDA_SM90_BWD_WAVE_SPLIT=1 lets a call's plan split its last wave (the plan key holds
+    it and FLASHCUDA_SM90_BWD_WAVE_SMS); 0 or unset (WAVE_SPLIT_DIMS) do not; never with the
+    causal tail, heads first, the tensor-store epilogue or PDL. wave_plan cuts a call's grid as
+    wave_split.plan does, each item's steps its key block's query blocks times the group."""
+    _no_epilogue_switches(monkeypatch)
+    for env in (bwd_sm90.WAVE_SPLIT_ENV, bwd_sm90.WAVE_SMS_ENV, bwd_sm90.HEADS_FIRST_ENV,
+                bwd_sm90.PDL_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(bwd_sm90, "WAVE_SPLIT_DIMS", ())
+    call = _call(B=2, Sq=300, Sk=700, H=4, Hkv=2, D=64)  # causal; 6 key blocks, 24 items
+    full = dataclasses.replace(call, window_right=None)
+    cfg = bwd_sm90.config_for(full)
+    key = bwd_sm90._plan_key(full)
+    assert not bwd_sm90.wave_split_for(full, cfg)
+    monkeypatch.setenv(bwd_sm90.WAVE_SPLIT_ENV, "1")
+    assert bwd_sm90.wave_split_for(full, cfg) and bwd_sm90._plan_key(full) != key
+    for other in ({"lpt_tail": 8}, {"heads_first": True}, {"dkv_tma": True}, {"pdl": True},
+                  {"timeline": True}):
+        assert not bwd_sm90.wave_split_for(full, dataclasses.replace(cfg, **other))
+    monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "10")
+    assert bwd_sm90.wave_sms(full) == 10
+    plan = bwd_sm90.wave_plan(full, cfg, 10)  # 24 items: 4 left after 2 waves, 2 pieces each
+    assert plan.main_ctas == 20 and plan.slots == 4 and len(plan.pieces) == 8
+    assert all(b - a == 3 for _, a, b, _ in plan.pieces)  # 6 steps: 3 query blocks x 2 heads
+    causal = bwd_sm90.wave_plan(call, bwd_sm90.config_for(call), 10)  # items 20..23: blocks 2..5
+    steps = {s: max(b for _, _, b, t in causal.pieces if t == s) for s in range(4)}
+    wl, wr = (int(w) for w in bwd_sm90.kernel_windows(300, 700, None, 0))
+    assert steps == {s: 2 * wave_split.query_blocks(300, 700, wl, wr, 128, 128, 2 + s)
+                     for s in range(4)}
+    monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "-2")
+    with pytest.raises(ValueError, match=bwd_sm90.WAVE_SMS_ENV):
+        bwd_sm90.wave_sms(full)
+    monkeypatch.setenv(bwd_sm90.WAVE_SPLIT_ENV, "0")
+    monkeypatch.setattr(bwd_sm90, "WAVE_SPLIT_DIMS", (64,))
+    assert not bwd_sm90.wave_split_for(full, cfg)
+    monkeypatch.delenv(bwd_sm90.WAVE_SPLIT_ENV)
+    assert bwd_sm90.wave_split_for(full, cfg)
 
 
 # ---- FC_PROBS_EARLY (session 23) -------------------------------------------------------------------

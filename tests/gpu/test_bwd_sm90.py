@@ -25,6 +25,7 @@ dK / dV with NaN (a failing test) instead of hanging the GPU (scripts/sm90_bwd_b
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -42,9 +43,9 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True,
-                params=["default", "dkvt", "dkvs", "hf", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
+                params=["default", "dkvt", "dkvs", "hf", "ws", "ws5", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
                         "mn-warp", "mn-warpflat", "mn-tma", "mn--s3", "mn--noearly"],
-                ids=["default", "dkvt", "dkvs", "hf", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
+                ids=["default", "dkvt", "dkvs", "hf", "ws", "ws5", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
                      "dq-warpflat", "dq-tma", "stages3", "dq-noearly"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
@@ -58,22 +59,27 @@ def _enable_sm90_bwd(monkeypatch, request):
     "dkvt": those kernels with dK / dV stored through shared memory by tensor maps
     (FLASHCUDA_SM90_BWD_DKV_TMA=1; FC_DKV_TMA); "dkvs": that epilogue per consumer, dV first
     (FLASHCUDA_SM90_BWD_DKV_SPLIT=1; FC_DKV_TMA=2); "hf": causal grids launched heads first
-    (FLASHCUDA_SM90_BWD_HEADS_FIRST=1; FC_HEADS_FIRST); "spl": those kernels in FlashAttention 4's load
+    (FLASHCUDA_SM90_BWD_HEADS_FIRST=1; FC_HEADS_FIRST); "ws": the last wave split into pieces
+    (FLASHCUDA_SM90_BWD_WAVE_SPLIT=1; FC_WAVE_SPLIT: at these sizes every work item is in the
+    last wave, so the pieces kernel runs them all); "ws5": the same planned for 5 SMs
+    (FLASHCUDA_SM90_BWD_WAVE_SMS=5: MAIN's CTAs, then the pieces as its dependents); "spl": those kernels in FlashAttention 4's load
     order (FLASHCUDA_SM90_BWD_SPLIT_LOADS=1; FC_SPLIT_LOADS); "pdl": MAIN launched as PRE's
     programmatic dependent (FLASHCUDA_SM90_BWD_PDL=1; FC_PDL); "stl": lse2 / delta in the
     consumer lanes' order (FLASHCUDA_SM90_BWD_STAT_LANES=1; FC_STAT_LANES, PRE permuting)."""
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     switches = {"dkvt": bwd_sm90.DKV_TMA_ENV, "dkvs": bwd_sm90.DKV_SPLIT_ENV,
-                "hf": bwd_sm90.HEADS_FIRST_ENV,
-                "spl": bwd_sm90.SPLIT_LOADS_ENV, "pdl": bwd_sm90.PDL_ENV,
+                "hf": bwd_sm90.HEADS_FIRST_ENV, "ws": bwd_sm90.WAVE_SPLIT_ENV,
+                "ws5": bwd_sm90.WAVE_SPLIT_ENV, "spl": bwd_sm90.SPLIT_LOADS_ENV, "pdl": bwd_sm90.PDL_ENV,
                 "stl": bwd_sm90.STAT_LANES_ENV}  # (the defaults with one 0 / 1 switch on)
     if request.param == "default" or request.param in switches:
         for env in (bwd_sm90.DS_ENV, bwd_sm90.DQ_ENV, bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV,
                     bwd_sm90.DQ_EARLY_ENV, bwd_sm90.SWAP_ENV, bwd_sm90.WATCHDOG_ENV,
-                    bwd_sm90.FENCE_ENV, *switches.values()):
+                    bwd_sm90.FENCE_ENV, bwd_sm90.WAVE_SMS_ENV, *switches.values()):
             monkeypatch.delenv(env, raising=False)
         if request.param in switches:
             monkeypatch.setenv(switches[request.param], "1")
+        if request.param == "ws5":
+            monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "5")
     else:
         ds, dq, *flags = (request.param + "-").split("-")[:4]
         monkeypatch.setenv(bwd_sm90.DS_ENV, ds)
@@ -255,6 +261,38 @@ def test_causal_heads_first_in_groups(monkeypatch, group):
     cfg = bwd_sm90._plan(call).cfg
     g = min(int(group), 6)
     assert cfg.heads_first and cfg.grid(call) == (g, 6, 6 // g * 3)
+
+
+WAVE_CASES = [  # (B, Sq, Sk, H, Hkv, D, window, SMs)
+    (2, 700, 700, 4, 2, 64, FULL, 10),        # 24 items: 20 in MAIN, 4 x 2 pieces of 6 steps
+    (3, 300, 1000, 6, 2, 128, CAUSAL, 22),    # GQA 3:1, 48 items: 44 + 4 x up to 5 pieces
+    (1, 2048, 2048, 2, 1, 64, FULL, 11),      # 16 items: 11 + 5 x 2 pieces of 16 steps
+    (2, 1000, 333, 3, 3, 128, (100, 20), 4),  # sliding window, ragged: 18 items, 16 + 2 x 2
+    (1, 143, 2048, 1, 1, 64, CAUSAL, 200),    # 16 items < 200 SMs: all pieces, no MAIN
+]
+
+
+@pytest.mark.parametrize("case", WAVE_CASES, ids=[f"case{i}" for i in range(len(WAVE_CASES))])
+def test_wave_split_main_and_pieces(monkeypatch, case):
+    """The last-wave split planned for a few SMs (FLASHCUDA_SM90_BWD_WAVE_SMS), so that MAIN runs
+    the first items and the pieces kernel (its programmatic dependent) the rest, cut unevenly
+    where the steps do not divide: every dK / dV row lands once, summed over its pieces; dQ from
+    both kernels. Runs under the "ws" parameter only."""
+    if os.environ.get(bwd_sm90.WAVE_SPLIT_ENV) != "1" or os.environ.get(bwd_sm90.WAVE_SMS_ENV):
+        pytest.skip("runs under the ws fixture parameter")
+    b, sq, sk, h, hkv, d, window, sms = case
+    monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, str(sms))
+    q, k, v, dout = make(b, sq, sk, h, hkv, d, BF16, seed=sq + sk + sms)
+    check(q, k, v, dout, window)
+    lse = torch.zeros(b, h, sq, device="cuda", dtype=torch.float32)
+    call = BwdCall(q, k, v, torch.empty_like(q), dout, lse, torch.empty_like(q),
+                   torch.empty_like(k), torch.empty_like(v), 0.1, *window, False)
+    plan = bwd_sm90._plan(call)
+    items = -(-sk // 128) * hkv * b
+    expect = bwd_sm90.wave_plan(call, dataclasses.replace(plan.cfg, wave_split=0), sms)
+    assert expect is not None and plan.wave == expect and plan.cfg.wave_split == 1
+    assert plan.wave.main_ctas == (items // sms) * sms
+    assert plan.table.tolist() == [list(p) for p in plan.wave.pieces]
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])

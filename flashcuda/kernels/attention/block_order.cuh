@@ -73,3 +73,10 @@ __device__ __forceinline__ BlockCoord cta_coord(int nheads_kv) {
     return heads_first_coord(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, nheads_kv);
   return block_coord<kTail>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, gridDim.z);
 }
+
+// FC_WAVE_SPLIT's pieces: the (key block, KV head, batch) of work item `item` of the grid (key
+// blocks, KV heads, batch) in blockIdx order
+__device__ __forceinline__ BlockCoord item_coord(int item, int key_blocks, int nheads_kv) {
+  const int pair = item / key_blocks;
+  return {item - pair * key_blocks, pair % nheads_kv, pair / nheads_kv};
+}

@@ -551,6 +551,27 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 // Measured as noise (session 34: -0.6 to +0.9%).
 #define FC_DQ_END_READ 0
 #endif
+#ifndef FC_WAVE_SPLIT
+// The last-wave split (Sm90BwdConfig.wave_split, bwd_sm90.wave_plan; 0: off). A grid of T work
+// items on S SMs (one CTA each) runs T / S full waves and a last one of r = T mod S CTAs, during
+// which S - r SMs idle (timelines, session 37: 1.5-3.3% of the d64 calls). With the split the
+// host launches two kernels built from this file:
+//   1  MAIN: the grid as always, but CTAs at or past `main_ctas` in blockIdx order exit at once,
+//      and every CTA triggers its programmatic dependents at its start;
+//   2  PIECES: launched as MAIN's programmatic dependent (it starts once every MAIN CTA has
+//      started, on the SMs MAIN's last wave frees), one CTA per piece of the host's table:
+//      item `item` (a work item >= main_ctas, in blockIdx order) over its steps [step0, step_end)
+//      only. A piece reduces its dK (unscaled) and dV in fp32 into its item's slot of `part`
+//      (red.global.add.v4, each thread's registers in their own order: 16-byte reductions, a
+//      warp's 512 contiguous bytes), then adds its step count to the slot's counter; the piece
+//      that brings the counter to the item's step count read the sums back into its
+//      accumulators and runs the epilogue. `part` and the counters are zeroed per call.
+// dQ: every piece reduces its steps' dQ into dq_accum as MAIN does. A piece's thread 64 (an idle
+// producer warp) waits for MAIN's completion (griddepcontrol.wait) before the CTA exits, so the
+// next kernel in the stream (CONVERT) starts after both.
+#define FC_WAVE_SPLIT 0
+#endif
+static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 2, "FC_WAVE_SPLIT: 0, 1 (MAIN) or 2");
 // FC_LPT_TAIL (attention/block_order.cuh, default 0) = K > 0: the CTAs of the last K (KV head,
 // batch) pairs of the grid run longest-first across those pairs — key block 0 of all K pairs,
 // then key block 1, ... — instead of pair after pair; the rest of the grid keeps blockIdx order
@@ -568,6 +589,9 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
+static_assert(!FC_WAVE_SPLIT || !(FC_TIMELINE || FC_DKV_TMA || FC_EARLY_LOADS || FC_LPT_TAIL ||
+                                  FC_HEADS_FIRST || FC_PDL),
+              "FC_WAVE_SPLIT: blockIdx order and the default epilogue, MAIN after PRE");
 #if FC_TIMELINE
 // ---- timeline: where a CTA's time goes (profiling variant) -------------------------------------
 // Record of CTA (x, y, z) at (x + gridDim.x (y + gridDim.y z)) * kTimelineWords of the buffer,
@@ -605,6 +629,12 @@ __device__ __forceinline__ void timeline_mark(uint64_t* timeline, int word) {
 #endif
 
 __device__ __forceinline__ int stage_of(int it) { return it % kStages; }
+// The CTA's steps: its piece's `count` (FC_WAVE_SPLIT = 2), else all of its item's. (MAIN asks
+// steps.count() where it needs it rather than keeping it from the start, as before the split: a
+// value held from the kernel's start moved ptxas's uniform registers around.)
+__device__ __forceinline__ int own_steps(const Steps& steps, int count) {
+  return FC_WAVE_SPLIT == 2 ? count : steps.count();
+}
 __device__ __forceinline__ uint32_t parity_of(int it) { return (it / kStages) & 1; }
 
 // ---- producer: one thread issues every TMA load -------------------------------------------------
@@ -615,7 +645,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
                                         int batch, const TmaMap& map_q, const TmaMap& map_k,
                                         const TmaMap& map_v, const TmaMap& map_do,
                                         const float* lse2, const float* delta, int nheads,
-                                        int seqlen_q_pad, int it0 = 0) {
+                                        int seqlen_q_pad, int step0, int count, int it0 = 0) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
   if (it0 == 0) {
     mbar_arrive_expect_tx(sm.kv_full(), (kSplitLoads ? 1 : 2) * kKVBytes);
@@ -628,9 +658,10 @@ __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int 
                     head_kv, batch);
     }
   }
-  for (int it = it0; it < (kEarly ? min(1, steps.count()) : steps.count()); ++it) {
+  const int n = own_steps(steps, count);
+  for (int it = it0; it < (kEarly ? min(1, n) : n); ++it) {  // (it: the CTA's own step)
     const int s = stage_of(it);
-    const int h = steps.head(it, head_kv), m0 = steps.m0(it);
+    const int h = steps.head(step0 + it, head_kv), m0 = steps.m0(step0 + it);
     wait<true>(sm.empty(s), parity_of(it) ^ 1, stuck);  // first pass: stages start empty
     if constexpr (kSplitLoads) {
       const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
@@ -703,9 +734,10 @@ __device__ __forceinline__ void release(uint32_t bar) {
 // (dq_empty). The reductions run beside the consumers' next step; only their issue and the read
 // wait are this warp's. Before returning, every reduction is complete (not only read): no bulk
 // operation outlives the CTA's shared memory.
-__device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int head_kv,
-                                         int batch, float* dq_accum, const TmaMap* map_dq,
-                                         int nheads, int seqlen_q_pad, int lane) {
+__device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int step0, int count,
+                                         int head_kv, int batch, float* dq_accum,
+                                         const TmaMap* map_dq, int nheads, int seqlen_q_pad,
+                                         int lane) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
   if constexpr (FC_PDL) griddepcontrol_wait();  // dq_accum zeroed by PRE
   if constexpr (FC_DQ_FRAG) {
@@ -713,8 +745,8 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
     // of its tile, then its buffer back once the reduction has read it; the other consumer is not
     // waited for.
     const int tiles_m = seqlen_q_pad / kBlockM;  // the host pads Sq to whole query blocks
-    for (int it = 0; it < steps.count(); ++it) {
-      const int h = steps.head(it, head_kv), m0 = steps.m0(it);
+    for (int it = 0; it < own_steps(steps, count); ++it) {
+      const int h = steps.head(step0 + it, head_kv), m0 = steps.m0(step0 + it);
       const int64_t tile =
           ((static_cast<int64_t>(batch) * nheads + h) * tiles_m + m0 / kBlockM) * kConsumers;
 #pragma unroll
@@ -734,8 +766,8 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
       if constexpr (FC_DQ_END_READ) bulk_wait_group_read<0>(); else bulk_wait_group<0>();
     }
   } else {
-    for (int it = 0; it < steps.count(); ++it) {
-      const int h = steps.head(it, head_kv), m0 = steps.m0(it);
+    for (int it = 0; it < own_steps(steps, count); ++it) {
+      const int h = steps.head(step0 + it, head_kv), m0 = steps.m0(step0 + it);
       wait(sm.dq_full(), it & 1, stuck);
       const int64_t row0 = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
       if constexpr (FC_DQ_TMA) {
@@ -1216,10 +1248,23 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_TIMELINE
                uint64_t* __restrict__ timeline,  // [gridDim.z][.y][.x][kTimelineWords]
 #endif
+#if FC_WAVE_SPLIT == 2
+               const int4* __restrict__ pieces,  // [gridDim.x]: item, step0, step_end, slot
+               float* __restrict__ part,         // [slots][2][kConsumers][kHeadDim / 2][128]
+               int* __restrict__ part_steps,     // [slots] (zeroed): steps summed so far
+#endif
                int64_t dk_sb, int64_t dk_ss, int64_t dk_sh, int64_t dv_sb, int64_t dv_ss,
                int64_t dv_sh, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                int seqlen_q_pad, float scale_log2, float softmax_scale, int window_left,
-               int window_right) {
+               int window_right
+#if FC_WAVE_SPLIT == 1
+               , int main_ctas  // CTAs from here on in blockIdx order: the pieces' items
+#endif
+               ) {
+#if FC_WAVE_SPLIT == 1
+  if (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) >= main_ctas) return;
+  griddepcontrol_launch_dependents();  // the pieces may start once every CTA got here
+#endif
 #if FC_TIMELINE
   if (threadIdx.x == 128) timeline_mark(timeline, kTlEntry);
 #endif
@@ -1231,9 +1276,20 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
   // the CTA's work item: its key block, KV head and batch, and the steps that see the key block
+  // (FC_WAVE_SPLIT = 2: its piece's item and steps [step0, step0 + count) of them)
+#if FC_WAVE_SPLIT == 2
+  const int4 piece = pieces[blockIdx.x];
+  const BlockCoord blk = item_coord(piece.x, (seqlen_k + kBlockN - 1) / kBlockN, nheads_kv);
+#else
   const BlockCoord blk = cta_coord<FC_LPT_TAIL>(nheads_kv);
+#endif
   const int n0 = blk.key_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
   const Steps steps(mask, n0, nheads, nheads_kv);
+#if FC_WAVE_SPLIT == 2
+  const int step0 = piece.y, count = piece.z - piece.y;
+#else
+  constexpr int step0 = 0, count = 0;  // (own_steps: all of the item's)
+#endif
 
   if (threadIdx.x == 0) {
     sm.init_barriers();
@@ -1250,27 +1306,30 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #endif
 #if FC_EARLY_LOADS
     produce<true>(sm, steps, n0, head_kv, batch, map_q, map_k, map_v, map_do, lse2, delta,
-                  nheads, seqlen_q_pad);
+                  nheads, seqlen_q_pad, step0, count);
 #endif
   }
   __syncthreads();
 
   if (wg == 0) {  // ---- producer warpgroup
     setmaxnreg_dec<kProducerRegs>();
+#if FC_WAVE_SPLIT == 2
+    if (threadIdx.x == 64) griddepcontrol_wait();  // (the CTA ends after MAIN: see FC_WAVE_SPLIT)
+#endif
     // one elected thread issues every load
     if (threadIdx.x < 32 && elect_one()) {
 #if FC_TIMELINE
       timeline_mark(timeline, kTlFirstTma);
 #endif
       produce(sm, steps, n0, head_kv, batch, map_q, map_k, map_v, map_do, lse2, delta, nheads,
-              seqlen_q_pad, FC_EARLY_LOADS);
+              seqlen_q_pad, step0, count, FC_EARLY_LOADS);
 #if FC_TIMELINE
       timeline_mark(timeline, kTlProduced);
 #endif
     }
 #if FC_DQ_WARP
     else if (threadIdx.x >= 32 && threadIdx.x < 64) {
-      write_dq(sm, steps, head_kv, batch, dq_accum,
+      write_dq(sm, steps, step0, count, head_kv, batch, dq_accum,
 #if FC_DQ_TMA
                &map_dq,
 #else
@@ -1302,7 +1361,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   if constexpr (FC_PDL) griddepcontrol_wait();  // (their own dQ reductions: dq_accum by PRE)
 #if FC_TIMELINE
   if (threadIdx.x == 128) timeline_mark(timeline, kTlKv);
-  if (steps.count() > 0) {  // step 0's stage: the loop's wait on the same phase then passes
+  if (own_steps(steps, count) > 0) {  // step 0's stage: the loop's wait then passes
     wait(sm.full(0), 0, stuck);
     if (threadIdx.x == 128) timeline_mark(timeline, kTlFirst);
   }
@@ -1313,9 +1372,14 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #endif
 
 #if FC_STEP_COUNTERS
-  int step_g = 0, step_mi = 0;  // it / n_m and it % n_m of step it
+  // (step0 + it) / n_m and (step0 + it) % n_m of step it
+#if FC_WAVE_SPLIT == 2
+  int step_g = step0 / steps.n_m, step_mi = step0 % steps.n_m;  // (a piece has steps: n_m > 0)
+#else
+  int step_g = 0, step_mi = 0;
 #endif
-  for (int it = 0; it < steps.count(); ++it) {
+#endif
+  for (int it = 0; it < own_steps(steps, count); ++it) {  // (step step0 + it of the item)
     const int st = stage_of(it);
 #if FC_STEP_COUNTERS
     const int h = head_kv * steps.group + step_g, m0 = (steps.m_first + step_mi) * kBlockM;
@@ -1324,7 +1388,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       ++step_g;
     }
 #else
-    const int h = steps.head(it, head_kv), m0 = steps.m0(it);
+    const int h = steps.head(step0 + it, head_kv), m0 = steps.m0(step0 + it);
 #endif
     [[maybe_unused]] const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
 
@@ -1500,10 +1564,43 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   if (lane < 16) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
 #endif
 #if FC_DQ_LATE
-  if (steps.count() > 0) Consumer::reduce_v4(late_rows, late, t);  // the last step's
+  if (own_steps(steps, count) > 0) Consumer::reduce_v4(late_rows, late, t);  // the last step's
 #endif
 #if FC_TIMELINE
   if (threadIdx.x == 128) timeline_mark(timeline, kTlLast);
+#endif
+
+#if FC_WAVE_SPLIT == 2
+  // ---- a piece: its dK / dV into the item's slot; the piece that completes the item's steps
+  // takes the sums back into its accumulators for the epilogue (FC_WAVE_SPLIT)
+  {
+    constexpr int kGradFloats = kConsumers * (kHeadDim / 2) * 128;  // dK (or dV) of one slot
+    // this thread's float4 k of dK at at[512 k], of dV kGradFloats further
+    float* at = part + static_cast<int64_t>(piece.w) * 2 * kGradFloats +
+                c * (kHeadDim / 2) * 128 + 4 * (threadIdx.x & 127);
+#pragma unroll
+    for (int k = 0; k < kHeadDim / 8; ++k) {
+      red_add_f32x4(at + 512 * k, cs.dk[4 * k], cs.dk[4 * k + 1], cs.dk[4 * k + 2],
+                    cs.dk[4 * k + 3]);
+      red_add_f32x4(at + kGradFloats + 512 * k, cs.dv[4 * k], cs.dv[4 * k + 1],
+                    cs.dv[4 * k + 2], cs.dv[4 * k + 3]);
+    }
+    __threadfence();  // this thread's reductions before the count (the barrier passes it on)
+    named_barrier_sync(2, 128 * kConsumers);
+    // (a word of dS's buffer: both consumers' GEMMs are done)
+    volatile int* last = reinterpret_cast<volatile int*>(sm.ptr + kSmemDS);
+    if (threadIdx.x == 128) *last = atomicAdd(part_steps + piece.w, count) + count == steps.count();
+    named_barrier_sync(2, 128 * kConsumers);
+    if (!*last) return;
+    __threadfence();  // the other pieces' reductions, seen through the count, before the loads
+#pragma unroll
+    for (int k = 0; k < kHeadDim / 8; ++k) {
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(at + 512 * k));
+      const float4 b = __ldcg(reinterpret_cast<const float4*>(at + kGradFloats + 512 * k));
+      cs.dk[4 * k] = a.x, cs.dk[4 * k + 1] = a.y, cs.dk[4 * k + 2] = a.z, cs.dk[4 * k + 3] = a.w;
+      cs.dv[4 * k] = b.x, cs.dv[4 * k + 1] = b.y, cs.dv[4 * k + 2] = b.z, cs.dv[4 * k + 3] = b.w;
+    }
+  }
 #endif
 
   // ---- epilogue: dK * softmax_scale and dV from the accumulators, rows inside seqlen_k
