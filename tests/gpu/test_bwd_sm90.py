@@ -43,9 +43,9 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True,
-                params=["default", "dkvt", "dkvs", "hf", "ws", "ws5", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
+                params=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
                         "mn-warp", "mn-warpflat", "mn-tma", "mn--s3", "mn--noearly"],
-                ids=["default", "dkvt", "dkvs", "hf", "ws", "ws5", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
+                ids=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
                      "dq-warpflat", "dq-tma", "stages3", "dq-noearly"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
@@ -59,17 +59,17 @@ def _enable_sm90_bwd(monkeypatch, request):
     "dkvt": those kernels with dK / dV stored through shared memory by tensor maps
     (FLASHCUDA_SM90_BWD_DKV_TMA=1; FC_DKV_TMA); "dkvs": that epilogue per consumer, dV first
     (FLASHCUDA_SM90_BWD_DKV_SPLIT=1; FC_DKV_TMA=2); "hf": causal grids launched heads first
-    (FLASHCUDA_SM90_BWD_HEADS_FIRST=1; FC_HEADS_FIRST); "ws": the last wave split into pieces
+    (FLASHCUDA_SM90_BWD_HEADS_FIRST=1; FC_HEADS_FIRST); "wsplit": the last wave split into pieces
     (FLASHCUDA_SM90_BWD_WAVE_SPLIT=1; FC_WAVE_SPLIT: at these sizes every work item is in the
-    last wave, so the pieces kernel runs them all); "ws5": the same planned for 5 SMs
+    last wave, so the pieces kernel runs them all); "wsplit5": the same planned for 5 SMs
     (FLASHCUDA_SM90_BWD_WAVE_SMS=5: MAIN's CTAs, then the pieces as its dependents); "spl": those kernels in FlashAttention 4's load
     order (FLASHCUDA_SM90_BWD_SPLIT_LOADS=1; FC_SPLIT_LOADS); "pdl": MAIN launched as PRE's
     programmatic dependent (FLASHCUDA_SM90_BWD_PDL=1; FC_PDL); "stl": lse2 / delta in the
     consumer lanes' order (FLASHCUDA_SM90_BWD_STAT_LANES=1; FC_STAT_LANES, PRE permuting)."""
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     switches = {"dkvt": bwd_sm90.DKV_TMA_ENV, "dkvs": bwd_sm90.DKV_SPLIT_ENV,
-                "hf": bwd_sm90.HEADS_FIRST_ENV, "ws": bwd_sm90.WAVE_SPLIT_ENV,
-                "ws5": bwd_sm90.WAVE_SPLIT_ENV, "spl": bwd_sm90.SPLIT_LOADS_ENV, "pdl": bwd_sm90.PDL_ENV,
+                "hf": bwd_sm90.HEADS_FIRST_ENV, "wsplit": bwd_sm90.WAVE_SPLIT_ENV,
+                "wsplit5": bwd_sm90.WAVE_SPLIT_ENV, "spl": bwd_sm90.SPLIT_LOADS_ENV, "pdl": bwd_sm90.PDL_ENV,
                 "stl": bwd_sm90.STAT_LANES_ENV}  # (the defaults with one 0 / 1 switch on)
     if request.param == "default" or request.param in switches:
         for env in (bwd_sm90.DS_ENV, bwd_sm90.DQ_ENV, bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV,
@@ -78,7 +78,7 @@ def _enable_sm90_bwd(monkeypatch, request):
             monkeypatch.delenv(env, raising=False)
         if request.param in switches:
             monkeypatch.setenv(switches[request.param], "1")
-        if request.param == "ws5":
+        if request.param == "wsplit5":
             monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "5")
     else:
         ds, dq, *flags = (request.param + "-").split("-")[:4]
@@ -277,9 +277,9 @@ def test_wave_split_main_and_pieces(monkeypatch, case):
     """The last-wave split planned for a few SMs (FLASHCUDA_SM90_BWD_WAVE_SMS), so that MAIN runs
     the first items and the pieces kernel (its programmatic dependent) the rest, cut unevenly
     where the steps do not divide: every dK / dV row lands once, summed over its pieces; dQ from
-    both kernels. Runs under the "ws" parameter only."""
+    both kernels. Runs under the "wsplit" parameter only."""
     if os.environ.get(bwd_sm90.WAVE_SPLIT_ENV) != "1" or os.environ.get(bwd_sm90.WAVE_SMS_ENV):
-        pytest.skip("runs under the ws fixture parameter")
+        pytest.skip("runs under the wsplit fixture parameter")
     b, sq, sk, h, hkv, d, window, sms = case
     monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, str(sms))
     q, k, v, dout = make(b, sq, sk, h, hkv, d, BF16, seed=sq + sk + sms)
