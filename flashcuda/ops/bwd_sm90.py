@@ -172,6 +172,8 @@ STAT_LANES_DIMS: tuple[int, ...] = ()
 WAVE_SPLIT_ENV = "FLASHCUDA_SM90_BWD_WAVE_SPLIT"
 WAVE_SPLIT_DIMS: tuple[int, ...] = ()
 WAVE_SMS_ENV = "FLASHCUDA_SM90_BWD_WAVE_SMS"
+# 0 (diagnostic A/B): the pieces launched in plain stream order, after MAIN has completed
+WAVE_PDL_ENV = "FLASHCUDA_SM90_BWD_WAVE_PDL"
 SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T rows each)
 SWAP_DIMS = (128,)
 SWAP_MIN_SEQLEN_Q = 2048
@@ -307,7 +309,7 @@ class Sm90BwdConfig:
     # lse2 / delta in the consumer lanes' order (FC_STAT_LANES here and in PRE); config_for sets
     # it (STAT_LANES_DIMS, STAT_LANES_ENV)
     stat_lanes: bool = False
-    # the last-wave split (FC_WAVE_SPLIT): 1 MAIN, whose CTAs from its main_ctas argument on exit
+    # the last-wave split (FC_WAVE_SPLIT): 1 MAIN, whose CTAs before its first_main argument exit
     # and which triggers its dependents; 2 the pieces kernel (three more pointers after dv: the
     # piece table, the fp32 dK / dV sums, the step counters); _build_plan sets both
     # (wave_split_for, wave_split.plan)
@@ -975,7 +977,8 @@ class _Plan:
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
                     STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
                     DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV, STAT_LANES_ENV, DKV_SPLIT_ENV,
-                    HEADS_FIRST_ENV, HEADS_GROUP_ENV, WAVE_SPLIT_ENV, WAVE_SMS_ENV)
+                    HEADS_FIRST_ENV, HEADS_GROUP_ENV, WAVE_SPLIT_ENV, WAVE_SMS_ENV,
+                    WAVE_PDL_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -1015,9 +1018,9 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         pieces = PreparedLaunch(get_kernel(dataclasses.replace(cfg, wave_split=2).spec(), dev),
                                 (len(wave.pieces), 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
                                 main_maps + (t,) * 8 + main_args, fixed=len(main_args),
-                                programmatic=wave.main_ctas > 0)
+                                programmatic=wave.main_ctas > 0 and flag(WAVE_PDL_ENV, True))
         table = torch.tensor(wave.pieces, dtype=torch.int32, device=dev)
-        main_args += (np.int32(wave.main_ctas),)
+        main_args += (np.int32(wave.first_main),)
     return _Plan(
         cfg, sq_pad,
         pre=PreparedLaunch(get_kernel(aux.pre_spec(pdl_trigger=cfg.pdl,
@@ -1078,7 +1081,7 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
     if cfg.dkv_tma:
         rows = DKV_SPLIT_ROWS if cfg.dkv_split else cfg.block_n
         maps += (bshd_map(call.dk, rows).raw, bshd_map(call.dv, rows).raw)
-    if plan.wave is not None:  # MAIN's first main_ctas CTAs, the rest as pieces
+    if plan.wave is not None:  # the first items as pieces, MAIN's CTAs the rest
         grads = plan.wave.slots * 2 * cfg.block_n * cfg.head_dim  # fp32 dK / dV sums per slot
         part = torch.zeros(grads + plan.wave.slots, dtype=torch.float32, device=call.device)
         pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())

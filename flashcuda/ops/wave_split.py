@@ -4,18 +4,24 @@ which work items leave MAIN's grid and how their steps are cut into pieces.
 MAIN runs one CTA per work item (key block, KV head, batch), one CTA per SM at a time. With T
 items on S SMs its last wave holds r = T mod S CTAs (all T when T < S), and S - r SMs idle for
 about one CTA's length at the end: 1.5-3.3% of the d64 calls measured (session 37's timelines),
-the same for FlashAttention 4, whose grid is ours. The split takes those r items out of MAIN
-(its CTAs from `main_ctas` on exit at once) and runs each as p pieces of about n / p of its n
-steps in a second kernel, MAIN's programmatic dependent, whose CTAs take the SMs MAIN's last
-full wave frees; the pieces sum dK / dV in fp32 and the last one of an item writes them.
+the same for FlashAttention 4, whose grid is ours. The split takes r items out of MAIN and runs
+each as p pieces of about n / p of its n steps in a second kernel, MAIN's programmatic
+dependent, whose CTAs take the SMs MAIN's last full wave frees; the pieces sum dK / dV in fp32
+and the last one of an item writes them.
 
-    items   0 .. main_ctas - 1          MAIN, whole
-            main_ctas .. T - 1          slot i = item - main_ctas: pieces k = 0 .. p_i - 1,
-                                        steps [k n_i / p_i, (k + 1) n_i / p_i)
+The r items are MAIN's first ones: its CTAs below `first_main` exit at once, so the GPU starts
+them (and every other CTA) early, and the pieces' grid, which may start once every MAIN CTA has
+started, is ready when MAIN's last full wave ends. (Taking the last r items instead, measured in
+session 38, left the pieces waiting for those r CTAs to be dispatched after MAIN's other CTAs,
+at the very end.)
+
+    items   0 .. r - 1      slot i = item i: pieces k = 0 .. p_i - 1, steps
+                            [k n_i / p_i, (k + 1) n_i / p_i)
+            r .. T - 1      MAIN, whole (first_main = r)
 
 p_i = min(n_i, S // r): every piece has a step, and all pieces fit on the S SMs at once. No
 split (None) when S divides T, when fewer than two pieces per item fit, or when no item of the
-tail has two steps.
+r has two steps.
 """
 
 from __future__ import annotations
@@ -26,17 +32,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class WavePlan:
-    """MAIN's CTAs (blockIdx order; the rest are the pieces' items) and the pieces: (item, first
-    step, end step, slot) each, slot = item - main_ctas (the kernel's int4 table, in launch
-    order)."""
+    """The items the pieces take (0 .. first_main - 1, blockIdx order; MAIN runs the rest of the
+    `total`) and the pieces: (item, first step, end step, slot) each, slot = item (the kernel's
+    int4 table, in launch order)."""
 
-    main_ctas: int
+    first_main: int
+    total: int
     pieces: tuple[tuple[int, int, int, int], ...]
 
     @property
     def slots(self) -> int:
         """Work items the pieces share out (one dK / dV sum and step counter each)."""
-        return len({p[3] for p in self.pieces})
+        return self.first_main
+
+    @property
+    def main_ctas(self) -> int:
+        """The work items MAIN runs (0: no MAIN launch)."""
+        return self.total - self.first_main
 
 
 def query_blocks(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int,
@@ -60,13 +72,12 @@ def plan(total: int, steps_of: Callable[[int], int], sms: int) -> WavePlan | Non
     tail = total if total < sms else total % sms
     if tail == 0 or sms // tail < 2:
         return None
-    main_ctas = total - tail
-    steps = [steps_of(main_ctas + slot) for slot in range(tail)]
+    steps = [steps_of(item) for item in range(tail)]
     if max(steps) < 2:
         return None
     per_item = sms // tail
     pieces = []
-    for slot, n in enumerate(steps):
+    for item, n in enumerate(steps):
         p = max(1, min(n, per_item))
-        pieces += [(main_ctas + slot, k * n // p, (k + 1) * n // p, slot) for k in range(p)]
-    return WavePlan(main_ctas, tuple(pieces))
+        pieces += [(item, k * n // p, (k + 1) * n // p, item) for k in range(p)]
+    return WavePlan(tail, total, tuple(pieces))

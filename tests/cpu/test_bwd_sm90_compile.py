@@ -1147,7 +1147,7 @@ def test_wave_split_main_keeps_the_consumers_loop(builds, tmp_path):
 
 @pytest.mark.parametrize("split", [1, 2])
 def test_wave_split_parameter_offsets_match_pack_args(builds, tmp_path, split):
-    """MAIN's extra trailing int32 (main_ctas) and the pieces kernel's three pointers after dv
+    """MAIN's extra trailing int32 (first_main) and the pieces kernel's three pointers after dv
     (table, part, part_steps), as _build_plan lays out its launches."""
     cfg = next(c for c in bwd_sm90.configs() if c.wave_split == split)
     table = param_table(builds[cfg.name].cubin, tmp_path)
@@ -1183,13 +1183,13 @@ def test_wave_split_switch(monkeypatch):
         assert not bwd_sm90.wave_split_for(full, dataclasses.replace(cfg, **other))
     monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "10")
     assert bwd_sm90.wave_sms(full) == 10
-    plan = bwd_sm90.wave_plan(full, cfg, 10)  # 24 items: 4 left after 2 waves, 2 pieces each
-    assert plan.main_ctas == 20 and plan.slots == 4 and len(plan.pieces) == 8
+    plan = bwd_sm90.wave_plan(full, cfg, 10)  # 24 items: 4 besides 2 waves, 2 pieces each
+    assert plan.first_main == 4 and plan.main_ctas == 20 and len(plan.pieces) == 8
     assert all(b - a == 3 for _, a, b, _ in plan.pieces)  # 6 steps: 3 query blocks x 2 heads
-    causal = bwd_sm90.wave_plan(call, bwd_sm90.config_for(call), 10)  # items 20..23: blocks 2..5
+    causal = bwd_sm90.wave_plan(call, bwd_sm90.config_for(call), 10)  # items 0..3: blocks 0..3
     steps = {s: max(b for _, _, b, t in causal.pieces if t == s) for s in range(4)}
     wl, wr = (int(w) for w in bwd_sm90.kernel_windows(300, 700, None, 0))
-    assert steps == {s: 2 * wave_split.query_blocks(300, 700, wl, wr, 128, 128, 2 + s)
+    assert steps == {s: 2 * wave_split.query_blocks(300, 700, wl, wr, 128, 128, s)
                      for s in range(4)}
     monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "-2")
     with pytest.raises(ValueError, match=bwd_sm90.WAVE_SMS_ENV):

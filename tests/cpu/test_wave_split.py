@@ -35,14 +35,14 @@ def test_query_blocks_match_the_visibility_rule(sq, sk, window):
 
 
 def _check_cover(plan, total, steps_of, sms):
-    tail = total - plan.main_ctas
-    assert tail == (total if total < sms else total % sms)
+    tail = plan.first_main
+    assert tail == (total if total < sms else total % sms) and plan.total == total
+    assert plan.main_ctas == total - tail and plan.main_ctas % sms == 0  # whole waves
     assert len(plan.pieces) <= sms  # all pieces on the SMs at once
     assert plan.slots == tail
-    for slot in range(tail):
-        item = plan.main_ctas + slot
-        runs = [(a, b) for i, a, b, s in plan.pieces if s == slot and i == item]
-        assert len(runs) == len([p for p in plan.pieces if p[3] == slot])
+    for item in range(tail):
+        runs = [(a, b) for i, a, b, s in plan.pieces if s == item and i == item]
+        assert len(runs) == len([p for p in plan.pieces if p[3] == item])
         assert runs[0][0] == 0 and runs[-1][1] == steps_of(item)
         assert all(b > a for a, b in runs) or steps_of(item) == 0  # no empty piece
         assert all(runs[k][1] == runs[k + 1][0] for k in range(len(runs) - 1))
@@ -54,7 +54,7 @@ def test_plan_covers_each_tail_item_once(total, sms):
     for steps_of in (lambda i: 16, lambda i: 1 + i % 16, lambda i: 3 * (i % 5)):
         plan = wave_split.plan(total, steps_of, sms)
         tail = total if total < sms else total % sms
-        tail_steps = [steps_of(i) for i in range(total - tail, total)]
+        tail_steps = [steps_of(i) for i in range(tail)]
         if tail == 0 or sms // tail < 2 or max(tail_steps) < 2:
             assert plan is None
             continue
@@ -62,11 +62,11 @@ def test_plan_covers_each_tail_item_once(total, sms):
 
 
 def test_plan_pieces_at_the_sweep_points():
-    """d64 at 32 x 512 x 32, 16 x 1k, 8 x 2k: 4096 items, 4 left after 31 waves of 132, each cut
-    into min(n, 33) pieces of its n = 4 / 8 / 16 steps."""
+    """d64 at 32 x 512 x 32, 16 x 1k, 8 x 2k: 4096 items, 4 over 31 waves of 132 (the first
+    four), each cut into min(n, 33) pieces of its n = 4 / 8 / 16 steps."""
     for n in (4, 8, 16):
         plan = wave_split.plan(4096, lambda i, n=n: n, 132)
-        assert plan.main_ctas == 4092 and plan.slots == 4 and len(plan.pieces) == 4 * n
+        assert plan.first_main == 4 and plan.main_ctas == 4092 and len(plan.pieces) == 4 * n
         assert {b - a for _, a, b, _ in plan.pieces} == {1}
     assert wave_split.plan(132 * 31, lambda i: 16, 132) is None  # whole waves
     assert wave_split.plan(4092 + 70, lambda i: 16, 132) is None  # 70 left: one piece each

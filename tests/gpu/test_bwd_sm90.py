@@ -265,7 +265,7 @@ def test_causal_heads_first_in_groups(monkeypatch, group):
 
 WAVE_CASES = [  # (B, Sq, Sk, H, Hkv, D, window, SMs)
     (2, 700, 700, 4, 2, 64, FULL, 10),        # 24 items: 20 in MAIN, 4 x 2 pieces of 6 steps
-    (3, 300, 1000, 6, 2, 128, CAUSAL, 22),    # GQA 3:1, 48 items: 44 + 4 x up to 5 pieces
+    (3, 300, 1000, 6, 2, 64, CAUSAL, 22),     # GQA 3:1, 48 items: 44 + 4 x up to 5 pieces
     (1, 2048, 2048, 2, 1, 64, FULL, 11),      # 16 items: 11 + 5 x 2 pieces of 16 steps
     (2, 1000, 333, 3, 3, 128, (100, 20), 4),  # sliding window, ragged: 18 items, 16 + 2 x 2
     (1, 143, 2048, 1, 1, 64, CAUSAL, 200),    # 16 items < 200 SMs: all pieces, no MAIN
@@ -291,7 +291,7 @@ def test_wave_split_main_and_pieces(monkeypatch, case):
     items = -(-sk // 128) * hkv * b
     expect = bwd_sm90.wave_plan(call, dataclasses.replace(plan.cfg, wave_split=0), sms)
     assert expect is not None and plan.wave == expect and plan.cfg.wave_split == 1
-    assert plan.wave.main_ctas == (items // sms) * sms
+    assert plan.wave.main_ctas == (items // sms) * sms and plan.wave.total == items
     assert plan.table.tolist() == [list(p) for p in plan.wave.pieces]
 
 

@@ -556,11 +556,12 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 // items on S SMs (one CTA each) runs T / S full waves and a last one of r = T mod S CTAs, during
 // which S - r SMs idle (timelines, session 37: 1.5-3.3% of the d64 calls). With the split the
 // host launches two kernels built from this file:
-//   1  MAIN: the grid as always, but CTAs at or past `main_ctas` in blockIdx order exit at once,
-//      and every CTA triggers its programmatic dependents at its start;
+//   1  MAIN: the grid as always, but CTAs before `first_main` in blockIdx order exit at once (the
+//      GPU dispatches them first: see wave_split.py), and every CTA triggers its programmatic
+//      dependents at its start;
 //   2  PIECES: launched as MAIN's programmatic dependent (it starts once every MAIN CTA has
 //      started, on the SMs MAIN's last wave frees), one CTA per piece of the host's table:
-//      item `item` (a work item >= main_ctas, in blockIdx order) over its steps [step0, step_end)
+//      item `item` (a work item < first_main, in blockIdx order) over its steps [step0, step_end)
 //      only. A piece reduces its dK (unscaled) and dV in fp32 into its item's slot of `part`
 //      (red.global.add.v4, each thread's registers in their own order: 16-byte reductions, a
 //      warp's 512 contiguous bytes), then adds its step count to the slot's counter; the piece
@@ -1258,11 +1259,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                int seqlen_q_pad, float scale_log2, float softmax_scale, int window_left,
                int window_right
 #if FC_WAVE_SPLIT == 1
-               , int main_ctas  // CTAs from here on in blockIdx order: the pieces' items
+               , int first_main  // CTAs before it in blockIdx order: the pieces' items
 #endif
                ) {
 #if FC_WAVE_SPLIT == 1
-  if (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) >= main_ctas) return;
+  if (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) < first_main) return;
   griddepcontrol_launch_dependents();  // the pieces may start once every CTA got here
 #endif
 #if FC_TIMELINE
