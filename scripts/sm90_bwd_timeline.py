@@ -32,9 +32,9 @@ import numpy as np
 # the words of a CTA's record (bwd_sm90.TIMELINE_FIELDS, the .cu's kTl* indices)
 WORDS = 12
 FIELDS = {"id": 0, "block": 1, "entry": 2, "first_tma": 3, "produced": 4, "kv": 5,
-          "first_step": 6, "last_step": 7, "exit0": 8, "exit1": 9, "dq_end": 10}
+          "first_step": 6, "last_step": 7, "exit0": 8, "exit1": 9, "dq_end": 10, "merged": 11}
 TIMES = ("entry", "first_tma", "produced", "kv", "first_step", "last_step", "exit0", "exit1",
-         "dq_end")
+         "dq_end", "merged")
 # (label, from, to) of the per-CTA intervals the summary reports; "end" is the CTA's last time
 PHASES = (
     ("entry -> first TMA issue", "entry", "first_tma"),
@@ -42,6 +42,7 @@ PHASES = (
     ("K/V arrival -> first step", "kv", "first_step"),
     ("steps span (first -> last step)", "first_step", "last_step"),
     ("last step -> exit (epilogue)", "last_step", "exit0"),
+    ("last step -> dK / dV summed (pieces)", "last_step", "merged"),
     ("exit -> CTA end", "exit0", "end"),
     ("CTA span (entry -> end)", "entry", "end"),
 )
@@ -260,12 +261,21 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     grid = cfg.grid(call)
     summary = summarise(records, grid[0] * grid[1] * grid[2])
+    parts = {}
+    if cfg.wave_split:  # the last-wave split: MAIN's records, then the pieces' (from `total`)
+        total = grid[0] * grid[1] * grid[2]
+        parts = {name: summarise(rs) for name, rs in (
+            ("MAIN", [r for r in records if r["cta"] < total]),
+            ("pieces", [r for r in records if r["cta"] >= total])) if rs}
+        summary["parts"] = parts
     summary["backward_us"] = {"default": t_default, "timeline": t_timeline}
     label = (f"{cfg.name}-B{b}-S{s}-H{h}{f'-KV{hkv}' if hkv != h else ''}"
              f"{'-causal' if a.causal else ''}")
     print(f"{label}: grid {grid}, {sms} SMs on the device; whole backward (PRE + MAIN + CONVERT) "
           f"{t_default:.1f} us default, {t_timeline:.1f} us with the timeline MAIN")
     print(report(summary))
+    for name, part in parts.items():
+        print(f"-- {name} alone\n{report(part)}")
     outdir = Path(a.out)
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / f"timeline-bwd-{label}.json").write_text(json.dumps(

@@ -230,7 +230,8 @@ DQ_STAGE_BYTES = 64 * 72 * 4  # one consumer's padded fp32 dQ staging tile (dq_b
 # (the .cu's kTl* indices; scripts/sm90_bwd_timeline.py decodes them)
 TIMELINE_WORDS = 12
 TIMELINE_FIELDS = {"id": 0, "block": 1, "entry": 2, "first_tma": 3, "produced": 4, "kv": 5,
-                   "first_step": 6, "last_step": 7, "exit0": 8, "exit1": 9, "dq_end": 10}
+                   "first_step": 6, "last_step": 7, "exit0": 8, "exit1": 9, "dq_end": 10,
+                   "merged": 11}
 
 
 @dataclass(frozen=True)
@@ -397,11 +398,10 @@ class Sm90BwdConfig:
         if self.wave_split not in (0, 1, 2):
             raise ValueError(f"Sm90BwdConfig.wave_split: expected 0, 1 or 2, got "
                              f"{self.wave_split}")
-        if self.wave_split and (self.timeline or self.dkv_tma or self.lpt_tail
-                                or self.heads_first or self.pdl):
-            raise ValueError("Sm90BwdConfig.wave_split: expected 0 with timeline, dkv_tma, "
-                             "lpt_tail, heads_first or pdl (blockIdx order, the default "
-                             "epilogue, MAIN after PRE)")
+        if self.wave_split and (self.dkv_tma or self.lpt_tail or self.heads_first or self.pdl):
+            raise ValueError("Sm90BwdConfig.wave_split: expected 0 with dkv_tma, lpt_tail, "
+                             "heads_first or pdl (blockIdx order, the default epilogue, MAIN "
+                             "after PRE)")
         if self.heads_first and self.lpt_tail:
             raise ValueError(f"Sm90BwdConfig.heads_first: expected False with lpt_tail "
                              f"{self.lpt_tail} (heads first orders the whole grid)")
@@ -612,6 +612,12 @@ def configs() -> list[Sm90BwdConfig]:
                           probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
                           **_dq_mode(DQ_DEFAULT[d]))
             for d, k in LPT_TAIL.items()]
+    # the last-wave split's pieces with the timeline (scripts/sm90_bwd_timeline.py; its MAIN's
+    # timeline variant, built on first use, spills 8 bytes at d64: not listed here)
+    out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True, wave_split=2,
+                          probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
+                          **_dq_mode(DQ_DEFAULT[d]))
+            for d in HEAD_DIMS]
     # causal grids heads first (FC_HEADS_FIRST; HEADS_FIRST_DIMS / FLASHCUDA_SM90_BWD_HEADS_FIRST)
     out += [Sm90BwdConfig(dtype, d, dq_early=True, heads_first=True,
                           probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
@@ -821,7 +827,7 @@ def wave_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
     (FC_WAVE_SPLIT; wave_plan decides whether it does): FLASHCUDA_SM90_BWD_WAVE_SPLIT=1, or unset
     at WAVE_SPLIT_DIMS, for a kernel in blockIdx order with the default epilogue, after PRE."""
     return flag(WAVE_SPLIT_ENV, call.head_dim in WAVE_SPLIT_DIMS) and not (
-        cfg.timeline or cfg.dkv_tma or cfg.lpt_tail or cfg.heads_first or cfg.pdl)
+        cfg.dkv_tma or cfg.lpt_tail or cfg.heads_first or cfg.pdl)
 
 
 def wave_sms(call: BwdCall) -> int:
@@ -993,11 +999,11 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     if why := can_implement(call):
         raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
     cfg = config_for(call)
-    if timeline:
-        cfg = dataclasses.replace(cfg, timeline=True)
     wave = wave_plan(call, cfg, wave_sms(call)) if wave_split_for(call, cfg) else None
     if wave is not None:
         cfg = dataclasses.replace(cfg, wave_split=1)
+    if timeline:  # (with the split: MAIN's and the pieces' records, one buffer)
+        cfg = dataclasses.replace(cfg, timeline=True)
     aux = cfg.aux()
     b, sq, h = call.batch, call.seqlen_q, call.nheads
     sq_pad = cfg.seqlen_pad(sq)
@@ -1017,7 +1023,8 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     if wave is not None:
         pieces = PreparedLaunch(get_kernel(dataclasses.replace(cfg, wave_split=2).spec(), dev),
                                 (len(wave.pieces), 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
-                                main_maps + (t,) * 8 + main_args, fixed=len(main_args),
+                                main_maps + (t,) * (9 if cfg.timeline else 8) + main_args,
+                                fixed=len(main_args),
                                 programmatic=wave.main_ctas > 0 and flag(WAVE_PDL_ENV, True))
         table = torch.tensor(wave.pieces, dtype=torch.int32, device=dev)
         main_args += (np.int32(wave.first_main),)
@@ -1085,9 +1092,13 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
         grads = plan.wave.slots * 2 * cfg.block_n * cfg.head_dim  # fp32 dK / dV sums per slot
         part = torch.zeros(grads + plan.wave.slots, dtype=torch.float32, device=call.device)
         pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
+        # (timeline: MAIN's records, then the pieces' from record `total` on)
+        records = () if timeline is None else (timeline.data_ptr(),)
+        pieces_records = () if timeline is None else (
+            timeline.data_ptr() + 8 * TIMELINE_WORDS * plan.wave.total,)
         if plan.wave.main_ctas:
-            plan.main(*maps, *pointers, handle=handle)
-        plan.pieces(*maps, *pointers, plan.table.data_ptr(), part.data_ptr(),
+            plan.main(*maps, *pointers, *records, handle=handle)
+        plan.pieces(*maps, *pointers, *pieces_records, plan.table.data_ptr(), part.data_ptr(),
                     part.data_ptr() + 4 * grads, handle=handle)
     elif timeline is None:
         plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr(),
@@ -1102,9 +1113,14 @@ def run_timeline(call: BwdCall) -> tuple[Sm90BwdConfig, torch.Tensor]:
     """The call's backward (as run) with MAIN's timeline variant (FC_TIMELINE; never dispatched):
     its config and the per-CTA records, an int64 tensor of timeline_shape (the .cu's kTl* words,
     TIMELINE_FIELDS; zeroed before the launch, so a word no thread wrote reads 0). Asynchronous
-    like run: synchronise before reading the records."""
-    cfg = _timeline_plans.plan(_plan_key(call), call).cfg  # (raises as run does)
-    buf = torch.zeros(cfg.timeline_shape(call), dtype=torch.int64, device=call.device)
+    like run: synchronise before reading the records. With the last-wave split (cfg.wave_split):
+    [total + pieces, words], MAIN's records in blockIdx order (its skipped CTAs write none), then
+    one per piece in the table's order."""
+    plan = _timeline_plans.plan(_plan_key(call), call)  # (raises as run does)
+    cfg = plan.cfg
+    shape = cfg.timeline_shape(call) if plan.wave is None else (
+        plan.wave.total + len(plan.wave.pieces), TIMELINE_WORDS)
+    buf = torch.zeros(shape, dtype=torch.int64, device=call.device)
     run(call, timeline=buf)
     return cfg, buf
 

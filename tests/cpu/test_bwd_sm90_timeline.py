@@ -51,12 +51,14 @@ def _timeline_configs():
 def test_timeline_variants_are_the_bf16_defaults_and_never_dispatched():
     tls = _timeline_configs()
     assert {c.head_dim for c in tls} == {64, 128}
-    # the plain default's at both head dims, and the causal default's (LPT_TAIL) where it differs
-    assert {(c.head_dim, c.lpt_tail) for c in tls} == {(64, 0), (128, 0)} | {
-        (d, k) for d, k in bwd_sm90.LPT_TAIL.items()}
+    # the plain default's at both head dims, the causal default's (LPT_TAIL) where it differs,
+    # and the last-wave split's pieces kernel (wave_split 2) at both
+    assert {(c.head_dim, c.lpt_tail, c.wave_split) for c in tls} == {
+        (64, 0, 0), (128, 0, 0), (64, 0, 2), (128, 0, 2)} | {
+        (d, k, 0) for d, k in bwd_sm90.LPT_TAIL.items()}
     for cfg in tls:
         default = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, cfg.head_dim),
-                                      lpt_tail=cfg.lpt_tail)
+                                      lpt_tail=cfg.lpt_tail, wave_split=cfg.wave_split)
         assert not default.timeline  # select_config (dispatch's plan) never picks it
         assert cfg == dataclasses.replace(default, timeline=True)
         assert cfg.name == default.name + "_tl"
@@ -82,6 +84,8 @@ def test_timeline_layout_matches_the_kernel_and_the_script(tl):
         kernel["Id"], kernel["Block"], kernel["Entry"], kernel["FirstTma"], kernel["Produced"],
         kernel["Kv"], kernel["First"], kernel["Last"], kernel["Exit"], kernel["Exit"] + 1,
         kernel["DqEnd"])
+    merged = int(re.search(r"constexpr int kTlMerged = (\d+);", src).group(1))
+    assert fields["merged"] == merged and merged not in kernel.values()
     assert max(fields.values()) < words
 
 

@@ -590,7 +590,7 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 2, "FC_WAVE_SPLIT: 0, 1 (MA
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
-static_assert(!FC_WAVE_SPLIT || !(FC_TIMELINE || FC_DKV_TMA || FC_EARLY_LOADS || FC_LPT_TAIL ||
+static_assert(!FC_WAVE_SPLIT || !(FC_DKV_TMA || FC_EARLY_LOADS || FC_LPT_TAIL ||
                                   FC_HEADS_FIRST || FC_PDL),
               "FC_WAVE_SPLIT: blockIdx order and the default epilogue, MAIN after PRE");
 #if FC_TIMELINE
@@ -610,11 +610,14 @@ static_assert(!FC_WAVE_SPLIT || !(FC_TIMELINE || FC_DKV_TMA || FC_EARLY_LOADS ||
 //                with FC_DQ_BULK / FC_DQ_LATE after their final waits / reductions)  t128
 //   kTlExit      dK / dV stores issued (the end of the epilogue)   t128; + 1: t256
 //   kTlDqEnd     FC_DQ_WARP: the writer warp's last reduction complete (its lane 0)
+//   kTlMerged    FC_WAVE_SPLIT = 2: the piece's dK / dV sums and step count done   t128
+// (a piece that is not its item's last exits after kTlMerged: its kTlExit is that time)
 // Single-thread stores straight to the buffer (no value held across the step loop, so the
 // consumers' registers are the default build's); globaltimer_ns (sm90.cuh) keeps program order.
 constexpr int kTlId = 0, kTlBlock = 1, kTlEntry = 2, kTlFirstTma = 3, kTlProduced = 4,
               kTlKv = 5, kTlFirst = 6, kTlLast = 7, kTlExit = 8, kTlDqEnd = 10;
-constexpr int kTimelineWords = 12;  // (word 11 unused)
+[[maybe_unused]] constexpr int kTlMerged = 11;
+constexpr int kTimelineWords = 12;
 
 // One record per CTA, at its place in blockIdx order.
 __device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline) {
@@ -626,6 +629,19 @@ __device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline) {
 // word := now (the calling thread decides whether it is the one that records)
 __device__ __forceinline__ void timeline_mark(uint64_t* timeline, int word) {
   timeline_record(timeline)[word] = globaltimer_ns();
+}
+
+// A consumer's exit time, and consumer 0's SM, step count and block index (its first thread).
+__device__ __forceinline__ void timeline_close(uint64_t* timeline, int c, int steps) {
+  if ((threadIdx.x & 127) == 0) {
+    timeline_mark(timeline, kTlExit + c);
+    if (c == 0) {
+      uint64_t* rec = timeline_record(timeline);
+      rec[kTlId] = (static_cast<uint64_t>(sm_id()) << 32) | static_cast<uint32_t>(steps);
+      rec[kTlBlock] = (static_cast<uint64_t>(blockIdx.z) << 48) |
+                      (static_cast<uint64_t>(blockIdx.y) << 32) | blockIdx.x;
+    }
+  }
 }
 #endif
 
@@ -1592,6 +1608,10 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     volatile int* last = reinterpret_cast<volatile int*>(sm.ptr + kSmemDS);
     if (threadIdx.x == 128) *last = atomicAdd(part_steps + piece.w, count) + count == steps.count();
     named_barrier_sync(2, 128 * kConsumers);
+#if FC_TIMELINE
+    if (threadIdx.x == 128) timeline_mark(timeline, kTlMerged);
+    if (!*last) timeline_close(timeline, c, count);
+#endif
     if (!*last) return;
     __threadfence();  // the other pieces' reductions, seen through the count, before the loads
 #pragma unroll
@@ -1696,14 +1716,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   }
 #endif
 #if FC_TIMELINE
-  if ((threadIdx.x & 127) == 0) {
-    timeline_mark(timeline, kTlExit + c);
-    if (c == 0) {
-      uint64_t* rec = timeline_record(timeline);
-      rec[kTlId] = (static_cast<uint64_t>(sm_id()) << 32) | static_cast<uint32_t>(steps.count());
-      rec[kTlBlock] = (static_cast<uint64_t>(blockIdx.z) << 48) |
-                      (static_cast<uint64_t>(blockIdx.y) << 32) | blockIdx.x;
-    }
-  }
+  timeline_close(timeline, c, own_steps(steps, count));
 #endif
 }
