@@ -551,22 +551,29 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 // Measured as noise (session 34: -0.6 to +0.9%).
 #define FC_DQ_END_READ 0
 #endif
+#ifndef FC_ORDER_TABLE
+// 1 (Sm90BwdConfig.order_table; ops/bwd_schedule.py): the grid is one-dimensional and CTA j runs
+// the work item at j of the host's table `order` (int4: key block, KV head, batch) instead of
+// the one its blockIdx names, so the host picks the order (the causal tail longest-first, the
+// items the last-wave split leaves to MAIN). Loaded coordinates keep ptxas's uniform wgmma
+// descriptors, where FC_LPT_TAIL's, computed from blockIdx, cost d64 them (session 37).
+#define FC_ORDER_TABLE 0
+#endif
 #ifndef FC_WAVE_SPLIT
-// The last-wave split (Sm90BwdConfig.wave_split, bwd_sm90.wave_plan; 0: off). A grid of T work
+// The last-wave split (Sm90BwdConfig.wave_split, ops/bwd_schedule.py; 0: off). A grid of T work
 // items on S SMs (one CTA each) runs T / S full waves and a last one of r = T mod S CTAs, during
 // which S - r SMs idle (timelines, session 37: 1.5-3.3% of the d64 calls). With the split the
 // host launches two kernels built from this file:
-//   1  MAIN: the grid as always, but CTAs before `first_main` in blockIdx order exit at once (the
-//      GPU dispatches them first: see wave_split.py), and every CTA triggers its programmatic
-//      dependents at its start;
+//   1  MAIN with an order table (FC_ORDER_TABLE) that leaves out r items; every CTA triggers its
+//      programmatic dependents at its start;
 //   2  PIECES: launched as MAIN's programmatic dependent (it starts once every MAIN CTA has
-//      started, on the SMs MAIN's last wave frees), one CTA per piece of the host's table:
-//      item `item` (a work item < first_main, in blockIdx order) over its steps [step0, step_end)
-//      only. A piece reduces its dK (unscaled) and dV in fp32 into its item's slot of `part`
-//      (red.global.add.v4, each thread's registers in their own order: 16-byte reductions, a
-//      warp's 512 contiguous bytes), then adds its step count to the slot's counter; the piece
-//      that brings the counter to the item's step count read the sums back into its
-//      accumulators and runs the epilogue. `part` and the counters are zeroed per call.
+//      started, on the SMs MAIN's last wave frees), one CTA per piece of the host's table
+//      `pieces`: item `item` (of the plain grid's blockIdx order) over its steps [step0,
+//      step_end) only. A piece reduces its dK (unscaled) and dV in fp32 into its item's slot of
+//      `part` (red.global.add.v4, each thread's registers in their own order: 16-byte
+//      reductions, a warp's 512 contiguous bytes), then adds its step count to the slot's
+//      counter; the piece that brings the counter to the item's step count reads the sums back
+//      into its accumulators and runs the epilogue. `part` and the counters are zeroed per call.
 // dQ: every piece reduces its steps' dQ into dq_accum as MAIN does. A piece's thread 64 (an idle
 // producer warp) waits for MAIN's completion (griddepcontrol.wait) before the CTA exits, so the
 // next kernel in the stream (CONVERT) starts after both.
@@ -590,9 +597,12 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 2, "FC_WAVE_SPLIT: 0, 1 (MA
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
+static_assert(FC_WAVE_SPLIT != 1 || FC_ORDER_TABLE, "FC_WAVE_SPLIT = 1: MAIN by an order table");
+static_assert(!FC_ORDER_TABLE || !(FC_LPT_TAIL || FC_HEADS_FIRST || FC_WAVE_SPLIT == 2),
+              "FC_ORDER_TABLE: the table is the order");
 static_assert(!FC_WAVE_SPLIT || !(FC_DKV_TMA || FC_EARLY_LOADS || FC_LPT_TAIL ||
                                   FC_HEADS_FIRST || FC_PDL),
-              "FC_WAVE_SPLIT: blockIdx order and the default epilogue, MAIN after PRE");
+              "FC_WAVE_SPLIT: the default epilogue and load order, MAIN after PRE");
 #if FC_TIMELINE
 // ---- timeline: where a CTA's time goes (profiling variant) -------------------------------------
 // Record of CTA (x, y, z) at (x + gridDim.x (y + gridDim.y z)) * kTimelineWords of the buffer,
@@ -1265,6 +1275,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_TIMELINE
                uint64_t* __restrict__ timeline,  // [gridDim.z][.y][.x][kTimelineWords]
 #endif
+#if FC_ORDER_TABLE
+               const int4* __restrict__ order,   // [gridDim.x]: key block, KV head, batch, 0
+#endif
 #if FC_WAVE_SPLIT == 2
                const int4* __restrict__ pieces,  // [gridDim.x]: item, step0, step_end, slot
                float* __restrict__ part,         // [slots][2][kConsumers][kHeadDim / 2][128]
@@ -1273,13 +1286,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                int64_t dk_sb, int64_t dk_ss, int64_t dk_sh, int64_t dv_sb, int64_t dv_ss,
                int64_t dv_sh, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                int seqlen_q_pad, float scale_log2, float softmax_scale, int window_left,
-               int window_right
+               int window_right) {
 #if FC_WAVE_SPLIT == 1
-               , int first_main  // CTAs before it in blockIdx order: the pieces' items
-#endif
-               ) {
-#if FC_WAVE_SPLIT == 1
-  if (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) < first_main) return;
   griddepcontrol_launch_dependents();  // the pieces may start once every CTA got here
 #endif
 #if FC_TIMELINE
@@ -1297,6 +1305,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_WAVE_SPLIT == 2
   const int4 piece = pieces[blockIdx.x];
   const BlockCoord blk = item_coord(piece.x, (seqlen_k + kBlockN - 1) / kBlockN, nheads_kv);
+#elif FC_ORDER_TABLE
+  const int4 item = order[blockIdx.x];
+  const BlockCoord blk{item.x, item.y, item.z};
 #else
   const BlockCoord blk = cta_coord<FC_LPT_TAIL>(nheads_kv);
 #endif
