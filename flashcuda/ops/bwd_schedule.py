@@ -1,35 +1,40 @@
-"""The sm90 backward's schedule (kernels/attention/flash_bwd_sm90.cu): the order in which MAIN's
-CTAs take the work items (FC_ORDER_TABLE) and the items that leave MAIN for the last-wave split's
-pieces (FC_WAVE_SPLIT).
+"""The sm90 backward's schedule (kernels/attention/flash_bwd_sm90.cu): the order in which the
+grid's last CTAs take the work items (FC_ORDER_TABLE) and the items that leave MAIN for the
+last-wave split's pieces (FC_WAVE_SPLIT).
 
 A work item is one (key block, KV head, batch); item i of the plain grid (blockIdx order, key
 block fastest) is (i % blocks, (i // blocks) % Hkv, i // (blocks Hkv)). The GPU starts CTAs in
 blockIdx order (the backward timeline, session 13).
 
-Order table. MAIN's CTA j runs the item the host put at j of an int4 table (key block, KV head,
-batch) instead of the one its blockIdx names. Coordinates loaded from memory leave ptxas's
-uniform wgmma descriptors alone, where the same order computed from blockIdx (FC_LPT_TAIL) moved
-d64's into vector registers (R2UR 22 -> 111; session 37): the table is how d64 gets an order.
-Orders (ORDERS):
+Order table. MAIN's CTAs from `table_first` on (blockIdx order: the grid's end) run the items
+of a host table instead of the ones their blockIdx names; a -1 entry exits at once. Only those
+CTAs load (a table for every CTA cost 3-4% at d64, session 38: each CTA's first loads waited
+for the lookup). Orders (ORDERS):
     plain   the plain grid's order (the table's own cost, for an A/B)
     lpt     under a causal mask (key block 0 has the most steps), the last `tail` (KV head,
             batch) pairs longest-first across them: key block 0 of each, then key block 1, ...
-            (FC_LPT_TAIL's order); the rest as the plain grid. Without such a mask, plain.
+            (FC_LPT_TAIL's order, which computed from blockIdx cost d64 its uniform wgmma
+            descriptors, session 37); the rest as the plain grid. Without such a mask, plain.
 
 Last-wave split. With T items on S SMs (one CTA each at a time) the last wave holds r = T mod S
 CTAs (all T when T < S), and S - r SMs idle for about one CTA's length at the end: 1.5-3.3% of
 the d64 calls measured (session 37's timelines), the same for FlashAttention 4, whose grid is
-ours. The split takes r items out of MAIN's table and runs each as p pieces of about n / p of
-its n steps in a second kernel, MAIN's programmatic dependent, whose CTAs take the SMs MAIN's
-last wave frees; the pieces sum dK / dV in fp32 and the last one of an item writes them.
+ours. The split takes r items from MAIN and runs each as p pieces of about n / p of its n steps
+in a second kernel, MAIN's programmatic dependent, whose CTAs take the SMs MAIN's last wave
+frees; the pieces sum dK / dV in fp32 and the last one of an item writes them. The r items are
+the first r of the table's region, which then starts at least a wave before the grid's end
+(T - S): their CTAs exit there, so every MAIN CTA has started (the pieces' grid may start) about
+a wave before the end. (Skipping the grid's last r CTAs, session 38's first form, left the
+pieces waiting for those CTAs' dispatch at the very end.)
 
-    items   the first r in the order       pieces k = 0 .. p_i - 1 of item i (slot s: its rank),
-                                           steps [k n_i / p_i, (k + 1) n_i / p_i)
-            the rest                       MAIN, whole, in the order
+    CTAs    0 .. table_first - 1               their blockIdx's item
+            table_first .. + r - 1             exit (their items: the pieces')
+            table_first + r .. T - 1           the order's items
+    pieces  k = 0 .. p_i - 1 of the r items, steps [k n_i / p_i, (k + 1) n_i / p_i)
 
 p_i = min(n_i, S // r): every piece has a step, and all pieces fit on the S SMs at once. No
-split (None) when S divides T, when fewer than two pieces per item fit, or when none of the r
-items has two steps.
+split when S divides T, when fewer than two pieces per item fit, or when none of the r items
+has two steps.
 """
 
 from __future__ import annotations
@@ -61,13 +66,19 @@ def order(total: int, blocks: int, kind: str, tail: int, causal: bool) -> list[i
 
 
 @dataclass(frozen=True)
-class WavePlan:
-    """The split: MAIN's items (its table, in order) and the pieces, (item, first step, end step,
-    slot) each, slot = the item's rank among the pieces' items (the pieces' int4 table, in
-    launch order)."""
+class Schedule:
+    """MAIN's order table (the CTAs from table_first on: an item each, -1 to exit) and the
+    split's pieces, (item, first step, end step, slot) each, slot = the item's rank among the
+    pieces' items (the pieces' int4 table, in launch order; empty: no split)."""
 
-    main: tuple[int, ...]
-    pieces: tuple[tuple[int, int, int, int], ...]
+    table_first: int
+    entries: tuple[int, ...]
+    pieces: tuple[tuple[int, int, int, int], ...] = ()
+
+    @property
+    def total(self) -> int:
+        """The grid's work items (MAIN's CTAs)."""
+        return self.table_first + len(self.entries)
 
     @property
     def slots(self) -> int:
@@ -75,8 +86,9 @@ class WavePlan:
         return len({p[3] for p in self.pieces})
 
     @property
-    def total(self) -> int:
-        return len(self.main) + self.slots
+    def main_items(self) -> int:
+        """The work items MAIN's CTAs run (0: no MAIN launch)."""
+        return self.total - self.slots
 
 
 def query_blocks(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int,
@@ -92,22 +104,27 @@ def query_blocks(seqlen_q: int, seqlen_k: int, window_left: int, window_right: i
     return (q_end - 1) // block_m - q_begin // block_m + 1 if q_end > q_begin else 0
 
 
-def split_last_wave(items: list[int], steps_of: Callable[[int], int],
-                    sms: int) -> WavePlan | None:
-    """The split of a grid running `items` in that order, item i of steps_of(i) steps, on `sms`
-    SMs, or None where it cannot shorten the last wave (see the module's docstring)."""
-    if sms < 1:
-        raise ValueError(f"bwd_schedule.split_last_wave: sms: expected >= 1, got {sms}")
-    total = len(items)
-    tail = total if total < sms else total % sms
-    if tail == 0 or sms // tail < 2:
+def plan(total: int, blocks: int, kind: str, tail: int, causal: bool,
+         steps_of: Callable[[int], int], sms: int | None = None) -> Schedule | None:
+    """The schedule of a grid of `total` items (`blocks` key blocks per pair) in the order `kind`
+    (order(): `tail` pairs, `causal`), split for `sms` SMs (None: no split), item i of
+    steps_of(i) steps; None when the grid's own order runs unchanged (see the module's
+    docstring)."""
+    items = order(total, blocks, kind, tail, causal)
+    first = next((j for j, item in enumerate(items) if item != j), total)
+    pieces: list[tuple[int, int, int, int]] = []
+    if sms is not None:
+        if sms < 1:
+            raise ValueError(f"bwd_schedule.plan: sms: expected >= 1, got {sms}")
+        r = total if total < sms else total % sms
+        start = min(first, max(0, total - sms))
+        steps = [steps_of(item) for item in items[start:start + r]]
+        if r and sms // r >= 2 and max(steps) >= 2:
+            first = start
+            for slot, (item, n) in enumerate(zip(items[start:start + r], steps, strict=True)):
+                p = max(1, min(n, sms // r))
+                pieces += [(item, k * n // p, (k + 1) * n // p, slot) for k in range(p)]
+    if first == total:
         return None
-    steps = [steps_of(item) for item in items[:tail]]
-    if max(steps) < 2:
-        return None
-    per_item = sms // tail
-    pieces = []
-    for slot, (item, n) in enumerate(zip(items, steps, strict=False)):
-        p = max(1, min(n, per_item))
-        pieces += [(item, k * n // p, (k + 1) * n // p, slot) for k in range(p)]
-    return WavePlan(tuple(items[tail:]), tuple(pieces))
+    skips = len({p[3] for p in pieces})
+    return Schedule(first, (-1,) * skips + tuple(items[first + skips:]), tuple(pieces))

@@ -165,7 +165,7 @@ PDL_DIMS: tuple[int, ...] = ()
 # (session 36: -1.7 to +1.0% at d64 / d128 512-2k, none beyond p10-p90)
 STAT_LANES_ENV = "FLASHCUDA_SM90_BWD_STAT_LANES"
 STAT_LANES_DIMS: tuple[int, ...] = ()
-# The last-wave split (FC_WAVE_SPLIT, the .cu; wave_split.py): the last wave's work items run as
+# The last-wave split (FC_WAVE_SPLIT, the .cu; bwd_schedule.py): the last wave's work items run as
 # pieces of their steps in a second kernel, MAIN's programmatic dependent, at these head dims;
 # FLASHCUDA_SM90_BWD_WAVE_SPLIT=0 / 1 off / on (A/B). FLASHCUDA_SM90_BWD_WAVE_SMS=n plans it for
 # n SMs instead of the GPU's (tests: MAIN and the pieces both at small sizes).
@@ -319,13 +319,14 @@ class Sm90BwdConfig:
     # lse2 / delta in the consumer lanes' order (FC_STAT_LANES here and in PRE); config_for sets
     # it (STAT_LANES_DIMS, STAT_LANES_ENV)
     stat_lanes: bool = False
-    # MAIN's work items from a host table (FC_ORDER_TABLE: one more pointer after dv, the int4
-    # table; a one-dimensional grid of its length); _build_plan sets it (order_for, the split)
+    # the grid's last CTAs take their work items from a host table (FC_ORDER_TABLE: one more
+    # pointer after dv, the int4 table, and one more int32 last, its first CTA); _build_plan
+    # sets it (schedule: order_for, the split)
     order_table: bool = False
-    # the last-wave split (FC_WAVE_SPLIT): 1 MAIN (with order_table: its table leaves the pieces'
-    # items out), which triggers its dependents; 2 the pieces kernel (three more pointers after
-    # dv: the piece table, the fp32 dK / dV sums, the step counters); _build_plan sets both
-    # (wave_split_for, bwd_schedule.split_last_wave)
+    # the last-wave split (FC_WAVE_SPLIT): 1 MAIN (with order_table: the table's first entries
+    # exit, their items the pieces'), which triggers its dependents; 2 the pieces kernel (three
+    # more pointers after dv: the piece table, the fp32 dK / dV sums, the step counters);
+    # _build_plan sets both (schedule: wave_split_for, bwd_schedule.plan)
     wave_split: int = 0
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
@@ -888,30 +889,27 @@ def item_steps(call: BwdCall, cfg: Sm90BwdConfig) -> list[int]:
 
 
 def schedule(call: BwdCall, cfg: Sm90BwdConfig, sms: int | None = None) -> tuple[
-        Sm90BwdConfig, tuple[int, ...] | None, bwd_schedule.WavePlan | None]:
-    """MAIN's config, its order table's items (plain-grid indices; None: the grid's own order)
-    and the last-wave split (None: no split) for `call` under config_for's `cfg`, on `sms` SMs
-    (default wave_sms). A table when order_for asks for one or the split happens; a config's
-    FC_LPT_TAIL order becomes the table's lpt over as many pairs."""
+        Sm90BwdConfig, bwd_schedule.Schedule | None]:
+    """MAIN's config and its schedule (None: the grid's own order, no split) for `call` under
+    config_for's `cfg`, the split planned for `sms` SMs (default wave_sms). A table when order_for
+    asks for one or the split happens; a config's FC_LPT_TAIL order becomes the table's lpt over
+    as many pairs."""
     kind = order_for(call, cfg)
     split = wave_split_for(call, cfg)
     if kind == "grid" and not split:
-        return cfg, None, None
+        return cfg, None
     blocks = -(-call.seqlen_k // cfg.block_n)
-    total = blocks * call.nheads_kv * call.batch
     tail = cfg.lpt_tail or ORDER_TAIL
-    table_kind = kind if kind != "grid" else ("lpt" if cfg.lpt_tail else "plain")
-    items = bwd_schedule.order(total, blocks, table_kind, tail, _right_edge_only(call))
-    wave = None
-    if split:
-        steps = item_steps(call, cfg)
-        wave = bwd_schedule.split_last_wave(items, lambda i: steps[i % blocks],
-                                            sms if sms is not None else wave_sms(call))
-    if kind == "grid" and wave is None:  # (the split asked for the table, and did not happen)
-        return cfg, None, None
-    cfg = dataclasses.replace(cfg, lpt_tail=0, order_table=True,
-                              wave_split=1 if wave is not None else 0)
-    return cfg, (wave.main if wave is not None else tuple(items)), wave
+    if kind == "grid":  # (the split asked for the table: the config's own order in it)
+        kind = "lpt" if cfg.lpt_tail else "plain"
+    steps = item_steps(call, cfg)
+    plan = bwd_schedule.plan(blocks * call.nheads_kv * call.batch, blocks, kind, tail,
+                             _right_edge_only(call), lambda i: steps[i % blocks],
+                             (sms if sms is not None else wave_sms(call)) if split else None)
+    if plan is None:
+        return cfg, None
+    return dataclasses.replace(cfg, lpt_tail=0, order_table=True,
+                               wave_split=1 if plan.pieces else 0), plan
 
 
 def enabled() -> bool:
@@ -1032,11 +1030,11 @@ class _Plan:
     pre: PreparedLaunch  # out, dout, lse, lse2, delta, dq_accum
     main: PreparedLaunch  # map_q, map_k, map_v, map_dout, lse2, delta, dq_accum, dk, dv
     convert: PreparedLaunch  # dq_accum, dq
-    # MAIN's order table (FC_ORDER_TABLE: int32 [CTAs, 4] on the device; None: the grid's order)
+    # the schedule (None: the grid's order, no split), MAIN's order table (FC_ORDER_TABLE: int32
+    # [CTAs from table_first, 4] on the device), the split's pieces kernel (FC_WAVE_SPLIT: MAIN's
+    # pointers, then table, part, part_steps) and its piece table (int32 [pieces, 4])
+    schedule: bwd_schedule.Schedule | None = None
     order: torch.Tensor | None = None
-    # the last-wave split (FC_WAVE_SPLIT): the plan, the pieces kernel's launch (MAIN's pointers,
-    # then table, part, part_steps) and its piece table (int32 [pieces, 4] on the device)
-    wave: bwd_schedule.WavePlan | None = None
     pieces: PreparedLaunch | None = None
     table: torch.Tensor | None = None
 
@@ -1059,7 +1057,7 @@ def _plan_key(call: BwdCall) -> tuple:
 def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     if why := can_implement(call):
         raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
-    cfg, items, wave = schedule(call, config_for(call))
+    cfg, sched = schedule(call, config_for(call))
     if timeline:  # (with the split: MAIN's and the pieces' records, one buffer)
         cfg = dataclasses.replace(cfg, timeline=True)
     aux = cfg.aux()
@@ -1077,21 +1075,22 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         main_maps += main_maps[:1]
     if cfg.dkv_tma:  # map_dk, map_dv
         main_maps += main_maps[:2]
-    grid, order = cfg.grid(call), None
-    if items:  # MAIN's CTAs by the table
+    order = pieces = table = None
+    pieces_args = main_args
+    if sched is not None:  # the table of MAIN's last CTAs (-1: exit), its first CTA fixed
         blocks = -(-call.seqlen_k // cfg.block_n)
-        grid = (len(items), 1, 1)
         order = torch.tensor([(*bwd_schedule.item_coords(i, blocks, call.nheads_kv), 0)
-                              for i in items], dtype=torch.int32, device=dev)
-    pieces = table = None
-    if wave is not None:
+                              if i >= 0 else (-1, 0, 0, 0) for i in sched.entries],
+                             dtype=torch.int32, device=dev)
+        main_args += (np.int32(sched.table_first),)
+    if sched is not None and sched.pieces:
         pieces_cfg = dataclasses.replace(cfg, order_table=False, wave_split=2)
         pieces = PreparedLaunch(get_kernel(pieces_cfg.spec(), dev),
-                                (len(wave.pieces), 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
-                                main_maps + (t,) * (9 if cfg.timeline else 8) + main_args,
-                                fixed=len(main_args),
-                                programmatic=bool(wave.main) and flag(WAVE_PDL_ENV, True))
-        table = torch.tensor(wave.pieces, dtype=torch.int32, device=dev)
+                                (len(sched.pieces), 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
+                                main_maps + (t,) * (9 if cfg.timeline else 8) + pieces_args,
+                                fixed=len(pieces_args),
+                                programmatic=sched.main_items > 0 and flag(WAVE_PDL_ENV, True))
+        table = torch.tensor(sched.pieces, dtype=torch.int32, device=dev)
     return _Plan(
         cfg, sq_pad,
         pre=PreparedLaunch(get_kernel(aux.pre_spec(pdl_trigger=cfg.pdl,
@@ -1099,14 +1098,14 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
                            (-(-sq_pad // aux.aux_rows), h, b),
                            (bwd_sm80.AUX_THREADS,), 0, (t,) * 6 + pre_args,
                            fixed=len(pre_args)),
-        main=PreparedLaunch(get_kernel(cfg.spec(), dev), grid, (cfg.threads, 1, 1),
+        main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call), (cfg.threads, 1, 1),
                             cfg.smem_bytes,
                             main_maps + (t,) * (5 + cfg.order_table + cfg.timeline) + main_args,
                             fixed=len(main_args), programmatic=cfg.pdl),
         convert=PreparedLaunch(get_kernel(convert_spec(cfg), dev),
                                (-(-sq // convert_rows(cfg)), h, b), (bwd_sm80.AUX_THREADS,), 0,
                                (t,) * 2 + convert_args, fixed=len(convert_args)),
-        order=order, wave=wave, pieces=pieces, table=table)
+        schedule=sched, order=order, pieces=pieces, table=table)
 
 
 def convert_spec(cfg: Sm90BwdConfig) -> KernelSpec:
@@ -1152,23 +1151,20 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
     if cfg.dkv_tma:
         rows = DKV_SPLIT_ROWS if cfg.dkv_split else cfg.block_n
         maps += (bshd_map(call.dk, rows).raw, bshd_map(call.dv, rows).raw)
-    if plan.wave is not None:  # the first items as pieces, MAIN's CTAs the rest
-        grads = plan.wave.slots * 2 * cfg.block_n * cfg.head_dim  # fp32 dK / dV sums per slot
-        part = torch.zeros(grads + plan.wave.slots, dtype=torch.float32, device=call.device)
-        pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
+    pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
+    order = () if plan.order is None else (plan.order.data_ptr(),)
+    records = () if timeline is None else (timeline.data_ptr(),)
+    sched = plan.schedule
+    if sched is None or sched.main_items:
+        plan.main(*maps, *pointers, *order, *records, handle=handle)
+    if plan.pieces is not None:  # the split's pieces, MAIN's programmatic dependents
+        grads = sched.slots * 2 * cfg.block_n * cfg.head_dim  # fp32 dK / dV sums per slot
+        part = torch.zeros(grads + sched.slots, dtype=torch.float32, device=call.device)
         # (timeline: MAIN's records, then the pieces' from record `total` on)
-        records = () if timeline is None else (timeline.data_ptr(),)
         pieces_records = () if timeline is None else (
-            timeline.data_ptr() + 8 * TIMELINE_WORDS * plan.wave.total,)
-        if plan.order is not None:
-            plan.main(*maps, *pointers, plan.order.data_ptr(), *records, handle=handle)
+            timeline.data_ptr() + 8 * TIMELINE_WORDS * sched.total,)
         plan.pieces(*maps, *pointers, *pieces_records, plan.table.data_ptr(), part.data_ptr(),
                     part.data_ptr() + 4 * grads, handle=handle)
-    else:
-        order = () if plan.order is None else (plan.order.data_ptr(),)
-        records = () if timeline is None else (timeline.data_ptr(),)
-        plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr(),
-                  *order, *records, handle=handle)
     plan.convert(accum_at, call.dq.data_ptr(), handle=handle)
 
 
@@ -1181,8 +1177,8 @@ def run_timeline(call: BwdCall) -> tuple[Sm90BwdConfig, torch.Tensor]:
     one per piece in the table's order."""
     plan = _timeline_plans.plan(_plan_key(call), call)  # (raises as run does)
     cfg = plan.cfg
-    shape = cfg.timeline_shape(call) if plan.wave is None else (
-        plan.wave.total + len(plan.wave.pieces), TIMELINE_WORDS)
+    shape = cfg.timeline_shape(call) if plan.pieces is None else (
+        plan.schedule.total + len(plan.schedule.pieces), TIMELINE_WORDS)
     buf = torch.zeros(shape, dtype=torch.int64, device=call.device)
     run(call, timeline=buf)
     return cfg, buf

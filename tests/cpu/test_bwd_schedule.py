@@ -34,47 +34,61 @@ def test_query_blocks_match_the_visibility_rule(sq, sk, window):
                 _brute_query_blocks(sq, sk, wl, wr, block_m, 128, key_block)
 
 
-def _check_cover(plan, items, steps_of, sms):
-    total = len(items)
-    tail = total if total < sms else total % sms
-    assert plan.slots == tail and plan.total == total
-    assert plan.main == tuple(items[tail:]) and len(plan.main) % sms == 0  # whole waves
-    assert len(plan.pieces) <= sms  # all pieces on the SMs at once
-    for slot, item in enumerate(items[:tail]):
-        runs = [(a, b) for i, a, b, s in plan.pieces if s == slot]
-        assert {i for i, _, _, s in plan.pieces if s == slot} == {item}
+def _check(sched, total, items, steps_of, sms):
+    """The schedule's CTAs run every item once, MAIN in whole waves; each split item's pieces
+    cover its steps in order, none empty, all on the SMs at once."""
+    r = total if total < sms else total % sms
+    assert sched.total == total and sched.slots == r and len(sched.pieces) <= sms
+    first = sched.table_first
+    assert first <= max(0, total - sms)  # the exits start at least a wave before the end
+    assert sched.entries[:r] == (-1,) * r and -1 not in sched.entries[r:]
+    split = items[first:first + r]
+    assert sorted(list(range(first)) + list(sched.entries[r:]) + split) == list(range(total))
+    assert sched.main_items == total - r and sched.main_items % sms == 0  # whole waves
+    for slot, item in enumerate(split):
+        runs = [(a, b) for i, a, b, s in sched.pieces if s == slot]
+        assert {i for i, _, _, s in sched.pieces if s == slot} == {item}
         assert runs[0][0] == 0 and runs[-1][1] == steps_of(item)
-        assert all(b > a for a, b in runs) or steps_of(item) == 0  # no empty piece
+        assert all(b > a for a, b in runs) or steps_of(item) == 0  # (one empty piece: zeros)
         assert all(runs[k][1] == runs[k + 1][0] for k in range(len(runs) - 1))
 
 
 @pytest.mark.parametrize("total,sms", [(4096, 132), (4100, 132), (16, 132), (133, 132),
                                        (2048 + 66, 132), (7, 3), (40, 7)])
-def test_split_covers_each_tail_item_once(total, sms):
-    for items in (list(range(total)), list(range(total))[::-1]):
+def test_split_covers_each_item_once(total, sms):
+    blocks = 4 if total % 4 == 0 else 1
+    for kind in ("plain", "lpt"):
+        items = bwd_schedule.order(total, blocks, kind, 8, causal=True)
         for steps_of in (lambda i: 16, lambda i: 1 + i % 16, lambda i: 3 * (i % 5)):
-            plan = bwd_schedule.split_last_wave(items, steps_of, sms)
-            tail = total if total < sms else total % sms
-            tail_steps = [steps_of(i) for i in items[:tail]]
-            if tail == 0 or sms // tail < 2 or max(tail_steps) < 2:
-                assert plan is None
+            sched = bwd_schedule.plan(total, blocks, kind, 8, True, steps_of, sms)
+            r = total if total < sms else total % sms
+            start = min(next((j for j, i in enumerate(items) if i != j), total),
+                        max(0, total - sms))
+            if r == 0 or sms // r < 2 or max(steps_of(i) for i in items[start:start + r]) < 2:
+                assert sched is None or not sched.pieces
                 continue
-            _check_cover(plan, items, steps_of, sms)
+            _check(sched, total, items, steps_of, sms)
 
 
 def test_split_at_the_sweep_points():
-    """d64 at 32 x 512 x 32, 16 x 1k, 8 x 2k: 4096 items, 4 beside 31 waves of 132 (the first
-    four of the order), each cut into min(n, 33) pieces of its n = 4 / 8 / 16 steps."""
-    items = list(range(4096))
+    """d64 at 32 x 512 x 32, 16 x 1k, 8 x 2k: 4096 items, 4 beside 31 waves of 132: the table's
+    region is the last wave (from CTA 3964), its first four CTAs exit and their items run as
+    min(n, 33) pieces of their n = 4 / 8 / 16 steps."""
     for n in (4, 8, 16):
-        plan = bwd_schedule.split_last_wave(items, lambda i, n=n: n, 132)
-        assert plan.slots == 4 and len(plan.main) == 4092 and len(plan.pieces) == 4 * n
-        assert {b - a for _, a, b, _ in plan.pieces} == {1}
-    assert bwd_schedule.split_last_wave(items[:132 * 31], lambda i: 16, 132) is None
-    assert bwd_schedule.split_last_wave(list(range(4092 + 70)), lambda i: 16, 132) is None
-    assert bwd_schedule.split_last_wave(items, lambda i: 1, 132) is None  # nothing to cut
+        sched = bwd_schedule.plan(4096, 16, "plain", 8, False, lambda i, n=n: n, 132)
+        assert sched.table_first == 4096 - 132 and sched.slots == 4
+        assert sched.entries == (-1,) * 4 + tuple(range(3968, 4096))
+        assert len(sched.pieces) == 4 * n and {b - a for _, a, b, _ in sched.pieces} == {1}
+        assert [p[0] for p in sched.pieces[::n]] == [3964, 3965, 3966, 3967]
+    assert bwd_schedule.plan(132 * 31, 16, "plain", 8, False, lambda i: 16, 132) is None
+    assert bwd_schedule.plan(4092 + 70, 2, "plain", 8, False, lambda i: 16, 132) is None
+    assert bwd_schedule.plan(4096, 16, "plain", 8, False, lambda i: 1, 132) is None
+    assert bwd_schedule.plan(4096, 16, "plain", 8, False, lambda i: 16) is None  # no split
+    lpt = bwd_schedule.plan(4096, 16, "lpt", 8, True, lambda i: 16 - i % 16)  # causal, no split
+    assert lpt.table_first == 4096 - 8 * 16 + 1 and not lpt.pieces  # (its first item stays)
+    assert list(lpt.entries) == bwd_schedule.order(4096, 16, "lpt", 8, True)[lpt.table_first:]
     with pytest.raises(ValueError, match="sms"):
-        bwd_schedule.split_last_wave(items[:10], lambda i: 4, 0)
+        bwd_schedule.plan(10, 1, "plain", 8, False, lambda i: 4, 0)
 
 
 @pytest.mark.parametrize("blocks,pairs,tail", [(16, 256, 8), (4, 1024, 8), (6, 3, 8), (5, 7, 2)])

@@ -1121,9 +1121,11 @@ def test_heads_group(monkeypatch):
 # ---- FC_ORDER_TABLE, FC_WAVE_SPLIT (session 38) ---------------------------------------------------
 
 def test_order_table_keeps_the_consumers_loop(builds, tmp_path):
-    """MAIN by an order table (FC_ORDER_TABLE) reads its key block, KV head and batch from the
-    host's int4 table: its consumers' loop is the default's, R2UR for R2UR (FC_LPT_TAIL's order
-    computed from blockIdx cost d64 76 R2UR in the loop, session 37). The split's MAIN
+    """MAIN with an order table (FC_ORDER_TABLE) reads its key block, KV head and batch from the
+    host's int4 table in the grid's last CTAs, from blockIdx in the others, both through shared
+    memory: its consumers' loop is the default's, R2UR for R2UR (FC_LPT_TAIL's order computed
+    from blockIdx cost d64 76 R2UR in the loop, session 37; so did a table read into registers
+    beside blockIdx, session 38). The split's MAIN
     (FC_WAVE_SPLIT=1) adds the dependents' trigger; the pieces kernel (=2) sums dK / dV with
     16-byte fp32 reductions, counts steps with one atomic, waits for MAIN (griddepcontrol.wait:
     ACQBULK), and its loop is clean too. All in configs() (the pieces also with the timeline);
@@ -1159,9 +1161,9 @@ def test_order_table_keeps_the_consumers_loop(builds, tmp_path):
 
 @pytest.mark.parametrize("kind", ["table", "split", "pieces"])
 def test_order_table_parameter_offsets_match_pack_args(builds, tmp_path, kind):
-    """MAIN's table pointer after dv (FC_ORDER_TABLE, also the split's MAIN) and the pieces
-    kernel's three pointers after dv (table, part, part_steps), as _build_plan lays out its
-    launches."""
+    """MAIN's table pointer after dv and its first CTA last (FC_ORDER_TABLE, also the split's
+    MAIN), the pieces kernel's three pointers after dv (table, part, part_steps), as _build_plan
+    lays out its launches."""
     cfg = next(c for c in bwd_sm90.configs() if not c.timeline and (
         c.order_table and c.wave_split == (kind == "split") if kind != "pieces"
         else c.wave_split == 2))
@@ -1170,7 +1172,8 @@ def test_order_table_parameter_offsets_match_pack_args(builds, tmp_path, kind):
     i32, i64 = np.int32(0), np.int64(0)
     maps = (m,) * (4 + cfg.dq_tma)
     args = (*maps, *(None,) * (8 if kind == "pieces" else 6), i64, i64, i64, i64, i64, i64, i32,
-            i32, i32, i32, i32, np.float32(0), np.float32(0), i32, i32)
+            i32, i32, i32, i32, np.float32(0), np.float32(0), i32, i32,
+            *((i32,) if kind != "pieces" else ()))
     _, offsets = pack_args("k", args)
     assert len(table) == len(args)
     assert [table[i][0] - table[0][0] for i in range(len(args))] == list(offsets)
@@ -1192,28 +1195,31 @@ def test_order_and_wave_split_switches(monkeypatch):
     full = dataclasses.replace(call, window_right=None)
     cfg = bwd_sm90.config_for(full)
     key = bwd_sm90._plan_key(full)
-    assert bwd_sm90.schedule(full, cfg, 10) == (cfg, None, None)
+    assert bwd_sm90.schedule(full, cfg, 10) == (cfg, None)
     monkeypatch.setenv(bwd_sm90.ORDER_ENV, "plain")
-    got, items, wave = bwd_sm90.schedule(full, cfg, 10)
-    assert got == dataclasses.replace(cfg, order_table=True) and items == tuple(range(24))
-    assert wave is None and bwd_sm90._plan_key(full) != key
+    assert bwd_sm90.schedule(full, cfg, 10) == (cfg, None)  # the grid's order: no table
+    assert bwd_sm90._plan_key(full) != key
     monkeypatch.setenv(bwd_sm90.ORDER_ENV, "lpt")
-    _, items, _ = bwd_sm90.schedule(call, bwd_sm90.config_for(call), 10)  # 3 pairs <= 8: all
-    assert items == tuple(sorted(range(24), key=lambda i: (i % 6, i // 6)))
-    assert bwd_sm90.schedule(full, cfg, 10)[1] == tuple(range(24))  # no causal mask: plain
+    lpt = sorted(range(24), key=lambda i: (i % 6, i // 6))  # 3 pairs <= 8: all in the tail
+    got, sched = bwd_sm90.schedule(call, bwd_sm90.config_for(call), 10)
+    assert got.order_table and not got.wave_split and not sched.pieces
+    assert sched.table_first == 1 and sched.entries == tuple(lpt[1:])  # (item 0 stays first)
+    assert bwd_sm90.schedule(full, cfg, 10) == (cfg, None)  # no causal mask: plain
     monkeypatch.setenv(bwd_sm90.ORDER_ENV, "grid")
     monkeypatch.setenv(bwd_sm90.WAVE_SPLIT_ENV, "1")
-    got, items, wave = bwd_sm90.schedule(full, cfg, 10)  # 24 items: 4 beside 2 waves of 10
+    got, sched = bwd_sm90.schedule(full, cfg, 10)  # 24 items: 4 beside 2 waves of 10
     assert got == dataclasses.replace(cfg, order_table=True, wave_split=1)
-    assert items == wave.main == tuple(range(4, 24)) and wave.slots == 4
-    assert [p[1:3] for p in wave.pieces] == [(0, 3), (3, 6)] * 4  # 6 steps: 3 blocks x 2 heads
-    assert bwd_sm90.schedule(full, cfg, 12) == (cfg, None, None)  # whole waves: no split
+    assert sched.table_first == 14 and sched.entries == (-1,) * 4 + tuple(range(18, 24))
+    assert [p[:3] for p in sched.pieces] == [(i, a, a + 3) for i in range(14, 18)
+                                             for a in (0, 3)]  # 6 steps: 3 blocks x 2 heads
+    assert bwd_sm90.schedule(full, cfg, 12) == (cfg, None)  # whole waves: no split
     d128 = _call(B=2, Sq=300, Sk=700, H=4, Hkv=2, D=128)  # causal: LPT_TAIL's 8 pairs
     base = bwd_sm90.config_for(d128)
-    got, items, wave = bwd_sm90.schedule(d128, base, 10)
-    assert base.lpt_tail and not got.lpt_tail and got.order_table and wave is not None
-    order = sorted(range(24), key=lambda i: (i % 6, i // 6))  # all 4 pairs within the tail
-    assert wave.main == tuple(order[4:]) and [p[0] for p in wave.pieces][::2] == order[:4]
+    got, sched = bwd_sm90.schedule(d128, base, 10)
+    assert base.lpt_tail and not got.lpt_tail and got.order_table and got.wave_split == 1
+    # (item 0, lpt's first, stays CTA 0's; the next four, the longest, are split)
+    assert sched.table_first == 1 and sched.entries == (-1,) * 4 + tuple(lpt[5:])
+    assert [p[0] for p in sched.pieces if p[1] == 0] == lpt[1:5]
     steps = bwd_sm90.item_steps(d128, base)
     wl, wr = (int(w) for w in bwd_sm90.kernel_windows(300, 700, None, 0))
     assert steps == [2 * bwd_schedule.query_blocks(300, 700, wl, wr, 64, 128, n)

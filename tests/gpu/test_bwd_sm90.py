@@ -292,13 +292,14 @@ def test_wave_split_main_and_pieces(monkeypatch, case):
                    torch.empty_like(k), torch.empty_like(v), 0.1, *window, False)
     plan = bwd_sm90._plan(call)
     items = -(-sk // 128) * hkv * b
-    cfg, main, wave = bwd_sm90.schedule(call, bwd_sm90.config_for(call), sms)
-    assert wave is not None and plan.wave == wave and plan.cfg == cfg and cfg.wave_split == 1
-    assert len(wave.main) == (items // sms) * sms and wave.total == items
-    assert plan.table.tolist() == [list(p) for p in wave.pieces]
+    cfg, sched = bwd_sm90.schedule(call, bwd_sm90.config_for(call), sms)
+    assert sched is not None and sched.pieces and plan.schedule == sched and plan.cfg == cfg
+    assert cfg.wave_split == 1 and sched.total == items
+    assert sched.main_items == (items // sms) * sms
+    assert plan.table.tolist() == [list(p) for p in sched.pieces]
     blocks = -(-sk // 128)
-    assert plan.order.tolist() == [[*bwd_schedule.item_coords(i, blocks, hkv), 0]
-                                   for i in main] if main else plan.order is None
+    assert plan.order.tolist() == [[*bwd_schedule.item_coords(i, blocks, hkv), 0] if i >= 0
+                                   else [-1, 0, 0, 0] for i in sched.entries]
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
