@@ -73,7 +73,7 @@ import torch
 from .._env import env_names, env_values, flag, switched_on
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, launch_stream, register
 from ..jit.tensor_map import MAX_DIM, bshd_map, bshd_problem, rows_f32_map
-from . import bwd_schedule, bwd_sm80
+from . import bwd_sm80, wave_split
 from .call import (
     DTYPE_CODE,
     DTYPE_NAME,
@@ -165,7 +165,7 @@ PDL_DIMS: tuple[int, ...] = ()
 # (session 36: -1.7 to +1.0% at d64 / d128 512-2k, none beyond p10-p90)
 STAT_LANES_ENV = "FLASHCUDA_SM90_BWD_STAT_LANES"
 STAT_LANES_DIMS: tuple[int, ...] = ()
-# The last-wave split (FC_WAVE_SPLIT, the .cu; bwd_schedule.py): the last wave's work items run as
+# The last-wave split (FC_WAVE_SPLIT, the .cu; wave_split.py): the last wave's work items run as
 # pieces of their steps in a second kernel, MAIN's programmatic dependent, at these head dims;
 # FLASHCUDA_SM90_BWD_WAVE_SPLIT=0 / 1 off / on (A/B). FLASHCUDA_SM90_BWD_WAVE_SMS=n plans it for
 # n SMs instead of the GPU's (tests: MAIN and the pieces both at small sizes).
@@ -174,15 +174,6 @@ WAVE_SPLIT_DIMS: tuple[int, ...] = ()
 WAVE_SMS_ENV = "FLASHCUDA_SM90_BWD_WAVE_SMS"
 # 0 (diagnostic A/B): the pieces launched in plain stream order, after MAIN has completed
 WAVE_PDL_ENV = "FLASHCUDA_SM90_BWD_WAVE_PDL"
-# MAIN's work items in the order of a host table (FC_ORDER_TABLE, bwd_schedule.order):
-# FLASHCUDA_SM90_BWD_ORDER=grid (no table: blockIdx order, or FC_LPT_TAIL's where the config has
-# it) / plain (the table in blockIdx order: its own cost) / lpt (causal calls: the last ORDER_TAIL
-# (KV head, batch) pairs longest-first, FC_LPT_TAIL's order without its arithmetic); unset: the
-# ORDER_DEFAULT entry of the head dim, else grid. The last-wave split always runs MAIN by a table
-# (plain unless lpt is asked for; a config's FC_LPT_TAIL becomes the table's lpt).
-ORDER_ENV = "FLASHCUDA_SM90_BWD_ORDER"
-ORDER_DEFAULT: dict[int, str] = {}
-ORDER_TAIL = 8
 SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T rows each)
 SWAP_DIMS = (128,)
 SWAP_MIN_SEQLEN_Q = 2048
@@ -319,14 +310,10 @@ class Sm90BwdConfig:
     # lse2 / delta in the consumer lanes' order (FC_STAT_LANES here and in PRE); config_for sets
     # it (STAT_LANES_DIMS, STAT_LANES_ENV)
     stat_lanes: bool = False
-    # the grid's last CTAs take their work items from a host table (FC_ORDER_TABLE: one more
-    # pointer after dv, the int4 table, and one more int32 last, its first CTA); _build_plan
-    # sets it (schedule: order_for, the split)
-    order_table: bool = False
-    # the last-wave split (FC_WAVE_SPLIT): 1 MAIN (with order_table: the table's first entries
-    # exit, their items the pieces'), which triggers its dependents; 2 the pieces kernel (three
-    # more pointers after dv: the piece table, the fp32 dK / dV sums, the step counters);
-    # _build_plan sets both (schedule: wave_split_for, bwd_schedule.plan)
+    # the last-wave split (FC_WAVE_SPLIT): 1 MAIN, whose CTAs before its first_main argument exit
+    # and which triggers its dependents; 2 the pieces kernel (three more pointers after dv: the
+    # piece table, the fp32 dK / dV sums, the step counters); _build_plan sets both
+    # (wave_split_for, wave_split.plan)
     wave_split: int = 0
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
@@ -413,13 +400,8 @@ class Sm90BwdConfig:
                              f"{self.wave_split}")
         if self.wave_split and (self.dkv_tma or self.lpt_tail or self.heads_first or self.pdl):
             raise ValueError("Sm90BwdConfig.wave_split: expected 0 with dkv_tma, lpt_tail, "
-                             "heads_first or pdl (the default epilogue and order, MAIN after "
-                             "PRE)")
-        if self.wave_split == 1 and not self.order_table:
-            raise ValueError("Sm90BwdConfig.wave_split: 1 (the split's MAIN) needs order_table")
-        if self.order_table and (self.lpt_tail or self.heads_first or self.wave_split == 2):
-            raise ValueError("Sm90BwdConfig.order_table: expected False with lpt_tail, "
-                             "heads_first or the pieces kernel (the table is the order)")
+                             "heads_first or pdl (blockIdx order, the default epilogue, MAIN "
+                             "after PRE)")
         if self.heads_first and self.lpt_tail:
             raise ValueError(f"Sm90BwdConfig.heads_first: expected False with lpt_tail "
                              f"{self.lpt_tail} (heads first orders the whole grid)")
@@ -495,7 +477,6 @@ class Sm90BwdConfig:
                 + ("_dkvt" if self.dkv_tma else "") + ("s" if self.dkv_split else "")
                 + ("_spl" if self.split_loads else "")
                 + ("_pdl" if self.pdl else "") + ("_sl" if self.stat_lanes else "")
-                + ("_ot" if self.order_table else "")
                 + (f"_ws{self.wave_split}" if self.wave_split else "")
                 + ("_tl" if self.timeline else "")
                 + defines_suffix(self.defines))
@@ -536,7 +517,6 @@ class Sm90BwdConfig:
             **({"FC_SPLIT_LOADS": 1} if self.split_loads else {}),
             **({"FC_PDL": 1} if self.pdl else {}),
             **({"FC_STAT_LANES": 1} if self.stat_lanes else {}),
-            **({"FC_ORDER_TABLE": 1} if self.order_table else {}),
             **({"FC_WAVE_SPLIT": self.wave_split} if self.wave_split else {}),
             **dict(self.defines),
         })
@@ -652,12 +632,9 @@ def configs() -> list[Sm90BwdConfig]:
     out += [dataclasses.replace(c, split_loads=True) for c in dkv]  # (FC_SPLIT_LOADS: the same)
     out += [dataclasses.replace(c, pdl=True) for c in dkv]  # (FC_PDL: the same)
     out += [dataclasses.replace(c, stat_lanes=True) for c in dkv]  # (FC_STAT_LANES: the same)
-    # MAIN by an order table (FC_ORDER_TABLE; ORDER_ENV), alone and as the last-wave split's
-    # MAIN, and the split's pieces kernel (FC_WAVE_SPLIT; WAVE_SPLIT_DIMS /
-    # FLASHCUDA_SM90_BWD_WAVE_SPLIT), of those kernels (a causal tail's order is the table's)
-    out += [dataclasses.replace(c, order_table=True, wave_split=w) for c in dkv if not c.lpt_tail
-            for w in (0, 1)]
-    out += [dataclasses.replace(c, wave_split=2) for c in dkv if not c.lpt_tail]
+    # the last-wave split's MAIN and pieces kernels (FC_WAVE_SPLIT; WAVE_SPLIT_DIMS /
+    # FLASHCUDA_SM90_BWD_WAVE_SPLIT) of those kernels in blockIdx order
+    out += [dataclasses.replace(c, wave_split=w) for c in dkv if not c.lpt_tail for w in (1, 2)]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
@@ -735,8 +712,7 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
                                probs_early=None, probs_emu=0, lpt_tail=0, heads_first=False,
                                dkv_tma=False, dkv_split=False, split_loads=False, pdl=False,
-                               stat_lanes=False, timeline=False, order_table=False,
-                               wave_split=0) == plain
+                               stat_lanes=False, timeline=False, wave_split=0) == plain
 
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
@@ -846,24 +822,12 @@ def heads_group(nheads_kv: int) -> int:
     return max(g for g in range(1, min(cap, nheads_kv) + 1) if nheads_kv % g == 0)
 
 
-def order_for(call: BwdCall, cfg: Sm90BwdConfig) -> str:
-    """MAIN's order for `call` (FC_ORDER_TABLE): FLASHCUDA_SM90_BWD_ORDER, or unset the head
-    dim's ORDER_DEFAULT entry, else "grid" (no table); "grid" for a heads-first grid."""
-    raw = os.environ.get(ORDER_ENV, "").strip().lower() or ORDER_DEFAULT.get(call.head_dim,
-                                                                             "grid")
-    if raw not in ("grid", *bwd_schedule.ORDERS):
-        raise ValueError(f"{ORDER_ENV}: expected one of grid, {', '.join(bwd_schedule.ORDERS)}, "
-                         f"got {raw!r}")
-    return "grid" if cfg.heads_first else raw
-
-
 def wave_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
     """Whether `call`'s MAIN kernel `cfg` may leave its last wave to the pieces kernel
-    (FC_WAVE_SPLIT; schedule decides whether it does): FLASHCUDA_SM90_BWD_WAVE_SPLIT=1, or unset
-    at WAVE_SPLIT_DIMS, for a kernel with the default epilogue and loads, after PRE, whose order
-    a table can hold (a causal tail's can: the table takes it)."""
+    (FC_WAVE_SPLIT; wave_plan decides whether it does): FLASHCUDA_SM90_BWD_WAVE_SPLIT=1, or unset
+    at WAVE_SPLIT_DIMS, for a kernel in blockIdx order with the default epilogue, after PRE."""
     return flag(WAVE_SPLIT_ENV, call.head_dim in WAVE_SPLIT_DIMS) and not (
-        cfg.dkv_tma or cfg.heads_first or cfg.pdl or cfg.split_loads)
+        cfg.dkv_tma or cfg.lpt_tail or cfg.heads_first or cfg.pdl)
 
 
 def wave_sms(call: BwdCall) -> int:
@@ -877,39 +841,18 @@ def wave_sms(call: BwdCall) -> int:
     return torch.cuda.get_device_properties(_device_index(call)).multi_processor_count
 
 
-def item_steps(call: BwdCall, cfg: Sm90BwdConfig) -> list[int]:
-    """Steps of each key block's work item (its query blocks times the query heads per KV
-    head), as the kernel's KeyBlockSteps counts them."""
+def wave_plan(call: BwdCall, cfg: Sm90BwdConfig, sms: int) -> wave_split.WavePlan | None:
+    """wave_split.plan of `call`'s grid under `cfg` (blockIdx order: key block fastest) on `sms`
+    SMs: each work item's steps are its key block's query blocks times the query heads per KV
+    head."""
+    blocks, _, _ = cfg.grid(call)
+    total = blocks * call.nheads_kv * call.batch
     wl, wr = (int(w) for w in kernel_windows(call.seqlen_q, call.seqlen_k, call.window_left,
                                              call.window_right))
     group = call.nheads // call.nheads_kv
-    return [bwd_schedule.query_blocks(call.seqlen_q, call.seqlen_k, wl, wr, cfg.block_m,
-                                      cfg.block_n, n) * group
-            for n in range(-(-call.seqlen_k // cfg.block_n))]
-
-
-def schedule(call: BwdCall, cfg: Sm90BwdConfig, sms: int | None = None) -> tuple[
-        Sm90BwdConfig, bwd_schedule.Schedule | None]:
-    """MAIN's config and its schedule (None: the grid's own order, no split) for `call` under
-    config_for's `cfg`, the split planned for `sms` SMs (default wave_sms). A table when order_for
-    asks for one or the split happens; a config's FC_LPT_TAIL order becomes the table's lpt over
-    as many pairs."""
-    kind = order_for(call, cfg)
-    split = wave_split_for(call, cfg)
-    if kind == "grid" and not split:
-        return cfg, None
-    blocks = -(-call.seqlen_k // cfg.block_n)
-    tail = cfg.lpt_tail or ORDER_TAIL
-    if kind == "grid":  # (the split asked for the table: the config's own order in it)
-        kind = "lpt" if cfg.lpt_tail else "plain"
-    steps = item_steps(call, cfg)
-    plan = bwd_schedule.plan(blocks * call.nheads_kv * call.batch, blocks, kind, tail,
-                             _right_edge_only(call), lambda i: steps[i % blocks],
-                             (sms if sms is not None else wave_sms(call)) if split else None)
-    if plan is None:
-        return cfg, None
-    return dataclasses.replace(cfg, lpt_tail=0, order_table=True,
-                               wave_split=1 if plan.pieces else 0), plan
+    per_block = [wave_split.query_blocks(call.seqlen_q, call.seqlen_k, wl, wr, cfg.block_m,
+                                         cfg.block_n, n) * group for n in range(blocks)]
+    return wave_split.plan(total, lambda item: per_block[item % blocks], sms)
 
 
 def enabled() -> bool:
@@ -1030,11 +973,9 @@ class _Plan:
     pre: PreparedLaunch  # out, dout, lse, lse2, delta, dq_accum
     main: PreparedLaunch  # map_q, map_k, map_v, map_dout, lse2, delta, dq_accum, dk, dv
     convert: PreparedLaunch  # dq_accum, dq
-    # the schedule (None: the grid's order, no split), MAIN's order table (FC_ORDER_TABLE: int32
-    # [CTAs from table_first, 4] on the device), the split's pieces kernel (FC_WAVE_SPLIT: MAIN's
-    # pointers, then table, part, part_steps) and its piece table (int32 [pieces, 4])
-    schedule: bwd_schedule.Schedule | None = None
-    order: torch.Tensor | None = None
+    # the last-wave split (FC_WAVE_SPLIT): the plan, the pieces kernel's launch (MAIN's pointers,
+    # then table, part, part_steps) and its piece table (int32 [pieces, 4] on the device)
+    wave: wave_split.WavePlan | None = None
     pieces: PreparedLaunch | None = None
     table: torch.Tensor | None = None
 
@@ -1043,7 +984,7 @@ _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LAT
                     STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
                     DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV, STAT_LANES_ENV, DKV_SPLIT_ENV,
                     HEADS_FIRST_ENV, HEADS_GROUP_ENV, WAVE_SPLIT_ENV, WAVE_SMS_ENV,
-                    WAVE_PDL_ENV, ORDER_ENV)
+                    WAVE_PDL_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -1057,7 +998,10 @@ def _plan_key(call: BwdCall) -> tuple:
 def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     if why := can_implement(call):
         raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
-    cfg, sched = schedule(call, config_for(call))
+    cfg = config_for(call)
+    wave = wave_plan(call, cfg, wave_sms(call)) if wave_split_for(call, cfg) else None
+    if wave is not None:
+        cfg = dataclasses.replace(cfg, wave_split=1)
     if timeline:  # (with the split: MAIN's and the pieces' records, one buffer)
         cfg = dataclasses.replace(cfg, timeline=True)
     aux = cfg.aux()
@@ -1075,22 +1019,15 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         main_maps += main_maps[:1]
     if cfg.dkv_tma:  # map_dk, map_dv
         main_maps += main_maps[:2]
-    order = pieces = table = None
-    pieces_args = main_args
-    if sched is not None:  # the table of MAIN's last CTAs (-1: exit), its first CTA fixed
-        blocks = -(-call.seqlen_k // cfg.block_n)
-        order = torch.tensor([(*bwd_schedule.item_coords(i, blocks, call.nheads_kv), 0)
-                              if i >= 0 else (-1, 0, 0, 0) for i in sched.entries],
-                             dtype=torch.int32, device=dev)
-        main_args += (np.int32(sched.table_first),)
-    if sched is not None and sched.pieces:
-        pieces_cfg = dataclasses.replace(cfg, order_table=False, wave_split=2)
-        pieces = PreparedLaunch(get_kernel(pieces_cfg.spec(), dev),
-                                (len(sched.pieces), 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
-                                main_maps + (t,) * (9 if cfg.timeline else 8) + pieces_args,
-                                fixed=len(pieces_args),
-                                programmatic=sched.main_items > 0 and flag(WAVE_PDL_ENV, True))
-        table = torch.tensor(sched.pieces, dtype=torch.int32, device=dev)
+    pieces = table = None
+    if wave is not None:
+        pieces = PreparedLaunch(get_kernel(dataclasses.replace(cfg, wave_split=2).spec(), dev),
+                                (len(wave.pieces), 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
+                                main_maps + (t,) * (9 if cfg.timeline else 8) + main_args,
+                                fixed=len(main_args),
+                                programmatic=wave.main_ctas > 0 and flag(WAVE_PDL_ENV, True))
+        table = torch.tensor(wave.pieces, dtype=torch.int32, device=dev)
+        main_args += (np.int32(wave.first_main),)
     return _Plan(
         cfg, sq_pad,
         pre=PreparedLaunch(get_kernel(aux.pre_spec(pdl_trigger=cfg.pdl,
@@ -1100,12 +1037,12 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
                            fixed=len(pre_args)),
         main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call), (cfg.threads, 1, 1),
                             cfg.smem_bytes,
-                            main_maps + (t,) * (5 + cfg.order_table + cfg.timeline) + main_args,
+                            main_maps + (t,) * (6 if cfg.timeline else 5) + main_args,
                             fixed=len(main_args), programmatic=cfg.pdl),
         convert=PreparedLaunch(get_kernel(convert_spec(cfg), dev),
                                (-(-sq // convert_rows(cfg)), h, b), (bwd_sm80.AUX_THREADS,), 0,
                                (t,) * 2 + convert_args, fixed=len(convert_args)),
-        schedule=sched, order=order, pieces=pieces, table=table)
+        wave=wave, pieces=pieces, table=table)
 
 
 def convert_spec(cfg: Sm90BwdConfig) -> KernelSpec:
@@ -1151,20 +1088,24 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
     if cfg.dkv_tma:
         rows = DKV_SPLIT_ROWS if cfg.dkv_split else cfg.block_n
         maps += (bshd_map(call.dk, rows).raw, bshd_map(call.dv, rows).raw)
-    pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
-    order = () if plan.order is None else (plan.order.data_ptr(),)
-    records = () if timeline is None else (timeline.data_ptr(),)
-    sched = plan.schedule
-    if sched is None or sched.main_items:
-        plan.main(*maps, *pointers, *order, *records, handle=handle)
-    if plan.pieces is not None:  # the split's pieces, MAIN's programmatic dependents
-        grads = sched.slots * 2 * cfg.block_n * cfg.head_dim  # fp32 dK / dV sums per slot
-        part = torch.zeros(grads + sched.slots, dtype=torch.float32, device=call.device)
+    if plan.wave is not None:  # the first items as pieces, MAIN's CTAs the rest
+        grads = plan.wave.slots * 2 * cfg.block_n * cfg.head_dim  # fp32 dK / dV sums per slot
+        part = torch.zeros(grads + plan.wave.slots, dtype=torch.float32, device=call.device)
+        pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
         # (timeline: MAIN's records, then the pieces' from record `total` on)
+        records = () if timeline is None else (timeline.data_ptr(),)
         pieces_records = () if timeline is None else (
-            timeline.data_ptr() + 8 * TIMELINE_WORDS * sched.total,)
+            timeline.data_ptr() + 8 * TIMELINE_WORDS * plan.wave.total,)
+        if plan.wave.main_ctas:
+            plan.main(*maps, *pointers, *records, handle=handle)
         plan.pieces(*maps, *pointers, *pieces_records, plan.table.data_ptr(), part.data_ptr(),
                     part.data_ptr() + 4 * grads, handle=handle)
+    elif timeline is None:
+        plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr(),
+                  handle=handle)
+    else:
+        plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr(),
+                  timeline.data_ptr(), handle=handle)
     plan.convert(accum_at, call.dq.data_ptr(), handle=handle)
 
 
@@ -1177,8 +1118,8 @@ def run_timeline(call: BwdCall) -> tuple[Sm90BwdConfig, torch.Tensor]:
     one per piece in the table's order."""
     plan = _timeline_plans.plan(_plan_key(call), call)  # (raises as run does)
     cfg = plan.cfg
-    shape = cfg.timeline_shape(call) if plan.pieces is None else (
-        plan.schedule.total + len(plan.schedule.pieces), TIMELINE_WORDS)
+    shape = cfg.timeline_shape(call) if plan.wave is None else (
+        plan.wave.total + len(plan.wave.pieces), TIMELINE_WORDS)
     buf = torch.zeros(shape, dtype=torch.int64, device=call.device)
     run(call, timeline=buf)
     return cfg, buf

@@ -21,7 +21,7 @@ import torch
 from flashcuda.jit import all_variants, compile_spec
 from flashcuda.jit.runtime import pack_args
 from flashcuda.jit.tensor_map import TensorMap
-from flashcuda.ops import bwd_schedule, bwd_sm90, dispatch
+from flashcuda.ops import bwd_sm90, dispatch, wave_split
 from flashcuda.ops.bwd_sm90 import (
     DQ_ENV,
     DS_ENV,
@@ -1118,125 +1118,82 @@ def test_heads_group(monkeypatch):
             assert blocks == sorted(blocks)
 
 
-# ---- FC_ORDER_TABLE, FC_WAVE_SPLIT (session 38) ---------------------------------------------------
+# ---- FC_WAVE_SPLIT (session 38) --------------------------------------------------------------------
 
-def test_order_table_keeps_the_consumers_loop(builds, tmp_path):
-    """MAIN with an order table (FC_ORDER_TABLE) reads its key block, KV head and batch from the
-    host's int4 table in the grid's last CTAs, from blockIdx in the others, both through shared
-    memory: its consumers' loop is the default's, R2UR for R2UR (FC_LPT_TAIL's order computed
-    from blockIdx cost d64 76 R2UR in the loop, session 37; so did a table read into registers
-    beside blockIdx, session 38). The split's MAIN
-    (FC_WAVE_SPLIT=1) adds the dependents' trigger; the pieces kernel (=2) sums dK / dV with
-    16-byte fp32 reductions, counts steps with one atomic, waits for MAIN (griddepcontrol.wait:
-    ACQBULK), and its loop is clean too. All in configs() (the pieces also with the timeline);
-    the features that order the grid otherwise or change the epilogue are refused."""
+def test_wave_split_main_keeps_the_consumers_loop(builds, tmp_path):
+    """The split's MAIN (FC_WAVE_SPLIT=1) is the default kernel with an early exit for the CTAs
+    the pieces take and the dependents' trigger at its start: its consumers' loop is the
+    default's, R2UR for R2UR. The pieces kernel (=2) sums dK / dV with 16-byte fp32 reductions,
+    counts steps with one atomic, waits for MAIN (griddepcontrol.wait: ACQBULK) and builds
+    clean (both in configs(), the pieces also with the timeline). Both refuse the features that
+    reorder the grid or change the epilogue."""
     names = {c.name for c in bwd_sm90.configs()}
     for d in (64, 128):
         base = bwd_sm90.select_config(torch.bfloat16, d)
-        table = dataclasses.replace(base, order_table=True)
-        main = dataclasses.replace(table, wave_split=1)
-        pieces = dataclasses.replace(base, wave_split=2)
-        assert (table.name, main.name, pieces.name) == (
-            base.name + "_ot", base.name + "_ot_ws1", base.name + "_ws2")
-        assert {table.name, main.name, pieces.name} <= names
-        plain = _gemm_region(clean_sass(base, tmp_path))
-        for cfg in (table, main, pieces):
-            sass = clean_sass(cfg, tmp_path)
-            loop = _gemm_region(sass)
-            assert len(plain) - 4 <= len(loop) <= len(plain) + 12, cfg.name
-            assert loop.count("R2UR") == plain.count("R2UR") == 0, cfg.name
-            assert ("PREEXIT" in sass) == (cfg.wave_split == 1), cfg.name
+        main, pieces = (dataclasses.replace(base, wave_split=w) for w in (1, 2))
+        assert main.name == base.name + "_ws1" and pieces.name == base.name + "_ws2"
+        assert {main.name, pieces.name} <= names
+        main_sass, plain = clean_sass(main, tmp_path), clean_sass(base, tmp_path)
+        loop, plain_loop = _gemm_region(main_sass), _gemm_region(plain)
+        assert len(plain_loop) <= len(loop) <= len(plain_loop) + 4
+        assert loop.count("R2UR") == plain_loop.count("R2UR")
+        assert "PREEXIT" in main_sass and "PREEXIT" not in plain
         sass = clean_sass(pieces, tmp_path)
         assert sass.count("REDG.E.ADD.F32x4") == d // 4  # dK and dV: d / 8 float4 each
         assert sass.count("ATOMG.E.ADD") == 1 and "ACQBULK" in sass
         for other in ({"dkv_tma": True}, {"lpt_tail": 8}, {"heads_first": True}, {"pdl": True}):
             with pytest.raises(ValueError, match="wave_split"):
-                dataclasses.replace(main, **other)
-        for other in ({"lpt_tail": 8}, {"heads_first": True}, {"wave_split": 2}):
-            with pytest.raises(ValueError, match="order_table"):
-                dataclasses.replace(table, **other)
-        with pytest.raises(ValueError, match="order_table"):
-            dataclasses.replace(base, wave_split=1)
+                dataclasses.replace(base, wave_split=1, **other)
 
 
-@pytest.mark.parametrize("kind", ["table", "split", "pieces"])
-def test_order_table_parameter_offsets_match_pack_args(builds, tmp_path, kind):
-    """MAIN's table pointer after dv and its first CTA last (FC_ORDER_TABLE, also the split's
-    MAIN), the pieces kernel's three pointers after dv (table, part, part_steps), as _build_plan
-    lays out its launches."""
-    cfg = next(c for c in bwd_sm90.configs() if not c.timeline and (
-        c.order_table and c.wave_split == (kind == "split") if kind != "pieces"
-        else c.wave_split == 2))
+@pytest.mark.parametrize("split", [1, 2])
+def test_wave_split_parameter_offsets_match_pack_args(builds, tmp_path, split):
+    """MAIN's extra trailing int32 (first_main) and the pieces kernel's three pointers after dv
+    (table, part, part_steps), as _build_plan lays out its launches."""
+    cfg = next(c for c in bwd_sm90.configs() if c.wave_split == split and not c.timeline)
     table = param_table(builds[cfg.name].cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
     i32, i64 = np.int32(0), np.int64(0)
     maps = (m,) * (4 + cfg.dq_tma)
-    args = (*maps, *(None,) * (8 if kind == "pieces" else 6), i64, i64, i64, i64, i64, i64, i32,
-            i32, i32, i32, i32, np.float32(0), np.float32(0), i32, i32,
-            *((i32,) if kind != "pieces" else ()))
+    args = (*maps, *(None,) * (8 if split == 2 else 5), i64, i64, i64, i64, i64, i64, i32, i32,
+            i32, i32, i32, np.float32(0), np.float32(0), i32, i32, *((i32,) if split == 1 else ()))
     _, offsets = pack_args("k", args)
     assert len(table) == len(args)
     assert [table[i][0] - table[0][0] for i in range(len(args))] == list(offsets)
 
 
-def test_order_and_wave_split_switches(monkeypatch):
-    """FLASHCUDA_SM90_BWD_ORDER (grid / plain / lpt) and FLASHCUDA_SM90_BWD_WAVE_SPLIT=1 (with
-    FLASHCUDA_SM90_BWD_WAVE_SMS) in schedule(): no table by default; a table for plain / lpt or
-    when the split happens (its MAIN leaves the split's items out); a config's causal tail
-    becomes the table's lpt; heads first keeps its grid and refuses the split; the plan key
-    holds the switches. Each item's steps are its key block's query blocks times the group."""
+def test_wave_split_switch(monkeypatch):
+    """FLASHCUDA_SM90_BWD_WAVE_SPLIT=1 lets a call's plan split its last wave (the plan key holds
+    it and FLASHCUDA_SM90_BWD_WAVE_SMS); 0 or unset (WAVE_SPLIT_DIMS) do not; never with the
+    causal tail, heads first, the tensor-store epilogue or PDL. wave_plan cuts a call's grid as
+    wave_split.plan does, each item's steps its key block's query blocks times the group."""
     _no_epilogue_switches(monkeypatch)
     for env in (bwd_sm90.WAVE_SPLIT_ENV, bwd_sm90.WAVE_SMS_ENV, bwd_sm90.HEADS_FIRST_ENV,
-                bwd_sm90.PDL_ENV, bwd_sm90.ORDER_ENV, bwd_sm90.SPLIT_LOADS_ENV):
+                bwd_sm90.PDL_ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(bwd_sm90, "WAVE_SPLIT_DIMS", ())
-    monkeypatch.setattr(bwd_sm90, "ORDER_DEFAULT", {})
     call = _call(B=2, Sq=300, Sk=700, H=4, Hkv=2, D=64)  # causal; 6 key blocks, 24 items
     full = dataclasses.replace(call, window_right=None)
     cfg = bwd_sm90.config_for(full)
     key = bwd_sm90._plan_key(full)
-    assert bwd_sm90.schedule(full, cfg, 10) == (cfg, None)
-    monkeypatch.setenv(bwd_sm90.ORDER_ENV, "plain")
-    assert bwd_sm90.schedule(full, cfg, 10) == (cfg, None)  # the grid's order: no table
-    assert bwd_sm90._plan_key(full) != key
-    monkeypatch.setenv(bwd_sm90.ORDER_ENV, "lpt")
-    lpt = sorted(range(24), key=lambda i: (i % 6, i // 6))  # 3 pairs <= 8: all in the tail
-    got, sched = bwd_sm90.schedule(call, bwd_sm90.config_for(call), 10)
-    assert got.order_table and not got.wave_split and not sched.pieces
-    assert sched.table_first == 1 and sched.entries == tuple(lpt[1:])  # (item 0 stays first)
-    assert bwd_sm90.schedule(full, cfg, 10) == (cfg, None)  # no causal mask: plain
-    monkeypatch.setenv(bwd_sm90.ORDER_ENV, "grid")
+    assert not bwd_sm90.wave_split_for(full, cfg)
     monkeypatch.setenv(bwd_sm90.WAVE_SPLIT_ENV, "1")
-    got, sched = bwd_sm90.schedule(full, cfg, 10)  # 24 items: 4 beside 2 waves of 10
-    assert got == dataclasses.replace(cfg, order_table=True, wave_split=1)
-    assert sched.table_first == 14 and sched.entries == (-1,) * 4 + tuple(range(18, 24))
-    assert [p[:3] for p in sched.pieces] == [(i, a, a + 3) for i in range(14, 18)
-                                             for a in (0, 3)]  # 6 steps: 3 blocks x 2 heads
-    assert bwd_sm90.schedule(full, cfg, 12) == (cfg, None)  # whole waves: no split
-    d128 = _call(B=2, Sq=300, Sk=700, H=4, Hkv=2, D=128)  # causal: LPT_TAIL's 8 pairs
-    base = bwd_sm90.config_for(d128)
-    got, sched = bwd_sm90.schedule(d128, base, 10)
-    assert base.lpt_tail and not got.lpt_tail and got.order_table and got.wave_split == 1
-    # (item 0, lpt's first, stays CTA 0's; the next four, the longest, are split)
-    assert sched.table_first == 1 and sched.entries == (-1,) * 4 + tuple(lpt[5:])
-    assert [p[0] for p in sched.pieces if p[1] == 0] == lpt[1:5]
-    steps = bwd_sm90.item_steps(d128, base)
-    wl, wr = (int(w) for w in bwd_sm90.kernel_windows(300, 700, None, 0))
-    assert steps == [2 * bwd_schedule.query_blocks(300, 700, wl, wr, 64, 128, n)
-                     for n in range(6)]
-    hf = dataclasses.replace(base, lpt_tail=0, heads_first=True)
-    assert not bwd_sm90.wave_split_for(d128, hf) and bwd_sm90.order_for(d128, hf) == "grid"
-    for other in ({"dkv_tma": True}, {"pdl": True}, {"split_loads": True}):
+    assert bwd_sm90.wave_split_for(full, cfg) and bwd_sm90._plan_key(full) != key
+    for other in ({"lpt_tail": 8}, {"heads_first": True}, {"dkv_tma": True}, {"pdl": True}):
         assert not bwd_sm90.wave_split_for(full, dataclasses.replace(cfg, **other))
     monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "10")
     assert bwd_sm90.wave_sms(full) == 10
+    plan = bwd_sm90.wave_plan(full, cfg, 10)  # 24 items: 4 besides 2 waves, 2 pieces each
+    assert plan.first_main == 4 and plan.main_ctas == 20 and len(plan.pieces) == 8
+    assert all(b - a == 3 for _, a, b, _ in plan.pieces)  # 6 steps: 3 query blocks x 2 heads
+    causal = bwd_sm90.wave_plan(call, bwd_sm90.config_for(call), 10)  # items 0..3: blocks 0..3
+    steps = {s: max(b for _, _, b, t in causal.pieces if t == s) for s in range(4)}
+    wl, wr = (int(w) for w in bwd_sm90.kernel_windows(300, 700, None, 0))
+    assert steps == {s: 2 * wave_split.query_blocks(300, 700, wl, wr, 128, 128, s)
+                     for s in range(4)}
     monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "-2")
     with pytest.raises(ValueError, match=bwd_sm90.WAVE_SMS_ENV):
         bwd_sm90.wave_sms(full)
-    monkeypatch.setenv(bwd_sm90.ORDER_ENV, "random")
-    with pytest.raises(ValueError, match=bwd_sm90.ORDER_ENV):
-        bwd_sm90.order_for(full, cfg)
-    monkeypatch.delenv(bwd_sm90.ORDER_ENV)
     monkeypatch.setenv(bwd_sm90.WAVE_SPLIT_ENV, "0")
     monkeypatch.setattr(bwd_sm90, "WAVE_SPLIT_DIMS", (64,))
     assert not bwd_sm90.wave_split_for(full, cfg)

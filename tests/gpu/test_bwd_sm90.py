@@ -25,12 +25,13 @@ dK / dV with NaN (a failing test) instead of hanging the GPU (scripts/sm90_bwd_b
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 
-from flashcuda.ops import bwd_schedule, bwd_sm80, bwd_sm90, dispatch
+from flashcuda.ops import bwd_sm80, bwd_sm90, dispatch
 from flashcuda.ops.call import BwdCall
 from flashcuda.reference import attention_ref, rounding_floor
 
@@ -42,9 +43,9 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True,
-                params=["default", "dkvt", "dkvs", "hf", "lpt", "wsplit", "wsplit5", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
+                params=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
                         "mn-warp", "mn-warpflat", "mn-tma", "mn--s3", "mn--noearly"],
-                ids=["default", "dkvt", "dkvs", "hf", "lpt", "wsplit", "wsplit5", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
+                ids=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
                      "dq-warpflat", "dq-tma", "stages3", "dq-noearly"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
@@ -58,9 +59,7 @@ def _enable_sm90_bwd(monkeypatch, request):
     "dkvt": those kernels with dK / dV stored through shared memory by tensor maps
     (FLASHCUDA_SM90_BWD_DKV_TMA=1; FC_DKV_TMA); "dkvs": that epilogue per consumer, dV first
     (FLASHCUDA_SM90_BWD_DKV_SPLIT=1; FC_DKV_TMA=2); "hf": causal grids launched heads first
-    (FLASHCUDA_SM90_BWD_HEADS_FIRST=1; FC_HEADS_FIRST); "lpt": MAIN by an order table, causal
-    tails longest-first (FLASHCUDA_SM90_BWD_ORDER=lpt; FC_ORDER_TABLE); "wsplit": the last wave
-    split into pieces
+    (FLASHCUDA_SM90_BWD_HEADS_FIRST=1; FC_HEADS_FIRST); "wsplit": the last wave split into pieces
     (FLASHCUDA_SM90_BWD_WAVE_SPLIT=1; FC_WAVE_SPLIT: at these sizes every work item is in the
     last wave, so the pieces kernel runs them all); "wsplit5": the same planned for 5 SMs
     (FLASHCUDA_SM90_BWD_WAVE_SMS=5: MAIN's CTAs, then the pieces as its dependents); "spl": those kernels in FlashAttention 4's load
@@ -69,8 +68,7 @@ def _enable_sm90_bwd(monkeypatch, request):
     consumer lanes' order (FLASHCUDA_SM90_BWD_STAT_LANES=1; FC_STAT_LANES, PRE permuting)."""
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     switches = {"dkvt": bwd_sm90.DKV_TMA_ENV, "dkvs": bwd_sm90.DKV_SPLIT_ENV,
-                "hf": bwd_sm90.HEADS_FIRST_ENV, "lpt": bwd_sm90.ORDER_ENV,
-                "wsplit": bwd_sm90.WAVE_SPLIT_ENV,
+                "hf": bwd_sm90.HEADS_FIRST_ENV, "wsplit": bwd_sm90.WAVE_SPLIT_ENV,
                 "wsplit5": bwd_sm90.WAVE_SPLIT_ENV, "spl": bwd_sm90.SPLIT_LOADS_ENV, "pdl": bwd_sm90.PDL_ENV,
                 "stl": bwd_sm90.STAT_LANES_ENV}  # (the defaults with one 0 / 1 switch on)
     if request.param == "default" or request.param in switches:
@@ -79,7 +77,7 @@ def _enable_sm90_bwd(monkeypatch, request):
                     bwd_sm90.FENCE_ENV, bwd_sm90.WAVE_SMS_ENV, *switches.values()):
             monkeypatch.delenv(env, raising=False)
         if request.param in switches:
-            monkeypatch.setenv(switches[request.param], "lpt" if request.param == "lpt" else "1")
+            monkeypatch.setenv(switches[request.param], "1")
         if request.param == "wsplit5":
             monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "5")
     else:
@@ -241,9 +239,8 @@ def test_causal_longest_first_tail_over_part_of_the_grid():
         call = BwdCall(q, k, v, torch.empty_like(q), dout, lse, torch.empty_like(q),
                        torch.empty_like(k), torch.empty_like(v), 0.088, *window, False)
         hf = bwd_sm90.heads_first_for(call)  # (the "hf" parameter: the grid heads first instead)
-        cfg = bwd_sm90._plan(call).cfg  # (an order table holds the tail's order instead)
-        assert cfg.lpt_tail == (0 if hf or cfg.order_table else tail)
-        assert cfg.heads_first == hf
+        assert bwd_sm90._plan(call).cfg.lpt_tail == (0 if hf else tail)
+        assert bwd_sm90._plan(call).cfg.heads_first == hf
         assert 3 * 5 > tail
 
 
@@ -292,14 +289,10 @@ def test_wave_split_main_and_pieces(monkeypatch, case):
                    torch.empty_like(k), torch.empty_like(v), 0.1, *window, False)
     plan = bwd_sm90._plan(call)
     items = -(-sk // 128) * hkv * b
-    cfg, sched = bwd_sm90.schedule(call, bwd_sm90.config_for(call), sms)
-    assert sched is not None and sched.pieces and plan.schedule == sched and plan.cfg == cfg
-    assert cfg.wave_split == 1 and sched.total == items
-    assert sched.main_items == (items // sms) * sms
-    assert plan.table.tolist() == [list(p) for p in sched.pieces]
-    blocks = -(-sk // 128)
-    assert plan.order.tolist() == [[*bwd_schedule.item_coords(i, blocks, hkv), 0] if i >= 0
-                                   else [-1, 0, 0, 0] for i in sched.entries]
+    expect = bwd_sm90.wave_plan(call, dataclasses.replace(plan.cfg, wave_split=0), sms)
+    assert expect is not None and plan.wave == expect and plan.cfg.wave_split == 1
+    assert plan.wave.main_ctas == (items // sms) * sms and plan.wave.total == items
+    assert plan.table.tolist() == [list(p) for p in plan.wave.pieces]
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])

@@ -551,33 +551,22 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 // Measured as noise (session 34: -0.6 to +0.9%).
 #define FC_DQ_END_READ 0
 #endif
-#ifndef FC_ORDER_TABLE
-// 1 (Sm90BwdConfig.order_table; ops/bwd_schedule.py): the grid's last CTAs, from `table_first`
-// in blockIdx order, run the work items of the host's table `order` (int4: key block, KV head,
-// batch; key block -1: exit at once) instead of the ones their blockIdx names, so the host
-// picks the order of the grid's end (the causal tail longest-first; the items the last-wave
-// split takes from MAIN, whose CTAs exit at the region's start, a wave before the end, so the
-// pieces' grid may start then). Loaded coordinates keep ptxas's uniform wgmma descriptors, where
-// FC_LPT_TAIL's, computed from blockIdx, cost d64 them (session 37). Only the region's CTAs
-// load: a table for the whole grid cost 3-4% at d64 (session 38: each CTA's first loads then
-// wait for an L2 round trip under the other CTAs' traffic).
-#define FC_ORDER_TABLE 0
-#endif
 #ifndef FC_WAVE_SPLIT
-// The last-wave split (Sm90BwdConfig.wave_split, ops/bwd_schedule.py; 0: off). A grid of T work
+// The last-wave split (Sm90BwdConfig.wave_split, bwd_sm90.wave_plan; 0: off). A grid of T work
 // items on S SMs (one CTA each) runs T / S full waves and a last one of r = T mod S CTAs, during
 // which S - r SMs idle (timelines, session 37: 1.5-3.3% of the d64 calls). With the split the
 // host launches two kernels built from this file:
-//   1  MAIN with an order table (FC_ORDER_TABLE) whose first r entries are exits; every CTA
-//      triggers its programmatic dependents at its start;
+//   1  MAIN: the grid as always, but CTAs before `first_main` in blockIdx order exit at once (the
+//      GPU dispatches them first: see wave_split.py), and every CTA triggers its programmatic
+//      dependents at its start;
 //   2  PIECES: launched as MAIN's programmatic dependent (it starts once every MAIN CTA has
-//      started, on the SMs MAIN's last wave frees), one CTA per piece of the host's table
-//      `pieces`: item `item` (of the plain grid's blockIdx order) over its steps [step0,
-//      step_end) only. A piece reduces its dK (unscaled) and dV in fp32 into its item's slot of
-//      `part` (red.global.add.v4, each thread's registers in their own order: 16-byte
-//      reductions, a warp's 512 contiguous bytes), then adds its step count to the slot's
-//      counter; the piece that brings the counter to the item's step count reads the sums back
-//      into its accumulators and runs the epilogue. `part` and the counters are zeroed per call.
+//      started, on the SMs MAIN's last wave frees), one CTA per piece of the host's table:
+//      item `item` (a work item < first_main, in blockIdx order) over its steps [step0, step_end)
+//      only. A piece reduces its dK (unscaled) and dV in fp32 into its item's slot of `part`
+//      (red.global.add.v4, each thread's registers in their own order: 16-byte reductions, a
+//      warp's 512 contiguous bytes), then adds its step count to the slot's counter; the piece
+//      that brings the counter to the item's step count read the sums back into its
+//      accumulators and runs the epilogue. `part` and the counters are zeroed per call.
 // dQ: every piece reduces its steps' dQ into dq_accum as MAIN does. A piece's thread 64 (an idle
 // producer warp) waits for MAIN's completion (griddepcontrol.wait) before the CTA exits, so the
 // next kernel in the stream (CONVERT) starts after both.
@@ -601,13 +590,9 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 2, "FC_WAVE_SPLIT: 0, 1 (MA
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
-static_assert(FC_WAVE_SPLIT != 1 || FC_ORDER_TABLE, "FC_WAVE_SPLIT = 1: MAIN by an order table");
-static_assert(!FC_ORDER_TABLE || !(FC_LPT_TAIL || FC_HEADS_FIRST || FC_WAVE_SPLIT == 2 ||
-                                   FC_EARLY_LOADS),
-              "FC_ORDER_TABLE: the table is the order");
 static_assert(!FC_WAVE_SPLIT || !(FC_DKV_TMA || FC_EARLY_LOADS || FC_LPT_TAIL ||
                                   FC_HEADS_FIRST || FC_PDL),
-              "FC_WAVE_SPLIT: the default epilogue and load order, MAIN after PRE");
+              "FC_WAVE_SPLIT: blockIdx order and the default epilogue, MAIN after PRE");
 #if FC_TIMELINE
 // ---- timeline: where a CTA's time goes (profiling variant) -------------------------------------
 // Record of CTA (x, y, z) at (x + gridDim.x (y + gridDim.y z)) * kTimelineWords of the buffer,
@@ -1280,10 +1265,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_TIMELINE
                uint64_t* __restrict__ timeline,  // [gridDim.z][.y][.x][kTimelineWords]
 #endif
-#if FC_ORDER_TABLE
-               const int4* __restrict__ order,   // [CTAs from table_first]: key block, KV head,
-                                                 // batch, 0
-#endif
 #if FC_WAVE_SPLIT == 2
                const int4* __restrict__ pieces,  // [gridDim.x]: item, step0, step_end, slot
                float* __restrict__ part,         // [slots][2][kConsumers][kHeadDim / 2][128]
@@ -1293,11 +1274,12 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                int64_t dv_sh, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                int seqlen_q_pad, float scale_log2, float softmax_scale, int window_left,
                int window_right
-#if FC_ORDER_TABLE
-               , int table_first  // the first CTA (blockIdx order) that reads `order`
+#if FC_WAVE_SPLIT == 1
+               , int first_main  // CTAs before it in blockIdx order: the pieces' items
 #endif
                ) {
 #if FC_WAVE_SPLIT == 1
+  if (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) < first_main) return;
   griddepcontrol_launch_dependents();  // the pieces may start once every CTA got here
 #endif
 #if FC_TIMELINE
@@ -1310,8 +1292,23 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
-  // (thread 0, before the CTA's __syncthreads: the mbarriers, the tensor maps' prefetch)
-  const auto prepare = [&] {
+  // the CTA's work item: its key block, KV head and batch, and the steps that see the key block
+  // (FC_WAVE_SPLIT = 2: its piece's item and steps [step0, step0 + count) of them)
+#if FC_WAVE_SPLIT == 2
+  const int4 piece = pieces[blockIdx.x];
+  const BlockCoord blk = item_coord(piece.x, (seqlen_k + kBlockN - 1) / kBlockN, nheads_kv);
+#else
+  const BlockCoord blk = cta_coord<FC_LPT_TAIL>(nheads_kv);
+#endif
+  const int n0 = blk.key_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
+  const Steps steps(mask, n0, nheads, nheads_kv);
+#if FC_WAVE_SPLIT == 2
+  const int step0 = piece.y, count = piece.z - piece.y;
+#else
+  constexpr int step0 = 0, count = 0;  // (own_steps: all of the item's)
+#endif
+
+  if (threadIdx.x == 0) {
     sm.init_barriers();
     tma_prefetch(map_q);
     tma_prefetch(map_k);
@@ -1324,49 +1321,12 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     tma_prefetch(map_dk);
     tma_prefetch(map_dv);
 #endif
-  };
-  // the CTA's work item: its key block, KV head and batch, and the steps that see the key block
-  // (FC_WAVE_SPLIT = 2: its piece's item and steps [step0, step0 + count) of them)
-#if FC_WAVE_SPLIT == 2
-  const int4 piece = pieces[blockIdx.x];
-  const BlockCoord blk = item_coord(piece.x, (seqlen_k + kBlockN - 1) / kBlockN, nheads_kv);
-#elif FC_ORDER_TABLE
-  // Thread 0 puts the item (the table's in its region, else blockIdx's) into the dS buffer (unused
-  // before the first step), every thread reads it after the CTA's __syncthreads: coordinates
-  // that come either from blockIdx or from a load, held in registers, cost d64 its uniform wgmma
-  // descriptors (R2UR 22 -> 106, as FC_LPT_TAIL's), coordinates read from memory do not.
-  volatile int* item_at = reinterpret_cast<volatile int*>(sm.ptr + kSmemDS);
-  if (threadIdx.x == 0) {
-    prepare();
-    int4 item = make_int4(blockIdx.x, blockIdx.y, blockIdx.z, 0);
-    const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    if (cta >= table_first) item = order[cta - table_first];
-    item_at[0] = item.x, item_at[1] = item.y, item_at[2] = item.z;
-  }
-  __syncthreads();
-  if (item_at[0] < 0) return;  // (an item of the last-wave split's pieces)
-  const BlockCoord blk{item_at[0], item_at[1], item_at[2]};
-#else
-  const BlockCoord blk = cta_coord<FC_LPT_TAIL>(nheads_kv);
-#endif
-  const int n0 = blk.key_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
-  const Steps steps(mask, n0, nheads, nheads_kv);
-#if FC_WAVE_SPLIT == 2
-  const int step0 = piece.y, count = piece.z - piece.y;
-#else
-  constexpr int step0 = 0, count = 0;  // (own_steps: all of the item's)
-#endif
-
-#if !FC_ORDER_TABLE  // (its __syncthreads is above)
-  if (threadIdx.x == 0) {
-    prepare();
 #if FC_EARLY_LOADS
     produce<true>(sm, steps, n0, head_kv, batch, map_q, map_k, map_v, map_do, lse2, delta,
                   nheads, seqlen_q_pad, step0, count);
 #endif
   }
   __syncthreads();
-#endif
 
   if (wg == 0) {  // ---- producer warpgroup
     setmaxnreg_dec<kProducerRegs>();
