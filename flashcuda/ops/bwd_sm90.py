@@ -170,7 +170,10 @@ STAT_LANES_DIMS: tuple[int, ...] = ()
 # FLASHCUDA_SM90_BWD_WAVE_SPLIT=0 / 1 off / on (A/B). FLASHCUDA_SM90_BWD_WAVE_SMS=n plans it for
 # n SMs instead of the GPU's (tests: MAIN and the pieces both at small sizes).
 WAVE_SPLIT_ENV = "FLASHCUDA_SM90_BWD_WAVE_SPLIT"
-WAVE_SPLIT_DIMS: tuple[int, ...] = ()
+WAVE_SPLIT_DIMS: tuple[int, ...] = (64,)
+# by default (unset) only for calls without a mask whose split items have this many steps: a
+# short CTA's last wave hides in the SMs' spread (wave_split.py); =1 splits wherever it can (A/B)
+WAVE_MIN_STEPS = 16
 WAVE_SMS_ENV = "FLASHCUDA_SM90_BWD_WAVE_SMS"
 # 0 (diagnostic A/B): the pieces launched in plain stream order, after MAIN has completed
 WAVE_PDL_ENV = "FLASHCUDA_SM90_BWD_WAVE_PDL"
@@ -822,12 +825,19 @@ def heads_group(nheads_kv: int) -> int:
     return max(g for g in range(1, min(cap, nheads_kv) + 1) if nheads_kv % g == 0)
 
 
-def wave_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
-    """Whether `call`'s MAIN kernel `cfg` may leave its last wave to the pieces kernel
-    (FC_WAVE_SPLIT; wave_plan decides whether it does): FLASHCUDA_SM90_BWD_WAVE_SPLIT=1, or unset
-    at WAVE_SPLIT_DIMS, for a kernel in blockIdx order with the default epilogue, after PRE."""
-    return flag(WAVE_SPLIT_ENV, call.head_dim in WAVE_SPLIT_DIMS) and not (
-        cfg.dkv_tma or cfg.lpt_tail or cfg.heads_first or cfg.pdl)
+def wave_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> int:
+    """The least steps of the items `call`'s MAIN kernel `cfg` may leave to the pieces kernel
+    (FC_WAVE_SPLIT; wave_plan decides whether it does), or 0 for no split:
+    FLASHCUDA_SM90_BWD_WAVE_SPLIT=1 (2, wherever it can), or unset WAVE_MIN_STEPS at
+    WAVE_SPLIT_DIMS for calls without a mask; only a kernel in blockIdx order with the default
+    epilogue, after PRE."""
+    if cfg.dkv_tma or cfg.lpt_tail or cfg.heads_first or cfg.pdl:
+        return 0
+    raw = os.environ.get(WAVE_SPLIT_ENV, "").strip()
+    if raw:
+        return 2 if flag(WAVE_SPLIT_ENV, False) else 0
+    unmasked = call.window_left is None and call.window_right is None
+    return WAVE_MIN_STEPS if unmasked and call.head_dim in WAVE_SPLIT_DIMS else 0
 
 
 def wave_sms(call: BwdCall) -> int:
@@ -841,10 +851,11 @@ def wave_sms(call: BwdCall) -> int:
     return torch.cuda.get_device_properties(_device_index(call)).multi_processor_count
 
 
-def wave_plan(call: BwdCall, cfg: Sm90BwdConfig, sms: int) -> wave_split.WavePlan | None:
+def wave_plan(call: BwdCall, cfg: Sm90BwdConfig, sms: int,
+              min_steps: int = 2) -> wave_split.WavePlan | None:
     """wave_split.plan of `call`'s grid under `cfg` (blockIdx order: key block fastest) on `sms`
-    SMs: each work item's steps are its key block's query blocks times the query heads per KV
-    head."""
+    SMs, items of `min_steps` steps at least: each work item's steps are its key block's query
+    blocks times the query heads per KV head."""
     blocks, _, _ = cfg.grid(call)
     total = blocks * call.nheads_kv * call.batch
     wl, wr = (int(w) for w in kernel_windows(call.seqlen_q, call.seqlen_k, call.window_left,
@@ -852,7 +863,7 @@ def wave_plan(call: BwdCall, cfg: Sm90BwdConfig, sms: int) -> wave_split.WavePla
     group = call.nheads // call.nheads_kv
     per_block = [wave_split.query_blocks(call.seqlen_q, call.seqlen_k, wl, wr, cfg.block_m,
                                          cfg.block_n, n) * group for n in range(blocks)]
-    return wave_split.plan(total, lambda item: per_block[item % blocks], sms)
+    return wave_split.plan(total, lambda item: per_block[item % blocks], sms, min_steps)
 
 
 def enabled() -> bool:
@@ -999,7 +1010,8 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     if why := can_implement(call):
         raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
     cfg = config_for(call)
-    wave = wave_plan(call, cfg, wave_sms(call)) if wave_split_for(call, cfg) else None
+    min_steps = wave_split_for(call, cfg)
+    wave = wave_plan(call, cfg, wave_sms(call), min_steps) if min_steps else None
     if wave is not None:
         cfg = dataclasses.replace(cfg, wave_split=1)
     if timeline:  # (with the split: MAIN's and the pieces' records, one buffer)

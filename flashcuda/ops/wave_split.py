@@ -21,7 +21,15 @@ at the very end.)
 
 p_i = min(n_i, S // r): every piece has a step, and all pieces fit on the S SMs at once. No
 split (None) when S divides T, when fewer than two pieces per item fit, or when no item of the
-r has two steps.
+r has two steps (or the host's `min_steps`).
+
+When it pays (session 38, kernel times and same-process A/Bs at d64, 4096 items): the SMs do
+not run their 31 CTAs in lockstep — MAIN's SMs finish their last CTA over a spread of about one
+short CTA (~12 us) — so the r extra CTAs of the last wave land on the SMs that finish first and
+cost little where a CTA is short: at 512 queries (4 steps, 12.5 us) MAIN without them took as
+long as with them (397.8 us both), and the split lost 2.5% to its own costs (the zeroed sums, the
+pieces' fixed cost, one more kernel in the chain); at 2k (16 steps, 40 us) MAIN took 19 us less
+(1215 against 1235 us) and the backward gained 1.2-1.7%, at 4k 1.2-2.3%.
 """
 
 from __future__ import annotations
@@ -64,16 +72,19 @@ def query_blocks(seqlen_q: int, seqlen_k: int, window_left: int, window_right: i
     return (q_end - 1) // block_m - q_begin // block_m + 1 if q_end > q_begin else 0
 
 
-def plan(total: int, steps_of: Callable[[int], int], sms: int) -> WavePlan | None:
+def plan(total: int, steps_of: Callable[[int], int], sms: int,
+         min_steps: int = 2) -> WavePlan | None:
     """The split of a grid of `total` work items (blockIdx order), item i of steps_of(i) steps,
-    on `sms` SMs, or None where it cannot shorten the last wave (see the module's docstring)."""
+    on `sms` SMs, or None where it cannot shorten the last wave (see the module's docstring) or
+    where none of the items it would take has `min_steps` steps (the host's threshold: a short
+    CTA's last wave hides in the SMs' spread, see below)."""
     if sms < 1:
         raise ValueError(f"wave_split.plan: sms: expected >= 1, got {sms}")
     tail = total if total < sms else total % sms
     if tail == 0 or sms // tail < 2:
         return None
     steps = [steps_of(item) for item in range(tail)]
-    if max(steps) < 2:
+    if max(steps) < max(2, min_steps):
         return None
     per_item = sms // tail
     pieces = []

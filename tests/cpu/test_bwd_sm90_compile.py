@@ -1164,7 +1164,8 @@ def test_wave_split_parameter_offsets_match_pack_args(builds, tmp_path, split):
 
 def test_wave_split_switch(monkeypatch):
     """FLASHCUDA_SM90_BWD_WAVE_SPLIT=1 lets a call's plan split its last wave (the plan key holds
-    it and FLASHCUDA_SM90_BWD_WAVE_SMS); 0 or unset (WAVE_SPLIT_DIMS) do not; never with the
+    it and FLASHCUDA_SM90_BWD_WAVE_SMS); 0 does not; unset, calls without a mask at
+    WAVE_SPLIT_DIMS whose items have WAVE_MIN_STEPS steps; never with the
     causal tail, heads first, the tensor-store epilogue or PDL. wave_plan cuts a call's grid as
     wave_split.plan does, each item's steps its key block's query blocks times the group."""
     _no_epilogue_switches(monkeypatch)
@@ -1194,11 +1195,18 @@ def test_wave_split_switch(monkeypatch):
     monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "-2")
     with pytest.raises(ValueError, match=bwd_sm90.WAVE_SMS_ENV):
         bwd_sm90.wave_sms(full)
+    assert bwd_sm90.wave_split_for(full, cfg) == bwd_sm90.wave_split_for(call, cfg) == 2
     monkeypatch.setenv(bwd_sm90.WAVE_SPLIT_ENV, "0")
     monkeypatch.setattr(bwd_sm90, "WAVE_SPLIT_DIMS", (64,))
     assert not bwd_sm90.wave_split_for(full, cfg)
     monkeypatch.delenv(bwd_sm90.WAVE_SPLIT_ENV)
-    assert bwd_sm90.wave_split_for(full, cfg)
+    # unset at WAVE_SPLIT_DIMS: calls without a mask, items of WAVE_MIN_STEPS steps at least
+    assert bwd_sm90.wave_split_for(full, cfg) == bwd_sm90.WAVE_MIN_STEPS
+    assert not bwd_sm90.wave_split_for(call, cfg)  # causal
+    assert bwd_sm90.wave_plan(full, cfg, 10, bwd_sm90.WAVE_MIN_STEPS) is None  # 6 steps
+    monkeypatch.setenv(bwd_sm90.WAVE_SPLIT_ENV, "yes")
+    with pytest.raises(ValueError, match=bwd_sm90.WAVE_SPLIT_ENV):
+        bwd_sm90.wave_split_for(full, cfg)
 
 
 # ---- FC_PROBS_EARLY (session 23) -------------------------------------------------------------------

@@ -71,5 +71,7 @@ def test_plan_pieces_at_the_sweep_points():
     assert wave_split.plan(132 * 31, lambda i: 16, 132) is None  # whole waves
     assert wave_split.plan(4092 + 70, lambda i: 16, 132) is None  # 70 left: one piece each
     assert wave_split.plan(4096, lambda i: 1, 132) is None  # one step: nothing to cut
+    assert wave_split.plan(4096, lambda i: 8, 132, min_steps=16) is None  # the host's threshold
+    assert wave_split.plan(4096, lambda i: 16, 132, min_steps=16).slots == 4
     with pytest.raises(ValueError, match="sms"):
         wave_split.plan(10, lambda i: 4, 0)
