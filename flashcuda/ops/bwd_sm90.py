@@ -174,6 +174,13 @@ WAVE_SPLIT_DIMS: tuple[int, ...] = (64,)
 # by default (unset) only for calls without a mask whose split items have this many steps: a
 # short CTA's last wave hides in the SMs' spread (wave_split.py); =1 splits wherever it can (A/B)
 WAVE_MIN_STEPS = 16
+# Causal calls' first LPT_LAUNCH_PAIRS (KV head, batch) pairs as a second grid of (pairs, key
+# blocks) after MAIN, its programmatic dependent (FC_WAVE_SPLIT=3): key block 0 of each first,
+# FC_LPT_TAIL's longest-first order with the key block a blockIdx component. At these head dims;
+# FLASHCUDA_SM90_BWD_LPT_LAUNCH=0 / 1 off / on (A/B). In place of FC_LPT_TAIL and of the split.
+LPT_LAUNCH_ENV = "FLASHCUDA_SM90_BWD_LPT_LAUNCH"
+LPT_LAUNCH_DIMS: tuple[int, ...] = ()
+LPT_LAUNCH_PAIRS = 8
 WAVE_SMS_ENV = "FLASHCUDA_SM90_BWD_WAVE_SMS"
 # 0 (diagnostic A/B): the pieces launched in plain stream order, after MAIN has completed
 WAVE_PDL_ENV = "FLASHCUDA_SM90_BWD_WAVE_PDL"
@@ -315,8 +322,9 @@ class Sm90BwdConfig:
     stat_lanes: bool = False
     # the last-wave split (FC_WAVE_SPLIT): 1 MAIN, whose CTAs before its first_main argument exit
     # and which triggers its dependents; 2 the pieces kernel (three more pointers after dv: the
-    # piece table, the fp32 dK / dV sums, the step counters); _build_plan sets both
-    # (wave_split_for, wave_split.plan)
+    # piece table, the fp32 dK / dV sums, the step counters); 3 the causal tail's grid of (pairs,
+    # key blocks) after MAIN; _build_plan sets them (wave_split_for, wave_split.plan;
+    # lpt_launch_for)
     wave_split: int = 0
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
@@ -398,8 +406,8 @@ class Sm90BwdConfig:
                              "reductions are red.v4 ones), got True")
         if self.stages < 1:
             raise ValueError(f"Sm90BwdConfig.stages: expected >= 1, got {self.stages}")
-        if self.wave_split not in (0, 1, 2):
-            raise ValueError(f"Sm90BwdConfig.wave_split: expected 0, 1 or 2, got "
+        if self.wave_split not in (0, 1, 2, 3):
+            raise ValueError(f"Sm90BwdConfig.wave_split: expected 0, 1, 2 or 3, got "
                              f"{self.wave_split}")
         if self.wave_split and (self.dkv_tma or self.lpt_tail or self.heads_first or self.pdl):
             raise ValueError("Sm90BwdConfig.wave_split: expected 0 with dkv_tma, lpt_tail, "
@@ -637,7 +645,7 @@ def configs() -> list[Sm90BwdConfig]:
     out += [dataclasses.replace(c, stat_lanes=True) for c in dkv]  # (FC_STAT_LANES: the same)
     # the last-wave split's MAIN and pieces kernels (FC_WAVE_SPLIT; WAVE_SPLIT_DIMS /
     # FLASHCUDA_SM90_BWD_WAVE_SPLIT) of those kernels in blockIdx order
-    out += [dataclasses.replace(c, wave_split=w) for c in dkv if not c.lpt_tail for w in (1, 2)]
+    out += [dataclasses.replace(c, wave_split=w) for c in dkv if not c.lpt_tail for w in (1, 2, 3)]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
@@ -840,6 +848,18 @@ def wave_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> int:
     return WAVE_MIN_STEPS if unmasked and call.head_dim in WAVE_SPLIT_DIMS else 0
 
 
+def lpt_launch_for(call: BwdCall, cfg: Sm90BwdConfig) -> int:
+    """The (KV head, batch) pairs `call`'s causal tail runs as a grid of its own after MAIN
+    (FC_WAVE_SPLIT=3), or 0: a causal mask (lpt_tail_for's reading), FLASHCUDA_SM90_BWD_LPT_LAUNCH=1
+    or unset at LPT_LAUNCH_DIMS, a kernel with the default epilogue in blockIdx order (a config's
+    FC_LPT_TAIL gives way), after PRE; LPT_LAUNCH_PAIRS, or all pairs when fewer."""
+    if not (_right_edge_only(call) and flag(LPT_LAUNCH_ENV, call.head_dim in LPT_LAUNCH_DIMS)):
+        return 0
+    if cfg.dkv_tma or cfg.heads_first or cfg.pdl:
+        return 0
+    return min(LPT_LAUNCH_PAIRS, call.nheads_kv * call.batch)
+
+
 def wave_sms(call: BwdCall) -> int:
     """The SMs the split plans for: the GPU's, or FLASHCUDA_SM90_BWD_WAVE_SMS (a positive
     integer; tests)."""
@@ -989,13 +1009,17 @@ class _Plan:
     wave: wave_split.WavePlan | None = None
     pieces: PreparedLaunch | None = None
     table: torch.Tensor | None = None
+    # the causal tail's own grid after MAIN (FC_WAVE_SPLIT=3; lpt_launch_for) and whether MAIN
+    # has CTAs besides (else only the tail grid runs)
+    tail: PreparedLaunch | None = None
+    tail_main: bool = False
 
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
                     STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
                     DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV, STAT_LANES_ENV, DKV_SPLIT_ENV,
                     HEADS_FIRST_ENV, HEADS_GROUP_ENV, WAVE_SPLIT_ENV, WAVE_SMS_ENV,
-                    WAVE_PDL_ENV)
+                    WAVE_PDL_ENV, LPT_LAUNCH_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -1010,10 +1034,11 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     if why := can_implement(call):
         raise NotImplementedError(f"flash_bwd_sm90 cannot run this call: {why}")
     cfg = config_for(call)
-    min_steps = wave_split_for(call, cfg)
+    tail_pairs = 0 if timeline else lpt_launch_for(call, cfg)
+    min_steps = 0 if tail_pairs else wave_split_for(call, cfg)
     wave = wave_plan(call, cfg, wave_sms(call), min_steps) if min_steps else None
-    if wave is not None:
-        cfg = dataclasses.replace(cfg, wave_split=1)
+    if wave is not None or tail_pairs:
+        cfg = dataclasses.replace(cfg, wave_split=1, lpt_tail=0)
     if timeline:  # (with the split: MAIN's and the pieces' records, one buffer)
         cfg = dataclasses.replace(cfg, timeline=True)
     aux = cfg.aux()
@@ -1040,6 +1065,14 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
                                 programmatic=wave.main_ctas > 0 and flag(WAVE_PDL_ENV, True))
         table = torch.tensor(wave.pieces, dtype=torch.int32, device=dev)
         main_args += (np.int32(wave.first_main),)
+    tail, blocks = None, -(-call.seqlen_k // cfg.block_n)
+    if tail_pairs:  # the first pairs' CTAs: MAIN skips them, the tail grid runs them
+        tail_main = tail_pairs < call.nheads_kv * call.batch
+        tail = PreparedLaunch(get_kernel(dataclasses.replace(cfg, wave_split=3).spec(), dev),
+                              (tail_pairs, blocks, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
+                              main_maps + (t,) * 5 + main_args, fixed=len(main_args),
+                              programmatic=tail_main)
+        main_args += (np.int32(tail_pairs * blocks if tail_main else 0),)
     return _Plan(
         cfg, sq_pad,
         pre=PreparedLaunch(get_kernel(aux.pre_spec(pdl_trigger=cfg.pdl,
@@ -1054,7 +1087,8 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         convert=PreparedLaunch(get_kernel(convert_spec(cfg), dev),
                                (-(-sq // convert_rows(cfg)), h, b), (bwd_sm80.AUX_THREADS,), 0,
                                (t,) * 2 + convert_args, fixed=len(convert_args)),
-        wave=wave, pieces=pieces, table=table)
+        wave=wave, pieces=pieces, table=table, tail=tail,
+        tail_main=bool(tail_pairs) and tail_pairs < call.nheads_kv * call.batch)
 
 
 def convert_spec(cfg: Sm90BwdConfig) -> KernelSpec:
@@ -1100,7 +1134,12 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
     if cfg.dkv_tma:
         rows = DKV_SPLIT_ROWS if cfg.dkv_split else cfg.block_n
         maps += (bshd_map(call.dk, rows).raw, bshd_map(call.dv, rows).raw)
-    if plan.wave is not None:  # the first items as pieces, MAIN's CTAs the rest
+    if plan.tail is not None:  # MAIN without the first pairs, then their grid
+        pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
+        if plan.tail_main:
+            plan.main(*maps, *pointers, handle=handle)
+        plan.tail(*maps, *pointers, handle=handle)
+    elif plan.wave is not None:  # the first items as pieces, MAIN's CTAs the rest
         grads = plan.wave.slots * 2 * cfg.block_n * cfg.head_dim  # fp32 dK / dV sums per slot
         part = torch.zeros(grads + plan.wave.slots, dtype=torch.float32, device=call.device)
         pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())

@@ -176,8 +176,10 @@ def test_config_is_the_single_source_of_truth():
     # (four: d64, d128, its 80-query form, its causal tail), the same four in FA4's load order,
     # launched as PRE's programmatic dependents, with lse2 / delta in lane order and with the
     # tensor-store epilogue per consumer (FC_DKV_TMA=2); + the causal grids heads first (per dtype
-    # and head dim)
-    assert len({c.name for c in bwd_sm90.configs()}) == 97
+    # and head dim); + the last-wave split's MAIN, pieces and causal-tail grid (FC_WAVE_SPLIT 1 /
+    # 2 / 3) of the three bf16 kernels in blockIdx order (d64, d128, its 80-query form), and the
+    # pieces' two timeline variants
+    assert len({c.name for c in bwd_sm90.configs()}) == 108
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and with the release fence flipped, x 4; + the two
@@ -185,8 +187,9 @@ def test_config_is_the_single_source_of_truth():
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four dQ^T kernels;
     # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three); + the four
     # FC_DKV_TMA kernels; + the four FC_SPLIT_LOADS ones; + the four FC_PDL ones; + the four
-    # FC_STAT_LANES ones; + the four FC_DKV_TMA=2 ones; + the four FC_HEADS_FIRST ones
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 55
+    # FC_STAT_LANES ones; + the four FC_DKV_TMA=2 ones; + the four FC_HEADS_FIRST ones; + the
+    # eleven FC_WAVE_SPLIT ones
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 66
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
@@ -1141,15 +1144,24 @@ def test_wave_split_main_keeps_the_consumers_loop(builds, tmp_path):
         sass = clean_sass(pieces, tmp_path)
         assert sass.count("REDG.E.ADD.F32x4") == d // 4  # dK and dV: d / 8 float4 each
         assert sass.count("ATOMG.E.ADD") == 1 and "ACQBULK" in sass
+        # the causal tail's grid (=3): key block a blockIdx component, the loop the default's
+        tail = dataclasses.replace(base, wave_split=3)
+        assert tail.name == base.name + "_ws3" and tail.name in names
+        sass = clean_sass(tail, tmp_path)
+        loop = _gemm_region(sass)
+        assert len(plain_loop) <= len(loop) <= len(plain_loop) + 8
+        assert loop.count("R2UR") == plain_loop.count("R2UR") and "ACQBULK" in sass
+        assert "REDG.E.ADD.F32x4" not in sass and "PREEXIT" not in sass
         for other in ({"dkv_tma": True}, {"lpt_tail": 8}, {"heads_first": True}, {"pdl": True}):
             with pytest.raises(ValueError, match="wave_split"):
                 dataclasses.replace(base, wave_split=1, **other)
 
 
-@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("split", [1, 2, 3])
 def test_wave_split_parameter_offsets_match_pack_args(builds, tmp_path, split):
-    """MAIN's extra trailing int32 (first_main) and the pieces kernel's three pointers after dv
-    (table, part, part_steps), as _build_plan lays out its launches."""
+    """MAIN's extra trailing int32 (first_main), the pieces kernel's three pointers after dv
+    (table, part, part_steps) and the tail grid's arguments (MAIN's without first_main), as
+    _build_plan lays out its launches."""
     cfg = next(c for c in bwd_sm90.configs() if c.wave_split == split and not c.timeline)
     table = param_table(builds[cfg.name].cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
@@ -1207,6 +1219,36 @@ def test_wave_split_switch(monkeypatch):
     monkeypatch.setenv(bwd_sm90.WAVE_SPLIT_ENV, "yes")
     with pytest.raises(ValueError, match=bwd_sm90.WAVE_SPLIT_ENV):
         bwd_sm90.wave_split_for(full, cfg)
+
+
+def test_lpt_launch_switch(monkeypatch):
+    """FLASHCUDA_SM90_BWD_LPT_LAUNCH=1 runs a causal call's first LPT_LAUNCH_PAIRS pairs (all
+    when fewer) as their own grid after MAIN (FC_WAVE_SPLIT=3); not without a mask or with a
+    left edge, not with the tensor-store epilogue, heads first or PDL; 0 or unset
+    (LPT_LAUNCH_DIMS) off; the plan key holds it."""
+    _no_epilogue_switches(monkeypatch)
+    for env in (bwd_sm90.LPT_LAUNCH_ENV, bwd_sm90.HEADS_FIRST_ENV, bwd_sm90.PDL_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(bwd_sm90, "LPT_LAUNCH_DIMS", ())
+    call = _call(B=3, Sq=300, Sk=700, H=6, Hkv=3, D=64)  # causal; 9 pairs
+    cfg = bwd_sm90.config_for(call)
+    key = bwd_sm90._plan_key(call)
+    assert bwd_sm90.lpt_launch_for(call, cfg) == 0
+    monkeypatch.setenv(bwd_sm90.LPT_LAUNCH_ENV, "1")
+    assert bwd_sm90.lpt_launch_for(call, cfg) == bwd_sm90.LPT_LAUNCH_PAIRS == 8
+    assert bwd_sm90._plan_key(call) != key
+    small = _call(B=2, Sq=300, Sk=700, H=4, Hkv=2, D=128)  # 4 pairs, d128 (its FC_LPT_TAIL)
+    assert bwd_sm90.config_for(small).lpt_tail
+    assert bwd_sm90.lpt_launch_for(small, bwd_sm90.config_for(small)) == 4
+    assert bwd_sm90.lpt_launch_for(dataclasses.replace(call, window_right=None), cfg) == 0
+    assert bwd_sm90.lpt_launch_for(dataclasses.replace(call, window_left=64), cfg) == 0
+    for other in ({"dkv_tma": True}, {"heads_first": True}, {"pdl": True}):
+        assert bwd_sm90.lpt_launch_for(call, dataclasses.replace(cfg, **other)) == 0
+    monkeypatch.setenv(bwd_sm90.LPT_LAUNCH_ENV, "0")
+    monkeypatch.setattr(bwd_sm90, "LPT_LAUNCH_DIMS", (64,))
+    assert bwd_sm90.lpt_launch_for(call, cfg) == 0
+    monkeypatch.delenv(bwd_sm90.LPT_LAUNCH_ENV)
+    assert bwd_sm90.lpt_launch_for(call, cfg) == 8
 
 
 # ---- FC_PROBS_EARLY (session 23) -------------------------------------------------------------------

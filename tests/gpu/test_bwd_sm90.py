@@ -43,9 +43,9 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True,
-                params=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
+                params=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "lptl", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
                         "mn-warp", "mn-warpflat", "mn-tma", "mn--s3", "mn--noearly"],
-                ids=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
+                ids=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "lptl", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
                      "dq-warpflat", "dq-tma", "stages3", "dq-noearly"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
@@ -62,14 +62,16 @@ def _enable_sm90_bwd(monkeypatch, request):
     (FLASHCUDA_SM90_BWD_HEADS_FIRST=1; FC_HEADS_FIRST); "wsplit": the last wave split into pieces
     (FLASHCUDA_SM90_BWD_WAVE_SPLIT=1; FC_WAVE_SPLIT: at these sizes every work item is in the
     last wave, so the pieces kernel runs them all); "wsplit5": the same planned for 5 SMs
-    (FLASHCUDA_SM90_BWD_WAVE_SMS=5: MAIN's CTAs, then the pieces as its dependents); "spl": those kernels in FlashAttention 4's load
+    (FLASHCUDA_SM90_BWD_WAVE_SMS=5: MAIN's CTAs, then the pieces as its dependents); "lptl":
+    causal calls' first pairs as their own grid after MAIN (FLASHCUDA_SM90_BWD_LPT_LAUNCH=1;
+    FC_WAVE_SPLIT=3); "spl": those kernels in FlashAttention 4's load
     order (FLASHCUDA_SM90_BWD_SPLIT_LOADS=1; FC_SPLIT_LOADS); "pdl": MAIN launched as PRE's
     programmatic dependent (FLASHCUDA_SM90_BWD_PDL=1; FC_PDL); "stl": lse2 / delta in the
     consumer lanes' order (FLASHCUDA_SM90_BWD_STAT_LANES=1; FC_STAT_LANES, PRE permuting)."""
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     switches = {"dkvt": bwd_sm90.DKV_TMA_ENV, "dkvs": bwd_sm90.DKV_SPLIT_ENV,
                 "hf": bwd_sm90.HEADS_FIRST_ENV, "wsplit": bwd_sm90.WAVE_SPLIT_ENV,
-                "wsplit5": bwd_sm90.WAVE_SPLIT_ENV, "spl": bwd_sm90.SPLIT_LOADS_ENV, "pdl": bwd_sm90.PDL_ENV,
+                "wsplit5": bwd_sm90.WAVE_SPLIT_ENV, "lptl": bwd_sm90.LPT_LAUNCH_ENV, "spl": bwd_sm90.SPLIT_LOADS_ENV, "pdl": bwd_sm90.PDL_ENV,
                 "stl": bwd_sm90.STAT_LANES_ENV}  # (the defaults with one 0 / 1 switch on)
     if request.param == "default" or request.param in switches:
         for env in (bwd_sm90.DS_ENV, bwd_sm90.DQ_ENV, bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV,
@@ -239,8 +241,9 @@ def test_causal_longest_first_tail_over_part_of_the_grid():
         call = BwdCall(q, k, v, torch.empty_like(q), dout, lse, torch.empty_like(q),
                        torch.empty_like(k), torch.empty_like(v), 0.088, *window, False)
         hf = bwd_sm90.heads_first_for(call)  # (the "hf" parameter: the grid heads first instead)
-        assert bwd_sm90._plan(call).cfg.lpt_tail == (0 if hf else tail)
-        assert bwd_sm90._plan(call).cfg.heads_first == hf
+        plan = bwd_sm90._plan(call)  # (the "lptl" parameter: the tail as its own grid instead)
+        assert plan.cfg.lpt_tail == (0 if hf or plan.tail is not None else tail)
+        assert plan.cfg.heads_first == hf
         assert 3 * 5 > tail
 
 
@@ -293,6 +296,28 @@ def test_wave_split_main_and_pieces(monkeypatch, case):
     assert expect is not None and plan.wave == expect and plan.cfg.wave_split == 1
     assert plan.wave.main_ctas == (items // sms) * sms and plan.wave.total == items
     assert plan.table.tolist() == [list(p) for p in plan.wave.pieces]
+
+
+@pytest.mark.parametrize("shape", [(3, 700, 700, 12, 6, 64), (2, 300, 1000, 6, 2, 128),
+                                   (1, 1023, 1023, 3, 1, 64)], ids=["18pairs", "4pairs", "1pair"])
+def test_causal_tail_as_its_own_grid(shape):
+    """Causal calls' first LPT_LAUNCH_PAIRS (KV head, batch) pairs as a grid of (pairs, key
+    blocks) after MAIN (FC_WAVE_SPLIT=3; MAIN skips their CTAs): 18 pairs (8 in the tail, GQA
+    2:1, ragged last key block), 4 and 1 pairs (the tail grid alone, no MAIN launch). Runs under
+    the "lptl" parameter only."""
+    if os.environ.get(bwd_sm90.LPT_LAUNCH_ENV) != "1":
+        pytest.skip("runs under the lptl fixture parameter")
+    b, s, h, hkv, d = shape[0], shape[1], shape[3], shape[4], shape[5]
+    q, k, v, dout = make(b, s, shape[2], h, hkv, d, BF16, seed=s + h)
+    check(q, k, v, dout, CAUSAL)
+    lse = torch.zeros(b, h, s, device="cuda", dtype=torch.float32)
+    call = BwdCall(q, k, v, torch.empty_like(q), dout, lse, torch.empty_like(q),
+                   torch.empty_like(k), torch.empty_like(v), 0.1, *CAUSAL, False)
+    plan = bwd_sm90._plan(call)
+    pairs = b * hkv
+    assert plan.tail is not None and plan.cfg.wave_split == 1 and not plan.cfg.lpt_tail
+    assert plan.tail_main == (pairs > bwd_sm90.LPT_LAUNCH_PAIRS)
+    assert plan.tail.grid == (min(pairs, bwd_sm90.LPT_LAUNCH_PAIRS), -(-shape[2] // 128), 1)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])

@@ -80,3 +80,9 @@ __device__ __forceinline__ BlockCoord item_coord(int item, int key_blocks, int n
   const int pair = item / key_blocks;
   return {item - pair * key_blocks, pair % nheads_kv, pair / nheads_kv};
 }
+
+// FC_WAVE_SPLIT = 3's grid (pairs, key blocks): CTA (x, y) runs key block y of pair x (pair =
+// KV head + nheads_kv x batch), so blockIdx order is key block 0 of every pair first
+__device__ __forceinline__ BlockCoord tail_grid_coord(int x, int y, int nheads_kv) {
+  return {y, x % nheads_kv, x / nheads_kv};
+}

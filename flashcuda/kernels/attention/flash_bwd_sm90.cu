@@ -567,12 +567,18 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 //      warp's 512 contiguous bytes), then adds its step count to the slot's counter; the piece
 //      that brings the counter to the item's step count read the sums back into its
 //      accumulators and runs the epilogue. `part` and the counters are zeroed per call.
-// dQ: every piece reduces its steps' dQ into dq_accum as MAIN does. A piece's thread 64 (an idle
-// producer warp) waits for MAIN's completion (griddepcontrol.wait) before the CTA exits, so the
-// next kernel in the stream (CONVERT) starts after both.
+//   3  TAIL (bwd_sm90.LPT_LAUNCH_DIMS, causal calls): MAIN's skipped items are its first K
+//      whole (KV head, batch) pairs, run by a second grid of (K, key blocks): CTA (x, y) runs key
+//      block y of pair x, so the GPU starts key block 0 of every such pair first — under a causal
+//      mask the longest-first order FC_LPT_TAIL computes, here with the key block a blockIdx
+//      component (FC_LPT_TAIL's remap cost d64 its uniform wgmma descriptors); MAIN's
+//      programmatic dependent like PIECES, whole items, no sums.
+// dQ: every piece reduces its steps' dQ into dq_accum as MAIN does. A piece's (TAIL CTA's)
+// thread 64 (an idle producer warp) waits for MAIN's completion (griddepcontrol.wait) before the
+// CTA exits, so the next kernel in the stream (CONVERT) starts after both.
 #define FC_WAVE_SPLIT 0
 #endif
-static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 2, "FC_WAVE_SPLIT: 0, 1 (MAIN) or 2");
+static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 3, "FC_WAVE_SPLIT: 0, 1 (MAIN), 2 or 3");
 // FC_LPT_TAIL (attention/block_order.cuh, default 0) = K > 0: the CTAs of the last K (KV head,
 // batch) pairs of the grid run longest-first across those pairs — key block 0 of all K pairs,
 // then key block 1, ... — instead of pair after pair; the rest of the grid keeps blockIdx order
@@ -1297,6 +1303,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_WAVE_SPLIT == 2
   const int4 piece = pieces[blockIdx.x];
   const BlockCoord blk = item_coord(piece.x, (seqlen_k + kBlockN - 1) / kBlockN, nheads_kv);
+#elif FC_WAVE_SPLIT == 3
+  const BlockCoord blk = tail_grid_coord(blockIdx.x, blockIdx.y, nheads_kv);
 #else
   const BlockCoord blk = cta_coord<FC_LPT_TAIL>(nheads_kv);
 #endif
@@ -1330,7 +1338,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 
   if (wg == 0) {  // ---- producer warpgroup
     setmaxnreg_dec<kProducerRegs>();
-#if FC_WAVE_SPLIT == 2
+#if FC_WAVE_SPLIT >= 2
     if (threadIdx.x == 64) griddepcontrol_wait();  // (the CTA ends after MAIN: see FC_WAVE_SPLIT)
 #endif
     // one elected thread issues every load
