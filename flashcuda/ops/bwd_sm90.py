@@ -178,8 +178,12 @@ WAVE_MIN_STEPS = 16
 # blocks) after MAIN, its programmatic dependent (FC_WAVE_SPLIT=3): key block 0 of each first,
 # FC_LPT_TAIL's longest-first order with the key block a blockIdx component. At these head dims;
 # FLASHCUDA_SM90_BWD_LPT_LAUNCH=0 / 1 off / on (A/B). In place of FC_LPT_TAIL and of the split.
+# By default (unset) at d64 for key blocks in LPT_LAUNCH_BLOCKS (2k-8k keys): same process,
+# session 38, d64 causal +1.9 / +2.4 / +2.2% at 2k / 4k / 8k (beyond p10-p90, twice at 2k / 4k),
+# +0.2 / +0.5% at 1k, -1.1% at 512, -0.3% at 16k; d128 (against its FC_LPT_TAIL) -0.9 / -0.3%.
 LPT_LAUNCH_ENV = "FLASHCUDA_SM90_BWD_LPT_LAUNCH"
-LPT_LAUNCH_DIMS: tuple[int, ...] = ()
+LPT_LAUNCH_DIMS: tuple[int, ...] = (64,)
+LPT_LAUNCH_BLOCKS = (16, 64)
 LPT_LAUNCH_PAIRS = 8
 WAVE_SMS_ENV = "FLASHCUDA_SM90_BWD_WAVE_SMS"
 # 0 (diagnostic A/B): the pieces launched in plain stream order, after MAIN has completed
@@ -851,9 +855,12 @@ def wave_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> int:
 def lpt_launch_for(call: BwdCall, cfg: Sm90BwdConfig) -> int:
     """The (KV head, batch) pairs `call`'s causal tail runs as a grid of its own after MAIN
     (FC_WAVE_SPLIT=3), or 0: a causal mask (lpt_tail_for's reading), FLASHCUDA_SM90_BWD_LPT_LAUNCH=1
-    or unset at LPT_LAUNCH_DIMS, a kernel with the default epilogue in blockIdx order (a config's
-    FC_LPT_TAIL gives way), after PRE; LPT_LAUNCH_PAIRS, or all pairs when fewer."""
-    if not (_right_edge_only(call) and flag(LPT_LAUNCH_ENV, call.head_dim in LPT_LAUNCH_DIMS)):
+    or unset at LPT_LAUNCH_DIMS with LPT_LAUNCH_BLOCKS key blocks, a kernel with the default
+    epilogue in blockIdx order (a config's FC_LPT_TAIL gives way), after PRE; LPT_LAUNCH_PAIRS,
+    or all pairs when fewer."""
+    lo, hi = LPT_LAUNCH_BLOCKS
+    measured = call.head_dim in LPT_LAUNCH_DIMS and lo <= -(-call.seqlen_k // 128) <= hi
+    if not (_right_edge_only(call) and flag(LPT_LAUNCH_ENV, measured)):
         return 0
     if cfg.dkv_tma or cfg.heads_first or cfg.pdl:
         return 0

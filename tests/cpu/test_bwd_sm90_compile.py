@@ -1248,7 +1248,10 @@ def test_lpt_launch_switch(monkeypatch):
     monkeypatch.setattr(bwd_sm90, "LPT_LAUNCH_DIMS", (64,))
     assert bwd_sm90.lpt_launch_for(call, cfg) == 0
     monkeypatch.delenv(bwd_sm90.LPT_LAUNCH_ENV)
-    assert bwd_sm90.lpt_launch_for(call, cfg) == 8
+    assert bwd_sm90.lpt_launch_for(call, cfg) == 0  # 6 key blocks: outside LPT_LAUNCH_BLOCKS
+    for sk, on in ((1920, False), (1921, True), (8192, True), (8193, False)):  # 16..64 blocks
+        long = _call(B=3, Sq=64, Sk=sk, H=6, Hkv=3, D=64)
+        assert bool(bwd_sm90.lpt_launch_for(long, cfg)) == on, sk
 
 
 # ---- FC_PROBS_EARLY (session 23) -------------------------------------------------------------------
