@@ -843,7 +843,7 @@ def wave_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> int:
     FLASHCUDA_SM90_BWD_WAVE_SPLIT=1 (2, wherever it can), or unset WAVE_MIN_STEPS at
     WAVE_SPLIT_DIMS for calls without a mask; only a kernel in blockIdx order with the default
     epilogue, after PRE."""
-    if cfg.dkv_tma or cfg.lpt_tail or cfg.heads_first or cfg.pdl:
+    if cfg.lpt_tail or not _schedulable(cfg):
         return 0
     raw = os.environ.get(WAVE_SPLIT_ENV, "").strip()
     if raw:
@@ -862,9 +862,22 @@ def lpt_launch_for(call: BwdCall, cfg: Sm90BwdConfig) -> int:
     measured = call.head_dim in LPT_LAUNCH_DIMS and lo <= -(-call.seqlen_k // 128) <= hi
     if not (_right_edge_only(call) and flag(LPT_LAUNCH_ENV, measured)):
         return 0
-    if cfg.dkv_tma or cfg.heads_first or cfg.pdl:
+    if not _schedulable(cfg):
         return 0
     return min(LPT_LAUNCH_PAIRS, call.nheads_kv * call.batch)
+
+
+def _schedulable(cfg: Sm90BwdConfig) -> bool:
+    """Whether the last-wave split and the causal tail's grid (FC_WAVE_SPLIT) may take `cfg`:
+    the kernels they were built and GPU-tested on — a head dim's default kernel (is_default_kernel;
+    a causal tail of FC_LPT_TAIL gives way) or its 80-query dQ^T form, with none of the A/B
+    builds (watchdog, a fence set by hand, extra defines, the tensor-store epilogues, heads first,
+    PDL, FlashAttention 4's load order, lane-order stats)."""
+    if cfg.watchdog or cfg.defines or cfg.dkv_tma or cfg.heads_first or cfg.pdl \
+            or cfg.split_loads or cfg.stat_lanes or cfg.timeline \
+            or cfg.release_fence != (cfg.head_dim in FENCE_DIMS):
+        return False
+    return cfg.dq_swap or is_default_kernel(cfg)
 
 
 def wave_sms(call: BwdCall) -> int:

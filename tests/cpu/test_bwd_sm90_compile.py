@@ -1192,8 +1192,10 @@ def test_wave_split_switch(monkeypatch):
     assert not bwd_sm90.wave_split_for(full, cfg)
     monkeypatch.setenv(bwd_sm90.WAVE_SPLIT_ENV, "1")
     assert bwd_sm90.wave_split_for(full, cfg) and bwd_sm90._plan_key(full) != key
-    for other in ({"lpt_tail": 8}, {"heads_first": True}, {"dkv_tma": True}, {"pdl": True}):
-        assert not bwd_sm90.wave_split_for(full, dataclasses.replace(cfg, **other))
+    for other in ({"lpt_tail": 8}, *_NOT_SCHEDULABLE):
+        assert not bwd_sm90.wave_split_for(full, dataclasses.replace(cfg, **other)), other
+    # (another dQ mode: not the default kernel, which the split was tested on)
+    assert not bwd_sm90.wave_split_for(full, Sm90BwdConfig(torch.bfloat16, 64))
     monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "10")
     assert bwd_sm90.wave_sms(full) == 10
     plan = bwd_sm90.wave_plan(full, cfg, 10)  # 24 items: 4 besides 2 waves, 2 pieces each
@@ -1221,6 +1223,12 @@ def test_wave_split_switch(monkeypatch):
         bwd_sm90.wave_split_for(full, cfg)
 
 
+# the A/B builds the split and the tail grid leave alone (bwd_sm90._schedulable)
+_NOT_SCHEDULABLE = ({"heads_first": True}, {"dkv_tma": True}, {"pdl": True},
+                    {"split_loads": True}, {"stat_lanes": True}, {"watchdog": True},
+                    {"defines": (("FC_EARLY_LOADS", 1),)}, {"release_fence": True})
+
+
 def test_lpt_launch_switch(monkeypatch):
     """FLASHCUDA_SM90_BWD_LPT_LAUNCH=1 runs a causal call's first LPT_LAUNCH_PAIRS pairs (all
     when fewer) as their own grid after MAIN (FC_WAVE_SPLIT=3); not without a mask or with a
@@ -1242,8 +1250,8 @@ def test_lpt_launch_switch(monkeypatch):
     assert bwd_sm90.lpt_launch_for(small, bwd_sm90.config_for(small)) == 4
     assert bwd_sm90.lpt_launch_for(dataclasses.replace(call, window_right=None), cfg) == 0
     assert bwd_sm90.lpt_launch_for(dataclasses.replace(call, window_left=64), cfg) == 0
-    for other in ({"dkv_tma": True}, {"heads_first": True}, {"pdl": True}):
-        assert bwd_sm90.lpt_launch_for(call, dataclasses.replace(cfg, **other)) == 0
+    for other in _NOT_SCHEDULABLE:
+        assert bwd_sm90.lpt_launch_for(call, dataclasses.replace(cfg, **other)) == 0, other
     monkeypatch.setenv(bwd_sm90.LPT_LAUNCH_ENV, "0")
     monkeypatch.setattr(bwd_sm90, "LPT_LAUNCH_DIMS", (64,))
     assert bwd_sm90.lpt_launch_for(call, cfg) == 0
