@@ -57,6 +57,12 @@ same-run A/B, session 11). Kernel defines (FLASHCUDA_SM90_BWD_DEFINES, "FC_NAME=
 `timeline` (FC_TIMELINE; run_timeline, scripts/sm90_bwd_timeline.py) builds a profiling variant
 of MAIN that writes per CTA %globaltimer at entry, K / V arrival, first and last step and exit
 (+ %smid, steps, block index) into a buffer; never dispatched.
+The schedule (FC_WAVE_SPLIT, session 38): at d64 a call without a mask whose last-wave items
+have WAVE_MIN_STEPS steps runs those items as pieces in a second launch of the same source,
+MAIN's programmatic dependent, their dK / dV summed in fp32 (wave_split.py; +1.6 to +2.1% at
+2k-16k); a causal call of LPT_LAUNCH_BLOCKS key blocks runs its first LPT_LAUNCH_PAIRS pairs as
+a grid of (pairs, key blocks) after MAIN, longest-first (+1.9 to +2.4% at 2k-8k). Both only on a
+head dim's default kernel (_schedulable).
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@
 //                 FC_DQ_SPREAD, since session 11); FC_DQ_FRAG (the default at d128 since
 //                 session 12, +0.2-6.5% over FC_DQ_TMA): each consumer's tile in its
 //                 registers' order, one bulk reduction each
+//   schedule      one CTA per work item in blockIdx order; FC_WAVE_SPLIT (below, ops/wave_split.py):
+//                 the last wave's items as pieces of their steps in a dependent launch (d64
+//                 without a mask from 2k), or a causal call's first pairs as their own grid after
+//                 MAIN, longest-first (d64 causal 2k-8k)
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
 //                 dk / dv: the same (the epilogue's 16-byte stores, FC_DKV_QUAD)
 //   not yet       ping-pong / overlap of the two GEMM halves, deterministic dQ (bwd_sm80 has
@@ -552,7 +556,8 @@ constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
 #define FC_DQ_END_READ 0
 #endif
 #ifndef FC_WAVE_SPLIT
-// The last-wave split (Sm90BwdConfig.wave_split, bwd_sm90.wave_plan; 0: off). A grid of T work
+// The last-wave split (Sm90BwdConfig.wave_split, bwd_sm90.wave_plan / lpt_launch_for; 0: off;
+// the host's defaults: WAVE_SPLIT_DIMS, LPT_LAUNCH_DIMS). A grid of T work
 // items on S SMs (one CTA each) runs T / S full waves and a last one of r = T mod S CTAs, during
 // which S - r SMs idle (timelines, session 37: 1.5-3.3% of the d64 calls). With the split the
 // host launches two kernels built from this file:
