@@ -43,9 +43,11 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True,
-                params=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "lptl", "spl", "pdl", "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late",
-                        "mn-warp", "mn-warpflat", "mn-tma", "mn--s3", "mn--noearly"],
-                ids=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "lptl", "spl", "pdl", "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
+                params=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "lptl", "spl", "pdl",
+                        "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late", "mn-warp",
+                        "mn-warpflat", "mn-tma", "mn--s3", "mn--noearly"],
+                ids=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "lptl", "spl", "pdl",
+                     "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
                      "dq-warpflat", "dq-tma", "stages3", "dq-noearly"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
@@ -55,7 +57,8 @@ def _enable_sm90_bwd(monkeypatch, request):
     (FLASHCUDA_SM90_BWD_STAGES=3, whose default dQ mode is bwd_sm90.STAGES3_DQ) — and first
     with none of these switches set: the kernels dispatch runs by default (at d128 the
     register-order staging, 80 query rows per step without a mask from SWAP_MIN_SEQLEN_Q; P^T
-    split at both head dims; FLASHCUDA_SM90_BWD_DEFINES, if the lane sets it, passes through);
+    split at both head dims; at d64 the last-wave split without a mask from 2k and the causal
+    tail's own grid at 2k-8k; FLASHCUDA_SM90_BWD_DEFINES, if the lane sets it, passes through);
     "dkvt": those kernels with dK / dV stored through shared memory by tensor maps
     (FLASHCUDA_SM90_BWD_DKV_TMA=1; FC_DKV_TMA); "dkvs": that epilogue per consumer, dV first
     (FLASHCUDA_SM90_BWD_DKV_SPLIT=1; FC_DKV_TMA=2); "hf": causal grids launched heads first
@@ -64,14 +67,15 @@ def _enable_sm90_bwd(monkeypatch, request):
     last wave, so the pieces kernel runs them all); "wsplit5": the same planned for 5 SMs
     (FLASHCUDA_SM90_BWD_WAVE_SMS=5: MAIN's CTAs, then the pieces as its dependents); "lptl":
     causal calls' first pairs as their own grid after MAIN (FLASHCUDA_SM90_BWD_LPT_LAUNCH=1;
-    FC_WAVE_SPLIT=3); "spl": those kernels in FlashAttention 4's load
-    order (FLASHCUDA_SM90_BWD_SPLIT_LOADS=1; FC_SPLIT_LOADS); "pdl": MAIN launched as PRE's
+    FC_WAVE_SPLIT=3); "spl": those kernels in FlashAttention 4's load order
+    (FLASHCUDA_SM90_BWD_SPLIT_LOADS=1; FC_SPLIT_LOADS); "pdl": MAIN launched as PRE's
     programmatic dependent (FLASHCUDA_SM90_BWD_PDL=1; FC_PDL); "stl": lse2 / delta in the
     consumer lanes' order (FLASHCUDA_SM90_BWD_STAT_LANES=1; FC_STAT_LANES, PRE permuting)."""
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     switches = {"dkvt": bwd_sm90.DKV_TMA_ENV, "dkvs": bwd_sm90.DKV_SPLIT_ENV,
                 "hf": bwd_sm90.HEADS_FIRST_ENV, "wsplit": bwd_sm90.WAVE_SPLIT_ENV,
-                "wsplit5": bwd_sm90.WAVE_SPLIT_ENV, "lptl": bwd_sm90.LPT_LAUNCH_ENV, "spl": bwd_sm90.SPLIT_LOADS_ENV, "pdl": bwd_sm90.PDL_ENV,
+                "wsplit5": bwd_sm90.WAVE_SPLIT_ENV, "lptl": bwd_sm90.LPT_LAUNCH_ENV,
+                "spl": bwd_sm90.SPLIT_LOADS_ENV, "pdl": bwd_sm90.PDL_ENV,
                 "stl": bwd_sm90.STAT_LANES_ENV}  # (the defaults with one 0 / 1 switch on)
     if request.param == "default" or request.param in switches:
         for env in (bwd_sm90.DS_ENV, bwd_sm90.DQ_ENV, bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV,
