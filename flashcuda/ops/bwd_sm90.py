@@ -865,7 +865,7 @@ def lpt_launch_for(call: BwdCall, cfg: Sm90BwdConfig) -> int:
     epilogue in blockIdx order (a config's FC_LPT_TAIL gives way), after PRE; LPT_LAUNCH_PAIRS,
     or all pairs when fewer."""
     lo, hi = LPT_LAUNCH_BLOCKS
-    measured = call.head_dim in LPT_LAUNCH_DIMS and lo <= -(-call.seqlen_k // 128) <= hi
+    measured = call.head_dim in LPT_LAUNCH_DIMS and lo <= -(-call.seqlen_k // cfg.block_n) <= hi
     if not (_right_edge_only(call) and flag(LPT_LAUNCH_ENV, measured)):
         return 0
     if not _schedulable(cfg):
@@ -1091,9 +1091,10 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
                                 programmatic=wave.main_ctas > 0 and flag(WAVE_PDL_ENV, True))
         table = torch.tensor(wave.pieces, dtype=torch.int32, device=dev)
         main_args += (np.int32(wave.first_main),)
-    tail, blocks = None, -(-call.seqlen_k // cfg.block_n)
+    tail = None
+    tail_main = 0 < tail_pairs < call.nheads_kv * call.batch  # (MAIN has CTAs besides the tail)
     if tail_pairs:  # the first pairs' CTAs: MAIN skips them, the tail grid runs them
-        tail_main = tail_pairs < call.nheads_kv * call.batch
+        blocks = -(-call.seqlen_k // cfg.block_n)
         tail = PreparedLaunch(get_kernel(dataclasses.replace(cfg, wave_split=3).spec(), dev),
                               (tail_pairs, blocks, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
                               main_maps + (t,) * 5 + main_args, fixed=len(main_args),
@@ -1113,8 +1114,7 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         convert=PreparedLaunch(get_kernel(convert_spec(cfg), dev),
                                (-(-sq // convert_rows(cfg)), h, b), (bwd_sm80.AUX_THREADS,), 0,
                                (t,) * 2 + convert_args, fixed=len(convert_args)),
-        wave=wave, pieces=pieces, table=table, tail=tail,
-        tail_main=bool(tail_pairs) and tail_pairs < call.nheads_kv * call.batch)
+        wave=wave, pieces=pieces, table=table, tail=tail, tail_main=tail_main)
 
 
 def convert_spec(cfg: Sm90BwdConfig) -> KernelSpec:
@@ -1160,29 +1160,24 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
     if cfg.dkv_tma:
         rows = DKV_SPLIT_ROWS if cfg.dkv_split else cfg.block_n
         maps += (bshd_map(call.dk, rows).raw, bshd_map(call.dv, rows).raw)
-    if plan.tail is not None:  # MAIN without the first pairs, then their grid
-        pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
+    pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
+    records = () if timeline is None else (timeline.data_ptr(),)
+    if plan.tail is not None:  # MAIN without the first pairs, then their grid (no timeline)
         if plan.tail_main:
             plan.main(*maps, *pointers, handle=handle)
         plan.tail(*maps, *pointers, handle=handle)
     elif plan.wave is not None:  # the first items as pieces, MAIN's CTAs the rest
         grads = plan.wave.slots * 2 * cfg.block_n * cfg.head_dim  # fp32 dK / dV sums per slot
         part = torch.zeros(grads + plan.wave.slots, dtype=torch.float32, device=call.device)
-        pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
         # (timeline: MAIN's records, then the pieces' from record `total` on)
-        records = () if timeline is None else (timeline.data_ptr(),)
         pieces_records = () if timeline is None else (
             timeline.data_ptr() + 8 * TIMELINE_WORDS * plan.wave.total,)
         if plan.wave.main_ctas:
             plan.main(*maps, *pointers, *records, handle=handle)
         plan.pieces(*maps, *pointers, *pieces_records, plan.table.data_ptr(), part.data_ptr(),
                     part.data_ptr() + 4 * grads, handle=handle)
-    elif timeline is None:
-        plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr(),
-                  handle=handle)
     else:
-        plan.main(*maps, lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr(),
-                  timeline.data_ptr(), handle=handle)
+        plan.main(*maps, *pointers, *records, handle=handle)
     plan.convert(accum_at, call.dq.data_ptr(), handle=handle)
 
 
