@@ -271,17 +271,12 @@ class BwdSm80Config:
             ),
         )
 
-    def pre_spec(self, pdl_trigger: bool = False, stat_lanes: bool = False) -> KernelSpec:
-        """PRE; pdl_trigger: it lets its programmatic dependent (bwd_sm90's MAIN with FC_PDL)
-        launch at once (griddepcontrol.launch_dependents; sm_90 and later); stat_lanes: lse2 /
-        delta in the lane order of bwd_sm90's MAIN with FC_STAT_LANES (each 16 rows permuted)."""
+    def pre_spec(self) -> KernelSpec:
+        """PRE."""
         return KernelSpec.make(
-            f"flash_bwd_pre_sm80_{self._prefix}_r{self.aux_rows}" + ("_pdl" if pdl_trigger else "")
-            + ("_sl" if stat_lanes else ""),
+            f"flash_bwd_pre_sm80_{self._prefix}_r{self.aux_rows}",
             SOURCE,
-            defines=self._defines(PART_PRE, FC_BLOCK_M=self.aux_rows,
-                                  **({"FC_PDL_TRIGGER": 1} if pdl_trigger else {}),
-                                  **({"FC_STAT_LANES": 1} if stat_lanes else {})),
+            defines=self._defines(PART_PRE, FC_BLOCK_M=self.aux_rows),
         )
 
     def convert_spec(self, frag_m: int = 0, spans: bool = True) -> KernelSpec:

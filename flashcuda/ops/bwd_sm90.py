@@ -133,44 +133,6 @@ CONVERT_SPANS_ENV = "FLASHCUDA_SM90_BWD_CONVERT_SPANS"
 # allow). By default only with the 64-query kernel's default settings (is_default_kernel): an A/B
 # of them (DQ, DS, STAGES, DQ_EARLY, DQ_LATE set away from the default) keeps 64 queries.
 SWAP_ENV = "FLASHCUDA_SM90_BWD_SWAP"
-# dK / dV through shared memory and tensor stores (FC_DKV_TMA, the .cu; FA3 / FA4's epilogue)
-# at these head dims; FLASHCUDA_SM90_BWD_DKV_TMA=0 / 1 turns it off / on (A/B). Only where dk
-# and dv take a tensor map (bshd_problem); otherwise the 16-byte st.global epilogue.
-DKV_TMA_ENV = "FLASHCUDA_SM90_BWD_DKV_TMA"
-DKV_TMA_DIMS: tuple[int, ...] = ()
-# that epilogue in FlashAttention 4's order, per consumer (FC_DKV_TMA=2: dV's 64 rows stored
-# while dK is staged, 64-row boxes); FLASHCUDA_SM90_BWD_DKV_SPLIT=1 (A/B; session 37: d64 -4.1
-# to -1.5%, d128 -2.3 to 0%) implies the tensor-store epilogue where dk / dv take a tensor map
-DKV_SPLIT_ENV = "FLASHCUDA_SM90_BWD_DKV_SPLIT"
-DKV_SPLIT_DIMS: tuple[int, ...] = ()
-DKV_SPLIT_ROWS = 64  # the split epilogue's box: one consumer's key rows
-# The causal grid launched as (G, key blocks, KV heads / G x batch) (FC_HEADS_FIRST,
-# block_order.cuh): each group of G KV heads longest-first, the key block one blockIdx component
-# (FC_LPT_TAIL's arithmetic cost the d64 kernel its uniform descriptors, session 37). At these
-# head dims for causal calls (lpt_tail_for's masks), in place of FC_LPT_TAIL;
-# FLASHCUDA_SM90_BWD_HEADS_FIRST=0 / 1 off / on (A/B). Measured in session 37 (same process,
-# causal 512-16k): G = 8 -3.1 to +0.4% at d64, -1.3 to +0.4% at d128 (against its LPT tail); all
-# KV heads -4.6 to +1.7%: the tail shrinks (timeline), the CTAs' K / V arrive later. Off.
-HEADS_FIRST_ENV = "FLASHCUDA_SM90_BWD_HEADS_FIRST"
-HEADS_FIRST_DIMS: tuple[int, ...] = ()
-# its group: the largest divisor of the KV heads up to this many (FLASHCUDA_SM90_BWD_HEADS_GROUP
-# for A/Bs; a whole batch's heads when it is at least the KV heads)
-HEADS_GROUP = 8
-HEADS_GROUP_ENV = "FLASHCUDA_SM90_BWD_HEADS_GROUP"
-# FlashAttention 4's load order (FC_SPLIT_LOADS, the .cu): S^T waits for K, Q and lse2 only, dP^T
-# for V, dO and delta; at these head dims, FLASHCUDA_SM90_BWD_SPLIT_LOADS=0 / 1 off / on (A/B)
-SPLIT_LOADS_ENV = "FLASHCUDA_SM90_BWD_SPLIT_LOADS"
-SPLIT_LOADS_DIMS: tuple[int, ...] = ()
-# MAIN launched as PRE's programmatic dependent (FC_PDL, the .cu; PRE triggers at its start) at
-# these head dims; FLASHCUDA_SM90_BWD_PDL=0 / 1 off / on (A/B)
-PDL_ENV = "FLASHCUDA_SM90_BWD_PDL"
-PDL_DIMS: tuple[int, ...] = ()
-# lse2 / delta in each consumer lane's order (FC_STAT_LANES, the .cu; PRE writes each 16 rows
-# permuted): one 16-byte load per two column blocks instead of one 8-byte load per block; at
-# these head dims, FLASHCUDA_SM90_BWD_STAT_LANES=0 / 1 off / on (A/B). Measured as noise
-# (session 36: -1.7 to +1.0% at d64 / d128 512-2k, none beyond p10-p90)
-STAT_LANES_ENV = "FLASHCUDA_SM90_BWD_STAT_LANES"
-STAT_LANES_DIMS: tuple[int, ...] = ()
 # The last-wave split (FC_WAVE_SPLIT, the .cu; wave_split.py): the last wave's work items run as
 # pieces of their steps in a second kernel, MAIN's programmatic dependent, at these head dims;
 # FLASHCUDA_SM90_BWD_WAVE_SPLIT=0 / 1 off / on (A/B). FLASHCUDA_SM90_BWD_WAVE_SMS=n plans it for
@@ -311,25 +273,6 @@ class Sm90BwdConfig:
     # (key block 0 of every such pair first); dispatch sets it for causal calls at the head dims
     # of LPT_TAIL (the .cu; _build_plan)
     lpt_tail: int = 0
-    # the grid as (G, key blocks, KV heads / G x batch), G = heads_group (FC_HEADS_FIRST; grid());
-    # dispatch sets it for causal calls at HEADS_FIRST_DIMS (heads_first_for), never with lpt_tail
-    heads_first: bool = False
-    # dK / dV through K's / V's shared tiles and two tensor stores (FC_DKV_TMA; two more tensor
-    # maps after map_dq's place: map_dk, map_dv); config_for sets it (DKV_TMA_DIMS, DKV_TMA_ENV)
-    dkv_tma: bool = False
-    # that epilogue per consumer, dV first (FC_DKV_TMA=2; maps with DKV_SPLIT_ROWS-row boxes);
-    # needs dkv_tma; config_for sets it (DKV_SPLIT_DIMS, DKV_SPLIT_ENV)
-    dkv_split: bool = False
-    # FlashAttention 4's load order: two barriers per stage (Q + lse2, dO + delta) and V apart
-    # from K (FC_SPLIT_LOADS; 1 + stages more mbarriers); config_for sets it (SPLIT_LOADS_DIMS,
-    # SPLIT_LOADS_ENV)
-    split_loads: bool = False
-    # MAIN launched as PRE's programmatic dependent, PRE's trigger at its start (FC_PDL here,
-    # FC_PDL_TRIGGER in PRE); config_for sets it (PDL_DIMS, PDL_ENV)
-    pdl: bool = False
-    # lse2 / delta in the consumer lanes' order (FC_STAT_LANES here and in PRE); config_for sets
-    # it (STAT_LANES_DIMS, STAT_LANES_ENV)
-    stat_lanes: bool = False
     # the last-wave split (FC_WAVE_SPLIT): 1 MAIN, whose CTAs before its first_main argument exit
     # and which triggers its dependents; 2 the pieces kernel (three more pointers after dv: the
     # piece table, the fp32 dK / dV sums, the step counters); 3 the causal tail's grid of (pairs,
@@ -373,9 +316,6 @@ class Sm90BwdConfig:
         if self.dq_frag and not (self.dq_warp and not self.dq_warp_flat and not self.dq_tma):
             raise ValueError("Sm90BwdConfig.dq_frag: expected it as a form of dq_warp (without "
                              "dq_warp_flat and dq_tma)")
-        if self.dkv_split and not self.dkv_tma:
-            raise ValueError("Sm90BwdConfig.dkv_split: expected False without dkv_tma (it is a "
-                             "form of the tensor-store epilogue)")
         if self.dq_spread and not self.dq_tma:
             raise ValueError("Sm90BwdConfig.dq_spread: expected False without dq_tma (it orders "
                              "the tensor-map staging stores)")
@@ -419,13 +359,9 @@ class Sm90BwdConfig:
         if self.wave_split not in (0, 1, 2, 3):
             raise ValueError(f"Sm90BwdConfig.wave_split: expected 0, 1, 2 or 3, got "
                              f"{self.wave_split}")
-        if self.wave_split and (self.dkv_tma or self.lpt_tail or self.heads_first or self.pdl):
-            raise ValueError("Sm90BwdConfig.wave_split: expected 0 with dkv_tma, lpt_tail, "
-                             "heads_first or pdl (blockIdx order, the default epilogue, MAIN "
-                             "after PRE)")
-        if self.heads_first and self.lpt_tail:
-            raise ValueError(f"Sm90BwdConfig.heads_first: expected False with lpt_tail "
-                             f"{self.lpt_tail} (heads first orders the whole grid)")
+        if self.wave_split and self.lpt_tail:
+            raise ValueError("Sm90BwdConfig.wave_split: expected 0 with lpt_tail (the grid in "
+                             "blockIdx order)")
         if self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers > self.register_pool:
             raise ValueError(f"Sm90BwdConfig: register split {self.producer_regs} / "
                              f"{self.consumer_regs} exceeds the CTA's pool of "
@@ -463,7 +399,7 @@ class Sm90BwdConfig:
     def smem_bytes(self) -> int:
         """1024 B alignment slack + K + V + stages x (Q + dO + lse2 + delta) + 2 x dS
         (+ a dQ staging tile per consumer with dq_bulk) + the mbarriers (as the .cu lays out)."""
-        barriers = 1 + 2 * self.stages + (1 + self.stages if self.split_loads else 0)
+        barriers = 1 + 2 * self.stages
         stats = 2 * self.block_m * 4
         if self.dq_bulk:
             staging = self.consumers * DQ_STAGE_BYTES
@@ -494,10 +430,6 @@ class Sm90BwdConfig:
                 + (f"_pe{self.probs_early}" if self.probs_early != self.block_m // 8 else "")
                 + (f"_em{self.probs_emu}" if self.probs_emu else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
-                + ("_hf" if self.heads_first else "")
-                + ("_dkvt" if self.dkv_tma else "") + ("s" if self.dkv_split else "")
-                + ("_spl" if self.split_loads else "")
-                + ("_pdl" if self.pdl else "") + ("_sl" if self.stat_lanes else "")
                 + (f"_ws{self.wave_split}" if self.wave_split else "")
                 + ("_tl" if self.timeline else "")
                 + defines_suffix(self.defines))
@@ -533,11 +465,6 @@ class Sm90BwdConfig:
             **({"FC_PROBS_EMU": self.probs_emu} if self.probs_emu else {}),
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
-            **({"FC_HEADS_FIRST": 1} if self.heads_first else {}),
-            **({"FC_DKV_TMA": 2 if self.dkv_split else 1} if self.dkv_tma else {}),
-            **({"FC_SPLIT_LOADS": 1} if self.split_loads else {}),
-            **({"FC_PDL": 1} if self.pdl else {}),
-            **({"FC_STAT_LANES": 1} if self.stat_lanes else {}),
             **({"FC_WAVE_SPLIT": self.wave_split} if self.wave_split else {}),
             **dict(self.defines),
         })
@@ -560,13 +487,8 @@ class Sm90BwdConfig:
         return -(-seqlen_q // step) * step
 
     def grid(self, call: BwdCall) -> tuple[int, int, int]:
-        """One CTA per work item: (key blocks, KV heads, batch), or with heads_first (G, key
-        blocks, KV heads / G x batch), G = heads_group."""
-        blocks = -(-call.seqlen_k // self.block_n)
-        if self.heads_first:
-            g = heads_group(call.nheads_kv)
-            return (g, blocks, call.nheads_kv // g * call.batch)
-        return (blocks, call.nheads_kv, call.batch)
+        """One CTA per work item: (key blocks, KV heads, batch)."""
+        return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
 
     def timeline_shape(self, call: BwdCall) -> tuple[int, int, int, int]:
         """The timeline buffer (int64), a record per work item (CTA): [batch][nheads_kv]
@@ -639,23 +561,12 @@ def configs() -> list[Sm90BwdConfig]:
                           probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
                           **_dq_mode(DQ_DEFAULT[d]))
             for d in HEAD_DIMS]
-    # causal grids heads first (FC_HEADS_FIRST; HEADS_FIRST_DIMS / FLASHCUDA_SM90_BWD_HEADS_FIRST)
-    out += [Sm90BwdConfig(dtype, d, dq_early=True, heads_first=True,
-                          probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
-                          **_dq_mode(DQ_DEFAULT[d]))
-            for dtype in DTYPES for d in HEAD_DIMS]
-    # dK / dV by tensor stores (FC_DKV_TMA; DKV_TMA_DIMS / FLASHCUDA_SM90_BWD_DKV_TMA): the bf16
-    # defaults with the P^T split, d128's 80-query form and the causal tails
-    dkv = [c for c in out if c.dtype == torch.bfloat16 and not c.timeline and not c.watchdog
-           and c.probs_early != c.block_m // 8 and not c.defines and not c.heads_first]
-    out += [dataclasses.replace(c, dkv_tma=True) for c in dkv]
-    out += [dataclasses.replace(c, dkv_tma=True, dkv_split=True) for c in dkv]  # (FC_DKV_TMA=2)
-    out += [dataclasses.replace(c, split_loads=True) for c in dkv]  # (FC_SPLIT_LOADS: the same)
-    out += [dataclasses.replace(c, pdl=True) for c in dkv]  # (FC_PDL: the same)
-    out += [dataclasses.replace(c, stat_lanes=True) for c in dkv]  # (FC_STAT_LANES: the same)
-    # the last-wave split's MAIN and pieces kernels (FC_WAVE_SPLIT; WAVE_SPLIT_DIMS /
-    # FLASHCUDA_SM90_BWD_WAVE_SPLIT) of those kernels in blockIdx order
-    out += [dataclasses.replace(c, wave_split=w) for c in dkv if not c.lpt_tail for w in (1, 2, 3)]
+    # the last-wave split's MAIN, pieces and tail-grid kernels (FC_WAVE_SPLIT; WAVE_SPLIT_DIMS /
+    # LPT_LAUNCH_DIMS and their switches) of the bf16 defaults with the P^T split in blockIdx
+    # order, d128's 80-query form included
+    base = [c for c in out if c.dtype == torch.bfloat16 and not c.timeline and not c.watchdog
+            and c.probs_early != c.block_m // 8 and not c.defines and not c.lpt_tail]
+    out += [dataclasses.replace(c, wave_split=w) for c in base for w in (1, 2, 3)]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
@@ -731,9 +642,8 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
     plain = Sm90BwdConfig(cfg.dtype, cfg.head_dim, dq_early=True,
                           **_dq_mode(DQ_DEFAULT[cfg.head_dim]))
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
-                               probs_early=None, probs_emu=0, lpt_tail=0, heads_first=False,
-                               dkv_tma=False, dkv_split=False, split_loads=False, pdl=False,
-                               stat_lanes=False, timeline=False, wave_split=0) == plain
+                               probs_early=None, probs_emu=0, lpt_tail=0, timeline=False,
+                               wave_split=0) == plain
 
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
@@ -770,46 +680,9 @@ def config_for(call: BwdCall) -> Sm90BwdConfig:
     cfg = select_config(call.dtype, call.head_dim)
     if swap_for(call, cfg):
         cfg = swapped(cfg)
-    if heads_first_for(call):
-        cfg = dataclasses.replace(cfg, heads_first=True)
-    elif lpt_tail := lpt_tail_for(call):
+    if lpt_tail := lpt_tail_for(call):
         cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
-    if dkv_split_for(call, cfg):
-        cfg = dataclasses.replace(cfg, dkv_tma=True, dkv_split=True)
-    elif dkv_tma_for(call, cfg):
-        cfg = dataclasses.replace(cfg, dkv_tma=True)
-    if flag(SPLIT_LOADS_ENV, call.head_dim in SPLIT_LOADS_DIMS):
-        cfg = dataclasses.replace(cfg, split_loads=True)
-    if flag(PDL_ENV, call.head_dim in PDL_DIMS):
-        cfg = dataclasses.replace(cfg, pdl=True)
-    if flag(STAT_LANES_ENV, call.head_dim in STAT_LANES_DIMS):
-        cfg = dataclasses.replace(cfg, stat_lanes=True)
     return cfg
-
-
-def dkv_tma_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
-    """Whether `call`'s MAIN kernel `cfg` stores dK / dV by tensor maps (FC_DKV_TMA):
-    FLASHCUDA_SM90_BWD_DKV_TMA=1, or unset at DKV_TMA_DIMS; never in the watchdog build, and
-    only where dk and dv take K's tensor map (else the st.global epilogue, which needs 16-byte
-    rows only)."""
-    return _tensor_store_epilogue(call, cfg, DKV_TMA_ENV, DKV_TMA_DIMS, cfg.block_n)
-
-
-def dkv_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
-    """Whether `call`'s MAIN kernel `cfg` stores dK / dV by tensor maps per consumer, dV first
-    (FC_DKV_TMA=2): FLASHCUDA_SM90_BWD_DKV_SPLIT=1, or unset at DKV_SPLIT_DIMS; as
-    dkv_tma_for otherwise (never in the watchdog build; only where dk and dv take a map of
-    DKV_SPLIT_ROWS-row boxes)."""
-    return _tensor_store_epilogue(call, cfg, DKV_SPLIT_ENV, DKV_SPLIT_DIMS, DKV_SPLIT_ROWS)
-
-
-def _tensor_store_epilogue(call: BwdCall, cfg: Sm90BwdConfig, env: str,
-                           dims: tuple[int, ...], rows: int) -> bool:
-    """`env` on (or unset at `dims`), not the watchdog build, and dk / dv both take a tensor
-    map of `rows`-row boxes."""
-    if not flag(env, call.head_dim in dims) or cfg.watchdog:
-        return False
-    return all(bshd_problem(t, rows) is None for t in (call.dk, call.dv))
 
 
 def lpt_tail_for(call: BwdCall, table: dict[int, int] | None = None) -> int:
@@ -827,28 +700,11 @@ def _right_edge_only(call: BwdCall) -> bool:
     return call.window_left is None and call.window_right is not None
 
 
-def heads_first_for(call: BwdCall) -> bool:
-    """Whether `call`'s grid runs heads first (FC_HEADS_FIRST): a causal mask as lpt_tail_for
-    reads it, and FLASHCUDA_SM90_BWD_HEADS_FIRST=1 or unset at HEADS_FIRST_DIMS."""
-    return _right_edge_only(call) and flag(HEADS_FIRST_ENV, call.head_dim in HEADS_FIRST_DIMS)
-
-
-def heads_group(nheads_kv: int) -> int:
-    """FC_HEADS_FIRST's group: the largest divisor of nheads_kv up to HEADS_GROUP (or
-    FLASHCUDA_SM90_BWD_HEADS_GROUP, a positive integer)."""
-    raw = os.environ.get(HEADS_GROUP_ENV, "").strip()
-    if raw and not (raw.isdigit() and int(raw) > 0):
-        raise ValueError(f"{HEADS_GROUP_ENV}: expected a positive integer, got {raw!r}")
-    cap = int(raw) if raw else HEADS_GROUP
-    return max(g for g in range(1, min(cap, nheads_kv) + 1) if nheads_kv % g == 0)
-
-
 def wave_split_for(call: BwdCall, cfg: Sm90BwdConfig) -> int:
     """The least steps of the items `call`'s MAIN kernel `cfg` may leave to the pieces kernel
     (FC_WAVE_SPLIT; wave_plan decides whether it does), or 0 for no split:
     FLASHCUDA_SM90_BWD_WAVE_SPLIT=1 (2, wherever it can), or unset WAVE_MIN_STEPS at
-    WAVE_SPLIT_DIMS for calls without a mask; only a kernel in blockIdx order with the default
-    epilogue, after PRE."""
+    WAVE_SPLIT_DIMS for calls without a mask; only a kernel in blockIdx order (_schedulable)."""
     if cfg.lpt_tail or not _schedulable(cfg):
         return 0
     raw = os.environ.get(WAVE_SPLIT_ENV, "").strip()
@@ -862,7 +718,7 @@ def lpt_launch_for(call: BwdCall, cfg: Sm90BwdConfig) -> int:
     """The (KV head, batch) pairs `call`'s causal tail runs as a grid of its own after MAIN
     (FC_WAVE_SPLIT=3), or 0: a causal mask (lpt_tail_for's reading), FLASHCUDA_SM90_BWD_LPT_LAUNCH=1
     or unset at LPT_LAUNCH_DIMS with LPT_LAUNCH_BLOCKS key blocks, a kernel with the default
-    epilogue in blockIdx order (a config's FC_LPT_TAIL gives way), after PRE; LPT_LAUNCH_PAIRS,
+    in blockIdx order (a config's FC_LPT_TAIL gives way); LPT_LAUNCH_PAIRS,
     or all pairs when fewer."""
     lo, hi = LPT_LAUNCH_BLOCKS
     measured = call.head_dim in LPT_LAUNCH_DIMS and lo <= -(-call.seqlen_k // cfg.block_n) <= hi
@@ -877,10 +733,8 @@ def _schedulable(cfg: Sm90BwdConfig) -> bool:
     """Whether the last-wave split and the causal tail's grid (FC_WAVE_SPLIT) may take `cfg`:
     the kernels they were built and GPU-tested on — a head dim's default kernel (is_default_kernel;
     a causal tail of FC_LPT_TAIL gives way) or its 80-query dQ^T form, with none of the A/B
-    builds (watchdog, a fence set by hand, extra defines, the tensor-store epilogues, heads first,
-    PDL, FlashAttention 4's load order, lane-order stats)."""
-    if cfg.watchdog or cfg.defines or cfg.dkv_tma or cfg.heads_first or cfg.pdl \
-            or cfg.split_loads or cfg.stat_lanes or cfg.timeline \
+    builds (watchdog, a fence set by hand, extra defines)."""
+    if cfg.watchdog or cfg.defines or cfg.timeline \
             or cfg.release_fence != (cfg.head_dim in FENCE_DIMS):
         return False
     return cfg.dq_swap or is_default_kernel(cfg)
@@ -1043,9 +897,7 @@ class _Plan:
 
 _KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
                     STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
-                    DKV_TMA_ENV, SPLIT_LOADS_ENV, PDL_ENV, STAT_LANES_ENV, DKV_SPLIT_ENV,
-                    HEADS_FIRST_ENV, HEADS_GROUP_ENV, WAVE_SPLIT_ENV, WAVE_SMS_ENV,
-                    WAVE_PDL_ENV, LPT_LAUNCH_ENV)
+                    WAVE_SPLIT_ENV, WAVE_SMS_ENV, WAVE_PDL_ENV, LPT_LAUNCH_ENV)
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -1080,8 +932,6 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
                                                         (call.dout, cfg.block_m)))
     if cfg.dq_tma:  # any map stands for map_dq's kind (run() passes the call's own)
         main_maps += main_maps[:1]
-    if cfg.dkv_tma:  # map_dk, map_dv
-        main_maps += main_maps[:2]
     pieces = table = None
     if wave is not None:
         pieces = PreparedLaunch(get_kernel(dataclasses.replace(cfg, wave_split=2).spec(), dev),
@@ -1102,15 +952,14 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         main_args += (np.int32(tail_pairs * blocks if tail_main else 0),)
     return _Plan(
         cfg, sq_pad,
-        pre=PreparedLaunch(get_kernel(aux.pre_spec(pdl_trigger=cfg.pdl,
-                                                   stat_lanes=cfg.stat_lanes), dev),
+        pre=PreparedLaunch(get_kernel(aux.pre_spec(), dev),
                            (-(-sq_pad // aux.aux_rows), h, b),
                            (bwd_sm80.AUX_THREADS,), 0, (t,) * 6 + pre_args,
                            fixed=len(pre_args)),
         main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call), (cfg.threads, 1, 1),
                             cfg.smem_bytes,
                             main_maps + (t,) * (6 if cfg.timeline else 5) + main_args,
-                            fixed=len(main_args), programmatic=cfg.pdl),
+                            fixed=len(main_args)),
         convert=PreparedLaunch(get_kernel(convert_spec(cfg), dev),
                                (-(-sq // convert_rows(cfg)), h, b), (bwd_sm80.AUX_THREADS,), 0,
                                (t,) * 2 + convert_args, fixed=len(convert_args)),
@@ -1157,9 +1006,6 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
             bshd_map(call.v, cfg.block_n).raw, bshd_map(call.dout, cfg.block_m).raw)
     if cfg.dq_tma:
         maps += (rows_f32_map(dq_accum, cfg.block_m).raw,)
-    if cfg.dkv_tma:
-        rows = DKV_SPLIT_ROWS if cfg.dkv_split else cfg.block_n
-        maps += (bshd_map(call.dk, rows).raw, bshd_map(call.dv, rows).raw)
     pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
     records = () if timeline is None else (timeline.data_ptr(),)
     if plan.tail is not None:  # MAIN without the first pairs, then their grid (no timeline)
@@ -1201,8 +1047,6 @@ def run_timeline(call: BwdCall) -> tuple[Sm90BwdConfig, torch.Tensor]:
 def variants() -> Iterator[tuple[KernelSpec, tuple[str, ...]]]:
     for cfg in configs():
         yield cfg.spec(), ARCHS
-        if cfg.pdl or cfg.stat_lanes:  # its PRE triggers the dependent launch / permutes
-            yield cfg.aux().pre_spec(pdl_trigger=cfg.pdl, stat_lanes=cfg.stat_lanes), ARCHS
         if cfg.dq_swap:  # its CONVERT reads the transposed register-order tiles
             yield convert_spec(cfg), ARCHS
         elif cfg.dq_frag:  # its CONVERT reads the register-order dq_accum (both readers: A/B)

@@ -102,16 +102,15 @@ def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
     assert ("GLOBALTIMER" in sass) == (cfg.watchdog or cfg.timeline)
 
 
-@pytest.mark.parametrize("dq", ["default", "tma", "tma-dkvt", "frag-dkvt"])
+@pytest.mark.parametrize("dq", ["default", "tma"])
 def test_sm90_bwd_parameter_offsets_match_pack_args(builds, tmp_path, dq):
     """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout (the tma
-    dQ variant has a fifth tensor map, map_dq; FC_DKV_TMA two more, map_dk and map_dv)."""
-    cfg = next(c for c in bwd_sm90.configs() if c.dq_tma == dq.startswith("tma")
-               and c.dkv_tma == dq.endswith("dkvt"))
+    dQ variant has a fifth tensor map, map_dq)."""
+    cfg = next(c for c in bwd_sm90.configs() if c.dq_tma == (dq == "tma"))
     table = param_table(builds[cfg.name].cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
     i32, i64 = np.int32(0), np.int64(0)
-    maps = (m,) * (4 + cfg.dq_tma + 2 * cfg.dkv_tma)
+    maps = (m,) * (4 + cfg.dq_tma)
     args = (*maps, None, None, None, None, None, i64, i64, i64, i64, i64, i64, i32, i32,
             i32, i32, i32, np.float32(0), np.float32(0), i32, i32)
     _, offsets = pack_args("k", args)
@@ -172,24 +171,18 @@ def test_config_is_the_single_source_of_truth():
     # variants of the bf16 defaults (two); + the causal calls' longest-first tail at d128 (per
     # dtype, and its bf16 timeline variant); + the 80-query dQ^T kernels (dtype x watchdog); + d64
     # frag in FA3's order (per dtype); + the defaults with FC_PROBS_EARLY (per dtype: d64, d128 and
-    # its 80-query form); + the bf16 kernels with FC_PROBS_EARLY with dK / dV by tensor stores
-    # (four: d64, d128, its 80-query form, its causal tail), the same four in FA4's load order,
-    # launched as PRE's programmatic dependents, with lse2 / delta in lane order and with the
-    # tensor-store epilogue per consumer (FC_DKV_TMA=2); + the causal grids heads first (per dtype
-    # and head dim); + the last-wave split's MAIN, pieces and causal-tail grid (FC_WAVE_SPLIT 1 /
-    # 2 / 3) of the three bf16 kernels in blockIdx order (d64, d128, its 80-query form), and the
-    # pieces' two timeline variants
-    assert len({c.name for c in bwd_sm90.configs()}) == 108
+    # its 80-query form); + the last-wave split's MAIN, pieces and causal-tail grid (FC_WAVE_SPLIT
+    # 1 / 2 / 3) of the three bf16 kernels with FC_PROBS_EARLY in blockIdx order (d64, d128, its
+    # 80-query form), and the pieces' two timeline variants
+    assert len({c.name for c in bwd_sm90.configs()}) == 84
     early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
     assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
     # the default with and without the watchdog and with the release fence flipped, x 4; + the two
     # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants; + the
     # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four dQ^T kernels;
-    # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three); + the four
-    # FC_DKV_TMA kernels; + the four FC_SPLIT_LOADS ones; + the four FC_PDL ones; + the four
-    # FC_STAT_LANES ones; + the four FC_DKV_TMA=2 ones; + the four FC_HEADS_FIRST ones; + the
+    # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three); + the
     # eleven FC_WAVE_SPLIT ones
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 66
+    assert sum(c.dq_early for c in bwd_sm90.configs()) == 42
     assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
     with pytest.raises(ValueError, match="dq_early"):
         Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
@@ -450,8 +443,8 @@ def test_plan_key_holds_what_can_implement_reads(monkeypatch):
                    {"deterministic": True}):
         assert bwd_sm90._plan_key(dataclasses.replace(base, **change)) != key, change
     for env in (ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, bwd_sm90.FENCE_ENV,
-                bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV, bwd_sm90.DKV_TMA_ENV,
-                bwd_sm90.SPLIT_LOADS_ENV, bwd_sm90.PDL_ENV):
+                bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV, bwd_sm90.SWAP_ENV,
+                bwd_sm90.WAVE_SPLIT_ENV, bwd_sm90.LPT_LAUNCH_ENV):
         monkeypatch.setenv(env, "x")
         assert bwd_sm90._plan_key(base) != key, env
         monkeypatch.delenv(env)
@@ -713,248 +706,22 @@ def test_dkv_quad_transpose_gives_each_lane_one_whole_chunk():
     assert got == [[(q, word) for word in range(4)] for q in range(4)]
 
 
-def test_dkv_quad_epilogue_builds_clean_with_16_byte_stores(tmp_path):
-    """FC_DKV_QUAD (the default; FLASHCUDA_SM90_BWD_DEFINES=FC_DKV_QUAD=0 is the A/B baseline):
-    the dK / dV epilogue's 4-byte stores (2 rows x 2 tensors x kHeadDim / 8 per lane) become a
-    quarter as many 16-byte stores, with no spills at either head dim."""
+def test_dkv_epilogue_builds_clean_with_16_byte_stores(tmp_path):
+    """The dK / dV epilogue (quad_transpose): every global store of the default kernels is a
+    16-byte one, 2 rows x 2 tensors x kHeadDim / 32 per lane, with no spills at either head
+    dim (the 4-byte stores it replaced were 2 x 2 x kHeadDim / 8)."""
     for d in (64, 128):
-        quad = bwd_sm90.select_config(torch.bfloat16, d)
-        base = dataclasses.replace(quad, defines=(("FC_DKV_QUAD", 0),))
-        plain, vec = clean_sass(base, tmp_path), clean_sass(quad, tmp_path)
-        assert len(re.findall(r"STG\.E\.128 ", vec)) == 2 * 2 * d // 32
-        assert len(re.findall(r"STG\.E\.128 ", plain)) == 0
-        stores = lambda s: len(re.findall(r"\bSTG\.E(\.[A-Z0-9.]+)? ", s))  # noqa: E731
-        assert stores(plain) - stores(vec) == 2 * 2 * d // 8 - 2 * 2 * d // 32
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dkv_tma_staging_puts_each_element_where_the_tensor_store_reads_it(head_dim):
-    """Consumer::stage_kv_grad (FC_DKV_TMA) in Python: lane l of warp w gives stmatrix.x4 the
-    address of row l % 8 of matrix l / 8 for column blocks j, j + 1; register f holds the
-    accumulator's elements (row 16 w + g + 8 (f & 1), columns 8 (j + (f >> 1)) + 2t, + 1) of
-    lane 4g + t. Every element of the warpgroup's 64 x head_dim tile must land where TMA's 128B
-    swizzle puts (row, col) of K's tile — chunk col / 64, row r: 16-byte unit ((col % 64) / 8)
-    ^ (r % 8) — once."""
-    chunk_bytes = 128 * 128  # kKVChunkBytes: 128 rows of one 64-column chunk
-
-    def tma_addr(r, col):
-        return (col // 64) * chunk_bytes + r * 128 + (((col % 64) // 8) ^ (r % 8)) * 16 \
-            + (col % 8) * 2
-
-    seen = {}
-    for w in range(4):
-        for j in range(0, head_dim // 8, 2):
-            addr = {}
-            for lane in range(32):  # the addresses stage_kv_grad computes
-                f, i = lane >> 3, lane & 7
-                r = 16 * w + 8 * (f & 1) + i
-                jj = j + (f >> 1)
-                addr[(f, i)] = (jj // 8) * chunk_bytes + r * 128 + ((jj % 8) ^ (r % 8)) * 16
-            for lane in range(32):  # the elements each lane's registers carry
-                g, t = lane >> 2, lane & 3
-                for f in range(4):
-                    for e in range(2):
-                        acc = 4 * j + 4 * (f >> 1) + 2 * (f & 1) + e  # a[4 f' ..] of the .cu
-                        row = 16 * w + g + 8 * ((acc % 4) >> 1)
-                        col = 8 * (acc // 4) + 2 * t + (acc & 1)
-                        got = addr[(f, g)] + (2 * t + e) * 2
-                        assert got == tma_addr(row, col), (w, j, lane, f, e)
-                        seen[(row, col)] = got
-    assert len(seen) == 64 * head_dim and len(set(seen.values())) == len(seen)
-
-
-def _built_sass(builds, cfg, tmp_path) -> str:
-    """The SASS of a config of configs() from the module's builds (each checked clean by
-    test_sm90_bwd_compiles_without_spills), not compiled again."""
-    assert cfg.name in builds, f"{cfg.name} is not one of configs()"
-    return dump(builds[cfg.name].cubin, tmp_path, "-sass")
-
-
-def test_dkv_tma_builds_clean_with_tensor_stores(builds, tmp_path):
-    """FC_DKV_TMA (1, and 2: per consumer, dV first): the epilogue's st.global are gone;
-    kHeadDim / 64 tensor stores each for dK and dV, and 2 x kHeadDim / 16 more stmatrix.x4 (one
-    per two 8-column blocks per tensor)."""
-    for cfg in (c for c in bwd_sm90.configs() if c.dkv_tma and not c.dq_swap):
-        base = dataclasses.replace(cfg, dkv_tma=False, dkv_split=False)
-        tma, plain = _built_sass(builds, cfg, tmp_path), _built_sass(builds, base, tmp_path)
-        d = cfg.head_dim
-        assert len(re.findall(r"UTMASTG\.4D", tma)) == 2 * d // 64
-        assert "UTMASTG" not in plain
-        assert not re.search(r"\bSTG\.E", tma) and re.search(r"\bSTG\.E", plain)
-        stsm = lambda s: len(re.findall(r"\bSTSM\b", s))  # noqa: E731
-        assert stsm(tma) - stsm(plain) == 2 * d // 16
-
-
-def test_dq_end_read_builds_clean(tmp_path):
-    """FC_DQ_END_READ (A/B): the dQ writer's last wait for reads only, both staging forms."""
-    for d in (64, 128):
-        cfg = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, d),
-                                  defines=(("FC_DQ_END_READ", 1),))
-        clean_sass(cfg, tmp_path)
-
-
-def test_masked_step_ab_knobs_build_clean(tmp_path):
-    """The masked-step A/B knobs of session 34 (all off by default): FC_MASKED_FUSED at both head
-    dims, FC_MASK_BITS=3 at d128 (at d64 it spills 4 bytes: an A/B only) — fewer float compares
-    (dS^T's P == 0 test) than the default kernel's masked step."""
-    fsetp = lambda sass: len(re.findall(r"\bFSETP\b", sass))  # noqa: E731
-    for d, defines in ((64, (("FC_MASKED_FUSED", 1),)), (128, (("FC_MASKED_FUSED", 1),)),
-                       (128, (("FC_MASK_BITS", 3),))):
-        base = bwd_sm90.select_config(torch.bfloat16, d)
-        knob = dataclasses.replace(base, defines=defines)
-        assert fsetp(clean_sass(knob, tmp_path)) < fsetp(clean_sass(base, tmp_path)), defines
-
-
-def _one_switch(monkeypatch, env: str, dims: str, field: str, suffix: str, define: str,
-                bad: str) -> list:
-    """A 0 / 1 config switch of config_for (SPLIT_LOADS_ENV, PDL_ENV): with `env`=1 the call's
-    MAIN config at d64 / d128 has `field` set, the name `suffix` and `define`=1, and still counts
-    as the head dim's default kernel; 0 leaves it as unset (`dims` empty) does; `bad` is
-    refused naming `env`. Returns the (off, on) pairs."""
-    monkeypatch.delenv(env, raising=False)
-    monkeypatch.setattr(bwd_sm90, dims, ())
-    pairs = []
-    for d in (64, 128):
-        call = _call(D=d)
-        off = bwd_sm90.config_for(call)
-        monkeypatch.setenv(env, "1")
-        on = bwd_sm90.config_for(call)
-        assert on == dataclasses.replace(off, **{field: True}) and on.name == off.name + suffix
-        assert dict(on.spec().defines)[define] == "1" and bwd_sm90.is_default_kernel(on)
-        monkeypatch.setenv(env, "0")
-        assert bwd_sm90.config_for(call) == off
-        monkeypatch.setenv(env, bad)
-        with pytest.raises(ValueError, match=env):
-            bwd_sm90.config_for(call)
-        monkeypatch.delenv(env)
-        pairs.append((off, on))
-    return pairs
-
-
-def test_split_loads_switch_and_build(builds, monkeypatch, tmp_path):
-    """FLASHCUDA_SM90_BWD_SPLIT_LOADS=1: the call's MAIN config in FA4's load order (named _spl,
-    FC_SPLIT_LOADS=1, 1 + stages more mbarriers in its shared memory). Its SASS loads as many
-    tiles (UTMALDG) and stats (UBLKCP) as the default's."""
-    for off, on in _one_switch(monkeypatch, bwd_sm90.SPLIT_LOADS_ENV, "SPLIT_LOADS_DIMS",
-                               "split_loads", "_spl", "FC_SPLIT_LOADS", "on"):
-        assert on.smem_bytes == off.smem_bytes + 8 * (1 + off.stages)
-        base = bwd_sm90.select_config(torch.bfloat16, off.head_dim)
-        a, b = (_built_sass(builds, c, tmp_path)
-                for c in (base, dataclasses.replace(base, split_loads=True)))
-        for op in ("UTMALDG", "UBLKCP"):
-            assert len(re.findall(op, a)) == len(re.findall(op, b)), op
-
-
-def test_pdl_switch_and_build(builds, monkeypatch, tmp_path):
-    """FLASHCUDA_SM90_BWD_PDL=1: MAIN (named _pdl, FC_PDL=1) waits for PRE with
-    griddepcontrol.wait (ACQBULK) in its producer, dQ writer and consumers, and its plan
-    launches it programmatically after a PRE that triggers at once (PREEXIT; the plain PRE has
-    neither)."""
-    for off, _ in _one_switch(monkeypatch, bwd_sm90.PDL_ENV, "PDL_DIMS", "pdl", "_pdl", "FC_PDL",
-                              "2"):
-        base = bwd_sm90.select_config(torch.bfloat16, off.head_dim)
-        main = _built_sass(builds, dataclasses.replace(base, pdl=True), tmp_path)
-        assert len(re.findall(r"\bACQBULK\b", main)) == 3
-        assert "ACQBULK" not in _built_sass(builds, base, tmp_path)
-        aux = base.aux()
-        pre_pdl = dump(compile_spec(aux.pre_spec(pdl_trigger=True), ARCH).cubin, tmp_path, "-sass")
-        pre = dump(compile_spec(aux.pre_spec(), ARCH).cubin, tmp_path, "-sass")
-        assert "PREEXIT" in pre_pdl and "PREEXIT" not in pre
-
-
-def test_stat_lanes_switch_and_build(builds, monkeypatch, tmp_path):
-    """FLASHCUDA_SM90_BWD_STAT_LANES=1: MAIN (named _sl, FC_STAT_LANES=1) reads each lane's lse2
-    / delta pairs of two column blocks with one LDS.128 where the default reads each block's
-    with an LDS.64 (half the loads, no other shared load); its plan's PRE is the permuting one
-    (named _sl, FC_STAT_LANES=1)."""
-    for off, on in _one_switch(monkeypatch, bwd_sm90.STAT_LANES_ENV, "STAT_LANES_DIMS",
-                               "stat_lanes", "_sl", "FC_STAT_LANES", "yes"):
-        base = bwd_sm90.select_config(torch.bfloat16, off.head_dim)
-        plain = _built_sass(builds, base, tmp_path)
-        lanes = _built_sass(builds, dataclasses.replace(base, stat_lanes=True), tmp_path)
-        n64 = len(re.findall(r"\bLDS\.64\b", plain))
-        assert n64 > 0 and not re.search(r"\bLDS\.128\b", plain)
-        assert re.findall(r"\bLDS[\w.]*", lanes) == ["LDS.128"] * (n64 // 2)
-        pre = on.aux().pre_spec(stat_lanes=True)
-        assert pre.name.endswith("_sl") and dict(pre.defines)["FC_STAT_LANES"] == "1"
-        assert pre.name in {spec.name for spec, _ in bwd_sm90.variants()}
+        sass = clean_sass(bwd_sm90.select_config(torch.bfloat16, d), tmp_path)
+        assert len(re.findall(r"STG\.E\.128 ", sass)) == 2 * 2 * d // 32
+        assert len(re.findall(r"\bSTG\.E(\.[A-Z0-9.]+)? ", sass)) == 2 * 2 * d // 32
 
 
 def _no_epilogue_switches(monkeypatch):
-    """config_for's switches unset (the two tensor-store epilogues' tables empty too)."""
+    """config_for's switches unset."""
     for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
                 bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV,
-                bwd_sm90.SWAP_ENV, bwd_sm90.DKV_TMA_ENV, bwd_sm90.DKV_SPLIT_ENV):
+                bwd_sm90.SWAP_ENV):
         monkeypatch.delenv(env, raising=False)
-    monkeypatch.setattr(bwd_sm90, "DKV_TMA_DIMS", ())
-    monkeypatch.setattr(bwd_sm90, "DKV_SPLIT_DIMS", ())
-
-
-def _assert_no_tensor_store_epilogue_without_a_map(monkeypatch, call, d):
-    """With a switch of the tensor-store epilogues on: a dk whose rows TMA cannot address
-    (stride of d + 4 elements, 264 bytes at d128) and the watchdog build both keep the st.global
-    epilogue."""
-    odd = torch.empty(2, 47, 2, d + 4, dtype=torch.bfloat16)[..., :d]
-    assert not bwd_sm90.config_for(dataclasses.replace(call, dk=odd)).dkv_tma
-    monkeypatch.setenv(WATCHDOG_ENV, "1")
-    assert not bwd_sm90.config_for(call).dkv_tma
-    monkeypatch.delenv(WATCHDOG_ENV)
-
-
-def test_dkv_tma_switch(monkeypatch):
-    """FLASHCUDA_SM90_BWD_DKV_TMA=1 puts the tensor-store epilogue in the call's MAIN config
-    (named _dkvt, FC_DKV_TMA=1, part of the plan key) — the same kernel otherwise, still the
-    default one for is_default_kernel — except in the watchdog build or where dk / dv take no
-    tensor map; 0 or unset (DKV_TMA_DIMS) leave it out; another value is refused."""
-    _no_epilogue_switches(monkeypatch)
-    for d in (64, 128):
-        call = _call(D=d)
-        off = bwd_sm90.config_for(call)
-        key = bwd_sm90._plan_key(call)
-        assert not off.dkv_tma
-        monkeypatch.setenv(bwd_sm90.DKV_TMA_ENV, "1")
-        on = bwd_sm90.config_for(call)
-        assert on == dataclasses.replace(off, dkv_tma=True) and on.name == off.name + "_dkvt"
-        assert dict(on.spec().defines)["FC_DKV_TMA"] == "1"
-        assert bwd_sm90.is_default_kernel(on) and bwd_sm90._plan_key(call) != key
-        _assert_no_tensor_store_epilogue_without_a_map(monkeypatch, call, d)
-        monkeypatch.setenv(bwd_sm90.DKV_TMA_ENV, "0")
-        assert bwd_sm90.config_for(call) == off
-        monkeypatch.setattr(bwd_sm90, "DKV_TMA_DIMS", (d,))
-        assert bwd_sm90.config_for(call) == off  # 0 wins over the table
-        monkeypatch.delenv(bwd_sm90.DKV_TMA_ENV)
-        assert bwd_sm90.config_for(call).dkv_tma  # the table's head dim
-        monkeypatch.setattr(bwd_sm90, "DKV_TMA_DIMS", ())
-        monkeypatch.setenv(bwd_sm90.DKV_TMA_ENV, "yes")
-        with pytest.raises(ValueError, match=bwd_sm90.DKV_TMA_ENV):
-            bwd_sm90.config_for(call)
-        monkeypatch.delenv(bwd_sm90.DKV_TMA_ENV)
-
-
-def test_dkv_split_switch(monkeypatch):
-    """FLASHCUDA_SM90_BWD_DKV_SPLIT=1: the tensor-store epilogue per consumer, dV first (named
-    _dkvts, FC_DKV_TMA=2), still the default kernel for is_default_kernel; it needs dk / dv
-    that take a map of 64-row boxes, and never goes into the watchdog build; 0 or unset
-    (DKV_SPLIT_DIMS) leave it out; another value is refused; without dkv_tma the config is
-    refused."""
-    _no_epilogue_switches(monkeypatch)
-    with pytest.raises(ValueError, match="dkv_split"):
-        Sm90BwdConfig(torch.bfloat16, 64, dkv_split=True)
-    for d in (64, 128):
-        call = _call(D=d)
-        off = bwd_sm90.config_for(call)
-        monkeypatch.setenv(bwd_sm90.DKV_SPLIT_ENV, "1")
-        on = bwd_sm90.config_for(call)
-        assert on == dataclasses.replace(off, dkv_tma=True, dkv_split=True)
-        assert on.name == off.name + "_dkvts" and dict(on.spec().defines)["FC_DKV_TMA"] == "2"
-        assert bwd_sm90.is_default_kernel(on)
-        _assert_no_tensor_store_epilogue_without_a_map(monkeypatch, call, d)
-        monkeypatch.setenv(bwd_sm90.DKV_SPLIT_ENV, "0")
-        assert bwd_sm90.config_for(call) == off
-        monkeypatch.setenv(bwd_sm90.DKV_SPLIT_ENV, "2")
-        with pytest.raises(ValueError, match=bwd_sm90.DKV_SPLIT_ENV):
-            bwd_sm90.config_for(call)
-        monkeypatch.delenv(bwd_sm90.DKV_SPLIT_ENV)
 
 
 def _block_coord(bx: int, by: int, bz: int, gx: int, gy: int, gz: int, k: int):
@@ -1035,92 +802,6 @@ def _gemm_region(sass: str) -> list[str]:
     return ops[at[0]:at[-1] + 1]
 
 
-def test_heads_first_keeps_the_consumers_loop(tmp_path):
-    """FC_HEADS_FIRST keeps the key block one blockIdx component, so the consumers' loop (first
-    wgmma to last) is the default's up to a few instructions, with no R2UR more — where
-    FC_LPT_TAIL's remapped key block, kept live through the loop, moved d64's wgmma descriptors
-    into vector registers (R2UR per wgmma). It builds clean; FC_LPT_TAIL with it is refused."""
-    for d in (64, 128):
-        base = bwd_sm90.select_config(torch.bfloat16, d)
-        hf = dataclasses.replace(base, heads_first=True)
-        assert hf.name == base.name + "_hf" and dict(hf.spec().defines)["FC_HEADS_FIRST"] == "1"
-        loop, plain = _gemm_region(clean_sass(hf, tmp_path)), _gemm_region(clean_sass(base, tmp_path))
-        assert len(plain) <= len(loop) <= len(plain) + 8
-        assert loop.count("R2UR") == plain.count("R2UR")
-        assert [op for op in loop if op.startswith("HGMMA")] == \
-            [op for op in plain if op.startswith("HGMMA")]
-        with pytest.raises(ValueError, match="heads_first"):
-            dataclasses.replace(base, heads_first=True, lpt_tail=8)
-
-
-def test_heads_first_switch(monkeypatch):
-    """FLASHCUDA_SM90_BWD_HEADS_FIRST=1 launches a causal call's grid as (KV heads, key blocks,
-    batch) with the FC_HEADS_FIRST kernel in place of the LPT tail (a kernel configs() builds,
-    part of the plan key); a call without a mask or with a sliding window keeps the default;
-    0 or unset (HEADS_FIRST_DIMS) leave it out; another value is refused."""
-    _no_epilogue_switches(monkeypatch)
-    monkeypatch.delenv(bwd_sm90.HEADS_FIRST_ENV, raising=False)
-    monkeypatch.setattr(bwd_sm90, "HEADS_FIRST_DIMS", ())
-    names = {c.name for c in bwd_sm90.configs()}
-    for d in (64, 128):
-        for dtype in bwd_sm90.DTYPES:
-            call = _call(dtype=dtype, D=d)  # causal (window (None, 0)), 47 keys: one key block
-            full = dataclasses.replace(call, window_right=None)
-            off, key = bwd_sm90.config_for(call), bwd_sm90._plan_key(call)
-            assert not off.heads_first and off.lpt_tail == bwd_sm90.LPT_TAIL.get(d, 0)
-            assert off.grid(call) == (1, 2, 2)  # (key blocks, KV heads, batch)
-            monkeypatch.setenv(bwd_sm90.HEADS_FIRST_ENV, "1")
-            on = bwd_sm90.config_for(call)
-            assert on == dataclasses.replace(off, heads_first=True, lpt_tail=0)
-            assert on.grid(call) == (2, 1, 2) and on.name in names  # (G = 2: both KV heads)
-            assert bwd_sm90.is_default_kernel(on) and bwd_sm90._plan_key(call) != key
-            assert not bwd_sm90.config_for(full).heads_first
-            assert not bwd_sm90.config_for(dataclasses.replace(call, window_left=64)).heads_first
-            monkeypatch.setenv(bwd_sm90.HEADS_FIRST_ENV, "0")
-            assert bwd_sm90.config_for(call) == off
-            monkeypatch.setattr(bwd_sm90, "HEADS_FIRST_DIMS", (d,))
-            assert bwd_sm90.config_for(call) == off  # 0 wins over the table
-            monkeypatch.delenv(bwd_sm90.HEADS_FIRST_ENV)
-            assert bwd_sm90.config_for(call) == on  # the table's head dim
-            monkeypatch.setattr(bwd_sm90, "HEADS_FIRST_DIMS", ())
-    monkeypatch.setenv(bwd_sm90.HEADS_FIRST_ENV, "yes")
-    with pytest.raises(ValueError, match=bwd_sm90.HEADS_FIRST_ENV):
-        bwd_sm90.config_for(_call())
-
-
-def test_heads_group(monkeypatch):
-    """FC_HEADS_FIRST's group of KV heads: the largest divisor up to HEADS_GROUP (8), or
-    FLASHCUDA_SM90_BWD_HEADS_GROUP; the grid covers every (key block, KV head, batch) once as
-    heads_first_coord (block_order.cuh) reads it, each group's key block 0 first."""
-    env = bwd_sm90.HEADS_GROUP_ENV
-    monkeypatch.delenv(env, raising=False)
-    assert [bwd_sm90.heads_group(h) for h in (1, 2, 5, 6, 8, 12, 16, 32, 40)] == \
-        [1, 2, 5, 6, 8, 6, 8, 8, 8]
-    monkeypatch.setenv(env, "32")
-    assert bwd_sm90.heads_group(32) == 32 and bwd_sm90.heads_group(48) == 24
-    monkeypatch.setenv(env, "0")
-    with pytest.raises(ValueError, match=env):
-        bwd_sm90.heads_group(8)
-    monkeypatch.delenv(env)
-    cfg = dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, 64), heads_first=True)
-    for b, sk, hkv in ((3, 700, 12), (2, 300, 5), (1, 129, 16)):
-        call = _call(B=b, Sk=sk, H=hkv, Hkv=hkv, D=64)
-        gx, gy, gz = cfg.grid(call)
-        got = []
-        for z in range(gz):  # blockIdx order: x fastest
-            for y in range(gy):
-                for x in range(gx):
-                    groups = hkv // gx  # heads_first_coord
-                    batch = z // groups
-                    got.append((y, (z - batch * groups) * gx + x, batch))
-        assert sorted(got) == sorted((n, h, bb) for n in range(gy) for h in range(hkv)
-                                     for bb in range(b))
-        # within each group (a run of gx * gy CTAs) the key blocks do not decrease
-        for start in range(0, len(got), gx * gy):
-            blocks = [n for n, _, _ in got[start:start + gx * gy]]
-            assert blocks == sorted(blocks)
-
-
 # ---- FC_WAVE_SPLIT (session 38) --------------------------------------------------------------------
 
 def test_wave_split_main_keeps_the_consumers_loop(builds, tmp_path):
@@ -1128,8 +809,8 @@ def test_wave_split_main_keeps_the_consumers_loop(builds, tmp_path):
     the pieces take and the dependents' trigger at its start: its consumers' loop is the
     default's, R2UR for R2UR. The pieces kernel (=2) sums dK / dV with 16-byte fp32 reductions,
     counts steps with one atomic, waits for MAIN (griddepcontrol.wait: ACQBULK) and builds
-    clean (both in configs(), the pieces also with the timeline). Both refuse the features that
-    reorder the grid or change the epilogue."""
+    clean (both in configs(), the pieces also with the timeline). Both refuse FC_LPT_TAIL's
+    reordered grid."""
     names = {c.name for c in bwd_sm90.configs()}
     for d in (64, 128):
         base = bwd_sm90.select_config(torch.bfloat16, d)
@@ -1152,9 +833,8 @@ def test_wave_split_main_keeps_the_consumers_loop(builds, tmp_path):
         assert len(plain_loop) <= len(loop) <= len(plain_loop) + 8
         assert loop.count("R2UR") == plain_loop.count("R2UR") and "ACQBULK" in sass
         assert "REDG.E.ADD.F32x4" not in sass and "PREEXIT" not in sass
-        for other in ({"dkv_tma": True}, {"lpt_tail": 8}, {"heads_first": True}, {"pdl": True}):
-            with pytest.raises(ValueError, match="wave_split"):
-                dataclasses.replace(base, wave_split=1, **other)
+        with pytest.raises(ValueError, match="wave_split"):
+            dataclasses.replace(base, wave_split=1, lpt_tail=8)
 
 
 @pytest.mark.parametrize("split", [1, 2, 3])
@@ -1178,11 +858,10 @@ def test_wave_split_switch(monkeypatch):
     """FLASHCUDA_SM90_BWD_WAVE_SPLIT=1 lets a call's plan split its last wave (the plan key holds
     it and FLASHCUDA_SM90_BWD_WAVE_SMS); 0 does not; unset, calls without a mask at
     WAVE_SPLIT_DIMS whose items have WAVE_MIN_STEPS steps; never with the
-    causal tail, heads first, the tensor-store epilogue or PDL. wave_plan cuts a call's grid as
+    causal tail or an A/B build. wave_plan cuts a call's grid as
     wave_split.plan does, each item's steps its key block's query blocks times the group."""
     _no_epilogue_switches(monkeypatch)
-    for env in (bwd_sm90.WAVE_SPLIT_ENV, bwd_sm90.WAVE_SMS_ENV, bwd_sm90.HEADS_FIRST_ENV,
-                bwd_sm90.PDL_ENV):
+    for env in (bwd_sm90.WAVE_SPLIT_ENV, bwd_sm90.WAVE_SMS_ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(bwd_sm90, "WAVE_SPLIT_DIMS", ())
     call = _call(B=2, Sq=300, Sk=700, H=4, Hkv=2, D=64)  # causal; 6 key blocks, 24 items
@@ -1224,19 +903,16 @@ def test_wave_split_switch(monkeypatch):
 
 
 # the A/B builds the split and the tail grid leave alone (bwd_sm90._schedulable)
-_NOT_SCHEDULABLE = ({"heads_first": True}, {"dkv_tma": True}, {"pdl": True},
-                    {"split_loads": True}, {"stat_lanes": True}, {"watchdog": True},
-                    {"defines": (("FC_EARLY_LOADS", 1),)}, {"release_fence": True})
+_NOT_SCHEDULABLE = ({"watchdog": True}, {"defines": (("FC_PROBS_EMU", 1),)},
+                    {"release_fence": True})
 
 
 def test_lpt_launch_switch(monkeypatch):
     """FLASHCUDA_SM90_BWD_LPT_LAUNCH=1 runs a causal call's first LPT_LAUNCH_PAIRS pairs (all
     when fewer) as their own grid after MAIN (FC_WAVE_SPLIT=3); not without a mask or with a
-    left edge, not with the tensor-store epilogue, heads first or PDL; 0 or unset
-    (LPT_LAUNCH_DIMS) off; the plan key holds it."""
+    left edge, not with an A/B build; 0 or unset (LPT_LAUNCH_DIMS) off; the plan key holds it."""
     _no_epilogue_switches(monkeypatch)
-    for env in (bwd_sm90.LPT_LAUNCH_ENV, bwd_sm90.HEADS_FIRST_ENV, bwd_sm90.PDL_ENV):
-        monkeypatch.delenv(env, raising=False)
+    monkeypatch.delenv(bwd_sm90.LPT_LAUNCH_ENV, raising=False)
     monkeypatch.setattr(bwd_sm90, "LPT_LAUNCH_DIMS", ())
     call = _call(B=3, Sq=300, Sk=700, H=6, Hkv=3, D=64)  # causal; 9 pairs
     cfg = bwd_sm90.config_for(call)

@@ -43,12 +43,10 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True,
-                params=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "lptl", "spl", "pdl",
-                        "stl", "mn-v2", "k", "mn-v4", "mn-bulk", "mn-v4-late", "mn-warp",
-                        "mn-warpflat", "mn-tma", "mn--s3", "mn--noearly"],
-                ids=["default", "dkvt", "dkvs", "hf", "wsplit", "wsplit5", "lptl", "spl", "pdl",
-                     "stl", "dq-v2", "ds-k", "dq-v4", "dq-bulk", "dq-late", "dq-warp",
-                     "dq-warpflat", "dq-tma", "stages3", "dq-noearly"])
+                params=["default", "wsplit", "wsplit5", "lptl", "mn-v2", "k", "mn-v4", "mn-bulk",
+                        "mn-v4-late", "mn-warp", "mn-warpflat", "mn-tma", "mn--s3", "mn--noearly"],
+                ids=["default", "wsplit", "wsplit5", "lptl", "dq-v2", "ds-k", "dq-v4", "dq-bulk",
+                     "dq-late", "dq-warp", "dq-warpflat", "dq-tma", "stages3", "dq-noearly"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
     warpflat, tma; red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1; the default reduction
@@ -59,24 +57,15 @@ def _enable_sm90_bwd(monkeypatch, request):
     register-order staging, 80 query rows per step without a mask from SWAP_MIN_SEQLEN_Q; P^T
     split at both head dims; at d64 the last-wave split without a mask from 2k and the causal
     tail's own grid at 2k-8k; FLASHCUDA_SM90_BWD_DEFINES, if the lane sets it, passes through);
-    "dkvt": those kernels with dK / dV stored through shared memory by tensor maps
-    (FLASHCUDA_SM90_BWD_DKV_TMA=1; FC_DKV_TMA); "dkvs": that epilogue per consumer, dV first
-    (FLASHCUDA_SM90_BWD_DKV_SPLIT=1; FC_DKV_TMA=2); "hf": causal grids launched heads first
-    (FLASHCUDA_SM90_BWD_HEADS_FIRST=1; FC_HEADS_FIRST); "wsplit": the last wave split into pieces
+    "wsplit": the last wave split into pieces
     (FLASHCUDA_SM90_BWD_WAVE_SPLIT=1; FC_WAVE_SPLIT: at these sizes every work item is in the
     last wave, so the pieces kernel runs them all); "wsplit5": the same planned for 5 SMs
     (FLASHCUDA_SM90_BWD_WAVE_SMS=5: MAIN's CTAs, then the pieces as its dependents); "lptl":
     causal calls' first pairs as their own grid after MAIN (FLASHCUDA_SM90_BWD_LPT_LAUNCH=1;
-    FC_WAVE_SPLIT=3); "spl": those kernels in FlashAttention 4's load order
-    (FLASHCUDA_SM90_BWD_SPLIT_LOADS=1; FC_SPLIT_LOADS); "pdl": MAIN launched as PRE's
-    programmatic dependent (FLASHCUDA_SM90_BWD_PDL=1; FC_PDL); "stl": lse2 / delta in the
-    consumer lanes' order (FLASHCUDA_SM90_BWD_STAT_LANES=1; FC_STAT_LANES, PRE permuting)."""
+    FC_WAVE_SPLIT=3)."""
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
-    switches = {"dkvt": bwd_sm90.DKV_TMA_ENV, "dkvs": bwd_sm90.DKV_SPLIT_ENV,
-                "hf": bwd_sm90.HEADS_FIRST_ENV, "wsplit": bwd_sm90.WAVE_SPLIT_ENV,
-                "wsplit5": bwd_sm90.WAVE_SPLIT_ENV, "lptl": bwd_sm90.LPT_LAUNCH_ENV,
-                "spl": bwd_sm90.SPLIT_LOADS_ENV, "pdl": bwd_sm90.PDL_ENV,
-                "stl": bwd_sm90.STAT_LANES_ENV}  # (the defaults with one 0 / 1 switch on)
+    switches = {"wsplit": bwd_sm90.WAVE_SPLIT_ENV, "wsplit5": bwd_sm90.WAVE_SPLIT_ENV,
+                "lptl": bwd_sm90.LPT_LAUNCH_ENV}  # (the defaults with one 0 / 1 switch on)
     if request.param == "default" or request.param in switches:
         for env in (bwd_sm90.DS_ENV, bwd_sm90.DQ_ENV, bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV,
                     bwd_sm90.DQ_EARLY_ENV, bwd_sm90.SWAP_ENV, bwd_sm90.WATCHDOG_ENV,
@@ -244,30 +233,9 @@ def test_causal_longest_first_tail_over_part_of_the_grid():
     for window, tail in ((CAUSAL, bwd_sm90.LPT_TAIL[128]), (FULL, 0)):
         call = BwdCall(q, k, v, torch.empty_like(q), dout, lse, torch.empty_like(q),
                        torch.empty_like(k), torch.empty_like(v), 0.088, *window, False)
-        hf = bwd_sm90.heads_first_for(call)  # (the "hf" parameter: the grid heads first instead)
         plan = bwd_sm90._plan(call)  # (the "lptl" parameter: the tail as its own grid instead)
-        assert plan.cfg.lpt_tail == (0 if hf or plan.tail is not None else tail)
-        assert plan.cfg.heads_first == hf
+        assert plan.cfg.lpt_tail == (0 if plan.tail is not None else tail)
         assert 3 * 5 > tail
-
-
-@pytest.mark.parametrize("group", ["2", "3", "8"])
-def test_causal_heads_first_in_groups(monkeypatch, group):
-    """FC_HEADS_FIRST's grid (G, key blocks, KV heads / G x batch) with groups smaller than a
-    batch's KV heads (G = 2 / 3 of 6, and 8 capped to 6): every (key block, KV head, batch)'s dK /
-    dV lands in place, GQA 2:1, three batches, six key blocks with a ragged last one. Runs under
-    the "hf" parameter only."""
-    if os.environ.get(bwd_sm90.HEADS_FIRST_ENV) != "1":
-        pytest.skip("runs under the hf fixture parameter")
-    monkeypatch.setenv(bwd_sm90.HEADS_GROUP_ENV, group)
-    q, k, v, dout = make(3, 700, 700, 12, 6, 64, BF16, seed=23)
-    check(q, k, v, dout, CAUSAL)
-    lse = torch.zeros(3, 12, 700, device="cuda", dtype=torch.float32)
-    call = BwdCall(q, k, v, torch.empty_like(q), dout, lse, torch.empty_like(q),
-                   torch.empty_like(k), torch.empty_like(v), 0.125, *CAUSAL, False)
-    cfg = bwd_sm90._plan(call).cfg
-    g = min(int(group), 6)
-    assert cfg.heads_first and cfg.grid(call) == (g, 6, 6 // g * 3)
 
 
 WAVE_CASES = [  # (B, Sq, Sk, H, Hkv, D, window, SMs)

@@ -181,17 +181,6 @@ constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
 static_assert(kRows % 8 == 0, "rows per CTA");
 static_assert(kChunks <= 32, "one 16-byte chunk per lane covers at most 256 columns");
 
-// Where row `row`'s lse2 / delta go: at `row`, or with FC_STAT_LANES (bwd_sm90's MAIN built
-// with it, flash_bwd_sm90.cu) permuted inside each 16-row group, 16k + 8a + 2t + e at
-// 16k + 4t + 2a + e (a group is whole: seqlen_q_pad is a multiple of MAIN's query block)
-__device__ __forceinline__ int stat_slot(int row) {
-#if defined(FC_STAT_LANES) && FC_STAT_LANES
-  return (row & ~15) | ((row & 6) << 1) | ((row & 8) >> 2) | (row & 1);
-#else
-  return row;
-#endif
-}
-
 extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     const T* __restrict__ out,          // [B, Sq, H, D]
     const T* __restrict__ dout,         // [B, Sq, H, D]
@@ -201,12 +190,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     float* __restrict__ dq_accum,       // [B, H, Sq_pad, kD] or null
     int64_t o_sb, int64_t o_ss, int64_t o_sh, int64_t do_sb, int64_t do_ss, int64_t do_sh,
     int64_t lse_sb, int64_t lse_sh, int seqlen_q, int nheads, int head_dim, int seqlen_q_pad) {
-#if defined(FC_PDL_TRIGGER) && FC_PDL_TRIGGER && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // bwd_sm90's MAIN, launched as this grid's programmatic dependent (FC_PDL there), may start
-  // on the SMs beside these CTAs at once: it waits (griddepcontrol.wait) before it reads what
-  // this grid writes
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
   const int tid = threadIdx.x;
   const int sub = tid % kLanesPerRow;  // this lane's chunk of the row
   const int col = sub * 8;
@@ -248,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     if (sub == 0 && r < kRows && row < seqlen_q_pad) {
       // +inf for padding rows and rows with no visible key (lse -inf): P = 0 there, never NaN
       const float l2 = (row < seqlen_q && l[p] != neg_inf()) ? l[p] * kLog2e : pos_inf();
-      const int64_t at = bh * seqlen_q_pad + stat_slot(row);
+      const int64_t at = bh * seqlen_q_pad + row;
       delta[at] = row < seqlen_q ? acc : 0.f;
       lse2[at] = l2;
     }

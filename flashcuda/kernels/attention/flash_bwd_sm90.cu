@@ -36,10 +36,19 @@
 //                 without a mask from 2k), or a causal call's first pairs as their own grid after
 //                 MAIN, longest-first (d64 causal 2k-8k)
 //   layouts       q / k / v / dout: TMA (strides multiples of 8 elements, 16-byte aligned bases);
-//                 dk / dv: the same (the epilogue's 16-byte stores, FC_DKV_QUAD)
+//                 dk / dv: the same (the epilogue's 16-byte stores)
 //   not yet       ping-pong / overlap of the two GEMM halves, deterministic dQ (bwd_sm80 has
 //                 it); a persistent schedule (FC_PERSISTENT, sessions 14-15: measured as noise,
 //                 removed in session 18; perf-notes)
+//   removed       (session 39; each measured on the H200 as noise or a loss, perf-notes)
+//                 FlashAttention 4's epilogue (dK / dV through K's / V's tiles and tensor
+//                 stores, FC_DKV_TMA 1 / 2), its load order (FC_SPLIT_LOADS), MAIN as PRE's
+//                 programmatic dependent (FC_PDL), lse2 / delta in lane order (FC_STAT_LANES),
+//                 the causal grid heads first (FC_HEADS_FIRST), the first loads before the
+//                 CTA's barrier (FC_EARLY_LOADS), masked steps by visibility bits or one fused
+//                 pass (FC_MASK_BITS, FC_MASKED_FUSED), the dQ writer's last wait for reads
+//                 only (FC_DQ_END_READ); and the A/B baselines of the step counters and the
+//                 16-byte epilogue (FC_STEP_COUNTERS=0, FC_DKV_QUAD=0)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // This is part MAIN of the backward; flashcuda/ops/bwd_sm90.py runs bwd_sm80's PRE (delta =
@@ -231,57 +240,7 @@ constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
                                                     : FC_DQ_WARP ? kDqWarpBytes : 0);
 // kv_full, full[], empty[] (+ dq_full, dq_empty with FC_DQ_WARP; one pair per consumer with
 // FC_DQ_FRAG)
-#ifndef FC_PDL
-// 1 (A/B; the host launches this kernel as PRE's programmatic dependent and PRE triggers at its
-// start, Sm90BwdConfig.pdl): CTAs may start beside PRE's; everything PRE writes (lse2, delta,
-// the zeroed dq_accum) is read only after griddepcontrol.wait — the producer's first lse2 /
-// delta loads (after step 0's Q, dO and K / V are issued, as FlashAttention 4 does), the
-// consumers and the dQ writer before their first reduction. Without the launch attribute the
-// wait returns at once (stream order). Measured as noise (session 35: -0.9 to +1.3% at d64 /
-// d128 512 / 1k).
-#define FC_PDL 0
-#endif
-#ifndef FC_STAT_LANES
-// 1 (A/B; the host's Sm90BwdConfig.stat_lanes, whose PRE writes the same order): lse2 and delta
-// in each lane's order. A consumer lane t needs the two query columns 8j + 2t, 8j + 2t + 1 of
-// every block j: in query order that is one 8-byte load per j (kBlockM / 8 per array and step,
-// the kernel's LDS count ~9x FlashAttention 4's at d64, ncu session 34). PRE writes each 16
-// queries q = 16k + 8a + 2t + e at 16k + 4t + 2a + e (stat_slot), so lane t's pairs of blocks
-// 2k and 2k + 1 are one 16-byte load at 16k + 4t: half the loads, and the four t of a
-// quarter-warp read 64 contiguous bytes (no bank conflict). The bulk copies and the buffers'
-// sizes stay as they are (a permutation inside whole 16-row groups; kBlockM % 16 == 0).
-// Measured as noise (session 36: -1.7 to +1.0% at d64 / d128 512-2k).
-#define FC_STAT_LANES 0
-#endif
-constexpr bool kStatLanes = FC_STAT_LANES;
-static_assert(!kStatLanes || kBlockM % 16 == 0, "FC_STAT_LANES permutes whole 16-query groups");
-#ifndef FC_SPLIT_LOADS
-// 1 (A/B; the host's Sm90BwdConfig.split_loads, which counts the barriers): FlashAttention 4's
-// load order — a stage's Q and lse2 complete full[s], its dO and delta a second barrier
-// dfull[s], and V (loaded with step 0's dO, after step 0's Q) its own v_full, so a step's S^T
-// waits only for K, Q and lse2 and its dP^T for V, dO and delta; 0: K and V complete kv_full,
-// a whole stage full[s]. The consumers wait at each CTA's start for K / V (ncu, session 34: 8%
-// of the d64 causal 512 kernel's stall samples on that wait); measured as noise (session 34:
-// -0.4 to +0.9% at d64 512-4k): K + Q come back barely before all four tiles.
-#define FC_SPLIT_LOADS 0
-#endif
-constexpr bool kSplitLoads = FC_SPLIT_LOADS;
-#ifndef FC_EARLY_LOADS
-// 1 (A/B, FLASHCUDA_SM90_BWD_DEFINES=FC_EARLY_LOADS=1): thread 0 issues the CTA's K / V loads
-// and step 0's stage right after it initialises the mbarriers, before the CTA's __syncthreads
-// and the producer's setmaxnreg, instead of the elected producer thread after both (the loads
-// complete_tx on barriers already initialised and fenced; the consumers wait on them only after
-// the __syncthreads). The backward timeline put 0.35 us between a CTA's entry and its first
-// TMA issue and ~1.3 us to K / V's arrival, of a 10-23 us CTA at d64 causal 512-2k (session 37).
-// Measured (session 37, same process): d64 -0.8 to +0.8%, d128 +0.2 to +1.3% at 512-2k, none
-// beyond the noise: the arrival is the load's own latency. Not with FC_SPLIT_LOADS or FC_PDL
-// (their first loads differ).
-#define FC_EARLY_LOADS 0
-#endif
-static_assert(!(FC_EARLY_LOADS && (FC_SPLIT_LOADS || FC_PDL)),
-              "FC_EARLY_LOADS: the plain load order only");
-constexpr int kBarriers = 1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0) +
-                          (kSplitLoads ? 1 + kStages : 0);
+constexpr int kBarriers = 1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0);
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -331,10 +290,6 @@ struct Smem {
   __device__ __forceinline__ uint32_t dq_empty(int c = 0) const {
     return bar(1 + 2 * kStages + kDqHandshakes + c);
   }
-  // FC_SPLIT_LOADS: V (kv_full then holds K alone) and stage s's dO + delta (full(s): Q + lse2)
-  static constexpr int kVFull = 1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0);
-  __device__ __forceinline__ uint32_t v_full() const { return bar(kVFull); }
-  __device__ __forceinline__ uint32_t dfull(int s) const { return bar(kVFull + 1 + s); }
   // FC_DQ_FRAG: consumer c's 16 KB staging tile
   __device__ __forceinline__ uint32_t dq_frag(int c) const {
     return base + kSmemDqStage + c * kDqFragBytes;
@@ -354,27 +309,11 @@ struct Smem {
         mbar_init(dq_empty(c), 1);
       }
     }
-    if constexpr (kSplitLoads) {
-      mbar_init(v_full(), 1);
-#pragma unroll
-      for (int s = 0; s < kStages; ++s) mbar_init(dfull(s), 1);
-    }
     fence_barrier_init();
   }
 };
 
 using Steps = KeyBlockSteps<kBlockM, kBlockN>;  // (mask.cuh)
-
-#ifndef FC_STEP_COUNTERS
-// 1 (the default since session 18; written in session 17): the consumers walk their steps'
-// (query head, query block) with two counters instead of Steps::head / m0, whose it / n_m and
-// it % n_m by a runtime n_m put a 32-bit division (IABS, I2F.RP, MUFU.RCP, F2I and the
-// corrections) into every step of every consumer warp (ncu, session 17: 1 M executions at d128
-// 4 x 4096 x 16). Equal: step_mi counts it % n_m and step_g it / n_m as it goes up by one. On the
-// H200 (session 18, same-run A/B): backward -0.2 to +3.5%, 11 of 12 points >= 0, most within the
-// run's noise; FLASHCUDA_SM90_BWD_DEFINES=FC_STEP_COUNTERS=0 builds the division (A/B).
-#define FC_STEP_COUNTERS 1
-#endif
 
 // Bring-up watchdog (FC_WATCHDOG = 1, FLASHCUDA_SM90_BWD_WATCHDOG=1): a wait that has not
 // completed after 2 s of %globaltimer gives up and marks its thread `stuck` (its later waits
@@ -498,63 +437,6 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck)
   }
 }
 
-#ifndef FC_DKV_QUAD
-// 1 (the default since session 13; 0 is the A/B baseline): the dK / dV epilogue stores 16-byte
-// chunks. The four lanes of a quad hold one key row, each two columns of every 8-column chunk
-// (the wgmma accumulator layout); they transpose their packed words among themselves
-// (quad_transpose, common/sm90.cuh), so each lane then holds a whole chunk and one st.global.v4
-// writes it: 4x fewer store instructions and every 32-byte sector written whole, instead of
-// 4-byte stores filling half a sector each. The backward timeline (session 13) had the epilogue
-// at 4-6.6 us per CTA, ~2.7 steps; same-run A/B on the H200: backward +0.4-8.6% at 1k-4k, -0.2
-// to +1% at 16k (perf-notes).
-#define FC_DKV_QUAD 1
-#endif
-#ifndef FC_MASK_BITS
-// 1 (A/B): a masked step tests, per element of P^T and dS^T, one bit of its key row's visible
-// queries among the lane's columns (mask.cuh's fragment_bits, built once per step and row: the
-// forward's FC_MASK_BITS, here also in place of dS^T's P == 0 test) instead of Mask::visible's
-// compares and the dS^T select's float compare (static SASS at d64: +290 instructions per warp
-// on a masked step, session 34). Session 18 measured the bits in P^T alone: -1.6 to +1.1%;
-// session 34 both (=3): -1.0 to +0.4% on causal calls (the masked step is each CTA's first and
-// hides behind the pipeline's start); d64 spills 4-12 bytes with any of 1 / 2 / 3.
-// dS^T is then 0 exactly where the mask hides the element, as P^T is.
-#define FC_MASK_BITS 0
-#endif
-constexpr bool kMaskBits = FC_MASK_BITS != 0;
-constexpr bool kBitsInProbs = FC_MASK_BITS & 1, kBitsInDs = FC_MASK_BITS & 2;
-#ifndef FC_MASKED_FUSED
-// 1 (A/B): on a masked step, P^T's blocks after the dP^T wait and their dS^T in one pass with one
-// visibility test per element for both (p and dS^T selected to 0 where it fails); dS^T's
-// P == 0 select (a float compare and a select per element) stays for the blocks before the
-// wait only. A non-causal call with every step forced masked (FC_FORCE_MASKED=1, session 34)
-// ran 4-14% slower; without the dS^T select, 1-9%. On causal calls: -0.1 to +0.4% (session 34).
-#define FC_MASKED_FUSED 0
-#endif
-#ifndef FC_DKV_TMA
-// 1 (A/B; the host passes map_dk / map_dv): dK / dV leave through shared memory and TMA, as
-// FlashAttention 3 / 4's epilogue does — each consumer stmatrix-stores its 64 rows into K's and
-// V's tiles (free once both consumers' last GEMMs are done) in the layout TMA loaded them in, and
-// one thread issues a tensor store per chunk and waits only until TMA has read the tiles. The
-// 16-byte st.global of FC_DKV_QUAD must drain before their warps can exit (ncu at 32 x 512 x 32
-// d64 causal, session 34: drain stalls 3.6% of the samples against FA4's 1.0%) and take 1.25
-// us per CTA from the last step to the exit (timeline). Rows past seqlen_k: the tensor store
-// clips them. Measured (session 34): d64 -1 to -4%, d128 -2 to +2%, and the epilogue no
-// shorter (1.38 us): its time is the 64 KB (dK, dV, the last dQ tile) leaving the SM.
-// 2 (A/B, session 36): FlashAttention 4's order, per consumer — each consumer stages its own 64
-// rows of dV into V's tile and its first thread stores them (64-row boxes) while its warps stage
-// dK, which waits for both consumers' dQ GEMMs only; dV's store thus runs under dK's staging and
-// no barrier of both consumers precedes it. Measured (session 37, same process): d64 -4.1 to
-// -1.5% (512 / 1k, causal and not), d128 -2.3 to 0% against the default; no better than 1.
-#define FC_DKV_TMA 0
-#endif
-#ifndef FC_DQ_END_READ
-// 1 (A/B): the dQ writer's last wait is for its reductions' reads of the staging tile only
-// (cp.async.bulk.wait_group.read), as FA3 / FA4 and CUTLASS's TMA epilogues end; 0 waits for
-// them to complete. Either way no bulk operation reads shared memory after the CTA; the next
-// kernel (CONVERT) sees dq_accum whole either way (it starts after this grid has completed).
-// Measured as noise (session 34: -0.6 to +0.9%).
-#define FC_DQ_END_READ 0
-#endif
 #ifndef FC_WAVE_SPLIT
 // The last-wave split (Sm90BwdConfig.wave_split, bwd_sm90.wave_plan / lpt_launch_for; 0: off;
 // the host's defaults: WAVE_SPLIT_DIMS, LPT_LAUNCH_DIMS). A grid of T work
@@ -596,14 +478,12 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 3, "FC_WAVE_SPLIT: 0, 1 (MA
 // lost 3-4% (session 14) and 5.5-9.4% with K = 4 / 8 (session 33), so 0 there and without a mask.
 // Why (session 37): the remapped key block is no blockIdx component, and holding it through the
 // consumers' loop moves d64's wgmma descriptors into vector registers (R2UR 22 -> 111); the
-// remap's arithmetic with blockIdx order kept (FC_LPT_SAME_ORDER) loses as much (-4.5 to -9.5%),
-// the order itself gains +1 to +3% (FC_HEADS_FIRST keeps the key block a component instead).
+// remap's arithmetic with blockIdx order kept loses as much (-4.5 to -9.5%), the order itself
+// gains +1 to +3%: d64's causal calls take FC_WAVE_SPLIT = 3's tail grid instead.
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
-static_assert(!FC_WAVE_SPLIT || !(FC_DKV_TMA || FC_EARLY_LOADS || FC_LPT_TAIL ||
-                                  FC_HEADS_FIRST || FC_PDL),
-              "FC_WAVE_SPLIT: blockIdx order and the default epilogue, MAIN after PRE");
+static_assert(!FC_WAVE_SPLIT || !FC_LPT_TAIL, "FC_WAVE_SPLIT: the grid in blockIdx order");
 #if FC_TIMELINE
 // ---- timeline: where a CTA's time goes (profiling variant) -------------------------------------
 // Record of CTA (x, y, z) at (x + gridDim.x (y + gridDim.y z)) * kTimelineWords of the buffer,
@@ -666,70 +546,34 @@ __device__ __forceinline__ int own_steps(const Steps& steps, int count) {
 __device__ __forceinline__ uint32_t parity_of(int it) { return (it / kStages) & 1; }
 
 // ---- producer: one thread issues every TMA load -------------------------------------------------
-// (kEarly: K / V and step 0 only, FC_EARLY_LOADS's part before the __syncthreads; it0 = 1: the
-// rest, K / V already issued)
-template <bool kEarly = false>
 __device__ __forceinline__ void produce(const Smem& sm, const Steps& steps, int n0, int head_kv,
                                         int batch, const TmaMap& map_q, const TmaMap& map_k,
                                         const TmaMap& map_v, const TmaMap& map_do,
                                         const float* lse2, const float* delta, int nheads,
-                                        int seqlen_q_pad, int step0, int count, int it0 = 0) {
+                                        int seqlen_q_pad, int step0, int count) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
-  if (it0 == 0) {
-    mbar_arrive_expect_tx(sm.kv_full(), (kSplitLoads ? 1 : 2) * kKVBytes);
+  mbar_arrive_expect_tx(sm.kv_full(), 2 * kKVBytes);
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      tma_load_4d(sm.k() + c * kKVChunkBytes, map_k, sm.kv_full(), c * kChunkCols, n0, head_kv,
-                  batch);
-      if constexpr (!kSplitLoads)
-        tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.kv_full(), c * kChunkCols, n0,
-                    head_kv, batch);
-    }
+  for (int c = 0; c < kChunks; ++c) {
+    tma_load_4d(sm.k() + c * kKVChunkBytes, map_k, sm.kv_full(), c * kChunkCols, n0, head_kv,
+                batch);
+    tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.kv_full(), c * kChunkCols, n0, head_kv,
+                batch);
   }
   const int n = own_steps(steps, count);
-  for (int it = it0; it < (kEarly ? min(1, n) : n); ++it) {  // (it: the CTA's own step)
+  for (int it = 0; it < n; ++it) {  // (it: the CTA's own step)
     const int s = stage_of(it);
     const int h = steps.head(step0 + it, head_kv), m0 = steps.m0(step0 + it);
     wait<true>(sm.empty(s), parity_of(it) ^ 1, stuck);  // first pass: stages start empty
-    if constexpr (kSplitLoads) {
-      const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
-      mbar_arrive_expect_tx(sm.full(s), kQBytes + kStatBytes);
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-        tma_load_4d(sm.q(s) + c * kQChunkBytes, map_q, sm.full(s), c * kChunkCols, m0, h, batch);
-      if (FC_PDL && it == 0) griddepcontrol_wait();  // (PRE's lse2 / delta from here on)
-      bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
-      if (it == 0) {  // V after step 0's Q: S^T does not wait for it
-        mbar_arrive_expect_tx(sm.v_full(), kKVBytes);
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c)
-          tma_load_4d(sm.v() + c * kKVChunkBytes, map_v, sm.v_full(), c * kChunkCols, n0,
-                      head_kv, batch);
-      }
-      mbar_arrive_expect_tx(sm.dfull(s), kQBytes + kStatBytes);
-      bulk_load(sm.delta(s), delta + row, kStatBytes, sm.dfull(s));
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-        tma_load_4d(sm.dout(s) + c * kQChunkBytes, map_do, sm.dfull(s), c * kChunkCols, m0, h,
-                    batch);
-      continue;
-    }
     mbar_arrive_expect_tx(sm.full(s), 2 * kQBytes + 2 * kStatBytes);
     const int64_t row = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
-    const auto load_stats = [&] {
-      bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
-      bulk_load(sm.delta(s), delta + row, kStatBytes, sm.full(s));
-    };
-    if constexpr (!FC_PDL) load_stats();
+    bulk_load(sm.lse2(s), lse2 + row, kStatBytes, sm.full(s));
+    bulk_load(sm.delta(s), delta + row, kStatBytes, sm.full(s));
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       tma_load_4d(sm.q(s) + c * kQChunkBytes, map_q, sm.full(s), c * kChunkCols, m0, h, batch);
       tma_load_4d(sm.dout(s) + c * kQChunkBytes, map_do, sm.full(s), c * kChunkCols, m0, h,
                   batch);
-    }
-    if constexpr (FC_PDL) {  // PRE's lse2 / delta: after the tiles that do not need PRE
-      if (it == 0) griddepcontrol_wait();
-      load_stats();
     }
   }
 }
@@ -767,7 +611,6 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
                                          const TmaMap* map_dq, int nheads, int seqlen_q_pad,
                                          int lane) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
-  if constexpr (FC_PDL) griddepcontrol_wait();  // dq_accum zeroed by PRE
   if constexpr (FC_DQ_FRAG) {
     // Per step and consumer c, as soon as c has staged: one 16 KB (FC_DQ_SWAP: 20 KB) reduce-add
     // of its tile, then its buffer back once the reduction has read it; the other consumer is not
@@ -790,9 +633,7 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
         __syncwarp();
       }
     }
-    if (lane == 0) {
-      if constexpr (FC_DQ_END_READ) bulk_wait_group_read<0>(); else bulk_wait_group<0>();
-    }
+    if (lane == 0) bulk_wait_group<0>();
   } else {
     for (int it = 0; it < own_steps(steps, count); ++it) {
       const int h = steps.head(step0 + it, head_kv), m0 = steps.m0(step0 + it);
@@ -819,7 +660,7 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
       __syncwarp();
       if (lane == 0) mbar_arrive(sm.dq_empty());
     }
-    if constexpr (FC_DQ_END_READ) bulk_wait_group_read<0>(); else bulk_wait_group<0>();
+    bulk_wait_group<0>();
   }
 }
 
@@ -859,23 +700,6 @@ struct Consumer {
   float dq[kDqSwap ? kBlockM / 2 : 32];  // this consumer's 64 x 64 dQ tile (FC_DQ_SWAP: 64 x
                                         // kBlockM of dQ^T)
   uint32_t k_rows, v_rows;         // shared address of this warpgroup's 64 K / V rows (chunk 0)
-  uint32_t vis[2];                 // (FC_MASK_BITS, masked steps) rows g, g + 8: visible columns
-
-  // FC_MASK_BITS: the step's visible-column bits of this lane's two key rows key0, key0 + 8
-  // (query columns col0 + 8j + c): key r sees queries r - shift - right .. r - shift + left, and
-  // none when r >= seqlen_k (Mask::visible).
-  __device__ __forceinline__ void set_visible(const Mask& mask, int key0, int col0) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = key0 + 8 * hh;
-      const int lo = r - mask.shift() - mask.window_right;
-      const int hi = r < mask.seqlen_k ? r - mask.shift() + mask.window_left + 1 : lo;
-      vis[hh] = fragment_bits<kBlockM / 8>(lo - col0, hi - col0);
-    }
-  }
-  __device__ __forceinline__ bool hidden(int j, int e) const {
-    return !((vis[e >> 1] >> (2 * j + (e & 1))) & 1u);
-  }
 
   __device__ __forceinline__ void init(const Smem& sm, int wg_key0) {
     k_rows = sm.k() + wg_key0 * 128;  // 64-row offsets stay 1024-byte aligned
@@ -957,27 +781,6 @@ struct Consumer {
     wgmma_commit();
   }
 
-  // FC_DKV_TMA: this warpgroup's 64 rows of dK or dV times `scale`, 16-bit, into `rows` (its 64
-  // rows of K's or V's tile, chunk 0; kChunks chunks kKVChunkBytes apart) as TMA laid K / V out
-  // (16-byte unit u of row r at u ^ (r % 8)): one stmatrix.x4 per two 8-column blocks j, j + 1,
-  // matrix f = rows 16 warp + 8 (f & 1) .., block j + (f >> 1) — registers acc[4 j ..] in the
-  // stmatrix layout (row g, columns 2t, 2t + 1). Lane l gives row l % 8 of matrix l / 8.
-  __device__ __forceinline__ static void stage_kv_grad(uint32_t rows,
-                                                       const float (&acc)[kHeadDim / 2],
-                                                       float scale, int warp, int lane) {
-    const int f = lane >> 3;
-    const int r = 16 * warp + 8 * (f & 1) + (lane & 7);
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; j += 2) {
-      const int jj = j + (f >> 1);
-      const uint32_t unit = static_cast<uint32_t>((jj % 8) ^ (r % 8));
-      const float* a = &acc[4 * j];
-      stmatrix_x4(rows + (jj / 8) * kKVChunkBytes + r * 128 + unit * 16,
-                  pack2<T>(a[0] * scale, a[1] * scale), pack2<T>(a[2] * scale, a[3] * scale),
-                  pack2<T>(a[4] * scale, a[5] * scale), pack2<T>(a[6] * scale, a[7] * scale));
-    }
-  }
-
   // The A registers of in-flight wgmmas belong to the tensor cores until they drain.
   __device__ __forceinline__ void hold_fragments() {
     hold_p();
@@ -996,19 +799,6 @@ struct Consumer {
       for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(ds16[kk][r])::"memory");
   }
 
-  // This lane's lse2 / delta pair of column block j from `p` (the stage's array at this lane's
-  // first column): query order, one 8-byte load; FC_STAT_LANES, one 16-byte load per block
-  // pair (2k, 2k + 1) into `held`, at block 2k or at the loop's first block kJ0.
-  template <int kJ0>
-  __device__ __forceinline__ static float2 stat_pair(const float* p, int j, float4& held) {
-    if constexpr (kStatLanes) {
-      if (j == kJ0 || (j & 1) == 0) held = *reinterpret_cast<const float4*>(p + 16 * (j >> 1));
-      return (j & 1) ? make_float2(held.z, held.w) : make_float2(held.x, held.y);
-    } else {
-      return *reinterpret_cast<const float2*>(p + 8 * j);
-    }
-  }
-
   // P^T = exp2(S^T * scale_log2 - lse2[query]); with kMasked, 0 where the key is hidden from the
   // query. `lse2`: the stage's lse2 (shared) at this lane's column 2t; `key0`: key of row g;
   // `col0`: query of column 2t. (Loading lse2 / delta into registers while the step's wgmmas
@@ -1017,17 +807,14 @@ struct Consumer {
   template <bool kMasked, int kJ0 = 0, int kJ1 = kBlockM / 8>
   __device__ __forceinline__ void probs(const float* lse2, float scale_log2, const Mask& mask,
                                         int key0, int col0) {
-    float4 held_l2;  // (FC_STAT_LANES: the pair of blocks 2k and 2k + 1)
 #pragma unroll
     for (int j = kJ0; j < kJ1; ++j) {
-      const float2 l2 = stat_pair<kJ0>(lse2, j, held_l2);
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x));
         float p = probs_on_fma(j) ? exp2_fma(x) : fast_exp2(x);
-        if (kMasked && (kBitsInProbs ? hidden(j, e)
-                                  : !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1))))
-          p = 0.f;
+        if (kMasked && !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1))) p = 0.f;
         s[4 * j + e] = p;
       }
     }
@@ -1037,42 +824,16 @@ struct Consumer {
   // `delta`: the stage's delta (shared) at this lane's column 2t.
   template <bool kMasked, int kJ0 = 0, int kJ1 = kBlockM / 8>
   __device__ __forceinline__ void dsoftmax(const float* delta) {
-    float4 held_dl;  // (FC_STAT_LANES: the pair of blocks 2k and 2k + 1)
 #pragma unroll
     for (int j = kJ0; j < kJ1; ++j) {
-      const float2 dl = stat_pair<kJ0>(delta, j, held_dl);
+      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
 #if !defined(FC_DS_SELECT) || FC_DS_SELECT  // (diagnostic 0: no select; NaN then leaks)
-        if (kMasked && (kBitsInDs ? hidden(j, e) : s[4 * j + e] == 0.f)) ds = 0.f;
+        if (kMasked && s[4 * j + e] == 0.f) ds = 0.f;
 #endif
         dp[4 * j + e] = ds;
-      }
-    }
-  }
-
-  // FC_MASKED_FUSED: blocks [kJ0, kBlockM / 8) of a masked step's P^T and dS^T together, one
-  // visibility test per element selecting both to 0 (as probs<true> and dsoftmax<true>).
-  template <int kJ0>
-  __device__ __forceinline__ void probs_ds_masked(const float* lse2, const float* delta,
-                                                  float scale_log2, const Mask& mask, int key0,
-                                                  int col0) {
-    float4 held_l2, held_dl;  // (FC_STAT_LANES: the pairs of blocks 2k and 2k + 1)
-#pragma unroll
-    for (int j = kJ0; j < kBlockM / 8; ++j) {
-      const float2 l2 = stat_pair<kJ0>(lse2, j, held_l2);
-      const float2 dl = stat_pair<kJ0>(delta, j, held_dl);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x));
-        const float p = probs_on_fma(j) ? exp2_fma(x) : fast_exp2(x);
-        const bool hide = kBitsInProbs
-                              ? hidden(j, e)
-                              : !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1));
-        const float ds = p * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
-        s[4 * j + e] = hide ? 0.f : p;
-        dp[4 * j + e] = hide ? 0.f : ds;
       }
     }
   }
@@ -1264,10 +1025,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_DQ_TMA
                const __grid_constant__ TmaMap map_dq,  // dq_accum as (D, B H Sq_pad) fp32
 #endif
-#if FC_DKV_TMA
-               const __grid_constant__ TmaMap map_dk,  // dk [B, Sk, Hkv, D], K's box
-               const __grid_constant__ TmaMap map_dv,  // dv [B, Sk, Hkv, D]
-#endif
                const float* __restrict__ lse2,         // [B, H, Sq_pad] (PRE)
                const float* __restrict__ delta,        // [B, H, Sq_pad] (PRE)
                float* __restrict__ dq_accum,           // [B, H, Sq_pad, D] (PRE zeroed it)
@@ -1311,7 +1068,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #elif FC_WAVE_SPLIT == 3
   const BlockCoord blk = tail_grid_coord(blockIdx.x, blockIdx.y, nheads_kv);
 #else
-  const BlockCoord blk = cta_coord<FC_LPT_TAIL>(nheads_kv);
+  const BlockCoord blk = block_coord<FC_LPT_TAIL>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x,
+                                                 gridDim.y, gridDim.z);
 #endif
   const int n0 = blk.key_block * kBlockN, head_kv = blk.head_kv, batch = blk.batch;
   const Steps steps(mask, n0, nheads, nheads_kv);
@@ -1330,14 +1088,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_DQ_TMA
     tma_prefetch(map_dq);
 #endif
-#if FC_DKV_TMA
-    tma_prefetch(map_dk);
-    tma_prefetch(map_dv);
-#endif
-#if FC_EARLY_LOADS
-    produce<true>(sm, steps, n0, head_kv, batch, map_q, map_k, map_v, map_do, lse2, delta,
-                  nheads, seqlen_q_pad, step0, count);
-#endif
   }
   __syncthreads();
 
@@ -1352,7 +1102,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       timeline_mark(timeline, kTlFirstTma);
 #endif
       produce(sm, steps, n0, head_kv, batch, map_q, map_k, map_v, map_do, lse2, delta, nheads,
-              seqlen_q_pad, step0, count, FC_EARLY_LOADS);
+              seqlen_q_pad, step0, count);
 #if FC_TIMELINE
       timeline_mark(timeline, kTlProduced);
 #endif
@@ -1388,7 +1138,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   cs.init(sm, wg_key0);
   // also when there are no steps: no TMA may outlive the CTA
   wait(sm.kv_full(), 0, stuck);
-  if constexpr (FC_PDL) griddepcontrol_wait();  // (their own dQ reductions: dq_accum by PRE)
 #if FC_TIMELINE
   if (threadIdx.x == 128) timeline_mark(timeline, kTlKv);
   if (own_steps(steps, count) > 0) {  // step 0's stage: the loop's wait then passes
@@ -1401,25 +1150,20 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   float late[32];              // ... and its red.v4 payload
 #endif
 
-#if FC_STEP_COUNTERS
-  // (step0 + it) / n_m and (step0 + it) % n_m of step it
+  // The step's (query head, query block) by two counters: (step0 + it) / n_m and (step0 + it) %
+  // n_m of step it (Steps::head / m0 divide by the runtime n_m: a 32-bit division per step).
 #if FC_WAVE_SPLIT == 2
   int step_g = step0 / steps.n_m, step_mi = step0 % steps.n_m;  // (a piece has steps: n_m > 0)
 #else
   int step_g = 0, step_mi = 0;
 #endif
-#endif
   for (int it = 0; it < own_steps(steps, count); ++it) {  // (step step0 + it of the item)
     const int st = stage_of(it);
-#if FC_STEP_COUNTERS
     const int h = head_kv * steps.group + step_g, m0 = (steps.m_first + step_mi) * kBlockM;
     if (++step_mi == steps.n_m) {
       step_mi = 0;
       ++step_g;
     }
-#else
-    const int h = steps.head(step0 + it, head_kv), m0 = steps.m0(step0 + it);
-#endif
     [[maybe_unused]] const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
 
     wait(sm.full(st), parity_of(it), stuck);
@@ -1439,20 +1183,15 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_fence_operands(cs.dp);
     wgmma_fence();
 #endif
-    if constexpr (kSplitLoads) {  // dP^T's operands: V (once) and the stage's dO + delta
-      if (it == 0) wait(sm.v_full(), 0, stuck);
-      wait(sm.dfull(st), parity_of(it), stuck);
-    }
     cs.issue_transposed_scores(cs.dp, cs.v_rows, sm.dout(st));
 
-    const float* st_lse2 = sm.lse2_ptr(st) + (kStatLanes ? 4 : 2) * t;  // this lane's columns
-    const float* st_delta = sm.delta_ptr(st) + (kStatLanes ? 4 : 2) * t;
+    const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's columns
+    const float* st_delta = sm.delta_ptr(st) + 2 * t;
 #if defined(FC_FORCE_MASKED)  // (diagnostic A/B: 1 every step masked, 0 none: wrong with a mask)
     const bool masked = FC_FORCE_MASKED;
 #else
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + wg_key0, 64);
 #endif
-    if (kBitsInProbs && masked) cs.set_visible(mask, n0 + key_row, m0 + 2 * t);
     wgmma_wait<1>();
     wgmma_fence_operands(cs.s);
     if (masked) {
@@ -1463,20 +1202,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_wait<0>();
     wgmma_fence_operands(cs.dp);
     // (FC_PROBS_EARLY: the rest of P^T here, beside dS^T of the first blocks)
-    if (kMaskBits && masked) {  // the bits again rather than live across the wait (d64 spilled)
-      int key0 = n0 + key_row;
-      asm volatile("" : "+r"(key0));  // (a new value to ptxas: no reuse of the first bits)
-      cs.set_visible(mask, key0, m0 + 2 * t);
-    }
     if (masked) {
-#if FC_MASKED_FUSED
-      cs.dsoftmax<true, 0, kProbsEarly>(st_delta);
-      cs.probs_ds_masked<kProbsEarly>(st_lse2, st_delta, scale_log2, mask, n0 + key_row,
-                                      m0 + 2 * t);
-#else
       cs.probs<true, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
       cs.dsoftmax<true>(st_delta);
-#endif
     } else {
       cs.probs<false, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
       cs.dsoftmax<false>(st_delta);
@@ -1642,49 +1370,13 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   const bool wrong = kWatchdog && stuck;
   const float v_scale = wrong ? __int_as_float(0x7fc00000) : 1.f;
   const float k_scale = softmax_scale * v_scale;
-#if FC_DKV_TMA == 2
-  // Each consumer its own 64 rows (the host's dk / dv maps have 64-row boxes): first dV, into
-  // its own rows of V's tile, which only its own dP^T GEMMs read (done: the loop ended after a
-  // wgmma_wait<0>), stored by its first thread while its warps stage dK; dK once both
-  // consumers' dQ GEMMs (they read all of K) are done. Barriers 3 and 4: each consumer's own.
-  // (stage this consumer's rows of `acc` at `rows`, then its first thread stores them from
-  // `tile`, the tensor's whole shared tile, through `map`)
-  const auto stage_and_store = [&](uint32_t rows, const float(&acc)[kHeadDim / 2], float scale,
-                                   uint32_t tile, const TmaMap& map) {
-    Consumer::stage_kv_grad(rows, acc, scale, warp, lane);
-    fence_proxy_async();  // the generic stores before the tensor store's (async-proxy) reads
-    named_barrier_sync(3 + c, 128);
-    if ((threadIdx.x & 127) == 0) {
-#pragma unroll
-      for (int ch = 0; ch < kChunks; ++ch)
-        tma_store_4d(map, tile + ch * kKVChunkBytes + wg_key0 * 128, ch * kChunkCols,
-                     n0 + wg_key0, head_kv, batch);
-      bulk_commit_group();
-    }
-  };
-  stage_and_store(cs.v_rows, cs.dv, v_scale, sm.v(), map_dv);
-  named_barrier_sync(2, 128 * kConsumers);
-  stage_and_store(cs.k_rows, cs.dk, k_scale, sm.k(), map_dk);
-  if ((threadIdx.x & 127) == 0)
-    bulk_wait_group_read<0>();  // TMA has read both tiles: the CTA's shared memory may go
-#elif FC_DKV_TMA
-  // Both consumers' last GEMMs are done (each loop ends after a wgmma_wait<0>), the dQ ones read
-  // all of K: then K's and V's tiles take dK and dV, and one thread stores the block's 128 rows.
-  named_barrier_sync(2, 128 * kConsumers);
-  Consumer::stage_kv_grad(cs.k_rows, cs.dk, k_scale, warp, lane);
-  Consumer::stage_kv_grad(cs.v_rows, cs.dv, v_scale, warp, lane);
-  fence_proxy_async();  // the generic stores before the tensor stores' (async-proxy) reads
-  named_barrier_sync(2, 128 * kConsumers);
-  if (threadIdx.x == 128) {
-#pragma unroll
-    for (int ch = 0; ch < kChunks; ++ch) {
-      tma_store_4d(map_dk, sm.k() + ch * kKVChunkBytes, ch * kChunkCols, n0, head_kv, batch);
-      tma_store_4d(map_dv, sm.v() + ch * kKVChunkBytes, ch * kChunkCols, n0, head_kv, batch);
-    }
-    bulk_commit_group();
-    bulk_wait_group_read<0>();  // TMA has read the tiles: the CTA's shared memory may go
-  }
-#elif FC_DKV_QUAD
+  // 16-byte stores: the four lanes of a quad hold one key row, each two columns of every
+  // 8-column chunk (the accumulator layout); they transpose their packed words among themselves
+  // (quad_transpose, common/sm90.cuh), so each lane then holds a whole chunk and one st.global.v4
+  // writes it (a quarter of the 4-byte stores, every 32-byte sector written whole: +0.4 to +8.6%
+  // at 1k-4k against them, session 13). (FA3 / FA4's epilogue — stmatrix into K's / V's tiles,
+  // then tensor stores, also per consumer with dV first — measured 1-4% slower here, sessions
+  // 34 / 37: the time is the 64 KB leaving the SM, not the instructions. Removed in session 39.)
   // (store_row_v4's transposes, written out for dK and dV together: the measured SASS)
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -1709,25 +1401,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       }
     }
   }
-#else
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int key = n0 + key_row + 8 * hh;
-    if (key < seqlen_k) {
-      uint32_t* k_dst = reinterpret_cast<uint32_t*>(dk + batch * dk_sb + key * dk_ss +
-                                                    head_kv * dk_sh + 2 * t);
-      uint32_t* v_dst = reinterpret_cast<uint32_t*>(dv + batch * dv_sb + key * dv_ss +
-                                                    head_kv * dv_sh + 2 * t);
-#pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
-        const float* kk = &cs.dk[4 * j + 2 * hh];
-        const float* vv = &cs.dv[4 * j + 2 * hh];
-        k_dst[4 * j] = pack2<T>(kk[0] * k_scale, kk[1] * k_scale);
-        v_dst[4 * j] = pack2<T>(vv[0] * v_scale, vv[1] * v_scale);
-      }
-    }
-  }
-#endif
 #if FC_TIMELINE
   timeline_close(timeline, c, own_steps(steps, count));
 #endif
