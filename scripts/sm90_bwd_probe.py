@@ -3,7 +3,7 @@ own timeout): prints, per case, the error map of a gradient by 8-row x 8-column 
 'X' wrong, 'n' NaN / unwritten), and a few structural hints (transposed, wrong scale, only one
 consumer's keys). Used while bringing up flash_bwd_sm90.cu.
 
-    FLASHCUDA_ENABLE_SM90_BWD=1 timeout 60 python scripts/sm90_bwd_probe.py CASE [head_dim] [ds]
+    FLASHCUDA_ENABLE_SM90_BWD=1 timeout 60 python scripts/sm90_bwd_probe.py CASE [head_dim]
 
 CASE:
     dv     Q = 0 (uniform P): dV = column mean of dO     -> S^T / P^T fragments, dO MN-major
@@ -11,7 +11,8 @@ CASE:
     dq     K = identity rows: dQ = scale * dS            -> dS store layout, dQ descriptors
     tile   random, one query block: dq, dk, dv
     steps  random, 7 query blocks, causal: dq, dk, dv    -> ring stages, phases, dS double buffer
-ds: mn (default: dS stored [key][query], read with transposed A) or k ([query][key], K-major).
+(dS stored [key][query], read with transposed A: the 64 / 128-query kernels' layout; the
+[query][key] one of the 80-query dQ^T kernel runs with FLASHCUDA_SM90_BWD_SWAP=1 at d128.)
 The watchdog variant runs unless FLASHCUDA_SM90_BWD_WATCHDOG=0: a barrier wait that gives up
 after 2 s leaves NaN in dK / dV (printed as 'n' blocks) instead of hanging.
 """
@@ -81,8 +82,6 @@ def report(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 def main() -> None:
     case = sys.argv[1] if len(sys.argv) > 1 else "tile"
     d = int(sys.argv[2]) if len(sys.argv) > 2 else 128
-    if len(sys.argv) > 3:
-        os.environ[bwd_sm90.DS_ENV] = sys.argv[3]
     bm = bwd_sm90.BLOCK_M[d]
     dt = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(1)

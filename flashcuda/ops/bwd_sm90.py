@@ -2,8 +2,7 @@
 warpgroup and two consumer warpgroups with setmaxnreg), fp16/bf16, head dims 64 and 128,
 non-deterministic dQ.
 
-Status: proven on the H200 (tests/gpu/test_bwd_sm90.py against the float64 oracle, both dS
-layouts; records in docs/EVIDENCE.md); dispatch prefers it on compute capability 9.0:
+Status: proven on the H200 (tests/gpu/test_bwd_sm90.py against the float64 oracle; records in docs/EVIDENCE.md); dispatch prefers it on compute capability 9.0:
 bwd_sm90 > bwd_sm80 > bwd_simt. FLASHCUDA_ENABLE_SM90_BWD=0 turns it off; deterministic=True
 goes to bwd_sm80 (this family reduces dQ with atomics).
 
@@ -14,50 +13,35 @@ dq_accum * softmax_scale) kernels, unchanged, around this family's MAIN kernel
 `Sm90BwdConfig` is the single source of truth of a specialisation: tiles, stages, register split,
 shared memory (the .cu static_asserts the same layout), the name, the defines.
 
-    head dim   block_m (queries) x block_n (keys), stages   smem      consumers x registers
-    64         128 x 128, 2                                 163 KB    2 x 240 (FA3's d64 tiles)
-    128        64 x 128, 2                                  162 KB    2 x 240 (FA3's d128 tiles)
-    128        80 x 128, 2 (no mask, Sq >= 2048: dq_swap)   226 KB    2 x 240 (FA3's, dQ^T)
-(+ 36 KB, 199 / 198 KB, for the dQ staging tiles of FLASHCUDA_SM90_BWD_DQ=bulk; + 36 / 34 KB,
-199 / 196 KB, for the staging tile of warp and warpflat; + 32 KB, 195 / 194 KB, for tma's and
-frag's, the defaults; the consumers of warp / warpflat / tma get 232, except tma and frag at
-d128: 240.)
-FLASHCUDA_SM90_BWD_DS=k stores dS [query][key] instead of [key][query] (bring-up A/B, see the .cu);
-FLASHCUDA_SM90_BWD_WATCHDOG=1 runs the variant whose mbarrier waits trap (a launch failure) instead
-of hanging (bring-up). The dQ reduction into dq_accum (FLASHCUDA_SM90_BWD_DQ): red.v2 (8-byte
-atomics), red.v4 (16-byte, after a lane-pair shuffle), row-wise cp.reduce.async.bulk from a
-shared staging tile by the consumers (bulk; measured slower, kept for A/B), or FA3's split: the
-consumers store the step's dQ tile to shared memory and a warp of the producer warpgroup
-reduces it: with bulk reduce-adds, one per staging row (warp: +11-14% over red.v4 at d128,
-21-28% slower than red.v2 at d64), or, with unpadded staging rows, one per step at the price of
-4-way bank conflicts in the consumers' stores (warpflat: +7-11% over red.v2 at d64, 2-3% behind
-warp at d128), or (tma, the default at d64 since session 10: +1.5-2.8% over warp at d128,
-+2.0-2.9% over warpflat at d64, same-run A/B) from a staging tile laid out as kHeadDim / 32
-boxes of 128B-swizzled fp32 rows with kHeadDim / 32 tensor-map reductions per step into dq_accum
-seen as a 2-D (head dim, B H Sq_pad) fp32 tensor (map_dq, a fifth tensor map; 2-way store
-conflicts), or (frag, the default at d128 since session 12: +0.2-6.5% over tma) from one 16 KB
-tile per consumer in its registers' order, each with its own hand-off and one bulk reduce-add
-into a dq_accum laid out in that order (CONVERT reads it back).
-The order of a step's GEMMs (FLASHCUDA_SM90_BWD_DQ_EARLY): FA3's, the default with the default
-dQ reduction since session 10 — dV, dS^T to shared memory and the consumers' barrier, dQ, dK,
-then the dQ epilogue once dV and dQ are done (wgmma_wait<1>) while the tensor cores still run dK
-(+3.7-4.3% at d128 16k, +0.4-1.8% at d64, same-run A/B); =0 the previous order (dV + dK, dS^T,
-barrier, dQ, wait for all, then the epilogue), =1 FA3's with an A/B reduction too.
-FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step, after its S^T wgmmas
-(implies red.v4; measured 1-2% slower). FLASHCUDA_SM90_BWD_STAGES=3 deepens the Q / dO ring (no
-gain measured; not with warp / warpflat / bulk).
-The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512, the whole
-pool the CTA gets at launch (168 registers per thread at 384 threads: setmaxnreg.inc only takes
-what a setmaxnreg.dec gave back, so a split over the pool hangs the consumers at their inc).
-FLASHCUDA_SM90_BWD_DQ=warp / warpflat / tma, whose dQ writer lives in the producer warpgroup,
-need 32 there (24 spill at d64): 128 * 32 + 256 * 232 = 63488 — except tma at d128, whose
-one-lane writer fits in 24 (no spills), so its consumers keep 240 (+1.3-3.3% over 232 at d128,
-same-run A/B, session 11). Kernel defines (FLASHCUDA_SM90_BWD_DEFINES, "FC_NAME=VALUE" joined by
-"," or "+") override any of these for an A/B, e.g. FC_PRODUCER_REGS=32+FC_CONSUMER_REGS=232.
+    head dim   block_m (queries) x block_n (keys), stages   smem      producer / consumers
+    64         128 x 128, 2                                 195 KB    32 / 2 x 232 (FA3's tiles)
+    128        64 x 128, 2                                  194 KB    24 / 2 x 240 (FA3's tiles)
+    128        80 x 128, 2 (no mask, Sq >= 2048: dq_swap)   226 KB    24 / 2 x 240 (FA3's, dQ^T)
+
+A step's GEMMs in FA3's order: dV, dS^T to shared memory and the consumers' barrier, dQ, dK,
+then the dQ tile staged in shared memory once dV and dQ are done (wgmma_wait<1>) while the
+tensor cores still run dK; warp 1 of the producer warpgroup reduces it into dq_accum (FA3's
+split). The staging (FLASHCUDA_SM90_BWD_DQ): tma (the default at d64 since session 10) — a tile
+laid out as kHeadDim / 32 boxes of 128B-swizzled fp32 rows, kHeadDim / 32 tensor-map reductions
+per step into dq_accum seen as a 2-D (head dim, B H Sq_pad) fp32 tensor (map_dq, a fifth tensor
+map); or frag (the default at d128 since session 12: +0.2-6.5% over tma) — one 16 KB tile per
+consumer in its registers' order, each with its own hand-off and one bulk reduce-add into a
+dq_accum laid out in that order (CONVERT reads it back). Tried and removed in session 39 (perf-
+notes has the measurements): the consumers' own red.v2 / red.v4 / row-wise bulk reductions, the
+writer's padded and flat staging, a step's red.v4 issued a step late, the previous GEMM order, a
+third Q / dO stage, and dS stored [query][key] outside dq_swap.
+FLASHCUDA_SM90_BWD_WATCHDOG=1 runs the variant whose mbarrier waits give up after 2 s (NaN in
+dK / dV) instead of hanging (bring-up).
+The producer warpgroup keeps 24 registers per thread at d128: 128 * 24 + 256 * 240 = 64512, the
+whole pool the CTA gets at launch (168 registers per thread at 384 threads: setmaxnreg.inc only
+takes what a setmaxnreg.dec gave back, so a split over the pool hangs the consumers at their
+inc); at d64 the dQ writer in the producer warpgroup needs 32 (24 spill): 128 * 32 + 256 * 232
+= 63488. Kernel defines (FLASHCUDA_SM90_BWD_DEFINES, "FC_NAME=VALUE" joined by "," or "+")
+override any of these for an A/B, e.g. FC_PRODUCER_REGS=32+FC_CONSUMER_REGS=232.
 `timeline` (FC_TIMELINE; run_timeline, scripts/sm90_bwd_timeline.py) builds a profiling variant
 of MAIN that writes per CTA %globaltimer at entry, K / V arrival, first and last step and exit
 (+ %smid, steps, block index) into a buffer; never dispatched.
-The schedule (FC_WAVE_SPLIT, session 38): at d64 a call without a mask whose last-wave items
+The schedule (FC_WAVE_SPLIT, session 38):The schedule (FC_WAVE_SPLIT, session 38): at d64 a call without a mask whose last-wave items
 have WAVE_MIN_STEPS steps runs those items as pieces in a second launch of the same source,
 MAIN's programmatic dependent, their dK / dV summed in fp32 (wave_split.py; +1.6 to +2.1% at
 2k-16k); a causal call of LPT_LAUNCH_BLOCKS key blocks runs its first LPT_LAUNCH_PAIRS pairs as
@@ -98,28 +82,17 @@ ARCHS = ("sm_90a",)
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD"
-DS_ENV = "FLASHCUDA_SM90_BWD_DS"
 WATCHDOG_ENV = "FLASHCUDA_SM90_BWD_WATCHDOG"
-# v2: red.v2, v4: red.v4, bulk: bulk reductions by the consumers, warp: by a producer warp (A/B)
+# the dQ staging (tma / frag; A/B of the other one)
 DQ_ENV = "FLASHCUDA_SM90_BWD_DQ"
-# The dQ reduction per head dim, by measurement (docs/perf-notes.md, "dQ reductions measured"):
-# red.v4 wins 2-14% over red.v2 at d128 and loses 3-4% at d64 from 4k; the bulk reductions by
-# the consumers win at neither; FA3's split (warp) wins 11-14% over red.v4 at d128 and loses
-# 21-28% to red.v2 at d64 (session 6, same-run A/B).
-# Session 10: the tensor-map reduction (tma) at both, +1.5-2.9% at every point of a same-run A/B.
-# Session 12: at d128 the per-consumer register-order staging (frag), same-run A/B against tma:
-# +0.2-6.5% at all six d128 points (+4.4-6.5% from 4k non-causal and at 16k causal).
+# The dQ staging per head dim, by measurement (docs/perf-notes.md, "dQ reductions measured"):
+# session 10, the tensor-map reduction (tma) +1.5-2.9% at every point of a same-run A/B against
+# the writer warp's row reductions; session 12, at d128 the per-consumer register-order staging
+# (frag), same-run A/B against tma: +0.2-6.5% at all six d128 points (+4.4-6.5% from 4k
+# non-causal and at 16k causal).
 DQ_DEFAULT = {64: "tma", 128: "frag"}
-DQ_MODES = ("v2", "v4", "bulk", "warp", "warpflat", "tma", "frag")
+DQ_MODES = ("tma", "frag")
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0 / 1: without / with the release fence (A/B)
-# 1: a step's red.v4 issued at the next step, after its S^T wgmmas (implies v4; A/B, see the .cu)
-DQ_LATE_ENV = "FLASHCUDA_SM90_BWD_DQ_LATE"
-# Q / dO ring depth (2: FA3's; 3: one more step of loads in flight, + 32 KB; A/B)
-STAGES_ENV = "FLASHCUDA_SM90_BWD_STAGES"
-# FA3's GEMM order in a step (dV | dS -> shared | dQ, dK; the dQ epilogue beside dK): the default
-# with the default dQ reduction since session 10 (+0.4-4.3%, +3.7-4.3% at d128 16k, same-run
-# A/B); 0 restores the previous order (dV + dK | dS -> shared | dQ; A/B), 1 forces it elsewhere
-DQ_EARLY_ENV = "FLASHCUDA_SM90_BWD_DQ_EARLY"
 DEFINES_ENV = "FLASHCUDA_SM90_BWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob, as forward)
 # CONVERT of the frag layout reads whole 64-byte spans and writes dq through shared memory
 # (FC_DQ_SPANS, session 15: kernel times put our CONVERT at 72 us against FA4's 49 at d128
@@ -131,7 +104,7 @@ CONVERT_SPANS_ENV = "FLASHCUDA_SM90_BWD_CONVERT_SPANS"
 # -6.6% at 512 (ceil(Sq / 80) steps: 9% of the last step's rows are padding there).
 # FLASHCUDA_SM90_BWD_SWAP=0 / 1 turns it off / on (on: at any length, as far as SWAP_HEAD_DIMS
 # allow). By default only with the 64-query kernel's default settings (is_default_kernel): an A/B
-# of them (DQ, DS, STAGES, DQ_EARLY, DQ_LATE set away from the default) keeps 64 queries.
+# of them (DQ set away from the default) keeps 64 queries.
 SWAP_ENV = "FLASHCUDA_SM90_BWD_SWAP"
 # The last-wave split (FC_WAVE_SPLIT, the .cu; wave_split.py): the last wave's work items run as
 # pieces of their steps in a second kernel, MAIN's programmatic dependent, at these head dims;
@@ -160,7 +133,6 @@ SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T 
 SWAP_DIMS = (128,)
 SWAP_MIN_SEQLEN_Q = 2048
 SWAP_BLOCK_M = 80
-STAGES3_DQ = {64: "v2", 128: "v4"}  # the dQ mode of the three-stage A/B (and its default there)
 GATED = f"bwd_sm90 is turned off ({ENABLE_ENV}=0)"
 BARRIER_BYTES = 8
 BLOCK_M = {64: 128, 128: 64}  # query rows per step, per head dim (FA3's tiles)
@@ -207,7 +179,6 @@ DESC_ADD64_DIMS = (64,)
 # (same process, session 19; off there since session 21, GPU lane at c3108c4 with it off).
 # GUARANTEES §1 gives why the order holds without it.
 FENCE_DIMS = ()
-DQ_STAGE_BYTES = 64 * 72 * 4  # one consumer's padded fp32 dQ staging tile (dq_bulk, see the .cu)
 # FC_TIMELINE: uint64 words per CTA in the timeline buffer (kTimelineWords) and what each holds
 # (the .cu's kTl* indices; scripts/sm90_bwd_timeline.py decodes them)
 TIMELINE_WORDS = 12
@@ -225,29 +196,25 @@ class Sm90BwdConfig:
     block_m: int = 0  # 0: BLOCK_M[head_dim]
     block_n: int = 128
     stages: int = 2
-    # 0: 24 / 240; 32 / 232 with dq_warp (its writer warp's loop needs them) except dq_tma at
-    # d128, whose writer fits in 24 (no spills; +1.3-3.3% bwd at d128 from the consumers' 8 more
-    # registers, same-run A/B, session 11); the split is bounded by the pool at launch
-    # (register_pool)
+    # 0: 24 / 240 at d128, 32 / 232 at d64 (the dQ writer warp's loop needs 32 there; d128's fits
+    # in 24, no spills: +1.3-3.3% bwd at d128 from the consumers' 8 more registers, same-run A/B,
+    # session 11); the split is bounded by the pool at launch (register_pool)
     producer_regs: int = 0
     consumer_regs: int = 0
-    ds_k_major: bool = False  # dS stored [query][key] (the fallback layout, see the .cu)
-    watchdog: bool = False  # mbarrier waits trap after ~2^28 polls (bring-up)
+    # dS stored [query][key] (FC_DS_K_MAJOR; with dq_swap, and only there: swapped() sets both)
+    ds_k_major: bool = False
+    watchdog: bool = False  # mbarrier waits give up after 2 s (bring-up; see the .cu)
     # fence.proxy.async before a stage's release (see the .cu); None: on at FENCE_DIMS
     release_fence: bool | None = None
-    dq_v4: bool = False  # dQ reductions as 16-byte red.v4 after a lane-pair shuffle (A/B)
-    dq_bulk: bool = False  # dQ by row-wise bulk reductions from shared staging tiles (A/B)
-    dq_late: bool = False  # a step's red.v4 after the next step's S^T issue (needs dq_v4; A/B)
-    dq_warp: bool = False  # dQ staged in shared memory, reduced by a producer warp (FA3; A/B)
-    dq_warp_flat: bool = False  # dq_warp with unpadded rows, one bulk reduction per step (A/B)
-    dq_tma: bool = False  # dq_warp from 128B-swizzled boxes through a tensor map of dq_accum (A/B)
+    # the dQ staging, exactly one of the two (neither given: DQ_DEFAULT[head_dim]'s): dq_tma from
+    # 128B-swizzled boxes through a tensor map of dq_accum (FC_DQ_TMA); dq_frag from per-consumer
+    # tiles in register order, one bulk reduce-add per consumer, into dq_accum in that order
+    # (FC_DQ_FRAG)
+    dq_tma: bool = False
     # dq_tma's staging stores in the order whose half-warps cover 8 chunks (FC_DQ_SPREAD, see the
     # .cu); None: on at the head dims of SPREAD_DIMS
     dq_spread: bool | None = None
-    # dq_warp from per-consumer tiles in register order, one bulk reduce-add per consumer, into
-    # dq_accum in that order (FC_DQ_FRAG; the default at d128 since session 12, DQ_DEFAULT)
     dq_frag: bool = False
-    dq_early: bool = False  # FA3's GEMM order: dQ before dK, the dQ epilogue beside dK
     # dQ^T = K^T dS^T per consumer (FC_DQ_SWAP: block_m 80 at d128, dq_frag's staging of dQ^T,
     # dS stored [query][key] by stmatrix.trans; CONVERT's FC_DQ_FRAG_T reader; see the .cu)
     dq_swap: bool = False
@@ -259,7 +226,7 @@ class Sm90BwdConfig:
     # .cu's exp2_fma); select_config sets PROBS_EMU's with PROBS_EARLY's
     probs_emu: int = 0
     # dS^T stored by stmatrix.x4 (FC_DS_STMATRIX; the kernel applies it with the [key][query]
-    # layout in FA3's order only); None: on at the head dims of STMATRIX_DIMS there
+    # layout only); None: on at the head dims of STMATRIX_DIMS there
     ds_stmatrix: bool | None = None
     # wgmma descriptors advanced by one 64-bit add (FC_DESC_ADVANCE=2; the default 1 adds to the
     # low word); None: on at the head dims of DESC_ADD64_DIMS (the name marks only a departure
@@ -304,22 +271,22 @@ class Sm90BwdConfig:
             object.__setattr__(self, "release_fence", self.head_dim in FENCE_DIMS)
         if self.desc_add64 is None:
             object.__setattr__(self, "desc_add64", self.head_dim in DESC_ADD64_DIMS)
+        if not self.dq_tma and not self.dq_frag:
+            object.__setattr__(self, f"dq_{DQ_DEFAULT[self.head_dim]}", True)
+        if self.dq_tma and self.dq_frag:
+            raise ValueError("Sm90BwdConfig.dq_tma / dq_frag: expected one dQ staging, got both")
         if self.dq_spread is None:
             object.__setattr__(self, "dq_spread", self.dq_tma and self.head_dim in SPREAD_DIMS)
         if self.ds_stmatrix is None:
             object.__setattr__(self, "ds_stmatrix", self.head_dim in STMATRIX_DIMS
-                               and self.dq_early and not self.ds_k_major)
-        if self.ds_stmatrix and (self.ds_k_major or not self.dq_early):
-            raise ValueError("Sm90BwdConfig.ds_stmatrix: expected False with ds_k_major or "
-                             "without dq_early (stmatrix stores the [key][query] layout in "
-                             "FA3's order)")
-        if self.dq_frag and not (self.dq_warp and not self.dq_warp_flat and not self.dq_tma):
-            raise ValueError("Sm90BwdConfig.dq_frag: expected it as a form of dq_warp (without "
-                             "dq_warp_flat and dq_tma)")
+                               and not self.ds_k_major)
+        if self.ds_stmatrix and self.ds_k_major:
+            raise ValueError("Sm90BwdConfig.ds_stmatrix: expected False with ds_k_major "
+                             "(stmatrix stores the [key][query] layout)")
         if self.dq_spread and not self.dq_tma:
             raise ValueError("Sm90BwdConfig.dq_spread: expected False without dq_tma (it orders "
                              "the tensor-map staging stores)")
-        wide = not self.dq_warp or ((self.dq_tma or self.dq_frag) and self.head_dim == 128)
+        wide = self.head_dim == 128  # (d64's dQ writer warp needs 32 registers)
         if self.producer_regs == 0:
             object.__setattr__(self, "producer_regs", 24 if wide else 32)
         if self.consumer_regs == 0:
@@ -327,33 +294,18 @@ class Sm90BwdConfig:
         if self.block_n != 128:
             raise ValueError(f"Sm90BwdConfig.block_n: expected 128 (two consumer warpgroups of "
                              f"64 keys), got {self.block_n}")
+        if self.ds_k_major != self.dq_swap:
+            raise ValueError("Sm90BwdConfig.ds_k_major: expected it with dq_swap and only there "
+                             "(the [query][key] dS layout is dq_swap's)")
         if self.dq_swap:
-            if not (self.dq_frag and self.ds_k_major and self.dq_early
-                    and self.head_dim in SWAP_HEAD_DIMS and self.block_m == SWAP_BLOCK_M):
-                raise ValueError(f"Sm90BwdConfig.dq_swap: expected dq_frag, ds_k_major, dq_early, "
-                                 f"head dim in {SWAP_HEAD_DIMS} and block_m {SWAP_BLOCK_M}, "
-                                 f"got {self}")
+            if not (self.dq_frag and self.head_dim in SWAP_HEAD_DIMS
+                    and self.block_m == SWAP_BLOCK_M):
+                raise ValueError(f"Sm90BwdConfig.dq_swap: expected dq_frag, head dim in "
+                                 f"{SWAP_HEAD_DIMS} and block_m {SWAP_BLOCK_M}, got {self}")
         elif self.block_m not in (64, 128) or self.block_m * self.head_dim != 64 * 64 * 2:
             raise ValueError(f"Sm90BwdConfig.block_m: expected block_m * head_dim = 8192 (one "
                              f"64 x 64 dQ tile per consumer), got {self.block_m} at "
                              f"d{self.head_dim}")
-        if self.dq_v4 and self.dq_bulk:
-            raise ValueError("Sm90BwdConfig.dq_bulk: expected False when dq_v4 is True (one dQ "
-                             "reduction mode), got True")
-        if self.dq_warp and (self.dq_v4 or self.dq_bulk or self.dq_late):
-            raise ValueError("Sm90BwdConfig.dq_warp: expected False with another dQ mode "
-                             "(dq_v4 / dq_bulk / dq_late), got True")
-        if self.dq_warp_flat and not self.dq_warp:
-            raise ValueError("Sm90BwdConfig.dq_warp_flat: expected False unless dq_warp, got True")
-        if self.dq_tma and (not self.dq_warp or self.dq_warp_flat):
-            raise ValueError("Sm90BwdConfig.dq_tma: expected False unless dq_warp without "
-                             "dq_warp_flat, got True")
-        if self.dq_early and self.dq_late:
-            raise ValueError("Sm90BwdConfig.dq_early: expected False with dq_late (a late "
-                             "reduction leaves its step), got True")
-        if self.dq_late and not self.dq_v4:
-            raise ValueError("Sm90BwdConfig.dq_late: expected False unless dq_v4 (late "
-                             "reductions are red.v4 ones), got True")
         if self.stages < 1:
             raise ValueError(f"Sm90BwdConfig.stages: expected >= 1, got {self.stages}")
         if self.wave_split not in (0, 1, 2, 3):
@@ -397,19 +349,12 @@ class Sm90BwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """1024 B alignment slack + K + V + stages x (Q + dO + lse2 + delta) + 2 x dS
-        (+ a dQ staging tile per consumer with dq_bulk) + the mbarriers (as the .cu lays out)."""
-        barriers = 1 + 2 * self.stages
+        """1024 B alignment slack + K + V + stages x (Q + dO + lse2 + delta) + 2 x dS + the step's
+        fp32 dQ staging tile + the mbarriers (kv_full, full / empty per stage, dq_full / dq_empty:
+        one pair per consumer with dq_frag), as the .cu lays them out."""
+        barriers = 1 + 2 * self.stages + 2 * (self.consumers if self.dq_frag else 1)
         stats = 2 * self.block_m * 4
-        if self.dq_bulk:
-            staging = self.consumers * DQ_STAGE_BYTES
-        elif self.dq_warp:  # the whole step tile, rows padded by 8 floats (flat: not); dq_full,
-            # dq_empty (one pair per consumer with dq_frag)
-            padded = not (self.dq_warp_flat or self.dq_tma or self.dq_frag)
-            staging = self.block_m * (self.head_dim + (8 if padded else 0)) * 4
-            barriers += 2 * (self.consumers if self.dq_frag else 1)
-        else:
-            staging = 0
+        staging = self.block_m * self.head_dim * 4
         return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
                 + 2 * self.ds_bytes + staging + BARRIER_BYTES * barriers)
 
@@ -418,12 +363,12 @@ class Sm90BwdConfig:
         return (f"flash_bwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + ("_dsk" if self.ds_k_major else "") + ("_wd" if self.watchdog else "")
-                + ("" if self.release_fence else "_nofence") + ("_dq4" if self.dq_v4 else "")
-                + ("_dqb" if self.dq_bulk else "") + ("_late" if self.dq_late else "")
-                + ("_dqw" if self.dq_warp else "") + ("f" if self.dq_warp_flat else "")
-                + ("t" if self.dq_tma else "") + ("s" if self.dq_spread else "")
+                + ("" if self.release_fence else "_nofence")
+                # ("_dqw", "_early": the writer warp's staging and FA3's GEMM order, the only
+                # forms since session 39; kept in the names the run records use)
+                + "_dqw" + ("t" if self.dq_tma else "") + ("s" if self.dq_spread else "")
                 + ("g" if self.dq_frag else "")
-                + ("_early" if self.dq_early else "") + ("_stm" if self.ds_stmatrix else "")
+                + "_early" + ("_stm" if self.ds_stmatrix else "")
                 + ("_swap" if self.dq_swap else "")
                 + ("" if self.desc_add64 == (self.head_dim in DESC_ADD64_DIMS)
                    else f"_da{2 if self.desc_add64 else 1}")
@@ -447,16 +392,9 @@ class Sm90BwdConfig:
             "FC_DS_K_MAJOR": int(self.ds_k_major),
             "FC_WATCHDOG": int(self.watchdog),
             "FC_RELEASE_FENCE": int(self.release_fence),
-            "FC_DQ_V4": int(self.dq_v4),
-            "FC_DQ_BULK": int(self.dq_bulk),
-            "FC_DQ_LATE": int(self.dq_late),
-            "FC_DQ_WARP": int(self.dq_warp),
+            **({"FC_DQ_TMA": 1} if self.dq_tma else {"FC_DQ_FRAG": 1}),
             # only when set: the other kernels keep the specs (and cache keys) they had
-            **({"FC_DQ_WARP_FLAT": 1} if self.dq_warp_flat else {}),
-            **({"FC_DQ_TMA": 1} if self.dq_tma else {}),
             **({"FC_DQ_SPREAD": 1} if self.dq_spread else {}),
-            **({"FC_DQ_FRAG": 1} if self.dq_frag else {}),
-            **({"FC_DQ_EARLY": 1} if self.dq_early else {}),
             **({"FC_DS_STMATRIX": 1} if self.ds_stmatrix else {}),
             **({"FC_DQ_SWAP": 1} if self.dq_swap else {}),
             **({"FC_DESC_ADVANCE": 2} if self.desc_add64 else {}),
@@ -498,37 +436,22 @@ class Sm90BwdConfig:
 
 
 def _dq_mode(dq: str) -> dict[str, bool]:
-    return {"dq_v4": dq == "v4", "dq_bulk": dq == "bulk",
-            "dq_warp": dq in ("warp", "warpflat", "tma", "frag"),
-            "dq_warp_flat": dq == "warpflat", "dq_tma": dq == "tma", "dq_frag": dq == "frag"}
+    return {"dq_tma": dq == "tma", "dq_frag": dq == "frag"}
 
 
 def configs() -> list[Sm90BwdConfig]:
     """Every specialisation dispatch or an A/B switch can pick (the CPU lane compiles them all):
-    per dtype and head dim, the default dQ reduction with both dS layouts, with and without the
-    watchdog, and with the release fence flipped from its head dim's default; the other two dQ reductions; the late reductions."""
+    per dtype and head dim, the default dQ staging with and without the watchdog and with the
+    release fence flipped from its head dim's default, and the other staging; the 80-query dQ^T
+    forms; the P^T split defaults; the timeline variants, the causal tail, the last-wave split."""
     out = []
     for dtype in DTYPES:
         for d in HEAD_DIMS:
-            default = {**_dq_mode(DQ_DEFAULT[d]), "dq_early": True}
-            # (the [query][key] dS layout keeps the previous order: with it and the watchdog,
-            # FA3's order spills 16 bytes at d64)
-            out += [Sm90BwdConfig(dtype, d, ds_k_major=k, watchdog=w,
-                                  **{**default, "dq_early": not k})
-                    for w in (False, True) for k in (False, True)]
-            out.append(Sm90BwdConfig(dtype, d, release_fence=d not in FENCE_DIMS, **default))
-            out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq))
-                    for dq in DQ_MODES if dq not in (DQ_DEFAULT[d], "frag")]
-            out.append(Sm90BwdConfig(dtype, d, dq_late=True, **_dq_mode("v4")))
-            # the tensor-map and the per-consumer register-order staging in FA3's order where
-            # they are not the default (A/B; frag at FRAG_DIMS only)
-            out += [Sm90BwdConfig(dtype, d, dq_early=True, **_dq_mode(dq))
-                    for dq in ("tma", "frag")
+            out += [Sm90BwdConfig(dtype, d, watchdog=w) for w in (False, True)]
+            out.append(Sm90BwdConfig(dtype, d, release_fence=d not in FENCE_DIMS))
+            # the staging that is not the head dim's default (A/B; frag at FRAG_DIMS only)
+            out += [Sm90BwdConfig(dtype, d, **_dq_mode(dq)) for dq in DQ_MODES
                     if dq != DQ_DEFAULT[d] and (dq != "frag" or d in FRAG_DIMS)]
-            # the default reduction in the previous GEMM order (FLASHCUDA_SM90_BWD_DQ_EARLY=0)
-            out.append(Sm90BwdConfig(dtype, d, **_dq_mode(DQ_DEFAULT[d])))
-            # (with red.v4 at d128: the warp split's staging tile and a third stage do not fit)
-            out.append(Sm90BwdConfig(dtype, d, stages=3, **_dq_mode(STAGES3_DQ[d])))
     # 80-query steps with dQ^T (calls without a mask, SWAP_DIMS / FLASHCUDA_SM90_BWD_SWAP), with
     # and without the watchdog
     out += [swapped(Sm90BwdConfig(dtype, d, watchdog=w)) for dtype in DTYPES
@@ -537,29 +460,25 @@ def configs() -> list[Sm90BwdConfig]:
     # 80-query dQ^T forms
     for dtype in DTYPES:
         for d, k in PROBS_EARLY.items():
-            split = Sm90BwdConfig(dtype, d, dq_early=True, probs_early=k,
-                                  probs_emu=PROBS_EMU.get(d, 0), **_dq_mode(DQ_DEFAULT[d]))
+            split = Sm90BwdConfig(dtype, d, probs_early=k, probs_emu=PROBS_EMU.get(d, 0))
             out.append(split)
             if d in SWAP_HEAD_DIMS:
                 out.append(swapped(split))
     # the timeline variants of the bf16 defaults (scripts/sm90_bwd_timeline.py)
-    out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True,
-                          probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
-                          **_dq_mode(DQ_DEFAULT[d]))
+    out += [Sm90BwdConfig(torch.bfloat16, d, timeline=True, probs_early=PROBS_EARLY.get(d),
+                          probs_emu=PROBS_EMU.get(d, 0))
             for d in HEAD_DIMS]
     # causal calls' longest-first tail (LPT_TAIL; dispatched), and its timeline variant
-    out += [Sm90BwdConfig(dtype, d, dq_early=True, lpt_tail=k, probs_early=PROBS_EARLY.get(d),
-                          probs_emu=PROBS_EMU.get(d, 0), **_dq_mode(DQ_DEFAULT[d]))
+    out += [Sm90BwdConfig(dtype, d, lpt_tail=k, probs_early=PROBS_EARLY.get(d),
+                          probs_emu=PROBS_EMU.get(d, 0))
             for dtype in DTYPES for d, k in LPT_TAIL.items()]
-    out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True, lpt_tail=k,
-                          probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
-                          **_dq_mode(DQ_DEFAULT[d]))
+    out += [Sm90BwdConfig(torch.bfloat16, d, timeline=True, lpt_tail=k,
+                          probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0))
             for d, k in LPT_TAIL.items()]
     # the last-wave split's pieces with the timeline (scripts/sm90_bwd_timeline.py; its MAIN's
     # timeline variant, built on first use, spills 8 bytes at d64: not listed here)
-    out += [Sm90BwdConfig(torch.bfloat16, d, dq_early=True, timeline=True, wave_split=2,
-                          probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0),
-                          **_dq_mode(DQ_DEFAULT[d]))
+    out += [Sm90BwdConfig(torch.bfloat16, d, timeline=True, wave_split=2,
+                          probs_early=PROBS_EARLY.get(d), probs_emu=PROBS_EMU.get(d, 0))
             for d in HEAD_DIMS]
     # the last-wave split's MAIN, pieces and tail-grid kernels (FC_WAVE_SPLIT; WAVE_SPLIT_DIMS /
     # LPT_LAUNCH_DIMS and their switches) of the bf16 defaults with the P^T split in blockIdx
@@ -571,59 +490,22 @@ def configs() -> list[Sm90BwdConfig]:
 
 
 def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
-    """FA3's tiles; FLASHCUDA_SM90_BWD_DS=k picks the [query][key] dS layout (bring-up A/B:
-    it reads dS K-major, a descriptor kind the forward proved, instead of transposed A);
-    FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits trap instead of hanging;
-    FLASHCUDA_SM90_BWD_DQ=v2 / v4 / bulk / warp / warpflat / tma / frag (FRAG_DIMS only) the dQ
-    reduction mode (default DQ_DEFAULT);
-    FLASHCUDA_SM90_BWD_DQ_EARLY=0 / 1 the previous / FA3's GEMM order (default: FA3's with the
-    default dQ reduction, the previous with the others);
-    FLASHCUDA_SM90_BWD_DQ_LATE=1 issues a step's red.v4 at the next step (with DQ=v4 or unset:
-    it implies v4); FLASHCUDA_SM90_BWD_STAGES=2 / 3 the Q / dO ring depth (3: with red.v2 /
-    red.v4 only, default STAGES3_DQ)."""
-    raw = os.environ.get(DS_ENV, "").strip().lower()
-    if raw not in ("", "mn", "k"):
-        raise ValueError(f"{DS_ENV}: expected mn or k, got {raw!r}")
+    """FA3's tiles; FLASHCUDA_SM90_BWD_DQ=tma / frag (FRAG_DIMS only) the dQ staging (default
+    DQ_DEFAULT); FLASHCUDA_SM90_BWD_WATCHDOG=1 the variant whose mbarrier waits give up instead
+    of hanging; FLASHCUDA_SM90_BWD_FENCE=0 / 1 the release fence (default FENCE_DIMS);
+    FLASHCUDA_SM90_BWD_DEFINES extra kernel defines (A/B)."""
     watchdog = os.environ.get(WATCHDOG_ENV, "").strip() == "1"
     fence = os.environ.get(FENCE_ENV, "").strip()
     if fence not in ("", "0", "1"):
         raise ValueError(f"{FENCE_ENV}: expected 0 or 1, got {fence!r}")
-    stages = os.environ.get(STAGES_ENV, "").strip() or "2"
-    if stages not in ("2", "3"):
-        raise ValueError(f"{STAGES_ENV}: expected 2 or 3, got {stages!r}")
-    default_dq = (STAGES3_DQ if stages == "3" else DQ_DEFAULT).get(head_dim, "v2")
-    dq = os.environ.get(DQ_ENV, "").strip().lower() or default_dq
+    dq = os.environ.get(DQ_ENV, "").strip().lower() or DQ_DEFAULT[head_dim]
     if dq not in DQ_MODES:
         raise ValueError(f"{DQ_ENV}: expected one of {', '.join(DQ_MODES)}, got {dq!r}")
-    early = os.environ.get(DQ_EARLY_ENV, "").strip()
-    if early not in ("", "0", "1"):
-        raise ValueError(f"{DQ_EARLY_ENV}: expected 0 or 1, got {early!r}")
-    late = os.environ.get(DQ_LATE_ENV, "").strip()
-    if late not in ("", "0", "1"):
-        raise ValueError(f"{DQ_LATE_ENV}: expected 0 or 1, got {late!r}")
-    if late == "1":
-        explicit = os.environ.get(DQ_ENV, "").strip().lower()
-        if explicit not in ("", "v4"):
-            raise ValueError(f"{DQ_LATE_ENV}=1: late reductions are red.v4 ones; expected "
-                             f"{DQ_ENV}=v4 or unset, got {explicit}")
-        dq = "v4"
     if dq == "frag" and head_dim not in FRAG_DIMS:
         raise ValueError(f"{DQ_ENV}=frag: head dim {head_dim} is not one of {FRAG_DIMS} (its "
                          f"consumers spill there); expected another {DQ_ENV} or unset")
-    if stages == "3" and dq in ("warp", "warpflat", "tma", "bulk", "frag"):
-        raise ValueError(f"{STAGES_ENV}=3: a third Q / dO stage and the dQ staging tiles of "
-                         f"{DQ_ENV}={dq} do not fit in shared memory; expected {DQ_ENV}=v2 / v4 "
-                         f"or unset")
-    if early == "1" and late == "1":
-        raise ValueError(f"{DQ_EARLY_ENV}=1 and {DQ_LATE_ENV}=1: expected at most one of them")
-    # FA3's GEMM order: on by default with the default dQ reduction in the default dS layout (the
-    # measured kernel) and with tma / frag (the two staging forms measured in it), off with the
-    # other A/B reductions and layout unless asked for
-    dq_early = (early == "1" if early
-                else dq in (DQ_DEFAULT.get(head_dim), "tma", "frag") and raw != "k")
-    cfg = Sm90BwdConfig(dtype, head_dim, ds_k_major=raw == "k", watchdog=watchdog,
-                        release_fence=None if not fence else fence == "1", dq_late=late == "1",
-                        stages=int(stages), dq_early=dq_early,
+    cfg = Sm90BwdConfig(dtype, head_dim, watchdog=watchdog,
+                        release_fence=None if not fence else fence == "1",
                         defines=parse_defines(DEFINES_ENV), **_dq_mode(dq))
     # PROBS_EARLY / PROBS_EMU only in the kernel the measurements and the GPU tests ran (neither
     # the watchdog build nor a fence set by hand), however its settings were reached
@@ -634,13 +516,12 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
 
 
 def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
-    """Whether `cfg` is its head dim's default 64 / 128-query kernel — the dQ mode, dS layout,
-    stages and GEMM order select_config gives with none of their switches set (or set to their
-    defaults) — up to the watchdog, the release fence, extra defines, the P^T split and its exp2s
-    on the FMA pipe, the causal tail and the timeline. The 80-query dQ^T form and the P^T split
+    """Whether `cfg` is its head dim's default 64 / 128-query kernel — the dQ staging
+    select_config gives with FLASHCUDA_SM90_BWD_DQ unset (or set to the default) — up to the
+    watchdog, the release fence, extra defines, the P^T split and its exp2s on the FMA pipe, the
+    causal tail, the timeline and the last-wave split. The 80-query dQ^T form and the P^T split
     are made of this kernel only."""
-    plain = Sm90BwdConfig(cfg.dtype, cfg.head_dim, dq_early=True,
-                          **_dq_mode(DQ_DEFAULT[cfg.head_dim]))
+    plain = Sm90BwdConfig(cfg.dtype, cfg.head_dim)
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
                                probs_early=None, probs_emu=0, lpt_tail=0, timeline=False,
                                wave_split=0) == plain
@@ -648,13 +529,13 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
     """`cfg` at 80-query steps with dQ^T = K^T dS^T (FC_DQ_SWAP): the register-order dQ staging,
-    dS stored [query][key], FA3's GEMM order; the watchdog, fence, P^T split (FC_PROBS_EARLY)
-    and extra defines kept."""
+    dS stored [query][key]; the watchdog, fence, P^T split (FC_PROBS_EARLY) and extra defines
+    kept."""
     split = cfg.probs_early if cfg.probs_early != cfg.block_m // 8 else None
     return Sm90BwdConfig(cfg.dtype, cfg.head_dim, block_m=SWAP_BLOCK_M, ds_k_major=True,
                          watchdog=cfg.watchdog, release_fence=cfg.release_fence,
-                         dq_early=True, dq_swap=True, defines=cfg.defines, probs_early=split,
-                         probs_emu=cfg.probs_emu, **_dq_mode("frag"))
+                         dq_swap=True, defines=cfg.defines, probs_early=split,
+                         probs_emu=cfg.probs_emu, dq_frag=True)
 
 
 def swap_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
@@ -895,8 +776,8 @@ class _Plan:
     tail_main: bool = False
 
 
-_KEY_ENV = env_names(ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DQ_LATE_ENV,
-                    STAGES_ENV, DQ_EARLY_ENV, DEFINES_ENV, CONVERT_SPANS_ENV, SWAP_ENV,
+_KEY_ENV = env_names(ENABLE_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DEFINES_ENV,
+                    CONVERT_SPANS_ENV, SWAP_ENV,
                     WAVE_SPLIT_ENV, WAVE_SMS_ENV, WAVE_PDL_ENV, LPT_LAUNCH_ENV)
 
 

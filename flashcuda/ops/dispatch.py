@@ -115,10 +115,8 @@ def _dispatch(call: FwdCall | BwdCall, direction: str) -> str:
 # the switches any family's can_implement reads (part of the plan key)
 _KEY_ENV = env_names(FORCE_ENV, "FLASHCUDA_ENABLE_SM90", "FLASHCUDA_ENABLE_SM90_BWD",
                      "FLASHCUDA_ENABLE_SM90_BWD_WIDE",
-                     "FLASHCUDA_SM90_BWD_DS", "FLASHCUDA_SM90_BWD_WATCHDOG",
-                     "FLASHCUDA_SM90_BWD_FENCE", "FLASHCUDA_SM90_BWD_DQ",
-                     "FLASHCUDA_SM90_BWD_DQ_LATE", "FLASHCUDA_SM90_BWD_STAGES",
-                     "FLASHCUDA_SM90_BWD_DQ_EARLY", "FLASHCUDA_SM90_BWD_DEFINES",
+                     "FLASHCUDA_SM90_BWD_WATCHDOG", "FLASHCUDA_SM90_BWD_FENCE",
+                     "FLASHCUDA_SM90_BWD_DQ", "FLASHCUDA_SM90_BWD_DEFINES",
                      "FLASHCUDA_BWD_SM80_CONFIG")
 
 

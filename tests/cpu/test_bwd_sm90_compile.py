@@ -1,8 +1,8 @@
 """The sm90a backward family on the CPU lane: every variant compiles for sm_90a with no spills and
 no ptxas warnings or performance-loss lines; when cuobjdump (+ nvdisasm) is at hand, the SASS has
 the expected HGMMA mix (SS for S^T / dP^T, RS with a transposed B for dV / dK, SS with transposed
-operands for dQ), TMA and bulk loads, vector fp32 reductions (or bulk reductions with dq_bulk),
-and the kernel's parameter offsets equal what runtime.pack_args produces. Plus the config and the
+operands for dQ), TMA and bulk loads, the dQ writer's tensor-map or bulk reductions, and the
+kernel's parameter offsets equal what runtime.pack_args produces. Plus the config and the
 can_implement gate.
 
 cuobjdump / nvdisasm: as tests/cpu/sm90_compile.py finds them; without them the SASS checks skip,
@@ -24,7 +24,6 @@ from flashcuda.jit.tensor_map import TensorMap
 from flashcuda.ops import bwd_sm90, dispatch, wave_split
 from flashcuda.ops.bwd_sm90 import (
     DQ_ENV,
-    DS_ENV,
     ENABLE_ENV,
     GATED,
     WATCHDOG_ENV,
@@ -85,18 +84,12 @@ def test_sm90_bwd_sass_uses_wgmma(builds, cfg, tmp_path):
     assert "USETMAXREG" in sass
     if cfg.wave_split == 2:  # (the pieces' dK / dV sums: test_wave_split_main_keeps_the_...)
         sass = "\n".join(line for line in sass.splitlines() if "REDG.E.ADD.F32x4" not in line)
-    if cfg.dq_bulk:  # one row reduction per lane 0..15 of each warp, no per-thread ones
-        assert len(re.findall(r"UBLKRED\.G\.S\.ADD\.F32", sass)) == 1
-        assert "REDG.E.ADD" not in sass
-    elif cfg.dq_tma:  # the writer's tensor-map reductions, one per 32-column box
+    if cfg.dq_tma:  # the writer's tensor-map reductions, one per 32-column box
         assert len(re.findall(r"UTMAREDG\.2D\.ADD", sass)) == d // 32
         assert "REDG.E.ADD" not in sass and "UBLKRED" not in sass
-    elif cfg.dq_warp:  # the writer warp's row reductions; the consumers issue none
-        assert re.search(r"UBLKRED\.G\.S\.ADD\.F32", sass)
+    else:  # dq_frag: the writer's bulk reductions (one per consumer); the consumers issue none
+        assert re.search(r"UBLKRED\.G\.S\.ADD\.F32", sass) and "UTMAREDG" not in sass
         assert "REDG.E.ADD" not in sass
-    else:
-        assert ("REDG.E.ADD.F32x4" if cfg.dq_v4 else "REDG.E.ADD.F32x2") in sass
-        assert "UBLKRED" not in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
     # the clock is read by the watchdog's waits and the timeline variant only
     assert ("GLOBALTIMER" in sass) == (cfg.watchdog or cfg.timeline)
@@ -133,7 +126,7 @@ def test_dispatch_order_and_plan_key(monkeypatch):
     on = dispatch._plan_key(call, "bwd")
     monkeypatch.setenv(ENABLE_ENV, "0")
     assert dispatch._plan_key(call, "bwd") != on
-    monkeypatch.setenv(DS_ENV, "k")
+    monkeypatch.setenv(DQ_ENV, "frag")
     assert dispatch._plan_key(call, "bwd") != on
     monkeypatch.setenv(WATCHDOG_ENV, "1")
     assert dispatch._plan_key(call, "bwd") != on
@@ -142,85 +135,62 @@ def test_dispatch_order_and_plan_key(monkeypatch):
 # ---- config --------------------------------------------------------------------------------------
 
 def test_config_is_the_single_source_of_truth():
-    cfg = Sm90BwdConfig(torch.bfloat16, 128)
+    cfg = Sm90BwdConfig(torch.bfloat16, 128)  # d128's default dQ staging (frag), no P^T split
     # (d128 without the release fence: bwd_sm90.FENCE_DIMS, session 19)
-    assert cfg.name == "flash_bwd_sm90_bf16_d128_bm64_bn128_s2_nofence"
+    assert cfg.name == "flash_bwd_sm90_bf16_d128_bm64_bn128_s2_nofence_dqwg_early_stm"
     assert (cfg.block_m, cfg.block_n, cfg.threads, cfg.consumers) == (64, 128, 384, 2)
     kv, q, ds, stats = 128 * 128 * 2, 64 * 128 * 2, 128 * 64 * 2, 2 * 64 * 4
-    assert cfg.smem_bytes == 1024 + 2 * kv + 2 * (2 * q + stats) + 2 * ds + 8 * 5  # 5 barriers
+    staging = 64 * 128 * 4  # the step's fp32 dQ tile
+    # kv_full, full / empty x 2 stages, dq_full / dq_empty per consumer (frag)
+    assert cfg.smem_bytes == 1024 + 2 * kv + 2 * (2 * q + stats) + 2 * ds + staging + 8 * 9
     assert dict(cfg.spec().defines) == {
         "FC_DTYPE": "2", "FC_HEAD_DIM": "128", "FC_BLOCK_M": "64", "FC_BLOCK_N": "128",
         "FC_STAGES": "2", "FC_PRODUCER_REGS": "24", "FC_CONSUMER_REGS": "240",
         "FC_SMEM_BYTES": str(cfg.smem_bytes), "FC_DS_K_MAJOR": "0", "FC_WATCHDOG": "0",
-        "FC_RELEASE_FENCE": "0", "FC_DQ_V4": "0", "FC_DQ_BULK": "0", "FC_DQ_LATE": "0",
-        "FC_DQ_WARP": "0"}
-    d64 = Sm90BwdConfig(torch.float16, 64)
+        "FC_RELEASE_FENCE": "0", "FC_DQ_FRAG": "1", "FC_DS_STMATRIX": "1"}
+    d64 = Sm90BwdConfig(torch.float16, 64)  # d64's default staging (tma, its stores spread)
     # (d64 without the release fence too since session 21)
-    assert d64.block_m == 128 and d64.name == "flash_bwd_sm90_fp16_d64_bm128_bn128_s2_nofence"
-    assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True).name.endswith("_dsk_nofence")
-    assert Sm90BwdConfig(torch.float16, 64, ds_k_major=True, watchdog=True).name.endswith("_dsk_wd_nofence")
+    assert d64.block_m == 128
+    assert d64.name == "flash_bwd_sm90_fp16_d64_bm128_bn128_s2_nofence_dqwts_early_stm"
+    assert Sm90BwdConfig(torch.float16, 64, watchdog=True).name.endswith("_wd_nofence_dqwts_early_stm")
     for c in bwd_sm90.configs():
         # the H100 / H200 opt-in limit per block (cudaDevAttrMaxSharedMemoryPerBlockOptin, 227 KB;
         # smem_bytes holds the 1 KB alignment slack already): the swap kernels' 231752 bytes ran
         # on the H200 (runs/lane-20261202-f32f147)
         assert c.smem_bytes <= 232448, c.name
         assert c.producer_regs * 128 + c.consumer_regs * 128 * c.consumers <= c.register_pool
-    # per dtype and d: dS layout x watchdog and the release fence flipped with the default dQ reduction, + the
-    # other dQ reductions (five), + the late red.v4, + FA3's GEMM order, + the three-stage ring,
-    # + at d128 the tensor-map staging in FA3's order (the default before frag); + the timeline
-    # variants of the bf16 defaults (two); + the causal calls' longest-first tail at d128 (per
-    # dtype, and its bf16 timeline variant); + the 80-query dQ^T kernels (dtype x watchdog); + d64
-    # frag in FA3's order (per dtype); + the defaults with FC_PROBS_EARLY (per dtype: d64, d128 and
-    # its 80-query form); + the last-wave split's MAIN, pieces and causal-tail grid (FC_WAVE_SPLIT
-    # 1 / 2 / 3) of the three bf16 kernels with FC_PROBS_EARLY in blockIdx order (d64, d128, its
-    # 80-query form), and the pieces' two timeline variants
-    assert len({c.name for c in bwd_sm90.configs()}) == 84
-    early = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True)
-    assert early.name.endswith("_early_stm") and dict(early.spec().defines)["FC_DQ_EARLY"] == "1"
-    # the default with and without the watchdog and with the release fence flipped, x 4; + the two
-    # d128 frag kernels (FA3's order is their A/B default); + the two timeline variants; + the
-    # causal d128 defaults (LPT_TAIL: two dtypes and a timeline variant); + the four dQ^T kernels;
-    # + d64 frag (two dtypes); + the defaults with FC_PROBS_EARLY (two dtypes x three); + the
-    # eleven FC_WAVE_SPLIT ones
-    assert sum(c.dq_early for c in bwd_sm90.configs()) == 42
-    assert "FC_DQ_EARLY" not in dict(cfg.spec().defines)
-    with pytest.raises(ValueError, match="dq_early"):
-        Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, dq_late=True, dq_v4=True)
-    tma = Sm90BwdConfig(torch.bfloat16, 128, dq_warp=True, dq_tma=True)
-    assert tma.name.endswith("_dqwt") and dict(tma.spec().defines)["FC_DQ_TMA"] == "1"
-    assert tma.smem_bytes == 1024 + 2 * kv + 2 * (2 * q + stats) + 2 * ds + 64 * 128 * 4 + 8 * 7
-    with pytest.raises(ValueError, match="dq_tma"):
-        Sm90BwdConfig(torch.bfloat16, 128, dq_tma=True)
-    warp = Sm90BwdConfig(torch.bfloat16, 128, dq_warp=True)
-    flat = Sm90BwdConfig(torch.bfloat16, 128, dq_warp=True, dq_warp_flat=True)
-    assert flat.name.endswith("_dqwf") and dict(flat.spec().defines)["FC_DQ_WARP_FLAT"] == "1"
-    assert flat.smem_bytes == cfg.smem_bytes + 64 * 128 * 4 + 2 * 8  # unpadded tile, 2 barriers
-    assert "FC_DQ_WARP_FLAT" not in dict(warp.spec().defines)
-    assert (warp.producer_regs, warp.consumer_regs, warp.register_pool) == (32, 232, 168 * 384)
+        assert c.dq_tma != c.dq_frag and c.ds_k_major == c.dq_swap
+    # per dtype and d: the default staging with and without the watchdog and with the release
+    # fence flipped, and the other staging (4 x 4); + the 80-query dQ^T kernels (dtype x
+    # watchdog); + the defaults with FC_PROBS_EARLY (per dtype: d64, d128 and its 80-query form);
+    # + the timeline variants of the bf16 defaults (two); + the causal calls' longest-first tail
+    # at d128 (per dtype, and its bf16 timeline variant); + the pieces' two timeline variants; +
+    # the last-wave split's MAIN, pieces and causal-tail grid (FC_WAVE_SPLIT 1 / 2 / 3) of the
+    # three bf16 kernels with FC_PROBS_EARLY in blockIdx order (d64, d128, its 80-query form)
+    assert len({c.name for c in bwd_sm90.configs()}) == 16 + 4 + 6 + 2 + 3 + 2 + 9 == 42
+    tma = Sm90BwdConfig(torch.bfloat16, 128, dq_tma=True)
+    assert tma.name.endswith("_dqwt_early_stm") and dict(tma.spec().defines)["FC_DQ_TMA"] == "1"
+    assert "FC_DQ_FRAG" not in dict(tma.spec().defines)
+    assert tma.smem_bytes == cfg.smem_bytes - 2 * 8  # one dq_full / dq_empty pair
     # the tensor-map writer fits in 24 registers at d128 (not at d64: ptxas spills there)
     assert (tma.producer_regs, tma.consumer_regs) == (24, 240)
-    tma64 = Sm90BwdConfig(torch.bfloat16, 64, dq_warp=True, dq_tma=True)
-    assert (tma64.producer_regs, tma64.consumer_regs) == (32, 232)
-    assert warp.name.endswith("_dqw") and dict(warp.spec().defines)["FC_DQ_WARP"] == "1"
-    assert warp.smem_bytes == cfg.smem_bytes + 64 * 136 * 4 + 2 * 8  # the tile, 2 barriers
-    bulk = Sm90BwdConfig(torch.bfloat16, 128, dq_bulk=True)
-    assert bulk.name.endswith("_dqb") and dict(bulk.spec().defines)["FC_DQ_BULK"] == "1"
-    assert bulk.smem_bytes == cfg.smem_bytes + 2 * 64 * 72 * 4  # a padded staging tile per consumer
-
-
-def test_dq_modes_are_exclusive():
-    with pytest.raises(ValueError, match="dq_bulk"):
-        Sm90BwdConfig(torch.bfloat16, 64, dq_v4=True, dq_bulk=True)
+    assert (d64.producer_regs, d64.consumer_regs, d64.register_pool) == (32, 232, 168 * 384)
+    frag64 = Sm90BwdConfig(torch.bfloat16, 64, dq_frag=True)
+    assert frag64.name.endswith("_dqwg_early_stm") and (frag64.producer_regs, frag64.consumer_regs) == (32, 232)
+    with pytest.raises(ValueError, match="dq_tma / dq_frag"):
+        Sm90BwdConfig(torch.bfloat16, 64, dq_tma=True, dq_frag=True)
+    with pytest.raises(ValueError, match="ds_k_major"):
+        Sm90BwdConfig(torch.bfloat16, 64, ds_k_major=True)
 
 
 def test_dq_switch(monkeypatch):
-    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV):
+    for env in (DQ_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV):
         monkeypatch.delenv(env, raising=False)
     # the measured defaults, in FA3's GEMM order: d64 the tensor-map split with its staging
     # stores spread (FC_DQ_SPREAD), d128 the per-consumer register-order staging (frag); both
     # store dS^T by stmatrix (FC_DS_STMATRIX; d128 since session 21)
     d64 = bwd_sm90.select_config(torch.bfloat16, 64)
-    assert d64.dq_warp and d64.dq_tma and d64.dq_spread and d64.dq_early and d64.ds_stmatrix
+    assert d64.dq_tma and d64.dq_spread and d64.ds_stmatrix
     assert dict(d64.spec().defines)["FC_DQ_SPREAD"] == "1"
     assert dict(d64.spec().defines)["FC_DS_STMATRIX"] == "1"
     # + P^T's first 4 column blocks before the dP^T wait (FC_PROBS_EARLY, session 23; d128 since
@@ -230,7 +200,7 @@ def test_dq_switch(monkeypatch):
     assert dict(d64.spec().defines)["FC_PROBS_EARLY"] == "4"
     assert dict(d64.spec().defines)["FC_DESC_ADVANCE"] == "2" and d64.desc_add64
     d128 = bwd_sm90.select_config(torch.bfloat16, 128)
-    assert d128.dq_warp and d128.dq_frag and not d128.dq_tma and d128.dq_early
+    assert d128.dq_frag and not d128.dq_tma
     assert d128.ds_stmatrix and dict(d128.spec().defines)["FC_DS_STMATRIX"] == "1"
     assert d128.name.endswith("_dqwg_early_stm_pe4") and not d128.desc_add64
     assert "FC_DESC_ADVANCE" not in dict(d128.spec().defines)
@@ -238,99 +208,24 @@ def test_dq_switch(monkeypatch):
     assert flipped.name.endswith("_stm_da2_pe4") and dict(flipped.spec().defines)["FC_DESC_ADVANCE"] == "2"
     assert dataclasses.replace(d64, desc_add64=False).name.endswith("_stm_da1_pe4_em2")
     assert d64 in bwd_sm90.configs() and d128 in bwd_sm90.configs()
-    monkeypatch.setenv(DQ_ENV, "warp")  # an A/B reduction keeps the previous order
-    warp = bwd_sm90.select_config(torch.bfloat16, 128)
-    assert warp.dq_warp and not warp.dq_tma and not warp.dq_warp_flat and not warp.dq_early
-    assert warp.name.endswith("_dqw")
-    assert warp in bwd_sm90.configs()
-    monkeypatch.setenv(DQ_ENV, "v2")
-    v2 = bwd_sm90.select_config(torch.bfloat16, 128)
-    assert not v2.dq_v4 and not v2.dq_warp
-    cfg = bwd_sm90.select_config(torch.bfloat16, 64)
-    assert not cfg.dq_v4 and not cfg.dq_bulk and not cfg.dq_warp and cfg in bwd_sm90.configs()
-    monkeypatch.setenv(DQ_ENV, "v4")
-    assert bwd_sm90.select_config(torch.bfloat16, 64).dq_v4
-    monkeypatch.setenv(DQ_ENV, "bulk")
-    cfg = bwd_sm90.select_config(torch.bfloat16, 64)
-    assert cfg.dq_bulk and not cfg.dq_v4 and cfg.name.endswith("_dqb")
-    monkeypatch.setenv(DQ_ENV, "warpflat")
-    for d in (64, 128):
-        flat = bwd_sm90.select_config(torch.bfloat16, d)
-        assert flat.dq_warp and flat.dq_warp_flat and flat.name.endswith("_dqwf")
-        assert flat in bwd_sm90.configs()
-    with pytest.raises(ValueError, match="dq_warp_flat"):
-        Sm90BwdConfig(torch.bfloat16, 64, dq_warp_flat=True)
     monkeypatch.setenv(DQ_ENV, "tma")
     for d in (64, 128):
         tma = bwd_sm90.select_config(torch.bfloat16, d)
-        assert tma.dq_warp and tma.dq_tma and not tma.dq_warp_flat and tma.dq_early
-        # (=tma is d64's default: its kernel, FC_PROBS_EARLY included)
+        assert tma.dq_tma and not tma.dq_frag
+        # (=tma is d64's default: its kernel, FC_PROBS_EARLY included; at d128 an A/B)
         assert tma.name.endswith("_dqwts_early_stm_pe4_em2" if d == 64 else "_dqwt_early_stm")
         assert tma in bwd_sm90.configs()
+    monkeypatch.setenv(DQ_ENV, "frag")
+    for d in (64, 128):
+        frag = bwd_sm90.select_config(torch.bfloat16, d)
+        assert frag.dq_frag and not frag.dq_tma and frag in bwd_sm90.configs()
+        assert frag.name.endswith("_dqwg_early_stm" if d == 64 else "_dqwg_early_stm_pe4")
     with pytest.raises(ValueError, match="dq_spread"):
-        Sm90BwdConfig(torch.bfloat16, 64, dq_spread=True)
-    monkeypatch.setenv(DQ_ENV, "tensor")
-    with pytest.raises(ValueError, match=DQ_ENV):
-        bwd_sm90.select_config(torch.bfloat16, 64)
-
-
-def test_dq_late_switch(monkeypatch):
-    """FLASHCUDA_SM90_BWD_DQ_LATE=1 picks the late red.v4 variant at both head dims (implying
-    v4 where v2 is the default), refuses an explicit v2 / bulk and values other than 0 / 1; the
-    config refuses late without v4; the variant's name and define say so."""
-    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.DQ_LATE_ENV):
-        monkeypatch.delenv(env, raising=False)
-    assert not bwd_sm90.select_config(torch.bfloat16, 128).dq_late
-    monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "1")
-    for d in (64, 128):
-        cfg = bwd_sm90.select_config(torch.bfloat16, d)
-        assert cfg.dq_late and cfg.dq_v4 and cfg.name.endswith("_dq4_late")
-        assert dict(cfg.spec().defines)["FC_DQ_LATE"] == "1"
-        assert cfg in bwd_sm90.configs()  # compiled by the CPU lane
-    monkeypatch.setenv(DQ_ENV, "v4")
-    assert bwd_sm90.select_config(torch.bfloat16, 64).dq_late
-    for bad in ("v2", "bulk"):
-        monkeypatch.setenv(DQ_ENV, bad)
-        with pytest.raises(ValueError, match=bwd_sm90.DQ_LATE_ENV):
-            bwd_sm90.select_config(torch.bfloat16, 128)
-    monkeypatch.delenv(DQ_ENV)
-    monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "yes")
-    with pytest.raises(ValueError, match=bwd_sm90.DQ_LATE_ENV):
-        bwd_sm90.select_config(torch.bfloat16, 128)
-    monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "0")
-    assert not bwd_sm90.select_config(torch.bfloat16, 128).dq_late
-    with pytest.raises(ValueError, match="dq_late"):
-        Sm90BwdConfig(torch.bfloat16, 128, dq_late=True)
-
-
-def test_stages_switch(monkeypatch):
-    """FLASHCUDA_SM90_BWD_STAGES=3 deepens the Q / dO ring at both head dims (32 KB more shared
-    memory, within the 227 KB of a block) with red.v2 / red.v4 (STAGES3_DQ; the dQ staging tiles
-    of warp / bulk do not fit beside it: refused), and refuses other values."""
-    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.DQ_LATE_ENV,
-                bwd_sm90.STAGES_ENV):
-        monkeypatch.delenv(env, raising=False)
-    assert all(bwd_sm90.select_config(torch.bfloat16, d).stages == 2 for d in (64, 128))
-    two = {d: Sm90BwdConfig(torch.bfloat16, d, **bwd_sm90._dq_mode(bwd_sm90.STAGES3_DQ[d]))
-           for d in (64, 128)}
-    monkeypatch.setenv(bwd_sm90.STAGES_ENV, "3")
-    for d in (64, 128):
-        cfg = bwd_sm90.select_config(torch.bfloat16, d)
-        assert cfg.stages == 3 and "_s3" in cfg.name
-        assert (cfg.dq_v4, cfg.dq_late) == (two[d].dq_v4, two[d].dq_late)
-        assert dict(cfg.spec().defines)["FC_STAGES"] == "3"
-        assert cfg.smem_bytes - two[d].smem_bytes == 2 * cfg.q_bytes + 2 * cfg.block_m * 4 + 16
-        assert cfg.smem_bytes <= 227 * 1024
-        assert cfg in bwd_sm90.configs()  # compiled by the CPU lane
-    for dq in ("warp", "bulk"):
-        monkeypatch.setenv(DQ_ENV, dq)
-        with pytest.raises(ValueError, match=bwd_sm90.STAGES_ENV):
-            bwd_sm90.select_config(torch.bfloat16, 128)
-    monkeypatch.delenv(DQ_ENV)
-    for bad in ("1", "4", "two"):
-        monkeypatch.setenv(bwd_sm90.STAGES_ENV, bad)
-        with pytest.raises(ValueError, match=bwd_sm90.STAGES_ENV):
-            bwd_sm90.select_config(torch.bfloat16, 128)
+        Sm90BwdConfig(torch.bfloat16, 64, dq_frag=True, dq_spread=True)
+    for gone in ("v2", "v4", "bulk", "warp", "warpflat", "tensor"):  # (removed in session 39)
+        monkeypatch.setenv(DQ_ENV, gone)
+        with pytest.raises(ValueError, match=DQ_ENV):
+            bwd_sm90.select_config(torch.bfloat16, 64)
 
 
 def test_seqlen_pad_covers_query_blocks_and_pre_blocks():
@@ -359,21 +254,9 @@ def test_config_rejects_bad_shapes(kwargs):
         Sm90BwdConfig(**kwargs)
 
 
-def test_ds_layout_switch(monkeypatch):
-    monkeypatch.delenv(DS_ENV, raising=False)
-    assert not bwd_sm90.select_config(torch.bfloat16, 128).ds_k_major
-    monkeypatch.setenv(DS_ENV, "k")
-    assert bwd_sm90.select_config(torch.bfloat16, 128).ds_k_major
-    monkeypatch.setenv(DS_ENV, "mn")
-    assert not bwd_sm90.select_config(torch.bfloat16, 64).ds_k_major
-    monkeypatch.setenv(DS_ENV, "transposed")
-    with pytest.raises(ValueError, match=DS_ENV):
-        bwd_sm90.select_config(torch.bfloat16, 64)
-
-
 def test_watchdog_switch(monkeypatch):
     monkeypatch.delenv(WATCHDOG_ENV, raising=False)
-    monkeypatch.delenv(DS_ENV, raising=False)
+    monkeypatch.delenv(DQ_ENV, raising=False)
     assert not bwd_sm90.select_config(torch.float16, 128).watchdog
     monkeypatch.setenv(WATCHDOG_ENV, "1")
     cfg = bwd_sm90.select_config(torch.float16, 128)
@@ -442,9 +325,8 @@ def test_plan_key_holds_what_can_implement_reads(monkeypatch):
     for change in ({"window_left": 5}, {"window_right": None}, {"softmax_scale": 0.5},
                    {"deterministic": True}):
         assert bwd_sm90._plan_key(dataclasses.replace(base, **change)) != key, change
-    for env in (ENABLE_ENV, DS_ENV, WATCHDOG_ENV, DQ_ENV, bwd_sm90.FENCE_ENV,
-                bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV, bwd_sm90.SWAP_ENV,
-                bwd_sm90.WAVE_SPLIT_ENV, bwd_sm90.LPT_LAUNCH_ENV):
+    for env in (ENABLE_ENV, WATCHDOG_ENV, DQ_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.DEFINES_ENV,
+                bwd_sm90.SWAP_ENV, bwd_sm90.WAVE_SPLIT_ENV, bwd_sm90.LPT_LAUNCH_ENV):
         monkeypatch.setenv(env, "x")
         assert bwd_sm90._plan_key(base) != key, env
         monkeypatch.delenv(env)
@@ -452,41 +334,11 @@ def test_plan_key_holds_what_can_implement_reads(monkeypatch):
     assert all(-1 in part for part in key if isinstance(part, tuple) and torch.bfloat16 in part)
 
 
-def test_dq_early_switch(monkeypatch):
-    """FA3's GEMM order is the default with the default dQ mode; FLASHCUDA_SM90_BWD_DQ_EARLY=0
-    picks the previous order (a compiled A/B variant), other values and the late reductions beside
-    =1 are refused, and the switch is part of the plan key."""
-    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
-                bwd_sm90.DQ_LATE_ENV):
-        monkeypatch.delenv(env, raising=False)
-    monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "1")
-    for d in (64, 128):
-        cfg = bwd_sm90.select_config(torch.bfloat16, d)
-        assert cfg.dq_early and (cfg.dq_frag if d == 128 else cfg.dq_tma)
-        assert cfg in bwd_sm90.configs()
-    call = _call()
-    on = dispatch._plan_key(call, "bwd")
-    monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "0")  # the previous order, an A/B variant
-    old = bwd_sm90.select_config(torch.bfloat16, 128)
-    assert not old.dq_early and old.dq_frag and old in bwd_sm90.configs()
-    assert dispatch._plan_key(call, "bwd") != on
-    monkeypatch.delenv(bwd_sm90.DQ_EARLY_ENV)
-    assert bwd_sm90.select_config(torch.bfloat16, 64).dq_early  # the default
-    monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "yes")
-    with pytest.raises(ValueError, match=bwd_sm90.DQ_EARLY_ENV):
-        bwd_sm90.select_config(torch.bfloat16, 128)
-    monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "1")
-    monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "1")
-    with pytest.raises(ValueError, match="at most one"):
-        bwd_sm90.select_config(torch.bfloat16, 128)
-
-
 def test_bwd_defines_switch(monkeypatch):
     """FLASHCUDA_SM90_BWD_DEFINES adds kernel defines (an A/B knob such as FC_DESC_ADVANCE=1) to
     the selected config, named by a suffix, as part of the plan key; a malformed value is
     refused naming the variable."""
-    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
-                bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV):
+    for env in (DQ_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.DEFINES_ENV):
         monkeypatch.delenv(env, raising=False)
     call = _call()
     off = dispatch._plan_key(call, "bwd")
@@ -625,20 +477,20 @@ def test_convert_spans_cover_each_frag_block_once():
 
 
 def test_dq_frag_config(monkeypatch):
-    """FLASHCUDA_SM90_BWD_DQ=frag (FC_DQ_FRAG; d128's default since session 12): a form of dq_warp in FA3's order at d128 with the 24 / 240 split, two dq_full / dq_empty pairs,
-    its CONVERT reading the register-order layout; refused at d64 naming the variable."""
-    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
-                bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV):
+    """FLASHCUDA_SM90_BWD_DQ=frag (FC_DQ_FRAG; d128's default since session 12): at d128 the
+    24 / 240 split, two dq_full / dq_empty pairs, its CONVERT reading the register-order
+    layout; at d64 an A/B with 32 / 232."""
+    for env in (DQ_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.DEFINES_ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv(DQ_ENV, "tma")
     base = bwd_sm90.select_config(torch.bfloat16, 128)
-    assert base.dq_tma and base.dq_early  # the previous default, in the same order
+    assert base.dq_tma  # the previous default
     monkeypatch.setenv(DQ_ENV, "frag")
     cfg = bwd_sm90.select_config(torch.bfloat16, 128)
     monkeypatch.delenv(DQ_ENV)
     assert cfg == bwd_sm90.select_config(torch.bfloat16, 128)  # the default at d128
     monkeypatch.setenv(DQ_ENV, "frag")
-    assert cfg.dq_frag and cfg.dq_warp and not cfg.dq_tma and cfg.dq_early and not cfg.dq_spread
+    assert cfg.dq_frag and not cfg.dq_tma and not cfg.dq_spread
     assert cfg.name.endswith("_dqwg_early_stm_pe4") and cfg in bwd_sm90.configs()
     assert dict(cfg.spec().defines)["FC_DQ_FRAG"] == "1"
     assert (cfg.producer_regs, cfg.consumer_regs) == (24, 240)
@@ -652,15 +504,10 @@ def test_dq_frag_config(monkeypatch):
     names = {spec.name for spec, _ in bwd_sm90.variants()}
     assert conv.name in names and pairs.name in names
     d64 = bwd_sm90.select_config(torch.bfloat16, 64)  # an A/B at d64 (session 23)
-    assert d64.dq_frag and d64.dq_early and d64 in bwd_sm90.configs()
+    assert d64.dq_frag and d64 in bwd_sm90.configs()
     assert (d64.producer_regs, d64.consumer_regs) == (32, 232)
     conv64 = d64.aux().convert_spec(d64.block_m)
     assert conv64.name.endswith("_frag128s") and conv64.name in names
-    with pytest.raises(ValueError, match="dq_frag"):
-        Sm90BwdConfig(torch.bfloat16, 128, dq_frag=True)
-    monkeypatch.setenv(bwd_sm90.STAGES_ENV, "3")
-    with pytest.raises(ValueError, match=bwd_sm90.STAGES_ENV):
-        bwd_sm90.select_config(torch.bfloat16, 128)
 
 
 @pytest.mark.parametrize("block_m,head_dim", [(64, 128), (128, 64)])
@@ -718,8 +565,7 @@ def test_dkv_epilogue_builds_clean_with_16_byte_stores(tmp_path):
 
 def _no_epilogue_switches(monkeypatch):
     """config_for's switches unset."""
-    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
-                bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV,
+    for env in (DQ_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.DEFINES_ENV,
                 bwd_sm90.SWAP_ENV):
         monkeypatch.delenv(env, raising=False)
 
@@ -874,7 +720,7 @@ def test_wave_split_switch(monkeypatch):
     for other in ({"lpt_tail": 8}, *_NOT_SCHEDULABLE):
         assert not bwd_sm90.wave_split_for(full, dataclasses.replace(cfg, **other)), other
     # (another dQ mode: not the default kernel, which the split was tested on)
-    assert not bwd_sm90.wave_split_for(full, Sm90BwdConfig(torch.bfloat16, 64))
+    assert not bwd_sm90.wave_split_for(full, Sm90BwdConfig(torch.bfloat16, 64, dq_frag=True))
     monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "10")
     assert bwd_sm90.wave_sms(full) == 10
     plan = bwd_sm90.wave_plan(full, cfg, 10)  # 24 items: 4 besides 2 waves, 2 pieces each
@@ -944,16 +790,14 @@ def test_probs_early_only_in_the_default_kernel(monkeypatch):
     """PROBS_EARLY's split goes to the default kernel of its head dims (the kernel measured and
     GPU-tested with it), however its settings were reached; every A/B of the 64-query kernel, the
     watchdog build and the other head dims keep P^T whole before the dP^T wait."""
-    for env in (DQ_ENV, DS_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.STAGES_ENV,
-                bwd_sm90.DQ_LATE_ENV, bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV):
+    for env in (DQ_ENV, WATCHDOG_ENV, bwd_sm90.FENCE_ENV, bwd_sm90.DEFINES_ENV):
         monkeypatch.delenv(env, raising=False)
     assert bwd_sm90.PROBS_EARLY == {64: 4, 128: 4}
     assert bwd_sm90.select_config(torch.bfloat16, 64).probs_early == 4
     assert bwd_sm90.select_config(torch.bfloat16, 128).probs_early == 4
     monkeypatch.setenv(DQ_ENV, "tma")  # d64's default, named
     assert bwd_sm90.select_config(torch.float16, 64).probs_early == 4
-    for env, value in ((DQ_ENV, "v2"), (DS_ENV, "k"), (WATCHDOG_ENV, "1"), (bwd_sm90.FENCE_ENV, "1"),
-                       (bwd_sm90.STAGES_ENV, "3"), (bwd_sm90.DQ_EARLY_ENV, "0")):
+    for env, value in ((DQ_ENV, "frag"), (WATCHDOG_ENV, "1"), (bwd_sm90.FENCE_ENV, "1")):
         monkeypatch.setenv(env, value)
         cfg = bwd_sm90.select_config(torch.bfloat16, 64)
         assert cfg.probs_early == 128 // 8 and "FC_PROBS_EARLY" not in dict(cfg.spec().defines)
@@ -971,7 +815,7 @@ def test_probs_early_only_in_the_default_kernel(monkeypatch):
         if d in bwd_sm90.SWAP_HEAD_DIMS:
             assert bwd_sm90.swapped(cfg).name in names
             assert bwd_sm90.swapped(cfg).probs_early == bwd_sm90.PROBS_EARLY[d]
-    whole = Sm90BwdConfig(torch.bfloat16, 128, dq_early=True, **bwd_sm90._dq_mode("frag"))
+    whole = Sm90BwdConfig(torch.bfloat16, 128)
     assert bwd_sm90.swapped(whole).probs_early == bwd_sm90.SWAP_BLOCK_M // 8
 
 

@@ -1,10 +1,10 @@
 """The sm90 backward's index arithmetic, emulated lane by lane in float64 on the CPU and compared
 with autograd: the step list (Steps), the mask and tile_needs_mask, the lse2 / delta reads of
-probs / dsoftmax, the dQ tile of each consumer and its red.global.add addresses (or, with
-FC_DQ_BULK, its padded staging-tile stores and row-wise bulk reductions; with FC_DQ_WARP, its
-stores into the step's staging tile and the writer warp's bulk reductions, one per row or, with
-FC_DQ_WARP_FLAT, one per step), the epilogue's dK / dV addresses (FC_DKV_QUAD: the quad
-transpose and 16-byte chunks), bwd_sm80's PRE (Sq_pad rows, +inf for padding) and CONVERT around it. The
+probs / dsoftmax, the dQ tile of each consumer and its staging for the writer warp (FC_DQ_TMA:
+the 128B-swizzled boxes and one tensor-map reduce-add per box; FC_DQ_FRAG: each consumer's tile
+in its registers' order, one bulk reduce-add each, read back by CONVERT's frag_offset), the
+epilogue's dK / dV addresses (the quad transpose and 16-byte chunks), bwd_sm80's PRE (Sq_pad
+rows, +inf for padding) and CONVERT around it. The
 GEMMs are done as matrices (their operand layouts are tests/cpu/test_bwd_sm90_layouts.py's, the
 fragment reuse is the forward's). Every formula below mirrors a line of flash_bwd_sm90.cu.
 """
@@ -51,14 +51,22 @@ def steps(mask, n0, bm, bn, nheads, nheads_kv):  # struct Steps
             for head_kv_h in [it // n_m]]
 
 
-DQ_STAGE_STRIDE = 72  # kDqStageStride: floats per row of a consumer's dQ staging tile
+def dq_swizzled(row, col, bm):
+    """FC_DQ_TMA's staging: the float index of (row, col) of the step's dQ tile (box col / 32 of
+    bm rows x 32 floats, 16-byte chunk ((col % 32) / 4) ^ (row % 8), word col % 4)."""
+    return (col // 32) * bm * 32 + row * 32 + (((col % 32) // 4) ^ (row % 8)) * 4 + col % 4
 
 
-def stage_float(warp, lane, j, h, stride=DQ_STAGE_STRIDE):
-    """Consumer::stage_dq: the staging-tile float index of the float2 lane `lane` of warp `warp`
-    stores for n8 block j and row half h (row 16 warp + g + 8 h, columns 8 j + 2 t, + 1)."""
-    g, t = lane >> 2, lane & 3
-    return (16 * warp + g + 8 * h) * stride + 8 * j + 2 * t
+def frag_offset(row, col, bm, D):
+    """CONVERT's FC_DQ_FRAG_M reader (flash_bwd_sm80.cu): where (row, col) of a (batch, head)
+    slice of dQ lies in the register-order dq_accum."""
+    tiles_m, per_tile = bm // 64, bm * D // 4096
+    r = row % bm
+    rr, cc = r % 64, col % 64
+    c = r // 64 + tiles_m * (col // 64)
+    w = 32 * (rr // 16) + 4 * (rr % 8) + (cc % 8) // 2
+    i = 4 * (cc // 8) + 2 * ((rr % 16) // 8) + cc % 2
+    return ((row // bm) * per_tile + c) * 4096 + 512 * (i // 4) + 4 * w + i % 4
 
 
 def quad_transpose(words):  # common/sm90.cuh: words[q][i] is lane q's a[i]
@@ -73,10 +81,10 @@ def quad_transpose(words):  # common/sm90.cuh: words[q][i] is lane q's a[i]
     return a
 
 
-def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
+def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq):
     B, sq, H, D = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    cfg = Sm90BwdConfig(torch.bfloat16, D)
+    cfg = Sm90BwdConfig(torch.bfloat16, D, **{f"dq_{dq}": True})
     bm, bn = cfg.block_m, cfg.block_n
     sq_pad = cfg.seqlen_pad(sq)
     wl, wr = kernel_windows(sq, sk, wl, wr)
@@ -110,8 +118,6 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
                 kt, vt = rows(k, b, head_kv, n0, bn), rows(v, b, head_kv, n0, bn)
                 dk_acc = np.zeros((bn, D))
                 dv_acc = np.zeros((bn, D))
-                # FC_DQ_BULK: a staging tile per consumer, uninitialised shared memory (NaN)
-                stages = [np.full(64 * DQ_STAGE_STRIDE, np.nan) for _ in range(bn // 64)]
                 for it_head, m0 in steps(mask, n0, bm, bn, H, hkv):
                     h = head_kv * group + it_head
                     bh = b * H + h
@@ -147,78 +153,45 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
                         dv_acc[wg_key0:wg_key0 + 64] += p_t @ dot
                         dk_acc[wg_key0:wg_key0 + 64] += d_t @ qt
                         ds_t[wg_key0:wg_key0 + 64] = d_t
-                    # FC_DQ_WARP: the step's whole dQ tile, rows padded by 8 floats (flat: not);
-                    # shared memory holds the previous step's tile (or garbage): NaN here, so a
-                    # float no consumer stores this step shows up in dq
-                    wstride = D if dq == "warpflat" else D + 8
-                    wtile = np.full(bm * wstride, np.nan)
+                    # the step's dQ staging; shared memory holds the previous step's tile (or
+                    # garbage): NaN here, so a float no consumer stores this step shows up in dq
+                    stage = np.full(bm * D, np.nan)
                     for c in range(bn // 64):
                         tm, td = c % (bm // 64), c // (bm // 64)
-                        stage = stages[c]
-                        writer = [None] * 64  # the warp whose stores filled each staging row
                         dq_tile = (ds_t.T @ kt)[64 * tm:64 * tm + 64, 64 * td:64 * td + 64]
                         for warp in range(4):
-                            # the accumulator fragment of every lane: frag[lane][j][e]
-                            frag = [[[dq_tile[16 * warp + (ln >> 2) + 8 * (e >> 1),
-                                              8 * j + 2 * (ln & 3) + (e & 1)] for e in range(4)]
-                                     for j in range(8)] for ln in range(32)]
                             for lane in range(32):
                                 g, t = lane >> 2, lane & 3
-                                if dq in ("warp", "warpflat"):  # stage_dq at (64 tm, 64 td)
-                                    for j in range(8):
-                                        for h in range(2):
-                                            f = (64 * tm + 16 * warp + g + 8 * h) * wstride \
-                                                + 64 * td + 8 * j + 2 * t
-                                            assert f % 2 == 0, "st.shared.v2 needs 8-byte alignment"
-                                            wtile[f:f + 2] = frag[lane][j][2 * h:2 * h + 2]
+                                # the accumulator fragment: register i of the 64 x 64 tile
+                                regs = [dq_tile[16 * warp + g + 8 * ((i % 4) // 2),
+                                                8 * (i // 4) + 2 * t + i % 2] for i in range(32)]
+                                if dq == "frag":  # stage_dq_frag: float4 k at 512 k + 4 w
+                                    w = 32 * warp + lane
+                                    for i in range(32):
+                                        stage[c * 4096 + 512 * (i // 4) + 4 * w + i % 4] = regs[i]
                                     continue
-                                if dq == "bulk":  # stage_dq: one float2 per (j, h)
-                                    for j in range(8):
-                                        for h in range(2):
-                                            f = stage_float(warp, lane, j, h)
-                                            assert f % 2 == 0, "st.shared.v2 needs 8-byte alignment"
-                                            stage[f:f + 2] = frag[lane][j][2 * h:2 * h + 2]
-                                            writer[f // DQ_STAGE_STRIDE] = warp
-                                    continue
-                                base = (bh * sq_pad + m0 + 64 * tm + 16 * warp + g) * D \
-                                    + 64 * td + 2 * t
-                                for j in range(8):
-                                    c = frag[lane][j]
-                                    if dq == "v4":  # FC_DQ_V4: swap halves with lane ^ 1, one red.v4
-                                        odd = t & 1
-                                        pc, p_odd = frag[lane ^ 1][j], (lane ^ 1) & 1
-                                        x = pc[0] if p_odd else pc[2]  # the partner's shfl value
-                                        y = pc[1] if p_odd else pc[3]
-                                        addr = base + (8 * D - 2 if odd else 0) + 8 * j
-                                        vals = (x, y, c[2], c[3]) if odd else (c[0], c[1], x, y)
-                                        assert addr % 4 == 0, "red.v4 needs 16-byte alignment"
-                                        for i in range(4):
-                                            dq_accum[addr + i] += vals[i]
-                                    else:
-                                        for e in range(4):
-                                            addr = base + 8 * j + (e & 1) + (8 * D if e >> 1 else 0)
-                                            dq_accum[addr] += c[e]
-                            if dq == "bulk":  # this warp: lane l < 16 reduces row 16 warp + l
-                                tile = (bh * sq_pad + m0 + 64 * tm) * D + 64 * td
-                                for lane in range(16):
-                                    r = 16 * warp + lane
-                                    assert writer[r] == warp, "a row another warp stages"
-                                    src, dst = r * DQ_STAGE_STRIDE, tile + r * D
-                                    assert src % 4 == 0 and dst % 4 == 0, "16-byte alignment"
-                                    assert m0 + 64 * tm + r < sq_pad, "a row past dq_accum's"
-                                    dq_accum[dst:dst + 64] += stage[src:src + 64]
-                    if dq in ("warp", "warpflat"):  # write_dq, after dq_full
+                                for j in range(8):  # stage_dq: float2 (j, h) at dq_swizzled
+                                    for h in range(2):
+                                        row = 64 * tm + 16 * warp + g + 8 * h
+                                        col = 64 * td + 8 * j + 2 * t
+                                        f = dq_swizzled(row, col, bm)
+                                        assert f % 2 == 0 and dq_swizzled(row, col + 1, bm) == f + 1
+                                        stage[f:f + 2] = regs[4 * j + 2 * h:4 * j + 2 * h + 2]
+                    # write_dq, after dq_full
+                    assert m0 + bm <= sq_pad, "the step's rows past dq_accum's"
+                    if dq == "frag":  # one bulk reduce-add per consumer's 16 KB tile
+                        tile = ((b * H + h) * (sq_pad // bm) + m0 // bm) * (bn // 64)
+                        for c in range(bn // 64):
+                            dq_accum[(tile + c) * 4096:(tile + c + 1) * 4096] += \
+                                stage[c * 4096:(c + 1) * 4096]
+                    else:  # one tensor-map reduce-add per box: rows row0.., columns 32 bx..
                         row0 = bh * sq_pad + m0
-                        assert m0 + bm <= sq_pad, "the step's rows past dq_accum's"
-                        if dq == "warpflat":  # one bulk reduction of the whole tile
-                            assert (row0 * D) % 4 == 0, "16-byte alignment"
-                            dq_accum[row0 * D:(row0 + bm) * D] += wtile
-                        else:  # one per row
+                        for bx in range(D // 32):
                             for r in range(bm):
-                                src, dst = r * wstride, (row0 + r) * D
-                                assert src % 4 == 0 and dst % 4 == 0, "16-byte alignment"
-                                dq_accum[dst:dst + D] += wtile[src:src + D]
-                # epilogue (FC_DKV_QUAD): per quad (the four lanes t of row g) and row half hh,
+                                for cc in range(32):
+                                    dq_accum[(row0 + r) * D + 32 * bx + cc] += \
+                                        stage[dq_swizzled(r, 32 * bx + cc, bm)]
+                # epilogue (quad_transpose): per quad (the four lanes t of row g) and row half hh,
                 # lane t's word j is its pair at columns 8 j + 2 t; quad_transpose per four
                 # chunks, then lane t stores chunk 4 c4 + t whole (words i: columns + 2 i)
                 for c in range(bn // 64):
@@ -241,8 +214,12 @@ def emulate(q, k, v, out, dout, lse, scale, wl, wr, dq="v2"):
                                                 dk[b, key, head_kv, col] = dk_acc[row, src] * scale
                                                 dv[b, key, head_kv, col] = dv_acc[row, src]
     # CONVERT
-    dq = dq_accum.reshape(B, H, sq_pad, D)[:, :, :sq].transpose(0, 2, 1, 3) * scale
-    return dq, dk, dv
+    if dq == "frag":
+        slices = dq_accum.reshape(B, H, sq_pad * D)
+        at = np.array([[frag_offset(r, col, bm, D) for col in range(D)] for r in range(sq)])
+        return slices[:, :, at].transpose(0, 2, 1, 3) * scale, dk, dv
+    dq_rows = dq_accum.reshape(B, H, sq_pad, D)[:, :, :sq].transpose(0, 2, 1, 3) * scale
+    return dq_rows, dk, dv
 
 
 CASES = [  # B, Sq, Sk, H, Hkv, D, window
@@ -254,8 +231,7 @@ CASES = [  # B, Sq, Sk, H, Hkv, D, window
 ]
 
 
-@pytest.mark.parametrize("dq", ["v2", "v4", "bulk", "warp", "warpflat"],
-                         ids=["red-v2", "red-v4", "bulk", "warp", "warpflat"])
+@pytest.mark.parametrize("dq", ["tma", "frag"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-{c[6]}")
 def test_emulated_kernel_matches_autograd(case, dq):
     B, sq, sk, H, hkv, D, window = case
@@ -272,18 +248,3 @@ def test_emulated_kernel_matches_autograd(case, dq):
         assert not np.isnan(ours).any(), f"{name}: unwritten elements"
         err = np.abs(ours - ref.numpy()).max()
         assert err < 1e-9, f"{name}: {err:.3e}"
-
-
-def test_dq_staging_stores_are_bank_conflict_free():
-    """stage_dq's claim: each half-warp's 64-bit stores (one j, h) cover the 32 banks once with the
-    72-float row stride; the unpadded stride 64 would not."""
-    for stride in (DQ_STAGE_STRIDE, 64):
-        conflict_free = True
-        for warp in range(4):
-            for j in range(8):
-                for h in range(2):
-                    for half in (range(16), range(16, 32)):
-                        banks = sorted((stage_float(warp, lane, j, h, stride) + e) % 32
-                                       for lane in half for e in range(2))
-                        conflict_free &= banks == list(range(32))
-        assert conflict_free == (stride == DQ_STAGE_STRIDE), stride

@@ -1,7 +1,8 @@
-"""The step counters of flash_bwd_sm90.cu's consumers (session 17; the A/B form with a division,
-FC_STEP_COUNTERS=0, removed in session 39): the consumers walk their steps' (query head, query
-block) with two counters instead of a division by the runtime number of query blocks in every
-step. Here: the counters equal the division's quotient and remainder (the .cu's update, in
+"""The step counter of flash_bwd_sm90.cu's consumers (session 17; the A/B form with a division,
+FC_STEP_COUNTERS=0, removed in session 39): the consumers walk their steps' query block with a
+counter instead of a division by the runtime number of query blocks in every step (and since
+session 39 they keep no query head: only the producer and the dQ writer address by it). Here:
+counters equal the division's quotient and remainder (the update the .cu's loop makes, in
 Python), and the consumers' loop of the default kernels holds no 32-bit division."""
 
 from __future__ import annotations

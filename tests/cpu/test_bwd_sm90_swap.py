@@ -16,8 +16,7 @@ from flashcuda.ops import bwd_sm90
 from flashcuda.ops.bwd_sm90 import SWAP_ENV, Sm90BwdConfig
 from flashcuda.ops.call import BwdCall
 
-AB_SWITCHES = (bwd_sm90.DS_ENV, bwd_sm90.DQ_ENV, bwd_sm90.STAGES_ENV, bwd_sm90.DQ_EARLY_ENV,
-               bwd_sm90.DQ_LATE_ENV)
+AB_SWITCHES = (bwd_sm90.DQ_ENV,)
 
 
 @pytest.fixture(autouse=True)
@@ -52,10 +51,10 @@ def test_swap_switch(monkeypatch):
     assert bwd_sm90.config_for(_call(sq=33)).dq_swap  # any length when asked for
     assert not bwd_sm90.config_for(_call(window=(None, 0))).dq_swap  # never under a mask
     assert not bwd_sm90.config_for(_call(d=64)).dq_swap  # nor where the kernel has no build
-    monkeypatch.setenv(bwd_sm90.DQ_ENV, "v2")
+    monkeypatch.setenv(bwd_sm90.DQ_ENV, "tma")
     assert bwd_sm90.config_for(_call()).dq_swap  # =1 wins over the 64-query A/B switches
     monkeypatch.delenv(SWAP_ENV)
-    for env, value in zip(AB_SWITCHES, ("k", "tma", "3", "0", "1"), strict=True):
+    for env, value in zip(AB_SWITCHES, ("tma",), strict=True):
         for other in AB_SWITCHES:
             monkeypatch.delenv(other, raising=False)
         monkeypatch.setenv(env, value)
@@ -63,7 +62,7 @@ def test_swap_switch(monkeypatch):
     for other in AB_SWITCHES:
         monkeypatch.delenv(other, raising=False)
     # the default's own settings, named, are the default kernel (bwd_sm90.is_default_kernel)
-    for env, value in zip(AB_SWITCHES, ("mn", "frag", "2", "1", "0"), strict=True):
+    for env, value in zip(AB_SWITCHES, ("frag",), strict=True):
         monkeypatch.setenv(env, value)
     assert bwd_sm90.config_for(_call()).dq_swap
     monkeypatch.setenv(SWAP_ENV, "yes")
@@ -76,8 +75,7 @@ def test_swapped_config():
         for watchdog in (False, True):
             cfg = bwd_sm90.swapped(Sm90BwdConfig(dtype, 128, watchdog=watchdog))
             assert cfg in bwd_sm90.configs()  # built and checked by the CPU lane
-            assert (cfg.block_m, cfg.ds_k_major, cfg.dq_frag, cfg.dq_early) == (80, True, True,
-                                                                                True)
+            assert (cfg.block_m, cfg.ds_k_major, cfg.dq_frag) == (80, True, True)
             assert not cfg.ds_stmatrix and not cfg.dq_tma and cfg.watchdog == watchdog
             assert cfg.name.endswith("_early_swap") and dict(cfg.spec().defines)["FC_DQ_SWAP"] == "1"
             assert (cfg.producer_regs, cfg.consumer_regs) == (24, 240)
@@ -91,8 +89,8 @@ def test_swapped_config():
     names = {spec.name for spec, _ in bwd_sm90.variants()}
     assert {bwd_sm90.convert_spec(c).name for c in bwd_sm90.configs() if c.dq_swap} <= names
     for bad in (dict(head_dim=64, block_m=80), dict(head_dim=128, block_m=64),
-                dict(head_dim=128, block_m=80, dq_early=False)):
-        kwargs = dict(ds_k_major=True, dq_early=True, dq_swap=True, dq_warp=True, dq_frag=True)
+                dict(head_dim=128, block_m=80, dq_frag=False, dq_tma=True)):
+        kwargs = dict(ds_k_major=True, dq_swap=True, dq_frag=True)
         with pytest.raises(ValueError, match="dq_swap"):
             Sm90BwdConfig(torch.bfloat16, **{**kwargs, **bad})
 

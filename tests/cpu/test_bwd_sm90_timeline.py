@@ -31,9 +31,8 @@ MARKS = 8
 
 @pytest.fixture(autouse=True)
 def _default_env(monkeypatch):
-    for name in (bwd_sm90.ENABLE_ENV, bwd_sm90.DS_ENV, bwd_sm90.WATCHDOG_ENV, bwd_sm90.DQ_ENV,
-                 bwd_sm90.FENCE_ENV, bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV,
-                 bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV):
+    for name in (bwd_sm90.ENABLE_ENV, bwd_sm90.WATCHDOG_ENV, bwd_sm90.DQ_ENV,
+                 bwd_sm90.FENCE_ENV, bwd_sm90.DEFINES_ENV):
         monkeypatch.delenv(name, raising=False)
 
 

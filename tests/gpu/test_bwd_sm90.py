@@ -17,9 +17,9 @@ error maps per GEMM, one case per process, if a smoke test fails):
     pytest -m gpu tests/gpu/test_bwd_sm90.py -q
 `test_smoke_*` isolate the GEMMs of one CTA, one head, one query block: dV = P^T dO alone (Q = 0:
 uniform P), dP^T / dS^T through dK alone, dQ = dS K alone; then the whole tile.
-Every test runs with both dS layouts (FLASHCUDA_SM90_BWD_DS=mn, the default, and =k) and with
-each dQ reduction (FLASHCUDA_SM90_BWD_DQ=v2, v4, bulk, warp, warpflat, tma; the defaults are warp
-at d128, warpflat at d64). After a kernel change add FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that gives up after 2 s poisons
+Every test runs with the defaults, with each dQ staging (FLASHCUDA_SM90_BWD_DQ=tma, frag; the
+defaults are tma at d64, frag at d128) and with the schedule switches (the fixture below). After a
+kernel change add FLASHCUDA_SM90_BWD_WATCHDOG=1: a barrier wait that gives up after 2 s poisons
 dK / dV with NaN (a failing test) instead of hanging the GPU (scripts/sm90_bwd_bringup.sh).
 """
 
@@ -43,21 +43,16 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True,
-                params=["default", "wsplit", "wsplit5", "lptl", "mn-v2", "k", "mn-v4", "mn-bulk",
-                        "mn-v4-late", "mn-warp", "mn-warpflat", "mn-tma", "mn--s3", "mn--noearly"],
-                ids=["default", "wsplit", "wsplit5", "lptl", "dq-v2", "ds-k", "dq-v4", "dq-bulk",
-                     "dq-late", "dq-warp", "dq-warpflat", "dq-tma", "stages3", "dq-noearly"])
+                params=["default", "wsplit", "wsplit5", "lptl", "tma", "frag"],
+                ids=["default", "wsplit", "wsplit5", "lptl", "dq-tma", "dq-frag"])
 def _enable_sm90_bwd(monkeypatch, request):
-    """Every test with each dQ reduction (FLASHCUDA_SM90_BWD_DQ: red.v2, red.v4, bulk, warp,
-    warpflat, tma; red.v4 issued a step late, FLASHCUDA_SM90_BWD_DQ_LATE=1; the default reduction
-    in the previous GEMM order, FLASHCUDA_SM90_BWD_DQ_EARLY=0) in the default dS layout, with
-    the other dS layout under the default dQ reduction, and with a three-deep Q / dO ring
-    (FLASHCUDA_SM90_BWD_STAGES=3, whose default dQ mode is bwd_sm90.STAGES3_DQ) — and first
-    with none of these switches set: the kernels dispatch runs by default (at d128 the
-    register-order staging, 80 query rows per step without a mask from SWAP_MIN_SEQLEN_Q; P^T
-    split at both head dims; at d64 the last-wave split without a mask from 2k and the causal
-    tail's own grid at 2k-8k; FLASHCUDA_SM90_BWD_DEFINES, if the lane sets it, passes through);
-    "wsplit": the last wave split into pieces
+    """Every test with each dQ staging (FLASHCUDA_SM90_BWD_DQ: tma, frag; at each head dim one
+    of them is the default, the other an A/B), and first with none of the switches set: the
+    kernels dispatch runs by default (at d128 the register-order staging, 80 query rows per step
+    without a mask from SWAP_MIN_SEQLEN_Q; P^T split at both head dims; at d64 the last-wave
+    split without a mask from 2k and the causal tail's own grid at 2k-8k;
+    FLASHCUDA_SM90_BWD_DEFINES, if the lane sets it, passes through); "wsplit": the last wave
+    split into pieces
     (FLASHCUDA_SM90_BWD_WAVE_SPLIT=1; FC_WAVE_SPLIT: at these sizes every work item is in the
     last wave, so the pieces kernel runs them all); "wsplit5": the same planned for 5 SMs
     (FLASHCUDA_SM90_BWD_WAVE_SMS=5: MAIN's CTAs, then the pieces as its dependents); "lptl":
@@ -67,24 +62,15 @@ def _enable_sm90_bwd(monkeypatch, request):
     switches = {"wsplit": bwd_sm90.WAVE_SPLIT_ENV, "wsplit5": bwd_sm90.WAVE_SPLIT_ENV,
                 "lptl": bwd_sm90.LPT_LAUNCH_ENV}  # (the defaults with one 0 / 1 switch on)
     if request.param == "default" or request.param in switches:
-        for env in (bwd_sm90.DS_ENV, bwd_sm90.DQ_ENV, bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV,
-                    bwd_sm90.DQ_EARLY_ENV, bwd_sm90.SWAP_ENV, bwd_sm90.WATCHDOG_ENV,
+        for env in (bwd_sm90.DQ_ENV, bwd_sm90.SWAP_ENV, bwd_sm90.WATCHDOG_ENV,
                     bwd_sm90.FENCE_ENV, bwd_sm90.WAVE_SMS_ENV, *switches.values()):
             monkeypatch.delenv(env, raising=False)
         if request.param in switches:
             monkeypatch.setenv(switches[request.param], "1")
         if request.param == "wsplit5":
             monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "5")
-    else:
-        ds, dq, *flags = (request.param + "-").split("-")[:4]
-        monkeypatch.setenv(bwd_sm90.DS_ENV, ds)
-        monkeypatch.setenv(bwd_sm90.DQ_ENV, dq)
-        monkeypatch.setenv(bwd_sm90.DQ_LATE_ENV, "1" if "late" in flags else "0")
-        monkeypatch.setenv(bwd_sm90.STAGES_ENV, "3" if "s3" in flags else "2")
-        if "noearly" in flags:  # the previous GEMM order; else the dQ mode's default order
-            monkeypatch.setenv(bwd_sm90.DQ_EARLY_ENV, "0")
-        else:
-            monkeypatch.delenv(bwd_sm90.DQ_EARLY_ENV, raising=False)
+    else:  # the dQ staging named (the other switches as the lane left them)
+        monkeypatch.setenv(bwd_sm90.DQ_ENV, request.param)
     dispatch._reset()
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
@@ -300,8 +286,8 @@ def test_convert_readers_agree(monkeypatch, dtype):
     replaced (FLASHCUDA_SM90_BWD_CONVERT_SPANS=0, A/B) must give the same bits: both compute
     dq_accum * scale once per element. 333 queries end inside a 64-row CTA, 3 batches x 3 heads
     (GQA 3:1) put the (batch, head) slices at odd offsets. Runs once (the default reductions)."""
-    if os.environ.get(bwd_sm90.DQ_ENV) != "tma" or os.environ.get(bwd_sm90.STAGES_ENV) != "2":
-        pytest.skip("runs under one fixture parameter (dq-tma), with the defaults")
+    if os.environ.get(bwd_sm90.DQ_ENV) != "tma":
+        pytest.skip("runs under one fixture parameter (dq-tma)")
     monkeypatch.delenv(bwd_sm90.DQ_ENV)
     dispatch._reset()
     q, k, v, dout = make(3, 333, 200, 3, 1, 128, dtype, seed=41)

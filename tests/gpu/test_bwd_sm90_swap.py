@@ -23,8 +23,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True, params=["plain", "watchdog"])
 def _swap(monkeypatch, request):
-    for env in (bwd_sm90.DS_ENV, bwd_sm90.DQ_ENV, bwd_sm90.DQ_LATE_ENV, bwd_sm90.STAGES_ENV,
-                bwd_sm90.DQ_EARLY_ENV, bwd_sm90.DEFINES_ENV):
+    for env in (bwd_sm90.DQ_ENV, bwd_sm90.DEFINES_ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     monkeypatch.setenv(bwd_sm90.SWAP_ENV, "1")

@@ -13,24 +13,14 @@
 //   steps         kBlockM = 64 (d128) or 128 (d64) query rows; FC_DQ_SWAP: 80 at d128 with dQ
 //                 computed transposed (the host's default without a mask from 2048 query rows,
 //                 +1.4-2.3% there; see "FC_DQ_SWAP" below)
-//   dQ            non-deterministic only: fp32 red.global.add.v2 into dq_accum [B, H, Sq_pad, D]
-//                 (the kernel's own default, an A/B on the host; red.v4, FC_DQ_V4; or row-wise
-//                 bulk reduce-adds from a shared staging tile, FC_DQ_BULK, see "dQ by bulk
-//                 reduction" below). FC_DQ_LATE
-//                 (with FC_DQ_V4; A/B, measured 1-2% slower): a step's red.v4 are issued at the
-//                 next step, right after its S^T wgmmas (before dP^T's, whose accumulator would not
-//                 fit beside the payload: 384 bytes of spills), so they overlap the tensor cores
-//                 instead of following the dQ wait; the last step's after the loop. FC_DQ_WARP
-//                 (FA3's split; +11-14% over red.v4 at d128, slower than red.v2 at d64;
-//                 docs/perf-notes.md): consumers store the step's dQ tile to
-//                 shared memory and a warp of the producer warpgroup reduces it with bulk
-//                 reduce-adds (write_dq), so no reduction is issued by a consumer; FC_DQ_TMA
-//                 (the default at d64 since session 10, +1.5-2.9% over the split's row
-//                 reductions): the same from 128B-swizzled boxes through a tensor map,
-//                 kHeadDim / 32 reductions per step (its stores in the spread order,
-//                 FC_DQ_SPREAD, since session 11); FC_DQ_FRAG (the default at d128 since
-//                 session 12, +0.2-6.5% over FC_DQ_TMA): each consumer's tile in its
-//                 registers' order, one bulk reduction each
+//   dQ            non-deterministic only, fp32 into dq_accum: the consumers stage each step's dQ
+//                 in shared memory and warp 1 of the producer warpgroup reduces it with bulk
+//                 reduce-adds (write_dq; FA3's split), so no reduction is issued by a consumer.
+//                 Two staging forms: FC_DQ_TMA (d64's default since session 10) — 128B-swizzled
+//                 boxes reduced through a tensor map, kHeadDim / 32 per step, stored in the
+//                 spread order (FC_DQ_SPREAD); FC_DQ_FRAG (d128's default since session 12,
+//                 +0.2-6.5% over FC_DQ_TMA there) — each consumer's tile in its registers'
+//                 order, one bulk reduction each
 //   schedule      one CTA per work item in blockIdx order; FC_WAVE_SPLIT (below, ops/wave_split.py):
 //                 the last wave's items as pieces of their steps in a dependent launch (d64
 //                 without a mask from 2k), or a causal call's first pairs as their own grid after
@@ -48,7 +38,13 @@
 //                 CTA's barrier (FC_EARLY_LOADS), masked steps by visibility bits or one fused
 //                 pass (FC_MASK_BITS, FC_MASKED_FUSED), the dQ writer's last wait for reads
 //                 only (FC_DQ_END_READ); and the A/B baselines of the step counters and the
-//                 16-byte epilogue (FC_STEP_COUNTERS=0, FC_DKV_QUAD=0)
+//                 16-byte epilogue (FC_STEP_COUNTERS=0, FC_DKV_QUAD=0); the dQ reductions
+//                 issued by the consumers (red.global.add.v2 / .v4, a step late, row-wise bulk
+//                 reduce-adds: FC_DQ_V4, FC_DQ_LATE, FC_DQ_BULK) and the writer's padded and
+//                 flat staging (FC_DQ_WARP, FC_DQ_WARP_FLAT), all slower than the two forms
+//                 above at their head dims; the previous GEMM order (dQ after dK, FC_DQ_EARLY=0),
+//                 a third Q / dO stage (FC_STAGES=3) and the [query][key] dS layout outside
+//                 FC_DQ_SWAP (FC_DS_K_MAJOR bring-up)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // This is part MAIN of the backward; flashcuda/ops/bwd_sm90.py runs bwd_sm80's PRE (delta =
@@ -67,27 +63,23 @@
 //   warpgroups 1, 2  consumers (setmaxnreg.inc to 240): consumer c owns keys 64c .. 64c + 63 of
 //                the block (the M of every key-side GEMM), and one of the two 64 x 64 tiles of
 //                the step's kBlockM x kHeadDim dQ block.
-// Per step (query block m, stage s), each consumer warpgroup:
+// Per step (query block m, stage s), each consumer warpgroup (FA3's order):
 //     wait full[s] | issue S^T = K_c Q^T and dP^T = V_c dO^T: 2 x kHeadDim / 16 wgmma
 //     m64n{kBlockM}k16, both operands K-major from shared memory (two commit groups) | wait S^T:
 //     P^T = exp2(S^T * scale_log2 - lse2) (lse2, delta: the stage's rows in shared memory),
 //     masked if the tile needs it | wait dP^T: dS^T = P^T o (dP^T - delta) | P^T, dS^T -> 16-bit
 //     A fragments (the accumulator -> A register reuse of the forward's P V) | issue dV += P^T dO
-//     and dK += dS^T Q: 2 x kBlockM / 16 wgmma m64n{kHeadDim}k16, A from registers, B (dO, Q
-//     stored [query][d]) read MN-major (imm-trans-b = 1) | dS^T -> shared ds[m & 1] (16-bit,
-//     [key][query], 128B swizzle) | fence, named barrier of both consumers | issue dQ_c = dS K:
-//     8 wgmma m64n64k16, A = dS read MN-major from ds (imm-trans-a = 1), B = K read MN-major
-//     (imm-trans-b = 1) | wait all; release stage s | red.global.add.v2.f32 of the 64 x 64 dQ
-//     partial into dq_accum.
-// With FC_DQ_EARLY (the host's default with the tensor-map dQ reduction since session 10: +4% at
-// d128) the order after the A fragments is FA3's: issue dV (a group) | dS^T -> shared, fence,
-// barrier | issue dQ (a group), dK (a group) | wait until at most one group is left (dV, dQ
-// done) | the dQ epilogue, while the tensor cores run dK | wait all; release stage s.
+//     (a group): kBlockM / 16 wgmma m64n{kHeadDim}k16, A from registers, B (dO stored
+//     [query][d]) read MN-major (imm-trans-b = 1) | dS^T -> shared ds[m & 1] (16-bit,
+//     [key][query], 128B swizzle) | fence, named barrier of both consumers | issue dQ_c = dS K
+//     (a group): 8 wgmma m64n64k16, A = dS read MN-major from ds (imm-trans-a = 1), B = K read
+//     MN-major (imm-trans-b = 1) | issue dK += dS^T Q (a group) | wait until dV and dQ are done
+//     | stage dQ for the writer warp, while the tensor cores run dK | wait all; release stage s.
 // ds is double-buffered so that one named barrier per step suffices: at step m + 1 a consumer
 // writes ds[(m + 1) & 1] while the other may still be reading ds[m & 1] (its step-m dQ), never
 // ds[(m + 1) & 1], whose last reader (its step m - 1 dQ) it finished before arriving at the
 // step-m barrier.
-// Epilogue: dK * softmax_scale and dV straight from the accumulator registers (4 bytes per lane).
+// Epilogue: dK * softmax_scale and dV straight from the accumulator registers (16-byte stores).
 //
 // Shared memory (128B-swizzled [rows][64] chunks, as in flash_fwd_sm90.cu / sm90.cuh), each
 // region 1024-byte aligned:
@@ -95,34 +87,18 @@
 //     Q, dO    2 stages x [kBlockM][kHeadDim] kHeadDim / 64 chunks of kBlockM x 128 B
 //     dS       2 x [kBlockN keys][kBlockM queries]  kBlockM / 64 chunks of kBlockN x 128 B
 //     lse2, delta  2 stages x 2 x [kBlockM] fp32
-//     dQ staging   (FC_DQ_BULK only) kConsumers x [64][72] fp32; (FC_DQ_WARP only) one
-//                  [kBlockM][kHeadDim + 8] fp32 tile
-//     mbarriers kv_full, full[2], empty[2] (+ dq_full, dq_empty with FC_DQ_WARP)
+//     dQ staging   one [kBlockM][kHeadDim] fp32 tile (FC_DQ_TMA: swizzled boxes; FC_DQ_FRAG:
+//                  one register-order tile per consumer)
+//     mbarriers kv_full, full[2], empty[2], dq_full / dq_empty (one pair per consumer with
+//                  FC_DQ_FRAG)
 // d128 (kBlockM 64): K + V 64 KB, Q + dO 64 KB, dS 32 KB, stats 1 KB; d64 (kBlockM 128): K + V
-// 32 KB, Q + dO 64 KB, dS 64 KB, stats 2 KB; + 1 KB alignment slack (162 / 163 KB in all; the
-// FC_DQ_BULK staging adds 36 KB: 198 / 199 KB; FC_DQ_WARP's 34 / 36 KB: 196 / 199 KB).
-// dS layout: FC_DS_K_MAJOR below (the per-step order above describes the default, 0).
+// 32 KB, Q + dO 64 KB, dS 64 KB, stats 2 KB, dQ staging 32 KB; + 1 KB alignment slack (194 /
+// 195 KB in all). dS layout: FC_DS_K_MAJOR below ([query][key] with FC_DQ_SWAP).
 //
 // Out-of-range rows: TMA zero-fills rows past seqlen_q / seqlen_k. A query row past seqlen_q
 // (inside Sq_pad) has lse2 = +inf from PRE, so its P, dS are 0; a key past seqlen_k is masked
 // (tile_needs_mask); dK / dV rows past seqlen_k are never stored. A masked P is 0 and its dS is
 // forced to 0 even where dP^T is not finite (a V row outside the band may hold anything).
-//
-// dQ by bulk reduction (FC_DQ_BULK = 1, FLASHCUDA_SM90_BWD_DQ=bulk; measured slower at both
-// head dims): instead of 16 red.global.add.v2 per thread and step (2048 per consumer),
-// the consumer stores its 64 x 64 dQ tile into its own padded fp32 staging tile and each warp
-// reduces the 16 rows its own fragments filled: lanes 0..15 issue one cp.reduce.async.bulk
-// .add.f32 of a 256-byte row each, one bulk async-group per lane and step (FA3 reduces dQ
-// through TMA for the same reason: far fewer L2 requests). Per step, per warp:
-//     lanes 0..15 wait until their previous row reductions have read the tile (wait_group.read)
-//     | __syncwarp | every lane stores its fragment | fence.proxy.async | __syncwarp
-//     | lanes 0..15 issue their row reductions, commit.
-// No barrier across warps: a warp's rows are written and read only by that warp. After the step
-// loop the issuing lanes wait for the full completion of their groups (not only their reads), so
-// no bulk operation outlives the CTA's shared memory. SASS: UBLKRED takes uniform registers, so
-// ptxas wraps it in an elect / R2UR loop over the active lanes (16 reductions one after another
-// per warp, the four warps in parallel). Unlike red.global.add.f32 (REDG .FTZ), the bulk .add.f32
-// keeps subnormals (UBLKRED .F32.RN).
 //
 // Timeline (FC_TIMELINE = 1, Sm90BwdConfig.timeline; a profiling variant, never dispatched;
 // scripts/sm90_bwd_timeline.py): one more kernel argument, a buffer of kTimelineWords uint64 per
@@ -155,9 +131,8 @@ constexpr int kQBytes = kChunks * kQChunkBytes;
 constexpr int kKVBytes = kChunks * kKVChunkBytes;
 // dS layout in shared memory (FC_DS_K_MAJOR): 0 = [key][query] (query contiguous, as the
 // accumulator holds dS^T; dQ reads A MN-major, imm-trans-a = 1), chunks of 64 queries x kBlockN
-// keys; 1 = [query][key] (key contiguous, A K-major as the forward's Q; 16-bit scatter stores),
-// chunks of 64 keys x kBlockM queries. Both are kBlockN x kBlockM x 2 bytes. 1 is the fallback
-// that uses only descriptor kinds the forward proved, should transposed A misbehave.
+// keys; 1 = [query][key] (key contiguous; FC_DQ_SWAP's, whose dQ^T GEMM reads it as B, K-major),
+// chunks of 64 keys x kBlockM queries. Both are kBlockN x kBlockM x 2 bytes.
 constexpr bool kDsKMajor = FC_DS_K_MAJOR;
 constexpr int kDsChunkBytes = kDsKMajor ? kBlockM * 128 : kBlockN * 128;
 constexpr int kDsBytes = kBlockM * kBlockN * 2;
@@ -185,40 +160,18 @@ constexpr int kStatBytes = kBlockM * 4;  // lse2 or delta of one query block
 // it back).
 constexpr bool kDqSwap = FC_DQ_SWAP;
 constexpr int kSmemStats = kSmemDS + 2 * kDsBytes;  // stages x (lse2, delta)
-#ifndef FC_DQ_BULK
-#define FC_DQ_BULK 0  // dQ by bulk reductions from shared staging (FLASHCUDA_SM90_BWD_DQ=bulk)
-#endif
-#ifndef FC_DQ_WARP
-#define FC_DQ_WARP 0  // dQ staged in shared memory, reduced by a producer warp (=warp, see below)
-#endif
-// dQ staging tile of one consumer (FC_DQ_BULK): 64 rows of 64 fp32 + 8 floats of padding, so the
-// fragment stores are bank-conflict free (Consumer::stage_dq) and every row starts 16-byte
-// aligned, as cp.reduce.async.bulk needs (288 = 18 x 16).
-constexpr int kDqStageStride = 72;  // floats per staging row
-constexpr int kDqStageBytes = 64 * kDqStageStride * 4;
-// FC_DQ_WARP: the step's whole kBlockM x kHeadDim dQ tile, rows padded by 8 floats (kHeadDim + 8
-// = 8 mod 32 floats: the consumers' float2 stores are bank-conflict free per half-warp, as for the
-// bulk variant's tiles; rows stay 16-byte aligned for the bulk reductions).
-#ifndef FC_DQ_WARP_FLAT
-#define FC_DQ_WARP_FLAT 0  // FC_DQ_WARP with unpadded rows, one bulk reduction per step (d64)
-#endif
-// FC_DQ_WARP_FLAT (the d64 default since session 7: +3-10% over red.v2 there, 2-3% behind the
-// padded split at d128): rows not padded, so the staging tile is laid out as the
-// step's rows are in dq_accum (kHeadDim floats each, consecutive: one contiguous kBlockM x
-// kHeadDim block) and the writer issues ONE bulk reduction per step instead of kBlockM row
-// reductions (128 of 256 B at d64, where the padded split loses to red.v2). The price: the
-// consumers' float2 stores hit 4-way bank conflicts (see Consumer::stage_dq).
+// The step's dQ staging (the consumers store, the writer warp reduces into dq_accum), one of:
 #ifndef FC_DQ_TMA
-#define FC_DQ_TMA 0  // FC_DQ_WARP through a tensor map from a 128B-swizzled staging tile (below)
+#define FC_DQ_TMA 0  // through a tensor map from a 128B-swizzled staging tile (below)
 #endif
-// FC_DQ_TMA (FLASHCUDA_SM90_BWD_DQ=tma): the staging tile is kHeadDim / 32 boxes of kBlockM rows x
-// 32 fp32 (128 bytes, 128B-swizzled as TMA lays them: the 16-byte chunk k of row r sits at chunk
-// k ^ (r % 8)), and the writer issues one tensor-map reduction per box (map_dq: dq_accum as a 2-D
-// (kHeadDim, B H Sq_pad) fp32 tensor): 4 operations per step at d128 (the padded split: 64 row
-// reductions), 2 at d64 (warpflat: 1), with 2-way bank conflicts in the consumers' float2 stores
-// (the padded split: none, warpflat: 4-way). See dq_swizzled.
+// FC_DQ_TMA (FLASHCUDA_SM90_BWD_DQ=tma; the host's default at d64 since session 10): the staging
+// tile is kHeadDim / 32 boxes of kBlockM rows x 32 fp32 (128 bytes, 128B-swizzled as TMA lays
+// them: the 16-byte chunk k of row r sits at chunk k ^ (r % 8)), and the writer issues one
+// tensor-map reduction per box (map_dq: dq_accum as a 2-D (kHeadDim, B H Sq_pad) fp32 tensor): 4
+// operations per step at d128, 2 at d64, with 2-way bank conflicts in the consumers' float2
+// stores. See dq_swizzled.
 #ifndef FC_DQ_FRAG
-#define FC_DQ_FRAG 0  // FC_DQ_WARP from per-consumer tiles in register order (below)
+#define FC_DQ_FRAG 0  // from per-consumer tiles in register order (below)
 #endif
 // FC_DQ_FRAG (FLASHCUDA_SM90_BWD_DQ=frag; the host's default at d128 since session 12;
 // FlashAttention 4's way): each consumer stages its 64 x 64 dQ tile as 16 KB in its registers'
@@ -231,16 +184,12 @@ constexpr int kDqStageBytes = 64 * kDqStageStride * 4;
 constexpr int kDqHandshakes = FC_DQ_FRAG ? kConsumers : 1;  // dq_full / dq_empty pairs
 // FC_DQ_FRAG: one consumer's tile (64 x 64, or with FC_DQ_SWAP 64 x kBlockM of dQ^T)
 constexpr int kDqFragBytes = 64 * (kDqSwap ? kBlockM : 64) * 4;
-constexpr int kDqWarpStride = FC_DQ_WARP_FLAT || FC_DQ_TMA || FC_DQ_FRAG ? kHeadDim
-                                                                         : kHeadDim + 8;
 constexpr int kDqBoxBytes = kBlockM * 128;  // FC_DQ_TMA: one box of 32 fp32 columns
-constexpr int kDqWarpBytes = kBlockM * kDqWarpStride * 4;
+constexpr int kDqStageBytes = kBlockM * kHeadDim * 4;  // the step's dQ staging
 constexpr int kSmemDqStage = kSmemStats + kStages * 2 * kStatBytes;
-constexpr int kSmemBar = kSmemDqStage + (FC_DQ_BULK ? kConsumers * kDqStageBytes
-                                                    : FC_DQ_WARP ? kDqWarpBytes : 0);
-// kv_full, full[], empty[] (+ dq_full, dq_empty with FC_DQ_WARP; one pair per consumer with
-// FC_DQ_FRAG)
-constexpr int kBarriers = 1 + 2 * kStages + (FC_DQ_WARP ? 2 * kDqHandshakes : 0);
+constexpr int kSmemBar = kSmemDqStage + kDqStageBytes;
+// kv_full, full[], empty[], dq_full, dq_empty (one pair per consumer with FC_DQ_FRAG)
+constexpr int kBarriers = 1 + 2 * kStages + 2 * kDqHandshakes;
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -253,8 +202,7 @@ static_assert(kDqSwap ? kHeadDim == 64 * kConsumers : kBlockM * kHeadDim == 64 *
 static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= register_pool(kThreads),
               "register split over the CTA's pool at launch (register_pool, sm90.cuh)");
 static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm90BwdConfig.smem_bytes");
-static_assert(kSmemDqStage % 16 == 0 && (kDqStageStride * 4) % 16 == 0,
-              "bulk reduction sources are 16-byte aligned");
+static_assert(kSmemDqStage % 16 == 0, "bulk reduction sources are 16-byte aligned");
 
 struct Smem {
   uint32_t base;  // 1024-byte aligned
@@ -275,15 +223,13 @@ struct Smem {
   __device__ __forceinline__ const float* delta_ptr(int s) const {
     return lse2_ptr(s) + kBlockM;
   }
-  __device__ __forceinline__ uint32_t dq_stage(int c) const {
-    return base + kSmemDqStage + c * kDqStageBytes;
-  }
+  __device__ __forceinline__ uint32_t dq_stage() const { return base + kSmemDqStage; }
   __device__ __forceinline__ uint32_t bar(int i) const { return base + kSmemBar + 8 * i; }
   __device__ __forceinline__ uint32_t kv_full() const { return bar(0); }
   __device__ __forceinline__ uint32_t full(int s) const { return bar(1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return bar(1 + kStages + s); }
-  // FC_DQ_WARP: the dQ staging tile is full (every consumer warp stored its part) / empty (the
-  // writer warp's bulk reductions have read it)
+  // The dQ staging tile is full (every consumer warp stored its part) / empty (the writer
+  // warp's reductions have read it)
   __device__ __forceinline__ uint32_t dq_full(int c = 0) const {
     return bar(1 + 2 * kStages + c);
   }
@@ -302,12 +248,10 @@ struct Smem {
       mbar_init(full(s), 1);
       mbar_init(empty(s), kConsumerWarps);
     }
-    if constexpr (FC_DQ_WARP) {
 #pragma unroll
-      for (int c = 0; c < kDqHandshakes; ++c) {
-        mbar_init(dq_full(c), FC_DQ_FRAG ? 4 : kConsumerWarps);  // one arrival per (its) warp
-        mbar_init(dq_empty(c), 1);
-      }
+    for (int c = 0; c < kDqHandshakes; ++c) {
+      mbar_init(dq_full(c), FC_DQ_FRAG ? 4 : kConsumerWarps);  // one arrival per (its) warp
+      mbar_init(dq_empty(c), 1);
     }
     fence_barrier_init();
   }
@@ -322,38 +266,23 @@ using Steps = KeyBlockSteps<kBlockM, kBlockN>;  // (mask.cuh)
 // ptxas give up the setmaxnreg budget (C7512, 1 KB of spills); not printf: a call serializes
 // every wgmma (C7510).
 constexpr bool kWatchdog = FC_WATCHDOG;
-#ifndef FC_DQ_V4
-#define FC_DQ_V4 0  // dQ reductions as red.v4 (FLASHCUDA_SM90_BWD_DQ=v4, A/B)
-#endif
 #ifndef FC_RELEASE_FENCE
 #define FC_RELEASE_FENCE 1  // the host sets it per head dim (bwd_sm90.FENCE_DIMS: off at both
                             // since session 21); FLASHCUDA_SM90_BWD_FENCE=0 / 1 (A/B); release()
 #endif
-static_assert(FC_DQ_V4 + FC_DQ_BULK + FC_DQ_WARP <= 1, "one dQ reduction mode");
-static_assert(!FC_DQ_WARP_FLAT || FC_DQ_WARP, "FC_DQ_WARP_FLAT is a form of FC_DQ_WARP");
-static_assert(!FC_DQ_TMA || (FC_DQ_WARP && !FC_DQ_WARP_FLAT), "FC_DQ_TMA is a form of FC_DQ_WARP");
+static_assert(FC_DQ_TMA + FC_DQ_FRAG == 1, "one dQ staging form: FC_DQ_TMA or FC_DQ_FRAG");
 static_assert(!FC_DQ_TMA || kSmemDqStage % 1024 == 0,
               "128B-swizzled TMA boxes start 1024-byte aligned");
-static_assert(!FC_DQ_FRAG || (FC_DQ_WARP && !FC_DQ_WARP_FLAT && !FC_DQ_TMA),
-              "FC_DQ_FRAG is a form of FC_DQ_WARP");
-static_assert(!FC_DQ_FRAG || kConsumers * kDqFragBytes == kDqWarpBytes,
+static_assert(!FC_DQ_FRAG || kConsumers * kDqFragBytes == kDqStageBytes,
               "the consumers' tiles fill the step's staging region");
-#ifndef FC_DQ_LATE
-#define FC_DQ_LATE 0  // step i's dQ reductions after step i + 1's S^T / dP^T issue (A/B, see below)
-#endif
-#ifndef FC_DQ_EARLY
-#define FC_DQ_EARLY 0  // FA3's GEMM order: dQ before dK, its epilogue beside dK (see the loop;
-                       // the host's default with the default dQ reduction since session 10)
-#endif
-static_assert(!FC_DQ_EARLY || !FC_DQ_LATE, "FC_DQ_EARLY retires dQ inside its own step");
-static_assert(!kDqSwap || (FC_DQ_FRAG && kDsKMajor && FC_DQ_EARLY),
-              "FC_DQ_SWAP: FC_DQ_FRAG's staging, dS [query][key], FA3's GEMM order");
+static_assert(kDsKMajor == kDqSwap && (!kDqSwap || FC_DQ_FRAG),
+              "FC_DQ_SWAP: FC_DQ_FRAG's staging, dS [query][key] (and only there)");
 #ifndef FC_DS_STMATRIX
 #define FC_DS_STMATRIX 0  // dS^T stored by stmatrix.x4 (the host's default at d64 since session
                           // 12, Sm90BwdConfig.ds_stmatrix; see Consumer::store_ds_stmatrix)
 #endif
-// (FA3's GEMM order and the [key][query] layout only; no effect elsewhere)
-[[maybe_unused]] constexpr bool kDsStmatrix = FC_DS_STMATRIX && !kDsKMajor && FC_DQ_EARLY;
+// (the [key][query] layout only; no effect with FC_DQ_SWAP)
+[[maybe_unused]] constexpr bool kDsStmatrix = FC_DS_STMATRIX && !kDsKMajor;
 // FC_PROBS_EARLY = k (session 23; k = 4 the host's default for the default kernels of d64 and,
 // since session 24, d128 with its 80-query form, bwd_sm90.PROBS_EARLY; an A/B elsewhere): only
 // P^T's first k column blocks of 8 queries before the dP^T wait, the rest after it, in the block
@@ -409,8 +338,6 @@ __device__ __forceinline__ float exp2_fma(float x) {
   p = fmaf(p, f, 0.9999287724494934f);
   return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
-static_assert(!FC_DQ_LATE || FC_DQ_V4, "late reductions are red.v4 ones (their payload is made "
-              "of shuffles, not of registers a wgmma defined)");
 
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
@@ -497,10 +424,10 @@ static_assert(!FC_WAVE_SPLIT || !FC_LPT_TAIL, "FC_WAVE_SPLIT: the grid in blockI
 //   kTlKv        K and V in shared memory (after the kv_full wait) t128
 //   kTlFirst     step 0's Q, dO, lse2, delta in shared memory (after its full wait; the step
 //                loop's own wait then returns at once)             t128
-//   kTlLast      the last step done: its GEMMs complete and its dQ handed on (after the loop;
-//                with FC_DQ_BULK / FC_DQ_LATE after their final waits / reductions)  t128
+//   kTlLast      the last step done: its GEMMs complete and its dQ handed on (after the loop)
+//                                                                  t128
 //   kTlExit      dK / dV stores issued (the end of the epilogue)   t128; + 1: t256
-//   kTlDqEnd     FC_DQ_WARP: the writer warp's last reduction complete (its lane 0)
+//   kTlDqEnd     the dQ writer warp's last reduction complete (its lane 0)
 //   kTlMerged    FC_WAVE_SPLIT = 2: the piece's dK / dV sums and step count done   t128
 // (a piece that is not its item's last exits after kTlMerged: its kTlExit is that time)
 // Single-thread stores straight to the buffer (no value held across the step loop, so the
@@ -599,13 +526,13 @@ __device__ __forceinline__ void release(uint32_t bar) {
   if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
 }
 
-// ---- dQ writer (FC_DQ_WARP): warp 1 of the producer warpgroup ----------------------------------
-// Per step: wait until every consumer warp has stored its part of the step's dQ tile (dq_full),
-// reduce the tile's rows into dq_accum with cp.reduce.async.bulk (lane l: rows l, l + 32, ...;
-// one bulk async-group per lane), wait until they have read the staging tile, hand it back
-// (dq_empty). The reductions run beside the consumers' next step; only their issue and the read
-// wait are this warp's. Before returning, every reduction is complete (not only read): no bulk
-// operation outlives the CTA's shared memory.
+// ---- dQ writer: warp 1 of the producer warpgroup -----------------------------------------------
+// Per step: wait until the consumers have stored the step's dQ tile (dq_full), reduce it into
+// dq_accum (FC_DQ_TMA: one tensor-map reduce-add per 32-column box; FC_DQ_FRAG: one bulk
+// reduce-add per consumer's tile), wait until the reductions have read the staging tile, hand it
+// back (dq_empty). The reductions run beside the consumers' next step; only their issue and the
+// read wait are this warp's. Before returning, every reduction is complete (not only read): no
+// bulk operation outlives the CTA's shared memory.
 __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int step0, int count,
                                          int head_kv, int batch, float* dq_accum,
                                          const TmaMap* map_dq, int nheads, int seqlen_q_pad,
@@ -639,21 +566,12 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
       const int h = steps.head(step0 + it, head_kv), m0 = steps.m0(step0 + it);
       wait(sm.dq_full(), it & 1, stuck);
       const int64_t row0 = (static_cast<int64_t>(batch) * nheads + h) * seqlen_q_pad + m0;
-      if constexpr (FC_DQ_TMA) {
-        // row0 < 2^31: the host checks B H Sq_pad against the tensor map's int32 coordinates
-        if (lane == 0) {
+      // row0 < 2^31: the host checks B H Sq_pad against the tensor map's int32 coordinates
+      if (lane == 0) {
 #pragma unroll
-          for (int b = 0; b < kHeadDim / 32; ++b)
-            tma_reduce_add_2d(*map_dq, sm.dq_stage(0) + b * kDqBoxBytes, 32 * b,
-                              static_cast<int>(row0));
-        }
-      } else if constexpr (FC_DQ_WARP_FLAT) {
-        if (lane == 0)
-          bulk_reduce_add_f32(dq_accum + row0 * kHeadDim, sm.dq_stage(0), kBlockM * kHeadDim * 4);
-      } else {
-        for (int r = lane; r < kBlockM; r += 32)
-          bulk_reduce_add_f32(dq_accum + (row0 + r) * kHeadDim,
-                              sm.dq_stage(0) + r * kDqWarpStride * 4, kHeadDim * 4);
+        for (int b = 0; b < kHeadDim / 32; ++b)
+          tma_reduce_add_2d(*map_dq, sm.dq_stage() + b * kDqBoxBytes, 32 * b,
+                            static_cast<int>(row0));
       }
       bulk_commit_group();
       bulk_wait_group_read<0>();
@@ -739,9 +657,7 @@ struct Consumer {
 
   // dq = dS K for query tile tm, d tile td (one commit group); step kk covers keys 16 kk .. + 15
   // of the whole block (both consumers' dS). B = K stored [key][d] (d contiguous, chunk td), read
-  // MN-major. A = dS: stored [key][query] (chunk tm), read MN-major; or (kDsKMajor) stored
-  // [query][key], rows 64 tm.., read K-major like the forward's Q (32 bytes at column
-  // (kk % 4) * 16 of key chunk kk / 4).
+  // MN-major. A = dS: stored [key][query] (chunk tm), read MN-major.
   // FC_DQ_SWAP: dq = dQ^T for d tile td (the consumer's 64 columns of dQ, all kBlockM queries) =
   // K^T dS^T: A = K^T, K's chunk td read MN-major (d contiguous; step kk: key rows 16 kk ..,
   // 2048 bytes further), B = dS stored [query][key], read K-major (step kk: 32 bytes at column
@@ -761,20 +677,14 @@ struct Consumer {
     }
 #else
     {
-      const uint32_t ds_base = kDsKMajor ? ds + tm * 64 * 128 : ds + tm * kDsChunkBytes;
+      const uint32_t ds_base = ds + tm * kDsChunkBytes;
       const uint64_t b0 = smem_desc_mn_major_sw128(k_base, kKVChunkBytes);
-      const uint64_t a0 = kDsKMajor ? smem_desc_k_major_sw128(ds_base)
-                                    : smem_desc_mn_major_sw128(ds_base, kDsChunkBytes);
+      const uint64_t a0 = smem_desc_mn_major_sw128(ds_base, kDsChunkBytes);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         const uint64_t b = mn_major_at(b0, k_base, kk * 16 * 128, kKVChunkBytes);
-        if constexpr (kDsKMajor) {
-          const uint64_t a = k_major_at(a0, ds_base, (kk / 4) * kDsChunkBytes + (kk % 4) * 32);
-          wgmma_ss_tb<64, T>(dq, a, b, kk > 0);
-        } else {
-          const uint64_t a = mn_major_at(a0, ds_base, kk * 16 * 128, kDsChunkBytes);
-          wgmma_ss_tt<64, T>(dq, a, b, kk > 0);
-        }
+        const uint64_t a = mn_major_at(a0, ds_base, kk * 16 * 128, kDsChunkBytes);
+        wgmma_ss_tt<64, T>(dq, a, b, kk > 0);
       }
     }
 #endif
@@ -782,10 +692,6 @@ struct Consumer {
   }
 
   // The A registers of in-flight wgmmas belong to the tensor cores until they drain.
-  __device__ __forceinline__ void hold_fragments() {
-    hold_p();
-    hold_ds();
-  }
   __device__ __forceinline__ void hold_p() {
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk)
@@ -853,9 +759,8 @@ struct Consumer {
 
   // dS^T (16-bit) -> shared. Fragment f of k16 step kk holds (key r, queries q, q + 1).
   // [key][query] layout: element (r, q) at chunk q / 64, row r, 16-byte unit ((q % 64) / 8) ^
-  // (r % 8); a lane's 4-byte stores of one fragment hit 8 rows x 4 words: 32 banks.
-  // [query][key] layout (kDsKMajor): element (r, q) at chunk r / 64, row q, unit ((r % 64) / 8) ^
-  // (q % 8); two 2-byte stores per fragment. `r0`: key of row g (r0 % 8 == g).
+  // (r % 8); a lane's 4-byte stores of one fragment hit 8 rows x 4 words: 32 banks. `r0`: key
+  // of row g (r0 % 8 == g). ([query][key], FC_DQ_SWAP's: store_ds_trans.)
   // FC_DS_STMATRIX (the [key][query] layout; d64's default since session 12: +0.8-3.5% there,
   // -2.4 to +0.8% at d128, same-run A/B): one stmatrix.x4 per k16 step instead of four
   // st.shared.b32. Fragment f of step kk is the 8 x 8 matrix (keys 8 (f & 1) .., queries
@@ -879,8 +784,8 @@ struct Consumer {
   // FC_DQ_SWAP: the [query][key] layout by stmatrix.x4.trans, one per k16 step: matrix f (keys
   // row0 + 8 (f & 1) .., queries 16 kk + 8 (f >> 1) ..) goes out transposed, so memory row i of
   // it (the address lane 8 f + i gives) is query 16 kk + 8 (f >> 1) + i with its 8 keys — one
-  // 16-byte unit of that query's row, ((key % 64) / 8) ^ (query % 8) in key chunk key / 64, as
-  // store_ds's kDsKMajor branch puts them (tests/cpu/test_bwd_sm90_layouts.py checks the two).
+  // 16-byte unit of that query's row, ((key % 64) / 8) ^ (query % 8) in key chunk key / 64
+  // (tests/cpu/test_bwd_sm90_layouts.py checks it against that layout element by element).
   // Rows q .. q + 7 of a matrix fall in 8 distinct units: no bank conflicts.
   __device__ __forceinline__ void store_ds_trans(uint32_t ds, int row0, int lane) const {
     const int f = lane >> 3;
@@ -901,76 +806,12 @@ struct Consumer {
       for (int f = 0; f < 4; ++f) {
         const int r = r0 + 8 * (f & 1);
         const int q = 16 * kk + 8 * (f >> 1) + 2 * t;  // first of the fragment's two queries
-        if constexpr (kDsKMajor) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int qe = q + e;
-            const uint32_t unit = static_cast<uint32_t>(((r % 64) / 8) ^ (qe % 8));
-            const uint32_t addr =
-                ds + (r / 64) * kDsChunkBytes + qe * 128 + unit * 16 + (r % 8) * 2;
-            const uint16_t half = static_cast<uint16_t>(ds16[kk][f] >> (16 * e));
-            asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(addr), "h"(half) : "memory");
-          }
-        } else {
-          const uint32_t unit = static_cast<uint32_t>(((q % 64) / 8) ^ (r % 8));
-          const uint32_t addr = ds + (q / 64) * kDsChunkBytes + r * 128 + unit * 16 + (q % 8) * 2;
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds16[kk][f]) : "memory");
-        }
+        const uint32_t unit = static_cast<uint32_t>(((q % 64) / 8) ^ (r % 8));
+        const uint32_t addr = ds + (q / 64) * kDsChunkBytes + r * 128 + unit * 16 + (q % 8) * 2;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds16[kk][f]) : "memory");
       }
   }
 
-#if !FC_DQ_BULK
-  // red.v4 payload of n8 block j: lanes t and t^1 swap halves so each holds 4 consecutive
-  // columns of one row of the dQ tile (even t row g, columns 2t..2t+3; odd t row g+8, columns
-  // 2t-2..2t+1; 16-byte aligned both ways): the 4 floats lane (g, t) adds, at v4_skew(t) + 8j
-  // from the lane's `dq_rows`.
-  __device__ __forceinline__ void v4_quad(int j, bool odd, float (&p)[4]) const {
-    const float* c = dq + 4 * j;
-    const float x = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
-    const float y = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
-    p[0] = odd ? x : c[0];
-    p[1] = odd ? y : c[1];
-    p[2] = odd ? c[2] : x;
-    p[3] = odd ? c[3] : y;
-  }
-  __device__ __forceinline__ static int v4_skew(int t) { return (t & 1) ? 8 * kHeadDim - 2 : 0; }
-
-  // The whole tile's payload (FC_DQ_LATE: made at the end of a step, reduced at the next).
-  __device__ __forceinline__ void v4_payload(float (&out)[32], int t) const {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float p[4];
-      v4_quad(j, t & 1, p);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) out[4 * j + i] = p[i];
-    }
-  }
-
-  // 8 red.v4 of a payload into the tile whose row 16 warp + g, column 2t is `dq_rows`.
-  __device__ __forceinline__ static void reduce_v4(float* dq_rows, const float (&p)[32], int t) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      red_add_f32x4(dq_rows + v4_skew(t) + 8 * j, p[4 * j], p[4 * j + 1], p[4 * j + 2],
-                    p[4 * j + 3]);
-  }
-
-  // dq_accum += this consumer's 64 x 64 dQ tile; `dq_rows`: the tile's row 16 warp + g, column
-  // 2t. red.v2: two 8-byte reductions per lane and j; red.v4 (FC_DQ_V4): one 16-byte reduction
-  // per lane and j, each right after its block's lane-pair swap.
-  __device__ __forceinline__ void reduce_dq(float* dq_rows, int t) const {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#if FC_DQ_V4
-      float p[4];
-      v4_quad(j, t & 1, p);
-      red_add_f32x4(dq_rows + v4_skew(t) + 8 * j, p[0], p[1], p[2], p[3]);
-#else
-      red_add_f32x2(dq_rows + 8 * j, dq[4 * j], dq[4 * j + 1]);
-      red_add_f32x2(dq_rows + 8 * kHeadDim + 8 * j, dq[4 * j + 2], dq[4 * j + 3]);
-#endif
-    }
-  }
-#endif
 
   // FC_DQ_FRAG: this consumer's dQ registers in their own order, thread w's float4 k at float
   // 512 k + 4 w of the 16 KB tile at `stage` (a warp's 32 float4 are 512 contiguous bytes;
@@ -985,20 +826,11 @@ struct Consumer {
     }
   }
 
-  // This consumer's 64 x 64 dQ tile -> a staging tile of kStride floats per row at `stage`
-  // (FC_DQ_BULK: its own tile, origin 0; FC_DQ_WARP: its place (row0, col0) = (64 tm, 64 td) in
-  // the step's tile): lane (g, t) of warp w stores, per j and h, the float2 (row row0 + 16w + g
-  // + 8h, columns col0 + 8j + 2t, + 1) at float row * kStride + col. Banks: a 64-bit store is
-  // serviced per half-warp (g % 4 = 0..3, t = 0..3 within one); with kStride = 8 mod 32 (72,
-  // 136) its first word is in bank (8 (g % 4) + 8j + 2t + const) % 32 (16w + 8h and the origin
-  // contribute multiples of 32 or the same offset to every lane), so the 16 lanes' word pairs
-  // cover the 32 banks once. Unpadded (stride 64 or 128) the 8g term vanishes: the 4 lanes of
-  // equal t would share banks (4-way conflicts).
-  template <int kStride>
+  // FC_DQ_TMA: this consumer's 64 x 64 dQ tile -> its place (row0, col0) = (64 tm, 64 td) in
+  // the step's staging boxes (dq_swizzled): lane (g, t) of warp w stores, per j and h, the
+  // float2 (row row0 + 16w + g + 8h, columns col0 + 8j + 2t, + 1).
   __device__ __forceinline__ void stage_dq(uint32_t stage, int row0, int col0, int warp, int g,
                                            int t) const {
-    static_assert(kStride % 32 == 8 || ((FC_DQ_WARP_FLAT || FC_DQ_TMA) && kStride == kHeadDim),
-                  "conflict-free staging rows (or FC_DQ_WARP_FLAT's flat ones)");
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
@@ -1009,8 +841,7 @@ struct Consumer {
         const float x = swap ? dq[4 * (i ^ 2) + 2 * h] : dq[4 * i + 2 * h];
         const float y = swap ? dq[4 * (i ^ 2) + 2 * h + 1] : dq[4 * i + 2 * h + 1];
         const int row = row0 + 16 * warp + g + 8 * h, col = col0 + 8 * j + 2 * t;
-        const uint32_t addr =
-            FC_DQ_TMA ? dq_swizzled(stage, row, col) : stage + (row * kStride + col) * 4;
+        const uint32_t addr = dq_swizzled(stage, row, col);
         asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y)
                      : "memory");
       }
@@ -1107,7 +938,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       timeline_mark(timeline, kTlProduced);
 #endif
     }
-#if FC_DQ_WARP
     else if (threadIdx.x >= 32 && threadIdx.x < 64) {
       write_dq(sm, steps, step0, count, head_kv, batch, dq_accum,
 #if FC_DQ_TMA
@@ -1120,7 +950,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       if (threadIdx.x == 32) timeline_mark(timeline, kTlDqEnd);
 #endif
     }
-#endif
     return;
   }
 
@@ -1145,44 +974,25 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     if (threadIdx.x == 128) timeline_mark(timeline, kTlFirst);
   }
 #endif
-#if FC_DQ_LATE
-  float* late_rows = nullptr;  // the previous step's dQ rows in dq_accum (FC_DQ_LATE)
-  float late[32];              // ... and its red.v4 payload
-#endif
 
-  // The step's (query head, query block) by two counters: (step0 + it) / n_m and (step0 + it) %
-  // n_m of step it (Steps::head / m0 divide by the runtime n_m: a 32-bit division per step).
+  // The step's query block by a counter, (step0 + it) % n_m of step it (Steps::m0 divides by
+  // the runtime n_m: a 32-bit division per step). (The consumers need no query head: the
+  // producer and the dQ writer address Q, dO and dq_accum.)
 #if FC_WAVE_SPLIT == 2
-  int step_g = step0 / steps.n_m, step_mi = step0 % steps.n_m;  // (a piece has steps: n_m > 0)
+  int step_mi = step0 % steps.n_m;  // (a piece has steps: n_m > 0)
 #else
-  int step_g = 0, step_mi = 0;
+  int step_mi = 0;
 #endif
   for (int it = 0; it < own_steps(steps, count); ++it) {  // (step step0 + it of the item)
     const int st = stage_of(it);
-    const int h = head_kv * steps.group + step_g, m0 = (steps.m_first + step_mi) * kBlockM;
-    if (++step_mi == steps.n_m) {
-      step_mi = 0;
-      ++step_g;
-    }
-    [[maybe_unused]] const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
+    const int m0 = (steps.m_first + step_mi) * kBlockM;
+    if (++step_mi == steps.n_m) step_mi = 0;
 
     wait(sm.full(st), parity_of(it), stuck);
     wgmma_fence_operands(cs.s);
     wgmma_fence_operands(cs.dp);
     wgmma_fence();
     cs.issue_transposed_scores(cs.s, cs.k_rows, sm.q(st));
-#if FC_DQ_LATE
-    // The previous step's dQ reductions, while the tensor cores compute this step's S^T. They
-    // read the payload (shuffles / selects of the dQ accumulator, made right after its wait):
-    // registers a wgmma defined would make ptxas wait for this step's S^T first (C7517).
-    // Before dP^T is issued: its accumulator is not live yet, which keeps dK + dV + S^T + the
-    // payload within the register budget (after it: 384 bytes of spills).
-    if (it > 0) Consumer::reduce_v4(late_rows, late, t);
-    // The payload may sit in dP^T's registers (dead until its wgmma): order those reads before
-    // the wgmma writes them (ptxas would inject this arrive itself, C7519).
-    wgmma_fence_operands(cs.dp);
-    wgmma_fence();
-#endif
     cs.issue_transposed_scores(cs.dp, cs.v_rows, sm.dout(st));
 
     const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's columns
@@ -1212,7 +1022,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     Consumer::pack(cs.p16, cs.s);
     Consumer::pack(cs.ds16, cs.dp);
 
-#if FC_DQ_EARLY
     // FA3's order: dV (a group), dS^T -> shared + barrier, dQ (a group), dK (a group); the dQ
     // epilogue below runs once dV and dQ are done, while the tensor cores still compute dK.
     wgmma_fence_operands(cs.dv);
@@ -1239,31 +1048,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     cs.hold_p();
     wgmma_fence_operands(cs.dv);
     wgmma_fence_operands(cs.dq);
-#else
-    // dV += P^T dO, dK += dS^T Q (one commit group)
-    wgmma_fence_operands(cs.dv);
-    wgmma_fence_operands(cs.dk);
-    wgmma_fence();
-    cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
-    cs.issue_key_grad(cs.dk, cs.ds16, sm.q(st));
-    wgmma_commit();
-
-    // dS^T -> shared, visible to the async proxy, then both consumers' dS are there.
-    const uint32_t ds = sm.ds(it & 1);
-    cs.store_ds(ds, key_row, t);
-    fence_proxy_async();
-    named_barrier_sync(1, 128 * kConsumers);
-
-    wgmma_fence_operands(cs.dq);
-    wgmma_fence();
-    cs.issue_dq(ds, sm.k(), tm, td);
-    wgmma_wait<0>();
-    cs.hold_fragments();
-    wgmma_fence_operands(cs.dv);
-    wgmma_fence_operands(cs.dk);
-    wgmma_fence_operands(cs.dq);
-    release(sm.empty(st));
-#endif
 
     // dq_accum += this consumer's 64 x 64 tile. Rows past seqlen_q (inside Sq_pad) add zeros.
 #if FC_DQ_FRAG
@@ -1274,56 +1058,20 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     fence_proxy_async();
     __syncwarp();
     if (lane == 0) mbar_arrive(sm.dq_full(c));
-#elif FC_DQ_WARP
+#else
     // Into the staging tile once the writer warp has read the previous step's (dq_empty; it
     // starts empty), then visible to the async proxy, then one arrival per warp on dq_full.
     wait(sm.dq_empty(), (it & 1) ^ 1, stuck);
-    cs.stage_dq<kDqWarpStride>(sm.dq_stage(0), 64 * tm, 64 * td, warp, g, t);
+    cs.stage_dq(sm.dq_stage(), 64 * tm, 64 * td, warp, g, t);
     fence_proxy_async();
     __syncwarp();
     if (lane == 0) mbar_arrive(sm.dq_full());
-#elif FC_DQ_BULK
-    // The tile's rows lie inside Sq_pad (m0 + kBlockM <= Sq_pad) and start 256-byte aligned in
-    // dq_accum (64 td floats into a kHeadDim-float row), so no bounds check and the bulk
-    // reductions' 16-byte alignment holds.
-    // Each warp owns the 16 staging rows its fragments fill (16 warp .. + 15) and reduces them
-    // itself, so a __syncwarp orders the hand-offs and the other warps never wait: lane l < 16
-    // issues row 16 warp + l.
-    const uint32_t stage = sm.dq_stage(c);
-    if (lane < 16) bulk_wait_group_read<0>();  // this lane's previous reduction has read its row
-    __syncwarp();                              // ... before the warp overwrites its rows
-    cs.stage_dq<kDqStageStride>(stage, 0, 0, warp, g, t);
-    fence_proxy_async();  // the generic stores before the async-proxy reads of the reductions
-    __syncwarp();
-    if (lane < 16) {
-      const int r = 16 * warp + lane;
-      float* dq_row = dq_accum + (bh * seqlen_q_pad + m0 + 64 * tm + r) * kHeadDim + 64 * td;
-      bulk_reduce_add_f32(dq_row, stage + r * kDqStageStride * 4, 64 * 4);
-      bulk_commit_group();
-    }
-#else
-    float* dq_rows = dq_accum + (bh * seqlen_q_pad + m0 + 64 * tm + 16 * warp + g) * kHeadDim +
-                     64 * td + 2 * t;
-#if FC_DQ_LATE
-    late_rows = dq_rows;  // reduced at the next step, after its S^T issue, or below
-    cs.v4_payload(late, t);
-#else
-    cs.reduce_dq(dq_rows, t);
 #endif
-#endif  // FC_DQ_BULK
-#if FC_DQ_EARLY
     wgmma_wait<0>();  // dK: then Q / dO of the stage and the dS^T fragments are free
     cs.hold_ds();
     wgmma_fence_operands(cs.dk);
     release(sm.empty(st));
-#endif
   }
-#if FC_DQ_BULK
-  if (lane < 16) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
-#endif
-#if FC_DQ_LATE
-  if (own_steps(steps, count) > 0) Consumer::reduce_v4(late_rows, late, t);  // the last step's
-#endif
 #if FC_TIMELINE
   if (threadIdx.x == 128) timeline_mark(timeline, kTlLast);
 #endif
