@@ -25,20 +25,21 @@ bwd_sm90.
 The split (FLASHCUDA_SM90_BWD_WIDE_SPLIT): "keys", d192's default since session 30 (+5 to +14%
 over "dims"; 0.90-0.96x FA4, was 0.83-0.89x), runs kernels/attention/flash_bwd_sm90_keys.cu:
 S / dP split by keys between two warpgroups (FA4's d192 shape), and since session 31 dV^T kept
-by warpgroup 0 and dK^T by warpgroup 1, each over all 96 keys (FC_KV_ROLES, default 1: each step
-reads dO^T / Q^T once as wgmma operands; +4 to +10% over FA4's layout, FC_KV_ROLES=0, where each
-warpgroup keeps both over its own 48 keys); K in 64-byte-swizzled TMA boxes of 32 columns
-(cfg.k_swizzle), P / dS in a 32-byte swizzle, dQ always staged. "dims" is the head-dim split
-above (d256 has only it).
+by warpgroup 0 and dK^T by warpgroup 1, each over all 96 keys (each step reads dO^T / Q^T once
+as wgmma operands; +4 to +10% over FA4's layout, where each warpgroup keeps both over its own
+48 keys); K in 64-byte-swizzled TMA boxes of 32 columns (cfg.k_swizzle), P / dS in a 32-byte
+swizzle. "dims" is the head-dim split above (d256 has only it).
 
-dQ (FLASHCUDA_SM90_BWD_WIDE_DQ): "stage", the default (+13-20% at d256, then +10-15% more with
-the split): each consumer stores its dQ tile into its own, then idle, Q / dO chunks of the stage
-and one thread reduces it into dq_accum with two bulk reduce-adds (dq_accum in register order,
-CONVERT's FC_DQ_FRAG_M reader), the dO half while the tensor cores still run dK^T;
-"red": red.global.add.v2 per thread into a row-major dq_accum. FLASHCUDA_SM90_BWD_WIDE_DEFINES
-("FC_NAME=VALUE,...") builds A/B variants (FC_DQ_V4: red.v4, measured -3 to -4%;
-FC_DQ_STAGE_SPLIT=0: both halves staged after dK^T, -6 to -13%; FC_PROBE_NO_DQ: a timing probe
-without the dQ reductions, wrong results, never dispatched).
+dQ, in both kernels: each consumer stores its dQ tile into shared memory and one thread reduces
+it into dq_accum with bulk reduce-adds (dq_accum in register order, CONVERT's FC_DQ_FRAG_M
+reader); "dims" stages it in its own, then idle, Q / dO chunks of the stage, the dO half while
+the tensor cores still run dK^T (+13-20% over red.global.add.v2 per thread at d256, session 27,
+then +10-15% more from the split, session 28); "keys" in a staging buffer per consumer.
+FLASHCUDA_SM90_BWD_WIDE_DEFINES ("FC_NAME=VALUE,...") builds A/B variants of a kernel knob
+(FC_LPT_TAIL=0 below). Removed in session 39 (A/B arms measured as losses or noise, and a timing
+probe; docs/perf-notes.md): FLASHCUDA_SM90_BWD_WIDE_DQ (red: red.global.add.v2 into a row-major
+dq_accum) and the defines FC_DQ_V4, FC_DQ_STAGE_SPLIT=0, FC_PROBE_NO_DQ, FC_KV_ROLES=0,
+FC_PDS_STMATRIX=0.
 
 Dispatch order: bwd_sm90 (d64 / d128) > bwd_sm90_wide (d192 / d256) > bwd_sm80 > bwd_simt; the
 head dims are disjoint. FLASHCUDA_ENABLE_SM90_BWD_WIDE=0 turns it off (the SIMT backward then
@@ -77,14 +78,8 @@ DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (192, 256)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD_WIDE"
 DEFINES_ENV = "FLASHCUDA_SM90_BWD_WIDE_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob)
-# how MAIN reduces dQ into dq_accum: "red" (red.global per thread, row-major dq_accum) or "stage"
-# (bulk reduce-adds from shared memory, dq_accum in the consumers' register order; the .cu's
-# FC_DQ_STAGE)
-DQ_ENV = "FLASHCUDA_SM90_BWD_WIDE_DQ"
-DQ_MODES = ("red", "stage")
-DQ_DEFAULT = "stage"  # +13 to +20% over red.v2 (session 27), its split +6 to +15% (session 28)
 # how the consumers split dK^T / dV^T: "dims" (head-dim rows, flash_bwd_sm90_wide.cu) or "keys"
-# (their own keys, flash_bwd_sm90_keys.cu: d192 only, dQ staged)
+# (their own keys, flash_bwd_sm90_keys.cu: d192 only)
 SPLIT_ENV = "FLASHCUDA_SM90_BWD_WIDE_SPLIT"
 SPLITS = ("dims", "keys")
 SPLIT_DEFAULT = {192: "keys", 256: "dims"}  # keys at d192: +5 to +14% (session 30)
@@ -124,8 +119,7 @@ class Sm90BwdWideConfig:
     stages: int = 2
     producer_regs: int = 24
     consumer_regs: int = 0  # 0: CONSUMER_REGS[head_dim]
-    dq_stage: bool = False  # dQ by bulk reductions from shared memory (FC_DQ_STAGE, DQ_ENV)
-    split: str = "dims"  # "keys": flash_bwd_sm90_keys.cu (d192, dq_stage; SPLIT_ENV)
+    split: str = "dims"  # "keys": flash_bwd_sm90_keys.cu (d192; SPLIT_ENV)
     # FC_LPT_TAIL: the grid's last lpt_tail (KV head, batch) pairs longest-first (causal calls,
     # LPT_TAIL; config_for)
     lpt_tail: int = 0
@@ -143,9 +137,6 @@ class Sm90BwdWideConfig:
         if self.keys_split and self.head_dim not in KEYS_HEAD_DIMS:
             raise ValueError(f"split='keys' is built for head_dim {KEYS_HEAD_DIMS}, got "
                              f"{self.head_dim}")
-        if self.keys_split and not self.dq_stage:
-            raise ValueError("split='keys' stages dQ (dq_stage=True, "
-                             f"{DQ_ENV}=stage)")
         tiles = self.tiles
         for name, value in zip(("block_m", "block_n", "consumers"), tiles, strict=True):
             if getattr(self, name) == 0:
@@ -224,7 +215,8 @@ class Sm90BwdWideConfig:
                 f"_bm{self.block_m}_bn{self.block_n}_c{self.consumers}_s{self.stages}"
                 + ("" if (self.producer_regs, self.consumer_regs) == (24, self.default_regs)
                    else f"_r{self.producer_regs}x{self.consumer_regs}")
-                + ("_dqs" if self.dq_stage else "") + ("_keys" if self.keys_split else "")
+                + "_dqs"  # (dQ staged: the only form since session 39, kept in the names)
+                + ("_keys" if self.keys_split else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
                 + defines_suffix(self.defines))
 
@@ -249,14 +241,14 @@ class Sm90BwdWideConfig:
             "FC_PRODUCER_REGS": self.producer_regs,
             "FC_CONSUMER_REGS": self.consumer_regs,
             "FC_SMEM_BYTES": self.smem_bytes,
-            **({"FC_DQ_STAGE": 1} if self.dq_stage else {}),
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
             **dict(self.defines),
         })
 
     def aux(self) -> bwd_sm80.BwdSm80Config:
         """The bwd_sm80 configuration whose PRE and CONVERT kernels this family runs (their
-        row-major dq_accum; bwd_sm80's own MAIN has no d256 tiles, only these two are built)."""
+        dq_accum, CONVERT's in register order: convert_spec; bwd_sm80's own MAIN has no d256
+        tiles, only these two are built)."""
         return bwd_sm80.BwdSm80Config(self.dtype, self.head_dim, 64, 64, 4)
 
     def seqlen_pad(self, seqlen_q: int) -> int:
@@ -269,33 +261,15 @@ class Sm90BwdWideConfig:
         return (-(-call.seqlen_k // self.block_n), call.nheads_kv, call.batch)
 
 
-# kernel knobs under A/B (compiled and SASS-checked on the CPU lane with the defaults)
-AB_DEFINES = ((("FC_DQ_V4", 1),), (("FC_PROBE_NO_DQ", 1),))
-# ... and of the staged dQ (FC_DQ_STAGE_SPLIT=0: both halves staged after dK^T, session 27's
-# kernel; the default stages the dO half while dK^T runs)
-AB_STAGE_DEFINES = ((("FC_DQ_STAGE_SPLIT", 0),),)
-
-
-# ... and of the key split (FC_KV_ROLES=0: dV^T / dK^T both split by keys, 48 per warpgroup,
-# session 30's; the default keeps dV^T in warpgroup 0 and dK^T in warpgroup 1, over all 96 keys:
-# +4 to +10%, session 31)
-# (FC_PDS_STMATRIX=0: P / dS by 32-bit shared stores; the default stmatrix.x4 since session 33,
-# +0.7 / +1.6% at 2k / 4k without a mask, causal +-0.3%)
-AB_KEYS_DEFINES = ((("FC_KV_ROLES", 0),), (("FC_PDS_STMATRIX", 0),))
-
 
 def configs() -> list[Sm90BwdWideConfig]:
-    """Per dtype and head dim: both dQ reductions, then the A/B variants of red (AB_DEFINES) and
-    of stage (AB_STAGE_DEFINES); then the key split per dtype, and its A/B variants
-    (AB_KEYS_DEFINES); then the default kernels of causal calls (LPT_TAIL)."""
+    """The default kernels of causal calls per dtype and head dim (LPT_TAIL); the head-dim split
+    per dtype and head dim (d256's default, d192's with SPLIT_ENV=dims); the key split per dtype
+    (d192's default)."""
     causal = [dataclasses.replace(default_config(dt, d), lpt_tail=k)
               for dt in DTYPES for d, k in LPT_TAIL.items()]
-    return causal + [Sm90BwdWideConfig(dt, d, dq_stage=stage, defines=defs)
-            for stage, defs in ((False, ()), (True, ()), *((False, x) for x in AB_DEFINES),
-                                *((True, x) for x in AB_STAGE_DEFINES))
-            for dt in DTYPES for d in HEAD_DIMS] + [
-        Sm90BwdWideConfig(dt, d, dq_stage=True, split="keys", defines=defs)
-        for defs in ((), *AB_KEYS_DEFINES) for dt in DTYPES for d in KEYS_HEAD_DIMS]
+    return causal + [Sm90BwdWideConfig(dt, d) for dt in DTYPES for d in HEAD_DIMS] + [
+        Sm90BwdWideConfig(dt, d, split="keys") for dt in DTYPES for d in KEYS_HEAD_DIMS]
 
 
 def enabled() -> bool:
@@ -310,7 +284,7 @@ def can_implement(call: BwdCall) -> str | None:
     if why := bwd_sm90.call_problem(call, HEAD_DIMS):
         return why
     split = split_for(call.head_dim)
-    cfg = Sm90BwdWideConfig(call.dtype, call.head_dim, dq_stage=split == "keys", split=split)
+    cfg = Sm90BwdWideConfig(call.dtype, call.head_dim, split=split)
     if why := bwd_sm90.layout_problem(call, cfg.block_m, cfg.block_n):
         return why
     return bwd_sm90.smem_problem(call, cfg.name, cfg.smem_bytes)
@@ -328,7 +302,7 @@ class _Plan:
     convert: PreparedLaunch  # dq_accum, dq
 
 
-_KEY_ENV = env_names(ENABLE_ENV, DEFINES_ENV, DQ_ENV, SPLIT_ENV)
+_KEY_ENV = env_names(ENABLE_ENV, DEFINES_ENV, SPLIT_ENV)
 
 
 def split_for(head_dim: int) -> str:
@@ -342,22 +316,15 @@ def split_for(head_dim: int) -> str:
 
 def config_for(call: BwdCall) -> Sm90BwdWideConfig:
     """The MAIN kernel `call` runs: the head dim's split and tiles, with
-    FLASHCUDA_SM90_BWD_WIDE_DEFINES (the key split always stages dQ)."""
-    dq = os.environ.get(DQ_ENV, "").strip() or DQ_DEFAULT
-    if dq not in DQ_MODES:
-        raise ValueError(f"{DQ_ENV}: expected one of {DQ_MODES}, got {dq!r}")
-    split = split_for(call.head_dim)
-    if split == "keys" and dq != "stage":
-        raise ValueError(f"{DQ_ENV}={dq}: the key split ({SPLIT_ENV}=keys, d192) stages dQ")
-    return Sm90BwdWideConfig(call.dtype, call.head_dim, dq_stage=dq == "stage", split=split,
+    FLASHCUDA_SM90_BWD_WIDE_DEFINES."""
+    return Sm90BwdWideConfig(call.dtype, call.head_dim, split=split_for(call.head_dim),
                              lpt_tail=bwd_sm90.lpt_tail_for(call, LPT_TAIL),
                              defines=parse_defines(DEFINES_ENV))
 
 
 def default_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdWideConfig:
     """The head dim's default MAIN kernel without the environment's A/B knobs (no mask)."""
-    return Sm90BwdWideConfig(dtype, head_dim, dq_stage=DQ_DEFAULT == "stage",
-                             split=SPLIT_DEFAULT[head_dim])
+    return Sm90BwdWideConfig(dtype, head_dim, split=SPLIT_DEFAULT[head_dim])
 
 
 def _plan_key(call: BwdCall) -> tuple:
@@ -398,8 +365,8 @@ def _maps(call: BwdCall, cfg: Sm90BwdWideConfig) -> tuple:
 
 
 def convert_spec(cfg: Sm90BwdWideConfig) -> KernelSpec:
-    """CONVERT for cfg's dq_accum: row-major, or (dq_stage) 64 x 64 blocks in register order."""
-    return cfg.aux().convert_spec(cfg.block_m if cfg.dq_stage else 0, True)
+    """CONVERT for cfg's dq_accum: 64 x 64 blocks in the consumers' register order."""
+    return cfg.aux().convert_spec(cfg.block_m, True)
 
 
 _plans = PlanCache(_build_plan)

@@ -2,8 +2,9 @@
 sm_90a with no spills, ptxas warnings or performance notes; the SASS (when cuobjdump is at hand)
 has the loop's HGMMA mix — S and dP as m64n32 (both operands K-major), dV^T and dK^T as
 m64n{block_n} with both operands transposed, dQ as m64n{head_dim / consumers} with B transposed —
-TMA / bulk loads, the dQ reductions (bulk reduce-adds, red.v2 or red.v4) and no
-local memory; the parameter table matches pack_args; the config, the gate and the plan key.
+TMA / bulk loads, the dQ reductions (bulk reduce-adds; the head-dim split's dO half issued before
+the wait for dK^T), the key split's P / dS by stmatrix and no local memory; the parameter table
+matches pack_args; the config, the gate and the plan key.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ def test_compiles_without_spills(builds, cfg):
 def test_sass_uses_wgmma(builds, cfg, tmp_path):
     sass = dump(builds[cfg.name].cubin, tmp_path, "-sass")
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
-    probe = ("FC_PROBE_NO_DQ", 1) in cfg.defines  # the timing probe without dQ's reductions
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
     d, bm, bn, c = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.consumers
 
@@ -57,14 +57,11 @@ def test_sass_uses_wgmma(builds, cfg, tmp_path):
     assert not [line for line in hgmma if re.search(r"HGMMA\S+ R\d+, R\d+, gdesc", line)], \
         "every operand from shared memory"
     scores = [line for line in hgmma if f"64x{bn // c}x16" in line and ".tnsp" not in line]
-    # the key split's default: one step loop per consumer (each GEMM twice in the SASS)
-    roles = cfg.keys_split and ("FC_KV_ROLES", 0) not in cfg.defines
+    # the key split: one step loop per consumer (each GEMM twice in the SASS)
+    roles = cfg.keys_split
     assert len(scores) == 2 * (d // 16) * (2 if roles else 1)
     if roles:  # dV^T in consumer 0, dK^T in consumer 1: all head-dim tiles, all keys
         key_grads = [line for line in hgmma if f"64x{bn}x16" in line and ".tnspA" in line]
-        assert len(key_grads) == 2 * (d // 64) * (bm // 16)
-    elif cfg.keys_split:  # dV^T / dK^T over all head-dim tiles, this consumer's keys
-        key_grads = [line for line in hgmma if f"64x{bn // c}x16" in line and ".tnsp" in line]
         assert len(key_grads) == 2 * (d // 64) * (bm // 16)
     else:  # over this consumer's head-dim tiles, all keys
         key_grads = [line for line in hgmma if f"64x{bn}x16" in line]
@@ -74,17 +71,19 @@ def test_sass_uses_wgmma(builds, cfg, tmp_path):
     assert len(dq) == bn // 16 * (2 if roles else 1) and all(".tnspB" in line for line in dq)
     assert len(hgmma) == len(scores) + len(key_grads) + len(dq)
     assert "UTMALDG" in sass and "UBLKCP" in sass and "USETMAXREG" in sass
-    v4 = ("FC_DQ_V4", 1) in cfg.defines
-    if cfg.dq_stage:  # two (the key split: one) bulk reduce-adds per step and warpgroup, no
-        # per-thread reductions
-        reductions = (2 if roles else 1) if cfg.keys_split else 2
-        assert len(re.findall(r"UBLKRED\.G\.S\.ADD\.F32", sass)) == reductions
-        assert "REDG" not in sass
-        # (FC_DQ_STAGE_SPLIT: dQ + dV^T, then dK^T: three commit groups, two waits per step)
-    else:
-        assert "UBLKRED" not in sass
-        assert ("REDG.E.ADD.F32x4" in sass) == (v4 and not probe)
-        assert ("REDG.E.ADD.F32x2" in sass) == (not v4 and not probe)
+    # dQ by bulk reduce-adds only, no per-thread reductions: the head-dim split's two halves of
+    # a warpgroup's tile per step; the key split's one per step in each of its two loops
+    lines = sass.splitlines()
+    reds = [i for i, line in enumerate(lines) if re.search(r"UBLKRED\.G\.S\.ADD\.F32", line)]
+    assert len(reds) == 2
+    assert "REDG" not in sass
+    if not cfg.keys_split:
+        # the dO half's reduce-add issued while dK^T runs: before the step's wait for all
+        # wgmma groups (dQ + dV^T, then dK^T), which comes before the Q half's
+        waits = [i for i, line in enumerate(lines) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line]
+        assert any(reds[0] < i < reds[1] for i in waits)
+    else:  # P and dS by stmatrix.x4: 3 per tile and warp x (P masked / not, dS) x two loops
+        assert len(re.findall(r"\bSTSM\b", sass)) == 18
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
 
 
@@ -120,7 +119,7 @@ def test_variants_registered():
 
 def test_config():
     cfg = Sm90BwdWideConfig(torch.bfloat16, 256)
-    assert cfg.name == "flash_bwd_sm90w_bf16_d256_bm64_bn64_c2_s2"
+    assert cfg.name == "flash_bwd_sm90w_bf16_d256_bm64_bn64_c2_s2_dqs"  # (dQ staged)
     assert (cfg.block_m, cfg.block_n, cfg.consumers, cfg.threads) == (64, 64, 2, 384)
     kv, q, p, stats = 64 * 256 * 2, 64 * 256 * 2, 64 * 64 * 2, 2 * 64 * 4
     assert cfg.smem_bytes == 1024 + 2 * kv + 2 * (2 * q + stats) + 4 * p + 8 * 5
@@ -130,10 +129,13 @@ def test_config():
         "FC_STAGES": "2", "FC_CONSUMERS": "2", "FC_P_BUFFERS": "2", "FC_PRODUCER_REGS": "24",
         "FC_CONSUMER_REGS": "240", "FC_SMEM_BYTES": str(cfg.smem_bytes)}
     assert cfg.aux().head_dim == 256 and cfg.seqlen_pad(65) == 128
-    assert len(bwd_sm90_wide.configs()) == 2 * 2 * (
-        2 + len(bwd_sm90_wide.AB_DEFINES) + len(bwd_sm90_wide.AB_STAGE_DEFINES)) + 2 * (
-        1 + len(bwd_sm90_wide.AB_KEYS_DEFINES)) + 2 * len(bwd_sm90_wide.LPT_TAIL)
-    keys = Sm90BwdWideConfig(torch.bfloat16, 192, dq_stage=True, split="keys")
+    # per dtype (2): the causal default per head dim (LPT_TAIL: d192 key split, d256), the
+    # head-dim split per head dim (d256's default, d192's with SPLIT_ENV=dims) and the key split
+    # (d192): 2 x (2 + 2 + 1) = 10
+    assert len(bwd_sm90_wide.configs()) == 2 * (
+        len(bwd_sm90_wide.LPT_TAIL) + len(bwd_sm90_wide.HEAD_DIMS)
+        + len(bwd_sm90_wide.KEYS_HEAD_DIMS)) == 10
+    keys = Sm90BwdWideConfig(torch.bfloat16, 192, split="keys")
     assert keys.name == "flash_bwd_sm90w_bf16_d192_bm64_bn96_c2_s2_dqs_keys"
     assert (keys.consumers, keys.threads, keys.consumer_regs, keys.k_swizzle) == (2, 384, 240, 64)
     # K, V; two Q stages with lse2 / delta; one dO; P, dS unpadded; two fp32 dQ staging tiles
@@ -144,25 +146,22 @@ def test_config():
         "FC_SMEM_BYTES": str(keys.smem_bytes)}
     assert keys.spec().source != cfg.spec().source
     assert "FC_DQ_FRAG_M" in dict(bwd_sm90_wide.convert_spec(keys).defines)
-    with pytest.raises(ValueError, match="stages dQ"):
-        Sm90BwdWideConfig(torch.bfloat16, 192, split="keys")
     with pytest.raises(ValueError, match="head_dim"):
-        Sm90BwdWideConfig(torch.bfloat16, 256, dq_stage=True, split="keys")
+        Sm90BwdWideConfig(torch.bfloat16, 256, split="keys")
     with pytest.raises(ValueError, match="split"):
         Sm90BwdWideConfig(torch.bfloat16, 192, split="rows")
     d192 = Sm90BwdWideConfig(torch.float16, 192)
-    assert d192.name == "flash_bwd_sm90w_fp16_d192_bm64_bn96_c3_s2"
+    assert d192.name == "flash_bwd_sm90w_fp16_d192_bm64_bn96_c3_s2_dqs"
     assert (d192.block_n, d192.consumers, d192.threads, d192.consumer_regs) == (96, 3, 512, 160)
     # one P / dS tile each, of two 64-key chunks (the second half used)
     kv192, q192, p192 = 96 * 192 * 2, 64 * 192 * 2, 64 * 128 * 2
     assert d192.smem_bytes == 1024 + 2 * kv192 + 2 * (2 * q192 + stats) + 2 * p192 + 8 * 5
     assert dict(d192.spec().defines)["FC_P_BUFFERS"] == "1"
     assert 24 * 128 + 160 * 384 <= 65536
-    stage = Sm90BwdWideConfig(torch.bfloat16, 256, dq_stage=True)
-    assert stage.name.endswith("_dqs") and dict(stage.spec().defines)["FC_DQ_STAGE"] == "1"
-    assert stage.smem_bytes == cfg.smem_bytes  # (staged in the stage's own Q / dO chunks)
-    assert "FC_DQ_FRAG_M" in dict(bwd_sm90_wide.convert_spec(stage).defines)
-    assert "FC_DQ_FRAG_M" not in dict(bwd_sm90_wide.convert_spec(cfg).defines)
+    # dQ staged in register order (the stage's own Q / dO chunks: no shared memory of its own):
+    # CONVERT reads 64-row blocks of that order for both splits
+    for c in (cfg, d192, keys):
+        assert dict(bwd_sm90_wide.convert_spec(c).defines)["FC_DQ_FRAG_M"] == "64", c.name
     with pytest.raises(ValueError, match="head_dim"):
         Sm90BwdWideConfig(torch.bfloat16, 128)
     with pytest.raises(ValueError, match="block_m x block_n"):
@@ -188,8 +187,8 @@ def _call(dtype=torch.bfloat16, B=2, Sq=33, Sk=47, H=4, Hkv=2, D=256, determinis
 
 def test_split_follows_its_env(monkeypatch):
     """FLASHCUDA_SM90_BWD_WIDE_SPLIT picks the d192 kernel (d256 has only the head-dim split); a
-    bad name, or the key split with red.global dQ, is a ValueError naming the variable."""
-    env, dq = bwd_sm90_wide.SPLIT_ENV, bwd_sm90_wide.DQ_ENV
+    bad name is a ValueError naming the variable."""
+    env = bwd_sm90_wide.SPLIT_ENV
     monkeypatch.setenv(env, "keys")
     assert bwd_sm90_wide.config_for(_call(D=192)).keys_split
     assert not bwd_sm90_wide.config_for(_call(D=256)).keys_split
@@ -198,12 +197,7 @@ def test_split_follows_its_env(monkeypatch):
     monkeypatch.setenv(env, "rows")
     with pytest.raises(ValueError, match=env):
         bwd_sm90_wide.config_for(_call(D=192))
-    monkeypatch.setenv(env, "keys")
-    monkeypatch.setenv(dq, "red")
-    with pytest.raises(ValueError, match=dq):
-        bwd_sm90_wide.config_for(_call(D=192))
     monkeypatch.delenv(env)
-    monkeypatch.delenv(dq)
     cfg = bwd_sm90_wide.config_for(_call(D=192))
     assert cfg.split == bwd_sm90_wide.SPLIT_DEFAULT[192]
 

@@ -27,22 +27,14 @@ FULL = (None, None)
 CAUSAL = (None, 0)
 
 
-VARIANTS = {  # id: (FLASHCUDA_SM90_BWD_WIDE_DQ, _DEFINES, _SPLIT)
-    "default": ("", "", ""),
-    "dims": ("stage", "", "dims"),  # (d192 only: at d256 it is the default)
-    "dq-red": ("red", "", "dims"),
-    "dq-v4": ("red", "FC_DQ_V4=1", "dims"),
-    "dq-unsplit": ("stage", "FC_DQ_STAGE_SPLIT=0", "dims"),
-    # (d192 only) the key split with dV^T / dK^T both split by keys (FC_KV_ROLES=0, session 30's)
-    "keys48": ("", "FC_KV_ROLES=0", "keys"),
+VARIANTS = {  # id: (FLASHCUDA_SM90_BWD_WIDE_DEFINES, _SPLIT)
+    "default": ("", ""),
+    "dims": ("", "dims"),  # (d192 only: at d256 it is the default)
     # the default kernels with the grid's last 8 (KV head, batch) pairs longest-first
     # (FC_LPT_TAIL=8, session 32's A/B; with fewer pairs the whole grid is remapped)
-    "lpt8": ("", "FC_LPT_TAIL=8", ""),
-    # (d192 only) P / dS by 32-bit shared stores (FC_PDS_STMATRIX=0; stmatrix.x4 is the default
-    # since session 33)
-    "st32": ("", "FC_PDS_STMATRIX=0", "keys"),
+    "lpt8": ("FC_LPT_TAIL=8", ""),
 }
-KEYS_ONLY = ("dims", "keys48", "st32")  # variants of the d192 kernels
+KEYS_ONLY = ("dims",)  # variants of the d192 kernels
 
 
 @pytest.fixture(params=[256, 192], ids=["d256", "d192"])
@@ -55,15 +47,11 @@ def D(request, _sm90):
 @pytest.fixture(autouse=True, params=list(VARIANTS))
 def _sm90(monkeypatch, request):
     """Every test with the default kernels (d192: dK / dV split by keys, flash_bwd_sm90_keys.cu;
-    d256: split by head-dim rows, flash_bwd_sm90_wide.cu with dQ by staged bulk reduce-adds,
-    its dO half while dK^T runs), then the head-dim split at d192 ("dims"), and its other dQ
-    reductions (FLASHCUDA_SM90_BWD_WIDE_DQ=red: red.v2; red.v4 through the defines) and the
-    staging after dK^T (FC_DQ_STAGE_SPLIT=0, session 27's); the key split with dV^T / dK^T
-    both split by keys (FC_KV_ROLES=0, "keys48"); the default kernels with the causal tail
-    longest-first (FC_LPT_TAIL=8, "lpt8"); d192's P / dS by 32-bit stores (FC_PDS_STMATRIX=0,
-    "st32"). Yields the variant's id."""
-    dq, defines, split = VARIANTS[request.param]
-    monkeypatch.setenv(bwd_sm90_wide.DQ_ENV, dq)
+    d256: split by head-dim rows, flash_bwd_sm90_wide.cu; dQ by staged bulk reduce-adds in
+    both), then the head-dim split at d192 ("dims") and the default kernels with the causal
+    tail longest-first (FC_LPT_TAIL=8, "lpt8"). Yields the variant's id. (The A/B variants
+    of the dQ reduction and of the key split's layout were removed in session 39.)"""
+    defines, split = VARIANTS[request.param]
     monkeypatch.setenv(bwd_sm90_wide.DEFINES_ENV, defines)
     monkeypatch.setenv(bwd_sm90_wide.SPLIT_ENV, split)
     dispatch._reset()
@@ -79,10 +67,9 @@ def test_the_variant_runs_its_kernel(D, _sm90):
     q, k, v, dout = make(1, 64, 64, 1, 1, D, BF16, seed=1)
     call = BwdCall(q, k, v, dout, dout, torch.zeros(1, 1, 64, device="cuda"), q, k, v, 0.1,
                    None, None, False)
-    keys = _sm90 in ("default", "keys48", "lpt8", "st32") and D == 192
+    keys = _sm90 in ("default", "lpt8") and D == 192
     cfg = bwd_sm90_wide.config_for(call)
     assert cfg.keys_split == keys
-    assert (("FC_KV_ROLES", 0) in cfg.defines) == (_sm90 == "keys48")
     assert (("FC_LPT_TAIL", 8) in cfg.defines) == (_sm90 == "lpt8")
 
 

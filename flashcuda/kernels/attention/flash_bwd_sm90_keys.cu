@@ -14,15 +14,15 @@
 // Why: flash_bwd_sm90_wide.cu's d192 shape (three warpgroups, dK^T / dV^T split by head-dim rows)
 // makes every warpgroup's key gradients read the P / dS of all three, so one barrier of all
 // three stands before every step's dV^T / dK^T (36% of the stall samples at its d256 sibling).
-// Here S / dP are split by keys (48 each; FlashAttention 4's d192 Hopper shape) and
-// (FC_KV_ROLES = 1, the default) one warpgroup keeps each key gradient, over all 96 keys:
+// Here S / dP are split by keys (48 each; FlashAttention 4's d192 Hopper shape) and one
+// warpgroup keeps each key gradient, over all 96 keys:
 //     dV^T += dO^T P  (warpgroup 0),  dK^T += Q^T dS  (warpgroup 1)   (M = 192: three m64 tiles)
 // so dV^T waits only for P (warpgroup 1 arrives, never waits), dK^T stands behind the dS barrier
 // that dQ needs anyway, and each step reads dO^T / Q^T once as an A operand: the step is bound
-// by the shared-memory pipe (session 30's ncu), and this cuts its operand reads by ~12%.
-// FC_KV_ROLES = 0 builds session 30's key split instead, FlashAttention 4's: each warpgroup
-// keeps dV^T_w / dK^T_w over all head-dim rows and only its own 48 keys, reading only the P / dS
-// it wrote (dO^T and Q^T then read by both). In both, dQ is split by head-dim columns:
+// by the shared-memory pipe (session 30's ncu), and this cuts its operand reads by ~12%
+// against session 30's key split, FlashAttention 4's (each warpgroup keeping dV^T_w / dK^T_w
+// over all head-dim rows and only its own 48 keys, dO^T and Q^T then read by both; +4 to +10%,
+// session 31). dQ is split by head-dim columns:
 //     dQ_w = dS K[:, 96 w .. 96 w + 95]           (M = 64 queries, N = 96, K = 96 keys)
 // and there are two warpgroups of 240 registers.
 //
@@ -41,6 +41,10 @@
 //   masking       mask.cuh's band (causal, sliding window, none); ragged seqlen_q / seqlen_k
 //   heads         MHA, GQA, MQA: the CTA loops over the query heads of its KV head
 //   arch          sm_90a only (wgmma, setmaxnreg)
+//   removed       (session 39; each measured on the H200 as a loss or noise, docs/perf-notes.md
+//                 sessions 31 and 33) session 30's key split of dV^T / dK^T, 48 keys per
+//                 warpgroup (FC_KV_ROLES=0), and P / dS by 32-bit shared stores
+//                 (FC_PDS_STMATRIX=0)
 //
 // One CTA per (key block of 96 keys, KV head, batch); it loops over the (query head, query block
 // of 64 rows) pairs that see the key block (mask.cuh's KeyBlockSteps). Warpgroups:
@@ -49,7 +53,7 @@
 //         q_empty[s]) and dO into a single buffer (do_full, do_empty): shared memory has no room
 //         for a second dO beside the dQ staging (FlashAttention 4 keeps one dO stage too).
 //   1, 2  consumers w = 0, 1 (setmaxnreg.inc).
-// Per step (query block m0, Q stage s), consumer w (the default, consume_roles):
+// Per step (query block m0, Q stage s), consumer w (consume_roles):
 //     wait q_full[s] | issue S_w = Q K_w^T | wait do_full | issue dP_w = dO V_w^T |
 //     wait S: P = exp2(S scale_log2 - lse2) (0 where masked) -> 16-bit -> its keys of the P tile
 //     (w = 1: after warpgroup 0's previous dV^T) |
@@ -61,12 +65,9 @@
 //              one bulk reduce-add into dq_accum
 //       w = 1: issue dK^T | wait dQ: stage dQ, one bulk reduce-add | wait dK^T: tell warpgroup
 //              0, release Q stage s.
-// (FC_KV_ROLES = 0, the kernel's second loop: both issue dV^T_w after their own barrier and
-// dK^T_w beside dQ_w, and release dO / the Q stage after them.)
-// Epilogue: a barrier of both, then each stores its key gradient (dK^T * softmax_scale, dV^T;
-// FC_KV_ROLES = 0: its keys of both) transposed into padded [key][d] staging rows over the (idle)
-// Q / dO / P / dS region, a barrier, and all consumer threads copy the rows inside seqlen_k to
-// dk / dv in 16-byte pieces.
+// Epilogue: a barrier of both, then each stores its key gradient (dK^T * softmax_scale, dV^T)
+// transposed into padded [key][d] staging rows over the (idle) Q / dO / P / dS region, a barrier,
+// and all consumer threads copy the rows inside seqlen_k to dk / dv in 16-byte pieces.
 //
 // Shared memory (each region 1024-byte aligned):
 //     K       [96][192]      6 chunks x 96 rows x 64 B (64B swizzle)         36 KB
@@ -84,21 +85,9 @@
 #include "common/types.cuh"
 #include "common/sm90.cuh"
 #include "common/smem.cuh"
-#include "common/reduce.cuh"
 #include "attention/mask.cuh"
 #include "attention/online_softmax.cuh"
 #include "attention/sm90_bwd_wide.cuh"
-
-#ifndef FC_KV_ROLES
-#define FC_KV_ROLES 1  // dV^T in warpgroup 0, dK^T in warpgroup 1; 0: both split by keys (A/B)
-#endif
-#ifndef FC_PDS_STMATRIX
-// 1: P and dS into shared memory by stmatrix.x4 (three per tile and warp, FA4's way) instead of
-// 24 32-bit stores (session 32: ncu counts our shared stores at twice FA4's). Default since
-// session 33's same-process A/B: +0.7 / +1.6% at 2k / 4k without a mask, causal +-0.3%; 0 builds
-// the 32-bit stores (A/B)
-#define FC_PDS_STMATRIX 1
-#endif
 
 using T = typename dtype_of<FC_DTYPE>::type;
 constexpr int kHeadDim = 192;
@@ -110,7 +99,7 @@ constexpr int kConsumerWarps = 4 * kConsumers;
 constexpr int kProducerRegs = FC_PRODUCER_REGS;
 constexpr int kConsumerRegs = FC_CONSUMER_REGS;
 
-constexpr int kKeys = kBlockN / kConsumers;    // 48: keys of S / dP / dK^T / dV^T per warpgroup
+constexpr int kKeys = kBlockN / kConsumers;    // 48: keys of S / dP per warpgroup
 constexpr int kDCols = kHeadDim / kConsumers;  // 96: dQ columns per warpgroup
 constexpr int kDTiles = kHeadDim / 64;         // 3: m64 tiles of dK^T / dV^T's head-dim rows
 
@@ -143,9 +132,8 @@ constexpr int kStageBytes = kBlockN * kStageStride * 2;
 
 // Named barriers (0 is __syncthreads): 1 both consumers' dS stored; 2 the epilogue's; 3 + w
 // consumer w's own threads; 5 + w "the other consumer's readers of this step's dS are done" (an
-// arrive by the other, a sync by w before it stores the next step's dS); FC_KV_ROLES adds 7 (P),
-// 8 (P read), 9 (with 1: both dS halves stored) and 10, 11 (the epilogue's meeting), see
-// consume_roles.
+// arrive by the other, a sync by w before it stores the next step's dS); 7 (P), 8 (P read), 9
+// (with 1: both dS halves stored) and 10, 11 (the epilogue's meeting), see consume_roles.
 constexpr int kBarBoth = 1, kBarEpilogue = 2, kBarOwn = 3, kBarDsRead = 5;
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -256,8 +244,7 @@ __device__ __forceinline__ uint32_t swizzled32_word(int row, int col) {
   return row * 32 + ((((col >> 3) ^ ((row >> 2) & 1)) << 4) | ((col & 7) << 1));
 }
 
-// A consumer warpgroup's per-step tiles and the GEMMs that make them (both layouts of the key
-// gradients below share them).
+// A consumer warpgroup's per-step tiles and the GEMMs that make them.
 struct StepTiles {
   float s[kKeys / 2];    // S, then P (fp32): 64 queries x 48 keys
   float dp[kKeys / 2];   // dP, then dS
@@ -340,58 +327,40 @@ struct StepTiles {
 
   // P (wide_bwd::probs), then stored (16-bit) into the P tile at this warpgroup's keys; `row` =
   // this lane's first query row in the block (16 warp + g), `key0` = its first key column in the
-  // block (48 w + 2t), `at` its store_tile offsets.
+  // block (48 w + 2t), `at` its store_tile offset.
   template <bool kMasked>
   __device__ __forceinline__ void probs(const float* lse2, float scale_log2, const Mask& mask,
                                         int m0, int n0, int row, int key0, uint32_t p_tile,
-                                        const uint32_t (&at)[2]) {
+                                        uint32_t at) {
     wide_bwd::probs<kMasked, kKeys>(s, lse2, scale_log2, mask, m0, n0, row, key0);
     store_tile(p_tile, s, at);
   }
 
   // A m64n48 accumulator (16-bit) into this warpgroup's keys of a [query][key] tile of 32B
-  // chunks: lane (g, t) holds rows row, row + 8 and keys 48 w + 8 j + 2t, + 1, i.e. chunk 3w + j / 2,
-  // 16-byte half j & 1 of the chunk's row, swizzled by row bit 2 (the same for row + 8). So the
-  // lane's word is at one of two offsets from `tile`, `at[j & 1]` (lane_offsets), plus the
-  // constant (j / 2) chunks + 8 rows: two registers for every store of P and of dS. A warp's
-  // stores of one j cover 8 rows x 16 bytes of a 256-byte atom in distinct banks.
-  // FC_PDS_STMATRIX: stmatrix.x4 k stores key groups 2k, 2k + 1 (8 keys each) of the warp's 16
-  // rows as four 8 x 8 matrices — (2k, rows 0-7), (2k, 8-15), (2k + 1, 0-7), (2k + 1, 8-15) —
-  // whose registers are exactly the accumulator's pairs c[8k ..]; lane l gives the row address of
-  // matrix l / 8, row l % 8: at[0] + k chunks (lane_offsets).
+  // chunks (lane (g, t) holds rows row, row + 8 and keys 48 w + 8 j + 2t, + 1) by stmatrix.x4,
+  // FA4's way: store k takes key groups 2k, 2k + 1 (8 keys each) of the warp's 16 rows as four
+  // 8 x 8 matrices — (2k, rows 0-7), (2k, 8-15), (2k + 1, 0-7), (2k + 1, 8-15) — whose registers
+  // are exactly the accumulator's pairs c[8k ..]; lane l gives the row address of matrix l / 8,
+  // row l % 8: `at` (lane_offset) + k chunks. Three per tile and warp, where 32-bit stores took 24
+  // (session 32: ncu counted our shared stores at twice FA4's): +0.7 / +1.6% at 2k / 4k without
+  // a mask, causal +-0.3% (session 33's same-process A/B).
   __device__ __forceinline__ static void store_tile(uint32_t tile, const float (&c)[kKeys / 2],
-                                                    const uint32_t (&at)[2]) {
-#if FC_PDS_STMATRIX
+                                                    uint32_t at) {
 #pragma unroll
     for (int k = 0; k < kKeys / 16; ++k) {
-      stmatrix_x4(tile + at[0] + k * kPChunkBytes, pack2<T>(c[8 * k], c[8 * k + 1]),
+      stmatrix_x4(tile + at + k * kPChunkBytes, pack2<T>(c[8 * k], c[8 * k + 1]),
                   pack2<T>(c[8 * k + 2], c[8 * k + 3]), pack2<T>(c[8 * k + 4], c[8 * k + 5]),
                   pack2<T>(c[8 * k + 6], c[8 * k + 7]));
     }
-#else
-#pragma unroll
-    for (int j = 0; j < kKeys / 8; ++j) {
-      const uint32_t word = tile + at[j & 1] + (j / 2) * kPChunkBytes;
-      store_shared_32(word, pack2<T>(c[4 * j], c[4 * j + 1]));
-      store_shared_32(word + 8 * 32, pack2<T>(c[4 * j + 2], c[4 * j + 3]));
-    }
-#endif
   }
-  // store_tile's two offsets of lane (row, t) in consumer w's keys: swizzled32_word(row, 8 h +
-  // 2t) of chunk 3w, h = 0, 1.
-  __device__ __forceinline__ static void lane_offsets(uint32_t (&at)[2], int w, int row, int t) {
-#if FC_PDS_STMATRIX
-    // stmatrix: lane l = 4 (row % 8) + t addresses row l % 8 (+ 8 for odd matrices l / 8) of the
-    // warp's 16 and the 16-byte half (l / 8) / 2 of chunk 3w (+ k chunks per store)
+  // store_tile's offset `at` for lane l = 4 (row % 8) + t of consumer w: row l % 8 (+ 8 for odd
+  // matrices l / 8) of the warp's 16 and the 16-byte half (l / 8) / 2 of chunk 3w (+ k chunks per
+  // store). (An out-parameter: returned by value, NVRTC 13.0 scheduled the kernel without
+  // FC_LPT_TAIL differently, same instruction count; session 39 kept the SASS.)
+  __device__ __forceinline__ static void lane_offset(uint32_t& at, int w, int row, int t) {
     const int lane = 4 * (row & 7) + t, f = lane >> 3;
-    at[0] = (kKeys / 16) * w * kPChunkBytes +
-            swizzled32_word((row & ~15) + (lane & 7) + 8 * (f & 1), 8 * (f >> 1));
-    at[1] = 0;
-#else
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      at[h] = (kKeys / 16) * w * kPChunkBytes + swizzled32_word(row, 8 * h + 2 * t);
-#endif
+    at = (kKeys / 16) * w * kPChunkBytes +
+         swizzled32_word((row & ~15) + (lane & 7) + 8 * (f & 1), 8 * (f >> 1));
   }
 
   // This warpgroup's 64 x 96 dQ tile in its registers' order into its staging buffer: dq[4 j ..
@@ -424,34 +393,17 @@ struct StepTiles {
   }
 };
 
-// The key split's consumer: dK^T_w / dV^T_w over all head-dim rows and this warpgroup's keys.
-struct Consumer : StepTiles {
-  float dk[kDTiles][kKeys / 2];  // dK^T rows [64 i, + 64) x this warpgroup's 48 keys (m64n48)
-  float dv[kDTiles][kKeys / 2];
-
-  // dK^T / dV^T belong to the tensor cores between a wgmma's issue and its wait: keep the
-  // compiler's reads and writes of them on their side of both.
-  __device__ __forceinline__ void hold_key_grads() {
-#pragma unroll
-    for (int i = 0; i < kDTiles; ++i) {
-      wgmma_fence_operands(dv[i]);
-      wgmma_fence_operands(dk[i]);
-    }
-  }
-};
-
-#if FC_KV_ROLES
-// ---- FC_KV_ROLES = 1 (the default): dV^T in warpgroup 0, dK^T in warpgroup 1 ----------------------
-// The key split (FC_KV_ROLES = 0, the kernel's own loop below) makes each warpgroup's dV^T_w /
-// dK^T_w read all of dO^T / Q^T as their A operands (3 x 8 KB each per step, twice over the two
-// warpgroups) for an N of 48 keys. Here warpgroup 0 keeps dV^T and warpgroup 1 dK^T, each over
-// all 96 keys (m64n96, the same 144 accumulator registers): A is read once per step, and the
+// ---- the consumers: dV^T in warpgroup 0, dK^T in warpgroup 1 ------------------------------------
+// Session 30's layout (dV^T_w / dK^T_w split by keys) made each warpgroup's key gradients read all
+// of dO^T / Q^T as their A operands (3 x 8 KB each per step, twice over the two warpgroups) for
+// an N of 48 keys. Here warpgroup 0 keeps dV^T and warpgroup 1 dK^T, each over all 96 keys
+// (m64n96, the same 144 accumulator registers): A is read once per step, and the
 // per-step operand reads of the key gradients fall from 2 x 84 KB to 2 x 60 KB (the step is
 // bound by the shared-memory pipe: docs/perf-notes.md, session 30's ncu; +4 to +10%, session 31).
 // S / dP stay split by keys and dQ by columns; the hand-offs become
 //   P:  dV^T (warpgroup 0) reads both halves: warpgroup 1 arrives on kBarP once its P_1 is
 //       stored, and waits on kBarPRead (warpgroup 0's previous dV^T is done) before storing it;
-//   dS: dK^T (warpgroup 1) and both dQs read both halves: kBarBoth as in the key split; before
+//   dS: dK^T (warpgroup 1) and both dQs read both halves: kBarBoth (the meeting below); before
 //       storing dS_0, warpgroup 0 waits for warpgroup 1's previous dQ_1 and dK^T (kBarDsRead),
 //       before dS_1 warpgroup 1 for warpgroup 0's previous dQ_0.
 // dO is released by warpgroup 0 after dV^T and by warpgroup 1 after dP; the Q stage by warpgroup
@@ -474,9 +426,11 @@ __device__ __forceinline__ void meet(int id0, int id1) {
   named_barrier_sync(kW == 0 ? id1 : id0, 256);
 }
 
-struct RoleConsumer : StepTiles {
+struct Consumer : StepTiles {
   float kv[kDTiles][kBlockN / 2];  // dV^T (w = 0) or dK^T (w = 1): rows [64 i, + 64) x 96 keys
 
+  // the key gradient belongs to the tensor cores between a wgmma's issue and its wait: keep the
+  // compiler's reads and writes of it on their side of both
   __device__ __forceinline__ void hold_key_grads() {
 #pragma unroll
     for (int i = 0; i < kDTiles; ++i) wgmma_fence_operands(kv[i]);
@@ -499,9 +453,9 @@ __device__ __forceinline__ void consume_roles(const Smem& sm, const Steps& steps
   const uint32_t k_rows0 = sm.k() + kKeys * kW * 64;
   const uint32_t v_rows0 = sm.v() + kKeys * kW * 128;
   const uint32_t k_cols0 = sm.k() + (kDCols / 32) * kW * kKChunkBytes;
-  uint32_t at[2];
-  StepTiles::lane_offsets(at, kW, row, t);
-  RoleConsumer cs;
+  uint32_t at;
+  StepTiles::lane_offset(at, kW, row, t);
+  Consumer cs;
 #pragma unroll
   for (int i = 0; i < kDTiles; ++i)
 #pragma unroll
@@ -511,7 +465,9 @@ __device__ __forceinline__ void consume_roles(const Smem& sm, const Steps& steps
   const int count = steps.count();
   StepCursor cursor;
   for (int it = 0; it < count; ++it) {
-    // (opaque each step, as in the key split's loop)
+    // The slices' addresses made opaque each step: their descriptors are then summed where the
+    // wgmmas are issued (uniform adds) instead of hoisted out of the loop into registers, which
+    // spilled (the accumulators take most of the 240; session 30).
     uint32_t k_rows = k_rows0, v_rows = v_rows0, k_cols = k_cols0, p_all = sm.p();
     uint32_t ds_all = sm.ds(), dout = sm.dout();
     asm volatile("" : "+r"(k_rows), "+r"(v_rows), "+r"(k_cols), "+r"(p_all), "+r"(ds_all),
@@ -589,7 +545,6 @@ __device__ __forceinline__ void consume_roles(const Smem& sm, const Steps& steps
   wide_bwd::stage_transposed<T, kDTiles, kBlockN, kStageStride>(
       sm.q(0) + (1 - kW) * kStageBytes, cs.kv, kW == 1 ? softmax_scale : 1.f, 0, row, 2 * t);
 }
-#endif
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 64 x 64, 128B
@@ -636,7 +591,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
 
   // ---- consumer warpgroups
   setmaxnreg_inc<kConsumerRegs>();
-#if FC_KV_ROLES
   if (wg == 1) {
     consume_roles<0>(sm, steps, mask, n0, head_kv, batch, nheads, seqlen_q_pad, scale_log2,
                      softmax_scale, dq_accum);
@@ -644,106 +598,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: box 6
     consume_roles<1>(sm, steps, mask, n0, head_kv, batch, nheads, seqlen_q_pad, scale_log2,
                      softmax_scale, dq_accum);
   }
-#else
-  const int w = wg - 1;
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  const int warp = static_cast<int>((threadIdx.x / 32) % 4);  // within the warpgroup
-  const int g = lane >> 2, t = lane & 3;
-  const int row = 16 * warp + g;       // this lane's first accumulator row (query / d in a tile)
-  const int key0 = kKeys * w + 2 * t;  // this lane's first S / dP key column in the block
-  const int tw = static_cast<int>(threadIdx.x & 127);  // thread within the warpgroup
-  // this warpgroup's operand slices: its 48 K / V rows, its 3 chunks of P / dS keys, its 3
-  // chunks of K's columns for dQ
-  const uint32_t k_rows0 = sm.k() + kKeys * w * 64;
-  const uint32_t v_rows0 = sm.v() + kKeys * w * 128;
-  const uint32_t p_keys0 = sm.p() + (kKeys / 16) * w * kPChunkBytes;
-  const uint32_t ds_keys0 = sm.ds() + (kKeys / 16) * w * kPChunkBytes;
-  const uint32_t k_cols0 = sm.k() + (kDCols / 32) * w * kKChunkBytes;
-  uint32_t at[2];  // this lane's word offsets in the P / dS tiles (store_tile)
-  Consumer::lane_offsets(at, w, row, t);
-  Consumer cs;
-#pragma unroll
-  for (int i = 0; i < kDTiles; ++i)
-#pragma unroll
-    for (int j = 0; j < kKeys / 2; ++j) cs.dk[i][j] = cs.dv[i][j] = 0.f;
-  mbar_wait(sm.kv_full(), 0);  // also when there are no steps: no TMA may outlive the CTA
 
-  const int count = steps.count();
-  StepCursor cursor;
-  for (int it = 0; it < count; ++it) {
-    // The slices' addresses made opaque each step: their descriptors are then summed where the
-    // wgmmas are issued (uniform adds) instead of 54 of them hoisted out of the loop into
-    // registers, which spilled (the accumulators take 192 of the 240).
-    uint32_t k_rows = k_rows0, v_rows = v_rows0, p_keys = p_keys0, ds_keys = ds_keys0;
-    uint32_t k_cols = k_cols0, dout = sm.dout();
-    asm volatile("" : "+r"(k_rows), "+r"(v_rows), "+r"(p_keys), "+r"(ds_keys), "+r"(k_cols),
-                 "+r"(dout));
-    const int st = q_stage(it);
-    int h, m0;
-    cursor.take(steps, head_kv, h, m0);
-    const int64_t bh = static_cast<int64_t>(batch) * nheads + h;
-
-    cs.issue_scores_dp(sm, it, k_rows, v_rows, dout);
-
-    const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + kKeys * w, kKeys);
-    wgmma_wait<1>();  // S
-    wgmma_fence_operands(cs.s);
-    // P_w's only reader is this warpgroup's previous dV^T, complete (waited at its step)
-    if (masked) {
-      cs.probs<true>(sm.lse2_ptr(st), scale_log2, mask, m0, n0, row, key0, sm.p(), at);
-    } else {
-      cs.probs<false>(sm.lse2_ptr(st), scale_log2, mask, m0, n0, row, key0, sm.p(), at);
-    }
-    fence_proxy_async();  // the generic stores before the async-proxy reads of the wgmmas
-    named_barrier_sync(kBarOwn + w, 128);
-    cs.hold_key_grads();
-    wgmma_fence();
-    Consumer::issue_key_grad<kKeys>(cs.dv, dout, p_keys);
-    wgmma_commit();
-
-    wgmma_wait<1>();  // dP (dV^T may still run)
-    wgmma_fence_operands(cs.dp);
-    if (masked) {
-      wide_bwd::dsoftmax<true, kKeys>(cs.s, cs.dp, sm.delta_ptr(st), row);
-    } else {
-      wide_bwd::dsoftmax<false, kKeys>(cs.s, cs.dp, sm.delta_ptr(st), row);
-    }
-    // dS_w is read by this warpgroup's dK^T and by both dQs: the other's previous dQ must be done
-    if (it > 0) named_barrier_sync(kBarDsRead + w, 256);
-    Consumer::store_tile(sm.ds(), cs.dp, at);
-    if (tw == 0) bulk_wait_group_read<0>();  // the previous dQ reduction has read the staging
-    fence_proxy_async();
-    named_barrier_sync(kBarBoth, 256);
-
-    wgmma_fresh(cs.dq);
-    wgmma_fence();
-    cs.issue_dq(sm.ds(), k_cols);
-    cs.hold_key_grads();
-    Consumer::issue_key_grad<kKeys>(cs.dk, sm.q(st), ds_keys);
-    wgmma_commit();
-
-    wgmma_wait<2>();  // dV^T: dO is free
-    wide_bwd::release(sm.do_empty());
-    wgmma_wait<1>();  // dQ
-    wgmma_fence_operands(cs.dq);
-    if (it + 1 < count) named_barrier_arrive(kBarDsRead + (1 - w), 256);
-    cs.reduce_dq(sm, w, tw, dq_accum, bh, seqlen_q_pad, m0);
-    wgmma_wait<0>();  // dK^T: the Q stage (and its lse2 / delta) is free
-    cs.hold_key_grads();
-    wide_bwd::release(sm.q_empty(st));
-  }
-  if (tw == 0) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
-
-  // ---- epilogue: every consumer's wgmmas are done (each waited for its own before the barrier),
-  // so Q .. dS are free: dK^T * softmax_scale, then dV^T, transposed through them.
-  const uint32_t stage = sm.q(0);
-  named_barrier_sync(kBarEpilogue, 256);
-  // (dK^T / dV^T: all head-dim rows, this warpgroup's 48 keys)
-  using wide_bwd::stage_transposed;
-  stage_transposed<T, kDTiles, kKeys, kStageStride>(stage, cs.dk, softmax_scale, 0, row, key0);
-  stage_transposed<T, kDTiles, kKeys, kStageStride>(stage + kStageBytes, cs.dv, 1.f, 0, row,
-                                                    key0);
-#endif
+  // ---- epilogue: both key gradients are staged (consume_roles' last meeting): copy them out
   const int tid = static_cast<int>(threadIdx.x) - 128;
   const int keys = min(kBlockN, seqlen_k - n0);
   const uint8_t* stage_ptr = sm.ptr + kSmemQ;

@@ -24,8 +24,8 @@
 //                 B = P / dS stored [query][key] (read MN-major: imm-trans-b)
 //     dQ_w = dS K[:, kDRows w ..]: A = dS read K-major, B = K stored [key][d] read MN-major;
 //                 M = kBlockM queries, N = kDRows head-dim columns, reduced into dq_accum (PRE
-//                 zeroed it, CONVERT scales it) by bulk reduce-adds from shared memory
-//                 (FC_DQ_STAGE, the host's default) or red.global.add per thread.
+//                 zeroed it, CONVERT scales it) by bulk reduce-adds from shared memory (the
+//                 stage's own Q / dO chunks, see "dQ" below).
 //
 // Feature matrix
 //   dtypes        fp16, bf16 in and out; fp32 accumulation; fp32 dQ accumulator (atomics: not
@@ -35,6 +35,12 @@
 //   masking       mask.cuh's band (causal, sliding window, none); ragged seqlen_q / seqlen_k
 //   heads         MHA, GQA, MQA: the CTA loops over the query heads of its KV head
 //   arch          sm_90a only (wgmma, setmaxnreg)
+//   removed       (session 39; the dQ forms each measured on the H200 as a loss, docs/perf-notes.md
+//                 sessions 27-28) dQ by red.global.add.v2 per thread into a row-major dq_accum
+//                 (FC_DQ_STAGE=0, the host's FLASHCUDA_SM90_BWD_WIDE_DQ=red) and by red.v4
+//                 (FC_DQ_V4); both halves of the dQ tile staged after dK^T (FC_DQ_STAGE_SPLIT=0);
+//                 and the timing probe without the dQ reductions (FC_PROBE_NO_DQ, a wrong dQ,
+//                 never dispatched)
 //
 // One CTA per (key block of kBlockN keys, KV head, batch); it loops over the (query head, query
 // block of kBlockM rows) pairs that see the key block (mask.cuh's KeyBlockSteps). Warpgroups:
@@ -47,10 +53,10 @@
 //     wait full[s] | issue S_w = Q K_w^T, then dP_w = dO V_w^T (two commit groups) | wait S:
 //     P = exp2(S scale_log2 - lse2) (0 where masked) -> 16-bit -> P tile | wait dP: dS = P o (dP -
 //     delta) (0 where masked) -> 16-bit -> dS tile | fence.proxy.async, named barrier of the
-//     consumers | issue dQ_w (a group), then dV^T_w and dK^T_w (a group) | FC_DQ_STAGE: wait
-//     all, dQ into the stage's own Q / dO chunks, two bulk reduce-adds (the stage is released at
-//     the next step, once they have read it); else: wait for dQ, its red.global while the tensor
-//     cores run dV^T / dK^T, wait all, release s.
+//     consumers | issue dQ_w and dV^T_w (a group), then dK^T_w (a group) | wait dQ / dV^T: the
+//     dQ tile's second half into the stage's own dO chunks, its bulk reduce-add while the tensor
+//     cores run dK^T | wait dK^T: the first half into its own Q chunks, the second bulk
+//     reduce-add (the stage is released at the next step, once both have read it).
 // d256: P and dS are double-buffered (tile it & 1), so one barrier per step suffices: at step
 // it + 1 a consumer writes tile (it + 1) & 1, whose last readers (step it - 1's GEMMs of every
 // consumer) finished before their consumer arrived at step it's barrier. d192 (kPBuffers = 1:
@@ -74,7 +80,6 @@
 #include "common/types.cuh"
 #include "common/sm90.cuh"
 #include "common/smem.cuh"
-#include "common/reduce.cuh"
 #include "attention/mask.cuh"
 #include "attention/online_softmax.cuh"
 #include "attention/sm90_bwd_wide.cuh"
@@ -120,45 +125,26 @@ constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;
 constexpr int kStageStride = kHeadDim + 8;
 constexpr int kStageBytes = kBlockN * kStageStride * 2;
 
-#ifndef FC_DQ_STAGE
-// 1 (the host's default, FLASHCUDA_SM90_BWD_WIDE_DQ=stage; +13 to +20% over red.v2 at d256 on
-// the H200): dQ by bulk reduce-adds from shared memory instead of red.global per thread (with
-// red.v2 the reductions were 44% of the warp-stall samples and a probe without them ran
-// 1.6-1.9x faster: the L2's reduction rate, not the tensor cores, set the pace). Shared memory
-// has no room for a staging tile, but once a step's GEMMs are done, warpgroup w's own Q and dO
-// chunks of the stage (its head-dim columns, read since the barrier by its dV^T / dK^T only:
-// 2 x kDTiles x 8 KB) are free: it stores its 64 x kDRows dQ tile there in its registers' order
-// (kDTiles 64 x 64 blocks, flash_bwd_sm90.cu's FC_DQ_FRAG order), and one thread issues two
-// cp.reduce.async.bulk .add.f32 into dq_accum laid out in that order (CONVERT's FC_DQ_FRAG_M
-// reader). That thread waits for the reductions to have read the stage before its warp releases
-// the stage, at the next step (so the wait is off the critical path).
-// (Tried in session 27, docs/perf-notes.md: red.v4, FC_DQ_V4 below, -3 to -4%; a step's dV^T /
-// dK^T issued behind the next step's S / dP, -1.3 to 0%, removed; the next step's S / dP issued
-// before this step's dQ reductions: spills and serialised wgmmas at compile time, not run.)
-#define FC_DQ_STAGE 0
-#endif
-constexpr bool kDqStage = FC_DQ_STAGE;
-#ifndef FC_DQ_STAGE_SPLIT
-// With FC_DQ_STAGE, the default (0: A/B, the staging after dK^T as first written): dQ and dV^T
-// are one commit group and dK^T the next, so once dV^T is done the dO chunks take the second
-// half of the dQ tile and its bulk reduce-add is issued while the tensor cores still run dK^T;
-// then the Q chunks take the first half. Predicted +1-4% at d256; measured +10.3 to +14.9% at
-// d256 and +6.1 / +6.4% at d192 (session 28, same-process A/B, 15 rounds): the L2's reduction
-// rate is the wall (see FC_DQ_STAGE), and half of each step's dQ bytes now reach it a dK^T
-// earlier, so the reductions overlap the tensor work instead of queueing behind it.
-#define FC_DQ_STAGE_SPLIT FC_DQ_STAGE
-#endif
-constexpr bool kDqStageSplit = FC_DQ_STAGE_SPLIT;
-static_assert(!kDqStageSplit || kDqStage, "FC_DQ_STAGE_SPLIT splits FC_DQ_STAGE's staging");
-#ifndef FC_DQ_V4
-// 1: dQ by red.global.add.v4 (16 bytes) after a lane-pair exchange, instead of red.v2 (A/B)
-#define FC_DQ_V4 0
-#endif
-#ifndef FC_PROBE_NO_DQ
-// 1: a timing probe that skips the dQ reductions but keeps the dQ GEMM (dQ is left zero: wrong;
-// never dispatched, an A/B arm measuring what the reductions cost)
-#define FC_PROBE_NO_DQ 0
-#endif
+// dQ: bulk reduce-adds from shared memory, +13 to +20% over red.global.add.v2 per thread at d256
+// on the H200 (session 27, docs/perf-notes.md: with red.v2 the reductions were 44% of the
+// warp-stall samples and a probe without them ran 1.6-1.9x faster: the L2's reduction rate, not
+// the tensor cores, set the pace). Shared memory has no room for a staging tile, but once a
+// step's GEMMs are done, warpgroup w's own Q and dO chunks of the stage (its head-dim columns,
+// read since the barrier by its dV^T / dK^T only: 2 x kDTiles x 8 KB) are free: it stores its
+// 64 x kDRows dQ tile there in its registers' order (kDTiles 64 x 64 blocks, flash_bwd_sm90.cu's
+// frag order), and one thread issues two cp.reduce.async.bulk .add.f32 into dq_accum laid out in
+// that order (CONVERT's FC_DQ_FRAG_M reader). The staging is split around dK^T: dQ and dV^T are
+// one commit group and dK^T the next, so once dV^T is done the dO chunks take the second half of
+// the dQ tile and its bulk reduce-add is issued while the tensor cores still run dK^T; then the
+// Q chunks take the first half. Measured +10.3 to +14.9% at d256 and +6.1 / +6.4% at d192 over
+// staging both halves after dK^T (session 28, same-process A/B, 15 rounds): the L2's reduction
+// rate is the wall, and half of each step's dQ bytes now reach it a dK^T earlier, so the
+// reductions overlap the tensor work instead of queueing behind it. That thread waits for the
+// reductions to have read the stage before its warp releases the stage, at the next step (so the
+// wait is off the critical path).
+// (Tried in session 27: a step's dV^T / dK^T issued behind the next step's S / dP, -1.3 to 0%,
+// removed; the next step's S / dP issued before this step's dQ reductions: spills and serialised
+// wgmmas at compile time, not run.)
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
 static_assert(kBlockM == 64 && ((kHeadDim == 256 && kConsumers == 2 && kBlockN == 64) ||
@@ -170,8 +156,8 @@ static_assert(kPBuffers == 1 || kPBuffers == 2, "one or two P / dS tiles");
 static_assert(2 * kStageBytes <= 2 * kStages * kQBytes, "dK / dV staging inside the Q / dO ring");
 static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= register_pool(kThreads),
               "register split over the CTA's pool at launch (register_pool, sm90.cuh)");
-static_assert(!kDqStage || (kDRows * 64 * 4 == 2 * kDTiles * kQChunkBytes && kBlockM == 64),
-              "FC_DQ_STAGE: a warpgroup's 64 x kDRows fp32 dQ tile fills its Q and dO chunks");
+static_assert(kDRows * 64 * 4 == 2 * kDTiles * kQChunkBytes && kBlockM == 64,
+              "dQ staging: a warpgroup's 64 x kDRows fp32 dQ tile fills its Q and dO chunks");
 static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with the host's smem_bytes");
 
 struct Smem {
@@ -357,46 +343,10 @@ struct Consumer {
     }
   }
 
-  // dq_accum += dQ_w; `dq_row`: this lane's first row (16 warp + g of the step) at column
-  // kDRows w + 2t. Rows past seqlen_q (inside Sq_pad) add zeros. red.v2: two 8-byte reductions per
-  // lane and 8-column block j; FC_DQ_V4: lanes t, t ^ 1 swap a row's pair so that the even lane
-  // holds 4 columns of row g and the odd one 4 of row g + 8, one 16-byte reduction each.
-  __device__ __forceinline__ void reduce_dq(float* dq_row, int t) const {
-#pragma unroll
-    for (int j = 0; j < kDRows / 8; ++j) {
-#if FC_DQ_V4
-      const bool odd = t & 1;
-      const float x = __shfl_xor_sync(0xffffffffu, odd ? dq[4 * j] : dq[4 * j + 2], 1);
-      const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[4 * j + 1] : dq[4 * j + 3], 1);
-      if (odd) {
-        red_add_f32x4(dq_row + 8 * kHeadDim + 8 * j - 2, x, y, dq[4 * j + 2], dq[4 * j + 3]);
-      } else {
-        red_add_f32x4(dq_row + 8 * j, dq[4 * j], dq[4 * j + 1], x, y);
-      }
-#else
-      red_add_f32x2(dq_row + 8 * j, dq[4 * j], dq[4 * j + 1]);
-      red_add_f32x2(dq_row + 8 * kHeadDim + 8 * j, dq[4 * j + 2], dq[4 * j + 3]);
-#endif
-    }
-  }
-
-  // FC_DQ_STAGE: this warpgroup's kDTiles 64 x 64 blocks of dQ in the registers' order, thread
-  // tw's dq[32 b + 4 k .. + 3] (block b, k < 8) at float 4096 b + 512 k + 4 tw of a kDTiles x 16
-  // KB range whose first half is at `lo` and second half at `hi` (a warp's 32 float4 are 512
-  // contiguous bytes: no bank conflicts).
-  __device__ __forceinline__ void stage_dq(uint32_t lo, uint32_t hi, int tw) const {
-    constexpr int kHalf = kDTiles * 2048;  // floats
-#pragma unroll
-    for (int q = 0; q < kDRows / 8; ++q) {  // float4 q of the registers
-      const int at = 4096 * (q / 8) + 512 * (q % 8) + 4 * tw;
-      const uint32_t addr = at < kHalf ? lo + 4 * at : hi + 4 * (at - kHalf);
-      const float* x = &dq[4 * q];
-      store_shared_16(addr, {__float_as_uint(x[0]), __float_as_uint(x[1]),
-                             __float_as_uint(x[2]), __float_as_uint(x[3])});
-    }
-  }
-  // The float4 of half kHalfIndex (0: floats [0, kDTiles 2048) of the range, at `base`; 1: the
-  // rest, at `base`).
+  // This warpgroup's kDTiles 64 x 64 blocks of dQ in the registers' order: thread tw's dq[32 b +
+  // 4 k .. + 3] (block b, k < 8) at float 4096 b + 512 k + 4 tw of a kDTiles x 16 KB range (a
+  // warp's 32 float4 are 512 contiguous bytes: no bank conflicts). Stores the float4 of half
+  // kHalfIndex of the range (0: floats [0, kDTiles 2048); 1: the rest) from `base` on.
   template <int kHalfIndex>
   __device__ __forceinline__ void stage_dq_half(uint32_t base, int tw) const {
     constexpr int kHalf = kDTiles * 2048;  // floats
@@ -490,11 +440,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_fence();
     Consumer::issue_scores(cs.s, sm.q(st), k_rows);
     Consumer::issue_scores(cs.dp, sm.dout(st), v_rows);
-    if constexpr (kDqStage) {  // the previous step's dQ reductions have read its stage: release it
-      if (it > 0) {
-        if (tw == 0) bulk_wait_group_read<0>();
-        wide_bwd::release(sm.empty(stage_of(it - 1)));
-      }
+    if (it > 0) {  // the previous step's dQ reductions have read its stage: release it
+      if (tw == 0) bulk_wait_group_read<0>();
+      wide_bwd::release(sm.empty(stage_of(it - 1)));
     }
 
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + kSKeys * w, kSKeys);
@@ -524,65 +472,32 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     cs.issue_dq(ds_tile, sm.k(), w);
     cs.hold_key_grads();
     Consumer::issue_key_grad(cs.dv, sm.dout(st), p_tile, w);
-    if constexpr (kDqStageSplit) wgmma_commit();  // dQ and dV^T: one group, dK^T the next
+    wgmma_commit();  // dQ and dV^T: one group, dK^T the next
     Consumer::issue_key_grad(cs.dk, sm.q(st), ds_tile, w);
     wgmma_commit();
-    if constexpr (kDqStageSplit) {
-      // dQ and dV^T done: the dO chunks take the second half of the dQ tile while dK^T runs
-      wgmma_wait<1>();
-      wgmma_fence_operands(cs.dq);
-      const uint32_t q_part = sm.q(st) + kDTiles * w * kQChunkBytes;
-      const uint32_t do_part = sm.dout(st) + kDTiles * w * kQChunkBytes;
-      float* dst = dq_accum + (bh * seqlen_q_pad + m0) * kHeadDim + kDTiles * w * 4096;
-      cs.stage_dq_half<1>(do_part, tw);
-      fence_proxy_async();
-      named_barrier_sync(3 + w, 128);
-      if (tw == 0) bulk_reduce_add_f32(dst + kDTiles * 2048, do_part, kDTiles * kQChunkBytes);
-      wgmma_wait<0>();  // dK^T: the Q chunks take the first half
-      cs.hold_key_grads();
-      cs.stage_dq_half<0>(q_part, tw);
-      fence_proxy_async();
-      named_barrier_sync(3 + w, 128);
-      if (tw == 0) {
-        bulk_reduce_add_f32(dst, q_part, kDTiles * kQChunkBytes);
-        bulk_commit_group();
-      }
-    } else if constexpr (kDqStage) {
-      wgmma_wait<0>();
-      wgmma_fence_operands(cs.dq);
-      cs.hold_key_grads();
-      // Since the barrier only this warpgroup's dV^T / dK^T read its Q / dO chunks of the stage
-      // (the S / dP of both warpgroups finished before it): they now take its dQ tile.
-      const uint32_t q_part = sm.q(st) + kDTiles * w * kQChunkBytes;
-      const uint32_t do_part = sm.dout(st) + kDTiles * w * kQChunkBytes;
-      cs.stage_dq(q_part, do_part, tw);
-      fence_proxy_async();  // the generic stores before the bulk reductions' reads
-      named_barrier_sync(3 + w, 128);
-      if (tw == 0) {  // blocks kDTiles w .. of the step's tile in dq_accum (4096 floats each)
-        float* dst = dq_accum + (bh * seqlen_q_pad + m0) * kHeadDim + kDTiles * w * 4096;
-        bulk_reduce_add_f32(dst, q_part, kDTiles * kQChunkBytes);
-        bulk_reduce_add_f32(dst + kDTiles * 2048, do_part, kDTiles * kQChunkBytes);
-        bulk_commit_group();
-      }
-    } else {
-      wgmma_wait<1>();  // dQ (groups retire in order); dV^T / dK^T may still run
-      wgmma_fence_operands(cs.dq);
-      if constexpr (!FC_PROBE_NO_DQ) {
-        cs.reduce_dq(dq_accum + (bh * seqlen_q_pad + m0 + row) * kHeadDim + kDRows * w + 2 * t, t);
-      } else {  // (the dQ GEMM stays: its results are used, under a condition ptxas cannot fold)
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < kDRows / 2; ++i) sum += cs.dq[i];
-        if (seqlen_q < 0) dq_accum[0] = sum;
-      }
-      wgmma_wait<0>();
-      cs.hold_key_grads();
-      wide_bwd::release(sm.empty(st));
+    // dQ and dV^T done: the dO chunks take the second half of the dQ tile while dK^T runs (since
+    // the barrier only this warpgroup's dV^T / dK^T read its Q / dO chunks of the stage; the S /
+    // dP of every warpgroup finished before it)
+    wgmma_wait<1>();
+    wgmma_fence_operands(cs.dq);
+    const uint32_t q_part = sm.q(st) + kDTiles * w * kQChunkBytes;
+    const uint32_t do_part = sm.dout(st) + kDTiles * w * kQChunkBytes;
+    float* dst = dq_accum + (bh * seqlen_q_pad + m0) * kHeadDim + kDTiles * w * 4096;
+    cs.stage_dq_half<1>(do_part, tw);
+    fence_proxy_async();
+    named_barrier_sync(3 + w, 128);
+    if (tw == 0) bulk_reduce_add_f32(dst + kDTiles * 2048, do_part, kDTiles * kQChunkBytes);
+    wgmma_wait<0>();  // dK^T: the Q chunks take the first half
+    cs.hold_key_grads();
+    cs.stage_dq_half<0>(q_part, tw);
+    fence_proxy_async();
+    named_barrier_sync(3 + w, 128);
+    if (tw == 0) {
+      bulk_reduce_add_f32(dst, q_part, kDTiles * kQChunkBytes);
+      bulk_commit_group();
     }
   }
-  if constexpr (kDqStage) {  // complete, not only read: no reduction outlives the CTA
-    if (tw == 0) bulk_wait_group<0>();
-  }
+  if (tw == 0) bulk_wait_group<0>();  // complete, not only read: no reduction outlives the CTA
 
   // ---- epilogue: every consumer's wgmmas are done (each waited for its own before the barrier),
   // so the Q / dO ring is free: dK^T * softmax_scale, then dV^T, transposed through it.
