@@ -8,13 +8,12 @@ environment within one process (every switch is part of fwd_sm90's plan key):
     full              no mask (the plain kernel)
     causal            the default kernel, causal
     causal-mv         FLASHCUDA_SM90_FWD_MASKED_V=1 (scans masked tiles, clean copy when poisoned)
-    causal-pad        the default kernel with the masked-V variant's shared-memory footprint
-                      (FLASHCUDA_SM90_SMEM_PAD = one V tile per consumer warpgroup)
     window            window_size=(-1, seqlen_k): every key visible, so no tile needs a mask
                       (the windowed kernel runs its unmasked loop over every key tile)
     window-mv         the same call through the masked-V variant: its scans never run
 If causal-mv costs what window-mv costs over window, the price is structural (code / schedule),
-not the scans; if causal-pad costs it, the footprint is the price.
+not the scans. (Session 9's causal-pad arm, the default kernel with the masked-V footprint,
+read 0.99-1.00x: the footprint is not the price; its FLASHCUDA_SM90_SMEM_PAD went in session 39.)
 `--arms` keeps only the named arms; each `--extra NAME:VAR=VALUE[;VAR=VALUE]` adds a causal arm
 run with those environment variables (e.g. a kernel knob through FLASHCUDA_SM90_FWD_DEFINES).
 Timing: CUDA events around `--calls` back-to-back calls (GPU-bound at these sizes), arms
@@ -60,12 +59,10 @@ def main() -> None:
           f"{a.calls} calls), ratio to the arm it is paired with")
     for b, s, h, d in a.shapes:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        pad_kib = fwd_sm90.select_config(torch.bfloat16, d, True, s).consumers * 128 * d * 2 // 1024
         arms = {
             "full": ({}, dict()),
             "causal": ({}, dict(causal=True)),
             "causal-mv": ({fwd_sm90.MASKED_V_ENV: "1"}, dict(causal=True)),
-            "causal-pad": ({fwd_sm90.SMEM_PAD_ENV: str(pad_kib)}, dict(causal=True)),
             "window": ({}, dict(window_size=(-1, s))),
             "window-mv": ({fwd_sm90.MASKED_V_ENV: "1"}, dict(window_size=(-1, s))),
         }
@@ -88,7 +85,7 @@ def main() -> None:
                     times[name].append(t)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         flops = 4 * b * h * s * s * d
-        print(f"-- {b}x{s}x{h} d{d} (pad {pad_kib} KiB)")
+        print(f"-- {b}x{s}x{h} d{d}")
         for name, m in med.items():
             base = ("window" if name.startswith("window") else
                     "full" if name.startswith("full") else "causal")

@@ -201,7 +201,7 @@ def main() -> None:
     props = torch.cuda.get_device_properties(dev)
     sms = props.multi_processor_count
     grid = cfg.grid(call, sms)
-    by_block = fwd_sm90.schedule_arg(call, cfg, props.L2_cache_size, grid[0])  # (FC_L2_SECTIONS)
+    by_block = fwd_sm90.schedule_arg(call, cfg, props.L2_cache_size, grid[0])  # (the L2 sections)
     slots = math.ceil(cfg.work_tiles(call) / grid[0]) + 1
     buf = torch.zeros(grid[0] * cfg.consumers * slots * WORDS, dtype=torch.int64, device=dev)
     kernel = get_kernel(cfg.spec(), dev)

@@ -13,11 +13,11 @@ for A/B), by default in two passes (two_passes: the kernel without masked V, rep
 whether any O value it computed is NaN / Inf, then the masked-V kernel for the CTAs that did;
 FLASHCUDA_SM90_FWD_NAN_FIXUP=0 runs the masked-V kernel alone). d128
 kernels write the softmax into both arms of the mask branch (SOFTMAX_IN_ARMS), which keeps
-ptxas's P V wait after the exp2s. A work tile's boundary (session 17): two Q buffers where they
-fit, O by a TMA store, the next work tile decoded under the last P V with magic-number
-divisions, masked V scanned by the producer warpgroup (with_boundary; FLASHCUDA_SM90_FWD_Q_STAGES=1,
-_O_TMA=0, _DECODE_AHEAD=0, _FAST_DIV=0, _MV_SCANNER=0 turn each off for A/B runs).
-FLASHCUDA_SM90_FWD_DEFINES and FLASHCUDA_SM90_SMEM_PAD build A/B variants of the .cu's knobs.
+ptxas's P V wait after the exp2s. A work tile's boundary (session 17): every kernel decodes its
+next work tile under the last P V with magic-number divisions (fast_div_args) and every masked-V
+kernel scans V in its producer warpgroup; two Q buffers and O by a TMA store where they fit
+(with_boundary; FLASHCUDA_SM90_FWD_Q_STAGES=1 and _O_TMA=0 turn either off for A/B runs).
+FLASHCUDA_SM90_FWD_DEFINES builds A/B variants of the .cu's knobs.
 
 `Sm90FwdConfig` is the single source of truth of a specialisation: tiles, stages, warpgroups,
 register split, shared memory (the .cu static_asserts the same layout), the name, the defines.
@@ -109,26 +109,18 @@ class Sm90FwdConfig:
     # exits at once in the others (FC_NAN_FIXUP)
     nan_flags: bool = False
     nan_fixup: bool = False
-    # unused shared memory before the barriers (FLASHCUDA_SM90_SMEM_PAD=<KiB>): an A/B variant
-    # that gives the default kernel the masked-V variant's footprint; never chosen by default
-    smem_pad: int = 0
-    # The work-tile boundary (session 17: on by default, each where it fits; with_boundary):
+    # The work-tile boundary's parts that depend on the room (session 17: on by default, each
+    # where it fits; with_boundary). In every kernel, whatever these say: the next work tile
+    # decoded under the last P V, by magic numbers (fast_div_args), and with masked_v the V
+    # scanner in the producer warpgroup (+ 4 barrier slots per stage; scanner_regs).
     # Q buffers (FC_Q_STAGES): the next work tile's Q loads while the current one's last key
     # tiles run
     q_stages: int = 1
     # O through a shared-memory staging tile per consumer and a TMA store (FC_O_TMA): one more
     # kernel argument, map_o
     o_tma: bool = False
-    # masked V's scans by warps 1 .. 3 of the producer warpgroup, verdicts behind an mbarrier per
-    # scan (FC_MV_SCANNER; masked-V kernels only)
-    mv_scanner: bool = False
-    # the schedule's divisions by multiply-high and shift, magic numbers from the host
-    # (FC_FAST_DIV): ten more kernel arguments, fast_div_args
-    fast_div: bool = False
-    # each consumer decodes its next work tile under its last P V (FC_DECODE_AHEAD)
-    decode_ahead: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_FWD_DEFINES="NAME=VALUE,..."): A/B variants of a
-    # kernel knob the .cu documents (e.g. FC_MV_SCAN_UNROLL); never chosen by default
+    # kernel knob the .cu documents (e.g. FC_MASK_BITS=0); never chosen by default
     defines: tuple = ()
 
     def __post_init__(self) -> None:
@@ -145,8 +137,6 @@ class Sm90FwdConfig:
                              f"got {self.block_n}")
         if self.stages < 1:
             raise ValueError(f"Sm90FwdConfig.stages: expected >= 1, got {self.stages}")
-        if self.mv_scanner and not self.masked_v:
-            raise ValueError("Sm90FwdConfig.mv_scanner: the V scanner needs masked_v")
         if self.nan_flags and self.masked_v:
             raise ValueError("Sm90FwdConfig.nan_flags: the first pass is a kernel without "
                              "masked_v")
@@ -182,40 +172,32 @@ class Sm90FwdConfig:
         """1024 B alignment slack + q_stages x Q + stages x (K + V) [+ the clean V tiles] [+ the
         O staging tiles] + the mbarriers (as the .cu lays out)."""
         barriers = 2 * self.q_stages + 4 * self.stages
-        barriers += 4 * self.stages if self.mv_scanner else 0  # v_scanned[], requests, verdicts
+        barriers += 4 * self.stages if self.masked_v else 0  # the scanners' v_scanned[], ...
         clean = self.consumers * self.kv_bytes if self.masked_v else 0
         # FC_O_TMA's staging tiles (with masked V: in the clean V tiles, no bytes of their own)
         staged = self.o_tma and not self.masked_v
         staging = self.consumers * 64 * self.head_dim * 2 if staged else 0
         return (1024 + self.q_stages * self.q_bytes + 2 * self.stages * self.kv_bytes + clean
-                + staging + self.smem_pad + BARRIER_BYTES * barriers)
+                + staging + BARRIER_BYTES * barriers)
 
     @property
     def name(self) -> str:
+        """The kernel's name. `_ms` (the V scanner, with `_mv`) and `_fd_da` (the magic-number
+        divisions and the decode ahead) name parts that every such kernel has since session 39,
+        when their A/B switches went: kept, so that names match the run records before it."""
         return (f"flash_fwd_sm90_{DTYPE_NAME[self.dtype]}_d{self.head_dim}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}{'_pp' if self.pingpong else ''}"
                 f"{'_sn' if self.snake else ''}{'_tl' if self.timeline else ''}"
                 f"{'_mv' if self.masked_v else ''}{'_nf' if self.nan_flags else ''}"
                 f"{'_fx' if self.nan_fixup else ''}"
-                f"{f'_pad{self.smem_pad // 1024}k' if self.smem_pad else ''}"
                 f"{f'_q{self.q_stages}' if self.q_stages != 1 else ''}"
-                f"{'_ot' if self.o_tma else ''}{'_ms' if self.mv_scanner else ''}"
-                f"{'_fd' if self.fast_div else ''}{'_da' if self.decode_ahead else ''}"
+                f"{'_ot' if self.o_tma else ''}{'_ms' if self.masked_v else ''}_fd_da"
                 + defines_suffix(self.defines))
 
     @property
     def windowed(self) -> bool:
         """A kernel built for windowed calls: the masked-V kernel or the first pass before it."""
         return self.masked_v or self.nan_flags
-
-    @property
-    def first_half(self) -> bool:
-        """FC_FIRST_HALF: the windowed kernels of FIRST_HALF's heights on the default pipeline.
-        The A/B variants without ping-pong or without the fast divisions build without it: with
-        it ptxas serialises their wgmma (C7519 / C7520) or spills 4 bytes (at 168 registers),
-        NVRTC 13.0 and 13.5 alike (session 20)."""
-        return (self.windowed and self.pingpong and self.fast_div
-                and self.block_m in FIRST_HALF.get(self.head_dim, ()))
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
@@ -233,17 +215,12 @@ class Sm90FwdConfig:
             **({"FC_MASKED_V": 1} if self.masked_v else {}),
             **({"FC_NAN_FLAGS": 1} if self.nan_flags else {}),
             **({"FC_NAN_FIXUP": 1} if self.nan_fixup else {}),
-            **({"FC_SMEM_PAD": self.smem_pad} if self.smem_pad else {}),
             **({"FC_Q_STAGES": self.q_stages} if self.q_stages != 1 else {}),
             **({"FC_O_TMA": 1} if self.o_tma else {}),
-            **({"FC_MV_SCANNER": 1} if self.mv_scanner else {}),
-            **({"FC_FAST_DIV": 1} if self.fast_div else {}),
-            **({"FC_DECODE_AHEAD": 1} if self.decode_ahead else {}),
             "FC_SOFTMAX_IN_ARMS": int(self.head_dim in SOFTMAX_IN_ARMS),
             **({"FC_MASK_BITS": 1} if MASK_BITS and self.windowed and self.block_n <= 128 else {}),
             **({"FC_EXP_SPLIT": EXP_SPLIT[self.head_dim]} if self.head_dim in EXP_SPLIT else {}),
             **({"FC_RESCALE_EARLY": 1} if self.head_dim in RESCALE_EARLY else {}),
-            **({"FC_FIRST_HALF": 1} if self.first_half else {}),
             **({"FC_O_QUAD": 1} if self.block_m in O_QUAD.get(self.head_dim, ()) else {}),
             **dict(self.defines),
         })
@@ -340,7 +317,6 @@ NO_FEW_ROUNDS_SNAKE = (192,)  # head dims
 # the masked-V variant for windowed calls: on by default (session 9: 1-5% on causal calls, the
 # scans of the masked tiles); 0 builds the kernel that lets 0 x NaN through (A/B; see the .cu)
 MASKED_V_ENV = "FLASHCUDA_SM90_FWD_MASKED_V"
-SMEM_PAD_ENV = "FLASHCUDA_SM90_SMEM_PAD"  # KiB of unused shared memory (A/B of the footprint)
 # K / V ring depth for calls without a window (A/B; default 2, FA3's and FA4's; a third stage fits
 # at 128 keys: 1 KB + Q 32 KB + 3 x 64 KB at d128). Windowed calls keep 2 (their masked-V clean
 # tiles would not fit with a third).
@@ -348,18 +324,14 @@ STAGES_ENV = "FLASHCUDA_SM90_FWD_STAGES"
 # The work-tile boundary's parts, on by default since session 17 (perf-notes "the work-tile
 # boundary, made the default": together -2.8 to +11.7% at 512-4k, gains at 15 of 16 points, and
 # -1.3 to +2.2% at 8k-16k, same-run A/Bs; none gains alone: each shortens one link of a chain
-# the two consumers run in lock step). Each variable set to its OFF_SWITCHES value builds the
-# kernel without that part (A/B): Q_STAGES=1 (one Q buffer), O_TMA=0 (O by the consumers' own
-# stores), MV_SCANNER=0 (the consumers scan masked V), FAST_DIV=0 (the schedule's divisions as
-# divisions), DECODE_AHEAD=0 (the next work tile decoded after the store). See FC_Q_STAGES,
-# FC_O_TMA, FC_MV_SCANNER, FC_FAST_DIV and FC_DECODE_AHEAD in the .cu.
+# the two consumers run in lock step). The decode ahead, the magic-number divisions and masked
+# V's scanner are in every kernel (their switches, FLASHCUDA_SM90_FWD_DECODE_AHEAD / _FAST_DIV /
+# _MV_SCANNER, went in session 39); the two parts that need room each have a switch, set to its
+# OFF_SWITCHES value for the kernel without it (A/B): Q_STAGES=1 (one Q buffer), O_TMA=0 (O by
+# the consumers' own stores). See FC_Q_STAGES and FC_O_TMA in the .cu.
 Q_STAGES_ENV = "FLASHCUDA_SM90_FWD_Q_STAGES"  # 1 | 2 (where the second Q tile fits: not d128 mv)
 O_TMA_ENV = "FLASHCUDA_SM90_FWD_O_TMA"
-MV_SCANNER_ENV = "FLASHCUDA_SM90_FWD_MV_SCANNER"
-FAST_DIV_ENV = "FLASHCUDA_SM90_FWD_FAST_DIV"
-DECODE_AHEAD_ENV = "FLASHCUDA_SM90_FWD_DECODE_AHEAD"
-OFF_SWITCHES = {Q_STAGES_ENV: "1", O_TMA_ENV: "0", MV_SCANNER_ENV: "0", FAST_DIV_ENV: "0",
-                DECODE_AHEAD_ENV: "0"}  # every boundary part off: the kernels before session 17
+OFF_SWITCHES = {Q_STAGES_ENV: "1", O_TMA_ENV: "0"}
 
 
 DEFINES_ENV = "FLASHCUDA_SM90_FWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob)
@@ -391,19 +363,6 @@ RESCALE_EARLY = (256,)
 # its critical path); the unwindowed kernels, which mask only ragged edge tiles, keep the compares
 # (not measured with it). FLASHCUDA_SM90_FWD_DEFINES=FC_MASK_BITS=0 builds the compares (A/B).
 MASK_BITS = True
-# Head dim -> query-block heights (block_m) of the windowed kernels whose first key tile's softmax
-# runs over the lower half of its keys in a warp none of whose rows sees the upper half
-# (FC_FIRST_HALF, the .cu: the first consumer warpgroup at a causal diagonal of 128-key tiles).
-# Same-process A/B (session 19, scripts/ab_probe.py, perf-notes): d64 causal 512 +5.3%, 1k +1.8%
-# (both beyond the run's p10-p90); d128 causal 512 -1.1%, 1k -1.3%: not used there. The 192-row
-# d64 tiles (from 2k) were not measured with it. FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=0 (A/B).
-# Only on the ping-pong pipeline with fast divisions (Sm90FwdConfig.first_half) — so since session
-# 28, when d64's windowed 128-row tiles went without ping-pong (NO_PINGPONG_WINDOWED: +3.6 /
-# +4.3% at causal 1k net of this), dispatch no longer runs it; its kernels stay the ping-pong A/B.
-# On the no-ping-pong kernels (FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=1) it lost 3.7 / 5.7% at
-# d64 causal 512 / 1k (session 29): the two warpgroups' softmax runs side by side there, not in
-# turns, so the shorter first tile shortens no critical path and the barrier it needs costs.
-FIRST_HALF = {64: (128,)}
 # Query-block heights (block_m) whose kernel stores O in 16-byte stores after a transpose within
 # each quad (FC_O_QUAD, the .cu), per head dim. Same-run A/B (session 14, perf-notes): d128
 # +2-11% (512-1k +6-11%, 4k +2-3.5%, 8k causal 0), the per-work-tile epilogue 2.1 -> 0.9 us
@@ -414,15 +373,6 @@ O_QUAD = {128: (128,), 64: (192,), 192: (128,), 256: (128,)}
 
 def _defines() -> tuple:
     return parse_defines(DEFINES_ENV)
-
-
-def _smem_pad() -> int:
-    raw = os.environ.get(SMEM_PAD_ENV, "").strip()
-    if not raw:
-        return 0
-    if not raw.isdigit():
-        raise ValueError(f"{SMEM_PAD_ENV}: expected a whole number of KiB, got {raw!r}")
-    return int(raw) * 1024
 
 
 def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
@@ -443,8 +393,9 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
                     and (block_m, block_n) in WINDOWED_TILES[head_dim])
     cfg = Sm90FwdConfig(dtype, head_dim, block_m, block_n,
                         consumer_regs=CONSUMER_REGS[block_m // 64], pingpong=pingpong,
-                        snake=snake, masked_v=masked_v, smem_pad=_smem_pad(),
-                        defines=_defines())
+                        snake=snake, masked_v=masked_v, defines=_defines())
+    if cfg.masked_v:
+        cfg = scanner_regs(cfg)
     if cfg.masked_v and cfg.smem_bytes > SMEM_OPTIN:
         # d256's masked-V kernel: its two clean V tiles fit beside one K / V stage only. It runs
         # as the second of two passes (two_passes), for the CTAs whose first pass saw a NaN / Inf
@@ -457,46 +408,34 @@ def _config(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int,
                              f"bytes of shared memory (at most {SMEM_OPTIN}); expected fewer "
                              f"stages or smaller tiles ({TILES_ENV})")
     if boundary is None:
-        boundary = dict(q_stages=_q_stages(), o_tma=flag(O_TMA_ENV, True),
-                        mv_scanner=flag(MV_SCANNER_ENV, True), fast_div=flag(FAST_DIV_ENV, True),
-                        decode_ahead=flag(DECODE_AHEAD_ENV, True))
+        boundary = dict(q_stages=_q_stages(), o_tma=flag(O_TMA_ENV, True))
     return with_boundary(cfg, **boundary)
 
 
-BOUNDARY = dict(q_stages=2, o_tma=True, mv_scanner=True, fast_div=True, decode_ahead=True)
-BOUNDARY_OFF = dict(q_stages=1, o_tma=False, mv_scanner=False, fast_div=False, decode_ahead=False)
+BOUNDARY = dict(q_stages=2, o_tma=True)
+BOUNDARY_OFF = dict(q_stages=1, o_tma=False)
 
 
-def with_boundary(cfg: Sm90FwdConfig, *, q_stages: int, o_tma: bool, mv_scanner: bool,
-                  fast_div: bool, decode_ahead: bool) -> Sm90FwdConfig:
-    """`cfg` (without them) with the work-tile boundary's parts asked for, each where it fits:
-    the second Q buffer and O's staging tiles only within SMEM_OPTIN (in this order: d128's
-    masked-V kernels keep one Q buffer and stage O in their clean V tiles), the scanner only with
-    masked V. FC_CROSS_TILE among the defines (an A/B variant) needs the second Q buffer and
-    decodes ahead itself: it replaces decode_ahead where two Q buffers fit and is dropped
-    elsewhere."""
+def with_boundary(cfg: Sm90FwdConfig, *, q_stages: int, o_tma: bool) -> Sm90FwdConfig:
+    """`cfg` (without them) with the work-tile boundary's parts that need room, each where it
+    fits: the second Q buffer and O's staging tiles only within SMEM_OPTIN (in this order: d128's
+    masked-V kernels keep one Q buffer and stage O in their clean V tiles)."""
     if q_stages == 2 and (two := dataclasses.replace(cfg, q_stages=2)).smem_bytes <= SMEM_OPTIN:
         cfg = two
-    if dict(cfg.defines).get("FC_CROSS_TILE"):
-        drop = ("FC_DECODE_AHEAD",) if cfg.q_stages == 2 else ("FC_CROSS_TILE",)
-        decode_ahead = decode_ahead and cfg.q_stages != 2
-        cfg = dataclasses.replace(cfg, defines=tuple(d for d in cfg.defines if d[0] not in drop))
-    if cfg.masked_v and mv_scanner:
-        cfg = scanned(cfg)
-    cfg = dataclasses.replace(cfg, fast_div=fast_div, decode_ahead=decode_ahead)
     if o_tma and (staged := dataclasses.replace(cfg, o_tma=True)).smem_bytes <= SMEM_OPTIN:
         cfg = staged
     return cfg
 
 
-def scanned(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
-    """`cfg` (a masked-V kernel) with the V scanner in its producer warpgroup (FC_MV_SCANNER). At
-    d128 the producer warpgroup gets 32 registers (its consumers 8 fewer): at 24 ptxas spills one
-    of the producer's loop invariants once the scan requests are computed beside the loads."""
-    regs = {}
-    if cfg.head_dim >= 128:
-        regs = dict(producer_regs=32, consumer_regs=cfg.consumer_regs - 8)
-    return dataclasses.replace(cfg, mv_scanner=True, **regs)
+def scanner_regs(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
+    """`cfg` (a masked-V kernel, whose producer warpgroup runs the V scanner) with its register
+    split: from d128 the producer warpgroup gets 32 registers (its consumers 8 fewer than
+    CONSUMER_REGS): at 24 ptxas spills one of the producer's loop invariants once the scan
+    requests are computed beside the loads."""
+    if cfg.head_dim < 128:
+        return cfg
+    return dataclasses.replace(cfg, producer_regs=32,
+                               consumer_regs=CONSUMER_REGS[cfg.consumers] - 8)
 
 
 def _q_stages() -> int:
@@ -543,8 +482,8 @@ def configs() -> list[Sm90FwdConfig]:
     """Every specialisation dispatch or an A/B run can pick (the CPU lane compiles them all):
     the timeline variants of the ping-pong kernels (bf16: scripts/sm90_timeline.py), the
     masked-V variants of the kernels with windowed tiles, and for dispatch's kernels the A/B
-    variants without one part of the work-tile boundary, without all of them (the kernels
-    before session 17) and with FC_CROSS_TILE."""
+    variants without one of the work-tile boundary's parts that need room (one Q buffer, O by
+    the consumers' stores: OFF_SWITCHES)."""
     out = [_config(dtype, d, bm, bn, pingpong, snake, masked_v=mv) for dtype in DTYPES
            for d, shapes in SHAPES.items() for bm, bn in shapes
            for pingpong in (False, True) for snake in (False, True)
@@ -566,11 +505,8 @@ def configs() -> list[Sm90FwdConfig]:
     out += [p for c in out if c.masked_v and not c.timeline
             and (c.pingpong or (c.head_dim, c.block_m) in NO_PINGPONG_WINDOWED)
             for p in (first_pass(c), second_pass(c))]
-    for c in bare:
-        out += [c] + [with_boundary(c, **{**BOUNDARY, part: BOUNDARY_OFF[part]})
-                      for part in BOUNDARY]
-        out.append(with_boundary(dataclasses.replace(c, defines=(("FC_CROSS_TILE", 1),)),
-                                 **BOUNDARY))
+    out += [with_boundary(c, **{**BOUNDARY, part: BOUNDARY_OFF[part]}) for c in bare
+            for part in BOUNDARY]
     return list({c.name: c for c in out}.values())
 
 
@@ -630,8 +566,8 @@ def can_implement(call: FwdCall) -> str | None:
 def kernel_args(call: FwdCall, cfg: Sm90FwdConfig, by_block: int | None = None,
                 grid_x: int | None = None, nan_flags: torch.Tensor | None = None) -> tuple:
     """map_q, map_k, map_v [, map_o with FC_O_TMA], out, lse [, nan_flags for either of the two
-    passes: NAN_FLAG_BYTES uint8 per CTA], then `constant_args` [and with FC_FAST_DIV
-    `fast_div_args`, which need the grid's CTA count `grid_x`]."""
+    passes: NAN_FLAG_BYTES uint8 per CTA], then `constant_args` and `fast_div_args`, which need
+    the grid's CTA count `grid_x`."""
     if (cfg.nan_flags or cfg.nan_fixup) != (nan_flags is not None):
         raise ValueError(f"{cfg.name}: nan_flags goes with the two passes' kernels only")
     flags = () if nan_flags is None else (nan_flags,)
@@ -641,13 +577,10 @@ def kernel_args(call: FwdCall, cfg: Sm90FwdConfig, by_block: int | None = None,
 
 def constants(call: FwdCall, cfg: Sm90FwdConfig, by_block: int | None = None,
               grid_x: int | None = None) -> tuple:
-    """The trailing kernel arguments a call's layout fixes: constant_args [+ fast_div_args]."""
-    out = constant_args(call, by_block)
-    if cfg.fast_div:
-        if grid_x is None:
-            raise ValueError(f"{cfg.name}: FC_FAST_DIV's arguments need the grid's CTA count")
-        out += fast_div_args(call, cfg, by_block, grid_x)
-    return out
+    """The trailing kernel arguments a call's layout fixes: constant_args + fast_div_args."""
+    if grid_x is None:
+        raise ValueError(f"{cfg.name}: the schedule's magic numbers need the grid's CTA count")
+    return constant_args(call, by_block) + fast_div_args(call, cfg, by_block, grid_x)
 
 
 def fast_div_magic(d: int) -> int:
@@ -662,9 +595,10 @@ def fast_div_magic(d: int) -> int:
 
 
 def fast_div_args(call: FwdCall, cfg: Sm90FwdConfig, by_block: int | None, grid_x: int) -> tuple:
-    """FC_FAST_DIV's ten arguments (Magic in the .cu): the magic numbers of num_m, the (batch,
-    head) pairs, a section's tiles, by_block, the last section's pairs, nheads, the query heads per
-    K / V head and the grid's CTA count (np.uint64), then the section count and the last
+    """The schedule's ten arguments after constant_args (Magic in the .cu): the magic numbers of
+    num_m, the (batch, head) pairs (unused by the kernel since the plain by_block order went in
+    session 39), a section's tiles, by_block, the last section's pairs, nheads, the query heads
+    per K / V head and the grid's CTA count (np.uint64), then the section count and the last
     section's pairs (np.int32). Divisors a call does not use (by_block 0: no sections) get 1."""
     num_m = math.ceil(call.seqlen_q / cfg.block_m)
     heads = call.nheads * call.batch
@@ -687,8 +621,8 @@ def _maps(call: FwdCall, cfg: Sm90FwdConfig) -> tuple:
 def constant_args(call: FwdCall, by_block: int | None = None) -> tuple:
     """out strides (int64: batch, row, head), seqlen_q, seqlen_k, nheads, nheads_kv (int32),
     scale_log2 (float32), window_left, window_right, batch, by_block (int32; by_block: the
-    causal / window schedule, see Schedule in the .cu: 0 or 1, or with FC_L2_SECTIONS the
-    (batch, head) pairs per L2 section, `by_block` when given): what a call's layout fixes."""
+    causal / window schedule, see Schedule in the .cu: 0 without a mask, else the (batch, head)
+    pairs per L2 section, `by_block` when given): what a call's layout fixes."""
     wl, wr = call.kernel_windows()
     o = call.out
     return (
@@ -721,10 +655,9 @@ def l2_share() -> float:
 def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int,
                  ctas: int | None = None) -> int | None:
     """The kernel's by_block argument when it is not the call's is_local: the L2 section of a
-    causal / window call under FC_L2_SECTIONS (the kernel's default; FC_L2_SECTIONS=0 in the
-    defines, an A/B variant, keeps plain by_block), else None. Given the grid's CTA count
-    `ctas`, the section is balanced_section's (the size whose static schedule ends evenest)."""
-    if call.is_local and dict(cfg.defines).get("FC_L2_SECTIONS", 1):
+    causal / window call (Schedule in the .cu), else None. Given the grid's CTA count `ctas`, the
+    section is balanced_section's (the size whose static schedule ends evenest)."""
+    if call.is_local:
         per = l2_section(call, l2_bytes)
         if ctas is not None and flag(L2_BALANCE_ENV, True):
             per = balanced_section(call, cfg, per, ctas)
@@ -733,7 +666,7 @@ def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int,
 
 
 def l2_section(call: FwdCall, l2_bytes: int) -> int:
-    """(batch, head) pairs per section of FC_L2_SECTIONS' causal / window order: as many whole
+    """(batch, head) pairs per section of the causal / window order (L2 sections): as many whole
     groups of query heads (a group shares one K / V head) as keep their K and V within
     L2_SECTION_SHARE (l2_share) of `l2_bytes`, at least one group, at most every pair. Sections
     start at multiples of the size, which are multiples of the group, so a section's pairs read
@@ -769,7 +702,7 @@ def key_tiles_per_block(call: FwdCall, cfg: Sm90FwdConfig) -> np.ndarray:
 def section_makespan(key_tiles: np.ndarray, heads: int, per: int, ctas: int,
                      snake: bool) -> float:
     """The most modelled work one CTA gets (key tiles + TILE_FIXED_COST per work tile) when the
-    persistent CTAs walk the FC_L2_SECTIONS order of `per` pairs per section statically (the
+    persistent CTAs walk the L2 sections' order of `per` pairs per section statically (the
     .cu's Schedule::block and walk_next, vectorised)."""
     num_m = len(key_tiles)
     t = np.arange(num_m * heads, dtype=np.int64)
@@ -834,15 +767,14 @@ def first_pass(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     reporting non-finite O (FC_NAN_FLAGS)."""
     bare = _config(cfg.dtype, cfg.head_dim, cfg.block_m, cfg.block_n, cfg.pingpong, cfg.snake,
                    windowed=True, masked_v=False,
-                   boundary=dict(q_stages=_q_stages(), o_tma=cfg.o_tma, mv_scanner=False,
-                                 fast_div=cfg.fast_div, decode_ahead=cfg.decode_ahead))
+                   boundary=dict(q_stages=_q_stages(), o_tma=cfg.o_tma))
     return dataclasses.replace(bare, nan_flags=True)
 
 
 def second_pass(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     """The masked-V kernel `cfg` as the second of the two passes (FC_NAN_FIXUP). With two
     consumer warpgroups its producer warpgroup gets 32 registers (the consumers 8 fewer, as
-    `scanned` gives d128): at d64's 128-row tiles ptxas spilled 12 / 28 bytes of the producer's
+    `scanner_regs` gives d128): at d64's 128-row tiles ptxas spilled 12 / 28 bytes of the producer's
     at 24 once the kernel starts by reading the first pass's report."""
     out = dataclasses.replace(cfg, nan_fixup=True)
     if out.consumers == 2 and out.producer_regs < 32:
@@ -877,7 +809,7 @@ FUSED_SOURCE = "attention/flash_fwd_sm90_fused.cu"
 # the macros that may differ between the two passes: the fused kernel takes each as FC_P1_X and
 # FC_P2_X (attention/fwd_sm90_pass.cuh); every other define must be the same in both
 PASS_MACROS = ("FC_STAGES", "FC_Q_STAGES", "FC_O_TMA", "FC_SMEM_BYTES", "FC_MASKED_V",
-               "FC_NAN_FLAGS", "FC_MV_SCANNER", "FC_PRODUCER_REGS", "FC_CONSUMER_REGS")
+               "FC_NAN_FLAGS", "FC_PRODUCER_REGS", "FC_CONSUMER_REGS")
 
 
 @dataclass(frozen=True)
@@ -898,8 +830,8 @@ class Sm90FwdFused:
         """Why first pass `a` and masked-V kernel `b` cannot share a kernel, or None."""
         if not a.nan_flags or not b.masked_v or b.nan_fixup:
             return "first is a first pass (nan_flags), second a masked-V kernel without nan_fixup"
-        same = ("dtype", "head_dim", "block_m", "block_n", "pingpong", "snake", "fast_div",
-                "decode_ahead", "defines", "timeline")
+        same = ("dtype", "head_dim", "block_m", "block_n", "pingpong", "snake", "defines",
+                "timeline")
         if differ := [f for f in same if getattr(a, f) != getattr(b, f)]:
             return f"the passes differ in {', '.join(differ)}"
         if b.producer_regs < a.producer_regs or b.consumer_regs > a.consumer_regs:
@@ -932,7 +864,7 @@ class Sm90FwdFused:
     def name(self) -> str:
         b = self.second
         return (self.first.name.replace("_nf", "_fu", 1) + f"_s{b.stages}"
-                + ("_ms" if b.mv_scanner else ""))
+                + ("_ms" if b.masked_v else ""))
 
     def spec(self) -> KernelSpec:
         d1, d2 = dict(self.first.spec().defines), dict(self.second.spec().defines)
@@ -954,8 +886,7 @@ class Sm90FwdFused:
 def fused_passes(cfg: Sm90FwdConfig) -> Sm90FwdFused | None:
     """The fused kernel for a call `cfg` would run alone (a masked-V kernel), or None where the
     call runs one pass (FLASHCUDA_SM90_FWD_NAN_FIXUP=0, or no mask) or the passes cannot share a
-    kernel (an A/B define of one pass only, e.g. FC_CROSS_TILE, which needs two Q buffers: then
-    two launches)."""
+    kernel (Sm90FwdFused.mismatch, or more shared memory than SMEM_OPTIN: then two launches)."""
     if not cfg.masked_v or not flag(NAN_FIXUP_ENV, True):
         return None
     first = first_pass(cfg)
@@ -986,8 +917,7 @@ _EMPTY = "empty"  # nothing to compute (batch, seqlen_q or nheads is 0)
 
 
 _KEY_ENV = env_names(ENABLE_ENV, PERSISTENT_ENV, TILES_ENV, PINGPONG_ENV, SNAKE_ENV,
-                     MASKED_V_ENV, SMEM_PAD_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV,
-                     Q_STAGES_ENV, O_TMA_ENV, MV_SCANNER_ENV, FAST_DIV_ENV, DECODE_AHEAD_ENV,
+                     MASKED_V_ENV, DEFINES_ENV, L2_SHARE_ENV, STAGES_ENV, Q_STAGES_ENV, O_TMA_ENV,
                      L2_BALANCE_ENV, NAN_FIXUP_ENV, PDL_ENV, FUSED_ENV)
 
 

@@ -73,8 +73,7 @@ def test_sm90_sass_uses_wgmma_and_tma(builds, cfg, tmp_path):
     # The first tile (Q K^T only), the loop body (Q K^T, P V) and the last P V: 2 x head_dim / 16
     # Q K^T and 2 x block_n / 16 P V wgmmas. The masked-V variant has three copies of the loop
     # body (masked, unmasked, masked runs of tiles): two more of each.
-    # FC_CROSS_TILE adds the boundary's (the next work tile's first S with the last P V).
-    bodies = (3 if cfg.masked_v else 1) + (("FC_CROSS_TILE", 1) in cfg.defines)
+    bodies = 3 if cfg.masked_v else 1
     assert len(hgmma) == (1 + bodies) * (cfg.head_dim // 16 + cfg.block_n // 16), len(hgmma)
     # nvdisasm spells bf16 inputs .F32.BF16 and fp16 inputs plain .F32
     bf16 = cfg.dtype == torch.bfloat16
@@ -90,21 +89,19 @@ def test_sm90_sass_uses_wgmma_and_tma(builds, cfg, tmp_path):
         assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
 
 
-@pytest.mark.parametrize("boundary", ["default", "off"])
-def test_sm90_parameter_offsets_match_pack_args(builds, tmp_path, boundary):
+@pytest.mark.parametrize("o_tma", [True, False], ids=["tma", "stores"])
+def test_sm90_parameter_offsets_match_pack_args(builds, tmp_path, o_tma):
     """The cubin's own parameter table (EIATTR_KPARAM_INFO) against pack_args' layout, for a
-    kernel with the work-tile boundary's parts (O's tensor map after Q / K / V's, FC_FAST_DIV's
-    eight magic numbers and two counts at the end) and one without them."""
-    bare = boundary == "off"
-    cfg = next(c for c in fwd_sm90.configs() if c.o_tma != bare and c.fast_div != bare)
+    kernel with O's tensor map after Q / K / V's and one without it; both end in the schedule's
+    eight magic numbers and two counts (fast_div_args)."""
+    cfg = next(c for c in fwd_sm90.configs() if c.o_tma == o_tma)
     table = param_table(builds[cfg.name].cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
     maps = (m,) * (3 + cfg.o_tma)
     args = (*maps, None, None, np.int64(0), np.int64(0), np.int64(0), np.int32(0), np.int32(0),
             np.int32(0), np.int32(0), np.float32(0), np.int32(0), np.int32(0), np.int32(0),
             np.int32(0))
-    if cfg.fast_div:
-        args += (np.uint64(0),) * 8 + (np.int32(0),) * 2
+    args += (np.uint64(0),) * 8 + (np.int32(0),) * 2
     _, offsets = pack_args("k", args)
     assert len(table) == len(args)
     base = table[0][0]
@@ -136,13 +133,21 @@ def test_variants_registered():
     specs = {spec.name: archs for spec, archs in all_variants()}
     for cfg in fwd_sm90.configs():
         assert specs[cfg.name] == (ARCH,)
+    # the tiles x ping-pong x snake x masked V (per dtype: 16 at d64, 12 at d128, 24 at d192, 16
+    # at d256), the bf16 timeline variants (8), the two passes of the windowed kernels (36 + 36)
+    # and the A/B variants without one of the boundary's parts that need room (52); 392 before
+    # session 39, which removed the variants without the decode ahead, the magic-number divisions
+    # or the V scanner, without every boundary part, and with FC_CROSS_TILE (124)
+    assert len(fwd_sm90.configs()) == 2 * 68 + 8 + 36 + 36 + 52 == 268
+    assert len(fwd_sm90.fused_configs()) == 26  # (unchanged by session 39)
 
 
 # ---- config ---------------------------------------------------------------------------------------
 
 def test_config_is_the_single_source_of_truth():
     cfg = Sm90FwdConfig(torch.bfloat16, 128)
-    assert cfg.name == "flash_fwd_sm90_bf16_d128_bm128_bn128_s2"
+    # (_fd_da: the magic-number divisions and the decode ahead, parts of every kernel)
+    assert cfg.name == "flash_fwd_sm90_bf16_d128_bm128_bn128_s2_fd_da"
     assert cfg.threads == 384 and cfg.consumers == 2
     assert cfg.smem_bytes == 1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 8 * 10
     assert dict(cfg.spec().defines) == {
@@ -160,7 +165,8 @@ def test_config_is_the_single_source_of_truth():
     knob = dataclasses.replace(cfg, defines=(("FC_SOFTMAX_IN_ARMS", 0),))  # an A/B override wins
     assert dict(knob.spec().defines)["FC_SOFTMAX_IN_ARMS"] == "0" and knob.name != cfg.name
     pp = Sm90FwdConfig(torch.bfloat16, 128, pingpong=True)
-    assert pp.name == cfg.name + "_pp" and dict(pp.spec().defines)["FC_PINGPONG"] == "1"
+    assert pp.name == "flash_fwd_sm90_bf16_d128_bm128_bn128_s2_pp_fd_da"
+    assert dict(pp.spec().defines)["FC_PINGPONG"] == "1"
     assert cfg.smem_bytes <= 232448  # H100/H200 opt-in limit per block
     assert Sm90FwdConfig(torch.float16, 64).smem_bytes == 1024 + 16384 + 4 * 16384 + 80
 
@@ -446,9 +452,10 @@ def test_masked_v_switch(monkeypatch):
         assert dict(mv.spec().defines)["FC_MASKED_V"] == "1"
         plain = pick(torch.bfloat16, d, False, sq)
         assert not plain.masked_v  # no window: every key below seqlen_k is seen by every row
-        bare = dataclasses.replace(mv, mv_scanner=False, o_tma=False)  # (their own bytes)
+        bare = dataclasses.replace(mv, o_tma=False)  # (O's staging tiles: their own bytes)
+        # + the clean V tiles and the V scanner's 4 barrier slots per stage
         assert bare.smem_bytes == (dataclasses.replace(bare, masked_v=False).smem_bytes
-                                   + mv.consumers * mv.kv_bytes)
+                                   + mv.consumers * mv.kv_bytes + 4 * 8 * mv.stages)
         assert mv.smem_bytes <= 227 * 1024
     monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "0")
     off = pick(torch.bfloat16, 128, True, 2048)
@@ -464,10 +471,9 @@ def test_masked_v_switch(monkeypatch):
 
 def test_two_passes_of_windowed_calls(monkeypatch):
     """A windowed call's masked-V kernel gets a first pass by default (two_passes): the same
-    tiles, ping-pong, order and fast divisions (so the same grid and schedule arguments), without
-    masked V, reporting (FC_NAN_FLAGS), with the second Q buffer at d128 that the masked-V kernel's
-    clean V tiles deny it, and the windowed kernels' mask bits and first half where the masked-V
-    kernel has them; the second pass is the masked-V kernel reading the report (FC_NAN_FIXUP).
+    tiles, ping-pong and order (so the same grid and schedule arguments), without masked V,
+    reporting (FC_NAN_FLAGS), with the second Q buffer at d128 that the masked-V kernel's clean
+    V tiles deny it, and the windowed kernels' mask bits where the masked-V kernel has them; the second pass is the masked-V kernel reading the report (FC_NAN_FIXUP).
     Both are listed in configs(); FLASHCUDA_SM90_FWD_NAN_FIXUP=0 keeps the masked-V kernel alone;
     calls without a window have one kernel."""
     for env in (fwd_sm90.TILES_ENV, fwd_sm90.PINGPONG_ENV, fwd_sm90.SNAKE_ENV,
@@ -481,14 +487,13 @@ def test_two_passes_of_windowed_calls(monkeypatch):
         assert first.nan_flags and not first.masked_v and "_nf" in first.name
         assert second.nan_fixup and second.masked_v and "_fx" in second.name
         for c in (first, second):
-            assert ((c.block_m, c.block_n, c.pingpong, c.snake, c.fast_div)
-                    == (cfg.block_m, cfg.block_n, cfg.pingpong, cfg.snake, cfg.fast_div))
+            assert ((c.block_m, c.block_n, c.pingpong, c.snake)
+                    == (cfg.block_m, cfg.block_n, cfg.pingpong, cfg.snake))
             assert c.smem_bytes <= fwd_sm90.SMEM_OPTIN
         assert first.q_stages == 2 and first.o_tma
         assert dict(first.spec().defines)["FC_NAN_FLAGS"] == "1"
         assert dict(second.spec().defines)["FC_NAN_FIXUP"] == "1"
-        for define in ("FC_MASK_BITS", "FC_FIRST_HALF"):
-            assert (define in dict(first.spec().defines)) == (define in dict(cfg.spec().defines))
+        assert dict(first.spec().defines)["FC_MASK_BITS"] == dict(cfg.spec().defines)["FC_MASK_BITS"]
         for b, h in ((1, 16), (4, 32)):
             qq = torch.empty(b, sq, h, d, dtype=torch.bfloat16)
             lse = torch.empty(b, h, sq)
@@ -590,9 +595,7 @@ def test_fused_sass_holds_both_passes(fused_builds, builds, fused, tmp_path):
     table = param_table(fused_builds[fused.name].cubin, tmp_path)
     m = TensorMap(b"\0" * 128)
     args = ((m,) * 4 + (None, None) + (np.int64(0),) * 3 + (np.int32(0),) * 4
-            + (np.float32(0),) + (np.int32(0),) * 4)
-    if fused.first.fast_div:
-        args += (np.uint64(0),) * 8 + (np.int32(0),) * 2
+            + (np.float32(0),) + (np.int32(0),) * 4 + (np.uint64(0),) * 8 + (np.int32(0),) * 2)
     _, offsets = pack_args("k", args)
     assert len(table) == len(args)
     assert [table[i][0] - table[0][0] for i in range(len(args))] == list(offsets)
@@ -609,7 +612,7 @@ def test_fused_config(monkeypatch):
     assert fused.smem_bytes <= fwd_sm90.SMEM_OPTIN
     defines = dict(fused.spec().defines)
     assert defines["FC_P1_NAN_FLAGS"] == "1" and defines["FC_P2_MASKED_V"] == "1"
-    assert defines["FC_P2_MV_SCANNER"] == "1" and "FC_NAN_FLAGS" not in defines
+    assert "FC_NAN_FLAGS" not in defines and not any("MV_SCANNER" in k for k in defines)
     assert (defines["FC_P1_PRODUCER_REGS"], defines["FC_P2_PRODUCER_REGS"]) == ("24", "32")
     assert fused.spec().source == fwd_sm90.FUSED_SOURCE
     assert fwd_sm90.fused_passes(fwd_sm90.select_config(torch.bfloat16, 128, False, 1024)) is None

@@ -1,14 +1,14 @@
-"""FC_FAST_DIV in flash_fwd_sm90.cu (session 16; the default since session 17,
-FLASHCUDA_SM90_FWD_FAST_DIV=0 the A/B variant without it): the schedule's divisions by runtime values become a multiply-high and a
-shift by magic numbers the host computes per call (fwd_sm90.fast_div_magic / fast_div_args).
-Here: the magic numbers are exact over the kernel's range, the schedule decoded with them (the
-.cu's Schedule::block and next_tile, in Python) equals the one decoded by integer division at
-every work tile of masked and unmasked calls, and the variant builds clean with no division
-left in its SASS."""
+"""The schedule's magic-number divisions in flash_fwd_sm90.cu (Magic, fast_quo; session 16, the
+default since session 17, in every kernel since session 39, when the A/B switch
+FLASHCUDA_SM90_FWD_FAST_DIV went): the schedule's divisions by runtime values are a multiply-high
+and a shift by magic numbers the host computes per call (fwd_sm90.fast_div_magic /
+fast_div_args). Here: the magic numbers are exact over the kernel's range, the schedule decoded
+with them (the .cu's Schedule::block and next_tile, in Python) equals the one decoded by integer
+division at every work tile of masked and unmasked calls, and the kernels build clean with no
+division in their SASS."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import re
 
@@ -21,8 +21,7 @@ from flashcuda.jit.tensor_map import TensorMap
 from flashcuda.ops import fwd_sm90
 from flashcuda.ops.call import FwdCall
 
-from .sm90_compile import FWD_DISPATCH_CASES as CASES
-from .sm90_compile import clean_sass, fwd_without_and_with, param_table
+from .sm90_compile import clean_sass, param_table
 
 
 def fast_quo(n: int, magic: int) -> int:
@@ -57,7 +56,7 @@ def _call(B, S, H, Hkv, D=64, causal=True) -> FwdCall:
 
 def _decode(t, num_m, nheads, group, batch, by_block, div):
     """Schedule::block's (query block, head, kv head, batch) of work tile t with the given
-    quotient function div(n, d, which) (FC_L2_SECTIONS, the default)."""
+    quotient function div(n, d, which) (the L2 sections' order under a mask)."""
     heads = nheads * batch
     if by_block:
         s = div(t, num_m * by_block, "section")
@@ -87,7 +86,7 @@ def test_schedule_by_magic_equals_integer_division(shape, causal, by_block, grid
     division, and the snake walk's rounds agree (next_tile), up past the last tile."""
     B, S, H, Hkv = shape
     call = _call(B, S, H, Hkv, causal=causal)
-    cfg = dataclasses.replace(fwd_sm90.select_config(torch.bfloat16, 64, causal, S), fast_div=True)
+    cfg = fwd_sm90.select_config(torch.bfloat16, 64, causal, S)
     args = [int(x) for x in fwd_sm90.fast_div_args(call, cfg, by_block, grid)]
     magic = dict(zip(("num_m", "heads", "section", "by_block", "last", "nheads", "group", "grid"),
                      args[:8], strict=True))
@@ -111,37 +110,22 @@ def test_schedule_by_magic_equals_integer_division(shape, causal, by_block, grid
         assert fast_quo(t, magic["grid"]) == t // grid
 
 
-def test_fast_div_env_builds_the_variant(monkeypatch):
-    for head_dim, windowed, seqlen in CASES:
-        plain, cfg = fwd_without_and_with(monkeypatch, fwd_sm90.FAST_DIV_ENV, "0", head_dim,
-                                          windowed, seqlen)
-        assert cfg == dataclasses.replace(plain, fast_div=True) and "_fd" in cfg.name
-        assert cfg.smem_bytes == plain.smem_bytes  # (arguments only)
-        assert dict(cfg.spec().defines)["FC_FAST_DIV"] == "1"
-        assert {cfg.name, plain.name} <= {c.name for c in fwd_sm90.configs()}
-    monkeypatch.setenv(fwd_sm90.FAST_DIV_ENV, "yes")
-    with pytest.raises(ValueError, match=fwd_sm90.FAST_DIV_ENV):
-        fwd_sm90.select_config(torch.bfloat16, 64)
-
-
 def test_kernel_args_need_the_grid():
     call = _call(2, 512, 4, 4)
-    cfg = dataclasses.replace(fwd_sm90.select_config(torch.bfloat16, 64, True, 512), fast_div=True)
+    cfg = fwd_sm90.select_config(torch.bfloat16, 64, True, 512)
     with pytest.raises(ValueError, match="CTA count"):
         fwd_sm90.constants(call, cfg)
     assert len(fwd_sm90.constants(call, cfg, None, 132)) == len(fwd_sm90.constant_args(call)) + 10
 
 
 @pytest.mark.parametrize("head_dim,windowed,seqlen", [(64, True, 1024), (128, False, 4096)])
-def test_fast_div_builds_clean_without_divisions(head_dim, windowed, seqlen, tmp_path,
-                                                 monkeypatch):
-    """No spills; the integer-division idiom (I2F.RP, then a reciprocal) gone from the SASS
-    (the variant without it has a dozen); the parameter table matches pack_args with the ten
-    arguments after by_block."""
-    plain, cfg = fwd_without_and_with(monkeypatch, fwd_sm90.FAST_DIV_ENV, "0", head_dim,
-                                      windowed, seqlen)
-    sass, base = clean_sass(cfg, tmp_path), clean_sass(plain, tmp_path)
-    assert not re.search(r"I2F\S*\.RP", sass) and re.search(r"I2F\S*\.RP", base)
+def test_kernels_build_clean_without_divisions(head_dim, windowed, seqlen, tmp_path):
+    """No spills; no integer-division idiom (I2F.RP, then a reciprocal: a dozen in the SASS of
+    the kernels that divided, before session 17) but the multiply-highs (UIMAD.WIDE.U32); the
+    parameter table matches pack_args with the ten arguments after by_block."""
+    cfg = fwd_sm90.select_config(torch.bfloat16, head_dim, windowed, seqlen)
+    sass = clean_sass(cfg, tmp_path)
+    assert not re.search(r"I2F\S*\.RP", sass) and "UIMAD.WIDE.U32" in sass
     from flashcuda.jit import compile_spec
 
     table = param_table(compile_spec(cfg.spec(), "sm_90a").cubin, tmp_path)

@@ -1,7 +1,7 @@
-"""FC_L2_SECTIONS (flash_fwd_sm90.cu's Schedule; the default since session 12, FC_L2_SECTIONS=0
-through FLASHCUDA_SM90_FWD_DEFINES the A/B variant): the causal / window order walks the (batch,
-head) pairs in L2-sized sections, each query-block-major, the sections alternating direction with
-the last one heaviest-first.
+"""The L2 sections (flash_fwd_sm90.cu's Schedule; the default since session 12, the only causal /
+window order since session 39, when its A/B variant FC_L2_SECTIONS=0 went): the causal / window
+order walks the (batch, head) pairs in L2-sized sections, each query-block-major, the sections
+alternating direction with the last one heaviest-first.
 
 On the CPU lane: the host's section size (fwd_sm90.l2_section) and the order's arithmetic, written
 here as the .cu writes it, checked to be a permutation of every work tile that keeps each
@@ -13,7 +13,6 @@ sections do not (a cost model: the bench's causal shapes). Whether the kernels a
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import pytest
@@ -22,7 +21,6 @@ import torch
 from flashcuda.ops import fwd_sm90
 from flashcuda.ops.call import FwdCall
 
-from .sm90_compile import clean_sass
 from .test_fwd_sm90_compile import _kernel_order
 
 H200_L2 = 50 * 1024 * 1024
@@ -37,8 +35,8 @@ def _call(B=4, S=4096, H=16, Hkv=16, D=128, dtype=torch.bfloat16) -> FwdCall:
 
 
 def _order(t: int, num_m: int, heads: int, per: int) -> tuple[int, int]:
-    """Schedule::block's (query block, batch * head) of work tile t under FC_L2_SECTIONS with
-    by_block = per (the .cu's lines, in Python)."""
+    """Schedule::block's (query block, batch * head) of work tile t in the L2 sections' order
+    with by_block = per (the .cu's lines, in Python)."""
     s = t // (num_m * per)
     first = s * per
     size = min(per, heads - first)
@@ -119,20 +117,10 @@ def test_alternating_sections_keep_the_snake_balanced(seqlen, batch):
     assert _last_cta_late(sawtooth, total) > 1.08
 
 
-def test_plain_by_block_variant_compiles_clean(tmp_path):
-    for d in (64, 128):
-        base = fwd_sm90.select_config(torch.bfloat16, d, windowed=True, seqlen_q=4096)
-        cfg = dataclasses.replace(base, defines=(("FC_L2_SECTIONS", 0),))
-        assert cfg.name == base.name + "_fc_l2_sections0"
-        clean_sass(cfg, tmp_path)
-
-
-def test_schedule_arg_for_masked_calls_unless_the_variant_turns_it_off():
+def test_schedule_arg_for_masked_calls():
     call = _call()
     base = fwd_sm90.select_config(torch.bfloat16, 128, windowed=True, seqlen_q=4096)
-    assert fwd_sm90.schedule_arg(call, base, H200_L2) == 18  # the default: L2 sections
-    var = dataclasses.replace(base, defines=(("FC_L2_SECTIONS", 0),))
-    assert fwd_sm90.schedule_arg(call, var, H200_L2) is None  # by_block = is_local
+    assert fwd_sm90.schedule_arg(call, base, H200_L2) == 18  # L2 sections of 18 pairs
     q = call.q
     full = FwdCall(q, call.k, call.v, q, call.lse, call.softmax_scale, None, None)  # no mask
     assert fwd_sm90.schedule_arg(full, base, H200_L2) is None  # by_head: sections do not apply

@@ -226,7 +226,7 @@ def test_persistent_many_work_tiles(head_dim, window):
                          ids=["one-group-gqa", "one-head", "seven-heads-ragged"])
 @pytest.mark.parametrize("window", [CAUSAL, (200, 0)], ids=["causal", "window"])
 def test_l2_sections_many_alternating(monkeypatch, heads_per_section, nheads_kv, sections, window):
-    """The causal / window order in L2 sections (FC_L2_SECTIONS) with sections forced small
+    """The causal / window order in L2 sections (Schedule in the .cu) with sections forced small
     (FLASHCUDA_SM90_FWD_L2_SHARE sized from this GPU's L2): at the bench's shapes sections hold
     many heads, here one GQA group (4 query heads), one head, or seven heads with a last section
     of six — even and odd section counts, so both directions of the alternation and a ragged
@@ -355,57 +355,37 @@ def test_o_tma_staging_in_the_clean_v_tiles(monkeypatch, head_dim):
     check_nan_in_v_column(head_dim, CAUSAL, 200, seed=18)
 
 
-@pytest.mark.parametrize("decode_ahead", ["", "0"], ids=["ahead", "after"])
 @pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_next_work_tile_decoded_ahead(monkeypatch, head_dim, window, decode_ahead):
+def test_next_work_tile_decoded_ahead(monkeypatch, head_dim, window):
     """Each consumer decodes its next work tile under its last P V, or right away after a work
-    tile without key tiles (FC_DECODE_AHEAD, the default; FLASHCUDA_SM90_FWD_DECODE_AHEAD=0 the
-    A/B variant that decodes after the store); the masked calls here walk their tiles in snake
-    order (few rounds), the others in plain order."""
-    boundary_part(monkeypatch, fwd_sm90.DECODE_AHEAD_ENV, decode_ahead)
-    assert planned(head_dim, window).decode_ahead == (not decode_ahead)
+    tile without key tiles (the decode ahead, every kernel's since session 39); the masked calls
+    here walk their tiles in snake order (few rounds), the others in plain order."""
+    boundary_part(monkeypatch, fwd_sm90.Q_STAGES_ENV, "")
     check(*make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=19), window)
     check_empty_work_tiles(head_dim, 40, 8, seed=20)
 
 
-@pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_kernels_without_the_boundary_parts(monkeypatch, head_dim, window):
-    """The A/B variant without any of the boundary's parts (every variable at its old value:
-    the kernels dispatch ran before session 17): the same checks as the parts' tests, and the
-    NaN-in-V column."""
-    skip_unless_dispatch_tiles()
-    for env, value in fwd_sm90.OFF_SWITCHES.items():
-        monkeypatch.setenv(env, value)
-    dispatch._reset()
-    cfg = planned(head_dim, window)
-    assert (cfg.q_stages, cfg.o_tma, cfg.mv_scanner, cfg.fast_div, cfg.decode_ahead) == (
-        1, False, False, False, False)
-    check(*make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=31), window)
-    check(*make(2, 77, 300, 4, 4, head_dim, FP16, seed=32), window)
-    check_empty_work_tiles(head_dim, 40, 8, seed=33)
-    check_nan_in_v_column(head_dim, window, 200, seed=34)
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_v_scanned_in_the_producer_warpgroup(monkeypatch, head_dim):
-    """Masked V's scans in the producer warpgroup (FC_MV_SCANNER, the masked-V kernels' default;
-    FLASHCUDA_SM90_FWD_MV_SCANNER=0 the A/B variant whose consumers scan): warps 1 .. 3 of the
-    producer warpgroup scan the masked tiles' V and the consumers read its
-    verdict. Causal and window calls over ~3 work tiles per CTA (the scanner follows the ring
+    """Masked V's scans in the producer warpgroup (the masked-V kernels' only form since session
+    39): warps 1 .. 3 of the producer warpgroup scan the masked tiles' V and the consumers read
+    its verdict. Causal and window calls over ~3 work tiles per CTA (the scanner follows the ring
     across work tiles; work tiles without keys add no ring entries), a NaN in V of key 200 that
     only rows from 200 see (rows before it equal the clean run bit for bit), and the finite
-    calls bit-equal to the consumers' own scans."""
+    calls bit-equal to the kernel without masked V (FLASHCUDA_SM90_FWD_MASKED_V=0: the
+    scanners' clean verdicts leave the masked-V kernel's arithmetic the same)."""
     skip_unless_dispatch_tiles()
-    monkeypatch.setenv(fwd_sm90.MV_SCANNER_ENV, "0")
+    monkeypatch.setenv(fwd_sm90.MASKED_V_ENV, "0")
+    monkeypatch.setenv(fwd_sm90.NAN_FIXUP_ENV, "0")  # (the masked-V kernel alone below)
     dispatch._reset()
     q, k, v = make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=21)
     scale = head_dim ** -0.5
     want = [run(fwd_sm90, q, k, v, scale, w) for w in (CAUSAL, (200, 0))]
-    monkeypatch.delenv(fwd_sm90.MV_SCANNER_ENV)
+    assert not planned(head_dim, CAUSAL).masked_v
+    monkeypatch.delenv(fwd_sm90.MASKED_V_ENV)
     dispatch._reset()
-    assert planned(head_dim, CAUSAL).mv_scanner
+    assert planned(head_dim, CAUSAL).masked_v
     for w, (out, lse) in zip((CAUSAL, (200, 0)), want, strict=True):
         got = check(q, k, v, w)
         assert torch.equal(got[0], out) and torch.equal(got[1], lse)
@@ -413,16 +393,15 @@ def test_v_scanned_in_the_producer_warpgroup(monkeypatch, head_dim):
     check_nan_in_v_column(head_dim, CAUSAL, 200, seed=23)
 
 
-@pytest.mark.parametrize("fast_div", ["", "0"], ids=["magic", "divide"])
 @pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_schedule_by_magic_numbers(monkeypatch, head_dim, window, fast_div):
-    """The work tiles decoded with the host's magic numbers (FC_FAST_DIV, the default;
-    FLASHCUDA_SM90_FWD_FAST_DIV=0 the A/B variant that divides). 3 x 10 query heads over 5 K / V
+def test_schedule_by_magic_numbers(monkeypatch, head_dim, window):
+    """The work tiles decoded with the host's magic numbers (Magic, every kernel's since session
+    39). 3 x 10 query heads over 5 K / V
     heads (groups of 2), 1000 queries, in snake order and in L2 sections (an l2_share picked so
     that the 30 pairs leave a shorter last section: its own magic number); then work tiles
     without keys."""
-    boundary_part(monkeypatch, fwd_sm90.FAST_DIV_ENV, fast_div)
+    boundary_part(monkeypatch, fwd_sm90.Q_STAGES_ENV, "")
     monkeypatch.setenv(fwd_sm90.SNAKE_ENV, "1")
     q, k, v = make(3, 1000, 1500, 10, 5, head_dim, BF16, seed=24)
     call = FwdCall(q, k, v, torch.empty_like(q), torch.empty(3, 10, 1000, device="cuda"),
@@ -434,34 +413,9 @@ def test_schedule_by_magic_numbers(monkeypatch, head_dim, window, fast_div):
             break
     assert 30 % fwd_sm90.l2_section(call, l2), "no share gives a shorter last section"
     dispatch._reset()
-    assert fwd_sm90.plan_config(call, 132).fast_div == (not fast_div)
     check(q, k, v, window)
     check(*make(1, 333, 333, 6, 6, head_dim, FP16, seed=25), window)
     check_empty_work_tiles(head_dim, 40, 8, seed=26)
-
-
-@pytest.mark.parametrize("window", [FULL, CAUSAL, (200, 0)], ids=["full", "causal", "window"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_next_first_s_with_the_last_p_v(monkeypatch, head_dim, window):
-    """FLASHCUDA_SM90_FWD_DEFINES=FC_CROSS_TILE=1 (an A/B variant, with the default boundary): a work tile's last P V and the next one's first S share a turn, the
-    next one's first softmax after this one's store. ~3 work tiles per CTA (boundaries between
-    work tiles of different heads and lengths), work tiles without keys between ones with keys
-    (the loop falls back to the drain on both sides), a NaN in V of key 5 that only rows from 5
-    see (causal: the first query block's one tile, masked, ends at a boundary that scans it).
-    d128's causal / window kernels keep one Q buffer, so they run without it. Runs once, with
-    dispatch's tiles."""
-    skip_unless_dispatch_tiles()
-    monkeypatch.setenv(fwd_sm90.DEFINES_ENV, "FC_CROSS_TILE=1")
-    dispatch._reset()
-    q, k, v = make(3, 1000, 1500, 16, 4, head_dim, BF16, seed=27)
-    call = FwdCall(q, k, v, torch.empty_like(q), torch.empty(3, 16, 1000, device="cuda"),
-                   head_dim ** -0.5, *window)
-    cfg = fwd_sm90.plan_config(call, 132)
-    assert (("FC_CROSS_TILE", 1) in cfg.defines) == (cfg.q_stages == 2)
-    check(q, k, v, window)
-    check(*make(2, 77, 300, 4, 4, head_dim, FP16, seed=28), window)
-    check_empty_work_tiles(head_dim, 40, 8, seed=29)
-    check_nan_in_v_column(head_dim, window, 5, seed=30)
 
 
 # ---- agreement with the sm80 kernel, and dispatch ----------------------------------------------

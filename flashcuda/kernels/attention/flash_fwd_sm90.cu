@@ -10,11 +10,21 @@
 //   layouts       (batch, row, head) strides that are multiples of 8 elements (16 bytes, a TMA
 //                 rule), unit last stride, 16-byte aligned base pointers
 //   outputs       out (B, Sq, H, D), lse (B, H, Sq) float32 natural log
-//   boundary      the host's default since session 17 (fwd_sm90.with_boundary): two Q buffers
-//                 where they fit (FC_Q_STAGES), the TMA store epilogue (FC_O_TMA), the decode under
-//                 the last P V (FC_DECODE_AHEAD) by magic numbers (FC_FAST_DIV), the masked-V scans
-//                 in the producer warpgroup (FC_MV_SCANNER); FC_CROSS_TILE measured, not used
+//   boundary      (session 17) each consumer decodes its next work tile under its last P V
+//                 ("decode ahead" below) by magic numbers the host computes (Magic), the
+//                 masked-V kernels scan V in the producer warpgroup (scan_v_tiles); where they
+//                 fit (fwd_sm90.with_boundary) two Q buffers (FC_Q_STAGES) and the TMA store
+//                 epilogue (FC_O_TMA)
 //   not yet       a dynamic (work-stealing) tile scheduler
+//   removed       (session 39; each measured on the H200 as noise or a loss, perf-notes)
+//                 a work tile's first S in the previous one's last turn (FC_CROSS_TILE), the
+//                 wgmma descriptors made before the turn (FC_DESC_EARLY), the first key tile's
+//                 softmax over its live half (FC_FIRST_HALF: a loss on the kernels dispatch runs
+//                 there, without ping-pong), unused shared memory (FC_SMEM_PAD); and the A/B
+//                 baselines of the defaults: the schedule's divisions (FC_FAST_DIV=0), the decode
+//                 at the work tile's start (FC_DECODE_AHEAD=0), the consumers' own scans of
+//                 masked V and their unroll (FC_MV_SCANNER=0, FC_MV_SCAN_UNROLL) and plain
+//                 by_block order (FC_L2_SECTIONS=0)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // Persistent: one CTA per SM (grid = min(work tiles, SMs)) walks work tiles of (query block of
@@ -75,8 +85,8 @@ constexpr int kStages = FC_STAGES;   // K/V ring depth
 #ifndef FC_Q_STAGES
 // Q buffers (the host's default 2 where it fits since session 17, with the boundary's other
 // parts; alone, session 15 on the H200: -4 to +4%, noise, and the timeline's wait before a
-// work tile's first GEMM did not move: by the SASS most likely the tile's decode, see
-// FC_DECODE_AHEAD). 1: one Q tile, whose next work tile's load waits for the current one's last
+// work tile's first GEMM did not move: by the SASS most likely the tile's decode, since decoded
+// ahead). 1: one Q tile, whose next work tile's load waits for the current one's last
 // Q K^T (q_empty) — and the producer, which issues in program order, holds the next work tile's
 // first K / V behind that wait too. 2: work tile r's Q goes to buffer r % 2, so its load (and the
 // K / V behind it) issue as soon as the ring has room, a work tile ahead. + kQBytes of shared
@@ -134,25 +144,17 @@ static_assert(!FC_NAN_FLAGS || !FC_MASKED_V, "the first pass is a kernel without
 static_assert(!FC_NAN_FIXUP || FC_MASKED_V, "the second pass is the masked-V kernel");
 constexpr int kNanFlagBytes = 16;  // per CTA in nan_flags: one per consumer warp, the rest unused
 static_assert(kConsumerWarps <= kNanFlagBytes, "one flag byte per consumer warp");
-#ifndef FC_MV_SCANNER
-// 1 (the host's default with FC_MASKED_V since session 17; session 16): warps 1 .. 3 of the producer warpgroup (idle otherwise)
-// scan each V tile some consumer's rows see only in part as soon as it lands, and publish the
-// result in verdict words and an mbarrier per scan (v_scanned); a consumer's masked tile then
-// waits for that barrier and reads the verdicts instead of scanning the stage itself and voting
-// on a named barrier: the scan leaves the consumers' critical path (on the H200, session 16, the
-// masked-V kernels ran 4-10% slower than the kernels without masked V at causal 512-2k). The
-// scanners also arrive on every v_empty, so TMA never rewrites a stage they are still reading
-// (scan_v_tiles).
-#define FC_MV_SCANNER 0
-#endif
-static_assert(!FC_MV_SCANNER || FC_MASKED_V, "the V scanner serves the masked-V kernels");
-#if FC_MV_SCANNER
+// The V scanner (session 16; every masked-V kernel's since session 17): warps 1 .. 3 of the
+// producer warpgroup (idle otherwise) scan each V tile some consumer's rows see only in part as
+// soon as it lands, and publish the result in verdict words and an mbarrier per scan
+// (v_scanned); a consumer's masked tile waits for that barrier and reads the verdicts instead of
+// scanning the stage itself: the scan stays off the consumers' critical path (on the H200,
+// session 16, the masked-V kernels ran 4-10% slower than the kernels without masked V at causal
+// 512-2k when the consumers scanned). The scanners also arrive on every v_empty, so TMA never
+// rewrites a stage they are still reading (scan_v_tiles).
+#if FC_MASKED_V
 constexpr uint32_t kScanSkip = 0, kScanTile = 1, kScanEnd = 2;  // the producer's request for a tile
 constexpr int kScanners = 3;  // warps 1 .. 3 of the producer warpgroup
-#endif
-#ifndef FC_MV_SCAN_UNROLL
-#define FC_MV_SCAN_UNROLL 4  // masked V: 16-byte loads in flight per thread in the scan (A/B knob;
-                             // session 9: 4 instead of 1 took 1-3 points off the variant's cost)
 #endif
 #ifndef FC_SOFTMAX_IN_ARMS
 // 1: the softmax is written into both arms of the mask branch, so the wait for the P V starts a
@@ -175,16 +177,6 @@ constexpr bool kSoftmaxInArms = FC_SOFTMAX_IN_ARMS;
 #endif
 constexpr bool kMaskBits = FC_MASK_BITS && kBlockN <= 128;
 constexpr int kMaskPairs = kBlockN <= 128 ? kBlockN / 8 : 16;  // fragment_bits' column pairs
-#ifndef FC_FIRST_HALF
-// 1 (the host's default for d64's 128-row windowed ping-pong kernels since session 19 — since
-// session 28 dispatch runs those tiles without ping-pong and without it: fwd_sm90.FIRST_HALF;
-// same-process A/B d64 causal 512 +5.3%, 1k +1.8%, d128 -1.1 / -1.3%): a work tile's first key tile (with a causal mask: the diagonal one, on
-// every work tile's critical path) skips the upper half of its keys in a warp none of whose rows
-// sees them (the first consumer warpgroup's rows at a causal diagonal of 128-key tiles): its
-// mask, row maxima, exp2s and sums run over the lower kBlockN / 2 keys, P of the upper half is 0
-// without an exp2 (~170 fewer instructions per lane there). The GEMMs are unchanged.
-#define FC_FIRST_HALF 0
-#endif
 #ifndef FC_EXP_SPLIT
 // k > 0: the exp2s of a tile's column groups k .. kBlockN / 8 - 1 move after the previous P V's
 // wait (Consumer::softmax_tail), so they run interleaved with the rescale and the packing instead
@@ -213,55 +205,15 @@ constexpr int kMaskPairs = kBlockN <= 128 ? kBlockN / 8 : 16;  // fragment_bits'
 // shuffles and selects per thread of FC_O_QUAD's store_row_v4) and no wait on the stores: the
 // forward timeline puts the epilogue at 0.9-1.0 us of a 4-8 us work tile at 512-1k. The staging
 // tiles take kConsumers x 64 x kHeadDim x 2 bytes of shared memory; with FC_MASKED_V each is its
-// consumer's clean V tile instead (touched only on the non-finite path, after a vote:
-// v_tile_poisoned waits for the store's read before the vote's barrier), so d128's causal /
-// window kernels fit too (FLASHCUDA_SM90_FWD_O_TMA=0 the A/B without it).
+// consumer's clean V tile instead (touched only on the non-finite path: scanned_v waits for the
+// store's read before it copies V there), so d128's causal / window kernels fit too
+// (FLASHCUDA_SM90_FWD_O_TMA=0 the A/B without it).
 #define FC_O_TMA 0
 #endif
 #if FC_O_TMA
 constexpr int kOBarrier = 12;  // + c: FC_O_TMA's staging tile, per consumer warpgroup (named
-                               // barriers 1 .. 3: the ping-pong turns, 8 ..: the masked-V votes)
+                               // barriers 1 .. 3: the ping-pong turns, 8 ..: masked V's copies)
 #endif
-// + c: FC_FIRST_HALF's reconvergence without ping-pong (attend_key_tile), per consumer warpgroup
-constexpr int kFirstHalfBarrier = 4;
-static_assert(kFirstHalfBarrier > kConsumers && kFirstHalfBarrier + kConsumers <= 8,
-              "named barriers: 1 .. kConsumers the turns, 8 .. the masked-V votes");
-#ifndef FC_DECODE_AHEAD
-// 1 (the host's default since session 17; session 16 on the H200: -4 to +3% alone, the decode
-// stayed on the warp's path; one of the boundary's parts, perf-notes): a consumer decodes its next work tile
-// (Schedule::block: four 32-bit divisions by runtime values and ~150 uniform-datapath
-// instructions in a dependent chain, 244 SASS instructions with the mask set-up in the timeline
-// build) while its last P V runs on the tensor cores (drain, between the issue and the wait),
-// not at the top of the next work tile, where nothing hides it. The forward timeline measures
-// 0.38 us from a work tile's start to its Q (also with the Q loaded a work tile ahead, session
-// 15), ~700 cycles: the size of that chain at one warp per scheduler.
-#define FC_DECODE_AHEAD 0
-#endif
-#ifndef FC_FAST_DIV
-// 1 (the host's default since session 17, measured with the boundary's other parts, perf-notes;
-// written in session 16): the schedule's divisions by runtime values
-// (Schedule::block, next_tile: four to five 32-bit divisions per work tile, each an I2F / RCP /
-// multiply / correction chain) become a multiply-high and a shift by magic numbers the host
-// computes per call (fwd_sm90.fast_div_magic; ten more kernel arguments). The forward timeline
-// put a work tile's decode at ~0.38 us of set-up (session 15); FC_DECODE_AHEAD moved it under the
-// last P V, where it stayed on the warp's path (session 16: the key-tile phase grew by as much).
-#define FC_FAST_DIV 0
-#endif
-constexpr bool kFastDiv = FC_FAST_DIV;
-#ifndef FC_CROSS_TILE
-// 1 (A/B; session 17 on the H200: -5.5 to +3.8% against the default boundary, not used; written
-// in session 16): a consumer warpgroup issues the next work
-// tile's first S = Q K_0^T in the same turn as the current one's last P V (the next Q is in the
-// other buffer: FC_Q_STAGES = 2), then stores the current O while that S runs, and computes the
-// next tile's first softmax after it; a work tile no longer starts with a lone GEMM whose latency
-// nothing hides, and its first S and the previous tile's last P V take one turn instead of two.
-// The next-but-one work tile is decoded under those GEMMs (FC_DECODE_AHEAD's idea, so that
-// variant is off here). Where the next work tile has no key tiles, or none follows, the work
-// tile ends as before (drain). The host builds it only with two Q buffers (fwd_sm90._config).
-#define FC_CROSS_TILE 0
-#endif
-static_assert(!FC_CROSS_TILE || (FC_Q_STAGES == 2 && !FC_DECODE_AHEAD && !FC_TIMELINE),
-              "the cross-tile loop needs two Q buffers, decodes ahead itself, has no timeline");
 #ifndef FC_RESCALE_EARLY
 // 1 (session 32; on at d256 since session 33, fwd_sm90.RESCALE_EARLY): O's rescale by a key
 // tile's correction waits for the next tile and runs between issuing its S and the P V that adds
@@ -271,26 +223,10 @@ static_assert(!FC_CROSS_TILE || (FC_Q_STAGES == 2 && !FC_DECODE_AHEAD && !FC_TIM
 // lost 3-6% at d256; with them the early rescale won up to 3.3% at d256 and lost 1-2% at d192).
 // O sees the same multiplications in the same order (O c_i + P_i V_i), so the results are the
 // same bits. Ignored by the masked-V kernels (their put-back follows the rescale; a windowed
-// call's second pass keeps the order) and under FC_CROSS_TILE.
+// call's second pass keeps the order).
 #define FC_RESCALE_EARLY 0
 #endif
-#define FC_RESCALE_EARLY_ON (FC_RESCALE_EARLY && !FC_MASKED_V && !FC_CROSS_TILE)
-#ifndef FC_DESC_EARLY
-// 1 (A/B, session 25; measured in session 26: -0.2 to +0.8% at d128, none beyond p10-p90, -1.9%
-// at d64 causal 4k — not used, perf-notes): with ping-pong, a step's K and V wgmma descriptors
-// are stage 0's (made per work tile) advanced by the stage's offset, and Q's is made when its
-// buffer is set, instead of each being rebuilt from the shared-memory base after the turn's
-// barrier. ncu at 1 x 16k x 16 d128 (runs/lane-20261202-d75289f/ncu-src-fwd16k*): between our
-// BAR.SYNC and the first HGMMA of a step ptxas placed 27 instructions — the base rebuilt from
-// SR_CgaCtaId, then the descriptors, a chain of ~8 dependent uniform operations — against 11 in
-// FlashAttention 4's kernel. With the knob 17 (ptxas still sinks part of the arithmetic past the
-// barrier). The gap was off the critical path: at the turn the other warpgroup's wgmmas are
-// still queued on the tensor cores.
-#define FC_DESC_EARLY 0
-#endif
-#ifndef FC_SMEM_PAD
-#define FC_SMEM_PAD 0  // unused shared-memory bytes before the barriers (an A/B variant only)
-#endif
+#define FC_RESCALE_EARLY_ON (FC_RESCALE_EARLY && !FC_MASKED_V)
 
 constexpr int kChunkCols = 64;                     // 16-bit elements per 128-byte swizzled row
 constexpr int kChunks = kHeadDim / kChunkCols;     // swizzled chunks per row of a tile
@@ -307,12 +243,12 @@ constexpr int kOBytes = kChunks * 64 * 128;              // FC_O_TMA: a consumer
 constexpr int kSmemO = kSmemClean;  // FC_O_TMA's staging tiles: the clean V tiles with
                                     // FC_MASKED_V, else a region of their own at the same place
 constexpr int kSmemBar = kSmemClean + (FC_MASKED_V ? kConsumers * kKVBytes : 0) +
-                         (FC_O_TMA && !FC_MASKED_V ? kConsumers * kOBytes : 0) + FC_SMEM_PAD;
+                         (FC_O_TMA && !FC_MASKED_V ? kConsumers * kOBytes : 0);
 static_assert(kOBytes <= kKVBytes, "a staging tile fits its consumer's clean V tile");
-static_assert(FC_SMEM_PAD % 1024 == 0, "padding keeps the barriers 8-byte aligned");
-// q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[] (+ FC_MV_SCANNER: v_scanned[],
-// the requests, and the scanner warps' verdicts, 8-byte slots: one, one and two per stage)
-constexpr int kBarriers = 2 * kQStages + 4 * kStages + (FC_MV_SCANNER ? 4 * kStages : 0);
+// q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[] (+ FC_MASKED_V: the scanners'
+// v_scanned[], the requests, and the scanner warps' verdicts, 8-byte slots: one, one and two
+// per stage)
+constexpr int kBarriers = 2 * kQStages + 4 * kStages + (FC_MASKED_V ? 4 * kStages : 0);
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -353,8 +289,8 @@ struct Smem {
   __device__ __forceinline__ uint32_t v_empty(int s) const {
     return bar(2 * kQStages + 3 * kStages + s);
   }
-  // FC_MV_SCANNER: scan number n is done (an arrival per scanner warp; slot stage_of(n), phase
-  // parity_of(n): two slots, as the stages); the producer's request for the tile in stage s
+  // masked V's scanners: scan number n is done (an arrival per scanner warp; slot stage_of(n),
+  // phase parity_of(n): two slots, as the stages); the producer's request for the tile in stage s
   // (kScanSkip / kScanTile / kScanEnd); scanner warp w's verdict on scan n in word w of slot
   // stage_of(n)'s 16 bytes (nonzero: its part of the tile holds a NaN / Inf)
   __device__ __forceinline__ uint32_t v_scanned(int s) const {
@@ -378,7 +314,7 @@ struct Smem {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
       mbar_init(k_empty(s), kConsumerWarps);
-#if FC_MV_SCANNER
+#if FC_MASKED_V
       mbar_init(v_empty(s), kConsumerWarps + kScanners);  // (+ the scanner warps)
       mbar_init(v_scanned(s), kScanners);
 #else
@@ -407,23 +343,25 @@ struct Block {
 //            each other, so CTAs running at the same time share that head's K and V in L2;
 //   by_block (causal, window): query-block-major from the last (heaviest) block down, so every
 //            CTA gets a mix of heavy and light tiles (longest first) and no CTA ends late.
-// FC_L2_SECTIONS (the default since session 12; 0: plain by_block, an A/B variant through
-// FLASHCUDA_SM90_FWD_DEFINES): by_block walks the (batch, head) pairs in sections of `by_block`
+// L2 sections (session 12): by_block walks the (batch, head) pairs in sections of `by_block`
 // pairs whose K and V fit in L2 together (the host sizes them: fwd_sm90.l2_section's most,
 // balanced_section's even split where a ragged last section would leave the walk uneven), each
 // section query-block-major — FlashAttention 4's causal order. Plain by_block keeps every head's
 // K and V live at once (128 MB at 4 x 4096 x 16 d128 against a 50 MB L2; ncu at that shape: DRAM
-// 49% busy on a compute-bound kernel, session 11). The sections alternate direction, the last
-// one heaviest-first: each section heaviest-first makes the costs a sawtooth, and next_work's
-// static snake balances a ramp, not a sawtooth (a cost model put the last CTA 9-29% past the
-// mean at the bench's causal shapes, 0-2% alternating; session 12 measured the sawtooth at -3.6%
-// against plain by_block at 16k, +5.5-12% at 2k-8k).
-#ifndef FC_L2_SECTIONS
-#define FC_L2_SECTIONS 1
-#endif
-// The schedule's divisors' magic numbers (FC_FAST_DIV; all 0 and unused without it): each is
-// mul | shift << 32 for fast_quo; `sections` and `last_size` are Schedule::block's section count
-// and the last section's pairs.
+// 49% busy on a compute-bound kernel, session 11; its A/B variant, FC_L2_SECTIONS=0, was removed
+// in session 39). The sections alternate direction, the last one heaviest-first: each section
+// heaviest-first makes the costs a sawtooth, and walk_next's static snake balances a ramp, not a
+// sawtooth (a cost model put the last CTA 9-29% past the mean at the bench's causal shapes, 0-2%
+// alternating; session 12 measured the sawtooth at -3.6% against plain by_block at 16k,
+// +5.5-12% at 2k-8k).
+// The schedule's divisions by runtime values (Schedule::block, next_tile: four to five per work
+// tile) are a multiply-high and a shift by magic numbers the host computes per call
+// (fwd_sm90.fast_div_magic / fast_div_args, ten kernel arguments; session 16, the default since
+// session 17: a 32-bit division is an I2F / RCP / multiply / correction chain, and the decode's
+// chain of them stayed on the warp's path under the last P V). Each is mul | shift << 32 for
+// fast_quo; `sections` and `last_size` are Schedule::block's section count and the last
+// section's pairs. (`heads`, the divisor of the plain by_block order, is unused since that order
+// went in session 39; the host still passes it, so the parameters stay as they were.)
 struct Magic {
   uint64_t num_m = 0, heads = 0, section = 0, by_block = 0, last = 0, nheads = 0, group = 0,
            grid = 0;
@@ -438,20 +376,15 @@ __device__ __forceinline__ int fast_quo(int n, uint64_t magic) {
   return static_cast<int>((__umulhi(u, static_cast<uint32_t>(magic)) + u) >>
                           static_cast<uint32_t>(magic >> 32));
 }
-// n / d and n % d (FC_FAST_DIV: by magic)
-__device__ __forceinline__ int quo(int n, int d, uint64_t magic) {
-  if constexpr (kFastDiv) return fast_quo(n, magic);
-  return n / d;
-}
-__device__ __forceinline__ int rem(int n, int d, uint64_t magic) {
-  if constexpr (kFastDiv) return n - fast_quo(n, magic) * d;
-  return n % d;
+// n % d by d's magic number
+__device__ __forceinline__ int fast_rem(int n, int d, uint64_t magic) {
+  return n - fast_quo(n, magic) * d;
 }
 
 struct Schedule {
-  int num_m, nheads, nheads_kv, batch;
+  int num_m, nheads, batch;
   int by_block;
-  Magic magic;  // (FC_FAST_DIV)
+  Magic magic;
 
   __device__ __forceinline__ int total() const { return num_m * nheads * batch; }
 
@@ -459,31 +392,26 @@ struct Schedule {
     int m, bh;
     if (by_block) {
       const int heads = nheads * batch;
-#if FC_L2_SECTIONS
       // section s holds pairs [s by_block, + size); its num_m * size tiles are consecutive,
       // lightest-first when an odd number of sections follows it
-      const int s = quo(t, num_m * by_block, magic.section);
+      const int s = fast_quo(t, magic.section);
       const int first = s * by_block;
       const int size = min(by_block, heads - first);
-      const int sections = kFastDiv ? magic.sections : (heads + by_block - 1) / by_block;
+      const int sections = magic.sections;
       int within = t - s * num_m * by_block;
       if ((sections - 1 - s) & 1) within = num_m * size - 1 - within;
       const uint64_t by_size = size == by_block ? magic.by_block : magic.last;
-      m = num_m - 1 - quo(within, size, by_size);
-      bh = first + rem(within, size, by_size);
-#else
-      m = num_m - 1 - quo(t, heads, magic.heads);
-      bh = rem(t, heads, magic.heads);
-#endif
+      m = num_m - 1 - fast_quo(within, by_size);
+      bh = first + fast_rem(within, size, by_size);
     } else {
-      m = num_m - 1 - rem(t, num_m, magic.num_m);
-      bh = quo(t, num_m, magic.num_m);
+      m = num_m - 1 - fast_rem(t, num_m, magic.num_m);
+      bh = fast_quo(t, magic.num_m);
     }
     Block blk;
     blk.m0 = m * kBlockM;
-    blk.head = rem(bh, nheads, magic.nheads);
-    blk.batch = quo(bh, nheads, magic.nheads);
-    blk.head_kv = quo(blk.head, nheads / nheads_kv, magic.group);
+    blk.head = fast_rem(bh, nheads, magic.nheads);
+    blk.batch = fast_quo(bh, magic.nheads);
+    blk.head_kv = fast_quo(blk.head, magic.group);
     const int row_end = min(blk.m0 + kBlockM, mask.seqlen_q);
     const int key_lo = mask.key_begin(blk.m0);
     const int key_hi = mask.key_end(row_end);
@@ -507,30 +435,16 @@ __device__ __forceinline__ int walk_next(int t, int g, int round) {
   }
 }
 
-__device__ __forceinline__ int next_work(int t) {
-  const int g = static_cast<int>(gridDim.x);
-  return walk_next(t, g, t / g);
-}
-
-// next_work, or with FC_FAST_DIV the same walk with the round's division by magic
+// The work tile after `t` of this CTA: walk_next over gridDim.x CTAs, the round's division by
+// magic
 __device__ __forceinline__ int next_tile(const Schedule& sched, int t) {
-  if constexpr (kFastDiv) return walk_next(t, gridDim.x, fast_quo(t, sched.magic.grid));
-  return next_work(t);
+  return walk_next(t, gridDim.x, fast_quo(t, sched.magic.grid));
 }
 
-#if FC_MV_SCANNER
-// next_work for the producer thread, gridDim.x read where it is used: with the scanner's requests
-// (two more live values at 24 registers) ptxas kept gridDim.x in a register and spilled it
-__device__ __forceinline__ int producer_next_work(int t) {
-  int g;
-  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(g));
-  return walk_next(t, g, t / g);
-}
-#endif
-
-// Work tile w's decode, pinned between empty asm statements where it is called (FC_DECODE_AHEAD,
-// FC_CROSS_TILE: under a GEMM in flight), which ptxas would otherwise hoist or sink as pure
-// arithmetic: not before the first (w made opaque there), not after the second (the result used).
+// Work tile w's decode, pinned between empty asm statements where it is called (the next work
+// tile's, under the last P V in flight: "decode ahead" in the consumers' loop), which ptxas would
+// otherwise hoist or sink as pure arithmetic: not before the first (w made opaque there), not
+// after the second (the result used).
 __device__ __forceinline__ Block decode_pinned(const Schedule& sched, int w, const Mask& mask) {
   asm volatile("" : "+r"(w));
   const Block b = sched.block(w, mask);
@@ -549,15 +463,11 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
                                         const TmaMap& map_q, const TmaMap& map_k,
                                         const TmaMap& map_v) {
   int ring = 0, q_round = 0;
-#if FC_MV_SCANNER && !FC_FAST_DIV
-  for (int t = blockIdx.x; t < sched.total(); t = producer_next_work(t)) {
-#else
   for (int t = blockIdx.x; t < sched.total(); t = next_tile(sched, t)) {
-#endif
     const Block blk = sched.block(t, mask);
     const int tiles = blk.tiles();
     if (tiles <= 0) continue;
-#if FC_MV_SCANNER
+#if FC_MASKED_V
     // the V tiles the scanner scans: masked for some row of the work tile (a superset of each
     // consumer warpgroup's own masked visits)
     const MaskedVisits masked = masked_visits(mask, blk.m0, kBlockM, blk.n_last, kBlockN);
@@ -581,7 +491,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
         tma_load_4d(sm.k(s) + c * kKVChunkBytes, map_k, sm.k_full(s), c * kChunkCols, n0,
                     blk.head_kv, blk.batch);
       mbar_wait_producer(sm.v_empty(s), empty_parity);
-#if FC_MV_SCANNER
+#if FC_MASKED_V
       store_shared_32(sm.v_request(s), masked(i) ? kScanTile : kScanSkip);  // (released below)
 #endif
       mbar_arrive_expect_tx(sm.v_full(s), kKVBytes);
@@ -592,7 +502,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
     }
     ++q_round;
   }
-#if FC_MV_SCANNER
+#if FC_MASKED_V
   // the scanner's end: the next stage's phase completed without a load, its request kScanEnd
   const int s = stage_of(ring);
   mbar_wait(sm.v_empty(s), parity_of(ring) ^ 1);
@@ -601,8 +511,8 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
 #endif
 }
 
-#if FC_MV_SCANNER
-// ---- the V scanner (FC_MV_SCANNER): warps 1 .. 3 of the producer warpgroup ---------------------
+#if FC_MASKED_V
+// ---- the V scanner (masked V): warps 1 .. 3 of the producer warpgroup --------------------------
 // Follow the producer's ring: for each V tile, wait for it to land and read the producer's request
 // (written before the v_full arrival that the wait acquires): for a tile that needs the mask for
 // some rows of its work tile, scan it (warp w the 16-byte units w * 32 + lane + 96 k, two loads
@@ -663,27 +573,12 @@ struct Consumer {
   float corr_next[2];  // the last tile's correction, applied before the next P V
 #endif
   uint32_t q_rows;              // shared address of this warpgroup's 64 rows of Q (chunk 0)
-#if FC_DESC_EARLY
-  uint64_t q_desc;   // q_rows' wgmma descriptor, made with it (FC_DESC_EARLY)
-  uint64_t k_desc0;  // stage 0's K / V descriptors: a stage's are these advanced by its offset
-  uint64_t v_desc0;
-#endif
 #if FC_TIMELINE
   uint64_t t_s0;  // when the work tile's first S was ready (Timeline)
 #endif
 
-  __device__ __forceinline__ void set_q(uint32_t rows) {
-    q_rows = rows;
-#if FC_DESC_EARLY
-    q_desc = smem_desc_k_major_sw128(rows);
-#endif
-  }
   __device__ __forceinline__ void init(const Smem& sm, int wg_row0, int q_buffer) {
-#if FC_DESC_EARLY
-    k_desc0 = smem_desc_k_major_sw128(sm.k(0));
-    v_desc0 = smem_desc_mn_major_sw128(sm.v(0), kKVChunkBytes);
-#endif
-    set_q(sm.q(q_buffer) + wg_row0 * 128);  // 64-row offsets stay 1024-byte aligned
+    q_rows = sm.q(q_buffer) + wg_row0 * 128;  // 64-row offsets stay 1024-byte aligned
     row[0].init();
     row[1].init();
 #pragma unroll
@@ -691,16 +586,10 @@ struct Consumer {
   }
 
   // Issue S = Q K^T over kHeadDim / 16 k16 steps (one commit group); step kk reads 32 bytes at
-  // column (kk % 4) * 16 of chunk kk / 4 of both tiles. The caller fenced. (kGiven: `b0` is
-  // k_tile's descriptor, made by the caller, and Q's is q_desc: FC_DESC_EARLY)
-  template <bool kGiven = false>
-  __device__ __forceinline__ void issue_scores(uint32_t k_tile, uint64_t given = 0) {
-#if FC_DESC_EARLY
-    const uint64_t a0 = kGiven ? q_desc : smem_desc_k_major_sw128(q_rows);
-#else
+  // column (kk % 4) * 16 of chunk kk / 4 of both tiles. The caller fenced.
+  __device__ __forceinline__ void issue_scores(uint32_t k_tile) {
     const uint64_t a0 = smem_desc_k_major_sw128(q_rows);
-#endif
-    const uint64_t b0 = kGiven ? given : smem_desc_k_major_sw128(k_tile);
+    const uint64_t b0 = smem_desc_k_major_sw128(k_tile);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t col = (kk / 4), within = (kk % 4) * 32;
@@ -713,10 +602,9 @@ struct Consumer {
 
   // Issue O += P V (one commit group): P's C fragments of n8 blocks 2kk, 2kk + 1 are the A
   // fragment of k16 step kk; step kk reads V rows 16kk .. 16kk + 15 (2048 bytes further per
-  // step), both d chunks. (kGiven: `given` is v_tile's descriptor, FC_DESC_EARLY)
-  template <bool kGiven = false>
-  __device__ __forceinline__ void issue_accumulate(uint32_t v_tile, uint64_t given = 0) {
-    const uint64_t b0 = kGiven ? given : smem_desc_mn_major_sw128(v_tile, kKVChunkBytes);
+  // step), both d chunks.
+  __device__ __forceinline__ void issue_accumulate(uint32_t v_tile) {
+    const uint64_t b0 = smem_desc_mn_major_sw128(v_tile, kKVChunkBytes);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const uint64_t b = mn_major_at(b0, v_tile, kk * 16 * 128, kKVChunkBytes);
@@ -736,8 +624,6 @@ struct Consumer {
 
   // Scores of (row, key) pairs the rule hides become -inf. `i0`: query row of this lane's first
   // row; `col0`: key of its first column (n0 + 2t).
-  // (kGroups: the first kGroups column groups of 8 keys only, FC_FIRST_HALF)
-  template <int kGroups = kBlockN / 8>
   __device__ __forceinline__ void apply_mask(const Mask& mask, int i0, int col0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -747,7 +633,7 @@ struct Consumer {
       // (kMaskBits) bit 2j + c: key 8j + c is visible
       const uint32_t visible = kMaskBits ? fragment_bits<kMaskPairs>(lo, hi) : 0u;
 #pragma unroll
-      for (int j = 0; j < kGroups; ++j)
+      for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int key = 8 * j + c;
@@ -760,11 +646,11 @@ struct Consumer {
   // Row h's new maximum over this tile (over the quad) into row[h]; returns the factor O's row
   // must still be multiplied by. scale_log2 > 0 (checked on the host), so max(s) * scale is the
   // max of the scaled scores.
-  template <int kGroups = kBlockN / 8>
   __device__ __forceinline__ float update_row(int h, float scale_log2) {
     float mx = neg_inf();
 #pragma unroll
-    for (int j = 0; j < kGroups; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+    for (int j = 0; j < kBlockN / 8; ++j)
+      mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     return row[h].update(mx * scale_log2);
@@ -772,13 +658,11 @@ struct Consumer {
 
   // Online softmax of this tile in one piece: new row maxima (over the quad), P = exp2(S - m) in
   // place, partial row sums into row[h].l (summed over the quad once, in the epilogue). Returns in
-  // corr[h] the factor O's rows must still be multiplied by (see rescale). Only the first kLive
-  // column groups count (FC_FIRST_HALF's lower half); P of the others is 0, without an exp2.
-  template <int kLive = kBlockN / 8>
+  // corr[h] the factor O's rows must still be multiplied by (see rescale).
   __device__ __forceinline__ void whole_softmax(float scale_log2, float (&corr)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      corr[h] = update_row<kLive>(h, scale_log2);
+      corr[h] = update_row(h, scale_log2);
       const float ref = row[h].ref();
       float sum = 0.f;
 #pragma unroll
@@ -786,12 +670,8 @@ struct Consumer {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           float& x = s[4 * j + 2 * h + c];
-          if (j < kLive) {
-            x = fast_exp2(fmaf(x, scale_log2, -ref));
-            sum += x;
-          } else {
-            x = 0.f;
-          }
+          x = fast_exp2(fmaf(x, scale_log2, -ref));
+          sum += x;
         }
       row[h].add(sum);
     }
@@ -837,16 +717,6 @@ struct Consumer {
 
   __device__ __forceinline__ void softmax(float scale_log2, float (&corr)[2]) {
     whole_softmax(scale_log2, corr);
-  }
-#endif
-
-#if FC_FIRST_HALF
-  // The first tile's mask and whole softmax (no softmax_tail after it) over its lower kBlockN / 2
-  // keys, for a warp none of whose rows sees the upper half: P there is 0, without an exp2.
-  __device__ __forceinline__ void lower_half_softmax(const Mask& mask, int i0, int col0,
-                                                     float scale_log2, float (&corr)[2]) {
-    apply_mask<kBlockN / 16>(mask, i0, col0);
-    whole_softmax<kBlockN / 16>(scale_log2, corr);
   }
 #endif
 
@@ -922,9 +792,9 @@ __device__ __forceinline__ void turn_close(int c) {
 // edge), P V multiplies a key's V row by p = 0 for the rows that do not see it, and 0 x NaN / Inf
 // is NaN: a NaN or Inf in V would reach rows that never see its key (FA3 behaves so). The V stage
 // is shared by the consumer warpgroups, whose rows see different keys, and read by wgmma through
-// the async proxy; so each warpgroup decides for itself, for the tiles masked for its own rows:
-// its 128 threads scan the stage and vote (bar.red.or on a named barrier of its own). Fast path
-// (no NaN / Inf): nothing else. Slow path: the warpgroup copies the stage into its own clean tile
+// the async proxy; so each warpgroup decides for itself, for the tiles masked for its own rows,
+// from the verdict of the producer warpgroup's scanner warps (scan_v_tiles). Fast path (no
+// NaN / Inf): nothing else. Slow path: the warpgroup copies the stage into its own clean tile
 // with every NaN / Inf replaced by 0 (same 1024-byte alignment, so the same swizzle), fences the
 // copy to the async proxy, runs its P V from that copy, and afterwards adds NaN / +Inf / -Inf
 // into the O elements whose row sees a key holding one in that column, read from the stage
@@ -933,40 +803,7 @@ __device__ __forceinline__ void turn_close(int c) {
 // read a stage with generic loads fences them to the async proxy before releasing it (v_empty),
 // so TMA's next write into it cannot overtake them.
 #if FC_MASKED_V
-constexpr int kVoteBarrier = 8;  // + c; 1 .. kConsumers are the ping-pong turns
-// True in every thread of warpgroup c if `pred` holds in any of them (a barrier of its own).
-__device__ __forceinline__ bool warpgroup_any(bool pred, int c) {
-  uint32_t any;
-  asm volatile(
-      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, 128, p;\n"
-      "selp.u32 %0, 1, 0, q;\n}\n"
-      : "=r"(any) : "r"(static_cast<uint32_t>(pred)), "r"(kVoteBarrier + c) : "memory");
-  // The same in every thread, but ptxas cannot know it from the barrier: read through lane 0 it
-  // is warp-uniform to ptxas, so the V address chosen from it (scanned_v) stays in uniform
-  // registers and the P V wgmma's descriptors need no R2UR per tile (session 8: without this the
-  // opt-in cost 4-16% on causal calls, also where one tile in 64 is masked).
-  return __shfl_sync(0xffffffffu, any, 0) != 0;
-}
-
-// Whether the V tile at `v` holds a NaN / Inf (the warpgroup's 128 threads scan every 128th
-// 16-byte unit each, then vote).
-__device__ __forceinline__ bool v_tile_poisoned(uint32_t v, int c) {
-  const int lt = static_cast<int>(threadIdx.x & 127);
-  bool bad = false;
-  constexpr int kUnroll = FC_MV_SCAN_UNROLL;
-#pragma unroll kUnroll
-  for (int e = lt; e < kKVBytes / 16; e += 128) {
-    const Bytes16 w = load_shared_16(v + 16 * e);
-    bad |= word_nonfinite<T>(w.x) | word_nonfinite<T>(w.y) | word_nonfinite<T>(w.z) |
-           word_nonfinite<T>(w.w);
-  }
-#if FC_O_TMA
-  // the clean tile is the staging tile of the last epilogue's O store: its issuer waits for the
-  // store's read before the vote, so no thread writes the tile (copy_clean_v) before that
-  if (lt == 0) bulk_wait_group_read<0>();
-#endif
-  return warpgroup_any(bad, c);
-}
+constexpr int kCleanBarrier = 8;  // + c: warpgroup c's copy of V (1 .. kConsumers: the turns)
 
 // Slow path, part 1: the warpgroup's clean copy of the tile, visible to its wgmma.
 __device__ __forceinline__ void copy_clean_v(uint32_t dst, uint32_t v, int c) {
@@ -981,7 +818,7 @@ __device__ __forceinline__ void copy_clean_v(uint32_t dst, uint32_t v, int c) {
     store_shared_16(dst + 16 * e, w);
   }
   fence_proxy_async();
-  named_barrier_sync(kVoteBarrier + c, 128);
+  named_barrier_sync(kCleanBarrier + c, 128);
 }
 
 // Byte offset of element (key, d) in a [kBlockN][kHeadDim] tile of 128B-swizzled chunks.
@@ -1056,12 +893,12 @@ __device__ __forceinline__ void put_back_nonfinite(Consumer& cs, uint32_t v, uin
 #endif
 
 // A consumer warpgroup's view of a work tile's visits: which need the mask for its rows
-// (MaskedVisits), and with FC_MV_SCANNER which scan of the CTA's scanners holds each masked
+// (MaskedVisits), and with FC_MASKED_V which scan of the CTA's scanners holds each masked
 // visit's verdict: the scanners number the tiles they scan in ring order, and they scan every
 // visit that needs the mask for some row of the work tile (its first `scan_head` visits and those
 // from `scan_tail` on, after the `scan_base` scans of the CTA's earlier work tiles).
 struct Visits : MaskedVisits {
-#if FC_MV_SCANNER
+#if FC_MASKED_V
   int scan_base, scan_head, scan_tail;
   __device__ __forceinline__ int scan(int i) const {
     return scan_base + (i < scan_head ? i : scan_head + i - scan_tail);
@@ -1076,31 +913,29 @@ struct Visits : MaskedVisits {
 // the same branches and barriers.
 __device__ __forceinline__ uint32_t scanned_v(const Smem& sm, int stage, int scan, int c,
                                               bool& poisoned) {
-#if FC_MV_SCANNER
-  // the scanners' verdicts on the work tiles' scan number `scan` (Visits::scan); read through lane
-  // 0 so that ptxas sees them warp-uniform (warpgroup_any says why)
+#if FC_MASKED_V
+  // the scanners' verdicts on the work tiles' scan number `scan` (Visits::scan), read through
+  // lane 0: the same in every thread, but so ptxas knows it is warp-uniform, and the V address
+  // chosen from it stays in uniform registers (the P V wgmma's descriptors need no R2UR per
+  // tile; session 8: without this masked V cost 4-16% on causal calls)
   mbar_wait(sm.v_scanned(stage_of(scan)), parity_of(scan));
   uint32_t verdict = 0;
 #pragma unroll
   for (int w = 0; w < kScanners; ++w) verdict |= load_shared_32(sm.v_flag(stage_of(scan), w));
   poisoned = __shfl_sync(0xffffffffu, verdict, 0) != 0;
-#elif FC_MASKED_V
-  poisoned = v_tile_poisoned(sm.v(stage), c);
-#else
-  poisoned = false;
-#endif
-  (void)scan;
-#if FC_MASKED_V
   if (poisoned) {
-#if FC_MV_SCANNER && FC_O_TMA
+#if FC_O_TMA
     // the clean tile is the last epilogue's O staging tile: its store has read it first
-    // (v_tile_poisoned does this before its vote)
     if ((threadIdx.x & 127) == 0) bulk_wait_group_read<0>();
-    named_barrier_sync(kVoteBarrier + c, 128);
+    named_barrier_sync(kCleanBarrier + c, 128);
 #endif
     copy_clean_v(sm.clean_v(c), sm.v(stage), c);
     return sm.clean_v(c);
   }
+#else
+  poisoned = false;
+  (void)scan;
+  (void)c;
 #endif
   return sm.v(stage);
 }
@@ -1116,11 +951,7 @@ __device__ __forceinline__ void finish_scanned_v(bool poisoned, Consumer& cs, co
   if (poisoned)
     put_back_nonfinite(cs, sm.v(stage), sm.clean_v(c), mask, row0, (blk.n_last - i) * kBlockN,
                        corr);
-#if FC_MV_SCANNER
   if (poisoned) fence_proxy_async();  // (only the slow path read the stage here)
-#else
-  fence_proxy_async();
-#endif
 #endif
   release(sm.v_empty(stage));
 }
@@ -1157,22 +988,11 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
     mbar_wait(sm.v_full(prev), parity_of(ring - 1));
     if constexpr (kScanPrev) v_prev = scanned_v(sm, prev, masked.scan(i - 1), c, poisoned);
   }
-#if FC_DESC_EARLY
-  // The step's K and V descriptors: stage 0's advanced by the stage's offset, one add each (not
-  // rebuilt from the shared-memory base after the turn's barrier); V from a scan keeps its own
-  constexpr bool kEarlyDesc = kPingPong && !kScanPrev;
-  const uint64_t k_desc = desc_advance(cs.k_desc0, st * kKVBytes);
-  const uint64_t v_desc = desc_advance(cs.v_desc0, prev * kKVBytes);
-#endif
   turn_begin(c);
   wgmma_fence_operands(cs.s);
   wgmma_fence_operands(cs.o);
   wgmma_fence();
-#if FC_DESC_EARLY
-  cs.issue_scores<kEarlyDesc>(sm.k(st), k_desc);
-#else
   cs.issue_scores(sm.k(st));
-#endif
 #if FC_RESCALE_EARLY_ON
   if constexpr (!kFirst) {  // O (no GEMM writes it now) by the previous tile's correction
     cs.rescale(cs.corr_next);
@@ -1185,11 +1005,7 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
       mbar_wait(sm.v_full(prev), parity_of(ring - 1));
       v_prev = sm.v(prev);  // (the same address; computed here it keeps the SASS of before)
     }
-#if FC_DESC_EARLY
-    cs.issue_accumulate<kEarlyDesc>(v_prev, v_desc);
-#else
     cs.issue_accumulate(v_prev);
-#endif
   }
   turn_end(c);
   if constexpr (!kFirst) {
@@ -1203,40 +1019,16 @@ __device__ __forceinline__ void attend_key_tile(Consumer& cs, const Smem& sm, co
   wgmma_fence_operands(cs.s);
   release(sm.k_empty(st));
   float corr[2];
-#if FC_FIRST_HALF
-  const int key0 = (blk.n_last - i) * kBlockN;  // the tile's first key
-  const int col0 = key0 + 2 * static_cast<int>(threadIdx.x & 3);
-  // (warp-uniform: the warp's last row, row0 - g + 15, sees no key of the upper half; rows see
-  // contiguous, non-decreasing key ranges, so no row of the warp does)
-  const bool lower_half = kFirst && masked(i) &&
-      mask.key_end(row0 - static_cast<int>((threadIdx.x & 31) >> 2) + 16) - key0 <= kBlockN / 2;
-  if (lower_half) {
-    cs.lower_half_softmax(mask, row0, col0, scale_log2, corr);
-  } else {
-    cs.masked_softmax(masked(i), mask, row0, col0, scale_log2, corr);
-  }
-  // Without ping-pong no turn barrier reconverges the warpgroup between this warp-uniform
-  // branch and the next wgmma, and ptxas serialises the wgmmas (C7519: its WG.AR in a divergent
-  // path; session 20). One warpgroup barrier on the first key tile avoids that (session 28).
-  // Measured in session 29 (FLASHCUDA_SM90_FWD_DEFINES=FC_FIRST_HALF=1 on the no-ping-pong
-  // kernels, same-process A/B): d64 causal 512 / 1k -3.7 / -5.7%, so an A/B variant only.
-  if constexpr (kFirst && !kPingPong) named_barrier_sync(kFirstHalfBarrier + c, 128);
-#else
   cs.masked_softmax(masked(i), mask, row0,
                     (blk.n_last - i) * kBlockN + 2 * static_cast<int>(threadIdx.x & 3), scale_log2,
                     corr);
-#endif
   if constexpr (!kFirst) {
     wgmma_wait<0>();
     cs.hold_p();
     wgmma_fence_operands(cs.o);
     if constexpr (!kScanPrev) release(sm.v_empty(prev));
   }
-#if FC_FIRST_HALF
-  if (!lower_half) cs.softmax_tail(scale_log2);  // (FC_EXP_SPLIT; nothing otherwise)
-#else
   cs.softmax_tail(scale_log2);  // (FC_EXP_SPLIT; nothing otherwise)
-#endif
 #if FC_RESCALE_EARLY_ON
   cs.corr_next[0] = corr[0];  // (rescaled before the next P V)
   cs.corr_next[1] = corr[1];
@@ -1280,17 +1072,13 @@ __device__ __forceinline__ void attend_rest(Consumer& cs, const Smem& sm, const 
 #endif
 }
 
-// The last tile's P V, after the loop (`i`: its visit index, `last`: its ring index).
-struct NoWork {
-  __device__ __forceinline__ void operator()() const {}
-};
-
-// `between` runs after the last P V is issued and before the wait for it (FC_DECODE_AHEAD: the
-// next work tile's decode, hidden under the tensor cores)
-template <class Between = NoWork>
+// The last tile's P V, after the loop (`i`: its visit index, `last`: its ring index). `between`
+// runs after that P V is issued and before the wait for it (the next work tile's decode, under
+// the tensor cores: "decode ahead" in the consumers' loop)
+template <class Between>
 __device__ __forceinline__ void drain(Consumer& cs, const Smem& sm, const Block& blk,
                                       const Mask& mask, const Visits& masked, int i,
-                                      int last, int row0, int c, Between between = {}) {
+                                      int last, int row0, int c, Between between) {
   const int stage = stage_of(last);
   const bool scan = FC_MASKED_V && masked(i);
   bool poisoned = false;
@@ -1354,28 +1142,20 @@ struct Timeline {
 #endif
 
 // The parameters after the tensor maps and the out / lse pointers (fwd_sm90.constant_args, then
-// fast_div_args), and their names: the kernel's, and the fused kernel's and its passes' `run`
-// (flash_fwd_sm90_fused.cu)
-#if FC_FAST_DIV
-// the schedule's magic numbers (Magic; fwd_sm90.fast_div_args)
-#define FC_FWD_MAGIC_PARAMS                                                                    \
-  , uint64_t magic_num_m, uint64_t magic_heads, uint64_t magic_section,                        \
-      uint64_t magic_by_block, uint64_t magic_last, uint64_t magic_nheads,                     \
-      uint64_t magic_group, uint64_t magic_grid, int sections, int last_size
-#define FC_FWD_MAGIC_ARGS                                                                      \
-  , magic_num_m, magic_heads, magic_section, magic_by_block, magic_last, magic_nheads,         \
-      magic_group, magic_grid, sections, last_size
-#else
-#define FC_FWD_MAGIC_PARAMS
-#define FC_FWD_MAGIC_ARGS
-#endif
+// fast_div_args: the schedule's magic numbers, Magic), and their names: the kernel's, and the
+// fused kernel's and its passes' `run` (flash_fwd_sm90_fused.cu)
 #define FC_FWD_SCALAR_PARAMS                                                                   \
   int64_t o_batch_stride, int64_t o_row_stride, int64_t o_head_stride, int seqlen_q,           \
       int seqlen_k, int nheads, int nheads_kv, float scale_log2, int window_left,              \
-      int window_right, int batch, int by_block FC_FWD_MAGIC_PARAMS
+      int window_right, int batch, int by_block, uint64_t magic_num_m, uint64_t magic_heads,   \
+      uint64_t magic_section, uint64_t magic_by_block, uint64_t magic_last,                    \
+      uint64_t magic_nheads, uint64_t magic_group, uint64_t magic_grid, int sections,          \
+      int last_size
 #define FC_FWD_SCALAR_ARGS                                                                     \
   o_batch_stride, o_row_stride, o_head_stride, seqlen_q, seqlen_k, nheads, nheads_kv,          \
-      scale_log2, window_left, window_right, batch, by_block FC_FWD_MAGIC_ARGS
+      scale_log2, window_left, window_right, batch, by_block, magic_num_m, magic_heads,        \
+      magic_section, magic_by_block, magic_last, magic_nheads, magic_group, magic_grid,        \
+      sections, last_size
 
 #if FC_FUSED_PART
 // One pass of flash_fwd_sm90_fused.cu's kernel (its parameters, by reference to its own)
@@ -1426,13 +1206,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
-#if FC_FAST_DIV
-  const Schedule sched{(seqlen_q + kBlockM - 1) / kBlockM, nheads, nheads_kv, batch, by_block,
+  const Schedule sched{(seqlen_q + kBlockM - 1) / kBlockM, nheads, batch, by_block,
                        Magic{magic_num_m, magic_heads, magic_section, magic_by_block, magic_last,
                              magic_nheads, magic_group, magic_grid, sections, last_size}};
-#else
-  const Schedule sched{(seqlen_q + kBlockM - 1) / kBlockM, nheads, nheads_kv, batch, by_block};
-#endif
 
   if (threadIdx.x == 0) {
 #if !FC_ROLE_ONLY
@@ -1455,7 +1231,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
     setmaxnreg_dec<kProducerRegs>();
 #endif
     if (threadIdx.x < 32 && elect_one()) produce(sm, sched, mask, map_q, map_k, map_v);
-#if FC_MV_SCANNER
+#if FC_MASKED_V
     if (threadIdx.x >= 32) scan_v_tiles(sm, static_cast<int>(threadIdx.x / 32) - 1);
 #endif
 #ifdef FC_FUSED_PRODUCER_TAIL
@@ -1478,17 +1254,17 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #if FC_TIMELINE
   Timeline timeline_rec{timeline, timeline_slots, c};
 #endif
-#if FC_MV_SCANNER
+#if FC_MASKED_V
   int scans = 0;  // the scanners' scans of this CTA's earlier work tiles (Visits)
 #endif
 #if FC_NAN_FLAGS
   float nonfinite_probe = 0.f;  // NaN / Inf once some accumulator value was (fold_nonfinite)
 #endif
-  // A work tile's visits for this warpgroup's rows (with FC_MV_SCANNER numbered from `scans`, the
+  // A work tile's visits for this warpgroup's rows (with FC_MASKED_V numbered from `scans`, the
   // scanners' scans so far, which it advances past the work tile's)
   auto visits_of = [&](const Block& blk) {
     Visits v{masked_visits(mask, blk.m0 + wg_row0, 64, blk.n_last, kBlockN)};
-#if FC_MV_SCANNER
+#if FC_MASKED_V
     // the visits the scanners scan (as the producer requests them)
     const int tiles = blk.tiles();
     const MaskedVisits all = masked_visits(mask, blk.m0, kBlockM, blk.n_last, kBlockN);
@@ -1574,112 +1350,22 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #endif  // FC_O_TMA
   };
   turn_open(c);
-#if FC_CROSS_TILE
-  Consumer cs;
-  Visits masked{};  // the current work tile's
-  int w = blockIdx.x, w_next = next_tile(sched, w);
-  Block blk = sched.block(w, mask);
-  Block nxt = sched.block(w_next, mask);  // (decoded past the end too: arithmetic only)
-  bool started = false;  // blk's first key tile ran at the previous work tile's end
-  while (w < sched.total()) {
-    const int w_after = next_tile(sched, w_next);
-    Block after;  // the work tile after nxt, decoded under this one's last GEMMs
-    auto decode_after = [&] { after = decode_pinned(sched, w_after, mask); };
-    const int row0 = blk.m0 + warp_row0 + g;
-    const int qb = q_round % kQStages;
-    const int tiles = blk.tiles();
-    if (tiles > 0) {
-      if (!started) {
-        cs.init(sm, wg_row0, qb);
-        masked = visits_of(blk);
-        mbar_wait(sm.q_full(qb), (q_round / kQStages) & 1);
-        attend_key_tile<true, false>(cs, sm, blk, mask, masked, 0, ring, row0, c, scale_log2);
-      }
-      attend_rest(cs, sm, blk, mask, masked, tiles, ring, row0, c, scale_log2);
-      release(sm.q_empty(qb));  // every Q K^T of this work tile has completed
-      if (w_next < sched.total() && nxt.tiles() > 0) {
-        // the last P V of blk and the first S of nxt in one turn (the P V first: its wait comes
-        // first), blk's O stored while that S runs, then nxt's first softmax
-        const int last = ring + tiles - 1, first = ring + tiles;  // ring entries
-        const int qn = q_round + 1;                                // nxt's Q round
-        const int sv = stage_of(last), sk = stage_of(first);
-        const bool scan = FC_MASKED_V && masked(tiles - 1);
-        bool poisoned = false;
-        mbar_wait(sm.q_full(qn % kQStages), (qn / kQStages) & 1);
-        mbar_wait(sm.k_full(sk), parity_of(first));
-        mbar_wait(sm.v_full(sv), parity_of(last));
-        const uint32_t v = scan ? scanned_v(sm, sv, masked.scan(tiles - 1), c, poisoned)
-                                : sm.v(sv);
-        turn_begin(c);
-        wgmma_fence_operands(cs.s);
-        wgmma_fence_operands(cs.o);
-        wgmma_fence();
-        cs.issue_accumulate(v);
-        cs.set_q(sm.q(qn % kQStages) + wg_row0 * 128);
-        cs.issue_scores(sm.k(sk));
-        turn_end(c);
-        decode_after();
-        wgmma_wait<1>();  // blk's P V
-        cs.hold_p();
-        wgmma_fence_operands(cs.o);
-        if (scan) {
-          const float no_rescale[2] = {1.f, 1.f};
-          finish_scanned_v(poisoned, cs, sm, sv, blk, mask, tiles - 1, row0, c, no_rescale);
-        } else {
-          release(sm.v_empty(sv));
-        }
-        store_out(cs, blk, row0);
-        cs.row[0].init();
-        cs.row[1].init();
-#pragma unroll
-        for (int i = 0; i < kHeadDim / 2; ++i) cs.o[i] = 0.f;
-        masked = visits_of(nxt);
-        const int row0n = nxt.m0 + warp_row0 + g;
-        const int col0n = nxt.n_last * kBlockN + 2 * static_cast<int>(threadIdx.x & 3);
-        wgmma_wait<0>();  // nxt's S_0
-        wgmma_fence_operands(cs.s);
-        release(sm.k_empty(sk));
-        float corr[2];  // (as attend_key_tile's first tile)
-        cs.masked_softmax(masked(0), mask, row0n, col0n, scale_log2, corr);
-        cs.softmax_tail(scale_log2);
-        cs.rescale(corr);
-        cs.pack_p();
-        started = true;
-      } else {
-        drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c, decode_after);
-        store_out(cs, blk, row0);
-        started = false;
-      }
-      ring += tiles;
-      ++q_round;
-    } else {
-      decode_after();
-      cs.init(sm, wg_row0, qb);
-      store_out(cs, blk, row0);  // (zeros, lse -inf)
-      started = false;
-    }
-    w = w_next;
-    w_next = w_after;
-    blk = nxt;
-    nxt = after;
-  }
-#else
-#if FC_DECODE_AHEAD
+  // Decode ahead (session 15; the default since session 17): a consumer decodes its next work
+  // tile (Schedule::block, ~150 uniform-datapath instructions in a dependent chain, ~0.38 us of a
+  // work tile's set-up when it ran at the top, session 15) while its last P V runs on the tensor
+  // cores (drain, between the issue and the wait), not at the top of the next work tile, where
+  // nothing hides it. With the magic-number divisions (Magic) the forward timeline put a work
+  // tile's set-up at 0.10-0.13 us (session 17).
   Block ahead = sched.block(blockIdx.x, mask);  // the work tile the loop takes next
-#endif
   for (int w = blockIdx.x; w < sched.total(); w = next_tile(sched, w)) {
 #if FC_TIMELINE
     const uint64_t t_start = globaltimer_ns();
     uint64_t t_q_try = t_start, t_q = t_start, t_epilogue = t_start;
     uint64_t t_s0 = t_start, t_first = t_start, t_drain = t_start;
 #endif
-#if FC_DECODE_AHEAD
     const Block blk = ahead;
     const int w_next = next_tile(sched, w);  // (decoded past the end too: arithmetic only)
     auto decode_next = [&] { ahead = decode_pinned(sched, w_next, mask); };
-#else
-    const Block blk = sched.block(w, mask);
-#endif
     const int row0 = blk.m0 + warp_row0 + g;  // query row of this lane's first row (h = 0)
     const int qb = q_round % kQStages;  // this work tile's Q buffer (as the producer's)
     Consumer cs;
@@ -1705,29 +1391,21 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #if FC_TIMELINE
       t_drain = globaltimer_ns();
 #endif
-#if FC_DECODE_AHEAD
       drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c, decode_next);
-#else
-      drain(cs, sm, blk, mask, masked, tiles - 1, ring + tiles - 1, row0, c);
-#endif
       ring += tiles;
       ++q_round;
 #if FC_TIMELINE
       t_epilogue = globaltimer_ns();
 #endif
-    }
-#if FC_DECODE_AHEAD
-    else {
+    } else {
       decode_next();  // (a work tile without key tiles has no P V to hide it under)
     }
-#endif
 
     store_out(cs, blk, row0);
 #if FC_TIMELINE
     timeline_rec.record(w, tiles, t_start, t_q_try, t_q, t_epilogue, t_s0, t_first, t_drain);
 #endif
   }
-#endif  // FC_CROSS_TILE
 #if FC_O_TMA
   if ((threadIdx.x & 127) == 0) bulk_wait_group<0>();  // no store outlives the shared memory
 #endif

@@ -98,8 +98,8 @@ __device__ __forceinline__ void wait_go() { mbar_wait(vote_slots().go, 0); }
 // every warp precedes its arrival on `vote`): where the vote says so, thread 0 invalidates the
 // first pass's barriers, lays out the second's over them and lets every role go.
 // The second pass's register split where it differs (the masked-V kernel's producer keeps 32
-// registers from d128: fwd_sm90.scanned): the consumers give theirs back first (setmaxnreg.dec
-// does not wait), the producer's setmaxnreg.inc waits until the pool has them.
+// registers from d128: fwd_sm90.scanner_regs): the consumers give theirs back first
+// (setmaxnreg.dec does not wait), the producer's setmaxnreg.inc waits until the pool has them.
 static_assert(FC_P2_PRODUCER_REGS >= FC_P1_PRODUCER_REGS &&
                   FC_P2_CONSUMER_REGS <= FC_P1_CONSUMER_REGS,
               "the second pass moves registers from the consumers to the producer, if at all");

@@ -9,7 +9,6 @@
 #undef FC_MASKED_V
 #undef FC_NAN_FLAGS
 #undef FC_NAN_FIXUP
-#undef FC_MV_SCANNER
 #undef FC_PRODUCER_REGS
 #undef FC_CONSUMER_REGS
 #undef FC_ROLE_ONLY
@@ -30,9 +29,6 @@
 #ifdef FC_P1_NAN_FLAGS
 #define FC_NAN_FLAGS FC_P1_NAN_FLAGS
 #endif
-#ifdef FC_P1_MV_SCANNER
-#define FC_MV_SCANNER FC_P1_MV_SCANNER
-#endif
 #elif FC_PASS == 2
 #define FC_STAGES FC_P2_STAGES
 #define FC_SMEM_BYTES FC_P2_SMEM_BYTES
@@ -49,9 +45,6 @@
 #endif
 #ifdef FC_P2_NAN_FLAGS
 #define FC_NAN_FLAGS FC_P2_NAN_FLAGS
-#endif
-#ifdef FC_P2_MV_SCANNER
-#define FC_MV_SCANNER FC_P2_MV_SCANNER
 #endif
 #else
 #error "FC_PASS: 1 or 2"
