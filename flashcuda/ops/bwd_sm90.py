@@ -68,6 +68,7 @@ from .call import (
     DTYPE_CODE,
     DTYPE_NAME,
     LOG2E,
+    REMOVED_SM90_DEFINES,
     BwdCall,
     PlanCache,
     defines_suffix,
@@ -94,6 +95,13 @@ DQ_DEFAULT = {64: "tma", 128: "frag"}
 DQ_MODES = ("tma", "frag")
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0 / 1: without / with the release fence (A/B)
 DEFINES_ENV = "FLASHCUDA_SM90_BWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob, as forward)
+# knobs taken out of flash_bwd_sm90.cu in session 39 (its header lists them; perf-notes has the
+# numbers): DEFINES_ENV refuses them
+REMOVED_DEFINES = REMOVED_SM90_DEFINES + (
+    "FC_DKV_TMA", "FC_SPLIT_LOADS", "FC_PDL", "FC_STAT_LANES", "FC_HEADS_FIRST", "FC_EARLY_LOADS",
+    "FC_MASK_BITS", "FC_MASKED_FUSED", "FC_DQ_END_READ", "FC_LPT_SAME_ORDER", "FC_STEP_COUNTERS",
+    "FC_DKV_QUAD", "FC_DQ_V4", "FC_DQ_BULK", "FC_DQ_LATE", "FC_DQ_WARP", "FC_DQ_WARP_FLAT",
+    "FC_DQ_EARLY")
 # CONVERT of the frag layout reads whole 64-byte spans and writes dq through shared memory
 # (FC_DQ_SPANS, session 15: kernel times put our CONVERT at 72 us against FA4's 49 at d128
 # 512 / 1k); 0 keeps the float2 reads (A/B)
@@ -506,7 +514,7 @@ def select_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdConfig:
                          f"consumers spill there); expected another {DQ_ENV} or unset")
     cfg = Sm90BwdConfig(dtype, head_dim, watchdog=watchdog,
                         release_fence=None if not fence else fence == "1",
-                        defines=parse_defines(DEFINES_ENV), **_dq_mode(dq))
+                        defines=parse_defines(DEFINES_ENV, REMOVED_DEFINES), **_dq_mode(dq))
     # PROBS_EARLY / PROBS_EMU only in the kernel the measurements and the GPU tests ran (neither
     # the watchdog build nor a fence set by hand), however its settings were reached
     if is_default_kernel(cfg) and not watchdog and not fence:

@@ -62,6 +62,7 @@ from . import bwd_sm80, bwd_sm90
 from .call import (
     DTYPE_CODE,
     DTYPE_NAME,
+    REMOVED_SM90_DEFINES,
     SMEM_OPTIN,
     BwdCall,
     PlanCache,
@@ -78,6 +79,11 @@ DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (192, 256)
 ENABLE_ENV = "FLASHCUDA_ENABLE_SM90_BWD_WIDE"
 DEFINES_ENV = "FLASHCUDA_SM90_BWD_WIDE_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob)
+# knobs taken out of the kernels in session 39 (their headers list them; perf-notes has the
+# numbers): DEFINES_ENV refuses them
+REMOVED_DEFINES = REMOVED_SM90_DEFINES + (
+    "FC_DQ_STAGE", "FC_DQ_STAGE_SPLIT", "FC_DQ_V4", "FC_PROBE_NO_DQ", "FC_KV_ROLES",
+    "FC_PDS_STMATRIX")
 # how the consumers split dK^T / dV^T: "dims" (head-dim rows, flash_bwd_sm90_wide.cu) or "keys"
 # (their own keys, flash_bwd_sm90_keys.cu: d192 only)
 SPLIT_ENV = "FLASHCUDA_SM90_BWD_WIDE_SPLIT"
@@ -319,7 +325,7 @@ def config_for(call: BwdCall) -> Sm90BwdWideConfig:
     FLASHCUDA_SM90_BWD_WIDE_DEFINES."""
     return Sm90BwdWideConfig(call.dtype, call.head_dim, split=split_for(call.head_dim),
                              lpt_tail=bwd_sm90.lpt_tail_for(call, LPT_TAIL),
-                             defines=parse_defines(DEFINES_ENV))
+                             defines=parse_defines(DEFINES_ENV, REMOVED_DEFINES))
 
 
 def default_config(dtype: torch.dtype, head_dim: int) -> Sm90BwdWideConfig:

@@ -252,16 +252,26 @@ def defines_suffix(defines: tuple) -> str:
     return "".join(f"_{k.lower()}{str(v).replace('-', 'm')}" for k, v in defines)
 
 
-def parse_defines(env: str) -> tuple:
+# Kernel knobs of common/sm90.cuh that were measured, lost and were removed (docs/perf-notes.md):
+# refused by every sm90 family's parse_defines rather than silently compiling the default
+REMOVED_SM90_DEFINES = ("FC_WAIT_HINT", "FC_PRODUCER_WAIT", "FC_PRODUCER_BACKOFF")
+
+
+def parse_defines(env: str, removed: tuple[str, ...] = ()) -> tuple:
     """The (name, value) pairs of an A/B defines variable (FLASHCUDA_SM90_FWD_DEFINES,
     FLASHCUDA_SM90_BWD_DEFINES): "FC_NAME=<integer>[,...]", sorted; ValueError naming the
     variable otherwise. "+" separates too (an A/B variant list, scripts/gpu_lane.sh's
-    AB_VARIANTS, already splits on commas)."""
+    AB_VARIANTS, already splits on commas). `removed`: knobs the kernel no longer has (an A/B
+    that measured as noise or a loss, taken out of the source): refused, naming them, where the
+    build would otherwise ignore them and run the default kernel under another name."""
     raw = os.environ.get(env, "").strip()
     out = []
     for item in filter(None, (x.strip() for x in re.split(r"[,+]", raw))):
         name, _, value = item.partition("=")
         if not re.fullmatch(r"FC_[A-Z0-9_]+", name) or not re.fullmatch(r"-?\d+", value):
             raise ValueError(f"{env}: expected FC_NAME=<integer>[,...], got {raw!r}")
+        if name in removed:
+            raise ValueError(f"{env}: {name} is no longer a knob of this kernel (removed after it "
+                             f"measured as noise or a loss; docs/perf-notes.md has the numbers)")
         out.append((name, int(value)))
     return tuple(sorted(out))

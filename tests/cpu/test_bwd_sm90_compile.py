@@ -833,15 +833,3 @@ def test_probs_early_puts_work_between_the_exp2s(tmp_path):
     (n_split, b2b_split), (n_whole, b2b_whole) = back_to_back(cfg), back_to_back(whole)
     assert n_split == n_whole  # the same exp2s
     assert b2b_split < 0.7 * b2b_whole, (b2b_split, b2b_whole)
-
-
-def test_wait_hint_sleeps_in_the_barrier_waits(tmp_path):
-    """FC_WAIT_HINT (common/sm90.cuh; A/B, written in session 23): with a hint every mbarrier
-    wait's retry sleeps on the sync unit (NANOSLEEP.SYNCS with the hint) instead of polling with
-    YIELD; without it (the default) no NANOSLEEP appears. Builds clean either way."""
-    cfg = bwd_sm90.select_config(torch.bfloat16, 64)
-    plain = clean_sass(cfg, tmp_path)
-    hinted = clean_sass(dataclasses.replace(cfg, defines=(("FC_WAIT_HINT", 0x989680),)), tmp_path)
-    assert "NANOSLEEP" not in plain
-    sleeps = re.findall(r"NANOSLEEP\.SYNCS 0x989680", hinted)
-    assert len(sleeps) >= 5  # kv_full, full, empty, dq_full, dq_empty

@@ -345,7 +345,7 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
-// (kProducer: the TMA producer's wait for a free stage, FC_PRODUCER_WAIT's form)
+// (kProducer: the TMA producer's wait for a free stage, mbar_wait_producer)
 template <bool kProducer = false>
 __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity, bool& stuck) {
   if constexpr (kWatchdog) {

@@ -84,30 +84,7 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
                : "memory");
 }
 
-// FC_WAIT_HINT = ns (A/B, session 23; a miss in session 24, -1.8 to +1.8%): try_wait with a
-// suspend-time hint (CUTLASS's ClusterBarrier::wait passes 0x989680), so a waiting thread sleeps
-// in the barrier up to that long instead of returning after the system's own limit and polling
-// again. The d64 backward's ncu (session 23) counted 2 M poll iterations of the producer's empty
-// waits and 0.6 M of the dQ writer's against FlashAttention 4's 1.5 M BRA in all: issue slots
-// the consumers' warps on the same sub-partitions could use. 0 (the default): no hint, as before.
-#ifndef FC_WAIT_HINT
-#define FC_WAIT_HINT 0
-#endif
-// try_wait with a suspend-time hint of `ns` nanoseconds (FC_WAIT_HINT, FC_PRODUCER_WAIT)
-__device__ __forceinline__ bool mbar_try_wait_hint(uint32_t bar, uint32_t parity, uint32_t ns) {
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity), "r"(ns)
-      : "memory");
-  return done != 0;
-}
 __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-#if FC_WAIT_HINT
-  return mbar_try_wait_hint(bar, parity, FC_WAIT_HINT);
-#else
   uint32_t done;
   asm volatile(
       "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
@@ -116,7 +93,6 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
       : "r"(bar), "r"(parity)
       : "memory");
   return done != 0;
-#endif
 }
 
 // Block until the phase with parity `parity` of `bar` has completed.
@@ -125,34 +101,13 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   }
 }
 
-// FC_PRODUCER_WAIT / FC_PRODUCER_BACKOFF (A/B, session 25): how the TMA producer waits for a
-// free stage — the one wait that is not on the consumers' critical path (the load it precedes
-// has a step or more of slack). The forward's ncu source counters at 1 x 16k x 16 d128
-// (runs/lane-20261202-d75289f/ncu-src-fwd16k) count 51.6 M polls of the producer's v_empty wait
-// (a TRYWAIT + BRA loop with one active thread, one poll per ~13 cycles of its sub-partition)
-// against 12 M barrier instructions in all of FlashAttention 4's kernel. Measured in session 26
-// (perf-notes): both forms inside the noise, forward and backward — the polls were not on the
-// consumers' critical path; not used. Both 0 (the default): poll, as mbar_wait. FC_PRODUCER_WAIT = n: try_wait with a suspend-time hint of
-// n ns (the thread sleeps in the barrier until the phase completes or n ns pass; FC_WAIT_HINT
-// does this for every wait). FC_PRODUCER_BACKOFF = n: poll with __nanosleep(n) between tries.
-#ifndef FC_PRODUCER_WAIT
-#define FC_PRODUCER_WAIT 0
-#endif
-#ifndef FC_PRODUCER_BACKOFF
-#define FC_PRODUCER_BACKOFF 0
-#endif
-static_assert(FC_PRODUCER_WAIT >= 0 && FC_PRODUCER_BACKOFF >= 0 &&
-                  !(FC_PRODUCER_WAIT && FC_PRODUCER_BACKOFF),
-              "FC_PRODUCER_WAIT / FC_PRODUCER_BACKOFF: nanoseconds, at most one of them");
+// The TMA producer's wait for a free stage: a plain poll, as mbar_wait. (Tried and removed in
+// session 39, perf-notes: a suspend-time hint in every wait, FC_WAIT_HINT, session 24: -1.8 to
+// +1.8%; in the producer's waits only, FC_PRODUCER_WAIT, or __nanosleep between polls,
+// FC_PRODUCER_BACKOFF, session 26: inside the noise — the producer's polls are not on the
+// consumers' critical path.)
 __device__ __forceinline__ void mbar_wait_producer(uint32_t bar, uint32_t parity) {
-#if FC_PRODUCER_WAIT
-  while (!mbar_try_wait_hint(bar, parity, FC_PRODUCER_WAIT)) {
-  }
-#elif FC_PRODUCER_BACKOFF
-  while (!mbar_try_wait(bar, parity)) __nanosleep(FC_PRODUCER_BACKOFF);
-#else
   mbar_wait(bar, parity);
-#endif
 }
 
 // ---- TMA ----------------------------------------------------------------------------------------
@@ -413,16 +368,17 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
          (static_cast<uint64_t>((sbo & 0x3ffff) >> 4) << 32) | (swizzle << 62);
 }
 
-// FC_DESC_ADVANCE = 1 (the default since session 11; 0 restores the rebuilt descriptors for an
-// A/B through FLASHCUDA_SM90_FWD_DEFINES / FLASHCUDA_SM90_BWD_DEFINES): the descriptors of a
-// GEMM's k16 steps are the first step's plus the byte offset >> 4 in the start-address field
-// (desc_advance), one 32-bit add each, instead of rebuilding each from its address (~5 uniform
-// ops per operand per wgmma in SASS: ptxas cannot know the field never carries). Exact: every
-// operand lies in the CTA's shared window (< 228 KB < 2^18 bytes), so the field
-// ((addr & 0x3ffff) >> 4 < 2^14) of base + offset is the base's field + offset >> 4.
+// FC_DESC_ADVANCE = 1 (the default since session 11; the descriptors rebuilt per k16 step, =0,
+// were removed in session 39): the descriptors of a GEMM's k16 steps are the first step's plus
+// the byte offset >> 4 in the start-address field (desc_advance), one 32-bit add each, instead of
+// rebuilding each from its address (~5 uniform ops per operand per wgmma in SASS: ptxas cannot
+// know the field never carries). Exact: every operand lies in the CTA's shared window (< 228 KB
+// < 2^18 bytes), so the field ((addr & 0x3ffff) >> 4 < 2^14) of base + offset is the base's
+// field + offset >> 4 (tests/cpu/test_sm90_desc_advance.py checks it over every address).
 #ifndef FC_DESC_ADVANCE
 #define FC_DESC_ADVANCE 1
 #endif
+static_assert(FC_DESC_ADVANCE == 1 || FC_DESC_ADVANCE == 2, "FC_DESC_ADVANCE: 1 or 2");
 
 // FC_DESC_ADVANCE = 2 (session 17; the d64 backward's default since session 24, +1.8 to +3.6%,
 // bwd_sm90.DESC_ADD64_DIMS; an A/B elsewhere): the same sum as one 64-bit add. Equal (the low word's
@@ -451,15 +407,14 @@ __device__ __forceinline__ uint64_t smem_desc_mn_major_sw128(uint32_t addr, uint
   return smem_desc(addr, chunk_bytes, 1024);
 }
 
-// The descriptor of the operand `bytes` past `base` (whose descriptor is `base_desc`): advanced
-// from base_desc with FC_DESC_ADVANCE, else rebuilt (the two are equal, see desc_advance).
-__device__ __forceinline__ uint64_t k_major_at(uint64_t base_desc, uint32_t base, uint32_t bytes) {
-  return FC_DESC_ADVANCE ? desc_advance(base_desc, bytes) : smem_desc_k_major_sw128(base + bytes);
+// The descriptor of the operand `bytes` past `base` (whose descriptor is `base_desc`), advanced
+// from base_desc (equal to the one rebuilt from base + bytes, see desc_advance).
+__device__ __forceinline__ uint64_t k_major_at(uint64_t base_desc, uint32_t, uint32_t bytes) {
+  return desc_advance(base_desc, bytes);
 }
-__device__ __forceinline__ uint64_t mn_major_at(uint64_t base_desc, uint32_t base, uint32_t bytes,
-                                                uint32_t chunk_bytes) {
-  return FC_DESC_ADVANCE ? desc_advance(base_desc, bytes)
-                         : smem_desc_mn_major_sw128(base + bytes, chunk_bytes);
+__device__ __forceinline__ uint64_t mn_major_at(uint64_t base_desc, uint32_t, uint32_t bytes,
+                                                uint32_t) {
+  return desc_advance(base_desc, bytes);
 }
 
 // ---- wgmma --------------------------------------------------------------------------------------
