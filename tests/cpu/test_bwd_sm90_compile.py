@@ -518,16 +518,10 @@ def test_dq_frag_layout_round_trip(block_m, head_dim):
     of its 64 x 64 tile — at float 512 (i / 4) + 4 w + i % 4 of block c of the query block's
     tile (stage_dq_frag + write_dq); CONVERT's frag_offset must find every (row, col) of the
     padded slice exactly there."""
+    from .test_bwd_sm90_emulated import frag_offset  # flash_bwd_sm80.cu's, transcribed
+
     tiles_m = block_m // 64
     per_tile = block_m * head_dim // 4096  # consumers (4096-float blocks) per query block
-
-    def frag_offset(row, col):  # flash_bwd_sm80.cu, FC_DQ_FRAG_M = block_m
-        r = row % block_m
-        rr, cc = r % 64, col % 64
-        c = r // 64 + tiles_m * (col // 64)
-        w = 32 * (rr // 16) + 4 * (rr % 8) + (cc % 8) // 2
-        i = 4 * (cc // 8) + 2 * ((rr % 16) // 8) + cc % 2
-        return ((row // block_m) * per_tile + c) * 4096 + 512 * (i // 4) + 4 * w + i % 4
 
     seen = {}
     for tile in range(3):  # three query blocks of a (batch, head) slice
@@ -540,7 +534,7 @@ def test_dq_frag_layout_round_trip(block_m, head_dim):
                     row = tile * block_m + 64 * tm + 16 * warp + g + 8 * ((i % 4) // 2)
                     col = 64 * td + 8 * (i // 4) + 2 * t + i % 2
                     at = (tile * per_tile + c) * 4096 + 512 * (i // 4) + 4 * w + i % 4
-                    assert frag_offset(row, col) == at, (row, col)
+                    assert frag_offset(row, col, block_m, head_dim) == at, (row, col)
                     seen[(row, col)] = at
     assert len(seen) == 3 * block_m * head_dim and len(set(seen.values())) == len(seen)
 
