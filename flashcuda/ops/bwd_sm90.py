@@ -209,8 +209,6 @@ class Sm90BwdConfig:
     # session 11); the split is bounded by the pool at launch (register_pool)
     producer_regs: int = 0
     consumer_regs: int = 0
-    # dS stored [query][key] (FC_DS_K_MAJOR; with dq_swap, and only there: swapped() sets both)
-    ds_k_major: bool = False
     watchdog: bool = False  # mbarrier waits give up after 2 s (bring-up; see the .cu)
     # fence.proxy.async before a stage's release (see the .cu); None: on at FENCE_DIMS
     release_fence: bool | None = None
@@ -287,10 +285,10 @@ class Sm90BwdConfig:
             object.__setattr__(self, "dq_spread", self.dq_tma and self.head_dim in SPREAD_DIMS)
         if self.ds_stmatrix is None:
             object.__setattr__(self, "ds_stmatrix", self.head_dim in STMATRIX_DIMS
-                               and not self.ds_k_major)
-        if self.ds_stmatrix and self.ds_k_major:
-            raise ValueError("Sm90BwdConfig.ds_stmatrix: expected False with ds_k_major "
-                             "(stmatrix stores the [key][query] layout)")
+                               and not self.dq_swap)
+        if self.ds_stmatrix and self.dq_swap:
+            raise ValueError("Sm90BwdConfig.ds_stmatrix: expected False with dq_swap "
+                             "(stmatrix stores the [key][query] layout; dq_swap's is [query][key])")
         if self.dq_spread and not self.dq_tma:
             raise ValueError("Sm90BwdConfig.dq_spread: expected False without dq_tma (it orders "
                              "the tensor-map staging stores)")
@@ -302,9 +300,6 @@ class Sm90BwdConfig:
         if self.block_n != 128:
             raise ValueError(f"Sm90BwdConfig.block_n: expected 128 (two consumer warpgroups of "
                              f"64 keys), got {self.block_n}")
-        if self.ds_k_major != self.dq_swap:
-            raise ValueError("Sm90BwdConfig.ds_k_major: expected it with dq_swap and only there "
-                             "(the [query][key] dS layout is dq_swap's)")
         if self.dq_swap:
             if not (self.dq_frag and self.head_dim in SWAP_HEAD_DIMS
                     and self.block_m == SWAP_BLOCK_M):
@@ -333,6 +328,11 @@ class Sm90BwdConfig:
         (65536 / threads, rounded down to 8) times threads. setmaxnreg moves registers between
         warpgroups inside this pool; an inc that the decs cannot cover waits forever."""
         return register_pool(self.threads)
+
+    @property
+    def ds_k_major(self) -> bool:
+        """dS stored [query][key] (FC_DS_K_MAJOR): dq_swap's layout, and only its."""
+        return self.dq_swap
 
     @property
     def consumers(self) -> int:
@@ -540,7 +540,7 @@ def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
     dS stored [query][key]; the watchdog, fence, P^T split (FC_PROBS_EARLY) and extra defines
     kept."""
     split = cfg.probs_early if cfg.probs_early != cfg.block_m // 8 else None
-    return Sm90BwdConfig(cfg.dtype, cfg.head_dim, block_m=SWAP_BLOCK_M, ds_k_major=True,
+    return Sm90BwdConfig(cfg.dtype, cfg.head_dim, block_m=SWAP_BLOCK_M,
                          watchdog=cfg.watchdog, release_fence=cfg.release_fence,
                          dq_swap=True, defines=cfg.defines, probs_early=split,
                          probs_emu=cfg.probs_emu, dq_frag=True)

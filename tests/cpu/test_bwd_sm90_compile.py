@@ -179,8 +179,9 @@ def test_config_is_the_single_source_of_truth():
     assert frag64.name.endswith("_dqwg_early_stm") and (frag64.producer_regs, frag64.consumer_regs) == (32, 232)
     with pytest.raises(ValueError, match="dq_tma / dq_frag"):
         Sm90BwdConfig(torch.bfloat16, 64, dq_tma=True, dq_frag=True)
-    with pytest.raises(ValueError, match="ds_k_major"):
-        Sm90BwdConfig(torch.bfloat16, 64, ds_k_major=True)
+    with pytest.raises(ValueError, match="ds_stmatrix"):
+        Sm90BwdConfig(torch.bfloat16, 128, block_m=80, dq_swap=True, dq_frag=True,
+                      ds_stmatrix=True)
 
 
 def test_dq_switch(monkeypatch):

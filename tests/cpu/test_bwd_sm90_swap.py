@@ -90,7 +90,7 @@ def test_swapped_config():
     assert {bwd_sm90.convert_spec(c).name for c in bwd_sm90.configs() if c.dq_swap} <= names
     for bad in (dict(head_dim=64, block_m=80), dict(head_dim=128, block_m=64),
                 dict(head_dim=128, block_m=80, dq_frag=False, dq_tma=True)):
-        kwargs = dict(ds_k_major=True, dq_swap=True, dq_frag=True)
+        kwargs = dict(dq_swap=True, dq_frag=True)
         with pytest.raises(ValueError, match="dq_swap"):
             Sm90BwdConfig(torch.bfloat16, **{**kwargs, **bad})
 
