@@ -8,7 +8,17 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ._log import logger  # noqa: E402,F401
-from .api import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention  # noqa: E402
+from .api import (  # noqa: E402
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    scaled_dot_product_attention,
+)
 
-__all__ = ["__version__", "flash_attn_func", "flash_attn_varlen_func",
+__all__ = ["__version__", "flash_attn_func", "flash_attn_kvpacked_func",
+           "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
            "scaled_dot_product_attention"]

@@ -76,8 +76,16 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         also lse (batch, nheads, seqlen_q) float32, the natural-log log-sum-exp of the scaled
         scores of each row (not differentiable). A row that sees no key gets out 0 and lse -inf.
     """
+    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, deterministic, return_attn_probs, return_lse)
+
+
+def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                deterministic, return_attn_probs, return_lse, names=("q", "k", "v")):
+    """flash_attn_func's checks and call; `names`: what its errors call q, k, v (the packed
+    forms name the slices of their packed argument)."""
     validate.check_fa_unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes)
-    q, k, v = _checked_qkv(q, k, v)
+    q, k, v = _checked_qkv(q, k, v, names=names)
     window_left, window_right = validate.fa_window(window_size, causal)
     scale = validate.softmax_scale(softmax_scale, q.shape[-1])
     deterministic = validate.check_flag(deterministic, "deterministic")
@@ -85,6 +93,58 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     return_lse = validate.check_flag(return_lse, "return_lse")
     out, lse = attention(q, k, v, scale, window_left, window_right, deterministic)
     return _returned(out, lse, return_attn_probs, return_lse)
+
+
+def _unpacked(t: object, name: str, parts: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """The `parts` views of a packed tensor along its third-last dimension (no copy: autograd
+    sums their gradients back into it), after checking it is a tensor of that layout."""
+    t = validate.check_tensor(t, name)
+    rank = len(layout.split(","))
+    if t.dim() != rank or t.shape[-3] != parts:
+        raise ValueError(f"{name}: expected shape {layout} with {parts} at dim {rank - 3}, got "
+                         f"{tuple(t.shape)}")
+    return t.unbind(dim=rank - 3)
+
+
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0,
+                              softmax_scale: float | None = None, causal: bool = False,
+                              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: torch.Tensor | None = None,
+                              deterministic: bool = False, return_attn_probs: bool = False,
+                              return_lse: bool = False):
+    """flash_attn_func on q, k, v packed in one tensor, as FlashAttention's.
+
+    Args:
+        qkv: (batch, seqlen, 3, nheads, headdim): q, k, v = qkv.unbind(dim=2) (views; no copy,
+            and qkv.grad receives all three gradients).
+        Every other argument: as flash_attn_func.
+
+    Returns: as flash_attn_func; out (batch, seqlen, nheads, headdim).
+    """
+    q, k, v = _unpacked(qkv, "qkv", 3, "(batch, seqlen, 3, nheads, headdim)")
+    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, deterministic, return_attn_probs, return_lse,
+                       names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+
+
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
+                             softmax_scale: float | None = None, causal: bool = False,
+                             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                             return_attn_probs: bool = False, return_lse: bool = False):
+    """flash_attn_func with k, v packed in one tensor, as FlashAttention's.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim).
+        kv: (batch, seqlen_k, 2, nheads_kv, headdim): k, v = kv.unbind(dim=2) (views).
+        Every other argument: as flash_attn_func (GQA / MQA: nheads % nheads_kv == 0).
+
+    Returns: as flash_attn_func.
+    """
+    k, v = _unpacked(kv, "kv", 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
+    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, deterministic, return_attn_probs, return_lse,
+                       names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
 
 
 
@@ -148,6 +208,53 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lses.append(lse_i[0])
     out, lse = torch.cat(outs), torch.cat(lses, dim=1)
     return _returned(out, lse, return_attn_probs, return_lse)
+
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                                     dropout_p: float = 0.0, softmax_scale: float | None = None,
+                                     causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                                     deterministic: bool = False, return_attn_probs: bool = False,
+                                     return_lse: bool = False):
+    """flash_attn_varlen_func on q, k, v packed in one tensor, as FlashAttention's.
+
+    Args:
+        qkv: (total, 3, nheads, headdim): q, k, v = qkv.unbind(dim=1) (views).
+        cu_seqlens: (batch + 1,) int32, the sequences' bounds for q and for k / v alike;
+            max_seqlen: the longest sequence.
+        Every other argument: as flash_attn_varlen_func.
+
+    Returns: as flash_attn_varlen_func; out (total, nheads, headdim).
+    """
+    q, k, v = _unpacked(qkv, "qkv", 3, "(total, 3, nheads, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs,
+                                  return_lse=return_lse)
+
+
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                                    max_seqlen_k: int, dropout_p: float = 0.0,
+                                    softmax_scale: float | None = None, causal: bool = False,
+                                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                    alibi_slopes: torch.Tensor | None = None,
+                                    deterministic: bool = False, return_attn_probs: bool = False,
+                                    return_lse: bool = False):
+    """flash_attn_varlen_func with k, v packed in one tensor, as FlashAttention's.
+
+    Args:
+        q: (total_q, nheads, headdim).
+        kv: (total_k, 2, nheads_kv, headdim): k, v = kv.unbind(dim=1) (views).
+        Every other argument: as flash_attn_varlen_func.
+
+    Returns: as flash_attn_varlen_func.
+    """
+    k, v = _unpacked(kv, "kv", 2, "(total_k, 2, nheads_kv, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs,
+                                  return_lse=return_lse)
+
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,

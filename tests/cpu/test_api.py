@@ -114,6 +114,78 @@ def test_packed_qkv_views_and_gradients():
                                torch.stack([t.grad for t in leaves], dim=2), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_forms_are_flash_attn_func_on_their_views(dtype):
+    """flash_attn_qkvpacked_func / _kvpacked_func (FlashAttention's packed forms) give what
+    flash_attn_func gives on the views they unbind, bit for bit, and their gradients reach the
+    packed tensor: its slices' gradients are flash_attn_func's (oracle-checked above)."""
+    g = torch.Generator().manual_seed(5)
+    qkv = rand(2, 37, 3, 4, 32, dtype=dtype, gen=g, requires_grad=True)
+    q = rand(2, 21, 4, 32, dtype=dtype, gen=g, requires_grad=True)
+    kv = rand(2, 37, 2, 2, 32, dtype=dtype, gen=g, requires_grad=True)
+    dout = rand(2, 37, 4, 32, dtype=dtype, gen=g)
+    out, lse = flashcuda.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(8, -1),
+                                                   return_lse=True)
+    leaves = [t.detach().clone().requires_grad_() for t in qkv.unbind(dim=2)]
+    ref, ref_lse = flash_attn_func(*leaves, causal=True, window_size=(8, -1), return_lse=True)
+    assert out.shape == (2, 37, 4, 32) and torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    out.backward(dout)
+    ref.backward(dout)
+    assert torch.equal(qkv.grad, torch.stack([t.grad for t in leaves], dim=2))
+    out = flashcuda.flash_attn_kvpacked_func(q, kv, softmax_scale=0.3)  # GQA 4:2, Sq != Sk
+    leaves = [t.detach().clone().requires_grad_() for t in (q, *kv.unbind(dim=2))]
+    ref = flash_attn_func(*leaves, softmax_scale=0.3)
+    assert torch.equal(out, ref)
+    out.backward(dout[:, :21])
+    ref.backward(dout[:, :21])
+    assert torch.equal(q.grad, leaves[0].grad)
+    assert torch.equal(kv.grad, torch.stack([t.grad for t in leaves[1:]], dim=2))
+
+
+def test_varlen_packed_forms_are_the_varlen_func_on_their_views():
+    g = torch.Generator().manual_seed(6)
+    lengths = [5, 0, 17, 9]
+    cu = torch.tensor([0, 5, 5, 22, 31], dtype=torch.int32)
+    qkv = rand(31, 3, 2, 16, gen=g, requires_grad=True)
+    out = flashcuda.flash_attn_varlen_qkvpacked_func(qkv, cu, max(lengths), causal=True)
+    q, k, v = (t.detach().clone().requires_grad_() for t in qkv.unbind(dim=1))
+    ref = flashcuda.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths),
+                                           causal=True)
+    assert out.shape == (31, 2, 16) and torch.equal(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    assert torch.equal(qkv.grad, torch.stack([q.grad, k.grad, v.grad], dim=1))
+    q = rand(31, 2, 16, gen=g)
+    kv = rand(40, 2, 1, 16, gen=g)  # MQA, other key lengths
+    cu_k = torch.tensor([0, 10, 12, 30, 40], dtype=torch.int32)
+    out, lse = flashcuda.flash_attn_varlen_kvpacked_func(q, kv, cu, cu_k, 17, 18,
+                                                         return_attn_probs=True)[:2]
+    ref, ref_lse = flashcuda.flash_attn_varlen_func(q, *kv.unbind(dim=1), cu, cu_k, 17, 18,
+                                                    return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+def test_packed_forms_name_their_packed_argument():
+    qkv = torch.randn(1, 8, 3, 2, 16)
+    with pytest.raises(TypeError, match="qkv: expected a torch.Tensor"):
+        flashcuda.flash_attn_qkvpacked_func([qkv])
+    with pytest.raises(ValueError, match=r"qkv: expected shape \(batch, seqlen, 3, nheads, headdim\)"):
+        flashcuda.flash_attn_qkvpacked_func(qkv[:, :, :2])
+    with pytest.raises(ValueError, match="qkv: expected shape"):
+        flashcuda.flash_attn_qkvpacked_func(qkv[0])
+    with pytest.raises(ValueError, match=r"kv: expected shape \(batch, seqlen_k, 2, nheads_kv"):
+        flashcuda.flash_attn_kvpacked_func(qkv[:, :, 0], qkv)
+    with pytest.raises(TypeError, match=r"qkv\[:, :, 0\]: expected dtype"):
+        flashcuda.flash_attn_qkvpacked_func(qkv.to(torch.int32))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flashcuda.flash_attn_qkvpacked_func(qkv, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"qkv: expected shape \(total, 3, nheads, headdim\)"):
+        flashcuda.flash_attn_varlen_qkvpacked_func(qkv, torch.tensor([0, 8], dtype=torch.int32), 8)
+    with pytest.raises(ValueError, match=r"kv: expected shape \(total_k, 2, nheads_kv, headdim\)"):
+        flashcuda.flash_attn_varlen_kvpacked_func(qkv[0, :, 0], qkv[0], torch.tensor([0, 8]),
+                                                  torch.tensor([0, 8]), 8, 8)
+
+
 def test_strided_last_dim_is_copied_like_flash_attention():
     q, k, v = inputs((1, 12, 12, 2, 2, 16), torch.float32)
     wide = torch.randn(1, 12, 2, 32)
@@ -339,7 +411,11 @@ def test_torch_compile_fullgraph_sdpa_dynamic_shapes():
 
 
 def test_public_names():
-    assert set(flashcuda.__all__) >= {"flash_attn_func", "scaled_dot_product_attention"}
+    assert set(flashcuda.__all__) >= {"flash_attn_func", "scaled_dot_product_attention",
+                                      "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+                                      "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+                                      "flash_attn_varlen_kvpacked_func"}
+    assert all(callable(getattr(flashcuda, name)) for name in flashcuda.__all__[1:])
     assert "flash_attn_func" in dir(flashcuda)
     with pytest.raises(AttributeError):
         flashcuda.no_such_name  # noqa: B018
