@@ -161,6 +161,31 @@ def test_packed_qkv_views_without_copy():
     check_grads(grads, ref, base, torch.float16)
 
 
+def test_qkvpacked_and_kvpacked_forms():
+    """FlashAttention's packed forms on the GPU: the strided views they unbind run the kernels
+    without a copy, out / lse against the oracle, the packed tensor's gradient against the
+    oracle's per part."""
+    import flashcuda
+
+    qkv = torch.randn(2, 150, 3, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out, lse = flashcuda.flash_attn_qkvpacked_func(qkv, causal=True, return_lse=True)
+    q, k, v = qkv.unbind(dim=2)
+    check_forward(out, lse, q, k, v, True, (-1, -1))
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref, base = oracle_grads(q, k, v, dout, True, (-1, -1))
+    check_grads(qkv.grad.unbind(dim=2), ref, base, torch.bfloat16)
+    q = torch.randn(2, 100, 8, 128, device="cuda", dtype=torch.float16, requires_grad=True)
+    kv = torch.randn(2, 180, 2, 2, 128, device="cuda", dtype=torch.float16, requires_grad=True)
+    out, lse = flashcuda.flash_attn_kvpacked_func(q, kv, window_size=(40, 8), return_lse=True)
+    k, v = kv.unbind(dim=2)
+    check_forward(out, lse, q, k, v, False, (40, 8))
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref, base = oracle_grads(q, k, v, dout, False, (40, 8))
+    check_grads((q.grad, *kv.grad.unbind(dim=2)), ref, base, torch.float16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("sq,sk", [(128, 128), (100, 180), (180, 100)])
 def test_sdpa_shim(sq, sk, dtype):
