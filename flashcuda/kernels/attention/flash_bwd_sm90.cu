@@ -54,15 +54,16 @@
 // One CTA per (key block of kBlockN = 128 keys, KV head, batch); it loops over the (query head of
 // the group, query block of kBlockM rows) pairs whose rows see the key block (mask.cuh), and keeps
 // dK and dV of its 128 keys in registers throughout. 3 warpgroups:
-//   warpgroup 0  producer (setmaxnreg.dec to 24): one elected thread issues TMA: K and V of the
-//                key block once (kv_full), then per step Q_m and dO_m of the query block (tensor
-//                maps) and its lse2 and delta rows (cp.async.bulk, kBlockM floats each) into a
-//                2-stage ring:
+//   warpgroup 0  producer (setmaxnreg.dec to 24; 32 at d64, for the dQ writer warp's loop): one
+//                elected thread issues TMA: K and V of the key block once (kv_full), then per
+//                step Q_m and dO_m of the query block (tensor maps) and its lse2 and delta rows
+//                (cp.async.bulk, kBlockM floats each) into a 2-stage ring; warp 1 is the dQ
+//                writer (write_dq):
 //                    full[s]   TMA -> consumers (1 arrival + transaction bytes of all four)
 //                    empty[s]  consumers -> TMA (one arrival per consumer warp)
-//   warpgroups 1, 2  consumers (setmaxnreg.inc to 240): consumer c owns keys 64c .. 64c + 63 of
-//                the block (the M of every key-side GEMM), and one of the two 64 x 64 tiles of
-//                the step's kBlockM x kHeadDim dQ block.
+//   warpgroups 1, 2  consumers (setmaxnreg.inc to 240; 232 at d64): consumer c owns keys 64c ..
+//                64c + 63 of the block (the M of every key-side GEMM), and one of the two
+//                64 x 64 tiles of the step's kBlockM x kHeadDim dQ block.
 // Per step (query block m, stage s), each consumer warpgroup (FA3's order):
 //     wait full[s] | issue S^T = K_c Q^T and dP^T = V_c dO^T: 2 x kHeadDim / 16 wgmma
 //     m64n{kBlockM}k16, both operands K-major from shared memory (two commit groups) | wait S^T:
@@ -92,7 +93,7 @@
 //     mbarriers kv_full, full[2], empty[2], dq_full / dq_empty (one pair per consumer with
 //                  FC_DQ_FRAG)
 // d128 (kBlockM 64): K + V 64 KB, Q + dO 64 KB, dS 32 KB, stats 1 KB; d64 (kBlockM 128): K + V
-// 32 KB, Q + dO 64 KB, dS 64 KB, stats 2 KB, dQ staging 32 KB; + 1 KB alignment slack (194 /
+// 32 KB, Q + dO 64 KB, dS 64 KB, stats 2 KB; both: dQ staging 32 KB + 1 KB alignment slack (194 /
 // 195 KB in all). dS layout: FC_DS_K_MAJOR below ([query][key] with FC_DQ_SWAP).
 //
 // Out-of-range rows: TMA zero-fills rows past seqlen_q / seqlen_k. A query row past seqlen_q
