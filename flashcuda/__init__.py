@@ -15,10 +15,11 @@ from .api import (  # noqa: E402
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
     scaled_dot_product_attention,
 )
 
 __all__ = ["__version__", "flash_attn_func", "flash_attn_kvpacked_func",
            "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
-           "scaled_dot_product_attention"]
+           "flash_attn_with_kvcache", "scaled_dot_product_attention"]

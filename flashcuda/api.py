@@ -256,6 +256,147 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlen
                                   return_lse=return_lse)
 
 
+def _host_ints(t: object, name: str, batch: int, device: torch.device) -> list[int]:
+    """A (batch,) int32 / int64 tensor on `device`, read on the host (one device-to-host copy)."""
+    t = validate.check_tensor(t, name)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: expected dtype int32, got {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != 1 or t.numel() != batch:
+        raise ValueError(f"{name}: expected shape ({batch},) (batch = q.shape[0]), got "
+                         f"{tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
+    return [int(x) for x in t.tolist()]
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                            rotary_cos: torch.Tensor | None = None,
+                            rotary_sin: torch.Tensor | None = None,
+                            cache_seqlens: int | torch.Tensor | None = None,
+                            cache_batch_idx: torch.Tensor | None = None,
+                            cache_leftpad: torch.Tensor | None = None,
+                            block_table: torch.Tensor | None = None,
+                            softmax_scale: float | None = None, causal: bool = False,
+                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True,
+                            alibi_slopes: torch.Tensor | None = None, num_splits: int = 0,
+                            return_softmax_lse: bool = False):
+    """Attention of q over a KV cache, appending new keys first (FlashAttention's
+    flash_attn_with_kvcache, for inference: no autograd).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_kv, headdim), same dtype and
+            device as q; nheads % nheads_kv == 0.
+        k, v: optional (batch, seqlen_new, nheads_kv, headdim): written into the caches in place
+            at positions cache_seqlens[b] .. + seqlen_new of cache row cache_batch_idx[b]
+            before the attention, which then sees them (cache_seqlens is then required).
+        cache_seqlens: int, or (batch,) int32 tensor: the keys already in each cache row (the
+            attention sees cache_seqlens[b] + seqlen_new of them); None: the whole cache.
+        cache_batch_idx: optional (batch,) int32 tensor: the cache row of each batch entry
+            (default 0 .. batch - 1; distinct when k / v are appended).
+        softmax_scale, causal, window_size: as flash_attn_func, with seqlen_k the keys each
+            row's attention sees (causal: bottom-right aligned, so the new queries are the
+            last positions).
+        num_splits: a performance hint in FlashAttention; accepted and ignored.
+        rotary_cos / rotary_sin / rotary_interleaved, cache_leftpad, block_table, softcap,
+            alibi_slopes: not implemented (NotImplementedError unless left at their defaults).
+        return_softmax_lse: return (out, lse) with lse (batch, nheads, seqlen_q) float32.
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim) in q's dtype (and lse), computed without autograd.
+
+    This first version runs one flash_attn_func call on views of the caches when every batch
+    entry sees the same number of keys in cache rows 0 .. batch - 1, and one call per entry
+    otherwise (host-bound for many short calls); a cache_seqlens or cache_batch_idx tensor is
+    read on the host (a device-to-host copy, which waits for the GPU).
+    """
+    validate.check_fa_unsupported(softcap=softcap, alibi_slopes=alibi_slopes,
+                                  block_table=block_table)
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError("rotary_cos / rotary_sin: flashcuda applies no rotary "
+                                  "embedding; expected None (rotate q and k before the call)")
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad: flashcuda has no left-padded caches yet; "
+                                  "expected None")
+    validate.check_flag(rotary_interleaved, "rotary_interleaved")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0, got {num_splits!r}")
+    return_softmax_lse = validate.check_flag(return_softmax_lse, "return_softmax_lse")
+    q = validate.check_tensor(q, "q")
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        if validate.check_tensor(t, name).dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims (batch, seqlen, nheads, headdim), got "
+                             f"shape {tuple(t.shape)}")
+    batch, seqlen_cache = q.shape[0], k_cache.shape[1]
+    validate.check_shape_dtype_device(v_cache, "v_cache", shape=k_cache.shape, dtype=k_cache.dtype,
+                                      device=k_cache.device)
+    if (k is None) != (v is None):
+        raise ValueError("k, v: expected both (new keys to append) or neither, got "
+                         f"{'k' if k is not None else 'v'} alone")
+    new = 0
+    if k is not None:
+        new = validate.check_tensor(k, "k").shape[1] if k.dim() == 4 else -1
+        shape = (batch, new, *k_cache.shape[2:])
+        if new < 0 or tuple(k.shape) != shape:
+            raise ValueError(f"k: expected shape (batch, seqlen_new, nheads_kv, headdim) = "
+                             f"{shape if new >= 0 else '4 dims'}, got {tuple(k.shape)}")
+        validate.check_shape_dtype_device(k, "k", dtype=k_cache.dtype, device=k_cache.device)
+        validate.check_shape_dtype_device(v, "v", shape=shape, dtype=k_cache.dtype,
+                                          device=k_cache.device)
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens: required with k / v (where to append them), got None")
+    if cache_batch_idx is None:
+        rows = list(range(batch))
+        if k_cache.shape[0] < batch:
+            raise ValueError(f"k_cache: expected at least batch = {batch} rows without "
+                             f"cache_batch_idx, got {k_cache.shape[0]}")
+    else:
+        rows = _host_ints(cache_batch_idx, "cache_batch_idx", batch, q.device)
+        if any(not 0 <= r < k_cache.shape[0] for r in rows):
+            raise ValueError(f"cache_batch_idx: expected rows in [0, {k_cache.shape[0]}) "
+                             f"(k_cache.shape[0]), got {rows}")
+        if new and len(set(rows)) != batch:
+            raise ValueError(f"cache_batch_idx: expected distinct rows when k / v are appended, "
+                             f"got {rows}")
+    if cache_seqlens is None:
+        lengths = [seqlen_cache] * batch
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        lengths = [cache_seqlens] * batch
+    else:
+        lengths = _host_ints(cache_seqlens, "cache_seqlens", batch, q.device)
+    if any(not 0 <= n <= seqlen_cache - new for n in lengths):
+        raise ValueError(f"cache_seqlens: expected values in [0, {seqlen_cache - new}] "
+                         f"(seqlen_cache - seqlen_new), got {lengths}")
+    for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if t.stride(-1) != 1 and t.shape[-1] != 1:  # (written in place: never copied)
+            raise ValueError(f"{name}: expected a contiguous last dimension (the cache is "
+                             f"written in place), got strides {t.stride()}")
+    window_left, window_right = validate.fa_window(window_size, causal)
+    scale = validate.softmax_scale(softmax_scale, q.shape[-1])
+    seen = [n + new for n in lengths]  # the keys each batch entry's attention sees
+    names = ("q", "k_cache", "v_cache")
+    # every call's operands checked before anything is written (views of the caches: the
+    # append below shows through them)
+    if rows == list(range(batch)) and len(set(seen)) <= 1:
+        keys = seen[0] if seen else 0
+        calls = [_checked_qkv(q, k_cache[:batch, :keys], v_cache[:batch, :keys], names=names)]
+    else:
+        calls = [_checked_qkv(q[b:b + 1], k_cache[row:row + 1, :keys], v_cache[row:row + 1, :keys],
+                              names=names)
+                 for b, (row, keys) in enumerate(zip(rows, seen, strict=True))]
+    with torch.no_grad():
+        if new:  # append in place
+            for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+                k_cache[row, n:n + new] = k[b]
+                v_cache[row, n:n + new] = v[b]
+        results = [attention(qc, kc, vc, scale, window_left, window_right) for qc, kc, vc in calls]
+    out = torch.cat([o for o, _ in results]) if len(results) > 1 else results[0][0]
+    lse = torch.cat([x for _, x in results]) if len(results) > 1 else results[0][1]
+    return (out, lse) if return_softmax_lse else out
+
+
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, *, scale: float | None = None,

@@ -186,6 +186,35 @@ def test_qkvpacked_and_kvpacked_forms():
     check_grads((q.grad, *kv.grad.unbind(dim=2)), ref, base, torch.float16)
 
 
+@pytest.mark.parametrize("ragged", [False, True], ids=["one-call", "per-entry"])
+def test_kvcache_prefill_then_decode(ragged):
+    """flash_attn_with_kvcache on the GPU: a prefill of 300 tokens, then 3 decoding steps, new
+    keys appended in place (GQA 8:2, bf16); each step's out / lse against the oracle on the keys
+    it sees (FlashAttention's rule). ragged: the entries' caches at different lengths (one call
+    per entry) and cache rows permuted by cache_batch_idx; else one call for the batch."""
+    import flashcuda
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    B, H, Hk, D, cap = 3, 8, 2, 128, 512
+    k_cache = torch.zeros(4, cap, Hk, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    rows = torch.tensor([2, 0, 3] if ragged else [0, 1, 2], device="cuda", dtype=torch.int32)
+    start = torch.tensor([0, 40, 7] if ragged else [0, 0, 0], device="cuda", dtype=torch.int32)
+    for new in (300, 1, 1, 1):
+        q = torch.randn(B, new, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(B, new, Hk, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(B, new, Hk, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        out, lse = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                                     cache_seqlens=start, cache_batch_idx=rows,
+                                                     causal=True, return_softmax_lse=True)
+        for b in range(B):
+            n, r = int(start[b]) + new, int(rows[b])
+            check_forward(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[r:r + 1, :n],
+                          v_cache[r:r + 1, :n], True, (-1, -1))
+            assert torch.equal(k_cache[r, n - new:n], k[b]) and torch.equal(v_cache[r, n - new:n], v[b])
+        start = start + new
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("sq,sk", [(128, 128), (100, 180), (180, 100)])
 def test_sdpa_shim(sq, sk, dtype):
