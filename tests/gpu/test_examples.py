@@ -23,3 +23,10 @@ def test_train_compare_short(tmp_path):
     record = json.loads((tmp_path / "train-compare.json").read_text())
     assert record["ok"] and record["mean_abs_diff_last"] <= 0.05
     assert (tmp_path / "train-compare.png").stat().st_size > 0
+
+
+def test_generate_kvcache():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "generate_kvcache.py"),
+                          "--device", "cuda", "--tokens", "24"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
