@@ -174,10 +174,11 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out (total_q, nheads, headdim) in q's dtype; with return_lse also lse (nheads, total_q)
         float32 (FlashAttention's varlen layout); return_attn_probs gives (out, lse, None).
 
-    This first version runs one flash_attn_func call per sequence on views of q, k, v (no
-    input is copied; forward and backward are exact, every kernel family applies), so each
-    sequence costs a call's host time: it suits a few long sequences better than many short
-    ones. It reads cu_seqlens on the host (one device-to-host copy, which waits for the GPU),
+    This first version runs one flash_attn_func call per run of consecutive sequences of equal
+    (query, key) lengths, on views of q, k, v as a batch (no input is copied; forward and
+    backward are exact, every kernel family applies): sequences of one length cost one call,
+    but each run costs a call's host time, so it suits a few long sequences, or many of a
+    length, better than many short ones of different lengths. It reads cu_seqlens on the host (one device-to-host copy, which waits for the GPU),
     so it is neither traceable by torch.compile(fullgraph=True) nor capturable in a CUDA graph.
     """
     validate.check_fa_unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -200,14 +201,21 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return_attn_probs = validate.check_flag(return_attn_probs, "return_attn_probs")
     return_lse = validate.check_flag(return_lse, "return_lse")
     outs, lses = [q[:0]], [torch.empty((q.shape[1], 0), dtype=torch.float32, device=q.device)]
-    for i in range(len(cu_q) - 1):
-        qi = q[cu_q[i]:cu_q[i + 1]].unsqueeze(0)
-        ki, vi = (t[cu_k[i]:cu_k[i + 1]].unsqueeze(0) for t in (k, v))
+    i = 0
+    while i < len(cu_q) - 1:  # runs [i, j) of consecutive sequences of equal lengths
+        lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        j = i + 1
+        while j < len(cu_q) - 1 and (cu_q[j + 1] - cu_q[j], cu_k[j + 1] - cu_k[j]) == (lq, lk):
+            j += 1
+        qi = q[cu_q[i]:cu_q[j]].unflatten(0, (j - i, lq))  # (sequences, lq, H, D): a view
+        ki, vi = (t[cu_k[i]:cu_k[j]].unflatten(0, (j - i, lk)) for t in (k, v))
         out_i, lse_i = attention(qi, ki, vi, scale, window_left, window_right, deterministic)
-        outs.append(out_i[0])
-        lses.append(lse_i[0])
+        outs.append(out_i.flatten(0, 1))
+        lses.append(lse_i.transpose(0, 1).flatten(1, 2))  # (H, sequences x lq)
+        i = j
     out, lse = torch.cat(outs), torch.cat(lses, dim=1)
     return _returned(out, lse, return_attn_probs, return_lse)
+
 
 def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                                      dropout_p: float = 0.0, softmax_scale: float | None = None,

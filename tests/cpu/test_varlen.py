@@ -111,6 +111,38 @@ def test_equal_lengths_match_flash_attn_func():
     torch.testing.assert_close(out, ref.reshape(-1, 2, 16), rtol=1e-6, atol=1e-6)
 
 
+def test_runs_of_equal_lengths_are_one_call_each(monkeypatch):
+    """Consecutive sequences of equal (query, key) lengths go to the kernels as one batch of
+    views (one call per run, no copy), each run's out / lse in its sequences' varlen places."""
+    from flashcuda import api
+
+    calls = []
+    real = api.attention
+
+    def counting(q, k, v, *rest):
+        calls.append((tuple(q.shape), tuple(k.shape), q.data_ptr(), k.data_ptr()))
+        return real(q, k, v, *rest)
+
+    monkeypatch.setattr(api, "attention", counting)
+    lq, lk = (5, 5, 7, 7, 7, 5, 0, 0), (9, 9, 7, 7, 7, 9, 4, 4)
+    case = (lq, lk, 4, 2, 16, True, (-1, -1))
+    q, k, v, cu_q, cu_k = _inputs(case, torch.float32, seed=4)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 9, causal=True, return_lse=True)
+    assert [(c[0], c[1]) for c in calls] == [((2, 5, 4, 16), (2, 9, 2, 16)),
+                                             ((3, 7, 4, 16), (3, 7, 2, 16)),
+                                             ((1, 5, 4, 16), (1, 9, 2, 16)),
+                                             ((2, 0, 4, 16), (2, 4, 2, 16))]
+    # views into q and k at each run's first sequence (no copies)
+    assert [c[2] for c in calls] == [q[o].data_ptr() if o < q.shape[0] else c[2]
+                                     for c, o in zip(calls, (0, 10, 31, 36), strict=True)]
+    assert [c[3] for c in calls] == [k[o].data_ptr() for o in (0, 18, 39, 48)]
+    ref, ref_lse = _per_sequence(lambda a, b, c: attention_ref(a, b, c, causal=True),
+                                 q, k, v, cu_q.tolist(), cu_k.tolist())
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
+    live = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[live], ref_lse[live], atol=2e-6, rtol=0)
+
+
 def test_return_forms():
     q, k, v, cu_q, cu_k = _inputs(CASES[0], torch.float32)
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 33, 33)
