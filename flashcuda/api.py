@@ -315,10 +315,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Returns:
         out (batch, seqlen_q, nheads, headdim) in q's dtype (and lse), computed without autograd.
 
-    This first version runs one flash_attn_func call on views of the caches when every batch
-    entry sees the same number of keys in cache rows 0 .. batch - 1, and one call per entry
-    otherwise (host-bound for many short calls); a cache_seqlens or cache_batch_idx tensor is
-    read on the host (a device-to-host copy, which waits for the GPU).
+    This first version runs one flash_attn_func call on views of the caches per run of batch
+    entries on consecutive cache rows that see the same number of keys (one call for the batch
+    when every row holds as many keys; host-bound when many entries differ); a cache_seqlens
+    or cache_batch_idx tensor is read on the host (a device-to-host copy, which waits for the
+    GPU).
     """
     validate.check_fa_unsupported(softcap=softcap, alibi_slopes=alibi_slopes,
                                   block_table=block_table)
@@ -385,15 +386,19 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     scale = validate.softmax_scale(softmax_scale, q.shape[-1])
     seen = [n + new for n in lengths]  # the keys each batch entry's attention sees
     names = ("q", "k_cache", "v_cache")
-    # every call's operands checked before anything is written (views of the caches: the
-    # append below shows through them)
-    if rows == list(range(batch)) and len(set(seen)) <= 1:
-        keys = seen[0] if seen else 0
-        calls = [_checked_qkv(q, k_cache[:batch, :keys], v_cache[:batch, :keys], names=names)]
-    else:
-        calls = [_checked_qkv(q[b:b + 1], k_cache[row:row + 1, :keys], v_cache[row:row + 1, :keys],
-                              names=names)
-                 for b, (row, keys) in enumerate(zip(rows, seen, strict=True))]
+    # one call per run of batch entries on consecutive cache rows seeing equal numbers of keys
+    # (views of the caches: the append below shows through them); every call's operands
+    # checked before anything is written
+    calls, b = [], 0
+    if batch == 0:
+        calls.append(_checked_qkv(q, k_cache[:0, :0], v_cache[:0, :0], names=names))
+    while b < batch:
+        e = b + 1
+        while e < batch and rows[e] == rows[e - 1] + 1 and seen[e] == seen[b]:
+            e += 1
+        calls.append(_checked_qkv(q[b:e], k_cache[rows[b]:rows[b] + e - b, :seen[b]],
+                                  v_cache[rows[b]:rows[b] + e - b, :seen[b]], names=names))
+        b = e
     with torch.no_grad():
         if new:  # append in place
             for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):

@@ -94,6 +94,37 @@ def test_decoding_step_by_step_equals_one_call_over_the_whole_sequence():
     assert torch.equal(k_cache, k) and torch.equal(v_cache, v)
 
 
+def test_runs_of_consecutive_rows_with_equal_keys_are_one_call_each(monkeypatch):
+    """Entries on consecutive cache rows that see the same number of keys go to the kernels as
+    one batch of cache views (one call per run); an empty batch is one empty call."""
+    from flashcuda import api
+
+    calls = []
+    real = api.attention
+
+    def counting(q, k, v, *rest):
+        calls.append((tuple(q.shape), tuple(k.shape)))
+        return real(q, k, v, *rest)
+
+    monkeypatch.setattr(api, "attention", counting)
+    g = torch.Generator().manual_seed(9)
+    q = rand(5, 2, 4, 16, gen=g)
+    k_cache, v_cache = rand(8, 12, 2, 16, gen=g), rand(8, 12, 2, 16, gen=g)
+    rows = torch.tensor([0, 1, 2, 5, 6], dtype=torch.int32)
+    seqlens = torch.tensor([4, 4, 9, 9, 9], dtype=torch.int32)
+    out = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                            cache_batch_idx=rows, causal=True)
+    assert calls == [((2, 2, 4, 16), (2, 4, 2, 16)), ((1, 2, 4, 16), (1, 9, 2, 16)),
+                     ((2, 2, 4, 16), (2, 9, 2, 16))]
+    for b, (row, n) in enumerate(zip(rows.tolist(), seqlens.tolist(), strict=True)):
+        ref, _ = oracle(q[b:b + 1], k_cache[row:row + 1, :n], v_cache[row:row + 1, :n],
+                        16 ** -0.5, True, (-1, -1))
+        torch.testing.assert_close(out[b:b + 1].double(), ref, atol=2e-6, rtol=0)
+    calls.clear()
+    empty = flashcuda.flash_attn_with_kvcache(q[:0], k_cache, v_cache, cache_seqlens=3)
+    assert empty.shape == (0, 2, 4, 16) and len(calls) == 1
+
+
 def test_arguments_are_checked_by_name():
     q = torch.randn(2, 1, 2, 16)
     kc, vc = torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
