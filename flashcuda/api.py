@@ -147,7 +147,6 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
                        names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
 
 
-
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
@@ -178,8 +177,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (query, key) lengths, on views of q, k, v as a batch (no input is copied; forward and
     backward are exact, every kernel family applies): sequences of one length cost one call,
     but each run costs a call's host time, so it suits a few long sequences, or many of a
-    length, better than many short ones of different lengths. It reads cu_seqlens on the host (one device-to-host copy, which waits for the GPU),
-    so it is neither traceable by torch.compile(fullgraph=True) nor capturable in a CUDA graph.
+    length, better than many short ones of different lengths. It reads cu_seqlens on the host
+    (one device-to-host copy, which waits for the GPU), so it is neither traceable by torch.compile(fullgraph=True) nor capturable in a CUDA graph.
     """
     validate.check_fa_unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
                                   block_table=block_table)
@@ -264,19 +263,6 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlen
                                   return_lse=return_lse)
 
 
-def _host_ints(t: object, name: str, batch: int, device: torch.device) -> list[int]:
-    """A (batch,) int32 / int64 tensor on `device`, read on the host (one device-to-host copy)."""
-    t = validate.check_tensor(t, name)
-    if t.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name}: expected dtype int32, got {str(t.dtype).replace('torch.', '')}")
-    if t.dim() != 1 or t.numel() != batch:
-        raise ValueError(f"{name}: expected shape ({batch},) (batch = q.shape[0]), got "
-                         f"{tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
-    return [int(x) for x in t.tolist()]
-
-
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                             rotary_cos: torch.Tensor | None = None,
@@ -333,7 +319,6 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0, got {num_splits!r}")
     return_softmax_lse = validate.check_flag(return_softmax_lse, "return_softmax_lse")
-    q = validate.check_tensor(q, "q")
     for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         if validate.check_tensor(t, name).dim() != 4:
             raise ValueError(f"{name}: expected 4 dims (batch, seqlen, nheads, headdim), got "
@@ -346,7 +331,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                          f"{'k' if k is not None else 'v'} alone")
     new = 0
     if k is not None:
-        new = validate.check_tensor(k, "k").shape[1] if k.dim() == 4 else -1
+        k = validate.check_tensor(k, "k")
+        new = k.shape[1] if k.dim() == 4 else -1
         shape = (batch, new, *k_cache.shape[2:])
         if new < 0 or tuple(k.shape) != shape:
             raise ValueError(f"k: expected shape (batch, seqlen_new, nheads_kv, headdim) = "
@@ -362,7 +348,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             raise ValueError(f"k_cache: expected at least batch = {batch} rows without "
                              f"cache_batch_idx, got {k_cache.shape[0]}")
     else:
-        rows = _host_ints(cache_batch_idx, "cache_batch_idx", batch, q.device)
+        rows = validate.host_ints(cache_batch_idx, "cache_batch_idx", batch, q.device)
         if any(not 0 <= r < k_cache.shape[0] for r in rows):
             raise ValueError(f"cache_batch_idx: expected rows in [0, {k_cache.shape[0]}) "
                              f"(k_cache.shape[0]), got {rows}")
@@ -374,7 +360,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         lengths = [cache_seqlens] * batch
     else:
-        lengths = _host_ints(cache_seqlens, "cache_seqlens", batch, q.device)
+        lengths = validate.host_ints(cache_seqlens, "cache_seqlens", batch, q.device)
     if any(not 0 <= n <= seqlen_cache - new for n in lengths):
         raise ValueError(f"cache_seqlens: expected values in [0, {seqlen_cache - new}] "
                          f"(seqlen_cache - seqlen_new), got {lengths}")

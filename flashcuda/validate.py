@@ -285,6 +285,20 @@ def check_varlen_rank(t: object, name: str, role: str) -> torch.Tensor:
     return t
 
 
+def host_ints(t: object, name: str, batch: int, device: torch.device) -> list[int]:
+    """A (batch,) int32 / int64 tensor on `device` (one value per batch entry: a KV cache's
+    lengths or rows), read on the host (one device-to-host copy)."""
+    t = check_tensor(t, name)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: expected dtype int32 or int64, got {_dtype_name(t.dtype)}")
+    if t.dim() != 1 or t.numel() != batch:
+        raise ValueError(f"{name}: expected shape ({batch},) (batch = q.shape[0]), got "
+                         f"{tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
+    return [int(x) for x in t.tolist()]
+
+
 def cu_seqlens(cu: object, name: str, *, total: int, total_name: str, device: torch.device,
                max_seqlen: object, max_name: str, batch: int | None = None) -> list[int]:
     """FlashAttention's cumulative sequence lengths: a 1-D int32 tensor on the inputs' device,

@@ -136,6 +136,8 @@ def test_arguments_are_checked_by_name():
         call(q, kc, vc, k1, k1)
     with pytest.raises(ValueError, match="k, v: expected both"):
         call(q, kc, vc, k1, cache_seqlens=1)
+    with pytest.raises(TypeError, match="k: expected a torch.Tensor"):
+        call(q, kc, vc, [k1], [k1], cache_seqlens=1)
     with pytest.raises(ValueError, match="k: expected shape"):
         call(q, kc, vc, k1[:, :, :1], k1[:, :, :1], cache_seqlens=1)
     with pytest.raises(TypeError, match="cache_seqlens: expected dtype int32"):
