@@ -3,11 +3,15 @@ logits against recomputing the whole sequence with PyTorch SDPA (no cache).
 
     python examples/generate_kvcache.py                       # a GPU if there is one, else CPU
     python examples/generate_kvcache.py --device cpu --tokens 8
+    python examples/generate_kvcache.py --paged               # the caches as pages + a block table
 
-Model: a small random-weight causal transformer (GQA: 8 query heads over 2 KV heads), a batch of
-prompts of different lengths (each row's cache holds its own number of keys: cache_seqlens), a
-prefill, then one token per step, greedy. The cache is written in place by the call that attends
-to it (k / v appended at cache_seqlens). Prints the largest logit difference per step and exits 1
+Model: a small random-weight causal transformer (GQA: 8 query heads over 2 KV heads, rotary
+position embeddings, GPT-NeoX style), a batch of prompts of different lengths (each row's cache
+holds its own number of keys: cache_seqlens), a prefill, then one token per step, greedy. The
+cache is written in place by the call that attends to it (k / v rotated by rotary_cos /
+rotary_sin, appended at cache_seqlens); with --paged, the caches are a pool of 4-position pages
+that a block table hands out in shuffled order. The full recompute rotates q and k itself
+(rotate_half). Prints the largest logit difference per step and exits 1
 if any exceeds the dtype's tolerance (fp32 on CPU: 1e-4; bf16 on a GPU: 0.1), or if the two runs
 choose different tokens where the top two logits are further apart than that tolerance.
 """
@@ -39,9 +43,24 @@ class Attention(nn.Module):
         return q, k, v
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (batch, seqlen, heads, head_dim) at positions 0 .. seqlen - 1, GPT-NeoX style:
+    x cos + rotate_half(x) sin, with the (positions, head_dim / 2) tables repeated twice."""
+    c, s = (torch.cat((t, t), -1)[:x.shape[1], None, :].float() for t in (cos, sin))
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+    return (x.float() * c + rotated.float() * s).to(x.dtype)
+
+
 class Model(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, kv_heads: int, layers: int):
+    def __init__(self, vocab: int, dim: int, heads: int, kv_heads: int, layers: int,
+                 positions: int):
         super().__init__()
+        head_dim = dim // heads
+        angle = torch.outer(torch.arange(positions).float(),
+                            10000.0 ** (-torch.arange(0, head_dim, 2).float() / head_dim))
+        self.register_buffer("cos", angle.cos())  # (positions, head_dim / 2)
+        self.register_buffer("sin", angle.sin())
         self.embed = nn.Embedding(vocab, dim)
         self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
         self.attns = nn.ModuleList(Attention(dim, heads, kv_heads) for _ in range(layers))
@@ -53,6 +72,7 @@ class Model(nn.Module):
         x = self.embed(tokens)
         for norm, attn in zip(self.norms, self.attns, strict=True):
             q, k, v = attn.project(norm(x))
+            q, k = rope(q, self.cos, self.sin), rope(k, self.cos, self.sin)
             group = attn.heads // attn.kv_heads
             k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
             o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
@@ -61,14 +81,18 @@ class Model(nn.Module):
         last = torch.stack([x[b, n - 1] for b, n in enumerate(lengths)])
         return self.head(last)
 
-    def step(self, tokens: torch.Tensor, caches, seqlens: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, caches, seqlens: torch.Tensor,
+             table: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the last of `tokens` (batch, new) per row, attending through the caches
-        (appended in place at `seqlens`)."""
+        (rotated and appended in place at `seqlens`; paged through `table` when given)."""
         x = self.embed(tokens)
         for norm, attn, (k_cache, v_cache) in zip(self.norms, self.attns, caches, strict=True):
             q, k, v = attn.project(norm(x))
-            o = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
-                                                  causal=True)
+            o = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                                  rotary_cos=self.cos.to(q.dtype),
+                                                  rotary_sin=self.sin.to(q.dtype),
+                                                  cache_seqlens=seqlens, block_table=table,
+                                                  causal=True, rotary_interleaved=False)
             x = x + attn.out(o.reshape(x.shape))
         return self.head(x[:, -1])
 
@@ -78,28 +102,39 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokens", type=int, default=16, help="tokens to generate per row")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--paged", action="store_true",
+                        help="caches as 4-position pages handed out by a block table")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tol = 0.1 if dtype == torch.bfloat16 else 1e-4
     torch.manual_seed(args.seed)
     vocab, dim, heads, kv_heads, layers = 256, 256, 8, 2, 2
-    model = Model(vocab, dim, heads, kv_heads, layers).to(device, dtype).eval()
     lengths = [5, 12, 9]  # prompt lengths: the rows' caches hold different numbers of keys
-    batch, cap = len(lengths), max(lengths) + args.tokens
+    batch, cap, page = len(lengths), max(lengths) + args.tokens, 4
+    model = Model(vocab, dim, heads, kv_heads, layers, cap).to(device).eval()
+    model = model.to(dtype)  # the rotary tables too: flash_attn_with_kvcache takes q's dtype
     prompts = torch.randint(0, vocab, (batch, max(lengths)), device=device)
-    caches = [(torch.zeros(batch, cap, kv_heads, dim // heads, device=device, dtype=dtype),
-               torch.zeros(batch, cap, kv_heads, dim // heads, device=device, dtype=dtype))
-              for _ in range(layers)]
+    table = None
+    if args.paged:  # every row's pages drawn from one shuffled pool (two spare pages)
+        blocks = -(-cap // page)
+        table = torch.randperm(batch * blocks + 2, device=device)[:batch * blocks]
+        table = table.view(batch, blocks).to(torch.int32)
+        shape = (batch * blocks + 2, page, kv_heads, dim // heads)
+    else:
+        shape = (batch, cap, kv_heads, dim // heads)
+    caches = [(torch.zeros(shape, device=device, dtype=dtype),
+               torch.zeros(shape, device=device, dtype=dtype)) for _ in range(layers)]
     seqs = [prompts[b, :n].tolist() for b, n in enumerate(lengths)]
     worst = 0.0
     with torch.no_grad():
         # prefill: each row its own prompt (its own length), one row at a time
         logits = []
         for b, n in enumerate(lengths):
-            rows = [(kc[b:b + 1], vc[b:b + 1]) for kc, vc in caches]
+            rows = caches if args.paged else [(kc[b:b + 1], vc[b:b + 1]) for kc, vc in caches]
             logits.append(model.step(prompts[b:b + 1, :n], rows,
-                                     torch.zeros(1, dtype=torch.int32, device=device))[0])
+                                     torch.zeros(1, dtype=torch.int32, device=device),
+                                     None if table is None else table[b:b + 1])[0])
         logits = torch.stack(logits)
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
         for step in range(args.tokens):
@@ -118,9 +153,10 @@ def main() -> int:
             worst = max(worst, diff)
             for b in range(batch):
                 seqs[b].append(int(chosen[b]))
-            logits = model.step(chosen[:, None], caches, seqlens)
+            logits = model.step(chosen[:, None], caches, seqlens, table)
             seqlens = seqlens + 1
-    print(f"{args.tokens} tokens x {batch} rows on {device} ({str(dtype).replace('torch.', '')}): "
+    print(f"{args.tokens} tokens x {batch} rows on {device} ({str(dtype).replace('torch.', '')}"
+          f"{', paged' if args.paged else ''}): "
           f"cached logits within {worst:.2e} of the full recompute (tolerance {tol})")
     return 0
 

@@ -15,9 +15,9 @@ from .api import (  # noqa: E402
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
     scaled_dot_product_attention,
 )
+from .kvcache import flash_attn_with_kvcache  # noqa: E402
 
 __all__ = ["__version__", "flash_attn_func", "flash_attn_kvpacked_func",
            "flash_attn_qkvpacked_func", "flash_attn_varlen_func",

@@ -94,6 +94,24 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out, lse.squeeze(-1)
 
 
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               interleaved: bool) -> torch.Tensor:
+    """Rotary embedding in float64, as complex products: each pair (a, b) of x's first
+    2 * cos.shape[1] features -> (a + ib)(cos + i sin) at row positions[b, s] of the tables;
+    pairs (0, 1), (2, 3), ... when interleaved, (0, half), (1, half + 1), ... otherwise.
+    x (batch, seqlen, nheads, headdim); positions (batch, seqlen) int64. The oracle of
+    flashcuda.kvcache.rotary."""
+    x = x.double()
+    half = cos.shape[1]
+    c, s = (t.double()[positions].unsqueeze(2) for t in (cos, sin))
+    r = x[..., :2 * half]
+    a, b = (r[..., 0::2], r[..., 1::2]) if interleaved else (r[..., :half], r[..., half:])
+    w = torch.complex(a, b) * torch.complex(c, s)
+    y = torch.stack((w.real, w.imag), -1).flatten(-2) if interleaved else torch.cat(
+        (w.real, w.imag), -1)
+    return torch.cat((y, x[..., 2 * half:]), -1)
+
+
 def _tile_needs_mask(row0: int, rows: int, col0: int, cols: int, seqlen_q: int, seqlen_k: int,
                      wl: int, wr: int) -> bool:
     """mask.cuh Mask::tile_needs_mask, line for line."""

@@ -256,8 +256,9 @@ def check_fa_unsupported(*, dropout_p: object = 0.0, softcap: object = 0.0,
         raise NotImplementedError("alibi_slopes: flashcuda has no ALiBi bias yet; expected None, "
                                   f"got a {type(alibi_slopes).__name__}")
     if block_table is not None:
-        raise NotImplementedError("block_table: flashcuda has no paged KV cache yet; expected "
-                                  f"None, got a {type(block_table).__name__}")
+        raise NotImplementedError("block_table: flashcuda reads paged KV caches in "
+                                  "flash_attn_with_kvcache only; expected None, got a "
+                                  f"{type(block_table).__name__}")
 
 
 def check_sdpa_unsupported(*, attn_mask: object = None, dropout_p: object = 0.0) -> None:

@@ -97,16 +97,16 @@ def test_decoding_step_by_step_equals_one_call_over_the_whole_sequence():
 def test_runs_of_consecutive_rows_with_equal_keys_are_one_call_each(monkeypatch):
     """Entries on consecutive cache rows that see the same number of keys go to the kernels as
     one batch of cache views (one call per run); an empty batch is one empty call."""
-    from flashcuda import api
+    from flashcuda import kvcache
 
     calls = []
-    real = api.attention
+    real = kvcache.attention
 
     def counting(q, k, v, *rest):
         calls.append((tuple(q.shape), tuple(k.shape)))
         return real(q, k, v, *rest)
 
-    monkeypatch.setattr(api, "attention", counting)
+    monkeypatch.setattr(kvcache, "attention", counting)
     g = torch.Generator().manual_seed(9)
     q = rand(5, 2, 4, 16, gen=g)
     k_cache, v_cache = rand(8, 12, 2, 16, gen=g), rand(8, 12, 2, 16, gen=g)
@@ -155,12 +155,10 @@ def test_arguments_are_checked_by_name():
         call(q, kc, vc[:, :4])
     with pytest.raises(TypeError, match="k_cache: expected dtype float16 .the dtype of q."):
         call(q.half(), kc, vc)
-    with pytest.raises(NotImplementedError, match="rotary_cos"):
-        call(q, kc, vc, rotary_cos=torch.ones(8, 8), rotary_sin=torch.ones(8, 8))
-    with pytest.raises(NotImplementedError, match="block_table"):
-        call(q, kc, vc, block_table=torch.zeros(2, 1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
-        call(q, kc, vc, cache_leftpad=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="softcap"):
+        call(q, kc, vc, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        call(q, kc, vc, alibi_slopes=torch.ones(2))
     with pytest.raises(ValueError, match="num_splits"):
         call(q, kc, vc, num_splits=-1)
     assert call(q, kc, vc, num_splits=4).shape == q.shape  # a performance hint: ignored
@@ -176,11 +174,13 @@ def test_arguments_are_checked_by_name():
     assert torch.equal(kc, before)
 
 
-def test_generation_example_agrees_with_the_full_recompute():
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
+def test_generation_example_agrees_with_the_full_recompute(paged):
     """examples/generate_kvcache.py on the CPU: a prefill of ragged prompts then greedy decoding
-    through the caches, every step's logits against SDPA recomputing the whole sequence."""
+    through the caches (rotary embeddings; paged: a block table over shuffled pages), every
+    step's logits against SDPA recomputing the whole sequence."""
     example = Path(__file__).resolve().parents[2] / "examples" / "generate_kvcache.py"
-    run = subprocess.run([sys.executable, str(example), "--device", "cpu", "--tokens", "6"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, str(example), "--device", "cpu", "--tokens", "6"]
+                         + ["--paged"] * paged, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "cached logits within" in run.stdout

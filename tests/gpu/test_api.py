@@ -215,6 +215,48 @@ def test_kvcache_prefill_then_decode(ragged):
         start = start + new
 
 
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+def test_kvcache_paged_left_padded_rotary(interleaved):
+    """flash_attn_with_kvcache on the GPU with a block table over permuted 16-position pages,
+    left padding, rotary embeddings on half of d128 and GQA 8:2 (bf16, causal): the appended
+    keys in their pages against the float64 rotation (within bf16's rounding of a float32
+    result), each entry's out / lse against the oracle on its logical keys, with q rotated by
+    the oracle and rounded to bf16."""
+    import flashcuda
+    from flashcuda.reference import rotary_ref
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    B, Sq, new, H, Hk, D, page, cap = 3, 5, 5, 8, 2, 128, 16, 160
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    blocks = cap // page
+    table = torch.randperm(B * blocks + 5, device="cuda", generator=g)[:B * blocks]
+    table = table.view(B, blocks).to(torch.int32)
+    k_cache = torch.randn(B * blocks + 5, page, Hk, D, generator=g, **bf)
+    v_cache = torch.randn(B * blocks + 5, page, Hk, D, generator=g, **bf)
+    q = torch.randn(B, Sq, H, D, generator=g, **bf)
+    k, v = (torch.randn(B, new, Hk, D, generator=g, **bf) for _ in range(2))
+    theta = torch.rand(cap, D // 4, device="cuda", generator=g) * 6.2832
+    cos, sin = theta.cos().bfloat16(), theta.sin().bfloat16()
+    lengths, pads = [100, 100, 37], [5, 5, 0]
+    out, lse = flashcuda.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+        cache_seqlens=torch.tensor(lengths, device="cuda", dtype=torch.int32),
+        cache_leftpad=torch.tensor(pads, device="cuda", dtype=torch.int32), block_table=table,
+        causal=True, rotary_interleaved=interleaved, return_softmax_lse=True)
+    for b, (n, p) in enumerate(zip(lengths, pads, strict=True)):
+        logical = [(int(table[b, i // page]), i % page) for i in range(p, n + new)]
+        keys = torch.stack([k_cache[s] for s in logical])[None]
+        values = torch.stack([v_cache[s] for s in logical])[None]
+        pos = torch.arange(n, n + new, device="cuda")[None]
+        k_rot = rotary_ref(k[b:b + 1], cos, sin, pos, interleaved)
+        got = keys[:, n - p:].double()
+        assert ((got - k_rot).abs() <= 2.0 ** -8 * k_rot.abs() + 1e-6).all()
+        assert torch.equal(values[0, n - p:], v[b])
+        q_rot = rotary_ref(q[b:b + 1], cos, sin, torch.arange(n, n + Sq, device="cuda")[None],
+                           interleaved).bfloat16()
+        check_forward(out[b:b + 1], lse[b:b + 1], q_rot, keys, values, True, (-1, -1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("sq,sk", [(128, 128), (100, 180), (180, 100)])
 def test_sdpa_shim(sq, sk, dtype):

@@ -25,8 +25,9 @@ def test_train_compare_short(tmp_path):
     assert (tmp_path / "train-compare.png").stat().st_size > 0
 
 
-def test_generate_kvcache():
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
+def test_generate_kvcache(paged):
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "generate_kvcache.py"),
-                          "--device", "cuda", "--tokens", "24"],
+                          "--device", "cuda", "--tokens", "24"] + ["--paged"] * paged,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,331 @@
+"""FlashAttention's inference entry point, flash_attn_with_kvcache: attention of new queries over
+a KV cache, the new keys appended in place first, optionally rotated (rotary embeddings), the
+cache contiguous per row or paged (a block table), optionally left-padded.
+
+Everything here is host-side orchestration around the kernels of flashcuda.ops.attention: the
+arguments are checked by name before anything is written; the append and the rotation are
+PyTorch operations; the attention is one kernel call per run of batch entries that see the same
+keys' span (views of the caches; a paged cache's pages are gathered into a contiguous copy
+first). The kernels read no block table and rotate nothing themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import validate
+from .api import _checked_qkv
+from .ops.attention import attention
+
+# A paged run's gathered keys and values (both) are copied at most this many bytes at a time
+# (more entries of the run wait for the next gather).
+GATHER_BYTES = 256 << 20
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+           interleaved: bool) -> torch.Tensor:
+    """x (batch, seqlen, nheads, headdim) rotated by the angles of row positions[b, s] of cos /
+    sin (seqlen_ro, rotary_dim / 2): the first rotary_dim features of each head, as pairs —
+    (0, 1), (2, 3), ... when interleaved (GPT-J), (0, rotary_dim / 2), (1, rotary_dim / 2 + 1),
+    ... otherwise (GPT-NeoX) — each pair (a, b) -> (a cos - b sin, a sin + b cos), computed in
+    float32 (float64 for float64 x) and rounded once to x's dtype; the other features copied."""
+    half = cos.shape[1]
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    c = cos[positions].to(work).unsqueeze(2)  # (batch, seqlen, 1, half)
+    s = sin[positions].to(work).unsqueeze(2)
+    r = x[..., :2 * half].to(work)
+    a, b = (r[..., 0::2], r[..., 1::2]) if interleaved else (r[..., :half], r[..., half:])
+    ra, rb = a * c - b * s, a * s + b * c
+    rotated = torch.stack((ra, rb), dim=-1).flatten(-2) if interleaved else torch.cat((ra, rb), -1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _rotary_tables(rotary_cos: object, rotary_sin: object, q: torch.Tensor,
+                   appended: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rotary_cos / rotary_sin checked: both or neither, (seqlen_ro, rotary_dim / 2) with
+    rotary_dim <= headdim, q's dtype and device, only with new keys (FlashAttention's rule)."""
+    if rotary_cos is None and rotary_sin is None:
+        return None
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos, rotary_sin: expected both (the rotation's angles) or "
+                         f"neither, got {'rotary_cos' if rotary_cos is not None else 'rotary_sin'}"
+                         " alone")
+    if not appended:
+        raise ValueError("rotary_cos: expected new keys k / v with rotary embeddings (they "
+                         "rotate q and the appended keys), got k = v = None")
+    cos = validate.check_shape_dtype_device(rotary_cos, "rotary_cos", dtype=q.dtype,
+                                            device=q.device)
+    if cos.dim() != 2 or cos.shape[1] < 1 or 2 * cos.shape[1] > q.shape[-1]:
+        raise ValueError(f"rotary_cos: expected shape (seqlen_ro, rotary_dim / 2) with 1 <= "
+                         f"rotary_dim / 2 <= headdim / 2 = {q.shape[-1] // 2}, got "
+                         f"{tuple(cos.shape)}")
+    sin = validate.check_shape_dtype_device(rotary_sin, "rotary_sin", shape=cos.shape,
+                                            dtype=q.dtype, device=q.device)
+    return cos, sin
+
+
+def _new_keys(k: object, v: object, batch: int, k_cache: torch.Tensor,
+              cache_shape: tuple[int, ...]) -> int:
+    """k / v checked (both or neither, (batch, seqlen_new, nheads_kv, headdim), the caches'
+    dtype and device); returns seqlen_new (0 without them)."""
+    if (k is None) != (v is None):
+        raise ValueError("k, v: expected both (new keys to append) or neither, got "
+                         f"{'k' if k is not None else 'v'} alone")
+    if k is None:
+        return 0
+    k = validate.check_tensor(k, "k")
+    new = k.shape[1] if k.dim() == 4 else -1
+    shape = (batch, new, *cache_shape[2:])
+    if new < 0 or tuple(k.shape) != shape:
+        raise ValueError(f"k: expected shape (batch, seqlen_new, nheads_kv, headdim) = "
+                         f"{shape if new >= 0 else '4 dims'}, got {tuple(k.shape)}")
+    validate.check_shape_dtype_device(k, "k", dtype=k_cache.dtype, device=k_cache.device)
+    validate.check_shape_dtype_device(v, "v", shape=shape, dtype=k_cache.dtype,
+                                      device=k_cache.device)
+    return new
+
+
+def _page_table(block_table: object, batch: int, device: torch.device) -> list[list[int]]:
+    """block_table: (batch, max_blocks_per_seq) int32 / int64 on q's device, read on the host."""
+    table = validate.check_tensor(block_table, "block_table")
+    if table.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"block_table: expected dtype int32 or int64, got "
+                        f"{str(table.dtype).removeprefix('torch.')}")
+    if table.dim() != 2 or table.shape[0] != batch:
+        raise ValueError(f"block_table: expected shape (batch = {batch}, max_blocks_per_seq), "
+                         f"got {tuple(table.shape)}")
+    if table.device != device:
+        raise ValueError(f"block_table: expected device {device} (the device of q), got "
+                         f"{table.device}")
+    return [[int(x) for x in row] for row in table.tolist()]
+
+
+def _append_slots(lengths: list[int], new: int, rows: list[int], pages: list[list[int]],
+                  page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slots the appended keys go to, entry by entry, position by position: (rows,
+    positions), or (blocks, offsets) when paged (page_size > 0); two int64 CPU tensors."""
+    if not new or not lengths:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    pos = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + torch.arange(new)
+    if page_size:
+        table = torch.tensor(pages, dtype=torch.long).view(len(lengths), -1)
+        return table.gather(1, pos // page_size).flatten(), (pos % page_size).flatten()
+    return torch.tensor(rows, dtype=torch.long).repeat_interleave(new), pos.flatten()
+
+
+def _runs(batch: int, same) -> list[tuple[int, int]]:
+    """[b, e) runs of consecutive batch entries with same(e - 1, e)."""
+    runs, b = [], 0
+    while b < batch:
+        e = b + 1
+        while e < batch and same(e - 1, e):
+            e += 1
+        runs.append((b, e))
+        b = e
+    return runs
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                            rotary_cos: torch.Tensor | None = None,
+                            rotary_sin: torch.Tensor | None = None,
+                            cache_seqlens: int | torch.Tensor | None = None,
+                            cache_batch_idx: torch.Tensor | None = None,
+                            cache_leftpad: torch.Tensor | None = None,
+                            block_table: torch.Tensor | None = None,
+                            softmax_scale: float | None = None, causal: bool = False,
+                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True,
+                            alibi_slopes: torch.Tensor | None = None, num_splits: int = 0,
+                            return_softmax_lse: bool = False):
+    """Attention of q over a KV cache, appending new keys first (FlashAttention's
+    flash_attn_with_kvcache, for inference: no autograd).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_kv, headdim), or with block_table
+            (num_blocks, page_size, nheads_kv, headdim) (any page_size >= 1); same dtype and
+            device as q, a contiguous last dimension; nheads % nheads_kv == 0.
+        k, v: optional (batch, seqlen_new, nheads_kv, headdim): written into the caches in place
+            at positions cache_seqlens[b] .. + seqlen_new of entry b's cache row (rotated first
+            with rotary_cos / sin) before the attention, which then sees them (cache_seqlens is
+            then required; the positions written must be distinct across the batch).
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), q's dtype, rotary_dim <=
+            headdim; only with k / v. The appended key at position p and q are rotated by row p
+            of the tables (flashcuda.kvcache.rotary; rotary_interleaved picks the pairs: (0, 1),
+            (2, 3), ... when True, (0, rotary_dim / 2), ... when False). Query i of entry b is
+            at position cache_seqlens[b] + i when causal or windowed, else every query at
+            cache_seqlens[b]. Positions count from the cache row's start (left padding
+            included), as FlashAttention's; every position used must be < seqlen_ro.
+        cache_seqlens: int, or (batch,) int32 / int64 tensor: the end of the keys already in
+            each cache row (the attention sees up to cache_seqlens[b] + seqlen_new); None: the
+            whole cache (seqlen_cache, or max_blocks_per_seq * page_size when paged).
+        cache_batch_idx: optional (batch,) int tensor: the cache row of each batch entry
+            (default 0 .. batch - 1; distinct when k / v are appended; not with block_table).
+        cache_leftpad: optional (batch,) int tensor: where each entry's keys start in its row
+            (0 .. cache_seqlens[b]); the keys before it are not attended to.
+        block_table: optional (batch, max_blocks_per_seq) int tensor: a paged cache; logical
+            position p of entry b lives at k_cache[block_table[b, p // page_size],
+            p % page_size]. Only the blocks that hold positions below cache_seqlens[b] +
+            seqlen_new are read, and must be in [0, num_blocks).
+        softmax_scale, causal, window_size: as flash_attn_func, with seqlen_k the keys each
+            entry sees (cache_seqlens[b] + seqlen_new - cache_leftpad[b]; causal: bottom-right
+            aligned, so the new queries are the last positions).
+        num_splits: a performance hint in FlashAttention; accepted and ignored.
+        softcap, alibi_slopes: not implemented (NotImplementedError unless left at their
+            defaults).
+        return_softmax_lse: return (out, lse) with lse (batch, nheads, seqlen_q) float32.
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim) in q's dtype (and lse), computed without autograd.
+
+    How it runs: the rotation and the append are PyTorch operations (one indexed write per
+    cache), then one kernel call per run of consecutive batch entries that see the same span of
+    keys — on views of the caches when the entries are on consecutive cache rows, on a gathered
+    contiguous copy of their pages when paged (the copy costs a read and a write of the keys and
+    values seen: a paged cache is correct here, not fast). Host-bound when many entries differ.
+    cache_seqlens, cache_batch_idx, cache_leftpad and block_table tensors are read on the host
+    (device-to-host copies, which wait for the GPU).
+    """
+    validate.check_fa_unsupported(softcap=softcap, alibi_slopes=alibi_slopes)
+    interleaved = validate.check_flag(rotary_interleaved, "rotary_interleaved")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0, got {num_splits!r}")
+    return_softmax_lse = validate.check_flag(return_softmax_lse, "return_softmax_lse")
+    paged = block_table is not None
+    cache_dims = ("num_blocks, page_size" if paged else "batch_cache, seqlen_cache")
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        if validate.check_tensor(t, name).dim() != 4:
+            dims = "batch, seqlen, nheads, headdim" if name == "q" else \
+                f"{cache_dims}, nheads_kv, headdim"
+            raise ValueError(f"{name}: expected 4 dims ({dims}), got shape {tuple(t.shape)}")
+    batch = q.shape[0]
+    validate.check_shape_dtype_device(v_cache, "v_cache", shape=k_cache.shape, dtype=k_cache.dtype,
+                                      device=k_cache.device)
+    new = _new_keys(k, v, batch, k_cache, tuple(k_cache.shape))
+    if new and cache_seqlens is None:
+        raise ValueError("cache_seqlens: required with k / v (where to append them), got None")
+    tables = _rotary_tables(rotary_cos, rotary_sin, q, k is not None)
+
+    # where each entry's keys live: a cache row, or a page list
+    pages: list[list[int]] = []
+    rows: list[int] = []
+    if paged:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx: expected None with block_table (a paged cache's "
+                             "entries are their block_table rows)")
+        pages = _page_table(block_table, batch, q.device)
+        page_size = k_cache.shape[1]
+        seqlen_cache = block_table.shape[1] * page_size
+    else:
+        seqlen_cache = k_cache.shape[1]
+        if cache_batch_idx is None:
+            rows = list(range(batch))
+            if k_cache.shape[0] < batch:
+                raise ValueError(f"k_cache: expected at least batch = {batch} rows without "
+                                 f"cache_batch_idx, got {k_cache.shape[0]}")
+        else:
+            rows = validate.host_ints(cache_batch_idx, "cache_batch_idx", batch, q.device)
+            if any(not 0 <= r < k_cache.shape[0] for r in rows):
+                raise ValueError(f"cache_batch_idx: expected rows in [0, {k_cache.shape[0]}) "
+                                 f"(k_cache.shape[0]), got {rows}")
+            if new and len(set(rows)) != batch:
+                raise ValueError(f"cache_batch_idx: expected distinct rows when k / v are "
+                                 f"appended, got {rows}")
+    if cache_seqlens is None:
+        lengths = [seqlen_cache] * batch
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        lengths = [cache_seqlens] * batch
+    else:
+        lengths = validate.host_ints(cache_seqlens, "cache_seqlens", batch, q.device)
+    if any(not 0 <= n <= seqlen_cache - new for n in lengths):
+        where = "max_blocks_per_seq * page_size" if paged else "seqlen_cache"
+        raise ValueError(f"cache_seqlens: expected values in [0, {seqlen_cache - new}] "
+                         f"({where} - seqlen_new), got {lengths}")
+    starts = [0] * batch
+    if cache_leftpad is not None:
+        starts = validate.host_ints(cache_leftpad, "cache_leftpad", batch, q.device)
+        if any(not 0 <= s <= n for s, n in zip(starts, lengths, strict=True)):
+            raise ValueError(f"cache_leftpad: expected 0 <= cache_leftpad[b] <= "
+                             f"cache_seqlens[b] = {lengths}, got {starts}")
+    ends = [n + new for n in lengths]  # each entry sees keys [starts[b], ends[b])
+    if paged:
+        page_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
+        for b in range(batch):
+            used = pages[b][:-(-ends[b] // page_size)]
+            if any(not 0 <= p < num_blocks for p in used):
+                raise ValueError(f"block_table: expected the blocks of entry {b}'s first "
+                                 f"{ends[b]} positions in [0, {num_blocks}) (k_cache.shape[0]), "
+                                 f"got {used}")
+    slots = _append_slots(lengths, new, rows, pages, k_cache.shape[1] if paged else 0)
+    if paged and new and batch:
+        flat = slots[0] * k_cache.shape[1] + slots[1]
+        if torch.unique(flat).numel() != flat.numel():
+            raise ValueError("block_table: expected the appended positions of different entries "
+                             "on distinct (block, offset) slots, got entries sharing a slot")
+    for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if t.stride(-1) != 1 and t.shape[-1] != 1:  # (written in place: never copied)
+            raise ValueError(f"{name}: expected a contiguous last dimension (the cache is "
+                             f"written in place), got strides {t.stride()}")
+    window_left, window_right = validate.fa_window(window_size, causal)
+    scale = validate.softmax_scale(softmax_scale, q.shape[-1])
+    q_moves = window_left is not None or window_right is not None  # FlashAttention's rule
+    if tables is not None:
+        q_span = q.shape[1] if q_moves else min(q.shape[1], 1)
+        last = max((n + max(new, q_span) - 1 for n in lengths), default=-1)
+        if last >= tables[0].shape[0]:
+            raise ValueError(f"rotary_cos: expected at least {last + 1} rows (the largest "
+                             f"position rotated is {last}), got seqlen_ro = "
+                             f"{tables[0].shape[0]}")
+
+    # one call per run of consecutive entries seeing the same span (and, unpaged, on consecutive
+    # cache rows: views of the caches, through which the append below shows); every call's
+    # operands checked before anything is written (a paged run's by a stand-in of its copy)
+    def same(a: int, b: int) -> bool:
+        return (ends[a], starts[a]) == (ends[b], starts[b]) and (paged or rows[b] == rows[a] + 1)
+
+    runs = _runs(batch, same)
+    if paged:
+        entry_bytes = 2 * max(ends, default=0) * k_cache[0, 0].numel() * k_cache.element_size()
+        per_gather = max(1, GATHER_BYTES // max(entry_bytes, 1))
+        runs = [(c, min(c + per_gather, e)) for b, e in runs for c in range(b, e, per_gather)]
+    names = ("q", "k_cache", "v_cache")
+    if batch == 0:
+        _checked_qkv(q, k_cache[:0, :0], v_cache[:0, :0], names=names)
+    for b, e in runs:
+        span = slice(starts[b], ends[b])
+        if paged:  # stride-0 stand-ins of the gathered copy's (e - b, span, nheads_kv, headdim)
+            shape = (e - b, ends[b] - starts[b], *k_cache.shape[2:])
+            kc, vc = k_cache[:1, :1].expand(shape), v_cache[:1, :1].expand(shape)
+        else:
+            kc, vc = (t[rows[b]:rows[b] + e - b, span] for t in (k_cache, v_cache))
+        _checked_qkv(q[b:e], kc, vc, names=names)
+
+    with torch.no_grad():
+        if tables is not None:
+            base = torch.tensor(lengths, dtype=torch.long, device=q.device).unsqueeze(1)
+            q_pos = base + (torch.arange(q.shape[1], device=q.device) if q_moves else 0)
+            k_pos = base + torch.arange(new, device=q.device)
+            q = rotary(q, *tables, q_pos.expand(batch, q.shape[1]), interleaved)
+            k = rotary(k, *tables, k_pos, interleaved)
+        if new and batch:  # append in place: one indexed write per cache
+            index = tuple(t.to(k_cache.device) for t in slots)
+            k_cache[index] = k.reshape(-1, *k.shape[2:])
+            v_cache[index] = v.reshape(-1, *v.shape[2:])
+        if batch == 0:
+            results = [attention(q, k_cache[:0, :0], v_cache[:0, :0], scale, window_left,
+                                 window_right)]
+        else:
+            results = []
+        for b, e in runs:
+            if paged:
+                blocks = block_table[b:e, :-(-ends[b] // page_size)].long()
+                kc, vc = (t[blocks].flatten(1, 2)[:, starts[b]:ends[b]]
+                          for t in (k_cache, v_cache))
+            else:
+                kc, vc = (t[rows[b]:rows[b] + e - b, starts[b]:ends[b]]
+                          for t in (k_cache, v_cache))
+            results.append(attention(q[b:e], kc, vc, scale, window_left, window_right))
+    out = torch.cat([o for o, _ in results]) if len(results) > 1 else results[0][0]
+    lse = torch.cat([x for _, x in results]) if len(results) > 1 else results[0][1]
+    return (out, lse) if return_softmax_lse else out
