@@ -17,6 +17,9 @@ from . import validate
 from .api import _checked_qkv
 from .ops.attention import attention
 
+# A single query per entry with GQA runs as a query group per KV head (packed_gqa).
+PACK_GQA = True
+
 # A paged run's gathered keys and values (both) are copied at most this many bytes at a time
 # (more entries of the run wait for the next gather).
 GATHER_BYTES = 256 << 20
@@ -111,6 +114,16 @@ def _append_slots(lengths: list[int], new: int, rows: list[int], pages: list[lis
         table = torch.tensor(pages, dtype=torch.long).view(len(lengths), -1)
         return table.gather(1, pos // page_size).flatten(), (pos % page_size).flatten()
     return torch.tensor(rows, dtype=torch.long).repeat_interleave(new), pos.flatten()
+
+
+def packed_gqa(q: torch.Tensor, nheads_kv: int) -> torch.Tensor:
+    """One query per entry, (batch, 1, nheads, headdim), seen as (batch, group, nheads_kv,
+    headdim) with group = nheads / nheads_kv: query head kv * group + j becomes query row j of
+    KV head kv (a view, no copy). A kernel then reads each KV head once for its whole group, as
+    FlashAttention's pack_gqa does, instead of once per query head; exact wherever the query
+    sees every key (rows of a packed call share no position)."""
+    b, _, h, d = q.shape
+    return q.view(b, nheads_kv, h // nheads_kv, d).transpose(1, 2)
 
 
 def _runs(batch: int, same) -> list[tuple[int, int]]:
@@ -292,6 +305,13 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     names = ("q", "k_cache", "v_cache")
     if batch == 0:
         _checked_qkv(q, k_cache[:0, :0], v_cache[:0, :0], names=names)
+    nheads, nheads_kv = q.shape[2], k_cache.shape[2]
+
+    def packs(b: int) -> bool:  # one query that sees all of its run's keys, a group to pack
+        return (PACK_GQA and q.shape[1] == 1 and nheads_kv and nheads > nheads_kv
+                and nheads % nheads_kv == 0
+                and (window_left is None or window_left >= ends[b] - starts[b] - 1))
+
     for b, e in runs:
         span = slice(starts[b], ends[b])
         if paged:  # stride-0 stand-ins of the gathered copy's (e - b, span, nheads_kv, headdim)
@@ -299,7 +319,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             kc, vc = k_cache[:1, :1].expand(shape), v_cache[:1, :1].expand(shape)
         else:
             kc, vc = (t[rows[b]:rows[b] + e - b, span] for t in (k_cache, v_cache))
-        _checked_qkv(q[b:e], kc, vc, names=names)
+        _checked_qkv(packed_gqa(q[b:e], nheads_kv) if packs(b) else q[b:e], kc, vc, names=names)
 
     with torch.no_grad():
         if tables is not None:
@@ -325,7 +345,12 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             else:
                 kc, vc = (t[rows[b]:rows[b] + e - b, starts[b]:ends[b]]
                           for t in (k_cache, v_cache))
-            results.append(attention(q[b:e], kc, vc, scale, window_left, window_right))
+            if packs(b):  # no mask: every row of the packed call is the entry's one query
+                o, lse = attention(packed_gqa(q[b:e], nheads_kv), kc, vc, scale, None, None)
+                results.append((o.transpose(1, 2).reshape(e - b, 1, nheads, -1),
+                                lse.reshape(e - b, nheads, 1)))
+            else:
+                results.append(attention(q[b:e], kc, vc, scale, window_left, window_right))
     out = torch.cat([o for o, _ in results]) if len(results) > 1 else results[0][0]
     lse = torch.cat([x for _, x in results]) if len(results) > 1 else results[0][1]
     return (out, lse) if return_softmax_lse else out

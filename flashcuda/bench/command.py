@@ -39,7 +39,7 @@ from .sweep import (
     standard_points,
 )
 
-EXTRAS = ("first-call", "serving", "memory", "long")
+EXTRAS = ("first-call", "serving", "memory", "long", "decode")
 DEFAULT_OUT = "bench-out"
 # Environment switches that change which kernel or tiles run; a record keeps the ones that are set
 # (an A/B of FLASHCUDA_BWD_SM80_CONFIG values must be told apart from its records alone).
@@ -326,6 +326,7 @@ def _extras(args, rec: dict, impls, timer, console: Console, out_dir: Path, stem
         "serving": ("serving", lambda: extras.measure_serving(impls, args.dtype)),
         "memory": ("memory", lambda: extras.measure_memory(fc, args.dtype)),
         "long": ("long_context", lambda: extras.measure_long_context(fc, ref, timer, args.dtype)),
+        "decode": ("decode", lambda: extras.measure_decode(impls, timer, args.dtype)),
     }
     for name in args.extras:
         key, job = jobs[name]

@@ -14,6 +14,12 @@
                   flashcuda against the naive O(S²) pipeline (fp32 scores, softmax, P·V in torch).
     long_context  a single-head seqlen-65536 causal call (forward + backward) runs; the naive
                   pipeline would need 16 GiB of fp32 scores for it.
+    decode        one new query per sequence over a full KV cache (DECODE_SHAPE: batch 8, 32
+                  query heads over 8 KV heads, d128, cache lengths 1k-64k), no grad:
+                  flash_attn_with_kvcache (a KV head's query group as one call's rows) and
+                  flash_attn_func (one query row per head) against the peers' GQA forms, as
+                  median ms and the KV cache's bytes per second (the bound: every key and value
+                  read once), each output checked on batch entry 0 against float64.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ FIRST_CALL_TARGET_WARM_S = 0.050
 SERVING_SHAPE = {"batch": 1, "nheads": 32, "seqlen": 2048, "headdim": 128, "causal": True}
 MEMORY_SHAPE = {"batch": 1, "nheads": 4, "seqlen": 16384, "headdim": 128, "causal": False}
 LONG_SHAPE = {"batch": 1, "nheads": 1, "seqlen": 65536, "headdim": 128, "causal": True}
+DECODE_SHAPE = {"batch": 8, "nheads": 32, "nheads_kv": 8, "headdim": 128,
+                "cache_seqlens": [1024, 4096, 16384, 65536]}
 
 # Runs in a fresh interpreter; prints one JSON line last.
 _FIRST_CALL_SCRIPT = r"""
@@ -255,4 +263,69 @@ def measure_long_context(flashcuda_impl: Impl, reference: Impl | None, timer: Ti
     for t in (q, k, v):
         t.grad = None
     torch.cuda.empty_cache()
+    return result
+
+
+def _decode_calls(impls: list[Impl], q, k, v, scale: float) -> dict:
+    """name -> (context, no-argument forward returning (B, 1, H, D)) for the decode extra."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    import flashcuda
+
+    calls = {"flashcuda_kvcache": (contextlib.nullcontext, lambda: flashcuda.flash_attn_with_kvcache(
+                 q, k, v, softmax_scale=scale)),
+             "flashcuda": (contextlib.nullcontext, lambda: flashcuda.flash_attn_func(
+                 q, k, v, softmax_scale=scale))}
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    for impl in impls:
+        if impl.status != "ok" or impl.name in ("flashcuda", "sdpa_math", "triton_tutorial"):
+            continue
+        if impl.name.startswith("sdpa_"):
+            calls[impl.name] = (impl.context, lambda: F.scaled_dot_product_attention(
+                qt, kt, vt, scale=scale, enable_gqa=True).transpose(1, 2))
+        else:  # fa2 / fa4 take GQA's (batch, seqlen, nheads_kv, headdim) keys as they are
+            calls[impl.name] = (impl.context, lambda i=impl: i.forward(q, k, v, False, scale))
+    return calls
+
+
+def measure_decode(impls: list[Impl], timer: Timer, dtype: str = "bf16",
+                   shape: dict | None = None, device: str = "cuda") -> dict:
+    """Decoding's attention (`shape`, DECODE_SHAPE by default), flashcuda's two entry points
+    against the peers."""
+    import torch
+
+    from ..reference import attention_ref
+    from .sweep import out_check, torch_dtype
+
+    sh = shape or DECODE_SHAPE
+    b, h, hk, d = sh["batch"], sh["nheads"], sh["nheads_kv"], sh["headdim"]
+    scale = d ** -0.5
+    result: dict = {"shape": sh, "dtype": dtype, "mode": "forward, no grad, seqlen_q 1",
+                    "points": []}
+    for n in sh["cache_seqlens"]:
+        gen = torch.Generator(device=device).manual_seed(n)
+        q = torch.randn(b, 1, h, d, dtype=torch_dtype(dtype), device=device, generator=gen)
+        k, v = (torch.randn(b, n, hk, d, dtype=q.dtype, device=device, generator=gen)
+                for _ in range(2))
+        kv_bytes = 2 * k.numel() * k.element_size()
+        ref, _ = attention_ref(q[:1].double(), k[:1].double(), v[:1].double(), scale)
+        point: dict = {"cache_seqlen": n, "kv_bytes": kv_bytes, "impls": {}}
+        for name, (context, fn) in _decode_calls(impls, q, k, v, scale).items():
+            try:
+                with torch.no_grad(), context():
+                    out = fn()
+                    check = out_check(out[:1], ref, dtype)
+                    timing = timer(fn)
+                point["impls"][name] = {
+                    "status": "ok", "timing": timing.to_dict(), "check": check,
+                    "gbps": kv_bytes / (timing.median_ms * 1e-3) / 1e9}
+            except Exception as exc:  # noqa: BLE001 - a peer without GQA decode is a result too
+                point["impls"][name] = {"status": "failed",
+                                        "error": f"{type(exc).__name__}: {exc}"[:600]}
+        result["points"].append(point)
+        del q, k, v
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return result

@@ -253,7 +253,44 @@ def extras_tables(rec: dict) -> list:
         out.append(t)
         if lc.get("error"):
             out.append(f"seqlen 65536: {lc['error']}")
+    dc = ex.get("decode")
+    if dc:
+        out += decode_tables(dc)
     return out
+
+
+DECODE_LABELS = {"flashcuda_kvcache": "fc kvcache", "flashcuda": "fc flash_attn_func"}
+
+
+def decode_tables(dc: dict) -> list:
+    """The decode extra: one row per cache length, median ms and the KV cache's GB/s per impl
+    (WRONG where the output missed the float64 check, failed with its error below)."""
+    sh = dc.get("shape") or {}
+    names: list[str] = []
+    for p in dc.get("points") or []:
+        names += [n for n in p.get("impls") or {} if n not in names]
+    t = Table(title=f"Decode (batch {sh.get('batch')}, {sh.get('nheads')} query heads over "
+              f"{sh.get('nheads_kv')} KV heads, d{sh.get('headdim')}, one query each, no grad): "
+              "median ms (GB/s of the KV cache)", box=box.SIMPLE_HEAD)
+    t.add_column("cache seqlen", justify="right")
+    t.add_column("KV bytes", justify="right")
+    for n in names:
+        t.add_column(DECODE_LABELS.get(n, LABELS.get(n, n)), justify="right")
+    errors = []
+    for p in dc.get("points") or []:
+        cells = []
+        for n in names:
+            r = (p.get("impls") or {}).get(n) or {}
+            if r.get("status") != "ok":
+                cells.append(r.get("status", "–"))
+                if r.get("error"):
+                    errors.append(f"decode {p.get('cache_seqlen')} {n}: {r['error']}")
+                continue
+            ms = (r.get("timing") or {}).get("median_ms")
+            wrong = "" if (r.get("check") or {}).get("ok", True) else " WRONG"
+            cells.append(f"{fmt(ms, '.3f')} ({fmt(r.get('gbps'), '.0f')}){wrong}")
+        t.add_row(str(p.get("cache_seqlen")), fmt_bytes(p.get("kv_bytes")), *cells)
+    return [t, *errors]
 
 
 def _ms(seconds: float | None) -> str:

@@ -299,7 +299,7 @@ def test_parser_defaults_and_quick():
 def test_parser_selections():
     a = command.parse_args(["--seqlens", "1k,2k", "16K", "--headdims", "128", "--causal", "1",
                             "--dtype", "fp16", "--fwd-only", "--out", "x", "--peers",
-                            "sdpa_cudnn,fa4", "--skip", "memory,long", "--no-print-summary"])
+                            "sdpa_cudnn,fa4", "--skip", "memory,long,decode", "--no-print-summary"])
     assert a.seqlens == [1024, 2048, 16384] and a.headdims == [128] and a.causals == [True]
     assert a.dtype == "fp16" and a.fwd_only and a.out == "x" and not a.print_summary
     assert a.peer_names == ["sdpa_cudnn", "fa4"] and a.extras == ["first-call", "serving"]
@@ -506,3 +506,55 @@ def test_serving_table_shows_graph_replay_and_its_failure():
     text = render_text(extras_tables(rec), width=160)
     assert "graph p50" in text and "0.074" in text
     assert "failed" in text and "serving sdpa_cudnn, CUDA graph: RuntimeError: x" in text
+
+
+def test_decode_table_shows_ms_bandwidth_and_failures():
+    """The decode extra's table: median ms with the KV cache's GB/s per impl and cache length,
+    WRONG where the float64 check failed, a failed peer with its error line."""
+    from flashcuda.bench.report import extras_tables
+
+    def ok(ms, gbps, good=True):
+        return {"status": "ok", "timing": {"median_ms": ms, "p10_ms": ms, "p90_ms": ms, "n": 9,
+                                           "method": "events"},
+                "gbps": gbps, "check": {"ok": good}}
+
+    rec = synthetic_record()
+    rec["extras"] = {"decode": {
+        "shape": {"batch": 8, "nheads": 32, "nheads_kv": 8, "headdim": 128,
+                  "cache_seqlens": [1024, 4096]},
+        "points": [
+            {"cache_seqlen": 1024, "kv_bytes": 2 ** 25,
+             "impls": {"flashcuda_kvcache": ok(0.0123, 2728), "flashcuda": ok(0.0456, 736),
+                       "sdpa_cudnn": {"status": "failed", "error": "RuntimeError: no gqa"}}},
+            {"cache_seqlen": 4096, "kv_bytes": 2 ** 27,
+             "impls": {"flashcuda_kvcache": ok(0.0321, 4181, good=False),
+                       "flashcuda": ok(0.1, 1342)}}]}}
+    text = render_text(extras_tables(rec), width=200)
+    assert "Decode (batch 8, 32 query heads over 8 KV heads, d128" in text
+    assert "0.012 (2728)" in text and "0.046 (736)" in text and "0.032 (4181) WRONG" in text
+    assert "decode 1024 sdpa_cudnn: RuntimeError: no gqa" in text
+    assert "fc kvcache" in text and "fc flash_attn_func" in text
+
+
+def test_decode_extra_runs_the_packaged_entry_points():
+    """measure_decode on CPU tensors (the portable path) with a stand-in timer: both flashcuda
+    entry points run, match the float64 check on entry 0, and get a bandwidth; a peer that
+    cannot run there is recorded as failed, not dropped."""
+    from flashcuda.bench import extras, peers
+    from flashcuda.bench.timing import Timing
+
+    def timer(fn):
+        fn()
+        return Timing(0.5, 0.4, 0.6, 3, "stand-in")
+
+    impls = peers.discover(["sdpa_flash"])
+    shape = {"batch": 2, "nheads": 4, "nheads_kv": 2, "headdim": 16, "cache_seqlens": [7, 40]}
+    rec = extras.measure_decode(impls, timer, "fp32", shape=shape, device="cpu")
+    assert [p["cache_seqlen"] for p in rec["points"]] == [7, 40]
+    for p in rec["points"]:
+        for name in ("flashcuda_kvcache", "flashcuda"):
+            r = p["impls"][name]
+            assert r["status"] == "ok" and r["check"]["ok"], r
+            assert r["gbps"] == pytest.approx(p["kv_bytes"] / 0.5e-3 / 1e9)
+        assert p["kv_bytes"] == 2 * 2 * p["cache_seqlen"] * 2 * 16 * 4
+        assert set(p["impls"]) == {"flashcuda_kvcache", "flashcuda", "sdpa_flash"}

@@ -250,3 +250,31 @@ def test_option_arguments_are_checked_by_name_before_any_write():
     # a table entry past the blocks an entry uses is never read: not checked
     ok = call(q, kc, vc, k1, k1, cache_seqlens=1, block_table=torch.tensor([[0, 99], [1, -1]], **i32))
     assert ok.shape == q.shape
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (30, 0), (5, 0)], ids=["full", "wide", "cut"])
+def test_one_query_per_entry_runs_packed_by_kv_head(window, monkeypatch):
+    """seqlen_q = 1 with GQA (6 query heads over 2 KV heads): each KV head's 3 query heads run as
+    3 query rows of one call (packed_gqa), unless a window cuts the row's keys; out and lse
+    back in (batch, 1, nheads, headdim) / (batch, nheads, 1), against the oracle."""
+    calls = []
+    real = kvcache.attention
+    monkeypatch.setattr(kvcache, "attention",
+                        lambda q, k, *rest: calls.append((tuple(q.shape), rest[2:])) or
+                        real(q, k, *rest))
+    g = torch.Generator().manual_seed(61)
+    B, H, Hk, D = 3, 6, 2, 16
+    q = rand(B, 1, H, D, gen=g)
+    k_cache, v_cache = rand(B, 24, Hk, D, gen=g), rand(B, 24, Hk, D, gen=g)
+    k, v = rand(B, 1, Hk, D, gen=g), rand(B, 1, Hk, D, gen=g)
+    lengths = [20, 20, 9]
+    out, lse = flashcuda.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+        causal=True, window_size=window, return_softmax_lse=True)
+    packed = window != (5, 0)
+    assert calls == ([((2, 3, 2, D), (None, None)), ((1, 3, 2, D), (None, None))] if packed else
+                     [((2, 1, H, D), (window[0], 0)), ((1, 1, H, D), (window[0], 0))])
+    assert out.shape == q.shape and lse.shape == (B, H, 1)
+    for b, n in enumerate(lengths):
+        check(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :n + 1],
+              v_cache[b:b + 1, :n + 1], D ** -0.5, True, window)
