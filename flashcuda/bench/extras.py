@@ -14,10 +14,11 @@
                   flashcuda against the naive O(S²) pipeline (fp32 scores, softmax, P·V in torch).
     long_context  a single-head seqlen-65536 causal call (forward + backward) runs; the naive
                   pipeline would need 16 GiB of fp32 scores for it.
-    decode        one new query per sequence over a full KV cache (DECODE_SHAPE: batch 8, 32
-                  query heads over 8 KV heads, d128, cache lengths 1k-64k), no grad:
-                  flash_attn_with_kvcache (a KV head's query group as one call's rows) and
-                  flash_attn_func (one query row per head) against the peers' GQA forms, as
+    decode        one new query per sequence over a full KV cache (DECODE_SHAPE: batch 1 and 8,
+                  32 query heads over 8 KV heads, d128, cache lengths 1k-64k), no grad:
+                  flash_attn_with_kvcache (a KV head's query group as one call's rows; batch 1
+                  from 8k keys as pieces side by side) and flash_attn_func (one query row per
+                  head, one call) against the peers' GQA forms, as
                   median ms and the KV cache's bytes per second (the bound: every key and value
                   read once), each output checked on batch entry 0 against float64.
 """
@@ -41,7 +42,7 @@ FIRST_CALL_TARGET_WARM_S = 0.050
 SERVING_SHAPE = {"batch": 1, "nheads": 32, "seqlen": 2048, "headdim": 128, "causal": True}
 MEMORY_SHAPE = {"batch": 1, "nheads": 4, "seqlen": 16384, "headdim": 128, "causal": False}
 LONG_SHAPE = {"batch": 1, "nheads": 1, "seqlen": 65536, "headdim": 128, "causal": True}
-DECODE_SHAPE = {"batch": 8, "nheads": 32, "nheads_kv": 8, "headdim": 128,
+DECODE_SHAPE = {"batches": [1, 8], "nheads": 32, "nheads_kv": 8, "headdim": 128,
                 "cache_seqlens": [1024, 4096, 16384, 65536]}
 
 # Runs in a fresh interpreter; prints one JSON line last.
@@ -300,18 +301,18 @@ def measure_decode(impls: list[Impl], timer: Timer, dtype: str = "bf16",
     from .sweep import out_check, torch_dtype
 
     sh = shape or DECODE_SHAPE
-    b, h, hk, d = sh["batch"], sh["nheads"], sh["nheads_kv"], sh["headdim"]
+    h, hk, d = sh["nheads"], sh["nheads_kv"], sh["headdim"]
     scale = d ** -0.5
     result: dict = {"shape": sh, "dtype": dtype, "mode": "forward, no grad, seqlen_q 1",
                     "points": []}
-    for n in sh["cache_seqlens"]:
-        gen = torch.Generator(device=device).manual_seed(n)
+    for b, n in ((b, n) for b in sh["batches"] for n in sh["cache_seqlens"]):
+        gen = torch.Generator(device=device).manual_seed(n + b)
         q = torch.randn(b, 1, h, d, dtype=torch_dtype(dtype), device=device, generator=gen)
         k, v = (torch.randn(b, n, hk, d, dtype=q.dtype, device=device, generator=gen)
                 for _ in range(2))
         kv_bytes = 2 * k.numel() * k.element_size()
         ref, _ = attention_ref(q[:1].double(), k[:1].double(), v[:1].double(), scale)
-        point: dict = {"cache_seqlen": n, "kv_bytes": kv_bytes, "impls": {}}
+        point: dict = {"batch": b, "cache_seqlen": n, "kv_bytes": kv_bytes, "impls": {}}
         for name, (context, fn) in _decode_calls(impls, q, k, v, scale).items():
             try:
                 with torch.no_grad(), context():

@@ -269,9 +269,10 @@ def decode_tables(dc: dict) -> list:
     names: list[str] = []
     for p in dc.get("points") or []:
         names += [n for n in p.get("impls") or {} if n not in names]
-    t = Table(title=f"Decode (batch {sh.get('batch')}, {sh.get('nheads')} query heads over "
-              f"{sh.get('nheads_kv')} KV heads, d{sh.get('headdim')}, one query each, no grad): "
-              "median ms (GB/s of the KV cache)", box=box.SIMPLE_HEAD)
+    t = Table(title=f"Decode ({sh.get('nheads')} query heads over {sh.get('nheads_kv')} KV "
+              f"heads, d{sh.get('headdim')}, one query per sequence, no grad): median ms (GB/s "
+              "of the KV cache)", box=box.SIMPLE_HEAD)
+    t.add_column("batch", justify="right")
     t.add_column("cache seqlen", justify="right")
     t.add_column("KV bytes", justify="right")
     for n in names:
@@ -284,12 +285,14 @@ def decode_tables(dc: dict) -> list:
             if r.get("status") != "ok":
                 cells.append(r.get("status", "–"))
                 if r.get("error"):
-                    errors.append(f"decode {p.get('cache_seqlen')} {n}: {r['error']}")
+                    errors.append(f"decode {p.get('batch')} x {p.get('cache_seqlen')} {n}: "
+                                  f"{r['error']}")
                 continue
             ms = (r.get("timing") or {}).get("median_ms")
             wrong = "" if (r.get("check") or {}).get("ok", True) else " WRONG"
             cells.append(f"{fmt(ms, '.3f')} ({fmt(r.get('gbps'), '.0f')}){wrong}")
-        t.add_row(str(p.get("cache_seqlen")), fmt_bytes(p.get("kv_bytes")), *cells)
+        t.add_row(str(p.get("batch")), str(p.get("cache_seqlen")), fmt_bytes(p.get("kv_bytes")),
+                  *cells)
     return [t, *errors]
 
 

@@ -520,19 +520,19 @@ def test_decode_table_shows_ms_bandwidth_and_failures():
 
     rec = synthetic_record()
     rec["extras"] = {"decode": {
-        "shape": {"batch": 8, "nheads": 32, "nheads_kv": 8, "headdim": 128,
+        "shape": {"batches": [8], "nheads": 32, "nheads_kv": 8, "headdim": 128,
                   "cache_seqlens": [1024, 4096]},
         "points": [
-            {"cache_seqlen": 1024, "kv_bytes": 2 ** 25,
+            {"batch": 8, "cache_seqlen": 1024, "kv_bytes": 2 ** 25,
              "impls": {"flashcuda_kvcache": ok(0.0123, 2728), "flashcuda": ok(0.0456, 736),
                        "sdpa_cudnn": {"status": "failed", "error": "RuntimeError: no gqa"}}},
-            {"cache_seqlen": 4096, "kv_bytes": 2 ** 27,
+            {"batch": 8, "cache_seqlen": 4096, "kv_bytes": 2 ** 27,
              "impls": {"flashcuda_kvcache": ok(0.0321, 4181, good=False),
                        "flashcuda": ok(0.1, 1342)}}]}}
     text = render_text(extras_tables(rec), width=200)
-    assert "Decode (batch 8, 32 query heads over 8 KV heads, d128" in text
+    assert "Decode (32 query heads over 8 KV heads, d128" in text
     assert "0.012 (2728)" in text and "0.046 (736)" in text and "0.032 (4181) WRONG" in text
-    assert "decode 1024 sdpa_cudnn: RuntimeError: no gqa" in text
+    assert "decode 8 x 1024 sdpa_cudnn: RuntimeError: no gqa" in text
     assert "fc kvcache" in text and "fc flash_attn_func" in text
 
 
@@ -548,13 +548,15 @@ def test_decode_extra_runs_the_packaged_entry_points():
         return Timing(0.5, 0.4, 0.6, 3, "stand-in")
 
     impls = peers.discover(["sdpa_flash"])
-    shape = {"batch": 2, "nheads": 4, "nheads_kv": 2, "headdim": 16, "cache_seqlens": [7, 40]}
+    shape = {"batches": [1, 2], "nheads": 4, "nheads_kv": 2, "headdim": 16,
+             "cache_seqlens": [7, 40]}
     rec = extras.measure_decode(impls, timer, "fp32", shape=shape, device="cpu")
-    assert [p["cache_seqlen"] for p in rec["points"]] == [7, 40]
+    assert [(p["batch"], p["cache_seqlen"]) for p in rec["points"]] == [(1, 7), (1, 40), (2, 7),
+                                                                         (2, 40)]
     for p in rec["points"]:
         for name in ("flashcuda_kvcache", "flashcuda"):
             r = p["impls"][name]
             assert r["status"] == "ok" and r["check"]["ok"], r
             assert r["gbps"] == pytest.approx(p["kv_bytes"] / 0.5e-3 / 1e9)
-        assert p["kv_bytes"] == 2 * 2 * p["cache_seqlen"] * 2 * 16 * 4
+        assert p["kv_bytes"] == 2 * p["batch"] * p["cache_seqlen"] * 2 * 16 * 4
         assert set(p["impls"]) == {"flashcuda_kvcache", "flashcuda", "sdpa_flash"}

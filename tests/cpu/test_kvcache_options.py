@@ -50,11 +50,18 @@ def score_slack(q, dq, k, dk, scale):
     return scale * float(s.max()) if s.numel() else 0.0
 
 
-def check(out, lse, q, k, v, scale, causal, window, ds=0.0):
+def check(out, lse, q, k, v, scale, causal, window, ds=0.0, pieces=0):
+    """out / lse against the oracle: 2e-6, the rotation's share (ds, module docstring) and, for
+    a split call's `pieces`, its combine in float32: each weight exp(lse_i - lse) is off by at
+    most (3 max|lse| + 2) u relative (the difference of two lse values rounded, then exp), and
+    the weighted sum adds a rounding per piece, all of outputs bounded by max|v|."""
     ref, ref_lse = attention_ref(q.double(), k.double(), v.double(), scale, causal=causal,
                                  window_size=window)
     vmax = float(v.abs().max()) if v.numel() else 0.0
-    torch.testing.assert_close(out.double(), ref, atol=2e-6 + 2 * ds * vmax, rtol=0)
+    finite_lse = ref_lse[torch.isfinite(ref_lse)]
+    lmax = float(finite_lse.abs().max()) if finite_lse.numel() else 0.0
+    combine = (3 * lmax + 2 + pieces) * U * vmax if pieces else 0.0
+    torch.testing.assert_close(out.double(), ref, atol=2e-6 + 2 * ds * vmax + combine, rtol=0)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=2e-6 + ds, rtol=0)
@@ -277,4 +284,87 @@ def test_one_query_per_entry_runs_packed_by_kv_head(window, monkeypatch):
     assert out.shape == q.shape and lse.shape == (B, H, 1)
     for b, n in enumerate(lengths):
         check(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :n + 1],
-              v_cache[b:b + 1, :n + 1], D ** -0.5, True, window)
+              v_cache[b:b + 1, :n + 1], D ** -0.5, True, window, pieces=4 * (window[0] < 0))
+
+
+@pytest.mark.parametrize("heads,keys,chunk", [((8, 2), 1000, 256), ((4, 4), 1024, 256),
+                                              ((6, 3), 300, 128)],
+                         ids=["gqa-tail", "mha-whole", "tail-only-one-whole"])
+def test_split_decode_combines_pieces_exactly(heads, keys, chunk):
+    """split_decode: whole pieces as one call's batch plus a tail call, combined by their lse,
+    against the oracle (packed rows as the kernels see them)."""
+    g = torch.Generator().manual_seed(71 + keys)
+    H, Hk = heads
+    q = kvcache.packed_gqa(rand(1, 1, H, 32, gen=g), Hk) if H > Hk else rand(1, 1, H, 32, gen=g)
+    k, v = rand(1, keys, Hk, 32, gen=g) * 2, rand(1, keys, Hk, 32, gen=g)
+    out, lse = kvcache.split_decode(q, k, v, 0.3, chunk)
+    assert out.shape == q.shape and lse.shape == (1, q.shape[2], q.shape[1])
+    check(out, lse, q, k, v, 0.3, False, (-1, -1), pieces=-(-keys // chunk))
+
+
+def test_split_chunk_plan():
+    """Pieces for one work tile per SM, at least SPLIT_MIN_CHUNK keys each, whole SPLIT_CHUNKs;
+    no split below SPLIT_MIN_KEYS or where one piece would do."""
+    assert kvcache.split_chunk(8191, 8, 132) == 0
+    assert kvcache.split_chunk(16384, 8, 132) == 1024  # 16 pieces of 1024 (128 tiles)
+    assert kvcache.split_chunk(65536, 8, 132) == 3968  # 17 pieces (136 tiles), the last shorter
+    assert kvcache.split_chunk(20000, 32, 132) == 4096  # 5 pieces
+    assert kvcache.split_chunk(8192, 132, 132) == 0  # the heads fill the GPU already
+    assert kvcache.split_chunk(8192, 8, 0) == 0  # no GPU
+    for keys, heads in ((8192, 1), (9000, 8), (40000, 2), (100000, 16)):
+        c = kvcache.split_chunk(keys, heads, 132)
+        pieces = -(-keys // c)
+        assert c % 128 == 0 and c >= 1024 and 2 <= pieces <= max(2, -(-132 // heads) + 1)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (3, 0)], ids=["all-keys", "cut"])
+def test_long_single_sequence_decode_runs_split(window, monkeypatch):
+    """A run of one entry with one query over many keys runs as split_decode's pieces (forced
+    here by 132 SMs and small limits), ragged entries each on their own; a window that cuts
+    the keys runs unsplit. Against the oracle."""
+    calls = []
+    real = kvcache.attention
+    monkeypatch.setattr(kvcache, "attention",
+                        lambda q, k, *rest: calls.append((tuple(q.shape), tuple(k.shape[:2])))
+                        or real(q, k, *rest))
+    monkeypatch.setattr(kvcache, "_sms", lambda device: 132)
+    monkeypatch.setattr(kvcache, "SPLIT_MIN_KEYS", 64)
+    monkeypatch.setattr(kvcache, "SPLIT_MIN_CHUNK", 32)
+    monkeypatch.setattr(kvcache, "SPLIT_CHUNK", 16)
+    g = torch.Generator().manual_seed(81)
+    B, H, Hk, D = 2, 4, 2, 16
+    q = rand(B, 1, H, D, gen=g)
+    k_cache, v_cache = rand(B, 200, Hk, D, gen=g), rand(B, 200, Hk, D, gen=g)
+    k, v = rand(B, 1, Hk, D, gen=g), rand(B, 1, Hk, D, gen=g)
+    lengths = [150, 70]
+    out, lse = flashcuda.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+        causal=True, window_size=window, return_softmax_lse=True)
+    if window == (-1, -1):  # 151 keys: 4 pieces of 48 (3 whole + 7); 71: 2 pieces of 48 (1 + 23)
+        assert calls == [((3, 2, 2, D), (3, 48)), ((1, 2, 2, D), (1, 7)),
+                         ((1, 2, 2, D), (1, 48)), ((1, 2, 2, D), (1, 23))]
+    else:
+        assert calls == [((1, 1, H, D), (1, 151)), ((1, 1, H, D), (1, 71))]
+    for b, n in enumerate(lengths):
+        check(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :n + 1],
+              v_cache[b:b + 1, :n + 1], D ** -0.5, True, window, pieces=4 * (window[0] < 0))
+
+
+def test_decode_of_a_batch_seeing_equal_keys_is_one_call_not_split(monkeypatch):
+    """Entries that share their span are one call (their heads already several work tiles), never
+    split_decode's single-entry pieces."""
+    calls = []
+    real = kvcache.attention
+    monkeypatch.setattr(kvcache, "attention",
+                        lambda q, k, *rest: calls.append((tuple(q.shape), tuple(k.shape[:2])))
+                        or real(q, k, *rest))
+    monkeypatch.setattr(kvcache, "_sms", lambda device: 132)
+    monkeypatch.setattr(kvcache, "SPLIT_MIN_KEYS", 64)
+    monkeypatch.setattr(kvcache, "SPLIT_MIN_CHUNK", 32)
+    g = torch.Generator().manual_seed(91)
+    q = rand(3, 1, 4, 16, gen=g)
+    k_cache, v_cache = rand(3, 120, 2, 16, gen=g), rand(3, 120, 2, 16, gen=g)
+    out, lse = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=100,
+                                                 return_softmax_lse=True)
+    assert calls == [((3, 2, 2, 16), (3, 100))]
+    check(out, lse, q, k_cache[:, :100], v_cache[:, :100], 0.25, False, (-1, -1))

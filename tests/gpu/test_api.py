@@ -257,6 +257,35 @@ def test_kvcache_paged_left_padded_rotary(interleaved):
         check_forward(out[b:b + 1], lse[b:b + 1], q_rot, keys, values, True, (-1, -1))
 
 
+@pytest.mark.parametrize("heads", [(32, 8), (16, 16)], ids=["gqa", "mha"])
+def test_kvcache_long_single_sequence_decode(heads):
+    """One sequence's decode step over 20000 cached keys (bf16, d128): split_decode's pieces
+    (one work tile per SM, combined by their lse; GQA packed by KV head) against the oracle,
+    FlashAttention's rule plus one more rounding of each piece's out to bf16 (2^-9 max|v|)."""
+    import flashcuda
+    from flashcuda import kvcache
+
+    H, Hk = heads
+    D, n = 128, 20000
+    g = torch.Generator(device="cuda").manual_seed(9)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(1, n + 64, Hk, D, generator=g, **bf)
+    v_cache = torch.randn(1, n + 64, Hk, D, generator=g, **bf)
+    q = torch.randn(1, 1, H, D, generator=g, **bf)
+    k, v = (torch.randn(1, 1, Hk, D, generator=g, **bf) for _ in range(2))
+    assert kvcache.split_chunk(n + 1, Hk, kvcache._sms(q.device)) > 0  # the split runs
+    out, lse = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=n,
+                                                 causal=True, return_softmax_lse=True)
+    keys, values = k_cache[:, :n + 1], v_cache[:, :n + 1]
+    ref, ref_lse = attention_ref(q, keys, values, causal=True)
+    base, base_lse = attention_ref(q, keys, values, causal=True, upcast=False)
+    err, berr = max_error(out, ref), max_error(base, ref)
+    bound = 2 * berr + rounding_floor(ref, q.dtype) + 2.0 ** -9 * float(values.abs().max())
+    assert err <= bound, f"out: {err:.3e} > {bound:.3e} (torch {berr:.3e})"
+    err, berr = max_error(lse, ref_lse), max_error(base_lse, ref_lse)
+    assert err <= 2 * berr + 1e-5, f"lse: {err:.3e} vs torch {berr:.3e}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("sq,sk", [(128, 128), (100, 180), (180, 100)])
 def test_sdpa_shim(sq, sk, dtype):
