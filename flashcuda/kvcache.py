@@ -18,7 +18,7 @@ import functools
 import torch
 
 from . import validate
-from .api import _checked_qkv
+from .api import _checked_qkv, _last_dim_contiguous
 from .ops.attention import attention
 
 # A single query per entry with GQA runs as a query group per KV head (packed_gqa).
@@ -79,8 +79,7 @@ def _rotary_tables(rotary_cos: object, rotary_sin: object, q: torch.Tensor,
     return cos, sin
 
 
-def _new_keys(k: object, v: object, batch: int, k_cache: torch.Tensor,
-              cache_shape: tuple[int, ...]) -> int:
+def _new_keys(k: object, v: object, batch: int, k_cache: torch.Tensor) -> int:
     """k / v checked (both or neither, (batch, seqlen_new, nheads_kv, headdim), the caches'
     dtype and device); returns seqlen_new (0 without them)."""
     if (k is None) != (v is None):
@@ -90,7 +89,7 @@ def _new_keys(k: object, v: object, batch: int, k_cache: torch.Tensor,
         return 0
     k = validate.check_tensor(k, "k")
     new = k.shape[1] if k.dim() == 4 else -1
-    shape = (batch, new, *cache_shape[2:])
+    shape = (batch, new, *k_cache.shape[2:])
     if new < 0 or tuple(k.shape) != shape:
         raise ValueError(f"k: expected shape (batch, seqlen_new, nheads_kv, headdim) = "
                          f"{shape if new >= 0 else '4 dims'}, got {tuple(k.shape)}")
@@ -100,8 +99,9 @@ def _new_keys(k: object, v: object, batch: int, k_cache: torch.Tensor,
     return new
 
 
-def _page_table(block_table: object, batch: int, device: torch.device) -> list[list[int]]:
-    """block_table: (batch, max_blocks_per_seq) int32 / int64 on q's device, read on the host."""
+def _page_table(block_table: object, batch: int, device: torch.device) -> torch.Tensor:
+    """block_table: (batch, max_blocks_per_seq) int32 / int64 on q's device, read on the host
+    (an int64 CPU tensor)."""
     table = validate.check_tensor(block_table, "block_table")
     if table.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"block_table: expected dtype int32 or int64, got "
@@ -112,19 +112,18 @@ def _page_table(block_table: object, batch: int, device: torch.device) -> list[l
     if table.device != device:
         raise ValueError(f"block_table: expected device {device} (the device of q), got "
                          f"{table.device}")
-    return [[int(x) for x in row] for row in table.tolist()]
+    return table.to("cpu", torch.long)
 
 
-def _append_slots(lengths: list[int], new: int, rows: list[int], pages: list[list[int]],
+def _append_slots(lengths: list[int], new: int, rows: list[int], pages: torch.Tensor | None,
                   page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache slots the appended keys go to, entry by entry, position by position: (rows,
     positions), or (blocks, offsets) when paged (page_size > 0); two int64 CPU tensors."""
     if not new or not lengths:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
     pos = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + torch.arange(new)
-    if page_size:
-        table = torch.tensor(pages, dtype=torch.long).view(len(lengths), -1)
-        return table.gather(1, pos // page_size).flatten(), (pos % page_size).flatten()
+    if pages is not None:
+        return pages.gather(1, pos // page_size).flatten(), (pos % page_size).flatten()
     return torch.tensor(rows, dtype=torch.long).repeat_interleave(new), pos.flatten()
 
 
@@ -271,13 +270,13 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     batch = q.shape[0]
     validate.check_shape_dtype_device(v_cache, "v_cache", shape=k_cache.shape, dtype=k_cache.dtype,
                                       device=k_cache.device)
-    new = _new_keys(k, v, batch, k_cache, tuple(k_cache.shape))
+    new = _new_keys(k, v, batch, k_cache)
     if new and cache_seqlens is None:
         raise ValueError("cache_seqlens: required with k / v (where to append them), got None")
     tables = _rotary_tables(rotary_cos, rotary_sin, q, k is not None)
 
-    # where each entry's keys live: a cache row, or a page list
-    pages: list[list[int]] = []
+    # where each entry's keys live: a cache row, or a row of the page table
+    pages: torch.Tensor | None = None
     rows: list[int] = []
     if paged:
         if cache_batch_idx is not None:
@@ -318,15 +317,16 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             raise ValueError(f"cache_leftpad: expected 0 <= cache_leftpad[b] <= "
                              f"cache_seqlens[b] = {lengths}, got {starts}")
     ends = [n + new for n in lengths]  # each entry sees keys [starts[b], ends[b])
-    if paged:
+    if paged and batch:  # the blocks each entry reads: in the pool
         page_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
-        for b in range(batch):
-            used = pages[b][:-(-ends[b] // page_size)]
-            if any(not 0 <= p < num_blocks for p in used):
-                raise ValueError(f"block_table: expected the blocks of entry {b}'s first "
-                                 f"{ends[b]} positions in [0, {num_blocks}) (k_cache.shape[0]), "
-                                 f"got {used}")
-    slots = _append_slots(lengths, new, rows, pages, k_cache.shape[1] if paged else 0)
+        used = torch.arange(pages.shape[1]) < torch.tensor([-(-n // page_size) for n in ends])[:, None]
+        bad = used & ((pages < 0) | (pages >= num_blocks))
+        if bad.any():
+            b = int(bad.any(1).nonzero()[0])
+            raise ValueError(f"block_table: expected the blocks of entry {b}'s first {ends[b]} "
+                             f"positions in [0, {num_blocks}) (k_cache.shape[0]), got "
+                             f"{pages[b, used[b]].tolist()}")
+    slots = _append_slots(lengths, new, rows, pages, k_cache.shape[1])
     if paged and new and batch:
         flat = slots[0] * k_cache.shape[1] + slots[1]
         if torch.unique(flat).numel() != flat.numel():
@@ -377,6 +377,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             kc, vc = (t[rows[b]:rows[b] + e - b, span] for t in (k_cache, v_cache))
         _checked_qkv(packed_gqa(q[b:e], nheads_kv) if packs(b) else q[b:e], kc, vc, names=names)
 
+    q = _last_dim_contiguous(q, "q")  # (checked above but for its last stride)
     with torch.no_grad():
         if tables is not None:
             base = torch.tensor(lengths, dtype=torch.long, device=q.device).unsqueeze(1)

@@ -368,3 +368,22 @@ def test_decode_of_a_batch_seeing_equal_keys_is_one_call_not_split(monkeypatch):
                                                  return_softmax_lse=True)
     assert calls == [((3, 2, 2, 16), (3, 100))]
     check(out, lse, q, k_cache[:, :100], v_cache[:, :100], 0.25, False, (-1, -1))
+
+
+def test_query_with_a_strided_last_dimension_is_copied_then_attends(monkeypatch):
+    """q whose last dimension is strided (a transposed view) is copied, as flash_attn_func does,
+    after its checks: the kernels get a unit last stride (the CUDA ones need it)."""
+    real = kvcache.attention
+
+    def unit_last_stride(q, k, v, *rest):
+        assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+        return real(q, k, v, *rest)
+
+    monkeypatch.setattr(kvcache, "attention", unit_last_stride)
+    g = torch.Generator().manual_seed(101)
+    q = rand(2, 1, 16, 4, gen=g).transpose(-1, -2)  # (2, 1, 4, 16), stride(-1) == 4
+    assert q.stride(-1) != 1
+    k_cache, v_cache = rand(2, 30, 2, 16, gen=g), rand(2, 30, 2, 16, gen=g)
+    out, lse = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=25,
+                                                 return_softmax_lse=True)
+    check(out, lse, q, k_cache[:, :25], v_cache[:, :25], 0.25, False, (-1, -1))
