@@ -218,11 +218,13 @@ def exit_status(rec: dict) -> int:
 
 def _plots(rec: dict, png: Path, console: Console) -> None:
     try:
-        from .plot import plot_ladder, plot_sweep
+        from .plot import plot_decode, plot_ladder, plot_sweep
 
-        made = (plot_ladder if rec.get("kind") == "ladder" else plot_sweep)(rec, png)
-        if made:
-            console.print(f"plot: {made}", markup=False, highlight=False)
+        made = [(plot_ladder if rec.get("kind") == "ladder" else plot_sweep)(rec, png),
+                plot_decode(rec, png.with_name(png.stem + "-decode.png"))]
+        for m in made:
+            if m:
+                console.print(f"plot: {m}", markup=False, highlight=False)
     except Exception as exc:  # noqa: BLE001 - a plot must never lose the record
         rec.setdefault("errors", []).append(f"plot: {type(exc).__name__}: {exc}")
 

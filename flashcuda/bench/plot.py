@@ -5,18 +5,22 @@ sweep: one panel per (head dim, causal, direction), TFLOP/s against seqlen (log2
 implementation, the measured matmul ceiling as a dashed line; points where flashcuda's output was
 wrong are drawn as red crosses, not as part of its line.
 ladder: a horizontal bar per rung, % of the ceiling that judges it.
+decode (the decode extra): one panel per batch, GB/s of the KV cache against the cache length
+(log2 axis), one line per implementation, the measured copy bandwidth as a dashed line; wrong
+outputs as red crosses.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .ceilings import matmul_ceiling_tflops
+from .ceilings import copy_ceiling_gbps, matmul_ceiling_tflops
 from .peers import LABELS
 from .sweep import point_tflops
 
 STYLE = {
     "flashcuda": {"color": "black", "linewidth": 2.5, "marker": "o"},
+    "flashcuda_kvcache": {"color": "black", "linewidth": 2.5, "marker": "o"},
     "sdpa_flash": {"color": "tab:blue", "marker": "s"},
     "sdpa_cudnn": {"color": "tab:green", "marker": "^"},
     "sdpa_efficient": {"color": "tab:purple", "marker": "v"},
@@ -119,6 +123,70 @@ def plot_ladder(rec: dict, path: Path | str) -> Path | None:
     ax.axvline(85, color="gray", linestyle="--", linewidth=1, label="85% target (memory-bound)")
     ax.set_xlabel("% of the ceiling that judges the rung (copy bandwidth or matmul)")
     ax.legend(fontsize=8)
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_decode(rec: dict, path: Path | str) -> Path | None:
+    """Write the decode extra's figure to `path`; None when the record has none."""
+    dc = (rec.get("extras") or {}).get("decode") or {}
+    points = [p for p in dc.get("points") or [] if p.get("impls")]
+    if not points:
+        return None
+    from .report import DECODE_LABELS
+
+    batches = sorted({p["batch"] for p in points})
+    names: list[str] = []
+    for p in points:
+        names += [n for n in p["impls"] if n not in names]
+    copy = copy_ceiling_gbps(rec.get("ceilings") or {})
+    fig, axes = _figure(1, len(batches), (4.6 * len(batches), 3.8))
+    for col, b in enumerate(batches):
+        ax = axes[0][col]
+        sel = sorted((p for p in points if p["batch"] == b), key=lambda p: p["cache_seqlen"])
+        for name in names:
+            xs, ys, bad_x, bad_y = [], [], [], []
+            for p in sel:
+                r = p["impls"].get(name) or {}
+                if r.get("status") != "ok" or r.get("gbps") is None:
+                    continue
+                wrong = (r.get("check") or {}).get("ok") is False
+                (bad_x if wrong else xs).append(p["cache_seqlen"])
+                (bad_y if wrong else ys).append(r["gbps"])
+            style = dict(STYLE.get(name, {}))
+            if name == "flashcuda" and "flashcuda_kvcache" in names:
+                style.update(linestyle="--", linewidth=1.5, marker="s")
+            if xs:
+                ax.plot(xs, ys, label=DECODE_LABELS.get(name, LABELS.get(name, name)),
+                        markersize=4, zorder=4 if name.startswith("flashcuda") else 2, **style)
+            if bad_x:
+                ax.scatter(bad_x, bad_y, color="red", marker="x", s=60, zorder=5,
+                           label="WRONG output")
+        if copy:  # bytes a copy moves per second (read + written): the memory's bandwidth
+            ax.axhline(copy, color="gray", linestyle="--", linewidth=1,
+                       label=f"copy ceiling {copy:.0f} GB/s")
+        lengths = sorted({p["cache_seqlen"] for p in sel})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [_size_label(x) for x in lengths])
+        ax.minorticks_off()
+        ax.set_title(f"decode · batch {b} · {(dc.get('shape') or {}).get('nheads')} over "
+                     f"{(dc.get('shape') or {}).get('nheads_kv')} heads · "
+                     f"d{(dc.get('shape') or {}).get('headdim')}", fontsize=10)
+        ax.set_xlabel("cached keys")
+        ax.set_ylabel("GB/s of the KV cache")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    seen: dict = {}
+    for ax in axes[0]:
+        h, lab = ax.get_legend_handles_labels()
+        for k, v in zip(lab, h, strict=True):
+            seen.setdefault(k, v)
+    fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center",
+               ncol=min(len(seen), 4), fontsize=8)
+    gpu = (rec.get("gpu") or {}).get("name", "?")
+    sha = ((rec.get("commit") or {}).get("sha") or "unknown")[:8]
+    fig.suptitle(f"flashcuda decode {dc.get('dtype', '')} · {gpu} · {sha}", fontsize=10)
     path = Path(path)
     fig.savefig(path, dpi=110)
     return path

@@ -560,3 +560,24 @@ def test_decode_extra_runs_the_packaged_entry_points():
             assert r["gbps"] == pytest.approx(p["kv_bytes"] / 0.5e-3 / 1e9)
         assert p["kv_bytes"] == 2 * p["batch"] * p["cache_seqlen"] * 2 * 16 * 4
         assert set(p["impls"]) == {"flashcuda_kvcache", "flashcuda", "sdpa_flash"}
+
+
+def test_plot_decode_writes_png(tmp_path):
+    """The decode extra's figure: one panel per batch; none without the extra."""
+    from flashcuda.bench.plot import plot_decode
+
+    def ok(gbps, good=True):
+        return {"status": "ok", "gbps": gbps, "check": {"ok": good},
+                "timing": {"median_ms": 1.0, "p10_ms": 1.0, "p90_ms": 1.0, "n": 3, "method": "x"}}
+
+    rec = synthetic_record()
+    rec["extras"] = {"decode": {"dtype": "bf16", "shape": {"nheads": 32, "nheads_kv": 8,
+                                                           "headdim": 128},
+                                "points": [{"batch": b, "cache_seqlen": n, "kv_bytes": 1,
+                                            "impls": {"flashcuda_kvcache": ok(n / 10, n != 4096),
+                                                      "flashcuda": ok(n / 20),
+                                                      "sdpa_flash": {"status": "failed"}}}
+                                           for b in (1, 8) for n in (1024, 4096, 16384)]}}
+    path = plot_decode(rec, tmp_path / "d.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert plot_decode(synthetic_record(), tmp_path / "none.png") is None
