@@ -6,31 +6,18 @@ Everything here is host-side orchestration around the kernels of flashcuda.ops.a
 arguments are checked by name before anything is written; the append and the rotation are
 PyTorch operations; the attention is one kernel call per run of batch entries that see the same
 keys' span (views of the caches; a paged cache's pages are gathered into a contiguous copy
-first). Decoding (one query per entry) runs each KV head's query group as one call's rows
-(packed_gqa), and a single sequence's long cache as pieces side by side (split_decode). The
-kernels read no block table and rotate nothing themselves.
+first); a decoding run (one query per entry) goes through ops.decode like any inference call
+(GQA packed by KV head, one entry's long span split into pieces). The kernels read no block
+table and rotate nothing themselves.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from . import validate
 from .api import _checked_qkv, _last_dim_contiguous
 from .ops.attention import attention
-
-# A single query per entry with GQA runs as a query group per KV head (packed_gqa).
-PACK_GQA = True
-
-# One query over many keys in a run of one entry (decoding a single sequence): the keys are cut
-# into SPLIT_CHUNK-aligned pieces that run as one call's batch (so the GPU's SMs share them),
-# then combined by their lse (split_decode). From SPLIT_MIN_KEYS keys, pieces of at least
-# SPLIT_MIN_CHUNK keys, enough pieces to give every SM a work tile.
-SPLIT_MIN_KEYS = 8192
-SPLIT_MIN_CHUNK = 1024
-SPLIT_CHUNK = 128
 
 # A paged run's gathered keys and values (both) are copied at most this many bytes at a time
 # (more entries of the run wait for the next gather).
@@ -127,56 +114,6 @@ def _append_slots(lengths: list[int], new: int, rows: list[int], pages: torch.Te
     return torch.tensor(rows, dtype=torch.long).repeat_interleave(new), pos.flatten()
 
 
-def packed_gqa(q: torch.Tensor, nheads_kv: int) -> torch.Tensor:
-    """One query per entry, (batch, 1, nheads, headdim), seen as (batch, group, nheads_kv,
-    headdim) with group = nheads / nheads_kv: query head kv * group + j becomes query row j of
-    KV head kv (a view, no copy). A kernel then reads each KV head once for its whole group, as
-    FlashAttention's pack_gqa does, instead of once per query head; exact wherever the query
-    sees every key (rows of a packed call share no position)."""
-    b, _, h, d = q.shape
-    return q.view(b, nheads_kv, h // nheads_kv, d).transpose(1, 2)
-
-
-@functools.cache
-def _sms(device: torch.device) -> int:
-    """The SMs of a CUDA device (0 elsewhere: no split pays off there)."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def split_chunk(keys: int, heads: int, sms: int) -> int:
-    """Keys per piece of split_decode for one query row set over `keys` keys and `heads` KV
-    heads (the work tiles of one piece), or 0 for no split: pieces enough for one work tile per
-    SM, each at least SPLIT_MIN_CHUNK keys, a multiple of SPLIT_CHUNK."""
-    if keys < SPLIT_MIN_KEYS or not heads:
-        return 0
-    pieces = min(-(-sms // heads), keys // SPLIT_MIN_CHUNK)
-    if pieces < 2:
-        return 0
-    return -(-keys // (pieces * SPLIT_CHUNK)) * SPLIT_CHUNK
-
-
-def split_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention(q, k, v) without a mask for one entry (q (1, rows, heads, d), k / v (1, keys,
-    heads_kv, d)) as pieces of `chunk` keys: the whole pieces as one call's batch (views of k /
-    v), the rest as a second call; out = sum_i exp(lse_i - lse) out_i with lse the logsumexp of
-    the pieces' lse_i. Exact up to the rounding of each piece's out to q's dtype (one rounding
-    more than one call)."""
-    whole = k.shape[1] // chunk
-    qs = q.expand(whole, *q.shape[1:]).contiguous()
-    parts = [attention(qs, *(t[0, :whole * chunk].unflatten(0, (whole, chunk)) for t in (k, v)),
-                       scale, None, None)]
-    if k.shape[1] > whole * chunk:
-        parts.append(attention(q, k[:, whole * chunk:], v[:, whole * chunk:], scale, None, None))
-    out = torch.cat([o for o, _ in parts])  # (pieces, rows, heads, d)
-    lse = torch.cat([x for _, x in parts])  # (pieces, heads, rows)
-    total = torch.logsumexp(lse, dim=0, keepdim=True)  # every piece has keys: finite unless NaN
-    weight = torch.exp(lse - total).transpose(1, 2).unsqueeze(-1)
-    return (out.float() * weight).sum(0, keepdim=True).to(out.dtype), total
-
-
 def _runs(batch: int, same) -> list[tuple[int, int]]:
     """[b, e) runs of consecutive batch entries with same(e - 1, e)."""
     runs, b = [], 0
@@ -248,10 +185,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     keys — on views of the caches when the entries are on consecutive cache rows, on a gathered
     contiguous copy of their pages when paged (the copy costs a read and a write of the keys and
     values seen: a paged cache is correct here, not fast). Host-bound when many entries differ.
-    With one query per entry that sees all of its keys: GQA runs as each KV head's query group
-    (packed_gqa), and a run of one entry over at least SPLIT_MIN_KEYS keys as pieces of its
-    keys side by side on the GPU, combined by their lse (split_decode: one more rounding of
-    each piece's out to q's dtype than an unsplit call).
+    With one query per entry that sees all of its keys, each call is flashcuda.ops.decode's:
+    GQA as each KV head's query group, and a run of one entry over 8k+ keys as pieces side by
+    side on the GPU, combined by their lse (one more rounding of each piece's out to q's dtype
+    than one call).
     cache_seqlens, cache_batch_idx, cache_leftpad and block_table tensors are read on the host
     (device-to-host copies, which wait for the GPU).
     """
@@ -361,12 +298,6 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     names = ("q", "k_cache", "v_cache")
     if batch == 0:
         _checked_qkv(q, k_cache[:0, :0], v_cache[:0, :0], names=names)
-    nheads, nheads_kv = q.shape[2], k_cache.shape[2]
-
-    def packs(b: int) -> bool:  # one query that sees all of its run's keys, a group to pack
-        return (PACK_GQA and q.shape[1] == 1 and nheads_kv and nheads > nheads_kv
-                and nheads % nheads_kv == 0
-                and (window_left is None or window_left >= ends[b] - starts[b] - 1))
 
     for b, e in runs:
         span = slice(starts[b], ends[b])
@@ -375,7 +306,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             kc, vc = k_cache[:1, :1].expand(shape), v_cache[:1, :1].expand(shape)
         else:
             kc, vc = (t[rows[b]:rows[b] + e - b, span] for t in (k_cache, v_cache))
-        _checked_qkv(packed_gqa(q[b:e], nheads_kv) if packs(b) else q[b:e], kc, vc, names=names)
+        _checked_qkv(q[b:e], kc, vc, names=names)
 
     q = _last_dim_contiguous(q, "q")  # (checked above but for its last stride)
     with torch.no_grad():
@@ -402,21 +333,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             else:
                 kc, vc = (t[rows[b]:rows[b] + e - b, starts[b]:ends[b]]
                           for t in (k_cache, v_cache))
-            sees_all = q.shape[1] == 1 and (window_left is None
-                                            or window_left >= ends[b] - starts[b] - 1)
-            rows_q = packed_gqa(q[b:e], nheads_kv) if packs(b) else q[b:e]
-            chunk = split_chunk(ends[b] - starts[b], rows_q.shape[2], _sms(q.device)) \
-                if e - b == 1 and sees_all else 0
-            if chunk:  # one query over many keys: pieces run side by side, then combined
-                o, lse = split_decode(rows_q, kc, vc, scale, chunk)
-            elif sees_all:  # no mask needed (a packed call must have none)
-                o, lse = attention(rows_q, kc, vc, scale, None, None)
-            else:
-                o, lse = attention(rows_q, kc, vc, scale, window_left, window_right)
-            if packs(b):  # every row of the packed call is the entry's one query
-                o, lse = (o.transpose(1, 2).reshape(e - b, 1, nheads, -1),
-                          lse.reshape(e - b, nheads, 1))
-            results.append((o, lse))
+            # (a decoding run: GQA packed, one entry's long span split, by ops.decode)
+            results.append(attention(q[b:e], kc, vc, scale, window_left, window_right))
     out = torch.cat([o for o, _ in results]) if len(results) > 1 else results[0][0]
     lse = torch.cat([x for _, x in results]) if len(results) > 1 else results[0][1]
     return (out, lse) if return_softmax_lse else out

@@ -16,15 +16,17 @@
                   pipeline would need 16 GiB of fp32 scores for it.
     decode        one new query per sequence over a full KV cache (DECODE_SHAPE: batch 1 and 8,
                   32 query heads over 8 KV heads, d128, cache lengths 1k-64k), no grad:
-                  flash_attn_with_kvcache (a KV head's query group as one call's rows; batch 1
-                  from 8k keys as pieces side by side) and flash_attn_func (one query row per
-                  head, one call) against the peers' GQA forms, as
+                  flash_attn_with_kvcache and flash_attn_func (both through ops.decode: a KV
+                  head's query group as one call's rows; batch 1 from 8k keys as pieces side
+                  by side), flash_attn_func with ops.decode off (one query row per head, one
+                  call: the control) and the peers' GQA forms, as
                   median ms and the KV cache's bytes per second (the bound: every key and value
                   read once), each output checked on batch entry 0 against float64.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -267,18 +269,32 @@ def measure_long_context(flashcuda_impl: Impl, reference: Impl | None, timer: Ti
     return result
 
 
+@contextlib.contextmanager
+def decode_off():
+    """ops.decode's packing and split off for the block (the decode extra's control)."""
+    from ..ops import decode
+
+    saved = decode.PACK_GQA, decode.SPLIT_MIN_KEYS
+    decode.PACK_GQA, decode.SPLIT_MIN_KEYS = False, 2 ** 62
+    try:
+        yield
+    finally:
+        decode.PACK_GQA, decode.SPLIT_MIN_KEYS = saved
+
+
 def _decode_calls(impls: list[Impl], q, k, v, scale: float) -> dict:
     """name -> (context, no-argument forward returning (B, 1, H, D)) for the decode extra."""
-    import contextlib
-
     import torch.nn.functional as F
 
     import flashcuda
 
+    def func():
+        return flashcuda.flash_attn_func(q, k, v, softmax_scale=scale)
+
     calls = {"flashcuda_kvcache": (contextlib.nullcontext, lambda: flashcuda.flash_attn_with_kvcache(
                  q, k, v, softmax_scale=scale)),
-             "flashcuda": (contextlib.nullcontext, lambda: flashcuda.flash_attn_func(
-                 q, k, v, softmax_scale=scale))}
+             "flashcuda": (contextlib.nullcontext, func),
+             "flashcuda_plain": (decode_off, func)}
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     for impl in impls:
         if impl.status != "ok" or impl.name in ("flashcuda", "sdpa_math", "triton_tutorial"):

@@ -157,6 +157,8 @@ def plot_decode(rec: dict, path: Path | str) -> Path | None:
             style = dict(STYLE.get(name, {}))
             if name == "flashcuda" and "flashcuda_kvcache" in names:
                 style.update(linestyle="--", linewidth=1.5, marker="s")
+            if name == "flashcuda_plain":
+                style = {"color": "gray", "linestyle": ":", "linewidth": 1.5, "marker": "o"}
             if xs:
                 ax.plot(xs, ys, label=DECODE_LABELS.get(name, LABELS.get(name, name)),
                         markersize=4, zorder=4 if name.startswith("flashcuda") else 2, **style)

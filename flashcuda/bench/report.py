@@ -259,7 +259,8 @@ def extras_tables(rec: dict) -> list:
     return out
 
 
-DECODE_LABELS = {"flashcuda_kvcache": "fc kvcache", "flashcuda": "fc flash_attn_func"}
+DECODE_LABELS = {"flashcuda_kvcache": "fc kvcache", "flashcuda": "fc flash_attn_func",
+                 "flashcuda_plain": "fc unpacked"}
 
 
 def decode_tables(dc: dict) -> list:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .. import validate
-from . import dispatch
+from . import decode, dispatch
 from .call import BwdCall, FwdCall
 
 _NEG_INF = float("-inf")
@@ -156,11 +156,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     Eager calls skip the custom-op wrapper and run the same bodies (directly, or through
     _EagerAttention when autograd must record the call): the wrapper costs more host time than
     a short kernel takes, and its first call imports torch._dynamo (seconds). Under
-    torch.compile the op itself is traced.
+    torch.compile the op itself is traced. Eager calls without autograd that decode (one query
+    row seeing all of its keys) run through ops.decode (GQA packed, one entry's long keys
+    split).
     """
     if torch.compiler.is_compiling():
         return fwd(q, k, v, softmax_scale, window_left, window_right, deterministic)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(q, k, v, softmax_scale, window_left, window_right,
                                      deterministic)
+    # inference: a decoding call (one query row that sees all its keys) packed / split
+    decoded = decode.forward(q, k, v, softmax_scale, window_left, window_right, _fwd_impl)
+    if decoded is not None:
+        return decoded
     return _fwd_impl(q, k, v, softmax_scale, window_left, window_right)

@@ -554,12 +554,34 @@ def test_decode_extra_runs_the_packaged_entry_points():
     assert [(p["batch"], p["cache_seqlen"]) for p in rec["points"]] == [(1, 7), (1, 40), (2, 7),
                                                                          (2, 40)]
     for p in rec["points"]:
-        for name in ("flashcuda_kvcache", "flashcuda"):
+        for name in ("flashcuda_kvcache", "flashcuda", "flashcuda_plain"):
             r = p["impls"][name]
             assert r["status"] == "ok" and r["check"]["ok"], r
             assert r["gbps"] == pytest.approx(p["kv_bytes"] / 0.5e-3 / 1e9)
         assert p["kv_bytes"] == 2 * p["batch"] * p["cache_seqlen"] * 2 * 16 * 4
-        assert set(p["impls"]) == {"flashcuda_kvcache", "flashcuda", "sdpa_flash"}
+        assert set(p["impls"]) == {"flashcuda_kvcache", "flashcuda", "flashcuda_plain",
+                                   "sdpa_flash"}
+
+
+def test_decode_control_turns_the_decoding_path_off(monkeypatch):
+    """The decode extra's control arm (decode_off) runs the call as it is: one kernel call with
+    the query heads unpacked; afterwards packing is on again."""
+    import torch
+
+    import flashcuda
+    from flashcuda.bench import extras
+    from flashcuda.ops import attention as attention_ops
+    from flashcuda.ops import decode
+
+    shapes = []
+    real = attention_ops._fwd_impl
+    monkeypatch.setattr(attention_ops, "_fwd_impl",
+                        lambda q, *rest: shapes.append(tuple(q.shape)) or real(q, *rest))
+    q, k = torch.randn(2, 1, 8, 16), torch.randn(2, 40, 2, 16)
+    with extras.decode_off():
+        flashcuda.flash_attn_func(q, k, k)
+    flashcuda.flash_attn_func(q, k, k)
+    assert shapes == [(2, 1, 8, 16), (2, 4, 2, 16)] and decode.PACK_GQA
 
 
 def test_plot_decode_writes_png(tmp_path):

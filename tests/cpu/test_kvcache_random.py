@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashcuda
-from flashcuda import kvcache
+from flashcuda.ops import decode
 from flashcuda.reference import attention_ref, max_error, rounding_floor
 
 
@@ -89,8 +89,8 @@ def test_random_calls_match_the_oracle(p):
     split = {}
     if p["split"]:  # split_decode wherever a run of one entry has one query over 8+ keys
         split = dict(_sms=lambda device: 132, SPLIT_MIN_KEYS=8, SPLIT_MIN_CHUNK=4, SPLIT_CHUNK=2)
-    with mock.patch.multiple(kvcache, **split) if split else mock.patch.object(kvcache, "GATHER_BYTES",
-                                                                               kvcache.GATHER_BYTES):
+    with mock.patch.multiple(decode, **split) if split else mock.patch.object(decode, "PACK_GQA",
+                                                                              True):
         out, lse = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
     assert out.shape == q.shape and lse.shape == (B, H, p["sq"])
     for b, n in enumerate(p["lengths"]):

@@ -269,7 +269,10 @@ def test_fake_cuda_devices_one_gpu_accepted_mixes_refused(devices, dtype, b, sq,
             assert lse.device == q.device and lse.shape == (b, 4, sq)
             launched = b > 0 and sq > 0 and sk > 0
             assert len(calls) == int(launched)
-            if launched:
+            if launched and sq == 1:  # decoding: ops.decode's view of q, 2 query rows per KV head
+                assert calls[0].q.shape == (b, 2, 2, 64) and calls[0].q.stride() == (256, 64, 128, 1)
+                assert calls[0].k is k and calls[0].out.shape == (b, 2, 2, 64)
+            elif launched:
                 assert calls[0].q is q and calls[0].out.shape == q.shape
             return
         bad = next(i for i in (1, 2) if devices[i] != devices[0])

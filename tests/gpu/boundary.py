@@ -41,7 +41,7 @@ import torch
 
 from flashcuda import flash_attn_func, validate
 from flashcuda.ops import attention as attention_ops
-from flashcuda.ops import dispatch
+from flashcuda.ops import decode, dispatch
 from flashcuda.reference import attention_ref, max_error, rounding_floor
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -422,6 +422,10 @@ def prepare(monkeypatch, family: str) -> list[tuple[str, str]]:
         else:
             monkeypatch.delenv(SM90_ENV, raising=False)
     dispatch._reset()  # as tests/gpu/test_fwd_sm90.py: forget plans made under other settings
+    # each case's call reaches the kernels as it is: no decoding views (GQA packing, the split
+    # of one row's keys: tests/gpu/test_api.py covers them)
+    monkeypatch.setattr(decode, "PACK_GQA", False)
+    monkeypatch.setattr(decode, "SPLIT_MIN_KEYS", 2 ** 62)
     monkeypatch.setattr(attention_ops, "_empty_fwd", _nan_empty_fwd)
     monkeypatch.setattr(attention_ops, "_empty_bwd", _nan_empty_bwd)
     ran: list[tuple[str, str]] = []

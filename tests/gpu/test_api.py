@@ -257,13 +257,16 @@ def test_kvcache_paged_left_padded_rotary(interleaved):
         check_forward(out[b:b + 1], lse[b:b + 1], q_rot, keys, values, True, (-1, -1))
 
 
+@pytest.mark.parametrize("entry", ["kvcache", "func"])
 @pytest.mark.parametrize("heads", [(32, 8), (16, 16)], ids=["gqa", "mha"])
-def test_kvcache_long_single_sequence_decode(heads):
-    """One sequence's decode step over 20000 cached keys (bf16, d128): split_decode's pieces
-    (one work tile per SM, combined by their lse; GQA packed by KV head) against the oracle,
-    FlashAttention's rule plus one more rounding of each piece's out to bf16 (2^-9 max|v|)."""
+def test_long_single_sequence_decode(heads, entry):
+    """One sequence's decode step over 20000 cached keys (bf16, d128), through
+    flash_attn_with_kvcache (appending one key) or flash_attn_func on the cache's view:
+    ops.decode's pieces (one work tile per SM, combined by their lse; GQA packed by KV head)
+    against the oracle, FlashAttention's rule plus one more rounding of each piece's out to
+    bf16 (2^-9 max|v|)."""
     import flashcuda
-    from flashcuda import kvcache
+    from flashcuda.ops import decode
 
     H, Hk = heads
     D, n = 128, 20000
@@ -273,9 +276,14 @@ def test_kvcache_long_single_sequence_decode(heads):
     v_cache = torch.randn(1, n + 64, Hk, D, generator=g, **bf)
     q = torch.randn(1, 1, H, D, generator=g, **bf)
     k, v = (torch.randn(1, 1, Hk, D, generator=g, **bf) for _ in range(2))
-    assert kvcache.split_chunk(n + 1, Hk, kvcache._sms(q.device)) > 0  # the split runs
-    out, lse = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=n,
-                                                 causal=True, return_softmax_lse=True)
+    assert decode.split_chunk(n + 1, Hk, decode._sms(q.device)) > 0  # the split runs
+    if entry == "kvcache":
+        out, lse = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=n,
+                                                     causal=True, return_softmax_lse=True)
+    else:
+        k_cache[:, n:n + 1], v_cache[:, n:n + 1] = k, v
+        out, lse = flashcuda.flash_attn_func(q, k_cache[:, :n + 1], v_cache[:, :n + 1],
+                                             causal=True, return_lse=True)
     keys, values = k_cache[:, :n + 1], v_cache[:, :n + 1]
     ref, ref_lse = attention_ref(q, keys, values, causal=True)
     base, base_lse = attention_ref(q, keys, values, causal=True, upcast=False)
