@@ -13,6 +13,8 @@ table and rotate nothing themselves.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import validate
@@ -114,6 +116,84 @@ def _append_slots(lengths: list[int], new: int, rows: list[int], pages: torch.Te
     return torch.tensor(rows, dtype=torch.long).repeat_interleave(new), pos.flatten()
 
 
+class _Entries(NamedTuple):
+    """Where each batch entry's keys live and which it sees: its cache row (rows) or its row of
+    the page table (pages, an int64 CPU tensor), and the span [starts[b], ends[b]) of positions
+    it attends to, lengths[b] of them already cached before the append."""
+
+    rows: list[int]
+    pages: torch.Tensor | None
+    lengths: list[int]
+    starts: list[int]
+    ends: list[int]
+    slots: tuple[torch.Tensor, torch.Tensor]
+
+
+def _entries(batch: int, new: int, k_cache: torch.Tensor, device: torch.device,
+             cache_seqlens: object, cache_batch_idx: object, cache_leftpad: object,
+             block_table: object) -> _Entries:
+    """cache_seqlens / cache_batch_idx / cache_leftpad / block_table checked (read on the host)
+    into _Entries, with the cache slots the appended keys go to (_append_slots)."""
+    paged = block_table is not None
+    pages: torch.Tensor | None = None
+    rows: list[int] = []
+    page_size = k_cache.shape[1]
+    if paged:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx: expected None with block_table (a paged cache's "
+                             "entries are their block_table rows)")
+        pages = _page_table(block_table, batch, device)
+        seqlen_cache = pages.shape[1] * page_size
+    else:
+        seqlen_cache = k_cache.shape[1]
+        if cache_batch_idx is None:
+            rows = list(range(batch))
+            if k_cache.shape[0] < batch:
+                raise ValueError(f"k_cache: expected at least batch = {batch} rows without "
+                                 f"cache_batch_idx, got {k_cache.shape[0]}")
+        else:
+            rows = validate.host_ints(cache_batch_idx, "cache_batch_idx", batch, device)
+            if any(not 0 <= r < k_cache.shape[0] for r in rows):
+                raise ValueError(f"cache_batch_idx: expected rows in [0, {k_cache.shape[0]}) "
+                                 f"(k_cache.shape[0]), got {rows}")
+            if new and len(set(rows)) != batch:
+                raise ValueError(f"cache_batch_idx: expected distinct rows when k / v are "
+                                 f"appended, got {rows}")
+    if cache_seqlens is None:
+        lengths = [seqlen_cache] * batch
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        lengths = [cache_seqlens] * batch
+    else:
+        lengths = validate.host_ints(cache_seqlens, "cache_seqlens", batch, device)
+    if any(not 0 <= n <= seqlen_cache - new for n in lengths):
+        where = "max_blocks_per_seq * page_size" if paged else "seqlen_cache"
+        raise ValueError(f"cache_seqlens: expected values in [0, {seqlen_cache - new}] "
+                         f"({where} - seqlen_new), got {lengths}")
+    starts = [0] * batch
+    if cache_leftpad is not None:
+        starts = validate.host_ints(cache_leftpad, "cache_leftpad", batch, device)
+        if any(not 0 <= s <= n for s, n in zip(starts, lengths, strict=True)):
+            raise ValueError(f"cache_leftpad: expected 0 <= cache_leftpad[b] <= "
+                             f"cache_seqlens[b] = {lengths}, got {starts}")
+    ends = [n + new for n in lengths]  # each entry sees keys [starts[b], ends[b])
+    if paged and batch:  # the blocks each entry reads: in the pool
+        num_blocks = k_cache.shape[0]
+        used = torch.arange(pages.shape[1]) < torch.tensor([-(-n // page_size) for n in ends])[:, None]
+        bad = used & ((pages < 0) | (pages >= num_blocks))
+        if bad.any():
+            b = int(bad.any(1).nonzero()[0])
+            raise ValueError(f"block_table: expected the blocks of entry {b}'s first {ends[b]} "
+                             f"positions in [0, {num_blocks}) (k_cache.shape[0]), got "
+                             f"{pages[b, used[b]].tolist()}")
+    slots = _append_slots(lengths, new, rows, pages, page_size)
+    if paged and new and batch:
+        flat = slots[0] * page_size + slots[1]
+        if torch.unique(flat).numel() != flat.numel():
+            raise ValueError("block_table: expected the appended positions of different entries "
+                             "on distinct (block, offset) slots, got entries sharing a slot")
+    return _Entries(rows, pages, lengths, starts, ends, slots)
+
+
 def _runs(batch: int, same) -> list[tuple[int, int]]:
     """[b, e) runs of consecutive batch entries with same(e - 1, e)."""
     runs, b = [], 0
@@ -212,63 +292,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("cache_seqlens: required with k / v (where to append them), got None")
     tables = _rotary_tables(rotary_cos, rotary_sin, q, k is not None)
 
-    # where each entry's keys live: a cache row, or a row of the page table
-    pages: torch.Tensor | None = None
-    rows: list[int] = []
-    if paged:
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx: expected None with block_table (a paged cache's "
-                             "entries are their block_table rows)")
-        pages = _page_table(block_table, batch, q.device)
-        page_size = k_cache.shape[1]
-        seqlen_cache = block_table.shape[1] * page_size
-    else:
-        seqlen_cache = k_cache.shape[1]
-        if cache_batch_idx is None:
-            rows = list(range(batch))
-            if k_cache.shape[0] < batch:
-                raise ValueError(f"k_cache: expected at least batch = {batch} rows without "
-                                 f"cache_batch_idx, got {k_cache.shape[0]}")
-        else:
-            rows = validate.host_ints(cache_batch_idx, "cache_batch_idx", batch, q.device)
-            if any(not 0 <= r < k_cache.shape[0] for r in rows):
-                raise ValueError(f"cache_batch_idx: expected rows in [0, {k_cache.shape[0]}) "
-                                 f"(k_cache.shape[0]), got {rows}")
-            if new and len(set(rows)) != batch:
-                raise ValueError(f"cache_batch_idx: expected distinct rows when k / v are "
-                                 f"appended, got {rows}")
-    if cache_seqlens is None:
-        lengths = [seqlen_cache] * batch
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        lengths = [cache_seqlens] * batch
-    else:
-        lengths = validate.host_ints(cache_seqlens, "cache_seqlens", batch, q.device)
-    if any(not 0 <= n <= seqlen_cache - new for n in lengths):
-        where = "max_blocks_per_seq * page_size" if paged else "seqlen_cache"
-        raise ValueError(f"cache_seqlens: expected values in [0, {seqlen_cache - new}] "
-                         f"({where} - seqlen_new), got {lengths}")
-    starts = [0] * batch
-    if cache_leftpad is not None:
-        starts = validate.host_ints(cache_leftpad, "cache_leftpad", batch, q.device)
-        if any(not 0 <= s <= n for s, n in zip(starts, lengths, strict=True)):
-            raise ValueError(f"cache_leftpad: expected 0 <= cache_leftpad[b] <= "
-                             f"cache_seqlens[b] = {lengths}, got {starts}")
-    ends = [n + new for n in lengths]  # each entry sees keys [starts[b], ends[b])
-    if paged and batch:  # the blocks each entry reads: in the pool
-        page_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
-        used = torch.arange(pages.shape[1]) < torch.tensor([-(-n // page_size) for n in ends])[:, None]
-        bad = used & ((pages < 0) | (pages >= num_blocks))
-        if bad.any():
-            b = int(bad.any(1).nonzero()[0])
-            raise ValueError(f"block_table: expected the blocks of entry {b}'s first {ends[b]} "
-                             f"positions in [0, {num_blocks}) (k_cache.shape[0]), got "
-                             f"{pages[b, used[b]].tolist()}")
-    slots = _append_slots(lengths, new, rows, pages, k_cache.shape[1])
-    if paged and new and batch:
-        flat = slots[0] * k_cache.shape[1] + slots[1]
-        if torch.unique(flat).numel() != flat.numel():
-            raise ValueError("block_table: expected the appended positions of different entries "
-                             "on distinct (block, offset) slots, got entries sharing a slot")
+    ent = _entries(batch, new, k_cache, q.device, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   block_table)
+    rows, lengths, starts, ends = ent.rows, ent.lengths, ent.starts, ent.ends
     for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         if t.stride(-1) != 1 and t.shape[-1] != 1:  # (written in place: never copied)
             raise ValueError(f"{name}: expected a contiguous last dimension (the cache is "
@@ -317,7 +343,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             q = rotary(q, *tables, q_pos.expand(batch, q.shape[1]), interleaved)
             k = rotary(k, *tables, k_pos, interleaved)
         if new and batch:  # append in place: one indexed write per cache
-            index = tuple(t.to(k_cache.device) for t in slots)
+            index = tuple(t.to(k_cache.device) for t in ent.slots)
             k_cache[index] = k.reshape(-1, *k.shape[2:])
             v_cache[index] = v.reshape(-1, *v.shape[2:])
         if batch == 0:
@@ -327,7 +353,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             results = []
         for b, e in runs:
             if paged:
-                blocks = block_table[b:e, :-(-ends[b] // page_size)].long()
+                blocks = block_table[b:e, :-(-ends[b] // k_cache.shape[1])].long()
                 kc, vc = (t[blocks].flatten(1, 2)[:, starts[b]:ends[b]]
                           for t in (k_cache, v_cache))
             else:
