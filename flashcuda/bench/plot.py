@@ -41,6 +41,24 @@ def _figure(nrows: int, ncols: int, size: tuple[float, float]):
     return fig, axes
 
 
+def _legend(fig, axes, ncol: int) -> None:
+    """One legend below the panels: every label any panel drew, once."""
+    seen: dict = {}
+    for row in axes:
+        for ax in row:
+            h, lab = ax.get_legend_handles_labels()
+            for k, v in zip(lab, h, strict=True):
+                seen.setdefault(k, v)
+    fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center",
+               ncol=min(len(seen), ncol), fontsize=8)
+
+
+def _stamp(rec: dict) -> str:
+    """'GPU · commit' of a record, for a figure's title."""
+    gpu = (rec.get("gpu") or {}).get("name", "?")
+    return f"{gpu} · {((rec.get('commit') or {}).get('sha') or 'unknown')[:8]}"
+
+
 def plot_sweep(rec: dict, path: Path | str) -> Path | None:
     """Write the sweep figure to `path`; None when the record has no points."""
     points = rec.get("points") or []
@@ -86,18 +104,8 @@ def plot_sweep(rec: dict, path: Path | str) -> Path | None:
             ax.set_ylabel("TFLOP/s")
             ax.set_ylim(bottom=0)
             ax.grid(True, alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    seen = dict(zip(labels, handles, strict=True))
-    for row in axes:
-        for ax in row:
-            h, lab = ax.get_legend_handles_labels()
-            for k, v in zip(lab, h, strict=True):
-                seen.setdefault(k, v)
-    fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center",
-               ncol=min(len(seen), 5), fontsize=8)
-    gpu = (rec.get("gpu") or {}).get("name", "?")
-    sha = ((rec.get("commit") or {}).get("sha") or "unknown")[:8]
-    fig.suptitle(f"flashcuda {(rec.get('config') or {}).get('dtype', '')} · {gpu} · {sha} · "
+    _legend(fig, axes, 5)
+    fig.suptitle(f"flashcuda {(rec.get('config') or {}).get('dtype', '')} · {_stamp(rec)} · "
                  f"{rec.get('created_utc', '')}", fontsize=10)
     path = Path(path)
     fig.savefig(path, dpi=110)
@@ -179,16 +187,8 @@ def plot_decode(rec: dict, path: Path | str) -> Path | None:
         ax.set_ylabel("GB/s of the KV cache")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-    seen: dict = {}
-    for ax in axes[0]:
-        h, lab = ax.get_legend_handles_labels()
-        for k, v in zip(lab, h, strict=True):
-            seen.setdefault(k, v)
-    fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center",
-               ncol=min(len(seen), 4), fontsize=8)
-    gpu = (rec.get("gpu") or {}).get("name", "?")
-    sha = ((rec.get("commit") or {}).get("sha") or "unknown")[:8]
-    fig.suptitle(f"flashcuda decode {dc.get('dtype', '')} · {gpu} · {sha}", fontsize=10)
+    _legend(fig, axes, 4)
+    fig.suptitle(f"flashcuda decode {dc.get('dtype', '')} · {_stamp(rec)}", fontsize=10)
     path = Path(path)
     fig.savefig(path, dpi=110)
     return path
