@@ -257,6 +257,27 @@ def test_kvcache_paged_left_padded_rotary(interleaved):
         check_forward(out[b:b + 1], lse[b:b + 1], q_rot, keys, values, True, (-1, -1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_decoding_packed_by_kv_head(dtype):
+    """flash_attn_func and the SDPA shim with one query per entry (no autograd, GQA 16:4, 777
+    keys): the packed call (ops.decode) and the unpacked one (decode_off) each against the
+    oracle (their tiles may differ, so their bits may); the shim's call is the same packed call,
+    bit for bit."""
+    from flashcuda.bench.extras import decode_off
+
+    g = torch.Generator(device="cuda").manual_seed(10)
+    q = torch.randn(4, 1, 16, 64, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(4, 777, 4, 64, device="cuda", generator=g).to(dtype) for _ in range(2))
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    check_forward(out, lse, q, k, v, True, (-1, -1))
+    with decode_off():
+        plain, plain_lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    check_forward(plain, plain_lse, q, k, v, True, (-1, -1))
+    sdpa = scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                        enable_gqa=True)
+    assert torch.equal(sdpa.transpose(1, 2), out)
+
+
 @pytest.mark.parametrize("entry", ["kvcache", "func"])
 @pytest.mark.parametrize("heads", [(32, 8), (16, 16)], ids=["gqa", "mha"])
 def test_long_single_sequence_decode(heads, entry):
