@@ -126,14 +126,13 @@ class _Entries(NamedTuple):
     lengths: list[int]
     starts: list[int]
     ends: list[int]
-    slots: tuple[torch.Tensor, torch.Tensor]
 
 
 def _entries(batch: int, new: int, k_cache: torch.Tensor, device: torch.device,
              cache_seqlens: object, cache_batch_idx: object, cache_leftpad: object,
              block_table: object) -> _Entries:
     """cache_seqlens / cache_batch_idx / cache_leftpad / block_table checked (read on the host)
-    into _Entries, with the cache slots the appended keys go to (_append_slots)."""
+    into _Entries; paged, the slots the appended keys go to checked distinct."""
     paged = block_table is not None
     pages: torch.Tensor | None = None
     rows: list[int] = []
@@ -185,13 +184,13 @@ def _entries(batch: int, new: int, k_cache: torch.Tensor, device: torch.device,
             raise ValueError(f"block_table: expected the blocks of entry {b}'s first {ends[b]} "
                              f"positions in [0, {num_blocks}) (k_cache.shape[0]), got "
                              f"{pages[b, used[b]].tolist()}")
-    slots = _append_slots(lengths, new, rows, pages, page_size)
     if paged and new and batch:
-        flat = slots[0] * page_size + slots[1]
+        blocks, offsets = _append_slots(lengths, new, rows, pages, page_size)
+        flat = blocks * page_size + offsets
         if torch.unique(flat).numel() != flat.numel():
             raise ValueError("block_table: expected the appended positions of different entries "
                              "on distinct (block, offset) slots, got entries sharing a slot")
-    return _Entries(rows, pages, lengths, starts, ends, slots)
+    return _Entries(rows, pages, lengths, starts, ends)
 
 
 def _runs(batch: int, same) -> list[tuple[int, int]]:
@@ -342,10 +341,16 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             k_pos = base + torch.arange(new, device=q.device)
             q = rotary(q, *tables, q_pos.expand(batch, q.shape[1]), interleaved)
             k = rotary(k, *tables, k_pos, interleaved)
-        if new and batch:  # append in place: one indexed write per cache
-            index = tuple(t.to(k_cache.device) for t in ent.slots)
-            k_cache[index] = k.reshape(-1, *k.shape[2:])
-            v_cache[index] = v.reshape(-1, *v.shape[2:])
+        if new and batch:  # append in place: one write per cache
+            r0, n0 = (rows or [0])[0], lengths[0]
+            if rows == list(range(r0, r0 + batch)) and lengths == [n0] * batch:  # one block
+                k_cache[r0:r0 + batch, n0:n0 + new] = k
+                v_cache[r0:r0 + batch, n0:n0 + new] = v
+            else:  # one indexed write
+                slots = _append_slots(lengths, new, rows, ent.pages, k_cache.shape[1])
+                index = tuple(t.to(k_cache.device) for t in slots)
+                k_cache[index] = k.reshape(-1, *k.shape[2:])
+                v_cache[index] = v.reshape(-1, *v.shape[2:])
         if batch == 0:
             results = [attention(q, k_cache[:0, :0], v_cache[:0, :0], scale, window_left,
                                  window_right)]
