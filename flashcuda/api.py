@@ -167,7 +167,12 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         max_seqlen_q, max_seqlen_k: ints, at least the longest sequence.
         causal, window_size: as flash_attn_func, per sequence (causal aligned to the
             bottom-right corner of each sequence's own score matrix).
-        Every other argument: as flash_attn_func (block_table: not implemented).
+        block_table: optional (batch, max_blocks_per_seq) int tensor: k, v are then paged
+            caches (num_blocks, page_size, nheads_kv, headdim) and sequence i's keys are its
+            first cu_seqlens_k[i + 1] - cu_seqlens_k[i] positions, position p in block
+            block_table[i, p // page_size] (cu_seqlens_k's last entry is then any total).
+            The blocks a sequence reads must lie in [0, num_blocks).
+        Every other argument: as flash_attn_func.
 
     Returns:
         out (total_q, nheads, headdim) in q's dtype; with return_lse also lse (nheads, total_q)
@@ -178,22 +183,35 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     backward are exact, every kernel family applies): sequences of one length cost one call,
     but each run costs a call's host time, so it suits a few long sequences, or many of a
     length, better than many short ones of different lengths. It reads cu_seqlens on the host
-    (one device-to-host copy, which waits for the GPU), so it is neither traceable by torch.compile(fullgraph=True) nor capturable in a CUDA graph.
+    (one device-to-host copy, which waits for the GPU), so it is neither traceable by
+    torch.compile(fullgraph=True) nor capturable in a CUDA graph. Paged (block_table), every
+    sequence's keys are first gathered from the pages into one packed copy (one indexed read,
+    differentiable into the caches; correct, not fast: the kernels read no block table).
     """
-    validate.check_fa_unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
-                                  block_table=block_table)
+    validate.check_fa_unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes)
     q = validate.check_varlen_rank(q, "q", "q")
-    k = validate.check_varlen_rank(k, "k", "kv")
-    v = validate.check_varlen_rank(v, "v", "kv")
-    q4, k4, v4 = _checked_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
-    q, k, v = q4[0], k4[0], v4[0]
+    paged = block_table is not None
+    if paged:
+        k, v = (_paged_cache(t, n) for t, n in ((k, "k"), (v, "v")))
+        validate.check_shape_dtype_device(v, "v", shape=k.shape)
+        # the checks below see one page of keys where the gathered copy will stand
+        kq, vq = k[0], v[0]
+    else:
+        kq = k = validate.check_varlen_rank(k, "k", "kv")
+        vq = v = validate.check_varlen_rank(v, "v", "kv")
+    q4, k4, v4 = _checked_qkv(q.unsqueeze(0), kq.unsqueeze(0), vq.unsqueeze(0))
+    q = q4[0]
+    if not paged:
+        k, v = k4[0], v4[0]
     cu_q = validate.cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total=q.shape[0],
                                total_name="q.shape[0]", device=q.device,
                                max_seqlen=max_seqlen_q, max_name="max_seqlen_q")
-    cu_k = validate.cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total=k.shape[0],
+    cu_k = validate.cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total=None if paged else k.shape[0],
                                total_name="k.shape[0]", device=q.device,
                                max_seqlen=max_seqlen_k, max_name="max_seqlen_k",
                                batch=len(cu_q) - 1)
+    if paged:  # packed like unpaged keys: cu_seqlens_k's offsets index the copy
+        k, v = _gathered(k, v, block_table, cu_k, q.device)
     window_left, window_right = validate.fa_window(window_size, causal)
     scale = validate.softmax_scale(softmax_scale, q.shape[-1])
     deterministic = validate.check_flag(deterministic, "deterministic")
@@ -214,6 +232,34 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         i = j
     out, lse = torch.cat(outs), torch.cat(lses, dim=1)
     return _returned(out, lse, return_attn_probs, return_lse)
+
+
+def _paged_cache(t: object, name: str) -> torch.Tensor:
+    """A paged cache given to flash_attn_varlen_func: (num_blocks, page_size, nheads_kv,
+    headdim)."""
+    t = validate.check_tensor(t, name)
+    if t.dim() != 4:
+        raise ValueError(f"{name}: expected a 4-D paged cache (num_blocks, page_size, nheads_kv, "
+                         f"headdim) with block_table, got shape {tuple(t.shape)}")
+    return t
+
+
+def _gathered(k: torch.Tensor, v: torch.Tensor, block_table: object, cu_k: list[int],
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's keys and values read from the pages of its block_table row into one
+    packed (total_k, nheads_kv, headdim) copy each, after the table is checked."""
+    lengths = [b - a for a, b in zip(cu_k, cu_k[1:], strict=False)]
+    pages = validate.page_table(block_table, len(lengths), device)
+    page_size, num_blocks = k.shape[1], k.shape[0]
+    if lengths and max(lengths) > pages.shape[1] * page_size:
+        raise ValueError(f"cu_seqlens_k: expected every sequence within max_blocks_per_seq * "
+                         f"page_size = {pages.shape[1] * page_size} keys, got {max(lengths)}")
+    validate.pages_in_pool(pages, lengths, page_size, num_blocks)
+    pos = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+    blocks, offsets = pages[seq, pos // page_size], pos % page_size
+    blocks, offsets = blocks.to(k.device), offsets.to(k.device)
+    return k[blocks, offsets], v[blocks, offsets]
 
 
 def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,

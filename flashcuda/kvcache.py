@@ -88,22 +88,6 @@ def _new_keys(k: object, v: object, batch: int, k_cache: torch.Tensor) -> int:
     return new
 
 
-def _page_table(block_table: object, batch: int, device: torch.device) -> torch.Tensor:
-    """block_table: (batch, max_blocks_per_seq) int32 / int64 on q's device, read on the host
-    (an int64 CPU tensor)."""
-    table = validate.check_tensor(block_table, "block_table")
-    if table.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"block_table: expected dtype int32 or int64, got "
-                        f"{str(table.dtype).removeprefix('torch.')}")
-    if table.dim() != 2 or table.shape[0] != batch:
-        raise ValueError(f"block_table: expected shape (batch = {batch}, max_blocks_per_seq), "
-                         f"got {tuple(table.shape)}")
-    if table.device != device:
-        raise ValueError(f"block_table: expected device {device} (the device of q), got "
-                         f"{table.device}")
-    return table.to("cpu", torch.long)
-
-
 def _append_slots(lengths: list[int], new: int, rows: list[int], pages: torch.Tensor | None,
                   page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache slots the appended keys go to, entry by entry, position by position: (rows,
@@ -141,7 +125,7 @@ def _entries(batch: int, new: int, k_cache: torch.Tensor, device: torch.device,
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx: expected None with block_table (a paged cache's "
                              "entries are their block_table rows)")
-        pages = _page_table(block_table, batch, device)
+        pages = validate.page_table(block_table, batch, device)
         seqlen_cache = pages.shape[1] * page_size
     else:
         seqlen_cache = k_cache.shape[1]
@@ -175,15 +159,8 @@ def _entries(batch: int, new: int, k_cache: torch.Tensor, device: torch.device,
             raise ValueError(f"cache_leftpad: expected 0 <= cache_leftpad[b] <= "
                              f"cache_seqlens[b] = {lengths}, got {starts}")
     ends = [n + new for n in lengths]  # each entry sees keys [starts[b], ends[b])
-    if paged and batch:  # the blocks each entry reads: in the pool
-        num_blocks = k_cache.shape[0]
-        used = torch.arange(pages.shape[1]) < torch.tensor([-(-n // page_size) for n in ends])[:, None]
-        bad = used & ((pages < 0) | (pages >= num_blocks))
-        if bad.any():
-            b = int(bad.any(1).nonzero()[0])
-            raise ValueError(f"block_table: expected the blocks of entry {b}'s first {ends[b]} "
-                             f"positions in [0, {num_blocks}) (k_cache.shape[0]), got "
-                             f"{pages[b, used[b]].tolist()}")
+    if paged:
+        validate.pages_in_pool(pages, ends, page_size, k_cache.shape[0])
     if paged and new and batch:
         blocks, offsets = _append_slots(lengths, new, rows, pages, page_size)
         flat = blocks * page_size + offsets

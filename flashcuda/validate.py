@@ -257,8 +257,8 @@ def check_fa_unsupported(*, dropout_p: object = 0.0, softcap: object = 0.0,
                                   f"got a {type(alibi_slopes).__name__}")
     if block_table is not None:
         raise NotImplementedError("block_table: flashcuda reads paged KV caches in "
-                                  "flash_attn_with_kvcache only; expected None, got a "
-                                  f"{type(block_table).__name__}")
+                                  "flash_attn_with_kvcache and flash_attn_varlen_func only; "
+                                  f"expected None, got a {type(block_table).__name__}")
 
 
 def check_sdpa_unsupported(*, attn_mask: object = None, dropout_p: object = 0.0) -> None:
@@ -300,12 +300,45 @@ def host_ints(t: object, name: str, batch: int, device: torch.device) -> list[in
     return [int(x) for x in t.tolist()]
 
 
-def cu_seqlens(cu: object, name: str, *, total: int, total_name: str, device: torch.device,
-               max_seqlen: object, max_name: str, batch: int | None = None) -> list[int]:
+def page_table(block_table: object, batch: int, device: torch.device) -> torch.Tensor:
+    """A paged KV cache's block table: (batch, max_blocks_per_seq) int32 / int64 on q's device,
+    read on the host (an int64 CPU tensor; one device-to-host copy)."""
+    table = check_tensor(block_table, "block_table")
+    if table.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"block_table: expected dtype int32 or int64, got "
+                        f"{_dtype_name(table.dtype)}")
+    if table.dim() != 2 or table.shape[0] != batch:
+        raise ValueError(f"block_table: expected shape (batch = {batch}, max_blocks_per_seq), "
+                         f"got {tuple(table.shape)}")
+    if table.device != device:
+        raise ValueError(f"block_table: expected device {device} (the device of q), got "
+                         f"{table.device}")
+    return table.to("cpu", torch.long)
+
+
+def pages_in_pool(pages: torch.Tensor, ends: Sequence[int], page_size: int,
+                  num_blocks: int) -> None:
+    """The blocks each entry b reads (those holding its first ends[b] positions) lie in
+    [0, num_blocks): checked on the host, since an index past the pool would be a device-side
+    assert that kills the process."""
+    if not len(ends):
+        return
+    used = torch.arange(pages.shape[1]) < torch.tensor([-(-n // page_size) for n in ends])[:, None]
+    bad = used & ((pages < 0) | (pages >= num_blocks))
+    if bad.any():
+        b = int(bad.any(1).nonzero()[0])
+        raise ValueError(f"block_table: expected the blocks of entry {b}'s first {ends[b]} "
+                         f"positions in [0, {num_blocks}) (the cache's num_blocks), got "
+                         f"{pages[b, used[b]].tolist()}")
+
+
+def cu_seqlens(cu: object, name: str, *, total: int | None, total_name: str,
+               device: torch.device, max_seqlen: object, max_name: str,
+               batch: int | None = None) -> list[int]:
     """FlashAttention's cumulative sequence lengths: a 1-D int32 tensor on the inputs' device,
     [0, l_0, l_0 + l_1, ..., total] (non-decreasing, batch + 1 entries, the last one the packed
-    length), and `max_seqlen` an int at least the longest l_i. Returns the offsets as host ints
-    (one device-to-host copy)."""
+    length unless total is None: a paged cache's keys are not packed), and `max_seqlen` an int
+    at least the longest l_i. Returns the offsets as host ints (one device-to-host copy)."""
     cu = check_tensor(cu, name)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name}: expected dtype int32, got {_dtype_name(cu.dtype)}")
@@ -324,7 +357,7 @@ def cu_seqlens(cu: object, name: str, *, total: int, total_name: str, device: to
         if offsets[i + 1] < offsets[i]:
             raise ValueError(f"{name}: expected non-decreasing offsets, got {offsets[i]} then "
                              f"{offsets[i + 1]} at entries {i}, {i + 1}")
-    if offsets[-1] != total:
+    if total is not None and offsets[-1] != total:
         raise ValueError(f"{name}: expected the last entry to equal {total_name} = {total}, got "
                          f"{offsets[-1]}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):

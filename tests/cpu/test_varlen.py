@@ -208,7 +208,93 @@ def test_malformed_arguments_are_refused_by_name(label, exc, message, changes, m
 
 def test_unimplemented_arguments_are_refused():
     args = _bad()
-    with pytest.raises(NotImplementedError, match="block_table"):
-        flash_attn_varlen_func(**args, block_table=torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="dropout_p"):
         flash_attn_varlen_func(**args, dropout_p=0.1)
+
+
+def _paged(case, page, seed):
+    """The case's keys / values laid into shuffled pages of `page` positions (2 spare blocks;
+    every position no sequence owns NaN), with the block table; and the packed keys / values
+    the oracle reads."""
+    q, k, v, cu_q, cu_k = _inputs(case, torch.float32, seed=seed)
+    lengths = case[1]
+    blocks = max(-(-n // page) for n in lengths) if lengths else 1
+    g = torch.Generator().manual_seed(seed + 7)
+    order = torch.randperm(len(lengths) * blocks + 2, generator=g)
+    table = order[:len(lengths) * blocks].view(len(lengths), blocks).to(torch.int32)
+    pools = [torch.full((len(lengths) * blocks + 2, page, *k.shape[1:]), float("nan"))
+             for _ in range(2)]
+    for i, n in enumerate(lengths):
+        for p in range(n):
+            for pool, t in zip(pools, (k, v), strict=True):
+                pool[table[i, p // page], p % page] = t[cu_k[i] + p]
+    return q, k, v, cu_q, cu_k, pools, table
+
+
+@pytest.mark.parametrize("page", [1, 3, 16])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_paged_keys_match_the_oracle(case, page):
+    """block_table: each sequence's keys read through its pages (shuffled; NaN wherever no
+    sequence owns the position) give the unpaged call's oracle result."""
+    q, k, v, cu_q, cu_k, (pk, pv), table = _paged(case, page, seed=5)
+    causal, window = case[5], case[6]
+    out, lse = flash_attn_varlen_func(q, pk, pv, cu_q, cu_k, max(case[0], default=0),
+                                      max(case[1], default=0), causal=causal, window_size=window,
+                                      block_table=table, return_lse=True)
+    ref, ref_lse = _per_sequence(lambda a, b, c: attention_ref(a, b, c, causal=causal,
+                                                               window_size=window),
+                                 q, k, v, cu_q.tolist(), cu_k.tolist())
+    assert out.shape == q.shape and max_error(out, ref) <= 2e-6
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert max_error(lse[finite], ref_lse[finite]) <= 2e-6
+
+
+def test_paged_gradients_reach_the_pages():
+    """With block_table, dk / dv land in the pages each sequence read (autograd through the
+    gather), the oracle's gradients of the packed keys put in their pages; other blocks 0."""
+    case = CASES[1]
+    q, k, v, cu_q, cu_k, pools, table = _paged(case, 4, seed=9)
+    pk, pv = (torch.nan_to_num(t).requires_grad_() for t in pools)
+    q.requires_grad_()
+    out = flash_attn_varlen_func(q, pk, pv, cu_q, cu_k, max(case[0]), max(case[1]), causal=True,
+                                 block_table=table)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    dq, dpk, dpv = torch.autograd.grad(out, (q, pk, pv), dout)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = _per_sequence(lambda a, b, c: attention_ref(a, b, c, causal=True), *leaves,
+                               cu_q.tolist(), cu_k.tolist())
+    rq, rk, rv = torch.autograd.grad(ref_out, leaves, dout.double())
+    want_k, want_v = torch.zeros_like(dpk, dtype=torch.float64), torch.zeros_like(dpv,
+                                                                                 dtype=torch.float64)
+    cu = cu_k.tolist()
+    for i, n in enumerate(case[1]):
+        for p in range(n):
+            slot = (int(table[i, p // 4]), p % 4)
+            want_k[slot], want_v[slot] = rk[cu[i] + p], rv[cu[i] + p]
+    for name, got, want in (("dq", dq, rq), ("dk", dpk, want_k), ("dv", dpv, want_v)):
+        assert max_error(got, want) <= 1e-5 * (1 + want.abs().max().item()), name
+
+
+def test_paged_arguments_are_refused_by_name():
+    case = CASES[0]
+    q, k, v, cu_q, cu_k, (pk, pv), table = _paged(case, 8, seed=11)
+    args = dict(q=q, k=pk, v=pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=33,
+                max_seqlen_k=33)
+    with pytest.raises(ValueError, match="k: expected a 4-D paged cache"):
+        flash_attn_varlen_func(**{**args, "k": k, "v": v}, block_table=table)
+    with pytest.raises(ValueError, match="v: expected shape"):
+        flash_attn_varlen_func(**{**args, "v": pv[:, :4]}, block_table=table)
+    with pytest.raises(TypeError, match="block_table: expected dtype int32 or int64"):
+        flash_attn_varlen_func(**args, block_table=table.float())
+    with pytest.raises(ValueError, match="block_table: expected shape \\(batch = 3"):
+        flash_attn_varlen_func(**args, block_table=table[:2])
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected every sequence within"):
+        flash_attn_varlen_func(**args, block_table=table[:, :2])
+    bad = table.clone()
+    bad[2, 4] = 99
+    with pytest.raises(ValueError, match="block_table: expected the blocks of entry 2's first 33"):
+        flash_attn_varlen_func(**args, block_table=bad)
+    bad[2, 4] = table[2, 4]
+    bad[0, 3] = -1  # past sequence 0's 17 keys (3 blocks of 8): never read
+    assert flash_attn_varlen_func(**args, block_table=bad).shape == q.shape

@@ -52,3 +52,30 @@ def test_varlen_matches_the_oracle_per_sequence(case, dtype):
         ref, base = boundary.oracle_grads(qi, ki, vi, dout[sq][None], causal, window)
         # dk / dv of sequence i come from sequence i's queries only
         boundary.check_grads((dq[sq][None], dk[sk][None], dv[sk][None]), ref, base, dtype)
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=str)
+def test_paged_varlen_matches_the_oracle_per_sequence(case):
+    """block_table: the keys / values in shuffled 16-position pages (NaN where no sequence owns
+    a position), bf16; each sequence against the oracle on its own keys, no autograd."""
+    lq, lk, h, hkv, d, causal, window = case
+    dtype, page = torch.bfloat16, 16
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = _packed(lq, h, d, dtype, g), _packed(lk, hkv, d, dtype, g), _packed(lk, hkv, d, dtype, g)
+    (cq, cu_q), (ck, cu_k) = _cu(lq), _cu(lk)
+    blocks = max(-(-n // page) for n in lk)
+    order = torch.randperm(len(lk) * blocks + 2, device="cuda", generator=g)
+    table = order[:len(lk) * blocks].view(len(lk), blocks).to(torch.int32)
+    pools = [torch.full((len(lk) * blocks + 2, page, hkv, d), float("nan"), device="cuda",
+                        dtype=dtype) for _ in range(2)]
+    for i, n in enumerate(lk):
+        pos = torch.arange(n, device="cuda")
+        for pool, t in zip(pools, (k, v), strict=True):
+            pool[table[i, pos // page].long(), pos % page] = t[ck[i]:ck[i + 1]]
+    with torch.no_grad():
+        out, lse = flash_attn_varlen_func(q, *pools, cu_q, cu_k, max(lq), max(lk), causal=causal,
+                                          window_size=window, block_table=table, return_lse=True)
+    for i in range(len(lq)):
+        sq, sk = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        boundary.check_forward(out[sq][None], lse[:, sq][None], q[sq][None], k[sk][None],
+                               v[sk][None], causal, window)
