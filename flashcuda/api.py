@@ -194,8 +194,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if paged:
         k, v = (_paged_cache(t, n) for t, n in ((k, "k"), (v, "v")))
         validate.check_shape_dtype_device(v, "v", shape=k.shape)
-        # the checks below see one page of keys where the gathered copy will stand
-        kq, vq = k[0], v[0]
+        # the checks below see a key of the caches' kind where the gathered copy will stand
+        kq, vq = (t.new_empty((1, *t.shape[2:])) for t in (k, v))
     else:
         kq = k = validate.check_varlen_rank(k, "k", "kv")
         vq = v = validate.check_varlen_rank(v, "v", "kv")

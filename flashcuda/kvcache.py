@@ -13,6 +13,7 @@ table and rotate nothing themselves.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -294,7 +295,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     runs = _runs(batch, same)
     if paged:
-        entry_bytes = 2 * max(ends, default=0) * k_cache[0, 0].numel() * k_cache.element_size()
+        row_bytes = math.prod(k_cache.shape[2:]) * k_cache.element_size()
+        entry_bytes = 2 * max(ends, default=0) * row_bytes
         per_gather = max(1, GATHER_BYTES // max(entry_bytes, 1))
         runs = [(c, min(c + per_gather, e)) for b, e in runs for c in range(b, e, per_gather)]
     names = ("q", "k_cache", "v_cache")
@@ -305,7 +307,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         span = slice(starts[b], ends[b])
         if paged:  # stride-0 stand-ins of the gathered copy's (e - b, span, nheads_kv, headdim)
             shape = (e - b, ends[b] - starts[b], *k_cache.shape[2:])
-            kc, vc = k_cache[:1, :1].expand(shape), v_cache[:1, :1].expand(shape)
+            kc, vc = (t.new_empty((1, 1, *t.shape[2:])).expand(shape) for t in (k_cache, v_cache))
         else:
             kc, vc = (t[rows[b]:rows[b] + e - b, span] for t in (k_cache, v_cache))
         _checked_qkv(q[b:e], kc, vc, names=names)

@@ -243,7 +243,7 @@ def check_dropout(dropout_p: object) -> None:
 
 
 def check_fa_unsupported(*, dropout_p: object = 0.0, softcap: object = 0.0,
-                         alibi_slopes: object = None, block_table: object = None) -> None:
+                         alibi_slopes: object = None) -> None:
     """Arguments FlashAttention accepts that flashcuda does not implement: rejected, never ignored."""
     check_dropout(dropout_p)
     cap = _check_number(softcap, "softcap")
@@ -255,10 +255,6 @@ def check_fa_unsupported(*, dropout_p: object = 0.0, softcap: object = 0.0,
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: flashcuda has no ALiBi bias yet; expected None, "
                                   f"got a {type(alibi_slopes).__name__}")
-    if block_table is not None:
-        raise NotImplementedError("block_table: flashcuda reads paged KV caches in "
-                                  "flash_attn_with_kvcache and flash_attn_varlen_func only; "
-                                  f"expected None, got a {type(block_table).__name__}")
 
 
 def check_sdpa_unsupported(*, attn_mask: object = None, dropout_p: object = 0.0) -> None:
@@ -319,8 +315,8 @@ def page_table(block_table: object, batch: int, device: torch.device) -> torch.T
 def pages_in_pool(pages: torch.Tensor, ends: Sequence[int], page_size: int,
                   num_blocks: int) -> None:
     """The blocks each entry b reads (those holding its first ends[b] positions) lie in
-    [0, num_blocks): checked on the host, since an index past the pool would be a device-side
-    assert that kills the process."""
+    [0, num_blocks): checked on the host, since an index past the pool would fail a
+    device-side check that kills the process."""
     if not len(ends):
         return
     used = torch.arange(pages.shape[1]) < torch.tensor([-(-n // page_size) for n in ends])[:, None]

@@ -276,3 +276,13 @@ def test_query_with_a_strided_last_dimension_is_copied_then_attends(monkeypatch)
     out, lse = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=25,
                                                  return_softmax_lse=True)
     check(out, lse, q, k_cache[:, :25], v_cache[:, :25], 0.25, False, (-1, -1))
+
+
+def test_empty_page_pool_with_entries_that_see_no_key():
+    """A pool of no blocks is a valid paged cache for entries with no keys: out 0, lse -inf."""
+    q = torch.randn(2, 1, 2, 16)
+    pool = torch.randn(0, 4, 2, 16)
+    out, lse = flashcuda.flash_attn_with_kvcache(q, pool, pool, cache_seqlens=0,
+                                                 block_table=torch.zeros(2, 1, dtype=torch.int32),
+                                                 return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(q)) and torch.isneginf(lse).all()

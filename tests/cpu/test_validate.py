@@ -208,8 +208,6 @@ def test_unsupported_features_are_rejected_not_ignored():
         validate.check_fa_unsupported(softcap=-1.0)
     with pytest.raises(NotImplementedError, match="alibi_slopes: .* expected None, got a Tensor"):
         validate.check_fa_unsupported(alibi_slopes=torch.ones(4))
-    with pytest.raises(NotImplementedError, match="block_table: .* expected None"):
-        validate.check_fa_unsupported(block_table=torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="attn_mask: .* expected None, got a Tensor"):
         validate.check_sdpa_unsupported(attn_mask=torch.ones(1, 1, dtype=torch.bool))
     with pytest.raises(TypeError, match="dropout_p: expected a float, got NoneType"):

@@ -298,3 +298,13 @@ def test_paged_arguments_are_refused_by_name():
     bad[2, 4] = table[2, 4]
     bad[0, 3] = -1  # past sequence 0's 17 keys (3 blocks of 8): never read
     assert flash_attn_varlen_func(**args, block_table=bad).shape == q.shape
+
+
+def test_paged_empty_pool_with_sequences_that_see_no_key():
+    """A pool of no blocks is a valid paged cache for sequences with no keys: out 0, lse -inf."""
+    q = torch.randn(2, 2, 16)
+    pool = torch.randn(0, 4, 2, 16)
+    out, lse = flash_attn_varlen_func(q, pool, pool, _cu((1, 1)), _cu((0, 0)), 1, 0,
+                                      block_table=torch.zeros(2, 1, dtype=torch.int32),
+                                      return_lse=True)
+    assert torch.equal(out, torch.zeros_like(q)) and torch.isneginf(lse).all()
