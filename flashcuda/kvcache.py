@@ -20,6 +20,7 @@ import torch
 
 from . import validate
 from .api import _checked_qkv, _last_dim_contiguous
+from .ops import decode, fwd_decode
 from .ops.attention import attention
 
 # A paged run's gathered keys and values (both) are copied at most this many bytes at a time
@@ -99,6 +100,28 @@ def _append_slots(lengths: list[int], new: int, rows: list[int], pages: torch.Te
     if pages is not None:
         return pages.gather(1, pos // page_size).flatten(), (pos % page_size).flatten()
     return torch.tensor(rows, dtype=torch.long).repeat_interleave(new), pos.flatten()
+
+
+def _decode_in_one_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        scale: float, ent: _Entries, window_left: int | None,
+                        window_right: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decoding step (one query per entry) of entries on consecutive cache rows, each seeing
+    its first ends[b] keys, as one call of the decode kernels with the counts as a device
+    tensor (however ragged the lengths); None where that call cannot run it."""
+    batch = q.shape[0]
+    if q.shape[1] != 1 or batch == 0 or any(ent.starts) or not max(ent.ends):
+        return None
+    r0 = ent.rows[0]
+    if ent.rows != list(range(r0, r0 + batch)):
+        return None
+    if (window_left is not None and window_left < max(ent.ends) - 1) or \
+            (window_right is not None and window_right < 0):
+        return None
+    kc, vc = (t[r0:r0 + batch, :max(ent.ends)] for t in (k_cache, v_cache))
+    if not (decode.KERNEL and decode.kernel_allowed()) or fwd_decode.can_take(q, kc, vc):
+        return None
+    counts = torch.tensor(ent.ends, dtype=torch.int32).to(q.device, non_blocking=True)
+    return fwd_decode.attention(q, kc, vc, scale, counts)
 
 
 class _Entries(NamedTuple):
@@ -330,7 +353,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 index = tuple(t.to(k_cache.device) for t in slots)
                 k_cache[index] = k.reshape(-1, *k.shape[2:])
                 v_cache[index] = v.reshape(-1, *v.shape[2:])
-        if batch == 0:
+        one = None if paged else _decode_in_one_call(q, k_cache, v_cache, scale, ent,
+                                                     window_left, window_right)
+        if one is not None:
+            results, runs = [one], []
+        elif batch == 0:
             results = [attention(q, k_cache[:0, :0], v_cache[:0, :0], scale, window_left,
                                  window_right)]
         else:

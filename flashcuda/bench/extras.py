@@ -271,15 +271,15 @@ def measure_long_context(flashcuda_impl: Impl, reference: Impl | None, timer: Ti
 
 @contextlib.contextmanager
 def decode_off():
-    """ops.decode's packing and split off for the block (the decode extra's control)."""
+    """ops.decode's kernels, packing and split off for the block (the decode extra's control)."""
     from ..ops import decode
 
-    saved = decode.PACK_GQA, decode.SPLIT_MIN_KEYS
-    decode.PACK_GQA, decode.SPLIT_MIN_KEYS = False, 2 ** 62
+    saved = decode.KERNEL, decode.PACK_GQA, decode.SPLIT_MIN_KEYS
+    decode.KERNEL, decode.PACK_GQA, decode.SPLIT_MIN_KEYS = False, False, 2 ** 62
     try:
         yield
     finally:
-        decode.PACK_GQA, decode.SPLIT_MIN_KEYS = saved
+        decode.KERNEL, decode.PACK_GQA, decode.SPLIT_MIN_KEYS = saved
 
 
 def _decode_calls(impls: list[Impl], q, k, v, scale: float) -> dict:

@@ -21,6 +21,7 @@ _KERNEL_MODULES = (
     "flashcuda.ops.bwd_simt",
     "flashcuda.ops.fwd_sm80",
     "flashcuda.ops.fwd_sm90",
+    "flashcuda.ops.fwd_decode",
     "flashcuda.ops.bwd_sm80",
     "flashcuda.ops.bwd_sm90",
     "flashcuda.ops.bwd_sm90_wide",

@@ -1,6 +1,11 @@
 """Decoding: one query row per (batch entry, head) that sees every one of its keys, run in the
-shape the GPU needs (no kernel of its own; the forward kernels on other views of the call).
+shape the GPU needs.
 
+    kernel        the decode kernels (family fwd_decode, ops/fwd_decode.py: split-KV with fp32 partials and a
+                  combine, a KV head's query group in one CTA) wherever they take the call
+                  (CUDA, sm >= 80, fp16 / bf16, head_dim a multiple of 8 up to 256).
+Elsewhere (fp32, other head dims, CPU tensors) the forward kernels run on other views of the
+call:
     packed_gqa    with GQA, a KV head's `group` query heads become `group` query rows of one
                   head (a view of q, no copy): the kernels read each KV head's keys once for
                   the group, as FlashAttention's pack_gqa / FA2's seqlenq_ngroups_swapped do,
@@ -23,6 +28,9 @@ from collections.abc import Callable
 
 import torch
 
+from . import dispatch, fwd_decode
+
+KERNEL = True
 PACK_GQA = True
 SPLIT_MIN_KEYS = 8192
 SPLIT_MIN_CHUNK = 1024
@@ -38,6 +46,13 @@ def _sms(device: torch.device) -> int:
     if device.type != "cuda" or not torch.cuda.is_available():
         return 0
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def kernel_allowed() -> bool:
+    """The decode kernels may run: FLASHCUDA_FORCE_KERNEL names no forward family, or names
+    fwd_decode among them (a test forcing fwd_simt gets fwd_simt)."""
+    forward = dispatch.families("fwd")
+    return forward == dispatch.FWD_FAMILIES or "fwd_decode" in forward
 
 
 def packed_gqa(q: torch.Tensor, nheads_kv: int) -> torch.Tensor:
@@ -92,6 +107,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     if (window_left is not None and window_left < keys - 1) or \
             (window_right is not None and window_right < 0):
         return None
+    if KERNEL and kernel_allowed() and fwd_decode.can_take(q, k, v) is None:
+        return fwd_decode.attention(q, k, v, scale)
     pack = PACK_GQA and nheads > nheads_kv
     rows = packed_gqa(q, nheads_kv) if pack else q
     chunk = split_chunk(keys, rows.shape[2], _sms(q.device)) if batch == 1 else 0

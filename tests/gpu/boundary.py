@@ -424,6 +424,7 @@ def prepare(monkeypatch, family: str) -> list[tuple[str, str]]:
     dispatch._reset()  # as tests/gpu/test_fwd_sm90.py: forget plans made under other settings
     # each case's call reaches the kernels as it is: no decoding views (GQA packing, the split
     # of one row's keys: tests/gpu/test_api.py covers them)
+    monkeypatch.setattr(decode, "KERNEL", False)
     monkeypatch.setattr(decode, "PACK_GQA", False)
     monkeypatch.setattr(decode, "SPLIT_MIN_KEYS", 2 ** 62)
     monkeypatch.setattr(attention_ops, "_empty_fwd", _nan_empty_fwd)

@@ -1,0 +1,242 @@
+// Flash decoding: one query row per (batch entry, query head) over a KV cache, the keys split
+// across CTAs (split-KV), fp32 partials combined by a second kernel. Memory-bound work: every
+// byte of K and V is read once per KV head, by CUDA-core FMAs (no tensor cores: a KV head's
+// query group is 1-8 rows, far from an MMA tile, and the FMAs stay under the cache's bandwidth).
+//
+// | feature         | here                                                                       |
+// |-----------------|----------------------------------------------------------------------------|
+// | dtypes          | fp16, bf16 storage (FC_DTYPE); fp32 compute, fp32 partials                 |
+// | head dim        | any multiple of 8 up to FC_HEAD_DIM (64, 128, 256): 16-byte rows per lane   |
+// | GQA / MQA       | a KV head's query group (FC_ROWS rows per CTA) reads the keys once         |
+// | key counts      | seqused[b] keys of entry b (a device tensor), or all seqlen_k              |
+// | strides         | any (batch, row, head) strides in elements, multiples of 8; unit last      |
+// | outputs         | splits == 1: out (B, 1, H, D) in q's dtype and lse (B, H) fp32, natural;   |
+// |                 | splits > 1: o_part (S, B, H, D) fp32 normalised, lse_part (S, B, H), then  |
+// |                 | FC_STAGE 1 (the combine) writes out and lse                                |
+//
+// FC_STAGE 0 (split): grid (splits, nheads_kv * row_blocks, batch), 128 threads. A CTA owns
+// keys [split * chunk, min((split + 1) * chunk, count)) of one KV head for FC_ROWS query heads
+// of its group. A key's row of K (and of V) is read by kLanes lanes, 8 elements (16 bytes) each;
+// a warp holds 32 / kLanes keys at once (its slots), the CTA kSlots = 4 * 32 / kLanes; each
+// slot runs its own online softmax over the keys it meets (kUnroll per step, loads first).
+// At the end the slots' (m, l, acc) meet in shared memory: M = max m, L = sum l 2^(m - M),
+// out = sum acc 2^(m - M) / L. A CTA with no key writes out 0 and lse -inf (every row that
+// sees no key does: online_softmax.cuh).
+//
+// FC_STAGE 1 (combine): grid (batch * nheads), 128 threads: lse = log sum_s exp(lse_s),
+// out = sum_s exp(lse_s - lse) o_s, rounded once to q's dtype.
+#include "attention/online_softmax.cuh"
+#include "common/types.cuh"
+
+using T = dtype_of<FC_DTYPE>::type;
+static_assert(sizeof(T) == 2, "the decode kernels take 16-bit storage");
+constexpr int kThreads = 128;
+
+#if FC_STAGE == 0
+
+constexpr int kHeadDim = FC_HEAD_DIM;   // largest head dim of this specialisation
+constexpr int kRows = FC_ROWS;          // query heads (rows) per CTA, of one KV head's group
+constexpr int kUnroll = FC_UNROLL;      // keys per slot per step (their loads issued together)
+constexpr int kLanes = kHeadDim / 8;    // lanes per key: 8 elements (16 bytes) each
+constexpr int kSlotsPerWarp = 32 / kLanes;
+constexpr int kSlots = (kThreads / 32) * kSlotsPerWarp;
+static_assert(kLanes >= 1 && kLanes <= 32 && 32 % kLanes == 0, "a key's lanes within a warp");
+
+struct Vec8 {
+  float x[8];
+};
+
+// 8 consecutive 16-bit values (16 bytes, 16-byte aligned) -> 8 floats; zeros when !valid.
+__device__ __forceinline__ Vec8 load8(const T* p, bool valid) {
+  uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+  if (valid) raw = __ldg(reinterpret_cast<const uint4*>(p));
+  const Float2 a = unpack2<T>(raw.x), b = unpack2<T>(raw.y), c = unpack2<T>(raw.z),
+               d = unpack2<T>(raw.w);
+  return Vec8{{a.lo, a.hi, b.lo, b.hi, c.lo, c.hi, d.lo, d.hi}};
+}
+
+// Sum over the kLanes lanes of one key (consecutive lanes of a warp): every lane gets it.
+__device__ __forceinline__ float key_sum(float x) {
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+struct SplitSmem {
+  float m[kSlots][kRows];
+  float l[kSlots][kRows];
+  float acc[kSlots][kRows][kHeadDim];
+  float row_m[kRows];
+  float row_inv[kRows];
+};
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
+    const T* __restrict__ q,       // [B, 1, H, D]
+    const T* __restrict__ k,       // [B, Sk, Hkv, D]
+    const T* __restrict__ v,       // [B, Sk, Hkv, D]
+    T* __restrict__ out,           // [B, 1, H, D]          (splits == 1)
+    float* __restrict__ lse,       // [B, H] contiguous      (splits == 1)
+    float* __restrict__ o_part,    // [S, B, H, D] contiguous (splits > 1)
+    float* __restrict__ lse_part,  // [S, B, H] contiguous    (splits > 1)
+    const int* __restrict__ seqused,  // [B] keys per entry, or null: seqlen_k each
+    int64_t q_batch_stride, int64_t q_head_stride,
+    int64_t k_batch_stride, int64_t k_row_stride, int64_t k_head_stride,
+    int64_t v_batch_stride, int64_t v_row_stride, int64_t v_head_stride,
+    int64_t o_batch_stride, int64_t o_head_stride,
+    int batch, int seqlen_k, int nheads, int nheads_kv, int head_dim, int splits, int chunk,
+    float scale_log2) {
+  __shared__ SplitSmem sm;
+  const int split = blockIdx.x;
+  const int group = nheads / nheads_kv;
+  const int row_blocks = (group + kRows - 1) / kRows;
+  const int kv_head = blockIdx.y / row_blocks;
+  const int head0 = kv_head * group + (blockIdx.y % row_blocks) * kRows;
+  const int rows = min(kRows, kv_head * group + group - head0);
+  const int b = blockIdx.z;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot = warp * kSlotsPerWarp + lane / kLanes;
+  const int sub = lane % kLanes;         // this lane's 8 elements: [8 sub, 8 sub + 8)
+  const bool has_cols = 8 * sub < head_dim;
+
+  int count = seqused != nullptr ? seqused[b] : seqlen_k;
+  count = max(0, min(count, seqlen_k));
+  const int key_begin = split * chunk;
+  const int key_end = min(key_begin + chunk, count);
+
+  // This lane's part of each query row, pre-scaled into the log2 domain.
+  float qf[kRows][8];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const Vec8 x = load8(q + b * q_batch_stride + (head0 + min(r, rows - 1)) * q_head_stride + 8 * sub,
+                         has_cols);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qf[r][i] = x.x[i] * scale_log2;
+  }
+  float acc[kRows][8];
+  OnlineSoftmax state[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    state[r].init();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[r][i] = 0.f;
+  }
+
+  const T* k_head = k + b * k_batch_stride + kv_head * k_head_stride + 8 * sub;
+  const T* v_head = v + b * v_batch_stride + kv_head * v_head_stride + 8 * sub;
+#pragma unroll 1
+  for (int key0 = key_begin; key0 < key_end; key0 += kSlots * kUnroll) {
+    Vec8 kx[kUnroll], vx[kUnroll];
+    bool valid[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int key = key0 + u * kSlots + slot;
+      valid[u] = key < key_end;
+      kx[u] = load8(k_head + key * k_row_stride, valid[u] && has_cols);
+      vx[u] = load8(v_head + key * v_row_stride, valid[u] && has_cols);
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float s[kUnroll];
+      float tile_max = neg_inf();
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dot = fmaf(qf[r][i], kx[u].x[i], dot);
+        dot = key_sum(dot);
+        s[u] = valid[u] ? dot : neg_inf();
+        tile_max = fmaxf(tile_max, s[u]);
+      }
+      const float corr = state[r].update(tile_max);
+      const float ref = state[r].ref();
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[r][i] *= corr;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const float p = fast_exp2(s[u] - ref);
+        sum += p;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(p, vx[u].x[i], acc[r][i]);
+      }
+      state[r].add(sum);
+    }
+  }
+
+  // The slots meet: each lane parks its acc columns, lane 0 of a key its (m, l).
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (has_cols) sm.acc[slot][r][8 * sub + i] = acc[r][i];
+    if (sub == 0) {
+      sm.m[slot][r] = state[r].m;
+      sm.l[slot][r] = state[r].l;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kRows) {
+    const int r = threadIdx.x;
+    float m = neg_inf();
+    for (int s = 0; s < kSlots; ++s) m = fmaxf(m, sm.m[s][r]);
+    const float ref = m == neg_inf() ? 0.f : m;
+    float l = 0.f;
+    for (int s = 0; s < kSlots; ++s) l += sm.l[s][r] * fast_exp2(sm.m[s][r] - ref);
+    sm.row_m[r] = m;
+    sm.row_inv[r] = l > 0.f ? 1.f / l : 0.f;
+    if (r < rows) {
+      const float row_lse = l > 0.f ? m * kLn2 + fast_log2(l) * kLn2 : neg_inf();
+      const int64_t at = static_cast<int64_t>(b) * nheads + head0 + r;
+      if (splits == 1) lse[at] = row_lse;
+      else lse_part[static_cast<int64_t>(split) * batch * nheads + at] = row_lse;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < kRows * head_dim; e += kThreads) {
+    const int r = e / head_dim, col = e % head_dim;
+    if (r >= rows) break;
+    const float m = sm.row_m[r];
+    const float ref = m == neg_inf() ? 0.f : m;
+    float val = 0.f;
+    for (int s = 0; s < kSlots; ++s) val += sm.acc[s][r][col] * fast_exp2(sm.m[s][r] - ref);
+    val *= sm.row_inv[r];
+    const int head = head0 + r;
+    if (splits == 1)
+      out[b * o_batch_stride + head * o_head_stride + col] = from_float<T>(val);
+    else
+      o_part[((static_cast<int64_t>(split) * batch + b) * nheads + head) * head_dim + col] = val;
+  }
+}
+
+#else  // FC_STAGE == 1: the combine
+
+extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
+    const float* __restrict__ o_part,    // [S, B, H, D]
+    const float* __restrict__ lse_part,  // [S, B, H]
+    T* __restrict__ out,                 // [B, 1, H, D]
+    float* __restrict__ lse,             // [B, H] contiguous
+    int64_t o_batch_stride, int64_t o_head_stride,
+    int batch, int nheads, int head_dim, int splits) {
+  const int bh = blockIdx.x;  // b * nheads + head
+  const int b = bh / nheads, head = bh % nheads;
+  const int64_t stride = static_cast<int64_t>(batch) * nheads;
+  // Every thread reduces the splits' lse itself (splits are few; no barrier needed).
+  float m = neg_inf();
+  for (int s = 0; s < splits; ++s) m = fmaxf(m, lse_part[s * stride + bh]);
+  const float ref = m == neg_inf() ? 0.f : m;
+  float l = 0.f;
+  for (int s = 0; s < splits; ++s) l += fast_exp2((lse_part[s * stride + bh] - ref) * kLog2e);
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  if (threadIdx.x == 0) lse[bh] = l > 0.f ? ref + fast_log2(l) * kLn2 : neg_inf();
+  for (int col = threadIdx.x; col < head_dim; col += kThreads) {
+    float val = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float w = fast_exp2((lse_part[s * stride + bh] - ref) * kLog2e);
+      val = fmaf(w, o_part[(s * stride + bh) * head_dim + col], val);
+    }
+    out[b * o_batch_stride + head * o_head_stride + col] = from_float<T>(val * inv);
+  }
+}
+
+#endif

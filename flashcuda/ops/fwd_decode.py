@@ -1,0 +1,158 @@
+"""Flash decoding (kernels/attention/flash_decode.cu): one query row per (entry, query head) over
+its keys, split across CTAs with fp32 partials and one combine kernel. fp16 / bf16, head_dim a
+multiple of 8 up to 256, sm >= 80.
+
+    attention(q, k, v, scale, seqused=None) -> (out (B, 1, H, D), lse (B, H, 1))
+
+q (B, 1, H, D); k, v (B, Sk, Hkv, D), H a multiple of Hkv; entry b sees its first seqused[b]
+keys (an int32 device tensor: the counts never come to the host) or all Sk. A KV head's query
+group runs in one CTA's rows (the keys read once per group), and the keys of each (entry, KV
+head) are cut into `splits` pieces, picked from the SM count so the GPU fills however small the
+batch; with splits > 1 each piece writes its normalised out and lse in fp32 and the combine
+rounds once. So the result has one rounding (out to q's dtype) like a single kernel call.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..jit import KernelSpec, get_kernel, register
+from .call import DTYPE_CODE, DTYPE_NAME, LOG2E
+
+SOURCE = "attention/flash_decode.cu"
+ARCHS = ("sm_80", "sm_90a")
+DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128, 256)  # kernel buckets: a head dim multiple of 8 runs in the next one up
+ROWS = (1, 2, 4, 8)  # query rows (heads of one KV head's group) per CTA
+UNROLL = 4  # keys per slot per step
+THREADS = 128
+MAX_SPLITS = 128
+MIN_SPLIT_KEYS = 256  # no piece shorter than this (the combine and the CTA's start cost)
+CTAS_PER_SM = 4  # the split aims at this many CTAs per SM (loads in flight)
+MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    dtype: torch.dtype
+    head_dim: int  # FC_HEAD_DIM: the bucket
+    rows: int  # FC_ROWS
+
+    @property
+    def slots(self) -> int:
+        """Keys the CTA reads at once per unrolled step: 4 warps x 32 / (head_dim / 8) lanes."""
+        return (THREADS // 32) * (32 // (self.head_dim // 8))
+
+    @property
+    def name(self) -> str:
+        return f"flash_decode_{DTYPE_NAME[self.dtype]}_d{self.head_dim}_r{self.rows}_u{UNROLL}"
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec.make(self.name, SOURCE, defines={
+            "FC_STAGE": 0, "FC_DTYPE": DTYPE_CODE[self.dtype], "FC_HEAD_DIM": self.head_dim,
+            "FC_ROWS": self.rows, "FC_UNROLL": UNROLL})
+
+
+def combine_spec(dtype: torch.dtype) -> KernelSpec:
+    return KernelSpec.make(f"flash_decode_combine_{DTYPE_NAME[dtype]}", SOURCE,
+                           defines={"FC_STAGE": 1, "FC_DTYPE": DTYPE_CODE[dtype]})
+
+
+def config_for(dtype: torch.dtype, head_dim: int, group: int) -> DecodeConfig:
+    bucket = next(d for d in HEAD_DIMS if head_dim <= d)
+    rows = next((r for r in ROWS if group <= r), ROWS[-1])
+    return DecodeConfig(dtype, bucket, rows)
+
+
+@functools.cache
+def _device_ok(device: torch.device) -> tuple[bool, int]:
+    """(sm >= 80, SM count) of a CUDA device."""
+    props = torch.cuda.get_device_properties(device)
+    return (props.major, props.minor) >= (8, 0), props.multi_processor_count
+
+
+def can_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None if the decode kernels take this call (q (B, 1, H, D); shapes already validated),
+    else why not."""
+    if q.device.type != "cuda" or not torch.cuda.is_available():
+        return "the decode kernels run on CUDA devices"
+    if q.dtype not in DTYPES:
+        return f"the decode kernels take float16 / bfloat16, got {q.dtype}"
+    head_dim = q.shape[3]
+    if head_dim % 8 or head_dim > HEAD_DIMS[-1]:
+        return f"the decode kernels take head_dim a multiple of 8 up to 256, got {head_dim}"
+    if q.shape[1] != 1:
+        return "the decode kernels take one query row per entry"
+    if q.shape[0] > MAX_GRID_YZ or k.shape[2] * q.shape[2] > MAX_GRID_YZ:
+        return "batch or heads beyond the grid's limit"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(3) != 1 or t.data_ptr() % 16 or any(
+                t.stride(i) % 8 for i in range(3) if t.shape[i] > 1):
+            return f"{name} is not readable in 16-byte rows (strides {tuple(t.stride())})"
+    ok, _ = _device_ok(q.device)
+    return None if ok else "the decode kernels need compute capability >= 8.0"
+
+
+def plan_splits(batch: int, nheads_kv: int, row_blocks: int, seqlen_k: int, sms: int,
+                slots: int) -> tuple[int, int]:
+    """(splits, chunk): the keys of each (entry, KV head, row block) cut into `splits` pieces of
+    `chunk` keys (a multiple of the CTA's step), enough CTAs for CTAS_PER_SM per SM, none
+    shorter than MIN_SPLIT_KEYS."""
+    step = slots * UNROLL
+    base = batch * nheads_kv * row_blocks
+    want = -(-CTAS_PER_SM * sms // max(base, 1))
+    splits = max(1, min(want, MAX_SPLITS, seqlen_k // MIN_SPLIT_KEYS))
+    chunk = -(-max(seqlen_k, 1) // (splits * step)) * step
+    return -(-max(seqlen_k, 1) // chunk), chunk
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+              seqused: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, 1, H, D), lse (B, H, 1)) of a decoding call (module docstring); can_take(q, k,
+    v) is None and seqused, if given, an int32 (B,) tensor on q's device."""
+    batch, _, nheads, head_dim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    group = nheads // nheads_kv
+    cfg = config_for(q.dtype, head_dim, group)
+    row_blocks = -(-group // cfg.rows)
+    _, sms = _device_ok(q.device)
+    splits, chunk = plan_splits(batch, nheads_kv, row_blocks, seqlen_k, sms, cfg.slots)
+    out = q.new_empty(q.shape)
+    lse = torch.empty(batch, nheads, 1, dtype=torch.float32, device=q.device)
+    if batch == 0 or nheads == 0:
+        return out, lse
+    o_part = lse_part = None
+    if splits > 1:
+        o_part = torch.empty(splits, batch, nheads, head_dim, dtype=torch.float32,
+                             device=q.device)
+        lse_part = torch.empty(splits, batch, nheads, dtype=torch.float32, device=q.device)
+    kernel = get_kernel(cfg.spec(), q.device)
+    kernel.launch(
+        (splits, nheads_kv * row_blocks, batch), (THREADS, 1, 1),
+        q, k, v, out, lse, o_part, lse_part, seqused,
+        np.int64(q.stride(0)), np.int64(q.stride(2)),
+        np.int64(k.stride(0)), np.int64(k.stride(1)), np.int64(k.stride(2)),
+        np.int64(v.stride(0)), np.int64(v.stride(1)), np.int64(v.stride(2)),
+        np.int64(out.stride(0)), np.int64(out.stride(2)),
+        np.int32(batch), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads_kv),
+        np.int32(head_dim), np.int32(splits), np.int32(chunk),
+        np.float32(softmax_scale * LOG2E))
+    if splits > 1:
+        get_kernel(combine_spec(q.dtype), q.device).launch(
+            (batch * nheads, 1, 1), (THREADS, 1, 1), o_part, lse_part, out, lse,
+            np.int64(out.stride(0)), np.int64(out.stride(2)),
+            np.int32(batch), np.int32(nheads), np.int32(head_dim), np.int32(splits))
+    return out, lse
+
+
+@register
+def variants() -> list[tuple[KernelSpec, tuple[str, ...]]]:
+    """Every specialisation attention() can pick: 2 dtypes x 3 head dims x 4 row counts, and a
+    combine per dtype."""
+    specs = [DecodeConfig(dt, d, r).spec() for dt in DTYPES for d in HEAD_DIMS for r in ROWS]
+    specs += [combine_spec(dt) for dt in DTYPES]
+    return [(s, ARCHS) for s in specs]

@@ -1,0 +1,98 @@
+"""Where a decoding call's time goes (a diagnostic for the device): for the decode extra's
+shape (32 query heads over 8 KV heads, d128, bf16, one query per entry), the median time of
+flash_attn_func / flash_attn_with_kvcache / the split's parts, and the kernels one call launches
+(torch.profiler), so a slow decode path shows which part is slow.
+
+    PYTHONPATH=. python3 scripts/decode_probe.py [--batch 1] [--keys 65536]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from triton.testing import do_bench
+
+import flashcuda
+from flashcuda.ops import attention as attn_mod
+from flashcuda.ops import decode
+
+
+def ms(fn) -> float:
+    with torch.no_grad():
+        return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def kernels(fn, label: str) -> None:
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+    print(f"--- {label}: kernels of 5 calls")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12,
+                                    max_name_column_width=70))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--keys", type=int, default=65536)
+    a = ap.parse_args()
+    h, hk, d = 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(a.batch, 1, h, d, dtype=torch.bfloat16, device="cuda", generator=g)
+    k, v = (torch.randn(a.batch, a.keys, hk, d, dtype=q.dtype, device="cuda", generator=g)
+            for _ in range(2))
+    scale = d ** -0.5
+    calls = {"split_pieces": 0, "run": 0}
+    run0, split0 = attn_mod._fwd_impl, decode.split_pieces
+
+    def run(*args):
+        calls["run"] += 1
+        print("  run: q", tuple(args[0].shape), "k", tuple(args[1].shape), "k strides",
+              args[1].stride())
+        return run0(*args)
+
+    def split(*args):
+        calls["split_pieces"] += 1
+        return split0(*args)
+
+    attn_mod._fwd_impl, decode.split_pieces = run, split
+    with torch.no_grad():
+        print("func call:")
+        flashcuda.flash_attn_func(q, k, v, softmax_scale=scale)
+        print("kvcache call:")
+        flashcuda.flash_attn_with_kvcache(q, k, v, softmax_scale=scale)
+    attn_mod._fwd_impl, decode.split_pieces = run0, split0
+    print("calls", calls, "sms", decode._sms(q.device),
+          "chunk", decode.split_chunk(a.keys, hk, decode._sms(q.device)))
+
+    rows = decode.packed_gqa(q, hk)
+    chunk = decode.split_chunk(a.keys, hk, decode._sms(q.device)) if a.batch == 1 else 0
+    t = {"func": lambda: flashcuda.flash_attn_func(q, k, v, softmax_scale=scale),
+         "kvcache": lambda: flashcuda.flash_attn_with_kvcache(q, k, v, softmax_scale=scale),
+         "packed, one call": lambda: run0(rows, k, v, scale, None, None),
+         "unpacked, one call": lambda: run0(q, k, v, scale, None, None)}
+    if chunk:
+        whole = a.keys // chunk
+        qs = rows.expand(whole, *rows.shape[1:]).contiguous()
+        kw, vw = (x[0, :whole * chunk].unflatten(0, (whole, chunk)) for x in (k, v))
+        t["split: whole pieces"] = lambda: run0(qs, kw, vw, scale, None, None)
+        if a.keys > whole * chunk:
+            kt, vt = k[:, whole * chunk:], v[:, whole * chunk:]
+            t["split: tail"] = lambda: run0(rows, kt, vt, scale, None, None)
+        t["split: all"] = lambda: decode.split_pieces(rows, k, v, scale, chunk, run0)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    for name, fn in t.items():
+        m = ms(fn)
+        print(f"{name:24s} {m * 1e3:9.1f} us  {kv_bytes / m / 1e6:8.0f} GB/s of the cache")
+    kernels(t["func"], "func")
+    kernels(t["kvcache"], "kvcache")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The decode kernels (flashcuda/ops/fwd_decode.py: split-KV, fp32 partials, a combine) against
+the float64 oracle, FlashAttention's rule (DESIGN.md §7): max error <= 2x PyTorch's same-dtype
+error plus FA3's rounding floor. Head dims across the three buckets (and 8 / 72 inside one),
+query groups of 1 to 16 heads, 1 to 20000 keys, one or many splits, per-entry key counts on the
+device (0, 1, the capacity), strided caches, NaN in one entry's keys, and the public entry
+points that route decoding to them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashcuda
+from flashcuda.ops import decode, fwd_decode
+from flashcuda.reference import attention_ref, max_error, rounding_floor
+
+pytestmark = pytest.mark.gpu
+
+
+def rand(g, *shape, dtype):
+    return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+
+def check_entries(out, lse, q, k, v, counts, scale=None):
+    """Each entry b against the oracle over its first counts[b] keys (0 keys: out 0, lse -inf)."""
+    for b, n in enumerate(counts):
+        if n == 0:
+            assert torch.all(out[b] == 0) and torch.all(lse[b] == float("-inf")), b
+            continue
+        qb, kb, vb = q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n]
+        ref, ref_lse = attention_ref(qb, kb, vb, softmax_scale=scale)
+        base, base_lse = attention_ref(qb, kb, vb, softmax_scale=scale, upcast=False)
+        err, berr = max_error(out[b:b + 1], ref), max_error(base, ref)
+        assert err <= 2 * berr + rounding_floor(ref, q.dtype), \
+            f"entry {b} ({n} keys) out: {err:.3e} vs torch {berr:.3e}"
+        err, berr = max_error(lse[b:b + 1], ref_lse), max_error(base_lse, ref_lse)
+        assert err <= 2 * berr + 1e-5, f"entry {b} lse: {err:.3e} vs torch {berr:.3e}"
+
+
+def splits_of(q, k):
+    group = q.shape[2] // k.shape[2]
+    cfg = fwd_decode.config_for(q.dtype, q.shape[3], group)
+    return fwd_decode.plan_splits(q.shape[0], k.shape[2], -(-group // cfg.rows), k.shape[1],
+                                  fwd_decode._device_ok(q.device)[1], cfg.slots)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 64, 72, 128, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (12, 2), (32, 2)],
+                         ids=["mha", "gqa4", "gqa6", "gqa16"])
+@pytest.mark.parametrize("batch,keys", [(1, 1), (3, 77), (2, 1000), (1, 20000)])
+def test_decode_kernel_matches_the_oracle(dtype, head_dim, heads, batch, keys):
+    g = torch.Generator(device="cuda").manual_seed(keys + head_dim + heads[0])
+    h, hk = heads
+    q = rand(g, batch, 1, h, head_dim, dtype=dtype)
+    k, v = (rand(g, batch, keys, hk, head_dim, dtype=dtype) for _ in range(2))
+    assert fwd_decode.can_take(q, k, v) is None
+    out, lse = fwd_decode.attention(q, k, v, head_dim ** -0.5)
+    assert out.shape == q.shape and lse.shape == (batch, h, 1)
+    check_entries(out, lse, q, k, v, [keys] * batch)
+
+
+def test_the_split_covers_one_and_many_pieces():
+    """The cases above include one piece (1 key) and many (20000 keys, one entry)."""
+    q = torch.empty(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    assert splits_of(q, torch.empty(1, 1, 8, 128, device="cuda", dtype=q.dtype)) == 1
+    assert splits_of(q, torch.empty(1, 20000, 8, 128, device="cuda", dtype=q.dtype)) > 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_per_entry_counts_on_the_device(dtype):
+    """seqused: entries of 0, 1, 300, 4095 and the capacity (4096) keys in one call, a 1000-key
+    scale; keys past an entry's count (NaN here) never read into its result."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    counts = [0, 1, 300, 4095, 4096]
+    q = rand(g, 5, 1, 16, 128, dtype=dtype)
+    k, v = (rand(g, 5, 4096, 4, 128, dtype=dtype) for _ in range(2))
+    for b, n in enumerate(counts):
+        k[b, n:], v[b, n:] = float("nan"), float("nan")
+    seqused = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    out, lse = fwd_decode.attention(q, k, v, 0.1, seqused)
+    check_entries(out, lse, q, k, v, counts, scale=0.1)
+
+
+def test_strided_cache_views():
+    """k / v as views of a larger cache (rows and heads beyond the call's) and a transposed q."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    cache_k, cache_v = (rand(g, 3, 600, 6, 64, dtype=torch.bfloat16) for _ in range(2))
+    k, v = cache_k[:, :513, 1:5], cache_v[:, :513, 1:5]
+    q = rand(g, 3, 8, 1, 64, dtype=torch.bfloat16).transpose(1, 2)
+    assert fwd_decode.can_take(q, k, v) is None
+    out, lse = fwd_decode.attention(q, k, v, 0.125)
+    check_entries(out, lse, q, k, v, [513] * 3, scale=0.125)
+
+
+def test_nan_stays_in_its_entry_and_kv_head():
+    """A NaN key of entry 1, KV head 0 makes exactly that entry's group of query heads NaN."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = rand(g, 3, 1, 8, 128, dtype=torch.bfloat16)
+    k, v = (rand(g, 3, 5000, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    k[1, 1234, 0, 7] = float("nan")
+    out, _ = fwd_decode.attention(q, k, v, 0.1)
+    bad = out.isnan().any(-1)[:, 0]  # (batch, heads)
+    expect = torch.zeros_like(bad)
+    expect[1, :4] = True
+    assert torch.equal(bad, expect)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_kvcache_decode_one_call(ragged, monkeypatch):
+    """flash_attn_with_kvcache's decode step (one new key per entry, GQA 32:8, d128) runs the
+    decode kernels once, ragged lengths included (counts as a device tensor), against the
+    oracle over each entry's keys."""
+    calls = []
+    real = fwd_decode.attention
+    monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(a[4]) or real(*a))
+    g = torch.Generator(device="cuda").manual_seed(6)
+    lengths = [700, 31, 2048, 0] if ragged else [512] * 4
+    k_cache, v_cache = (rand(g, 4, 2100, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    q = rand(g, 4, 1, 32, 128, dtype=torch.bfloat16)
+    k, v = (rand(g, 4, 1, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                 causal=True, return_softmax_lse=True)
+    assert len(calls) == 1
+    check_entries(out, lse, q, k_cache, v_cache, [n + 1 for n in lengths])
+
+
+def test_func_decode_runs_the_kernel(monkeypatch):
+    """flash_attn_func with one query per entry and no autograd reaches the decode kernels (and
+    with a window that hides keys, does not)."""
+    calls = []
+    real = fwd_decode.attention
+    monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = rand(g, 2, 1, 8, 128, dtype=torch.float16)
+    k, v = (rand(g, 2, 3000, 8, 128, dtype=torch.float16) for _ in range(2))
+    out, lse = flashcuda.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert calls == [1]
+    check_entries(out, lse, q, k, v, [3000, 3000])
+    flashcuda.flash_attn_func(q, k, v, window_size=(100, 0))
+    assert calls == [1]
+    monkeypatch.setattr(decode, "KERNEL", False)
+    flashcuda.flash_attn_func(q, k, v)
+    assert calls == [1]
