@@ -15,7 +15,7 @@ from triton.testing import do_bench
 
 import flashcuda
 from flashcuda.ops import attention as attn_mod
-from flashcuda.ops import decode
+from flashcuda.ops import decode, fwd_decode
 
 
 def ms(fn) -> float:
@@ -75,6 +75,7 @@ def main() -> None:
     chunk = decode.split_chunk(a.keys, hk, decode._sms(q.device)) if a.batch == 1 else 0
     t = {"func": lambda: flashcuda.flash_attn_func(q, k, v, softmax_scale=scale),
          "kvcache": lambda: flashcuda.flash_attn_with_kvcache(q, k, v, softmax_scale=scale),
+         "decode kernels": lambda: fwd_decode.attention(q, k, v, scale),
          "packed, one call": lambda: run0(rows, k, v, scale, None, None),
          "unpacked, one call": lambda: run0(q, k, v, scale, None, None)}
     if chunk:
