@@ -41,6 +41,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--keys", type=int, default=65536)
+    ap.add_argument("--tune", action="store_true",
+                    help="only the decode kernels' time for UNROLL x CTAS_PER_SM choices")
     a = ap.parse_args()
     h, hk, d = 32, 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -48,6 +50,16 @@ def main() -> None:
     k, v = (torch.randn(a.batch, a.keys, hk, d, dtype=q.dtype, device="cuda", generator=g)
             for _ in range(2))
     scale = d ** -0.5
+    if a.tune:
+        kv_bytes = 2 * k.numel() * k.element_size()
+        for unroll in (2, 4, 8):
+            for ctas in (2, 4, 8, 16):
+                fwd_decode.UNROLL, fwd_decode.CTAS_PER_SM = unroll, ctas
+                fwd_decode._plans.clear()
+                m = ms(lambda: fwd_decode.attention(q, k, v, scale))
+                print(f"b{a.batch} {a.keys:6d} keys  unroll {unroll} ctas/SM {ctas:2d}  "
+                      f"{m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s")
+        return
     calls = {"split_pieces": 0, "run": 0}
     run0, split0 = attn_mod._fwd_impl, decode.split_pieces
 

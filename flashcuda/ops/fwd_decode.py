@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..jit import KernelSpec, get_kernel, register
+from ..jit import KernelSpec, PreparedLaunch, get_kernel, launch_stream, register
 from .call import DTYPE_CODE, DTYPE_NAME, LOG2E
 
 SOURCE = "attention/flash_decode.cu"
@@ -110,10 +110,23 @@ def plan_splits(batch: int, nheads_kv: int, row_blocks: int, seqlen_k: int, sms:
     return -(-max(seqlen_k, 1) // chunk), chunk
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-              seqused: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, 1, H, D), lse (B, H, 1)) of a decoding call (module docstring); can_take(q, k,
-    v) is None and seqused, if given, an int32 (B,) tensor on q's device."""
+@dataclass(frozen=True)
+class _Plan:
+    """A call layout's launches: the split kernel's (and, with splits > 1, the combine's), their
+    layout arguments packed once; each call passes only its pointers."""
+
+    split: PreparedLaunch
+    combine: PreparedLaunch | None
+    splits: int
+
+
+_plans: dict[tuple, _Plan] = {}
+_SPLIT_POINTERS = 8  # q, k, v, out, lse, o_part, lse_part, seqused: the rest is the layout's
+_COMBINE_POINTERS = 4  # o_part, lse_part, out, lse
+
+
+def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+          out: torch.Tensor) -> _Plan:
     batch, _, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads // nheads_kv
@@ -121,31 +134,52 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     row_blocks = -(-group // cfg.rows)
     _, sms = _device_ok(q.device)
     splits, chunk = plan_splits(batch, nheads_kv, row_blocks, seqlen_k, sms, cfg.slots)
+    layout = (np.int64(q.stride(0)), np.int64(q.stride(2)),
+              np.int64(k.stride(0)), np.int64(k.stride(1)), np.int64(k.stride(2)),
+              np.int64(v.stride(0)), np.int64(v.stride(1)), np.int64(v.stride(2)),
+              np.int64(out.stride(0)), np.int64(out.stride(2)),
+              np.int32(batch), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads_kv),
+              np.int32(head_dim), np.int32(splits), np.int32(chunk),
+              np.float32(softmax_scale * LOG2E))
+    split = PreparedLaunch(get_kernel(cfg.spec(), q.device), (splits, nheads_kv * row_blocks, batch),
+                           (THREADS, 1, 1), 0, (None,) * _SPLIT_POINTERS + layout,
+                           fixed=len(layout))
+    combine = None
+    if splits > 1:
+        tail = (np.int64(out.stride(0)), np.int64(out.stride(2)), np.int32(batch),
+                np.int32(nheads), np.int32(head_dim), np.int32(splits))
+        combine = PreparedLaunch(get_kernel(combine_spec(q.dtype), q.device),
+                                 (batch * nheads, 1, 1), (THREADS, 1, 1), 0,
+                                 (None,) * _COMBINE_POINTERS + tail, fixed=len(tail))
+    return _Plan(split, combine, splits)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+              seqused: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, 1, H, D), lse (B, H, 1)) of a decoding call (module docstring); can_take(q, k,
+    v) is None and seqused, if given, an int32 (B,) tensor on q's device."""
+    batch, _, nheads, head_dim = q.shape
     out = q.new_empty(q.shape)
-    lse = torch.empty(batch, nheads, 1, dtype=torch.float32, device=q.device)
+    lse = q.new_empty((batch, nheads, 1), dtype=torch.float32)
     if batch == 0 or nheads == 0:
         return out, lse
-    o_part = lse_part = None
-    if splits > 1:
-        o_part = torch.empty(splits, batch, nheads, head_dim, dtype=torch.float32,
-                             device=q.device)
-        lse_part = torch.empty(splits, batch, nheads, dtype=torch.float32, device=q.device)
-    kernel = get_kernel(cfg.spec(), q.device)
-    kernel.launch(
-        (splits, nheads_kv * row_blocks, batch), (THREADS, 1, 1),
-        q, k, v, out, lse, o_part, lse_part, seqused,
-        np.int64(q.stride(0)), np.int64(q.stride(2)),
-        np.int64(k.stride(0)), np.int64(k.stride(1)), np.int64(k.stride(2)),
-        np.int64(v.stride(0)), np.int64(v.stride(1)), np.int64(v.stride(2)),
-        np.int64(out.stride(0)), np.int64(out.stride(2)),
-        np.int32(batch), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads_kv),
-        np.int32(head_dim), np.int32(splits), np.int32(chunk),
-        np.float32(softmax_scale * LOG2E))
-    if splits > 1:
-        get_kernel(combine_spec(q.dtype), q.device).launch(
-            (batch * nheads, 1, 1), (THREADS, 1, 1), o_part, lse_part, out, lse,
-            np.int64(out.stride(0)), np.int64(out.stride(2)),
-            np.int32(batch), np.int32(nheads), np.int32(head_dim), np.int32(splits))
+    key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.get_device(),
+           softmax_scale)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= 1024:
+            _plans.clear()
+        plan = _plans[key] = _plan(q, k, v, softmax_scale, out)
+    parts = None
+    if plan.combine is not None:  # (the fp32 partials: freed after the combine, stream-ordered)
+        parts = (q.new_empty((plan.splits, batch, nheads, head_dim), dtype=torch.float32),
+                 q.new_empty((plan.splits, batch, nheads), dtype=torch.float32))
+    o_at, lse_at = (parts[0].data_ptr(), parts[1].data_ptr()) if parts else (0, 0)
+    handle = launch_stream(q.get_device())
+    plan.split(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), o_at,
+               lse_at, 0 if seqused is None else seqused.data_ptr(), handle=handle)
+    if plan.combine is not None:
+        plan.combine(o_at, lse_at, out.data_ptr(), lse.data_ptr(), handle=handle)
     return out, lse
 
 
