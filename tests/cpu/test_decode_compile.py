@@ -67,3 +67,72 @@ def test_can_take_needs_a_gpu_and_the_layout():
     q = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(1, 100, 8, 128, dtype=torch.bfloat16)
     assert "CUDA" in fwd_decode.can_take(q, k, k)
+
+
+class _FakeKernel:
+    """What PreparedLaunch reads of a CompiledKernel before any driver call."""
+
+    name = "fake"
+    device_index = -1  # CPU tensors' get_device()
+    abi_checked = True
+    smem_limit = 1 << 20
+
+
+@pytest.mark.parametrize("keys,seqused", [(100, False), (5000, True)])
+def test_launch_packs_the_kernels_parameter_lists(monkeypatch, keys, seqused):
+    """attention()'s prepared launches (a plan per layout) hand the split kernel and the combine
+    exactly the parameter bytes of their signatures in flash_decode.cu (pack_args of the
+    arguments in the kernels' order), for one piece and for many, with and without seqused;
+    a second call of the same layout reuses the plan and packs its own pointers."""
+    import numpy as np
+
+    from flashcuda.jit import runtime
+
+    launched = []
+
+    def capture(self, *values, stream=None, handle=None):
+        params, _, _ = self._buffers()
+        self.head.pack_into(params, 0, *values)
+        launched.append((self.kernel.name, self.grid, bytes(params)[:self.size]))
+
+    monkeypatch.setattr(fwd_decode, "get_kernel", lambda spec, device: type(
+        "K", (_FakeKernel,), {"name": spec.name})())
+    monkeypatch.setattr(fwd_decode, "launch_stream", lambda index: 0)
+    monkeypatch.setattr(fwd_decode, "_device_ok", lambda device: (True, 132))
+    monkeypatch.setattr(runtime.PreparedLaunch, "__call__", capture)
+    fwd_decode._plans.clear()
+    q = torch.randn(2, 1, 12, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, keys + 3, 2, 64, dtype=torch.bfloat16)[:, :keys]
+    v = torch.randn(2, keys, 2, 64, dtype=torch.bfloat16)
+    used = torch.tensor([keys, 1], dtype=torch.int32) if seqused else None
+    for _ in range(2):
+        launched.clear()
+        out, lse = fwd_decode.attention(q, k, v, 0.3, used)
+        assert out.shape == q.shape and lse.shape == (2, 12, 1)
+        cfg = fwd_decode.config_for(q.dtype, 64, 6)
+        splits, chunk = fwd_decode.plan_splits(2, 2, 1, keys, 132, cfg.slots)
+        i64, i32 = np.int64, np.int32
+        layout = (i64(q.stride(0)), i64(q.stride(2)), *(i64(t.stride(d)) for t in (k, v)
+                                                        for d in range(3)),
+                  i64(out.stride(0)), i64(out.stride(2)), i32(2), i32(keys), i32(12), i32(2),
+                  i32(64), i32(splits), i32(chunk), np.float32(0.3 * 1.4426950408889634))
+        assert len(launched) == (2 if splits > 1 else 1)
+        name, grid, params = launched[0]
+        assert name == cfg.spec().name and grid == (splits, 2, 2)
+        parts = [0, 0]
+        if splits > 1:  # the partials' pointers, as the call packed them
+            parts = [int.from_bytes(params[40:48], "little"), int.from_bytes(params[48:56],
+                                                                              "little")]
+            assert all(parts)
+        want, _ = runtime.pack_args("split", (q, k, v, out, lse, *(np.uint64(p) for p in parts),
+                                              used, *layout))
+        assert params == want
+        if splits > 1:
+            name, grid, params = launched[1]
+            assert name == fwd_decode.combine_spec(q.dtype).name and grid == (24, 1, 1)
+            want, _ = runtime.pack_args("combine", (*(np.uint64(p) for p in parts), out, lse,
+                                                    i64(out.stride(0)), i64(out.stride(2)),
+                                                    i32(2), i32(12), i32(64), i32(splits)))
+            assert params == want
+    assert len(fwd_decode._plans) == 1
+    fwd_decode._plans.clear()
