@@ -41,6 +41,16 @@ class DecodeConfig:
     dtype: torch.dtype
     head_dim: int  # FC_HEAD_DIM: the bucket
     rows: int  # FC_ROWS
+    unroll: int = 0  # FC_UNROLL (0: UNROLL, at most 4 with 8 rows: registers)
+
+    def __post_init__(self) -> None:
+        if not self.unroll:
+            object.__setattr__(self, "unroll", UNROLL if self.rows < 8 else min(UNROLL, 4))
+
+    @property
+    def step(self) -> int:
+        """Keys one CTA reads per step: its slots, kUnroll keys each."""
+        return self.slots * self.unroll
 
     @property
     def slots(self) -> int:
@@ -49,12 +59,12 @@ class DecodeConfig:
 
     @property
     def name(self) -> str:
-        return f"flash_decode_{DTYPE_NAME[self.dtype]}_d{self.head_dim}_r{self.rows}_u{UNROLL}"
+        return f"flash_decode_{DTYPE_NAME[self.dtype]}_d{self.head_dim}_r{self.rows}_u{self.unroll}"
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
             "FC_STAGE": 0, "FC_DTYPE": DTYPE_CODE[self.dtype], "FC_HEAD_DIM": self.head_dim,
-            "FC_ROWS": self.rows, "FC_UNROLL": UNROLL})
+            "FC_ROWS": self.rows, "FC_UNROLL": self.unroll})
 
 
 def combine_spec(dtype: torch.dtype) -> KernelSpec:
@@ -98,11 +108,10 @@ def can_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
 
 
 def plan_splits(batch: int, nheads_kv: int, row_blocks: int, seqlen_k: int, sms: int,
-                slots: int) -> tuple[int, int]:
+                step: int) -> tuple[int, int]:
     """(splits, chunk): the keys of each (entry, KV head, row block) cut into `splits` pieces of
     `chunk` keys (a multiple of the CTA's step), enough CTAs for CTAS_PER_SM per SM, none
     shorter than MIN_SPLIT_KEYS."""
-    step = slots * UNROLL
     base = batch * nheads_kv * row_blocks
     want = -(-CTAS_PER_SM * sms // max(base, 1))
     splits = max(1, min(want, MAX_SPLITS, seqlen_k // MIN_SPLIT_KEYS))
@@ -133,7 +142,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     cfg = config_for(q.dtype, head_dim, group)
     row_blocks = -(-group // cfg.rows)
     _, sms = _device_ok(q.device)
-    splits, chunk = plan_splits(batch, nheads_kv, row_blocks, seqlen_k, sms, cfg.slots)
+    splits, chunk = plan_splits(batch, nheads_kv, row_blocks, seqlen_k, sms, cfg.step)
     layout = (np.int64(q.stride(0)), np.int64(q.stride(2)),
               np.int64(k.stride(0)), np.int64(k.stride(1)), np.int64(k.stride(2)),
               np.int64(v.stride(0)), np.int64(v.stride(1)), np.int64(v.stride(2)),

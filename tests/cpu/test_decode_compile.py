@@ -42,6 +42,7 @@ def test_decode_config_buckets_and_rows():
     assert fwd_decode.config_for(torch.float16, 8, 1).head_dim == 64
     assert fwd_decode.config_for(torch.float16, 256, 32).rows == 8  # 4 row blocks
     assert fwd_decode.config_for(torch.float16, 64, 2).slots == 16
+    assert cfg.step == 8 * min(fwd_decode.UNROLL, 4)  # 8 rows: at most 4 keys per slot
     names = [s.name for s, _ in fwd_decode.variants()]
     assert len(names) == len(set(names)) == 2 * 3 * 4 + 2
 
@@ -49,12 +50,12 @@ def test_decode_config_buckets_and_rows():
 @pytest.mark.parametrize("batch,heads_kv,keys", [(1, 8, 65536), (8, 8, 16384), (1, 8, 1000),
                                                  (64, 32, 4096), (1, 1, 1), (3, 2, 77)])
 def test_split_plan_covers_every_key_once(batch, heads_kv, keys):
-    """Pieces of `chunk` keys (a multiple of the CTA's step) cover [0, keys) with none empty,
+    """Pieces of `chunk` keys (a multiple of the CTA's step of 32 keys) cover [0, keys) with none empty,
     at most MAX_SPLITS, none shorter than MIN_SPLIT_KEYS unless there is one piece, and enough
     CTAs for the GPU where the keys allow."""
-    slots = 8
-    splits, chunk = fwd_decode.plan_splits(batch, heads_kv, 1, keys, 132, slots)
-    assert chunk % (slots * fwd_decode.UNROLL) == 0
+    step = 32
+    splits, chunk = fwd_decode.plan_splits(batch, heads_kv, 1, keys, 132, step)
+    assert chunk % step == 0
     assert (splits - 1) * chunk < keys <= splits * chunk
     assert 1 <= splits <= fwd_decode.MAX_SPLITS
     assert splits == 1 or chunk >= fwd_decode.MIN_SPLIT_KEYS
@@ -110,7 +111,7 @@ def test_launch_packs_the_kernels_parameter_lists(monkeypatch, keys, seqused):
         out, lse = fwd_decode.attention(q, k, v, 0.3, used)
         assert out.shape == q.shape and lse.shape == (2, 12, 1)
         cfg = fwd_decode.config_for(q.dtype, 64, 6)
-        splits, chunk = fwd_decode.plan_splits(2, 2, 1, keys, 132, cfg.slots)
+        splits, chunk = fwd_decode.plan_splits(2, 2, 1, keys, 132, cfg.step)
         i64, i32 = np.int64, np.int32
         layout = (i64(q.stride(0)), i64(q.stride(2)), *(i64(t.stride(d)) for t in (k, v)
                                                         for d in range(3)),

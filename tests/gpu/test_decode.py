@@ -42,7 +42,7 @@ def splits_of(q, k):
     group = q.shape[2] // k.shape[2]
     cfg = fwd_decode.config_for(q.dtype, q.shape[3], group)
     return fwd_decode.plan_splits(q.shape[0], k.shape[2], -(-group // cfg.rows), k.shape[1],
-                                  fwd_decode._device_ok(q.device)[1], cfg.slots)[0]
+                                  fwd_decode._device_ok(q.device)[1], cfg.step)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
