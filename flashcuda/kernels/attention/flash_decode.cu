@@ -153,7 +153,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
         s[r][u] = dot;
       }
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) s[r][u] = valid[u] ? key_sum(s[r][u]) : neg_inf();
+      for (int r = 0; r < kRows; ++r) {  // (every lane shuffles: the sum is warp-synchronous)
+        const float dot = key_sum(s[r][u]);
+        s[r][u] = valid[u] ? dot : neg_inf();
+      }
     }
     // Online softmax per row: the step's max, the rescale, p = 2^(s - m), l += sum p.
 #pragma unroll
