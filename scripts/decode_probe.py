@@ -57,6 +57,20 @@ def main() -> None:
         base, _ = attention_ref(q, k, v, softmax_scale=scale, upcast=False)
         bound = 2 * max_error(base, ref) + rounding_floor(ref, q.dtype)
         kv_bytes = 2 * k.numel() * k.element_size()
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION),
+                              ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    m = ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, scale=scale,
+                                                                  enable_gqa=True))
+                print(f"b{a.batch} {a.keys:6d} keys  {name:23s} {m * 1e3:7.1f} us  "
+                      f"{kv_bytes / m / 1e6:6.0f} GB/s")
+            except RuntimeError as exc:
+                print(f"{name}: {exc}")
         for unroll in (2, 4, 8):
             for ctas in (4, 8, 16):
                 fwd_decode.UNROLL, fwd_decode.CTAS_PER_SM = unroll, ctas
