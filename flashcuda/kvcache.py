@@ -2,10 +2,12 @@
 a KV cache, the new keys appended in place first, optionally rotated (rotary embeddings), the
 cache contiguous per row or paged (a block table), optionally left-padded.
 
-Everything here is host-side orchestration around the kernels of flashcuda.ops.attention: the
+Everything here is host-side orchestration around the kernels of flashcuda.ops: the
 arguments are checked by name before anything is written; the append and the rotation are
-PyTorch operations; the attention is one kernel call per run of batch entries that see the same
-keys' span (views of the caches; a paged cache's pages are gathered into a contiguous copy
+PyTorch operations; a decode step (one query per entry, unpaged, not left-padded, entries on
+consecutive cache rows) is one call of the decode kernels (ops/fwd_decode.py) with the entries'
+key counts as a device tensor; otherwise the attention is one kernel call per run of batch
+entries that see the same keys' span (views of the caches; a paged cache's pages are gathered into a contiguous copy
 first); a decoding run (one query per entry) goes through ops.decode like any inference call
 (GQA packed by KV head, one entry's long span split into pieces). The kernels read no block
 table and rotate nothing themselves.
