@@ -7,10 +7,9 @@ arguments are checked by name before anything is written; the append and the rot
 PyTorch operations; a decode step (one query per entry, unpaged, not left-padded, entries on
 consecutive cache rows) is one call of the decode kernels (ops/fwd_decode.py) with the entries'
 key counts as a device tensor; otherwise the attention is one kernel call per run of batch
-entries that see the same keys' span (views of the caches; a paged cache's pages are gathered into a contiguous copy
-first); a decoding run (one query per entry) goes through ops.decode like any inference call
-(GQA packed by KV head, one entry's long span split into pieces). The kernels read no block
-table and rotate nothing themselves.
+entries that see the same keys' span (views of the caches; a paged cache's pages are gathered
+into a contiguous copy first), a decoding run going through ops.decode like any inference
+call. The kernels read no block table and rotate nothing themselves.
 """
 
 from __future__ import annotations
