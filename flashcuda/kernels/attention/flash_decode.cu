@@ -46,15 +46,10 @@ struct Vec8 {
   float x[8];
 };
 
-// 8 consecutive 16-bit values (16 bytes, 16-byte aligned), as loaded; zeros when !valid. Kept
-// packed until used (4 registers, not 8), so more keys' loads fit in flight.
-__device__ __forceinline__ uint4 load16(const T* p, bool valid) {
+// 8 consecutive 16-bit values (16 bytes, 16-byte aligned) -> 8 floats; zeros when !valid.
+__device__ __forceinline__ Vec8 load8(const T* p, bool valid) {
   uint4 raw = make_uint4(0u, 0u, 0u, 0u);
   if (valid) raw = __ldg(reinterpret_cast<const uint4*>(p));
-  return raw;
-}
-
-__device__ __forceinline__ Vec8 unpack8(uint4 raw) {
   const Float2 a = unpack2<T>(raw.x), b = unpack2<T>(raw.y), c = unpack2<T>(raw.z),
                d = unpack2<T>(raw.w);
   return Vec8{{a.lo, a.hi, b.lo, b.hi, c.lo, c.hi, d.lo, d.hi}};
@@ -113,8 +108,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
   float qf[kRows][8];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const Vec8 x = unpack8(load16(
-        q + b * q_batch_stride + (head0 + min(r, rows - 1)) * q_head_stride + 8 * sub, has_cols));
+    const Vec8 x = load8(q + b * q_batch_stride + (head0 + min(r, rows - 1)) * q_head_stride + 8 * sub,
+                         has_cols);
 #pragma unroll
     for (int i = 0; i < 8; ++i) qf[r][i] = x.x[i] * scale_log2;
   }
@@ -131,59 +126,41 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
   const T* v_head = v + b * v_batch_stride + kv_head * v_head_stride + 8 * sub;
 #pragma unroll 1
   for (int key0 = key_begin; key0 < key_end; key0 += kSlots * kUnroll) {
-    uint4 kr[kUnroll], vr[kUnroll];
+    Vec8 kx[kUnroll], vx[kUnroll];
     bool valid[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int key = key0 + u * kSlots + slot;
       valid[u] = key < key_end;
-      kr[u] = load16(k_head + key * k_row_stride, valid[u] && has_cols);
-      vr[u] = load16(v_head + key * v_row_stride, valid[u] && has_cols);
+      kx[u] = load8(k_head + key * k_row_stride, valid[u] && has_cols);
+      vx[u] = load8(v_head + key * v_row_stride, valid[u] && has_cols);
     }
-    // Scores: each key's row of K unpacked once for every query row (kRows independent sums).
-    float s[kRows][kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const Vec8 kx = unpack8(kr[u]);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        float dot = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dot = fmaf(qf[r][i], kx.x[i], dot);
-        s[r][u] = dot;
-      }
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {  // (every lane shuffles: the sum is warp-synchronous)
-        const float dot = key_sum(s[r][u]);
-        s[r][u] = valid[u] ? dot : neg_inf();
-      }
-    }
-    // Online softmax per row: the step's max, the rescale, p = 2^(s - m), l += sum p.
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
+      float s[kUnroll];
       float tile_max = neg_inf();
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) tile_max = fmaxf(tile_max, s[r][u]);
+      for (int u = 0; u < kUnroll; ++u) {
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dot = fmaf(qf[r][i], kx[u].x[i], dot);
+        dot = key_sum(dot);
+        s[u] = valid[u] ? dot : neg_inf();
+        tile_max = fmaxf(tile_max, s[u]);
+      }
       const float corr = state[r].update(tile_max);
       const float ref = state[r].ref();
       float sum = 0.f;
 #pragma unroll
+      for (int i = 0; i < 8; ++i) acc[r][i] *= corr;
+#pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        s[r][u] = fast_exp2(s[r][u] - ref);
-        sum += s[r][u];
+        const float p = fast_exp2(s[u] - ref);
+        sum += p;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(p, vx[u].x[i], acc[r][i]);
       }
       state[r].add(sum);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[r][i] *= corr;
-    }
-    // acc += P V: each key's row of V unpacked once for every query row.
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const Vec8 vx = unpack8(vr[u]);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(s[r][u], vx.x[i], acc[r][i]);
     }
   }
 
