@@ -260,9 +260,9 @@ def test_kvcache_paged_left_padded_rotary(interleaved):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_decoding_packed_by_kv_head(dtype):
     """flash_attn_func and the SDPA shim with one query per entry (no autograd, GQA 16:4, 777
-    keys): the packed call (ops.decode) and the unpacked one (decode_off) each against the
-    oracle (their tiles may differ, so their bits may); the shim's call is the same packed call,
-    bit for bit."""
+    keys): ops.decode's call (the decode kernels for fp16 / bf16, the packed view for fp32) and
+    the plain one (decode_off) each against the oracle (their tiles may differ, so their bits
+    may); the shim's call is the same call, bit for bit."""
     from flashcuda.bench.extras import decode_off
 
     g = torch.Generator(device="cuda").manual_seed(10)
@@ -282,10 +282,10 @@ def test_decoding_packed_by_kv_head(dtype):
 @pytest.mark.parametrize("heads", [(32, 8), (16, 16)], ids=["gqa", "mha"])
 def test_long_single_sequence_decode(heads, entry):
     """One sequence's decode step over 20000 cached keys (bf16, d128), through
-    flash_attn_with_kvcache (appending one key) or flash_attn_func on the cache's view:
-    ops.decode's pieces (one work tile per SM, combined by their lse; GQA packed by KV head)
-    against the oracle, FlashAttention's rule plus one more rounding of each piece's out to
-    bf16 (2^-9 max|v|)."""
+    flash_attn_with_kvcache (appending one key) or flash_attn_func on the cache's view: the
+    decode kernels' split (fp32 partials) against the oracle, with the bound of ops.decode's
+    fallback pieces (FlashAttention's rule plus one more rounding of each piece's out to bf16,
+    2^-9 max|v|) that the same call runs where the kernels do not take it."""
     import flashcuda
     from flashcuda.ops import decode
 
