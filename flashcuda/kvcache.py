@@ -103,23 +103,30 @@ def _append_slots(lengths: list[int], new: int, rows: list[int], pages: torch.Te
     return torch.tensor(rows, dtype=torch.long).repeat_interleave(new), pos.flatten()
 
 
-def _decode_in_one_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        scale: float, ent: _Entries, window_left: int | None,
-                        window_right: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A decoding step (one query per entry) of entries on consecutive cache rows, each seeing
-    its first ends[b] keys, as one call of the decode kernels with the counts as a device
-    tensor (however ragged the lengths); None where that call cannot run it."""
+def _one_call_span(q: torch.Tensor, ent: _Entries, window_left: int | None,
+                   window_right: int | None) -> int | None:
+    """The keys (max ends) of a decoding step (one query per entry) that the decode kernels
+    may run as one call — entries on consecutive cache rows, each seeing its first ends[b] keys
+    (no left padding, no window that hides one), the kernels on — or None."""
     batch = q.shape[0]
     if q.shape[1] != 1 or batch == 0 or any(ent.starts) or not max(ent.ends):
         return None
-    r0 = ent.rows[0]
-    if ent.rows != list(range(r0, r0 + batch)):
+    if ent.rows != list(range(ent.rows[0], ent.rows[0] + batch)):
         return None
     if (window_left is not None and window_left < max(ent.ends) - 1) or \
             (window_right is not None and window_right < 0):
         return None
-    kc, vc = (t[r0:r0 + batch, :max(ent.ends)] for t in (k_cache, v_cache))
-    if not (decode.KERNEL and decode.kernel_allowed()) or fwd_decode.can_take(q, kc, vc):
+    return max(ent.ends) if decode.KERNEL and decode.kernel_allowed() else None
+
+
+def _decode_in_one_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        scale: float, ent: _Entries,
+                        keys: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """_one_call_span's step as one call of the decode kernels, the counts as a device tensor
+    (however ragged the lengths); None where the kernels do not take these tensors."""
+    r0 = ent.rows[0]
+    kc, vc = (t[r0:r0 + q.shape[0], :keys] for t in (k_cache, v_cache))
+    if fwd_decode.can_take(q, kc, vc):
         return None
     counts = torch.tensor(ent.ends, dtype=torch.int32).to(q.device, non_blocking=True)
     return fwd_decode.attention(q, kc, vc, scale, counts)
@@ -326,8 +333,13 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     names = ("q", "k_cache", "v_cache")
     if batch == 0:
         _checked_qkv(q, k_cache[:0, :0], v_cache[:0, :0], names=names)
+    one_call = None if paged else _one_call_span(q, ent, window_left, window_right)
+    if one_call is not None:  # one check of the whole span stands for the runs' (same tensors)
+        r0 = rows[0]
+        _checked_qkv(q, k_cache[r0:r0 + batch, :one_call], v_cache[r0:r0 + batch, :one_call],
+                     names=names)
 
-    for b, e in runs:
+    for b, e in ([] if one_call is not None else runs):
         span = slice(starts[b], ends[b])
         if paged:  # stride-0 stand-ins of the gathered copy's (e - b, span, nheads_kv, headdim)
             shape = (e - b, ends[b] - starts[b], *k_cache.shape[2:])
@@ -354,8 +366,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 index = tuple(t.to(k_cache.device) for t in slots)
                 k_cache[index] = k.reshape(-1, *k.shape[2:])
                 v_cache[index] = v.reshape(-1, *v.shape[2:])
-        one = None if paged else _decode_in_one_call(q, k_cache, v_cache, scale, ent,
-                                                     window_left, window_right)
+        one = None if one_call is None else _decode_in_one_call(q, k_cache, v_cache, scale,
+                                                                ent, one_call)
         if one is not None:
             results, runs = [one], []
         elif batch == 0:
