@@ -202,6 +202,77 @@ def _entries(batch: int, new: int, k_cache: torch.Tensor, device: torch.device,
     return _Entries(rows, pages, lengths, starts, ends)
 
 
+def _capturing(q: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on q's device's current stream."""
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _decode_step_captured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          k: torch.Tensor | None, v: torch.Tensor | None, new: int,
+                          tables: tuple[torch.Tensor, torch.Tensor] | None, interleaved: bool,
+                          cache_seqlens: object, cache_batch_idx: object, cache_leftpad: object,
+                          block_table: object, softmax_scale: object, causal: object,
+                          window_size: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step while a CUDA graph is captured: nothing read on the host (no copy between
+    host and device may run in a capture), so the graph replays with whatever cache_seqlens
+    holds then. Entry b's cache row b; the new keys written at cache_seqlens[b] ..; the decode
+    kernels over its first cache_seqlens[b] + seqlen_new keys (a device tensor). The values
+    cannot be checked here: positions past the cache (or past the rotary tables) are clamped to
+    its last slot (row), never written out of bounds — keeping them in range is the caller's
+    part, as with FlashAttention, which does not check them either. The shapes, dtypes and
+    devices are checked as outside a capture, before anything is written."""
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    unsupported = [name for name, given in (("block_table", block_table),
+                                            ("cache_batch_idx", cache_batch_idx),
+                                            ("cache_leftpad", cache_leftpad)) if given is not None]
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)}: not supported while a CUDA graph is "
+                         "captured (they are read on the host); pass None")
+    if seqlen_q != 1:
+        raise ValueError(f"q: expected one query per entry (seqlen_q = 1: a decode step) while a "
+                         f"CUDA graph is captured, got seqlen_q = {seqlen_q}")
+    capacity = k_cache.shape[1]
+    if k_cache.shape[0] < batch:
+        raise ValueError(f"k_cache: expected at least batch = {batch} rows, got "
+                         f"{k_cache.shape[0]}")
+    if cache_seqlens is None:
+        seqlens = q.new_full((batch,), capacity - new, dtype=torch.int64)
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity - new:
+            raise ValueError(f"cache_seqlens: expected values in [0, {capacity - new}] "
+                             f"(seqlen_cache - seqlen_new), got {cache_seqlens}")
+        seqlens = q.new_full((batch,), cache_seqlens, dtype=torch.int64)
+    else:
+        seqlens = validate.batch_ints(cache_seqlens, "cache_seqlens", batch, q.device).long()
+    window_left, window_right = validate.fa_window(window_size, causal)
+    if (window_left is not None and window_left < capacity - 1) or \
+            (window_right is not None and window_right < 0):
+        raise ValueError(f"window_size: expected a window that hides no cached key while a CUDA "
+                         f"graph is captured (the keys' count is on the device), got "
+                         f"{window_size}")
+    scale = validate.softmax_scale(softmax_scale, q.shape[-1])
+    kc, vc = k_cache[:batch], v_cache[:batch]
+    _checked_qkv(q, kc, vc, names=("q", "k_cache", "v_cache"))
+    q = _last_dim_contiguous(q, "q")
+    reason = fwd_decode.can_take(q, kc, vc) or (
+        None if decode.KERNEL and decode.kernel_allowed() else "the decode kernels are off")
+    if reason:
+        raise ValueError(f"q, k_cache, v_cache: a decode step while a CUDA graph is captured "
+                         f"runs on the decode kernels, which cannot take this call: {reason}")
+    with torch.no_grad():
+        if new:
+            pos = (seqlens.unsqueeze(1) + torch.arange(new, device=q.device)).clamp(0, capacity - 1)
+            if tables is not None:
+                ro = tables[0].shape[0] - 1
+                q = rotary(q, *tables, seqlens.clamp(0, ro).unsqueeze(1), interleaved)
+                k = rotary(k, *tables, pos.clamp(max=ro), interleaved)
+            rows = torch.arange(batch, device=q.device).unsqueeze(1).expand(batch, new)
+            k_cache[rows, pos] = k
+            v_cache[rows, pos] = v
+        counts = (seqlens + new).clamp(0, capacity).int()
+        return fwd_decode.attention(q, kc, vc, scale, counts)
+
+
 def _runs(batch: int, same) -> list[tuple[int, int]]:
     """[b, e) runs of consecutive batch entries with same(e - 1, e)."""
     runs, b = [], 0
@@ -278,7 +349,16 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     side on the GPU, combined by their lse (one more rounding of each piece's out to q's dtype
     than one call).
     cache_seqlens, cache_batch_idx, cache_leftpad and block_table tensors are read on the host
-    (device-to-host copies, which wait for the GPU).
+    (device-to-host copies, which wait for the GPU), and their values checked.
+
+    While a CUDA graph is captured (torch.cuda.graph), a decode step (seqlen_q = 1, no
+    block_table / cache_batch_idx / cache_leftpad, no window hiding a cached key, fp16 / bf16
+    with head_dim a multiple of 8 up to 256) is captured instead with nothing read on the host:
+    the append, the rotation and the decode kernels take cache_seqlens from the device, so each
+    replay uses the values it holds then. Those values cannot be checked in a capture;
+    positions past the cache or the rotary tables are clamped to the last slot / row (keeping
+    them in range is the caller's part, as with FlashAttention). Other calls raise ValueError
+    during a capture, naming what they would read on the host.
     """
     validate.check_fa_unsupported(softcap=softcap, alibi_slopes=alibi_slopes)
     interleaved = validate.check_flag(rotary_interleaved, "rotary_interleaved")
@@ -299,6 +379,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if new and cache_seqlens is None:
         raise ValueError("cache_seqlens: required with k / v (where to append them), got None")
     tables = _rotary_tables(rotary_cos, rotary_sin, q, k is not None)
+    if _capturing(q):
+        out, lse = _decode_step_captured(q, k_cache, v_cache, k, v, new, tables, interleaved,
+                                         cache_seqlens, cache_batch_idx, cache_leftpad,
+                                         block_table, softmax_scale, causal, window_size)
+        return (out, lse) if return_softmax_lse else out
 
     ent = _entries(batch, new, k_cache, q.device, cache_seqlens, cache_batch_idx, cache_leftpad,
                    block_table)

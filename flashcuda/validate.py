@@ -285,6 +285,12 @@ def check_varlen_rank(t: object, name: str, role: str) -> torch.Tensor:
 def host_ints(t: object, name: str, batch: int, device: torch.device) -> list[int]:
     """A (batch,) int32 / int64 tensor on `device` (one value per batch entry: a KV cache's
     lengths or rows), read on the host (one device-to-host copy)."""
+    return [int(x) for x in batch_ints(t, name, batch, device).tolist()]
+
+
+def batch_ints(t: object, name: str, batch: int, device: torch.device) -> torch.Tensor:
+    """host_ints' checks without reading the values: the tensor, where they must stay on the
+    device (a CUDA graph's capture)."""
     t = check_tensor(t, name)
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name}: expected dtype int32 or int64, got {_dtype_name(t.dtype)}")
@@ -293,7 +299,7 @@ def host_ints(t: object, name: str, batch: int, device: torch.device) -> list[in
                          f"{tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
-    return [int(x) for x in t.tolist()]
+    return t
 
 
 def page_table(block_table: object, batch: int, device: torch.device) -> torch.Tensor:

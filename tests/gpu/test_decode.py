@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flashcuda
+from flashcuda import kvcache
 from flashcuda.ops import decode, fwd_decode
 from flashcuda.reference import attention_ref, max_error, rounding_floor
 
@@ -156,3 +157,48 @@ def test_bitwise_deterministic_across_calls():
     again, again_lse = fwd_decode.attention(q, k, v, 0.09)
     assert splits_of(q, k) > 1
     assert torch.equal(out, again) and torch.equal(lse, again_lse)
+
+
+def test_kvcache_decode_step_in_a_cuda_graph():
+    """flash_attn_with_kvcache's decode step captured in a CUDA graph (rotary embeddings, GQA,
+    ragged cache_seqlens incl. 0) and replayed with new q / k / v and new lengths written into
+    the captured tensors: each replay's caches equal, bit for bit, the same step run eagerly
+    (the checked path, counts read on the host), and its out / lse match the oracle over each
+    entry's keys (the replay's split plan is the capacity's, the eager one's the longest
+    entry's, so their bits may differ)."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    B, cap, H, Hk, D = 4, 3000, 32, 8, 128
+    bf = torch.bfloat16
+    k_cache, v_cache = (rand(g, B, cap, Hk, D, dtype=bf) for _ in range(2))
+    q = rand(g, B, 1, H, D, dtype=bf)
+    k, v = (rand(g, B, 1, Hk, D, dtype=bf) for _ in range(2))
+    theta = torch.rand(cap + 1, 32, device="cuda", generator=g) * 6.3
+    cos, sin = theta.cos().to(bf), theta.sin().to(bf)
+    seqlens = torch.tensor([5, 100, 2000, 0], dtype=torch.int32, device="cuda")
+
+    def step(kc, vc):
+        return flashcuda.flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin,
+                                                 cache_seqlens=seqlens, causal=True,
+                                                 return_softmax_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # kernels loaded, plans made, before the capture
+        step(k_cache.clone(), v_cache.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step(kc, vc)
+    for lengths in ([5, 100, 2000, 0], [6, 2998, 0, 1234], [2999, 1, 77, 640]):
+        q.copy_(rand(g, B, 1, H, D, dtype=bf))
+        k.copy_(rand(g, B, 1, Hk, D, dtype=bf))
+        v.copy_(rand(g, B, 1, Hk, D, dtype=bf))
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        ref_kc, ref_vc = kc.clone(), vc.clone()
+        step(ref_kc, ref_vc)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc), lengths
+        q_rot = kvcache.rotary(q, cos, sin, seqlens.long().unsqueeze(1), True)
+        check_entries(out, lse, q_rot, kc, vc, [n + 1 for n in lengths])

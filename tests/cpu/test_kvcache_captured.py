@@ -1,0 +1,145 @@
+"""flash_attn_with_kvcache's decode step as captured in a CUDA graph (kvcache._decode_step_captured:
+nothing read on the host), on CPU tensors: the capture forced, the decode kernels replaced by the
+float64 oracle over each entry's first seqused[b] keys (fwd_decode.attention's contract; the
+kernels themselves are checked on the GPU: tests/gpu/test_decode.py). Checked against the
+checked path (the same call outside a capture): the caches bit for bit after the append and the
+rotation, and out / lse within 1e-5 (the oracle here against the portable float32 path there);
+no tensor value read on the host; positions past the cache clamped, never out of bounds; the
+calls a capture cannot run refused by name before any write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashcuda
+from flashcuda import kvcache
+from flashcuda.ops import fwd_decode
+from flashcuda.reference import attention_ref
+
+
+def oracle_decode(q, k, v, scale, seqused=None):
+    """fwd_decode.attention's contract in float64: entry b over its first seqused[b] keys."""
+    counts = ([k.shape[1]] * q.shape[0] if seqused is None
+              else torch._C.TensorBase.tolist(seqused))  # (the kernels read it on the device)
+    out = q.new_zeros(q.shape)
+    lse = torch.full((q.shape[0], q.shape[2], 1), float("-inf"))
+    for b, n in enumerate(counts):
+        if n:
+            o, x = attention_ref(q[b:b + 1].double(), k[b:b + 1, :n].double(),
+                                 v[b:b + 1, :n].double(), softmax_scale=scale)
+            out[b], lse[b] = o[0].to(q.dtype), x[0].float()
+    return out, lse
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Force the captured path, the decode kernels replaced by the oracle; reading a tensor's
+    values on the host fails (as it would during a capture)."""
+    monkeypatch.setattr(fwd_decode, "can_take", lambda q, k, v: None)
+    monkeypatch.setattr(fwd_decode, "attention", oracle_decode)
+
+    def no_host_read(*args, **kwargs):
+        raise AssertionError("a tensor's values were read on the host during a capture")
+
+    class Capture:
+        def __enter__(self):
+            monkeypatch.setattr(kvcache, "_capturing", lambda q: True)
+            for name in ("tolist", "item", "__int__", "__index__", "__bool__"):
+                monkeypatch.setattr(torch.Tensor, name, no_host_read)
+
+        def __exit__(self, *exc):
+            for name in ("tolist", "item", "__int__", "__index__", "__bool__"):
+                monkeypatch.setattr(torch.Tensor, name, getattr(torch._C.TensorBase, name))
+            monkeypatch.setattr(kvcache, "_capturing", lambda q: False)
+
+    return Capture()
+
+
+def tables(rows, half, gen):
+    theta = torch.rand(rows, half, generator=gen, dtype=torch.float64) * 6.3
+    return theta.cos().float(), theta.sin().float()
+
+
+@pytest.mark.parametrize("rotary", [None, True, False], ids=["plain", "gptj", "neox"])
+@pytest.mark.parametrize("new", [0, 1, 3])
+@pytest.mark.parametrize("seqlens", ["tensor", "int", "none"])
+def test_captured_step_matches_the_checked_path(captured, rotary, new, seqlens):
+    gen = torch.Generator().manual_seed(new + 7 * (rotary is None))
+    B, cap, H, Hk, D = 3, 40, 8, 2, 16
+    if seqlens == "none":
+        lengths = [cap - new] * B
+    elif seqlens == "int":
+        lengths = [17] * B
+    else:
+        lengths = [0, 23, cap - new]
+    k_cache = torch.randn(B + 1, cap, Hk, D, generator=gen)
+    v_cache = torch.randn(B + 1, cap, Hk, D, generator=gen)
+    q = torch.randn(B, 1, H, D, generator=gen)
+    k = v = None
+    if new:
+        k, v = (torch.randn(B, new, Hk, D, generator=gen) for _ in range(2))
+    cos = sin = None
+    if rotary is not None and new:
+        cos, sin = tables(cap + 2, 6, gen)
+    arg = {"tensor": torch.tensor(lengths, dtype=torch.int32), "int": 17, "none": None}[seqlens]
+    kw = dict(k=k, v=v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=arg, causal=True,
+              rotary_interleaved=bool(rotary), return_softmax_lse=True)
+    if seqlens == "none" and new:  # refused in and out of a capture alike
+        with captured, pytest.raises(ValueError, match="cache_seqlens: required"):
+            flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+        return
+    kc1, vc1 = k_cache.clone(), v_cache.clone()
+    out1, lse1 = flashcuda.flash_attn_with_kvcache(q, kc1, vc1, **kw)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    with captured:
+        out2, lse2 = flashcuda.flash_attn_with_kvcache(q, kc2, vc2, **kw)
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+    assert torch.allclose(out2, out1, atol=1e-5, rtol=0)
+    assert torch.allclose(lse2, lse1, atol=1e-5, rtol=0)
+
+
+def test_positions_past_the_cache_are_clamped_not_written_out_of_bounds(captured):
+    """cache_seqlens = seqlen_cache with one new key (the caller's error, which a capture
+    cannot see): the new key lands in the last slot, the entry sees the whole row, nothing
+    else changes."""
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = (torch.randn(2, 10, 1, 8, generator=gen) for _ in range(2))
+    q = torch.randn(2, 1, 2, 8, generator=gen)
+    k, v = (torch.randn(2, 1, 1, 8, generator=gen) for _ in range(2))
+    before = k_cache.clone()
+    with captured:
+        out = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                                cache_seqlens=torch.tensor([10, 3]))
+    assert torch.equal(k_cache[0, 9], k[0, 0]) and torch.equal(k_cache[0, :9], before[0, :9])
+    assert torch.equal(k_cache[1, 3], k[1, 0]) and torch.equal(k_cache[1, 4:], before[1, 4:])
+    ref, _ = oracle_decode(q[:1], k_cache[:1], v_cache[:1], 8 ** -0.5)
+    assert torch.allclose(out[:1], ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("case,match", [
+    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), "block_table"),
+    (dict(cache_batch_idx=torch.tensor([1, 0])), "cache_batch_idx"),
+    (dict(cache_leftpad=torch.tensor([0, 1])), "cache_leftpad"),
+    (dict(q_len=2), "q: expected one query per entry"),
+    (dict(window_size=(4, 0)), "window_size"),
+    (dict(cache_seqlens=torch.tensor([1.0, 2.0])), "cache_seqlens"),
+    (dict(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32)), "cache_seqlens"),
+    (dict(cache_seqlens=12), "cache_seqlens"),
+    (dict(kernels_off=True), "the decode kernels"),
+])
+def test_calls_a_capture_cannot_run_are_refused_by_name_before_any_write(captured, monkeypatch,
+                                                                         case, match):
+    from flashcuda.ops import decode
+
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache = (torch.randn(2, 12, 1, 8, generator=gen) for _ in range(2))
+    q = torch.randn(2, case.pop("q_len", 1), 2, 8, generator=gen)
+    k, v = (torch.randn(2, 1, 1, 8, generator=gen) for _ in range(2))
+    if case.pop("kernels_off", False):
+        monkeypatch.setattr(decode, "KERNEL", False)
+    case.setdefault("cache_seqlens", torch.tensor([3, 4], dtype=torch.int32))
+    before = k_cache.clone(), v_cache.clone()
+    with captured, pytest.raises((ValueError, TypeError), match=match):
+        flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **case)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
