@@ -340,14 +340,14 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out (batch, seqlen_q, nheads, headdim) in q's dtype (and lse), computed without autograd.
 
     How it runs: the rotation and the append are PyTorch operations (one indexed write per
-    cache), then one kernel call per run of consecutive batch entries that see the same span of
-    keys — on views of the caches when the entries are on consecutive cache rows, on a gathered
-    contiguous copy of their pages when paged (the copy costs a read and a write of the keys and
-    values seen: a paged cache is correct here, not fast). Host-bound when many entries differ.
-    With one query per entry that sees all of its keys, each call is flashcuda.ops.decode's:
-    GQA as each KV head's query group, and a run of one entry over 8k+ keys as pieces side by
-    side on the GPU, combined by their lse (one more rounding of each piece's out to q's dtype
-    than one call).
+    cache). A decode step (one query per entry; unpaged, not left-padded, entries on consecutive
+    cache rows; fp16 / bf16, head_dim a multiple of 8 up to 256) is one call of the decode
+    kernels (flashcuda.ops.fwd_decode: split-KV, the entries' key counts as a device tensor,
+    however ragged). Otherwise one kernel call per run of consecutive batch entries that see the
+    same span of keys — on views of the caches when the entries are on consecutive cache rows,
+    on a gathered contiguous copy of their pages when paged (the copy costs a read and a write of
+    the keys and values seen: a paged cache is correct here, not fast); host-bound when many
+    entries differ.
     cache_seqlens, cache_batch_idx, cache_leftpad and block_table tensors are read on the host
     (device-to-host copies, which wait for the GPU), and their values checked.
 
