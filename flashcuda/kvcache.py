@@ -232,6 +232,9 @@ def _decode_step_captured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"q: expected one query per entry (seqlen_q = 1: a decode step) while a "
                          f"CUDA graph is captured, got seqlen_q = {seqlen_q}")
     capacity = k_cache.shape[1]
+    if new > capacity:
+        raise ValueError(f"k: expected seqlen_new <= seqlen_cache = {capacity} (the new keys fit "
+                         f"the cache), got {new}")
     if k_cache.shape[0] < batch:
         raise ValueError(f"k_cache: expected at least batch = {batch} rows, got "
                          f"{k_cache.shape[0]}")

@@ -127,6 +127,7 @@ def test_positions_past_the_cache_are_clamped_not_written_out_of_bounds(captured
     (dict(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32)), "cache_seqlens"),
     (dict(cache_seqlens=12), "cache_seqlens"),
     (dict(kernels_off=True), "the decode kernels"),
+    (dict(new_len=13), "seqlen_new <= seqlen_cache"),
 ])
 def test_calls_a_capture_cannot_run_are_refused_by_name_before_any_write(captured, monkeypatch,
                                                                          case, match):
@@ -135,7 +136,8 @@ def test_calls_a_capture_cannot_run_are_refused_by_name_before_any_write(capture
     gen = torch.Generator().manual_seed(2)
     k_cache, v_cache = (torch.randn(2, 12, 1, 8, generator=gen) for _ in range(2))
     q = torch.randn(2, case.pop("q_len", 1), 2, 8, generator=gen)
-    k, v = (torch.randn(2, 1, 1, 8, generator=gen) for _ in range(2))
+    new = case.pop("new_len", 1)
+    k, v = (torch.randn(2, new, 1, 8, generator=gen) for _ in range(2))
     if case.pop("kernels_off", False):
         monkeypatch.setattr(decode, "KERNEL", False)
     case.setdefault("cache_seqlens", torch.tensor([3, 4], dtype=torch.int32))
