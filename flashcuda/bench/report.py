@@ -260,7 +260,7 @@ def extras_tables(rec: dict) -> list:
 
 
 DECODE_LABELS = {"flashcuda_kvcache": "fc kvcache", "flashcuda": "fc flash_attn_func",
-                 "flashcuda_plain": "fc unpacked"}
+                 "flashcuda_plain": "fc unpacked", "flashcuda_graph": "fc kvcache graph"}
 
 
 def decode_tables(dc: dict) -> list:

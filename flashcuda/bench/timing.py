@@ -359,13 +359,9 @@ def latency_percentiles(fn: Callable[[], object], n: int = 200, warmup: int = 20
     return out
 
 
-def graph_latency(fn: Callable[[], object], n: int = 200, warmup: int = 3) -> dict:
-    """Serving latency as a CUDA-graph serving stack sees it: one call captured in a CUDA graph
-    (torch.cuda.graph, after `warmup` calls on a side stream, torch's capture recipe), then `n`
-    replays queued back to back, each between two CUDA events: the GPU time of the call's own
-    kernels with no host work in it (a replay's launch is one driver call). No L2 flush, as in
-    latency_percentiles. Returns graph_p50/p90/p99 in ms; raises whatever capture raises (a
-    peer that cannot be captured is recorded as such by the caller)."""
+def capture(fn: Callable[[], object], warmup: int = 3) -> tuple[object, object]:
+    """(graph, output): fn captured in a CUDA graph by torch's recipe (`warmup` calls on a side
+    stream first, so kernels are loaded and plans made before the capture)."""
     import torch
 
     side = torch.cuda.Stream()
@@ -376,7 +372,20 @@ def graph_latency(fn: Callable[[], object], n: int = 200, warmup: int = 3) -> di
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
+    return graph, out
+
+
+def graph_latency(fn: Callable[[], object], n: int = 200, warmup: int = 3) -> dict:
+    """Serving latency as a CUDA-graph serving stack sees it: one call captured in a CUDA graph
+    (torch.cuda.graph, after `warmup` calls on a side stream, torch's capture recipe), then `n`
+    replays queued back to back, each between two CUDA events: the GPU time of the call's own
+    kernels with no host work in it (a replay's launch is one driver call). No L2 flush, as in
+    latency_percentiles. Returns graph_p50/p90/p99 in ms; raises whatever capture raises (a
+    peer that cannot be captured is recorded as such by the caller)."""
+    import torch
+
+    graph, _ = capture(fn, warmup)
     for _ in range(warmup):
         graph.replay()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

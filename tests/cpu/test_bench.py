@@ -603,3 +603,25 @@ def test_plot_decode_writes_png(tmp_path):
     path = plot_decode(rec, tmp_path / "d.png")
     assert path.read_bytes()[:4] == b"\x89PNG"
     assert plot_decode(synthetic_record(), tmp_path / "none.png") is None
+
+
+def test_graph_replay_captures_once_then_replays(monkeypatch):
+    """The decode extra's graph arm: the step is captured at the first call only (timing.capture,
+    stubbed here: no GPU), every call replays and returns the captured output."""
+    from flashcuda.bench import extras
+
+    captured, replays = [], []
+
+    class Graph:
+        def replay(self):
+            replays.append(1)
+
+    def capture(fn, warmup=3):
+        captured.append(warmup)
+        return Graph(), fn()
+
+    monkeypatch.setattr(extras, "capture", capture)
+    steps = []
+    fn = extras.graph_replay(lambda: steps.append(1) or "out")
+    assert [fn() for _ in range(3)] == ["out"] * 3
+    assert captured == [1] and len(steps) == 1 and len(replays) == 3
