@@ -4,13 +4,18 @@ logits against recomputing the whole sequence with PyTorch SDPA (no cache).
     python examples/generate_kvcache.py                       # a GPU if there is one, else CPU
     python examples/generate_kvcache.py --device cpu --tokens 8
     python examples/generate_kvcache.py --paged               # the caches as pages + a block table
+    python examples/generate_kvcache.py --graph               # each decode step replayed from a
+                                                              # CUDA graph (the serving pattern)
 
 Model: a small random-weight causal transformer (GQA: 8 query heads over 2 KV heads, rotary
 position embeddings, GPT-NeoX style), a batch of prompts of different lengths (each row's cache
 holds its own number of keys: cache_seqlens), a prefill, then one token per step, greedy. The
 cache is written in place by the call that attends to it (k / v rotated by rotary_cos /
 rotary_sin, appended at cache_seqlens); with --paged, the caches are a pool of 4-position pages
-that a block table hands out in shuffled order. The full recompute rotates q and k itself
+that a block table hands out in shuffled order; with --graph (CUDA), the decode step is captured
+once in a CUDA graph and replayed per token, the next token and cache_seqlens written into the
+captured tensors on the device (flash_attn_with_kvcache reads nothing on the host while a graph
+is captured). The full recompute rotates q and k itself
 (rotate_half). Prints the largest logit difference per step and exits 1
 if any exceeds the dtype's tolerance (fp32 on CPU: 1e-4; bf16 on a GPU: 0.1), or if the two runs
 choose different tokens where the top two logits are further apart than that tolerance.
@@ -97,6 +102,29 @@ class Model(nn.Module):
         return self.head(x[:, -1])
 
 
+def capture_step(model: Model, caches, batch: int, seqlens: torch.Tensor):
+    """model.step for one new token per row, captured in a CUDA graph: returns a step function
+    that copies the tokens into the captured input and replays (the caches and `seqlens` are the
+    captured tensors themselves; the logits come back in the graph's output tensor)."""
+    tokens = torch.zeros(batch, 1, dtype=torch.long, device=seqlens.device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on scratch caches: kernels loaded, nothing appended
+        scratch = [(kc.clone(), vc.clone()) for kc, vc in caches]
+        model.step(tokens, scratch, seqlens.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = model.step(tokens, caches, seqlens)
+
+    def step(new_tokens, caches_, seqlens_, table=None):
+        tokens.copy_(new_tokens)
+        graph.replay()
+        return logits
+
+    return step
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -104,8 +132,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--paged", action="store_true",
                         help="caches as 4-position pages handed out by a block table")
+    parser.add_argument("--graph", action="store_true",
+                        help="replay the decode step from a CUDA graph (CUDA, not with --paged)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.graph and (device.type != "cuda" or args.paged):
+        parser.error("--graph needs a CUDA device and caches without --paged")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tol = 0.1 if dtype == torch.bfloat16 else 1e-4
     torch.manual_seed(args.seed)
@@ -137,6 +169,9 @@ def main() -> int:
                                      None if table is None else table[b:b + 1])[0])
         logits = torch.stack(logits)
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        decode = model.step
+        if args.graph:
+            decode = capture_step(model, caches, batch, seqlens)
         for step in range(args.tokens):
             padded = torch.zeros(batch, max(map(len, seqs)), dtype=torch.long, device=device)
             for b, s in enumerate(seqs):
@@ -153,8 +188,8 @@ def main() -> int:
             worst = max(worst, diff)
             for b in range(batch):
                 seqs[b].append(int(chosen[b]))
-            logits = model.step(chosen[:, None], caches, seqlens, table)
-            seqlens = seqlens + 1
+            logits = decode(chosen[:, None], caches, seqlens, table)
+            seqlens += 1  # (in place: a captured step reads it from the device)
     print(f"{args.tokens} tokens x {batch} rows on {device} ({str(dtype).replace('torch.', '')}"
           f"{', paged' if args.paged else ''}): "
           f"cached logits within {worst:.2e} of the full recompute (tolerance {tol})")

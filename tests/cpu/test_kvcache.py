@@ -184,3 +184,11 @@ def test_generation_example_agrees_with_the_full_recompute(paged):
                          + ["--paged"] * paged, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "cached logits within" in run.stdout
+
+
+def test_generation_example_graph_mode_needs_cuda():
+    """--graph (the decode step replayed from a CUDA graph) on the CPU: refused by name."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "generate_kvcache.py"
+    run = subprocess.run([sys.executable, str(example), "--device", "cpu", "--graph"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--graph needs a CUDA device" in run.stderr

@@ -25,9 +25,9 @@ def test_train_compare_short(tmp_path):
     assert (tmp_path / "train-compare.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
-def test_generate_kvcache(paged):
+@pytest.mark.parametrize("mode", [[], ["--paged"], ["--graph"]], ids=["rows", "paged", "graph"])
+def test_generate_kvcache(mode):
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "generate_kvcache.py"),
-                          "--device", "cuda", "--tokens", "24"] + ["--paged"] * paged,
+                          "--device", "cuda", "--tokens", "24", *mode],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
