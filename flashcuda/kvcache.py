@@ -103,35 +103,6 @@ def _append_slots(lengths: list[int], new: int, rows: list[int], pages: torch.Te
     return torch.tensor(rows, dtype=torch.long).repeat_interleave(new), pos.flatten()
 
 
-def _one_call_span(q: torch.Tensor, ent: _Entries, window_left: int | None,
-                   window_right: int | None) -> int | None:
-    """The keys (max ends) of a decoding step (one query per entry) that the decode kernels
-    may run as one call — entries on consecutive cache rows, each seeing its first ends[b] keys
-    (no left padding, no window that hides one), the kernels on — or None."""
-    batch = q.shape[0]
-    if q.shape[1] != 1 or batch == 0 or any(ent.starts) or not max(ent.ends):
-        return None
-    if ent.rows != list(range(ent.rows[0], ent.rows[0] + batch)):
-        return None
-    if (window_left is not None and window_left < max(ent.ends) - 1) or \
-            (window_right is not None and window_right < 0):
-        return None
-    return max(ent.ends) if decode.KERNEL and decode.kernel_allowed() else None
-
-
-def _decode_in_one_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        scale: float, ent: _Entries,
-                        keys: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """_one_call_span's step as one call of the decode kernels, the counts as a device tensor
-    (however ragged the lengths); None where the kernels do not take these tensors."""
-    r0 = ent.rows[0]
-    kc, vc = (t[r0:r0 + q.shape[0], :keys] for t in (k_cache, v_cache))
-    if fwd_decode.can_take(q, kc, vc):
-        return None
-    counts = torch.tensor(ent.ends, dtype=torch.int32).to(q.device, non_blocking=True)
-    return fwd_decode.attention(q, kc, vc, scale, counts)
-
-
 class _Entries(NamedTuple):
     """Where each batch entry's keys live and which it sees: its cache row (rows) or its row of
     the page table (pages, an int64 CPU tensor), and the span [starts[b], ends[b]) of positions
@@ -200,6 +171,35 @@ def _entries(batch: int, new: int, k_cache: torch.Tensor, device: torch.device,
             raise ValueError("block_table: expected the appended positions of different entries "
                              "on distinct (block, offset) slots, got entries sharing a slot")
     return _Entries(rows, pages, lengths, starts, ends)
+
+
+def _one_call_span(q: torch.Tensor, ent: _Entries, window_left: int | None,
+                   window_right: int | None) -> int | None:
+    """The keys (max ends) of a decoding step (one query per entry) that the decode kernels
+    may run as one call — entries on consecutive cache rows, each seeing its first ends[b] keys
+    (no left padding, no window that hides one), the kernels on — or None."""
+    batch = q.shape[0]
+    if q.shape[1] != 1 or batch == 0 or any(ent.starts) or not max(ent.ends):
+        return None
+    if ent.rows != list(range(ent.rows[0], ent.rows[0] + batch)):
+        return None
+    if (window_left is not None and window_left < max(ent.ends) - 1) or \
+            (window_right is not None and window_right < 0):
+        return None
+    return max(ent.ends) if decode.KERNEL and decode.kernel_allowed() else None
+
+
+def _decode_in_one_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        scale: float, ent: _Entries,
+                        keys: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """_one_call_span's step as one call of the decode kernels, the counts as a device tensor
+    (however ragged the lengths); None where the kernels do not take these tensors."""
+    r0 = ent.rows[0]
+    kc, vc = (t[r0:r0 + q.shape[0], :keys] for t in (k_cache, v_cache))
+    if fwd_decode.can_take(q, kc, vc):
+        return None
+    counts = torch.tensor(ent.ends, dtype=torch.int32).to(q.device, non_blocking=True)
+    return fwd_decode.attention(q, kc, vc, scale, counts)
 
 
 def _capturing(q: torch.Tensor) -> bool:

@@ -1,9 +1,10 @@
 """Decoding: one query row per (batch entry, head) that sees every one of its keys, run in the
 shape the GPU needs.
 
-    kernel        the decode kernels (family fwd_decode, ops/fwd_decode.py: split-KV with fp32 partials and a
-                  combine, a KV head's query group in one CTA) wherever they take the call
-                  (CUDA, sm >= 80, fp16 / bf16, head_dim a multiple of 8 up to 256).
+    kernel        the decode kernels (family fwd_decode, ops/fwd_decode.py: split-KV with
+                  fp32 partials and a combine, a KV head's query group in one CTA) wherever
+                  they take the call (CUDA, sm >= 80, fp16 / bf16, head_dim a multiple of 8 up
+                  to 256).
 Elsewhere (fp32, other head dims, CPU tensors) the forward kernels run on other views of the
 call:
     packed_gqa    with GQA, a KV head's `group` query heads become `group` query rows of one
