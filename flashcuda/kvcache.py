@@ -183,10 +183,9 @@ def _one_call_span(q: torch.Tensor, ent: _Entries, window_left: int | None,
         return None
     if ent.rows != list(range(ent.rows[0], ent.rows[0] + batch)):
         return None
-    if (window_left is not None and window_left < max(ent.ends) - 1) or \
-            (window_right is not None and window_right < 0):
+    if not decode.sees_all_keys(window_left, window_right, max(ent.ends)):
         return None
-    return max(ent.ends) if decode.KERNEL and decode.kernel_allowed() else None
+    return max(ent.ends) if decode.kernel_allowed() else None
 
 
 def _decode_in_one_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -248,8 +247,7 @@ def _decode_step_captured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     else:
         seqlens = validate.batch_ints(cache_seqlens, "cache_seqlens", batch, q.device).long()
     window_left, window_right = validate.fa_window(window_size, causal)
-    if (window_left is not None and window_left < capacity - 1) or \
-            (window_right is not None and window_right < 0):
+    if not decode.sees_all_keys(window_left, window_right, capacity):
         raise ValueError(f"window_size: expected a window that hides no cached key while a CUDA "
                          f"graph is captured (the keys' count is on the device), got "
                          f"{window_size}")
@@ -258,7 +256,7 @@ def _decode_step_captured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _checked_qkv(q, kc, vc, names=("q", "k_cache", "v_cache"))
     q = _last_dim_contiguous(q, "q")
     reason = fwd_decode.can_take(q, kc, vc) or (
-        None if decode.KERNEL and decode.kernel_allowed() else "the decode kernels are off")
+        None if decode.kernel_allowed() else "the decode kernels are off")
     if reason:
         raise ValueError(f"q, k_cache, v_cache: a decode step while a CUDA graph is captured "
                          f"runs on the decode kernels, which cannot take this call: {reason}")

@@ -157,15 +157,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     _EagerAttention when autograd must record the call): the wrapper costs more host time than
     a short kernel takes, and its first call imports torch._dynamo (seconds). Under
     torch.compile the op itself is traced. Eager calls without autograd that decode (one query
-    row seeing all of its keys) run through ops.decode (GQA packed, one entry's long keys
-    split).
+    row seeing all of its keys) run through ops.decode (the decode kernels where they take the
+    call; else GQA packed, one entry's long keys split).
     """
     if torch.compiler.is_compiling():
         return fwd(q, k, v, softmax_scale, window_left, window_right, deterministic)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(q, k, v, softmax_scale, window_left, window_right,
                                      deterministic)
-    # inference: a decoding call (one query row that sees all its keys) packed / split
+    # inference: a decoding call (one query row that sees all its keys): ops.decode
     decoded = decode.forward(q, k, v, softmax_scale, window_left, window_right, _fwd_impl)
     if decoded is not None:
         return decoded

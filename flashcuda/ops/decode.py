@@ -50,10 +50,19 @@ def _sms(device: torch.device) -> int:
 
 
 def kernel_allowed() -> bool:
-    """The decode kernels may run: FLASHCUDA_FORCE_KERNEL names no forward family, or names
-    fwd_decode among them (a test forcing fwd_simt gets fwd_simt)."""
+    """The decode kernels may run: KERNEL is on and FLASHCUDA_FORCE_KERNEL names no forward
+    family, or names fwd_decode among them (a test forcing fwd_simt gets fwd_simt)."""
+    if not KERNEL:
+        return False
     forward = dispatch.families("fwd")
     return forward == dispatch.FWD_FAMILIES or "fwd_decode" in forward
+
+
+def sees_all_keys(window_left: int | None, window_right: int | None, keys: int) -> bool:
+    """A single query row (the last position, bottom-right aligned) sees all of `keys` keys
+    under this window: none left of it is cut, and the row itself is not masked out."""
+    return ((window_left is None or window_left >= keys - 1)
+            and (window_right is None or window_right >= 0))
 
 
 def packed_gqa(q: torch.Tensor, nheads_kv: int) -> torch.Tensor:
@@ -105,10 +114,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     keys, nheads_kv = k.shape[1], k.shape[2]
     if seqlen_q != 1 or keys == 0 or batch == 0:
         return None
-    if (window_left is not None and window_left < keys - 1) or \
-            (window_right is not None and window_right < 0):
+    if not sees_all_keys(window_left, window_right, keys):
         return None
-    if KERNEL and kernel_allowed() and fwd_decode.can_take(q, k, v) is None:
+    if kernel_allowed() and fwd_decode.can_take(q, k, v) is None:
         return fwd_decode.attention(q, k, v, scale)
     pack = PACK_GQA and nheads > nheads_kv
     rows = packed_gqa(q, nheads_kv) if pack else q

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, launch_stream, register
-from .call import DTYPE_CODE, DTYPE_NAME, LOG2E
+from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, PlanCache
 
 SOURCE = "attention/flash_decode.cu"
 ARCHS = ("sm_80", "sm_90a")
@@ -129,7 +129,6 @@ class _Plan:
     splits: int
 
 
-_plans: dict[tuple, _Plan] = {}
 _SPLIT_POINTERS = 8  # q, k, v, out, lse, o_part, lse_part, seqused: the rest is the layout's
 _COMBINE_POINTERS = 4  # o_part, lse_part, out, lse
 
@@ -163,6 +162,9 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     return _Plan(split, combine, splits)
 
 
+_plans = PlanCache(lambda args: _plan(*args))
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
               seqused: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, 1, H, D), lse (B, H, 1)) of a decoding call (module docstring); can_take(q, k,
@@ -174,11 +176,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
         return out, lse
     key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.get_device(),
            softmax_scale)
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) >= 1024:
-            _plans.clear()
-        plan = _plans[key] = _plan(q, k, v, softmax_scale, out)
+    plan = _plans.plan(key, (q, k, v, softmax_scale, out))
     parts = None
     if plan.combine is not None:  # (the fp32 partials: freed after the combine, stream-ordered)
         parts = (q.new_empty((plan.splits, batch, nheads, head_dim), dtype=torch.float32),

@@ -188,3 +188,13 @@ def test_sdpa_shim_decoding_is_packed(kernel_calls):
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                                            enable_gqa=True)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
+
+
+def test_sees_all_keys_at_the_window_edge():
+    """The one rule decoding's paths share: the single (last) query row sees all `keys` keys
+    when the left window reaches key 0 (window_left >= keys - 1) and the row is not masked out
+    (window_right >= 0)."""
+    assert decode.sees_all_keys(None, None, 5) and decode.sees_all_keys(None, 0, 5)
+    assert decode.sees_all_keys(4, 0, 5) and decode.sees_all_keys(0, None, 1)
+    assert not decode.sees_all_keys(3, 0, 5)
+    assert not decode.sees_all_keys(None, -1, 5)
