@@ -1,12 +1,16 @@
 """Host-side cost of one flashcuda call (validation, dispatch, tensor maps, launch), on a GPU.
 
     python scripts/host_overhead.py [--shape B S H D] [--causal] [--profile]
+    python scripts/host_overhead.py --decode [--shape B S H D] [--profile]
 
 Every timing is taken while a spin kernel keeps the GPU busy, so a call only enqueues work and
 never waits: what is measured is the host time that, when it exceeds the GPU time of a short
 call, leaves the GPU idle (the † points of the bench summary). Prints per-call microseconds for
 flashcuda and SDPA's flash backend (forward, forward with autograd, backward), then the cost of
 the pieces of the forward path, then (--profile) a cProfile list of the forward and backward.
+--decode: a decoding step instead (one query per entry over S cached keys, H query heads over
+H / 4 KV heads, default 1 x 1024 x 32 x 128): flash_attn_func, flash_attn_with_kvcache and SDPA
+flash, no grad (--profile: cProfile of the two flashcuda calls).
 """
 
 from __future__ import annotations
@@ -236,13 +240,43 @@ def fwd_lse(q, k, v, causal: bool) -> torch.Tensor:
     return flashcuda.flash_attn_func(q, k, v, causal=causal, return_lse=True)[1]
 
 
+def decode_step(b: int, s: int, h: int, d: int, with_profile: bool) -> None:
+    """--decode: host time of one decoding step (module docstring)."""
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, s, max(1, h // 4), d, device="cuda", dtype=q.dtype) for _ in range(2))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def sdpa():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+    rows = [("flash_attn_func", lambda: flashcuda.flash_attn_func(q, k, v)),
+            ("flash_attn_with_kvcache", lambda: flashcuda.flash_attn_with_kvcache(q, k, v)),
+            ("sdpa flash", sdpa)]
+    print(f"decode step {b} x {s} keys, {h} over {k.shape[2]} heads, d{d}, bf16, no grad: "
+          "host us per call, GPU kept busy")
+    with torch.no_grad():
+        for label, fn in rows:
+            fn()
+            print(f"  {label:28s} {per_call_us(fn):8.1f}")
+        if with_profile:
+            for label, fn in rows[:2]:
+                print(f"--- {label}")
+                print(profile(fn, 500, top=22))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", type=int, nargs=4, default=[32, 512, 16, 128],
-                    metavar=("B", "S", "H", "D"))
+    ap.add_argument("--shape", type=int, nargs=4, default=None, metavar=("B", "S", "H", "D"))
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--decode", action="store_true",
+                    help="a decoding step (one query per entry over S cached keys)")
     a = ap.parse_args()
+    if a.decode:
+        decode_step(*(a.shape or [1, 1024, 32, 128]), a.profile)
+        return
+    a.shape = a.shape or [32, 512, 16, 128]
     b, s, h, d = a.shape
     mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     q, k, v = mk(), mk(), mk()
