@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The decode kernels' device call, from the repository root on the GPU machine:
+#
+#   FLASHCUDA_COMMIT=<sha> OUT=<dir> scripts/decode_lane.sh [tests] [sanitize] [tune] [probe]
+#
+# tests:    tests/gpu/test_decode.py, then test_api / test_examples' kvcache and decode cases
+# sanitize: compute-sanitizer memcheck on the decode tests that reach the edges (counts 0 / 1 /
+#           capacity, strided views, NaN, kvcache's step, the graph replay, determinism)
+# tune:     scripts/decode_probe.py --tune at batch 1 x 64k, batch 8 x 16k, batch 1 x 16k keys
+# probe:    scripts/decode_probe.py at batch 1 x 1k (host time of a small call)
+# Each step's log goes to $OUT/<step>.txt; a short table of pass/fail counts and timings ends it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/decode-lane-out}
+export PYTHONPATH=$PWD FLASHCUDA_CACHE_DIR=${FLASHCUDA_CACHE_DIR:-/tmp/flashcuda-decode-cache}
+mkdir -p "$OUT" "$FLASHCUDA_CACHE_DIR"
+[ -d .kcache ] && cp -rn .kcache/. "$FLASHCUDA_CACHE_DIR"/ 2>/dev/null
+chmod -R go-rwx "$FLASHCUDA_CACHE_DIR"
+steps=${*:-tests sanitize tune probe}
+for s in $steps; do
+  t0=$(date +%s)
+  case $s in
+    tests)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode.py > "$OUT/tests.txt" 2>&1
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_api.py tests/gpu/test_examples.py \
+        -k "kvcache or decod" >> "$OUT/tests.txt" 2>&1 ;;
+    sanitize)
+      timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_decode.py -k "per_entry or strided or nan or kvcache_decode or determin" \
+        > "$OUT/sanitize.txt" 2>&1; echo "sanitizer rc $?" >> "$OUT/sanitize.txt" ;;
+    tune)
+      for a in "--keys 65536" "--batch 8 --keys 16384" "--keys 16384"; do
+        timeout 120 python3 scripts/decode_probe.py --tune $a 2>&1 | grep -v Warn
+      done > "$OUT/tune.txt" ;;
+    probe)
+      timeout 120 python3 scripts/decode_probe.py --keys 1024 > "$OUT/probe.txt" 2>&1 ;;
+  esac
+  echo "== $s $(( $(date +%s) - t0 )) s" >> "$OUT/steps.txt"
+done
+echo "commit ${FLASHCUDA_COMMIT:-?}  $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+cat "$OUT/steps.txt"
+grep -hE "passed|failed|error" "$OUT/tests.txt" "$OUT/sanitize.txt" 2>/dev/null | grep -E "^=|^[0-9]+ |ERROR SUMMARY|rc " | tail -8
+grep -h "sanitizer rc\|ERROR SUMMARY" "$OUT/sanitize.txt" 2>/dev/null | tail -2
+[ -f "$OUT/tune.txt" ] && grep -E "us " "$OUT/tune.txt"
+[ -f "$OUT/probe.txt" ] && grep -E " us " "$OUT/probe.txt" | head -12
+exit 0
