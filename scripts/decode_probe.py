@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--keys", type=int, default=65536)
     ap.add_argument("--tune", action="store_true",
-                    help="only the decode kernels' time for UNROLL x CTAS_PER_SM choices")
+                    help="only the decode kernels' time for STAGES x UNROLL x WAVES choices")
     a = ap.parse_args()
     h, hk, d = 32, 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -71,16 +71,21 @@ def main() -> None:
                       f"{kv_bytes / m / 1e6:6.0f} GB/s")
             except RuntimeError as exc:
                 print(f"{name}: {exc}")
-        for unroll in (2, 4, 8):
-            for ctas in (4, 8, 16):
-                fwd_decode.UNROLL, fwd_decode.CTAS_PER_SM = unroll, ctas
-                fwd_decode._plans.clear()
-                with torch.no_grad():
-                    err = max_error(fwd_decode.attention(q, k, v, scale)[0], ref)
-                m = ms(lambda: fwd_decode.attention(q, k, v, scale))
-                print(f"b{a.batch} {a.keys:6d} keys  unroll {unroll} ctas/SM {ctas:2d}  "
-                      f"{m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
-                      f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
+        for stages in (0, 2, 3, 4):
+            for unroll in (2, 4):
+                for waves in (1, 2):
+                    fwd_decode.UNROLL, fwd_decode.STAGES, fwd_decode.WAVES = unroll, stages, waves
+                    with torch.no_grad():
+                        err = max_error(fwd_decode.attention(q, k, v, scale)[0], ref)
+                    m = ms(lambda: fwd_decode.attention(q, k, v, scale))
+                    c = fwd_decode.config_for(q.dtype, d, h // hk)
+                    kernel = fwd_decode.get_kernel(c.spec(), q.device)
+                    per_sm = kernel.resident_blocks(fwd_decode.THREADS, c.smem_bytes)
+                    print(f"b{a.batch} {a.keys:6d} keys  stages {stages} unroll {unroll} "
+                          f"waves {waves} ({per_sm} CTAs/SM, {kernel.attribute('NUM_REGS')} "
+                          f"regs)  {m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s  "
+                          f"err {err:.2e} {'ok' if err <= bound else 'WRONG'} "
+                          f"(bound {bound:.2e})")
         return
     calls = {"split_pieces": 0, "run": 0}
     run0, split0 = attn_mod._fwd_impl, decode.split_pieces

@@ -103,6 +103,30 @@ def build_cubin(spec: KernelSpec, arch: str) -> tuple[bytes, bool, float]:
     return cubin, hit, time.perf_counter() - start
 
 
+_vp, _u32, _i32, _sz = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_size_t
+# The libcuda entry points flashcuda calls, with their C parameter lists (every one returns a
+# CUresult; tests/cpu checks the counts against cuda.bindings' declarations).
+LIBCUDA_SIGNATURES = {
+    "cuInit": [_u32],
+    "cuDeviceGet": [ctypes.POINTER(_i32), _i32],
+    "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_vp), _i32],
+    "cuCtxGetCurrent": [ctypes.POINTER(_vp)],
+    "cuCtxSetCurrent": [_vp],
+    "cuModuleLoadData": [ctypes.POINTER(_vp), ctypes.c_char_p],
+    "cuModuleGetFunction": [ctypes.POINTER(_vp), _vp, ctypes.c_char_p],
+    "cuFuncGetAttribute": [ctypes.POINTER(_i32), _i32, _vp],
+    "cuFuncSetAttribute": [_vp, _i32, _i32],
+    "cuGetErrorName": [_i32, ctypes.POINTER(ctypes.c_char_p)],
+    "cuGetErrorString": [_i32, ctypes.POINTER(ctypes.c_char_p)],
+    "cuLaunchKernel": [_vp, _u32, _u32, _u32, _u32, _u32, _u32, _u32, _vp, _vp, _vp],
+    # CUDA 12.0+ drivers (PreparedLaunch's programmatic launches fall back without it)
+    "cuLaunchKernelEx": [_vp, _vp, _vp, _vp],
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(_i32), _vp, _i32, _sz],
+    # CUDA 12.4+ drivers only (check_abi skips the check without it)
+    "cuFuncGetParamInfo": [_vp, _sz, ctypes.POINTER(_sz), ctypes.POINTER(_sz)],
+}
+
+
 @functools.cache
 def _libcuda():
     """libcuda's entry points through ctypes (the launch path of every call: the cuda.bindings
@@ -110,26 +134,7 @@ def _libcuda():
     costs about one; and importing them costs more than a cache hit may take). libcuda.so.1 is
     the driver library cuda.bindings loads too."""
     lib = ctypes.CDLL("libcuda.so.1")
-    vp, u32, i32, sz = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_size_t
-    signatures = {
-        "cuInit": [u32],
-        "cuDeviceGet": [ctypes.POINTER(i32), i32],
-        "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), i32],
-        "cuCtxGetCurrent": [ctypes.POINTER(vp)],
-        "cuCtxSetCurrent": [vp],
-        "cuModuleLoadData": [ctypes.POINTER(vp), ctypes.c_char_p],
-        "cuModuleGetFunction": [ctypes.POINTER(vp), vp, ctypes.c_char_p],
-        "cuFuncGetAttribute": [ctypes.POINTER(i32), i32, vp],
-        "cuFuncSetAttribute": [vp, i32, i32],
-        "cuGetErrorName": [i32, ctypes.POINTER(ctypes.c_char_p)],
-        "cuGetErrorString": [i32, ctypes.POINTER(ctypes.c_char_p)],
-        "cuLaunchKernel": [vp, u32, u32, u32, u32, u32, u32, u32, vp, vp, vp],
-        # CUDA 12.0+ drivers (PreparedLaunch's programmatic launches fall back without it)
-        "cuLaunchKernelEx": [vp, vp, vp, vp],
-        # CUDA 12.4+ drivers only (check_abi skips the check without it)
-        "cuFuncGetParamInfo": [vp, sz, ctypes.POINTER(sz), ctypes.POINTER(sz)],
-    }
-    for name, args in signatures.items():
+    for name, args in LIBCUDA_SIGNATURES.items():
         fn = getattr(lib, name, None)
         if fn is not None:
             fn.argtypes = args
@@ -343,6 +348,18 @@ class CompiledKernel:
                 )
         if param(len(offsets)):
             raise TypeError(f"kernel {self.name}: got {len(args)} arguments, the kernel takes more")
+
+    def resident_blocks(self, threads: int, dynamic_smem: int = 0) -> int:
+        """CTAs of `threads` threads and `dynamic_smem` bytes of dynamic shared memory that one SM
+        holds at once (the driver's occupancy calculator: registers, shared memory, block
+        limits); 0 when even one does not fit."""
+        found = ctypes.c_int()
+        _make_current(self.device_index)
+        if dynamic_smem > self.smem_limit:
+            self._raise_smem_limit(dynamic_smem)
+        _call(f"kernel {self.name}: occupancy query", _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor,
+              ctypes.byref(found), self.function_handle, threads, dynamic_smem)
+        return found.value
 
     def _raise_smem_limit(self, nbytes: int) -> None:
         _call(f"kernel {self.name}: raising dynamic shared memory to {nbytes} bytes",

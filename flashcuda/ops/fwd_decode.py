@@ -7,9 +7,11 @@ multiple of 8 up to 256, sm >= 80.
 q (B, 1, H, D); k, v (B, Sk, Hkv, D), H a multiple of Hkv; entry b sees its first seqused[b]
 keys (an int32 device tensor: the counts never come to the host) or all Sk. A KV head's query
 group runs in one CTA's rows (the keys read once per group), and the keys of each (entry, KV
-head) are cut into `splits` pieces, picked from the SM count so the GPU fills however small the
-batch; with splits > 1 each piece writes its normalised out and lse in fp32 and the combine
-rounds once. So the result has one rounding (out to q's dtype) like a single kernel call.
+head) are cut into `splits` pieces, as many CTAs as the GPU holds at once (the driver's occupancy
+of the kernel x SMs: one full wave however small the batch); with splits > 1 each piece writes
+its normalised out and lse in fp32 and the combine rounds once. So the result has one rounding
+(out to q's dtype) like a single kernel call. STAGES picks how K / V reach the registers
+(straight loads, or a cp.async pipeline in shared memory: the .cu's FC_STAGES).
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128, 256)  # kernel buckets: a head dim multiple of 8 runs in the next one up
 ROWS = (1, 2, 4, 8)  # query rows (heads of one KV head's group) per CTA
 UNROLL = 4  # keys per slot per step
+STAGES = 0  # K / V by registers (0) or an N-stage cp.async pipeline (the .cu's FC_STAGES)
 THREADS = 128
 MAX_SPLITS = 128
 MIN_SPLIT_KEYS = 256  # no piece shorter than this (the combine and the CTA's start cost)
-CTAS_PER_SM = 4  # the split aims at this many CTAs per SM (loads in flight)
+WAVES = 1  # the split aims at this many full waves of the CTAs the GPU holds at once
 MAX_GRID_YZ = 65535
 
 
@@ -42,10 +45,28 @@ class DecodeConfig:
     head_dim: int  # FC_HEAD_DIM: the bucket
     rows: int  # FC_ROWS
     unroll: int = 0  # FC_UNROLL (0: UNROLL, at most 4 with 8 rows: registers)
+    stages: int = -1  # FC_STAGES (-1: STAGES): 0 loads to registers, N an N-stage cp.async pipe
 
     def __post_init__(self) -> None:
         if not self.unroll:
             object.__setattr__(self, "unroll", UNROLL if self.rows < 8 else min(UNROLL, 4))
+        if self.stages < 0:
+            object.__setattr__(self, "stages", STAGES)
+        if self.stages == 1:
+            raise ValueError("DecodeConfig: stages is 0 (no pipeline) or at least 2")
+
+    @property
+    def split_smem_bytes(self) -> int:
+        """sizeof(SplitSmem) in the .cu: where the slots meet (m, l, acc per slot and row)."""
+        return 4 * (self.slots * self.rows * (2 + self.head_dim) + 2 * self.rows)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: 0 without a pipeline (SplitSmem is static), else the stages'
+        16-byte K and V pieces per thread, which SplitSmem overlays after the keys."""
+        if not self.stages:
+            return 0
+        return max(self.stages * self.unroll * 2 * THREADS * 16, self.split_smem_bytes)
 
     @property
     def step(self) -> int:
@@ -59,12 +80,14 @@ class DecodeConfig:
 
     @property
     def name(self) -> str:
-        return f"flash_decode_{DTYPE_NAME[self.dtype]}_d{self.head_dim}_r{self.rows}_u{self.unroll}"
+        pipe = f"_p{self.stages}" if self.stages else ""
+        return (f"flash_decode_{DTYPE_NAME[self.dtype]}_d{self.head_dim}_r{self.rows}"
+                f"_u{self.unroll}{pipe}")
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
             "FC_STAGE": 0, "FC_DTYPE": DTYPE_CODE[self.dtype], "FC_HEAD_DIM": self.head_dim,
-            "FC_ROWS": self.rows, "FC_UNROLL": self.unroll})
+            "FC_ROWS": self.rows, "FC_UNROLL": self.unroll, "FC_STAGES": self.stages})
 
 
 def combine_spec(dtype: torch.dtype) -> KernelSpec:
@@ -107,16 +130,21 @@ def can_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     return None if ok else "the decode kernels need compute capability >= 8.0"
 
 
-def plan_splits(batch: int, nheads_kv: int, row_blocks: int, seqlen_k: int, sms: int,
+def plan_splits(batch: int, nheads_kv: int, row_blocks: int, seqlen_k: int, slots: int,
                 step: int) -> tuple[int, int]:
     """(splits, chunk): the keys of each (entry, KV head, row block) cut into `splits` pieces of
-    `chunk` keys (a multiple of the CTA's step), enough CTAs for CTAS_PER_SM per SM, none
-    shorter than MIN_SPLIT_KEYS."""
+    `chunk` keys (a multiple of the CTA's step), as many CTAs as fit in `slots` (the CTAs the
+    GPU holds at once, times WAVES: a last wave part-full would run as long as a full one, each
+    CTA being bound by its own loads' latency), none shorter than MIN_SPLIT_KEYS."""
     base = batch * nheads_kv * row_blocks
-    want = -(-CTAS_PER_SM * sms // max(base, 1))
-    splits = max(1, min(want, MAX_SPLITS, seqlen_k // MIN_SPLIT_KEYS))
+    splits = max(1, min(slots // max(base, 1), MAX_SPLITS, seqlen_k // MIN_SPLIT_KEYS))
     chunk = -(-max(seqlen_k, 1) // (splits * step)) * step
     return -(-max(seqlen_k, 1) // chunk), chunk
+
+
+def slots(kernel, cfg: DecodeConfig, sms: int) -> int:
+    """CTAs of `kernel` the GPU holds at once (the driver's occupancy of one SM x SMs), x WAVES."""
+    return max(1, kernel.resident_blocks(THREADS, cfg.smem_bytes)) * sms * WAVES
 
 
 @dataclass(frozen=True)
@@ -141,7 +169,9 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     cfg = config_for(q.dtype, head_dim, group)
     row_blocks = -(-group // cfg.rows)
     _, sms = _device_ok(q.device)
-    splits, chunk = plan_splits(batch, nheads_kv, row_blocks, seqlen_k, sms, cfg.step)
+    kernel = get_kernel(cfg.spec(), q.device)
+    splits, chunk = plan_splits(batch, nheads_kv, row_blocks, seqlen_k, slots(kernel, cfg, sms),
+                                cfg.step)
     layout = (np.int64(q.stride(0)), np.int64(q.stride(2)),
               np.int64(k.stride(0)), np.int64(k.stride(1)), np.int64(k.stride(2)),
               np.int64(v.stride(0)), np.int64(v.stride(1)), np.int64(v.stride(2)),
@@ -149,9 +179,8 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
               np.int32(batch), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads_kv),
               np.int32(head_dim), np.int32(splits), np.int32(chunk),
               np.float32(softmax_scale * LOG2E))
-    split = PreparedLaunch(get_kernel(cfg.spec(), q.device), (splits, nheads_kv * row_blocks, batch),
-                           (THREADS, 1, 1), 0, (None,) * _SPLIT_POINTERS + layout,
-                           fixed=len(layout))
+    split = PreparedLaunch(kernel, (splits, nheads_kv * row_blocks, batch), (THREADS, 1, 1),
+                           cfg.smem_bytes, (None,) * _SPLIT_POINTERS + layout, fixed=len(layout))
     combine = None
     if splits > 1:
         tail = (np.int64(out.stride(0)), np.int64(out.stride(2)), np.int32(batch),
@@ -175,7 +204,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     if batch == 0 or nheads == 0:
         return out, lse
     key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.get_device(),
-           softmax_scale)
+           softmax_scale, UNROLL, STAGES, WAVES)
     plan = _plans.plan(key, (q, k, v, softmax_scale, out))
     parts = None
     if plan.combine is not None:  # (the fp32 partials: freed after the combine, stream-ordered)

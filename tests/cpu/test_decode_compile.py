@@ -24,6 +24,40 @@ def test_decode_variant_compiles_without_spills(spec, arch):
     assert r.registers <= 255, (spec.name, arch, r)
 
 
+def _pipelined():
+    return [fwd_decode.DecodeConfig(dt, d, r, u, st) for dt in fwd_decode.DTYPES
+            for d in fwd_decode.HEAD_DIMS for r in fwd_decode.ROWS for u in (2, 4)
+            for st in (2, 3, 4) if not (r == 8 and u > 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", _pipelined(), ids=lambda c: c.name)
+def test_pipelined_variant_compiles_without_spills(cfg):
+    """The cp.async pipeline's variants the tune tries (FC_STAGES 2-4): no spills, no static
+    shared memory (SplitSmem overlays the stages), and the host's dynamic size holds SplitSmem
+    (sizeof of the no-pipeline variant's static SplitSmem)."""
+    spec = cfg.spec()
+    plain = fwd_decode.DecodeConfig(cfg.dtype, cfg.head_dim, cfg.rows, cfg.unroll, 0)
+    for arch in fwd_decode.ARCHS:
+        r = compile_spec(spec, arch).resources()[spec.entry_name]
+        assert not r.spills and r.registers <= 255, (spec.name, arch, r)
+        assert r.shared_bytes == 0, (spec.name, arch, r)
+        plain_smem = compile_spec(plain.spec(), arch).resources()[plain.spec().entry_name]
+        assert plain_smem.shared_bytes == cfg.split_smem_bytes <= cfg.smem_bytes
+
+
+def test_pipeline_sizes():
+    """Dynamic shared memory: 0 without a pipeline; else the stages' 16-byte K and V pieces of
+    128 threads, or SplitSmem where that is larger; stage 1 is refused."""
+    cfg = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 4, 3)
+    assert cfg.smem_bytes == 3 * 4 * 2 * 128 * 16 and cfg.name.endswith("_u4_p3")
+    assert fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 4, 0).smem_bytes == 0
+    wide = fwd_decode.DecodeConfig(torch.float16, 64, 8, 2, 2)  # SplitSmem 33,856 > 16,384
+    assert wide.smem_bytes == wide.split_smem_bytes == 4 * (16 * 8 * 66 + 16)
+    with pytest.raises(ValueError, match="stages"):
+        fwd_decode.DecodeConfig(torch.float16, 64, 8, 2, 1)
+
+
 def test_decode_representative_variants_compile():
     """The fast subset: the decode extra's kernel (bf16 d128, 4 rows), the widest (d256, 8
     rows) and a combine, both targets."""
@@ -53,15 +87,22 @@ def test_split_plan_covers_every_key_once(batch, heads_kv, keys):
     """Pieces of `chunk` keys (a multiple of the CTA's step of 32 keys) cover [0, keys) with none empty,
     at most MAX_SPLITS, none shorter than MIN_SPLIT_KEYS unless there is one piece, and enough
     CTAs for the GPU where the keys allow."""
-    step = 32
-    splits, chunk = fwd_decode.plan_splits(batch, heads_kv, 1, keys, 132, step)
+    step, slots = 32, 3 * 132
+    splits, chunk = fwd_decode.plan_splits(batch, heads_kv, 1, keys, slots, step)
     assert chunk % step == 0
     assert (splits - 1) * chunk < keys <= splits * chunk
     assert 1 <= splits <= fwd_decode.MAX_SPLITS
     assert splits == 1 or chunk >= fwd_decode.MIN_SPLIT_KEYS
     ctas = batch * heads_kv * splits
-    assert ctas >= min(fwd_decode.CTAS_PER_SM * 132, batch * heads_kv * max(
-        1, keys // fwd_decode.MIN_SPLIT_KEYS)) * 0.5
+    assert splits == 1 or ctas <= slots  # never a part-full last wave of its own making
+    assert ctas >= min(slots, batch * heads_kv * max(1, keys // fwd_decode.MIN_SPLIT_KEYS)) * 0.5
+
+
+def test_split_plan_fills_one_wave_at_batch_one():
+    """Batch 1 x 64k keys over 8 KV heads with 3 CTAs per SM on 132 SMs: 49 pieces per head,
+    392 of the 396 CTAs the GPU holds (session 41's 4-per-SM aim made 528: a second wave of
+    132 that ran as long as the first)."""
+    assert fwd_decode.plan_splits(1, 8, 1, 65536, 3 * 132, 32) == (49, 1344)
 
 
 def test_can_take_needs_a_gpu_and_the_layout():
@@ -77,6 +118,9 @@ class _FakeKernel:
     device_index = -1  # CPU tensors' get_device()
     abi_checked = True
     smem_limit = 1 << 20
+
+    def resident_blocks(self, threads, dynamic_smem=0):
+        return 4
 
 
 @pytest.mark.parametrize("keys,seqused", [(100, False), (5000, True)])
@@ -111,7 +155,7 @@ def test_launch_packs_the_kernels_parameter_lists(monkeypatch, keys, seqused):
         out, lse = fwd_decode.attention(q, k, v, 0.3, used)
         assert out.shape == q.shape and lse.shape == (2, 12, 1)
         cfg = fwd_decode.config_for(q.dtype, 64, 6)
-        splits, chunk = fwd_decode.plan_splits(2, 2, 1, keys, 132, cfg.step)
+        splits, chunk = fwd_decode.plan_splits(2, 2, 1, keys, 4 * 132, cfg.step)
         i64, i32 = np.int64, np.int32
         layout = (i64(q.stride(0)), i64(q.stride(2)), *(i64(t.stride(d)) for t in (k, v)
                                                         for d in range(3)),

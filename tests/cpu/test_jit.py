@@ -415,6 +415,33 @@ def test_function_attribute_values_match_the_driver_enum():
         assert int(getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")) == value
 
 
+def test_libcuda_signatures_match_the_driver_declarations():
+    """runtime.LIBCUDA_SIGNATURES (the ctypes argtypes of every driver entry point flashcuda
+    calls) against cuda.bindings' C declarations (cydriver.pxd): the same parameter count and,
+    for each parameter, a pointer where the C type is one, a size_t where it is size_t."""
+    import ctypes
+    import re
+    from pathlib import Path
+
+    import cuda.bindings
+
+    from flashcuda.jit import runtime
+
+    pxd = (Path(cuda.bindings.__file__).parent / "cydriver.pxd").read_text()
+    for name, args in runtime.LIBCUDA_SIGNATURES.items():
+        found = re.search(rf"cdef CUresult {name}\(([^)]*)\)", pxd)
+        assert found, name
+        params = [p.strip() for p in found.group(1).split(",") if p.strip()]
+        assert len(params) == len(args), (name, params)
+        for c_param, ours in zip(params, args, strict=True):
+            c_type = c_param.rsplit(" ", 1)[0]
+            if "*" in c_param:
+                assert ours is ctypes.c_void_p or ours is ctypes.c_char_p or hasattr(
+                    ours, "contents"), (name, c_param, ours)
+            if c_type == "size_t":
+                assert ours is ctypes.c_size_t, (name, c_param, ours)
+
+
 NOTE = ("ptxas info    : (C7519) Potential Performance Loss: wgmma.mma_async instructions are "
         "serialized due to program dependence on compiler-inserted WG.AR in divergent path in "
         "the function 'smoke_axpb' in line 12")

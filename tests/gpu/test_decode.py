@@ -42,8 +42,18 @@ def check_entries(out, lse, q, k, v, counts, scale=None):
 def splits_of(q, k):
     group = q.shape[2] // k.shape[2]
     cfg = fwd_decode.config_for(q.dtype, q.shape[3], group)
+    kernel = fwd_decode.get_kernel(cfg.spec(), q.device)
+    slots = fwd_decode.slots(kernel, cfg, fwd_decode._device_ok(q.device)[1])
     return fwd_decode.plan_splits(q.shape[0], k.shape[2], -(-group // cfg.rows), k.shape[1],
-                                  fwd_decode._device_ok(q.device)[1], cfg.step)[0]
+                                  slots, cfg.step)[0]
+
+
+@pytest.fixture(params=[0, 3], ids=["regs", "pipe3"])
+def stages(request, monkeypatch):
+    """Both ways a step's K / V reach the registers (the .cu's FC_STAGES): straight loads, and
+    a 3-stage cp.async pipeline in shared memory."""
+    monkeypatch.setattr(fwd_decode, "STAGES", request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -51,7 +61,7 @@ def splits_of(q, k):
 @pytest.mark.parametrize("heads", [(8, 8), (32, 8), (12, 2), (32, 2)],
                          ids=["mha", "gqa4", "gqa6", "gqa16"])
 @pytest.mark.parametrize("batch,keys", [(1, 1), (3, 77), (2, 1000), (1, 20000)])
-def test_decode_kernel_matches_the_oracle(dtype, head_dim, heads, batch, keys):
+def test_decode_kernel_matches_the_oracle(dtype, head_dim, heads, batch, keys, stages):
     g = torch.Generator(device="cuda").manual_seed(keys + head_dim + heads[0])
     h, hk = heads
     q = rand(g, batch, 1, h, head_dim, dtype=dtype)
@@ -62,6 +72,22 @@ def test_decode_kernel_matches_the_oracle(dtype, head_dim, heads, batch, keys):
     check_entries(out, lse, q, k, v, [keys] * batch)
 
 
+@pytest.mark.parametrize("unroll,pipe", [(2, 2), (4, 2), (2, 4), (4, 4)])
+@pytest.mark.parametrize("head_dim,heads", [(64, (8, 1)), (128, (32, 8)), (256, (16, 2))])
+def test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeypatch):
+    """The other pipeline shapes the tune tries (decode_probe.py --tune): 2 or 4 keys per slot,
+    2 or 4 stages, across the buckets; 1 key, a part step, and many splits."""
+    monkeypatch.setattr(fwd_decode, "UNROLL", unroll)
+    monkeypatch.setattr(fwd_decode, "STAGES", pipe)
+    g = torch.Generator(device="cuda").manual_seed(head_dim + unroll + pipe)
+    h, hk = heads
+    for batch, keys in ((2, 1), (1, 45), (3, 3001)):
+        q = rand(g, batch, 1, h, head_dim, dtype=torch.bfloat16)
+        k, v = (rand(g, batch, keys, hk, head_dim, dtype=q.dtype) for _ in range(2))
+        out, lse = fwd_decode.attention(q, k, v, head_dim ** -0.5)
+        check_entries(out, lse, q, k, v, [keys] * batch)
+
+
 def test_the_split_covers_one_and_many_pieces():
     """The cases above include one piece (1 key) and many (20000 keys, one entry)."""
     q = torch.empty(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -70,7 +96,7 @@ def test_the_split_covers_one_and_many_pieces():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_per_entry_counts_on_the_device(dtype):
+def test_per_entry_counts_on_the_device(dtype, stages):
     """seqused: entries of 0, 1, 300, 4095 and the capacity (4096) keys in one call, a 1000-key
     scale; keys past an entry's count (NaN here) never read into its result."""
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -84,7 +110,7 @@ def test_per_entry_counts_on_the_device(dtype):
     check_entries(out, lse, q, k, v, counts, scale=0.1)
 
 
-def test_strided_cache_views():
+def test_strided_cache_views(stages):
     """k / v as views of a larger cache (rows and heads beyond the call's) and a transposed q."""
     g = torch.Generator(device="cuda").manual_seed(4)
     cache_k, cache_v = (rand(g, 3, 600, 6, 64, dtype=torch.bfloat16) for _ in range(2))
@@ -95,7 +121,7 @@ def test_strided_cache_views():
     check_entries(out, lse, q, k, v, [513] * 3, scale=0.125)
 
 
-def test_nan_stays_in_its_entry_and_kv_head():
+def test_nan_stays_in_its_entry_and_kv_head(stages):
     """A NaN key of entry 1, KV head 0 makes exactly that entry's group of query heads NaN."""
     g = torch.Generator(device="cuda").manual_seed(5)
     q = rand(g, 3, 1, 8, 128, dtype=torch.bfloat16)
@@ -109,7 +135,7 @@ def test_nan_stays_in_its_entry_and_kv_head():
 
 
 @pytest.mark.parametrize("ragged", [False, True])
-def test_kvcache_decode_one_call(ragged, monkeypatch):
+def test_kvcache_decode_one_call(ragged, monkeypatch, stages):
     """flash_attn_with_kvcache's decode step (one new key per entry, GQA 32:8, d128) runs the
     decode kernels once, ragged lengths included (counts as a device tensor), against the
     oracle over each entry's keys."""
@@ -147,7 +173,7 @@ def test_func_decode_runs_the_kernel(monkeypatch):
     assert calls == [1]
 
 
-def test_bitwise_deterministic_across_calls():
+def test_bitwise_deterministic_across_calls(stages):
     """The same call twice (many splits, GQA, other work in between): the same bits."""
     g = torch.Generator(device="cuda").manual_seed(8)
     q = rand(g, 2, 1, 32, 128, dtype=torch.bfloat16)

@@ -23,9 +23,19 @@
 // out = sum acc 2^(m - M) / L. A CTA with no key writes out 0 and lse -inf (every row that
 // sees no key does: online_softmax.cuh).
 //
+// How a step's K / V rows reach the registers (FC_STAGES):
+//   0   each lane's loads go straight to registers at the step's start (ld.global.nc); the
+//       next step's loads are issued only after this step's math, so a CTA waits out one load
+//       latency per step (two where ptxas sinks V's loads below the dots to save registers).
+//   N   an N-stage cp.async pipeline in dynamic shared memory: the copies of step i + N - 1 are
+//       issued before step i's math, so N - 1 steps of K / V are in flight per CTA. Each lane
+//       copies exactly the 16-byte pieces it later reads (no barrier: cp.async.wait_group makes
+//       a thread's own copies visible to it); keys past the piece's end arrive as zeros.
+//
 // FC_STAGE 1 (combine): grid (batch * nheads), 128 threads: lse = log sum_s exp(lse_s),
 // out = sum_s exp(lse_s - lse) o_s, rounded once to q's dtype.
 #include "attention/online_softmax.cuh"
+#include "common/sm80.cuh"
 #include "common/types.cuh"
 
 using T = dtype_of<FC_DTYPE>::type;
@@ -40,19 +50,27 @@ constexpr int kUnroll = FC_UNROLL;      // keys per slot per step (their loads i
 constexpr int kLanes = kHeadDim / 8;    // lanes per key: 8 elements (16 bytes) each
 constexpr int kSlotsPerWarp = 32 / kLanes;
 constexpr int kSlots = (kThreads / 32) * kSlotsPerWarp;
+constexpr int kStep = kSlots * kUnroll;  // keys per CTA per step
+constexpr int kStages = FC_STAGES;      // 0: loads to registers; N: N-stage cp.async pipeline
 static_assert(kLanes >= 1 && kLanes <= 32 && 32 % kLanes == 0, "a key's lanes within a warp");
+static_assert(kStages == 0 || kStages >= 2, "a pipeline has at least two stages");
 
 struct Vec8 {
   float x[8];
 };
 
+// 8 16-bit values held raw (one uint4, as read from shared memory) -> 8 floats.
+__device__ __forceinline__ Vec8 unpack8(uint4 raw) {
+  const Float2 a = unpack2<T>(raw.x), b = unpack2<T>(raw.y), c = unpack2<T>(raw.z),
+               d = unpack2<T>(raw.w);
+  return Vec8{{a.lo, a.hi, b.lo, b.hi, c.lo, c.hi, d.lo, d.hi}};
+}
+
 // 8 consecutive 16-bit values (16 bytes, 16-byte aligned) -> 8 floats; zeros when !valid.
 __device__ __forceinline__ Vec8 load8(const T* p, bool valid) {
   uint4 raw = make_uint4(0u, 0u, 0u, 0u);
   if (valid) raw = __ldg(reinterpret_cast<const uint4*>(p));
-  const Float2 a = unpack2<T>(raw.x), b = unpack2<T>(raw.y), c = unpack2<T>(raw.z),
-               d = unpack2<T>(raw.w);
-  return Vec8{{a.lo, a.hi, b.lo, b.hi, c.lo, c.hi, d.lo, d.hi}};
+  return unpack8(raw);
 }
 
 // Sum over the kLanes lanes of one key (consecutive lanes of a warp): every lane gets it.
@@ -60,6 +78,40 @@ __device__ __forceinline__ float key_sum(float x) {
 #pragma unroll
   for (int off = kLanes / 2; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
   return x;
+}
+
+// One step's math for this lane's slot: the kUnroll keys' scores against each row, the online
+// softmax update, the P V accumulation. valid[u]: key u is below the piece's end.
+__device__ __forceinline__ void step_math(const float (&qf)[kRows][8], const Vec8 (&kx)[kUnroll],
+                                          const Vec8 (&vx)[kUnroll], const bool (&valid)[kUnroll],
+                                          float (&acc)[kRows][8], OnlineSoftmax (&state)[kRows]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    float s[kUnroll];
+    float tile_max = neg_inf();
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float dot = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot = fmaf(qf[r][i], kx[u].x[i], dot);
+      dot = key_sum(dot);
+      s[u] = valid[u] ? dot : neg_inf();
+      tile_max = fmaxf(tile_max, s[u]);
+    }
+    const float corr = state[r].update(tile_max);
+    const float ref = state[r].ref();
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[r][i] *= corr;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const float p = fast_exp2(s[u] - ref);
+      sum += p;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(p, vx[u].x[i], acc[r][i]);
+    }
+    state[r].add(sum);
+  }
 }
 
 struct SplitSmem {
@@ -85,7 +137,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
     int64_t o_batch_stride, int64_t o_head_stride,
     int batch, int seqlen_k, int nheads, int nheads_kv, int head_dim, int splits, int chunk,
     float scale_log2) {
-  __shared__ SplitSmem sm;
+#if FC_STAGES == 0
+  __shared__ SplitSmem sm_static;
+  SplitSmem& sm = sm_static;
+#else
+  // [kStages][kUnroll][K, V][kThreads] 16-byte pieces, thread t's at t (a warp's contiguous);
+  // after the keys, the same bytes hold SplitSmem (the host sizes it for the larger of the two)
+  extern __shared__ __align__(16) uint4 stage_buf[];
+  SplitSmem& sm = *reinterpret_cast<SplitSmem*>(stage_buf);
+#endif
   const int split = blockIdx.x;
   const int group = nheads / nheads_kv;
   const int row_blocks = (group + kRows - 1) / kRows;
@@ -124,8 +184,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
 
   const T* k_head = k + b * k_batch_stride + kv_head * k_head_stride + 8 * sub;
   const T* v_head = v + b * v_batch_stride + kv_head * v_head_stride + 8 * sub;
+#if FC_STAGES == 0
 #pragma unroll 1
-  for (int key0 = key_begin; key0 < key_end; key0 += kSlots * kUnroll) {
+  for (int key0 = key_begin; key0 < key_end; key0 += kStep) {
     Vec8 kx[kUnroll], vx[kUnroll];
     bool valid[kUnroll];
 #pragma unroll
@@ -135,34 +196,53 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
       kx[u] = load8(k_head + key * k_row_stride, valid[u] && has_cols);
       vx[u] = load8(v_head + key * v_row_stride, valid[u] && has_cols);
     }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float s[kUnroll];
-      float tile_max = neg_inf();
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        float dot = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dot = fmaf(qf[r][i], kx[u].x[i], dot);
-        dot = key_sum(dot);
-        s[u] = valid[u] ? dot : neg_inf();
-        tile_max = fmaxf(tile_max, s[u]);
-      }
-      const float corr = state[r].update(tile_max);
-      const float ref = state[r].ref();
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[r][i] *= corr;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const float p = fast_exp2(s[u] - ref);
-        sum += p;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(p, vx[u].x[i], acc[r][i]);
-      }
-      state[r].add(sum);
-    }
+    step_math(qf, kx, vx, valid, acc, state);
   }
+#else
+  const int steps = key_end > key_begin ? (key_end - key_begin + kStep - 1) / kStep : 0;
+  // a legal address for the copies that read nothing (row 0 of this head; steps > 0 means
+  // seqlen_k >= 1)
+  const T* k_row0 = k + b * k_batch_stride + kv_head * k_head_stride;
+  const T* v_row0 = v + b * v_batch_stride + kv_head * v_head_stride;
+  auto issue = [&](int step) {
+    const int key0 = key_begin + step * kStep;
+    uint4* dst = stage_buf + (step % kStages) * kUnroll * 2 * kThreads + threadIdx.x;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int key = key0 + u * kSlots + slot;
+      const bool ok = key < key_end && has_cols;
+      cp_async_16(shared_address(dst + (2 * u) * kThreads),
+                  ok ? k_head + key * k_row_stride : k_row0, ok);
+      cp_async_16(shared_address(dst + (2 * u + 1) * kThreads),
+                  ok ? v_head + key * v_row_stride : v_row0, ok);
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < steps) issue(i);
+    cp_async_commit();  // (an empty group where there is no step: the count stays uniform)
+  }
+#pragma unroll 1
+  for (int it = 0; it < steps; ++it) {
+    // stage (it - 1) % kStages was this thread's last read: its next copies may start
+    if (it + kStages - 1 < steps) issue(it + kStages - 1);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();  // step it's group (and every older one) has landed
+    const uint4* src = stage_buf + (it % kStages) * kUnroll * 2 * kThreads + threadIdx.x;
+    const int key0 = key_begin + it * kStep;
+    Vec8 kx[kUnroll], vx[kUnroll];
+    bool valid[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      valid[u] = key0 + u * kSlots + slot < key_end;
+      kx[u] = unpack8(src[(2 * u) * kThreads]);
+      vx[u] = unpack8(src[(2 * u + 1) * kThreads]);
+    }
+    step_math(qf, kx, vx, valid, acc, state);
+  }
+  cp_async_wait<0>();  // (only empty groups can remain)
+  __syncthreads();     // every thread is past its last read of the stages SplitSmem overlays
+#endif
 
   // The slots meet: each lane parks its acc columns, lane 0 of a key its (m, l).
 #pragma unroll
