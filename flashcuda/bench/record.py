@@ -8,6 +8,7 @@ timing (median, p10, p90, n), the ceilings and the peers' status, all from one p
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import json
 import math
 import os
@@ -250,7 +251,13 @@ def write_record(rec: dict, out_dir: Path | str, stem: str | None = None) -> Pat
 
 
 def load_record(path: Path | str) -> dict:
-    rec = json.loads(Path(path).read_text())
+    """A run record from its JSON file, or a gzipped one (`.json.gz`: the older raw records in
+    docs/runs are kept compressed so the tree stays small enough to travel to a GPU machine)."""
+    path = Path(path)
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        raw = gzip.decompress(raw)
+    rec = json.loads(raw)
     problems = validate_record(rec)
     if problems:
         raise ValueError(f"{path} is not a valid run record: " + "; ".join(problems))

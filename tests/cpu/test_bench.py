@@ -5,6 +5,7 @@ Everything here runs on synthetic numbers; the timing itself is exercised on the
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -166,6 +167,9 @@ def test_record_roundtrip_and_required_keys(tmp_path):
     assert back["points"][1] == rec["points"][1]
     assert set(record.REQUIRED_KEYS) <= set(back)
     assert back["schema_version"] == record.SCHEMA_VERSION
+    packed = tmp_path / "packed.json.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    assert record.load_record(packed) == back
 
 
 def test_record_validation_names_the_problem(tmp_path):
