@@ -201,8 +201,9 @@ def show(args, console: Console) -> int:
     except (OSError, ValueError) as exc:
         console.print(f"flashcuda bench show: {exc}", markup=False)
         return 1
-    if not args.no_plot:
-        _plots(rec, path.with_suffix(".png"), console)
+    if not args.no_plot:  # (x.json -> x.png; a gzipped x.json.gz too)
+        stem = path.name.removesuffix(".gz").removesuffix(".json")
+        _plots(rec, path.with_name(stem + ".png"), console)
     print_run(console, rec, str(path), summary=args.print_summary)
     return exit_status(rec)
 

@@ -343,7 +343,7 @@ def test_main_without_gpu_says_so(capsys):
     assert "no CUDA GPU" in capsys.readouterr().out
 
 
-def test_show_renders_a_saved_record(tmp_path, capsys):
+def test_show_renders_a_saved_record(tmp_path, capsys, monkeypatch):
     path = record.write_record(synthetic_record(), tmp_path)
     assert command.main(["show", str(path), "--no-plot"]) == 0
     out = capsys.readouterr().out
@@ -352,6 +352,12 @@ def test_show_renders_a_saved_record(tmp_path, capsys):
     assert command.main(["show", str(wrong), "--no-plot"]) == 1
     (tmp_path / "junk.json").write_text("{}")
     assert command.main(["show", str(tmp_path / "junk.json")]) == 1
+    packed = tmp_path / "packed.json.gz"  # a gzipped record: its plot is packed.png
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    plotted = []
+    monkeypatch.setattr(command, "_plots", lambda rec, png, console: plotted.append(png.name))
+    assert command.main(["show", str(packed)]) == 0
+    assert plotted == ["packed.png"]
 
 
 # ------------------------------------------------------------------------------------------------
