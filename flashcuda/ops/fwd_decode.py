@@ -44,14 +44,16 @@ class DecodeConfig:
     dtype: torch.dtype
     head_dim: int  # FC_HEAD_DIM: the bucket
     rows: int  # FC_ROWS
-    unroll: int = 0  # FC_UNROLL (0: UNROLL, at most 4 with 8 rows: registers)
+    unroll: int = 0  # FC_UNROLL (0: UNROLL, at most 4 with 8 rows, 2 paged without a pipe)
     stages: int = -1  # FC_STAGES (-1: STAGES): 0 loads to registers, N an N-stage cp.async pipe
+    paged: bool = False  # FC_PAGED: the cache in pages through a block table
 
     def __post_init__(self) -> None:
-        if not self.unroll:
-            object.__setattr__(self, "unroll", UNROLL if self.rows < 8 else min(UNROLL, 4))
         if self.stages < 0:
             object.__setattr__(self, "stages", STAGES)
+        if not self.unroll:  # (the caps keep 8 rows' accumulators, q and keys within 255 regs)
+            cap = 2 if self.paged and not self.stages else 4
+            object.__setattr__(self, "unroll", UNROLL if self.rows < 8 else min(UNROLL, cap))
         if self.stages == 1:
             raise ValueError("DecodeConfig: stages is 0 (no pipeline) or at least 2")
 
@@ -81,13 +83,15 @@ class DecodeConfig:
     @property
     def name(self) -> str:
         pipe = f"_p{self.stages}" if self.stages else ""
+        paged = "_pg" if self.paged else ""
         return (f"flash_decode_{DTYPE_NAME[self.dtype]}_d{self.head_dim}_r{self.rows}"
-                f"_u{self.unroll}{pipe}")
+                f"_u{self.unroll}{pipe}{paged}")
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
             "FC_STAGE": 0, "FC_DTYPE": DTYPE_CODE[self.dtype], "FC_HEAD_DIM": self.head_dim,
-            "FC_ROWS": self.rows, "FC_UNROLL": self.unroll, "FC_STAGES": self.stages})
+            "FC_ROWS": self.rows, "FC_UNROLL": self.unroll, "FC_STAGES": self.stages,
+            "FC_PAGED": int(self.paged)})
 
 
 def combine_spec(dtype: torch.dtype) -> KernelSpec:
@@ -95,10 +99,10 @@ def combine_spec(dtype: torch.dtype) -> KernelSpec:
                            defines={"FC_STAGE": 1, "FC_DTYPE": DTYPE_CODE[dtype]})
 
 
-def config_for(dtype: torch.dtype, head_dim: int, group: int) -> DecodeConfig:
+def config_for(dtype: torch.dtype, head_dim: int, group: int, paged: bool = False) -> DecodeConfig:
     bucket = next(d for d in HEAD_DIMS if head_dim <= d)
     rows = next((r for r in ROWS if group <= r), ROWS[-1])
-    return DecodeConfig(dtype, bucket, rows)
+    return DecodeConfig(dtype, bucket, rows, paged=paged)
 
 
 @functools.cache
@@ -157,16 +161,21 @@ class _Plan:
     splits: int
 
 
-_SPLIT_POINTERS = 8  # q, k, v, out, lse, o_part, lse_part, seqused: the rest is the layout's
+# q, k, v, out, lse, o_part, lse_part, seqused, seqstart, cache_rows, block_table: the rest is
+# the layout's
+_SPLIT_POINTERS = 11
 _COMBINE_POINTERS = 4  # o_part, lse_part, out, lse
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-          out: torch.Tensor) -> _Plan:
+          out: torch.Tensor, block_table: torch.Tensor | None) -> _Plan:
     batch, _, nheads, head_dim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    nheads_kv = k.shape[2]
+    paged = block_table is not None
+    # positions per entry: the cache rows' length, or (paged) the block table's pages x page size
+    seqlen_k = block_table.shape[1] * k.shape[1] if paged else k.shape[1]
     group = nheads // nheads_kv
-    cfg = config_for(q.dtype, head_dim, group)
+    cfg = config_for(q.dtype, head_dim, group, paged)
     row_blocks = -(-group // cfg.rows)
     _, sms = _device_ok(q.device)
     kernel = get_kernel(cfg.spec(), q.device)
@@ -176,6 +185,8 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
               np.int64(k.stride(0)), np.int64(k.stride(1)), np.int64(k.stride(2)),
               np.int64(v.stride(0)), np.int64(v.stride(1)), np.int64(v.stride(2)),
               np.int64(out.stride(0)), np.int64(out.stride(2)),
+              np.int64(block_table.stride(0) if paged else 0),
+              np.int32(k.shape[1] if paged else 0),
               np.int32(batch), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads_kv),
               np.int32(head_dim), np.int32(splits), np.int32(chunk),
               np.float32(softmax_scale * LOG2E))
@@ -194,18 +205,30 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
 _plans = PlanCache(lambda args: _plan(*args))
 
 
+def _at(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-              seqused: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              seqused: torch.Tensor | None = None, seqstart: torch.Tensor | None = None,
+              cache_rows: torch.Tensor | None = None,
+              block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, 1, H, D), lse (B, H, 1)) of a decoding call (module docstring); can_take(q, k,
-    v) is None and seqused, if given, an int32 (B,) tensor on q's device."""
+    v) is None. Entry b attends to positions [seqstart[b], seqused[b]) (defaults 0 and all) of
+    cache row cache_rows[b] (default b) of k / v (B_cache, Sk, Hkv, D); or, with block_table
+    (B, blocks) — k / v then (pages, page_size, Hkv, D) — position p of entry b is row
+    p % page_size of page block_table[b, p // page_size], Sk = blocks x page_size. The caller
+    has checked them: int32 tensors on q's device, (B,) contiguous, block_table with a unit
+    last stride; rows, pages and positions in range (the kernel reads what they say)."""
     batch, _, nheads, head_dim = q.shape
     out = q.new_empty(q.shape)
     lse = q.new_empty((batch, nheads, 1), dtype=torch.float32)
     if batch == 0 or nheads == 0:
         return out, lse
+    table = None if block_table is None else (block_table.shape, block_table.stride())
     key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.get_device(),
-           softmax_scale, UNROLL, STAGES, WAVES)
-    plan = _plans.plan(key, (q, k, v, softmax_scale, out))
+           softmax_scale, table, UNROLL, STAGES, WAVES)
+    plan = _plans.plan(key, (q, k, v, softmax_scale, out, block_table))
     parts = None
     if plan.combine is not None:  # (the fp32 partials: freed after the combine, stream-ordered)
         parts = (q.new_empty((plan.splits, batch, nheads, head_dim), dtype=torch.float32),
@@ -213,7 +236,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     o_at, lse_at = (parts[0].data_ptr(), parts[1].data_ptr()) if parts else (0, 0)
     handle = launch_stream(q.get_device())
     plan.split(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), o_at,
-               lse_at, 0 if seqused is None else seqused.data_ptr(), handle=handle)
+               lse_at, _at(seqused), _at(seqstart), _at(cache_rows), _at(block_table),
+               handle=handle)
     if plan.combine is not None:
         plan.combine(o_at, lse_at, out.data_ptr(), lse.data_ptr(), handle=handle)
     return out, lse
@@ -221,8 +245,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
 
 @register
 def variants() -> list[tuple[KernelSpec, tuple[str, ...]]]:
-    """Every specialisation attention() can pick: 2 dtypes x 3 head dims x 4 row counts, and a
-    combine per dtype."""
-    specs = [DecodeConfig(dt, d, r).spec() for dt in DTYPES for d in HEAD_DIMS for r in ROWS]
+    """Every specialisation attention() can pick: 2 dtypes x 3 head dims x 4 row counts, plain
+    and paged, and a combine per dtype."""
+    specs = [DecodeConfig(dt, d, r, paged=p).spec() for dt in DTYPES for d in HEAD_DIMS
+             for r in ROWS for p in (False, True)]
     specs += [combine_spec(dt) for dt in DTYPES]
     return [(s, ARCHS) for s in specs]

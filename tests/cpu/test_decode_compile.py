@@ -25,9 +25,13 @@ def test_decode_variant_compiles_without_spills(spec, arch):
 
 
 def _pipelined():
-    return [fwd_decode.DecodeConfig(dt, d, r, u, st) for dt in fwd_decode.DTYPES
-            for d in fwd_decode.HEAD_DIMS for r in fwd_decode.ROWS for u in (2, 4)
-            for st in (2, 3, 4) if not (r == 8 and u > 4)]
+    """Every bucket and row count with the 3-stage pipe, plain and paged; and the depths the GPU
+    tests try (2 / 4 keys per slot x 2 / 4 stages) at their shapes."""
+    cfgs = [fwd_decode.DecodeConfig(dt, d, r, 0, 3, p) for dt in fwd_decode.DTYPES
+            for d in fwd_decode.HEAD_DIMS for r in fwd_decode.ROWS for p in (False, True)]
+    cfgs += [fwd_decode.DecodeConfig(torch.bfloat16, d, r, u, st)
+             for d, r in ((64, 8), (128, 4), (256, 8)) for u in (2, 4) for st in (2, 4)]
+    return cfgs
 
 
 @pytest.mark.slow
@@ -37,7 +41,7 @@ def test_pipelined_variant_compiles_without_spills(cfg):
     shared memory (SplitSmem overlays the stages), and the host's dynamic size holds SplitSmem
     (sizeof of the no-pipeline variant's static SplitSmem)."""
     spec = cfg.spec()
-    plain = fwd_decode.DecodeConfig(cfg.dtype, cfg.head_dim, cfg.rows, cfg.unroll, 0)
+    plain = fwd_decode.DecodeConfig(cfg.dtype, cfg.head_dim, cfg.rows, cfg.unroll, 0, cfg.paged)
     for arch in fwd_decode.ARCHS:
         r = compile_spec(spec, arch).resources()[spec.entry_name]
         assert not r.spills and r.registers <= 255, (spec.name, arch, r)
@@ -78,7 +82,7 @@ def test_decode_config_buckets_and_rows():
     assert fwd_decode.config_for(torch.float16, 64, 2).slots == 16
     assert cfg.step == 8 * min(fwd_decode.UNROLL, 4)  # 8 rows: at most 4 keys per slot
     names = [s.name for s, _ in fwd_decode.variants()]
-    assert len(names) == len(set(names)) == 2 * 3 * 4 + 2
+    assert len(names) == len(set(names)) == 2 * 3 * 4 * 2 + 2  # plain and paged
 
 
 @pytest.mark.parametrize("batch,heads_kv,keys", [(1, 8, 65536), (8, 8, 16384), (1, 8, 1000),
@@ -159,8 +163,9 @@ def test_launch_packs_the_kernels_parameter_lists(monkeypatch, keys, seqused):
         i64, i32 = np.int64, np.int32
         layout = (i64(q.stride(0)), i64(q.stride(2)), *(i64(t.stride(d)) for t in (k, v)
                                                         for d in range(3)),
-                  i64(out.stride(0)), i64(out.stride(2)), i32(2), i32(keys), i32(12), i32(2),
-                  i32(64), i32(splits), i32(chunk), np.float32(0.3 * 1.4426950408889634))
+                  i64(out.stride(0)), i64(out.stride(2)), i64(0), i32(0), i32(2), i32(keys),
+                  i32(12), i32(2), i32(64), i32(splits), i32(chunk),
+                  np.float32(0.3 * 1.4426950408889634))
         assert len(launched) == (2 if splits > 1 else 1)
         name, grid, params = launched[0]
         assert name == cfg.spec().name and grid == (splits, 2, 2)
@@ -170,7 +175,7 @@ def test_launch_packs_the_kernels_parameter_lists(monkeypatch, keys, seqused):
                                                                               "little")]
             assert all(parts)
         want, _ = runtime.pack_args("split", (q, k, v, out, lse, *(np.uint64(p) for p in parts),
-                                              used, *layout))
+                                              used, None, None, None, *layout))
         assert params == want
         if splits > 1:
             name, grid, params = launched[1]
@@ -180,4 +185,51 @@ def test_launch_packs_the_kernels_parameter_lists(monkeypatch, keys, seqused):
                                                     i32(2), i32(12), i32(64), i32(splits)))
             assert params == want
     assert len(fwd_decode._plans) == 1
+    fwd_decode._plans.clear()
+
+
+def test_paged_launch_packs_the_table_and_the_spans(monkeypatch):
+    """A paged call with left padding: the paged kernel (FC_PAGED), split over the block table's
+    positions (blocks x page_size), gets seqused / seqstart / block_table's pointers, the table's
+    row stride and the page size, and k / v's page strides as their batch strides."""
+    import numpy as np
+
+    from flashcuda.jit import runtime
+
+    launched = []
+
+    def capture(self, *values, stream=None, handle=None):
+        params, _, _ = self._buffers()
+        self.head.pack_into(params, 0, *values)
+        launched.append((self.kernel.name, self.grid, bytes(params)[:self.size]))
+
+    monkeypatch.setattr(fwd_decode, "get_kernel", lambda spec, device: type(
+        "K", (_FakeKernel,), {"name": spec.name})())
+    monkeypatch.setattr(fwd_decode, "launch_stream", lambda index: 0)
+    monkeypatch.setattr(fwd_decode, "_device_ok", lambda device: (True, 132))
+    monkeypatch.setattr(runtime.PreparedLaunch, "__call__", capture)
+    fwd_decode._plans.clear()
+    q = torch.randn(3, 1, 8, 128, dtype=torch.float16)
+    k, v = (torch.randn(40, 16, 2, 128, dtype=torch.float16) for _ in range(2))  # 40 pages of 16
+    table = torch.randint(0, 40, (3, 12), dtype=torch.int32)  # 192 positions per entry
+    used = torch.tensor([190, 5, 0], dtype=torch.int32)
+    start = torch.tensor([3, 0, 0], dtype=torch.int32)
+    fwd_decode.attention(q, k, v, 0.5, used, start, None, table)
+    cfg = fwd_decode.config_for(q.dtype, 128, 4, paged=True)
+    assert cfg.name.endswith("_pg") and dict(cfg.spec().defines)["FC_PAGED"] == "1"
+    splits, chunk = fwd_decode.plan_splits(3, 2, 1, 192, 4 * 132, cfg.step)
+    name, grid, params = launched[0]
+    assert name == cfg.name and grid == (splits, 2, 3)
+    parts = [int.from_bytes(params[40:48], "little"), int.from_bytes(params[48:56], "little")]
+    i64, i32 = np.int64, np.int32
+    layout = (i64(q.stride(0)), i64(q.stride(2)), *(i64(t.stride(d)) for t in (k, v)
+                                                    for d in range(3)),
+              i64(8 * 128), i64(128), i64(12), i32(16), i32(3), i32(192), i32(8), i32(2),
+              i32(128), i32(splits), i32(chunk), np.float32(0.5 * 1.4426950408889634))
+    out_at = int.from_bytes(params[24:32], "little")
+    lse_at = int.from_bytes(params[32:40], "little")
+    want, _ = runtime.pack_args("split", (q, k, v, np.uint64(out_at), np.uint64(lse_at),
+                                          *(np.uint64(p) for p in parts), used, start, None,
+                                          table, *layout))
+    assert params == want
     fwd_decode._plans.clear()

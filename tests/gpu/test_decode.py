@@ -25,11 +25,19 @@ def rand(g, *shape, dtype):
 
 def check_entries(out, lse, q, k, v, counts, scale=None):
     """Each entry b against the oracle over its first counts[b] keys (0 keys: out 0, lse -inf)."""
-    for b, n in enumerate(counts):
+    check_spans(out, lse, q, [k[b:b + 1, :n] for b, n in enumerate(counts)],
+                [v[b:b + 1, :n] for b, n in enumerate(counts)], scale)
+
+
+def check_spans(out, lse, q, ks, vs, scale=None):
+    """Entry b against the oracle over the keys ks[b], values vs[b] ((1, n, Hkv, D) each; n = 0:
+    out 0, lse -inf)."""
+    for b, (kb, vb) in enumerate(zip(ks, vs, strict=True)):
+        n = kb.shape[1]
         if n == 0:
             assert torch.all(out[b] == 0) and torch.all(lse[b] == float("-inf")), b
             continue
-        qb, kb, vb = q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n]
+        qb = q[b:b + 1]
         ref, ref_lse = attention_ref(qb, kb, vb, softmax_scale=scale)
         base, base_lse = attention_ref(qb, kb, vb, softmax_scale=scale, upcast=False)
         err, berr = max_error(out[b:b + 1], ref), max_error(base, ref)
@@ -108,6 +116,53 @@ def test_per_entry_counts_on_the_device(dtype, stages):
     seqused = torch.tensor(counts, dtype=torch.int32, device="cuda")
     out, lse = fwd_decode.attention(q, k, v, 0.1, seqused)
     check_entries(out, lse, q, k, v, counts, scale=0.1)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 7, 256])
+def test_paged_cache_with_left_padding(page_size, stages):
+    """block_table over shuffled pages of a pool (page sizes 1, 7, 16, 256), ragged ends and
+    left padding on the device (an entry with none, one with a single key, one empty), GQA 4:
+    each entry against the oracle over its positions [start, end) gathered from its pages;
+    the pool's other pages hold NaN (a wrong page read would show)."""
+    g = torch.Generator(device="cuda").manual_seed(20 + page_size)
+    blocks = -(-2500 // page_size)  # positions per entry: blocks x page_size >= 2500
+    B, H, Hk, D = 4, 16, 4, 128
+    pool = B * blocks + 5
+    k_pool, v_pool = (rand(g, pool, page_size, Hk, D, dtype=torch.bfloat16) for _ in range(2))
+    table = torch.randperm(pool, device="cuda", generator=g)[:B * blocks].view(B, blocks)
+    used = torch.ones(pool, dtype=torch.bool, device="cuda")
+    used[table.flatten()] = False
+    k_pool[used], v_pool[used] = float("nan"), float("nan")
+    ends, starts = [2500, 1, 0, 1700], [0, 0, 0, 333]
+    q = rand(g, B, 1, H, D, dtype=torch.bfloat16)
+    i32 = torch.int32
+    out, lse = fwd_decode.attention(q, k_pool, v_pool, 0.09,
+                                    torch.tensor(ends, dtype=i32, device="cuda"),
+                                    torch.tensor(starts, dtype=i32, device="cuda"), None,
+                                    table.to(i32))
+    flat_k, flat_v = (x[table].flatten(1, 2) for x in (k_pool, v_pool))  # (B, positions, ...)
+    spans = list(enumerate(zip(starts, ends, strict=True)))
+    check_spans(out, lse, q, [flat_k[b:b + 1, s:e] for b, (s, e) in spans],
+                [flat_v[b:b + 1, s:e] for b, (s, e) in spans], 0.09)
+
+
+def test_cache_rows_and_left_padding(stages):
+    """cache_rows (FlashAttention's cache_batch_idx) picks each entry's cache row out of order
+    (the unpicked rows hold NaN), with left padding and ragged ends."""
+    g = torch.Generator(device="cuda").manual_seed(21)
+    k_cache, v_cache = (rand(g, 6, 3000, 2, 64, dtype=torch.float16) for _ in range(2))
+    rows, ends, starts = [4, 0, 2], [3000, 900, 5], [100, 0, 4]
+    for r in (1, 3, 5):
+        k_cache[r], v_cache[r] = float("nan"), float("nan")
+    q = rand(g, 3, 1, 8, 64, dtype=torch.float16)
+    i32 = torch.int32
+    out, lse = fwd_decode.attention(q, k_cache, v_cache, 0.125,
+                                    torch.tensor(ends, dtype=i32, device="cuda"),
+                                    torch.tensor(starts, dtype=i32, device="cuda"),
+                                    torch.tensor(rows, dtype=i32, device="cuda"))
+    spans = list(zip(rows, starts, ends, strict=True))
+    check_spans(out, lse, q, [k_cache[r:r + 1, s:e] for r, s, e in spans],
+                [v_cache[r:r + 1, s:e] for r, s, e in spans], 0.125)
 
 
 def test_strided_cache_views(stages):

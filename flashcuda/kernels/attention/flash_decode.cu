@@ -8,14 +8,17 @@
 // | dtypes          | fp16, bf16 storage (FC_DTYPE); fp32 compute, fp32 partials                 |
 // | head dim        | any multiple of 8 up to FC_HEAD_DIM (64, 128, 256): 16-byte rows per lane   |
 // | GQA / MQA       | a KV head's query group (FC_ROWS rows per CTA) reads the keys once         |
-// | key counts      | seqused[b] keys of entry b (a device tensor), or all seqlen_k              |
+// | key span        | positions [seqstart[b], seqused[b]) of entry b (device tensors; defaults  |
+// |                 | 0 and seqlen_k): left padding and ragged lengths                           |
+// | cache layout    | entry b's keys in cache row cache_rows[b] (default b), or paged           |
+// |                 | (FC_PAGED): position p at page block_table[b][p / page_size], row p % it  |
 // | strides         | any (batch, row, head) strides in elements, multiples of 8; unit last      |
 // | outputs         | splits == 1: out (B, 1, H, D) in q's dtype and lse (B, H) fp32, natural;   |
 // |                 | splits > 1: o_part (S, B, H, D) fp32 normalised, lse_part (S, B, H), then  |
 // |                 | FC_STAGE 1 (the combine) writes out and lse                                |
 //
 // FC_STAGE 0 (split): grid (splits, nheads_kv * row_blocks, batch), 128 threads. A CTA owns
-// keys [split * chunk, min((split + 1) * chunk, count)) of one KV head for FC_ROWS query heads
+// positions [split * chunk, (split + 1) * chunk) ∩ [start, end) of one KV head for FC_ROWS query heads
 // of its group. A key's row of K (and of V) is read by kLanes lanes, 8 elements (16 bytes) each;
 // a warp holds 32 / kLanes keys at once (its slots), the CTA kSlots = 4 * 32 / kLanes; each
 // slot runs its own online softmax over the keys it meets (kUnroll per step, loads first).
@@ -114,6 +117,28 @@ __device__ __forceinline__ void step_math(const float (&qf)[kRows][8], const Vec
   }
 }
 
+// Where position p's 16 bytes for this lane live in K (or V) of one entry and KV head: row p of
+// the entry's cache row, or (FC_PAGED) row p % page_size of page block_table[b][p / page_size].
+struct KvRows {
+  const T* base;  // position 0's row (unpaged) / page 0's row 0 (paged), at this head and lane
+  int64_t row_stride;
+#if FC_PAGED
+  const int* pages;  // the entry's row of the block table
+  int64_t page_stride;
+  int page_size;
+#endif
+
+  // (p must be a position the entry has: paged, its block table entry is read)
+  __device__ __forceinline__ const T* at(int p) const {
+#if FC_PAGED
+    const int blk = p / page_size;
+    return base + pages[blk] * page_stride + (p - blk * page_size) * row_stride;
+#else
+    return base + p * row_stride;
+#endif
+  }
+};
+
 struct SplitSmem {
   float m[kSlots][kRows];
   float l[kSlots][kRows];
@@ -124,18 +149,24 @@ struct SplitSmem {
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
     const T* __restrict__ q,       // [B, 1, H, D]
-    const T* __restrict__ k,       // [B, Sk, Hkv, D]
-    const T* __restrict__ v,       // [B, Sk, Hkv, D]
+    const T* __restrict__ k,       // [B_cache, Sk, Hkv, D], or [pages, page_size, Hkv, D]
+    const T* __restrict__ v,       // likewise
     T* __restrict__ out,           // [B, 1, H, D]          (splits == 1)
     float* __restrict__ lse,       // [B, H] contiguous      (splits == 1)
     float* __restrict__ o_part,    // [S, B, H, D] contiguous (splits > 1)
     float* __restrict__ lse_part,  // [S, B, H] contiguous    (splits > 1)
-    const int* __restrict__ seqused,  // [B] keys per entry, or null: seqlen_k each
+    const int* __restrict__ seqused,      // [B] end position per entry, or null: seqlen_k each
+    const int* __restrict__ seqstart,     // [B] first position per entry, or null: 0 each
+    const int* __restrict__ cache_rows,   // [B] entry b's cache row, or null: b (unpaged)
+    const int* __restrict__ block_table,  // [B, >= seqlen_k / page_size] pages (FC_PAGED)
     int64_t q_batch_stride, int64_t q_head_stride,
-    int64_t k_batch_stride, int64_t k_row_stride, int64_t k_head_stride,
+    int64_t k_batch_stride, int64_t k_row_stride, int64_t k_head_stride,  // batch: page (paged)
     int64_t v_batch_stride, int64_t v_row_stride, int64_t v_head_stride,
     int64_t o_batch_stride, int64_t o_head_stride,
-    int batch, int seqlen_k, int nheads, int nheads_kv, int head_dim, int splits, int chunk,
+    int64_t table_batch_stride, int page_size,  // (FC_PAGED)
+    int batch,
+    int seqlen_k,  // positions per entry (paged: the block table's blocks x page_size)
+    int nheads, int nheads_kv, int head_dim, int splits, int chunk,
     float scale_log2) {
 #if FC_STAGES == 0
   __shared__ SplitSmem sm_static;
@@ -159,10 +190,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
   const int sub = lane % kLanes;         // this lane's 8 elements: [8 sub, 8 sub + 8)
   const bool has_cols = 8 * sub < head_dim;
 
-  int count = seqused != nullptr ? seqused[b] : seqlen_k;
-  count = max(0, min(count, seqlen_k));
-  const int key_begin = split * chunk;
-  const int key_end = min(key_begin + chunk, count);
+  int end = seqused != nullptr ? seqused[b] : seqlen_k;
+  end = max(0, min(end, seqlen_k));
+  const int start = seqstart != nullptr ? max(0, min(seqstart[b], end)) : 0;
+  const int key_begin = max(split * chunk, start);
+  const int key_end = min(split * chunk + chunk, end);
 
   // This lane's part of each query row, pre-scaled into the log2 domain.
   float qf[kRows][8];
@@ -182,8 +214,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
     for (int i = 0; i < 8; ++i) acc[r][i] = 0.f;
   }
 
-  const T* k_head = k + b * k_batch_stride + kv_head * k_head_stride + 8 * sub;
-  const T* v_head = v + b * v_batch_stride + kv_head * v_head_stride + 8 * sub;
+  // A key past the piece's end reads nothing, but its address is that of key_begin (a position
+  // the entry has whenever there is a step: paged, its table entry exists).
+#if FC_PAGED
+  const int* pages = block_table + b * table_batch_stride;
+  const KvRows krows{k + kv_head * k_head_stride + 8 * sub, k_row_stride, pages, k_batch_stride,
+                     page_size};
+  const KvRows vrows{v + kv_head * v_head_stride + 8 * sub, v_row_stride, pages, v_batch_stride,
+                     page_size};
+#else
+  const int row = cache_rows != nullptr ? cache_rows[b] : b;
+  const KvRows krows{k + row * k_batch_stride + kv_head * k_head_stride + 8 * sub, k_row_stride};
+  const KvRows vrows{v + row * v_batch_stride + kv_head * v_head_stride + 8 * sub, v_row_stride};
+#endif
 #if FC_STAGES == 0
 #pragma unroll 1
   for (int key0 = key_begin; key0 < key_end; key0 += kStep) {
@@ -193,28 +236,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
     for (int u = 0; u < kUnroll; ++u) {
       const int key = key0 + u * kSlots + slot;
       valid[u] = key < key_end;
-      kx[u] = load8(k_head + key * k_row_stride, valid[u] && has_cols);
-      vx[u] = load8(v_head + key * v_row_stride, valid[u] && has_cols);
+      kx[u] = load8(krows.at(valid[u] ? key : key_begin), valid[u] && has_cols);
+      vx[u] = load8(vrows.at(valid[u] ? key : key_begin), valid[u] && has_cols);
     }
     step_math(qf, kx, vx, valid, acc, state);
   }
 #else
   const int steps = key_end > key_begin ? (key_end - key_begin + kStep - 1) / kStep : 0;
-  // a legal address for the copies that read nothing (row 0 of this head; steps > 0 means
-  // seqlen_k >= 1)
-  const T* k_row0 = k + b * k_batch_stride + kv_head * k_head_stride;
-  const T* v_row0 = v + b * v_batch_stride + kv_head * v_head_stride;
   auto issue = [&](int step) {
     const int key0 = key_begin + step * kStep;
     uint4* dst = stage_buf + (step % kStages) * kUnroll * 2 * kThreads + threadIdx.x;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int key = key0 + u * kSlots + slot;
+      const int at = key < key_end ? key : key_begin;  // (src-size 0 zero-fills past the end)
       const bool ok = key < key_end && has_cols;
-      cp_async_16(shared_address(dst + (2 * u) * kThreads),
-                  ok ? k_head + key * k_row_stride : k_row0, ok);
-      cp_async_16(shared_address(dst + (2 * u + 1) * kThreads),
-                  ok ? v_head + key * v_row_stride : v_row0, ok);
+      cp_async_16(shared_address(dst + (2 * u) * kThreads), krows.at(at), ok);
+      cp_async_16(shared_address(dst + (2 * u + 1) * kThreads), vrows.at(at), ok);
     }
   };
 #pragma unroll
