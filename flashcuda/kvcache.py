@@ -5,11 +5,12 @@ cache contiguous per row or paged (a block table), optionally left-padded.
 Everything here is host-side orchestration around the kernels of flashcuda.ops: the
 arguments are checked by name before anything is written; the append and the rotation are
 PyTorch operations; a decode step (one query per entry, unpaged, not left-padded, entries on
-consecutive cache rows) is one call of the decode kernels (ops/fwd_decode.py) with the entries'
-key counts as a device tensor; otherwise the attention is one kernel call per run of batch
-entries that see the same keys' span (views of the caches; a paged cache's pages are gathered
-into a contiguous copy first), a decoding run going through ops.decode like any inference
-call. The kernels read no block table and rotate nothing themselves.
+consecutive cache rows; with SPANS_ON_DEVICE any of those) is one call of the decode kernels
+(ops/fwd_decode.py) with the entries' key counts (spans, rows, block table) as device tensors;
+otherwise the attention is one kernel call per run of batch entries that see the same keys'
+span (views of the caches; a paged cache's pages are gathered into a contiguous copy first), a
+decoding run going through ops.decode like any inference call. The kernels rotate nothing
+themselves.
 """
 
 from __future__ import annotations
@@ -173,32 +174,65 @@ def _entries(batch: int, new: int, k_cache: torch.Tensor, device: torch.device,
     return _Entries(rows, pages, lengths, starts, ends)
 
 
+# A decode step whose entries are paged, left-padded or on cache rows out of order runs as one
+# call of the decode kernels (they read the block table, the spans and the rows on the device)
+# when this is on; off, such a step runs as before (runs of entries, a paged run on a gathered
+# copy). Off until the kernels' paged / span / row tests (tests/gpu/test_decode.py) and
+# test_api's kvcache cases with it on have passed on a GPU: written in session 42 without one.
+SPANS_ON_DEVICE = False
+
+
 def _one_call_span(q: torch.Tensor, ent: _Entries, window_left: int | None,
                    window_right: int | None) -> int | None:
-    """The keys (max ends) of a decoding step (one query per entry) that the decode kernels
-    may run as one call — entries on consecutive cache rows, each seeing its first ends[b] keys
-    (no left padding, no window that hides one), the kernels on — or None."""
+    """The positions (keys of the longest entry) of a decoding step (one query per entry) that
+    the decode kernels may run as one call — each entry seeing its whole span (no window hides
+    one of its keys), the kernels on, and the entries on consecutive cache rows from their
+    first key unless SPANS_ON_DEVICE — or None."""
     batch = q.shape[0]
-    if q.shape[1] != 1 or batch == 0 or any(ent.starts) or not max(ent.ends):
+    if q.shape[1] != 1 or batch == 0 or not max(ent.ends):
         return None
-    if ent.rows != list(range(ent.rows[0], ent.rows[0] + batch)):
+    if not SPANS_ON_DEVICE and (ent.pages is not None or any(ent.starts) or
+                                ent.rows != list(range(ent.rows[0], ent.rows[0] + batch))):
         return None
-    if not decode.sees_all_keys(window_left, window_right, max(ent.ends)):
+    longest = max(e - s for s, e in zip(ent.starts, ent.ends, strict=True))
+    if not decode.sees_all_keys(window_left, window_right, longest):
         return None
     return max(ent.ends) if decode.kernel_allowed() else None
 
 
+def _one_call_views(k_cache: torch.Tensor, v_cache: torch.Tensor, ent: _Entries, batch: int,
+                    keys: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The caches as the decode kernels read them for _one_call_span's step: entries' consecutive
+    cache rows (their first `keys` positions), or all rows / the whole page pool; and whether
+    the entries' rows (or pages) are looked up on the device."""
+    if ent.pages is None and ent.rows == list(range(ent.rows[0], ent.rows[0] + batch)):
+        r0 = ent.rows[0]
+        return k_cache[r0:r0 + batch, :keys], v_cache[r0:r0 + batch, :keys], False
+    if ent.pages is None:
+        return k_cache[:, :keys], v_cache[:, :keys], True
+    return k_cache, v_cache, True
+
+
 def _decode_in_one_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        scale: float, ent: _Entries,
-                        keys: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """_one_call_span's step as one call of the decode kernels, the counts as a device tensor
-    (however ragged the lengths); None where the kernels do not take these tensors."""
-    r0 = ent.rows[0]
-    kc, vc = (t[r0:r0 + q.shape[0], :keys] for t in (k_cache, v_cache))
+                        scale: float, ent: _Entries, keys: int,
+                        block_table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """_one_call_span's step as one call of the decode kernels, each entry's span [starts[b],
+    ends[b]), its cache row or its pages as device tensors (however ragged); None where the
+    kernels do not take these tensors."""
+    batch = q.shape[0]
+    kc, vc, looked_up = _one_call_views(k_cache, v_cache, ent, batch, keys)
     if fwd_decode.can_take(q, kc, vc):
         return None
-    counts = torch.tensor(ent.ends, dtype=torch.int32).to(q.device, non_blocking=True)
-    return fwd_decode.attention(q, kc, vc, scale, counts)
+    # ends, starts and rows in one upload
+    host = torch.tensor([ent.ends, ent.starts, ent.rows or [0] * batch], dtype=torch.int32)
+    spans = host.to(q.device, non_blocking=True)
+    starts = spans[1] if any(ent.starts) else None
+    rows = spans[2] if looked_up and ent.pages is None else None
+    table = None
+    if ent.pages is not None:  # (the columns the longest entry reaches)
+        table = _unit_rows(block_table[:, :-(-keys // k_cache.shape[1])].to(q.device,
+                                                                            torch.int32))
+    return fwd_decode.attention(q, kc, vc, scale, spans[0], starts, rows, table)
 
 
 def _capturing(q: torch.Tensor) -> bool:
@@ -214,29 +248,45 @@ def _decode_step_captured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           window_size: object) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step while a CUDA graph is captured: nothing read on the host (no copy between
     host and device may run in a capture), so the graph replays with whatever cache_seqlens
-    holds then. Entry b's cache row b; the new keys written at cache_seqlens[b] ..; the decode
-    kernels over its first cache_seqlens[b] + seqlen_new keys (a device tensor). The values
-    cannot be checked here: positions past the cache (or past the rotary tables) are clamped to
-    its last slot (row), never written out of bounds — keeping them in range is the caller's
-    part, as with FlashAttention, which does not check them either. The shapes, dtypes and
-    devices are checked as outside a capture, before anything is written."""
+    (and cache_batch_idx, cache_leftpad, block_table) hold then. Entry b's cache row b
+    (cache_batch_idx[b]), or its pages (block_table[b]); the new keys written at
+    cache_seqlens[b] ..; the decode kernels over its positions [cache_leftpad[b],
+    cache_seqlens[b] + seqlen_new) (device tensors). cache_batch_idx / cache_leftpad /
+    block_table only with SPANS_ON_DEVICE. The values cannot be checked here: positions past
+    the cache (or past the rotary tables), rows and pages past the cache are clamped to its
+    last slot (row, page), never written or read out of bounds — keeping them in range is the
+    caller's part, as with FlashAttention, which does not check them either. The shapes,
+    dtypes and devices are checked as outside a capture, before anything is written."""
     batch, seqlen_q = q.shape[0], q.shape[1]
-    unsupported = [name for name, given in (("block_table", block_table),
-                                            ("cache_batch_idx", cache_batch_idx),
-                                            ("cache_leftpad", cache_leftpad)) if given is not None]
-    if unsupported:
-        raise ValueError(f"{', '.join(unsupported)}: not supported while a CUDA graph is "
+    given = [name for name, t in (("block_table", block_table),
+                                  ("cache_batch_idx", cache_batch_idx),
+                                  ("cache_leftpad", cache_leftpad)) if t is not None]
+    if given and not SPANS_ON_DEVICE:
+        raise ValueError(f"{', '.join(given)}: not supported while a CUDA graph is "
                          "captured (they are read on the host); pass None")
+    if block_table is not None and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx: expected None with block_table (a paged cache's "
+                         "entries are their block_table rows)")
     if seqlen_q != 1:
         raise ValueError(f"q: expected one query per entry (seqlen_q = 1: a decode step) while a "
                          f"CUDA graph is captured, got seqlen_q = {seqlen_q}")
-    capacity = k_cache.shape[1]
+    table = rows = starts = None
+    if block_table is not None:
+        table = validate.device_page_table(block_table, batch, q.device)
+        capacity = table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is not None:
+            rows = validate.batch_ints(cache_batch_idx, "cache_batch_idx", batch, q.device)
+        elif k_cache.shape[0] < batch:
+            raise ValueError(f"k_cache: expected at least batch = {batch} rows, got "
+                             f"{k_cache.shape[0]}")
+    if cache_leftpad is not None:
+        starts = validate.batch_ints(cache_leftpad, "cache_leftpad", batch, q.device)
     if new > capacity:
-        raise ValueError(f"k: expected seqlen_new <= seqlen_cache = {capacity} (the new keys fit "
+        where = "max_blocks_per_seq * page_size" if table is not None else "seqlen_cache"
+        raise ValueError(f"k: expected seqlen_new <= {where} = {capacity} (the new keys fit "
                          f"the cache), got {new}")
-    if k_cache.shape[0] < batch:
-        raise ValueError(f"k_cache: expected at least batch = {batch} rows, got "
-                         f"{k_cache.shape[0]}")
     if cache_seqlens is None:
         seqlens = q.new_full((batch,), capacity - new, dtype=torch.int64)
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
@@ -252,8 +302,13 @@ def _decode_step_captured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                          f"graph is captured (the keys' count is on the device), got "
                          f"{window_size}")
     scale = validate.softmax_scale(softmax_scale, q.shape[-1])
-    kc, vc = k_cache[:batch], v_cache[:batch]
-    _checked_qkv(q, kc, vc, names=("q", "k_cache", "v_cache"))
+    if table is not None or rows is not None:  # all rows / the page pool, read where told
+        kc, vc = k_cache, v_cache
+        stand_in = tuple(t[:1, :1].expand(batch, capacity, *t.shape[2:]) for t in (kc, vc))
+    else:
+        kc, vc = k_cache[:batch], v_cache[:batch]
+        stand_in = (kc, vc)
+    _checked_qkv(q, *stand_in, names=("q", "k_cache", "v_cache"))
     q = _last_dim_contiguous(q, "q")
     reason = fwd_decode.can_take(q, kc, vc) or (
         None if decode.kernel_allowed() else "the decode kernels are off")
@@ -261,17 +316,34 @@ def _decode_step_captured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"q, k_cache, v_cache: a decode step while a CUDA graph is captured "
                          f"runs on the decode kernels, which cannot take this call: {reason}")
     with torch.no_grad():
+        if rows is not None:
+            rows = rows.clamp(0, k_cache.shape[0] - 1)
+        if table is not None:
+            table = table.clamp(0, k_cache.shape[0] - 1)
         if new:
             pos = (seqlens.unsqueeze(1) + torch.arange(new, device=q.device)).clamp(0, capacity - 1)
             if tables is not None:
                 ro = tables[0].shape[0] - 1
                 q = rotary(q, *tables, seqlens.clamp(0, ro).unsqueeze(1), interleaved)
                 k = rotary(k, *tables, pos.clamp(max=ro), interleaved)
-            rows = torch.arange(batch, device=q.device).unsqueeze(1).expand(batch, new)
-            k_cache[rows, pos] = k
-            v_cache[rows, pos] = v
+            if table is not None:  # (page, row in the page) of each new key
+                page = k_cache.shape[1]
+                where = (table.long().gather(1, pos // page), pos % page)
+            else:
+                at = torch.arange(batch, device=q.device) if rows is None else rows.long()
+                where = (at.unsqueeze(1).expand(batch, new), pos)
+            k_cache[where] = k
+            v_cache[where] = v
         counts = (seqlens + new).clamp(0, capacity).int()
-        return fwd_decode.attention(q, kc, vc, scale, counts)
+        return fwd_decode.attention(q, kc, vc, scale, counts,
+                                    None if starts is None else starts.int(),
+                                    None if rows is None else rows.int(),
+                                    None if table is None else _unit_rows(table.int()))
+
+
+def _unit_rows(table: torch.Tensor) -> torch.Tensor:
+    """The block table with a unit last stride, as the decode kernels read it."""
+    return table if table.stride(-1) == 1 else table.contiguous()
 
 
 def _runs(batch: int, same) -> list[tuple[int, int]]:
@@ -348,16 +420,19 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     same span of keys — on views of the caches when the entries are on consecutive cache rows,
     on a gathered contiguous copy of their pages when paged (the copy costs a read and a write of
     the keys and values seen: a paged cache is correct here, not fast); host-bound when many
-    entries differ.
+    entries differ. With kvcache.SPANS_ON_DEVICE (off until its GPU tests have run), a paged,
+    left-padded or row-reordered decode step is one call of the decode kernels too: they read
+    the block table, the spans and the rows on the device, and the pages in place.
     cache_seqlens, cache_batch_idx, cache_leftpad and block_table tensors are read on the host
     (device-to-host copies, which wait for the GPU), and their values checked.
 
     While a CUDA graph is captured (torch.cuda.graph), a decode step (seqlen_q = 1, no
-    block_table / cache_batch_idx / cache_leftpad, no window hiding a cached key, fp16 / bf16
-    with head_dim a multiple of 8 up to 256) is captured instead with nothing read on the host:
-    the append, the rotation and the decode kernels take cache_seqlens from the device, so each
-    replay uses the values it holds then. Those values cannot be checked in a capture;
-    positions past the cache or the rotary tables are clamped to the last slot / row (keeping
+    block_table / cache_batch_idx / cache_leftpad unless SPANS_ON_DEVICE, no window hiding a
+    cached key, fp16 / bf16 with head_dim a multiple of 8 up to 256) is captured instead with
+    nothing read on the host: the append, the rotation and the decode kernels take
+    cache_seqlens (and those three) from the device, so each replay uses the values they hold
+    then. Those values cannot be checked in a capture; positions past the cache or the rotary
+    tables, rows and pages past the cache are clamped to the last slot / row / page (keeping
     them in range is the caller's part, as with FlashAttention). Other calls raise ValueError
     during a capture, naming what they would read on the host.
     """
@@ -419,11 +494,12 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     names = ("q", "k_cache", "v_cache")
     if batch == 0:
         _checked_qkv(q, k_cache[:0, :0], v_cache[:0, :0], names=names)
-    one_call = None if paged else _one_call_span(q, ent, window_left, window_right)
+    one_call = _one_call_span(q, ent, window_left, window_right)
     if one_call is not None:  # one check of the whole span stands for the runs' (same tensors)
-        r0 = rows[0]
-        _checked_qkv(q, k_cache[r0:r0 + batch, :one_call], v_cache[r0:r0 + batch, :one_call],
-                     names=names)
+        kc, vc, looked_up = _one_call_views(k_cache, v_cache, ent, batch, one_call)
+        if looked_up:  # (stride-0 stand-ins: (batch, keys, nheads_kv, headdim))
+            kc, vc = (t[:1, :1].expand(batch, one_call, *t.shape[2:]) for t in (k_cache, v_cache))
+        _checked_qkv(q, kc, vc, names=names)
 
     for b, e in ([] if one_call is not None else runs):
         span = slice(starts[b], ends[b])
@@ -453,7 +529,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 k_cache[index] = k.reshape(-1, *k.shape[2:])
                 v_cache[index] = v.reshape(-1, *v.shape[2:])
         one = None if one_call is None else _decode_in_one_call(q, k_cache, v_cache, scale,
-                                                                ent, one_call)
+                                                                ent, one_call, block_table)
         if one is not None:
             results, runs = [one], []
         elif batch == 0:

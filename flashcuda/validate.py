@@ -305,6 +305,12 @@ def batch_ints(t: object, name: str, batch: int, device: torch.device) -> torch.
 def page_table(block_table: object, batch: int, device: torch.device) -> torch.Tensor:
     """A paged KV cache's block table: (batch, max_blocks_per_seq) int32 / int64 on q's device,
     read on the host (an int64 CPU tensor; one device-to-host copy)."""
+    return device_page_table(block_table, batch, device).to("cpu", torch.long)
+
+
+def device_page_table(block_table: object, batch: int, device: torch.device) -> torch.Tensor:
+    """page_table's checks without reading the values: the tensor, where they must stay on the
+    device (a CUDA graph's capture)."""
     table = check_tensor(block_table, "block_table")
     if table.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"block_table: expected dtype int32 or int64, got "
@@ -315,7 +321,7 @@ def page_table(block_table: object, batch: int, device: torch.device) -> torch.T
     if table.device != device:
         raise ValueError(f"block_table: expected device {device} (the device of q), got "
                          f"{table.device}")
-    return table.to("cpu", torch.long)
+    return table
 
 
 def pages_in_pool(pages: torch.Tensor, ends: Sequence[int], page_size: int,

@@ -18,16 +18,25 @@ from flashcuda.ops import fwd_decode
 from flashcuda.reference import attention_ref
 
 
-def oracle_decode(q, k, v, scale, seqused=None):
-    """fwd_decode.attention's contract in float64: entry b over its first seqused[b] keys."""
-    counts = ([k.shape[1]] * q.shape[0] if seqused is None
-              else torch._C.TensorBase.tolist(seqused))  # (the kernels read it on the device)
+def oracle_decode(q, k, v, scale, seqused=None, seqstart=None, cache_rows=None,
+                  block_table=None):
+    """fwd_decode.attention's contract in float64: entry b over positions [seqstart[b],
+    seqused[b]) of cache row cache_rows[b] (default b), or of its pages in block_table."""
+    host = torch._C.TensorBase.tolist  # (the kernels read these on the device)
+    cap = k.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    ends = [cap] * q.shape[0] if seqused is None else host(seqused)
+    starts = [0] * q.shape[0] if seqstart is None else host(seqstart)
+    rows = list(range(q.shape[0])) if cache_rows is None else host(cache_rows)
     out = q.new_zeros(q.shape)
     lse = torch.full((q.shape[0], q.shape[2], 1), float("-inf"))
-    for b, n in enumerate(counts):
-        if n:
-            o, x = attention_ref(q[b:b + 1].double(), k[b:b + 1, :n].double(),
-                                 v[b:b + 1, :n].double(), softmax_scale=scale)
+    for b, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        if block_table is not None:
+            kb, vb = (t[block_table[b].long()].flatten(0, 1)[None] for t in (k, v))
+        else:
+            kb, vb = k[rows[b]:rows[b] + 1], v[rows[b]:rows[b] + 1]
+        if e > s:
+            o, x = attention_ref(q[b:b + 1].double(), kb[:, s:e].double(), vb[:, s:e].double(),
+                                 softmax_scale=scale)
             out[b], lse[b] = o[0].to(q.dtype), x[0].float()
     return out, lse
 
@@ -145,3 +154,60 @@ def test_calls_a_capture_cannot_run_are_refused_by_name_before_any_write(capture
     with captured, pytest.raises((ValueError, TypeError), match=match):
         flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **case)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.parametrize("layout", ["paged", "leftpad", "rows", "paged_leftpad"])
+@pytest.mark.parametrize("new,rotary", [(0, False), (1, False), (1, True)])
+def test_spans_on_device_match_the_runs(captured, monkeypatch, layout, new, rotary):
+    """With SPANS_ON_DEVICE, a decode step over a paged cache (shuffled pages of 5), left-padded
+    entries or cache rows out of order is one call of the decode kernels (the oracle here: the
+    block table, spans and rows as it receives them), and gives the caches bit for bit and out /
+    lse within 1e-5 of the runs path (SPANS_ON_DEVICE off: runs of entries, a paged run on a
+    gathered copy, the portable float32 attention)."""
+    gen = torch.Generator().manual_seed(new + 3 * rotary + len(layout))
+    B, H, Hk, D, page, blocks = 4, 8, 2, 16, 5, 9
+    paged = layout.startswith("paged")
+    if paged:
+        pool = torch.randn(B * blocks + 3, page, Hk, D, generator=gen)
+        k_cache, v_cache = pool, torch.randn(pool.shape, generator=gen)
+        table = torch.randperm(B * blocks + 3, generator=gen)[:B * blocks].view(B, blocks).int()
+    else:
+        k_cache, v_cache = (torch.randn(B + 2, blocks * page, Hk, D, generator=gen)
+                            for _ in range(2))
+        table = None
+    lengths = [0, 7, 44 - new, 31]
+    kw = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32), block_table=table,
+              causal=True, return_softmax_lse=True)
+    if layout.endswith("leftpad"):
+        kw["cache_leftpad"] = torch.tensor([0, 3, 10, 31], dtype=torch.int32)
+    if layout == "rows":
+        kw["cache_batch_idx"] = torch.tensor([5, 1, 0, 3], dtype=torch.int32)
+    q = torch.randn(B, 1, H, D, generator=gen)
+    if new:
+        kw["k"], kw["v"] = (torch.randn(B, new, Hk, D, generator=gen) for _ in range(2))
+    if rotary:
+        kw["rotary_cos"], kw["rotary_sin"] = tables(blocks * page + 2, 4, gen)
+    from flashcuda.ops import decode
+
+    calls = []
+    monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(a) or oracle_decode(*a))
+    monkeypatch.setattr(decode, "KERNEL", False)
+    kc1, vc1 = k_cache.clone(), v_cache.clone()
+    out1, lse1 = flashcuda.flash_attn_with_kvcache(q, kc1, vc1, **kw)  # the runs, portable
+    assert not calls
+    monkeypatch.setattr(decode, "KERNEL", True)
+    monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", True)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    out2, lse2 = flashcuda.flash_attn_with_kvcache(q, kc2, vc2, **kw)
+    assert len(calls) == 1  # one call of the decode kernels
+    assert (calls[0][7] is not None) == paged  # the block table reached them
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+    assert torch.allclose(out2, out1, atol=1e-5, rtol=0)
+    assert torch.allclose(lse2, lse1, atol=1e-5, rtol=0)
+    kc3, vc3 = k_cache.clone(), v_cache.clone()  # the same step as a CUDA graph captures it
+    with captured:
+        out3, lse3 = flashcuda.flash_attn_with_kvcache(q, kc3, vc3, **kw)
+    assert len(calls) == 2
+    assert torch.equal(kc1, kc3) and torch.equal(vc1, vc3)
+    assert torch.allclose(out3, out1, atol=1e-5, rtol=0)
+    assert torch.allclose(lse3, lse1, atol=1e-5, rtol=0)

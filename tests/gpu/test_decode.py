@@ -209,6 +209,44 @@ def test_kvcache_decode_one_call(ragged, monkeypatch, stages):
     check_entries(out, lse, q, k_cache, v_cache, [n + 1 for n in lengths])
 
 
+@pytest.mark.parametrize("layout", ["paged_leftpad", "rows_leftpad"])
+def test_kvcache_spans_on_device_one_call(layout, monkeypatch, stages):
+    """kvcache.SPANS_ON_DEVICE: flash_attn_with_kvcache's decode step over a paged cache (pages
+    of 64, shuffled) or cache rows out of order, left-padded, one new key per entry: one call of
+    the decode kernels (block table / rows / spans on the device), each entry against the
+    oracle over its span after the append."""
+    monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", True)
+    calls = []
+    real = fwd_decode.attention
+    monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator(device="cuda").manual_seed(12)
+    B, H, Hk, D, page, blocks = 4, 32, 8, 128, 64, 40
+    bf = torch.bfloat16
+    lengths, pads = [700, 31, 2048, 0], [0, 30, 1000, 0]
+    q = rand(g, B, 1, H, D, dtype=bf)
+    k, v = (rand(g, B, 1, Hk, D, dtype=bf) for _ in range(2))
+    i32 = torch.int32
+    kw = dict(cache_seqlens=torch.tensor(lengths, dtype=i32, device="cuda"),
+              cache_leftpad=torch.tensor(pads, dtype=i32, device="cuda"), causal=True,
+              return_softmax_lse=True)
+    if layout == "paged_leftpad":
+        k_cache, v_cache = (rand(g, B * blocks + 7, page, Hk, D, dtype=bf) for _ in range(2))
+        table = torch.randperm(B * blocks + 7, device="cuda", generator=g)[:B * blocks]
+        kw["block_table"] = table.view(B, blocks).to(i32)
+    else:
+        k_cache, v_cache = (rand(g, B + 3, blocks * page, Hk, D, dtype=bf) for _ in range(2))
+        kw["cache_batch_idx"] = torch.tensor([6, 2, 0, 4], dtype=i32, device="cuda")
+    out, lse = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
+    assert len(calls) == 1
+    if layout == "paged_leftpad":
+        flat_k, flat_v = (t[kw["block_table"].long()].flatten(1, 2) for t in (k_cache, v_cache))
+    else:
+        flat_k, flat_v = (t[kw["cache_batch_idx"].long()] for t in (k_cache, v_cache))
+    spans = [(p, n + 1) for p, n in zip(pads, lengths, strict=True)]
+    check_spans(out, lse, q, [flat_k[b:b + 1, s:e] for b, (s, e) in enumerate(spans)],
+                [flat_v[b:b + 1, s:e] for b, (s, e) in enumerate(spans)])
+
+
 def test_func_decode_runs_the_kernel(monkeypatch):
     """flash_attn_func with one query per entry and no autograd reaches the decode kernels (and
     with a window that hides keys, does not)."""
@@ -283,3 +321,55 @@ def test_kvcache_decode_step_in_a_cuda_graph():
         assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc), lengths
         q_rot = kvcache.rotary(q, cos, sin, seqlens.long().unsqueeze(1), True)
         check_entries(out, lse, q_rot, kc, vc, [n + 1 for n in lengths])
+
+
+def test_kvcache_paged_left_padded_step_in_a_cuda_graph(monkeypatch):
+    """kvcache.SPANS_ON_DEVICE: a paged, left-padded decode step (pages of 16, shuffled; GQA
+    4, d64, fp16) captured once and replayed with new queries / keys, new lengths, new
+    padding and a new block table written into the captured tensors: each replay's pool equals,
+    bit for bit, the same step run eagerly, and each entry's out / lse match the oracle over
+    its span gathered from its pages."""
+    monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", True)
+    g = torch.Generator(device="cuda").manual_seed(13)
+    B, H, Hk, D, page, blocks = 3, 8, 2, 64, 16, 50
+    f16, i32 = torch.float16, torch.int32
+    pool_k, pool_v = (rand(g, B * blocks + 4, page, Hk, D, dtype=f16) for _ in range(2))
+    q = rand(g, B, 1, H, D, dtype=f16)
+    k, v = (rand(g, B, 1, Hk, D, dtype=f16) for _ in range(2))
+    seqlens = torch.tensor([5, 300, 0], dtype=i32, device="cuda")
+    pads = torch.tensor([0, 100, 0], dtype=i32, device="cuda")
+    table = torch.randperm(B * blocks + 4, device="cuda", generator=g)[:B * blocks]
+    table = table.view(B, blocks).to(i32)
+
+    def step(kc, vc):
+        return flashcuda.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
+                                                 cache_leftpad=pads, block_table=table,
+                                                 causal=True, return_softmax_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # kernels loaded, plans made, before the capture
+        step(pool_k.clone(), pool_v.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    kc, vc = pool_k.clone(), pool_v.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step(kc, vc)
+    for lengths, padding in (([5, 300, 0], [0, 100, 0]), ([799, 1, 64], [700, 0, 64]),
+                             ([17, 400, 222], [3, 399, 0])):
+        q.copy_(rand(g, B, 1, H, D, dtype=f16))
+        k.copy_(rand(g, B, 1, Hk, D, dtype=f16))
+        v.copy_(rand(g, B, 1, Hk, D, dtype=f16))
+        seqlens.copy_(torch.tensor(lengths, dtype=i32))
+        pads.copy_(torch.tensor(padding, dtype=i32))
+        table.copy_(torch.randperm(B * blocks + 4, device="cuda", generator=g)[:B * blocks]
+                    .view(B, blocks))
+        ref_kc, ref_vc = kc.clone(), vc.clone()
+        step(ref_kc, ref_vc)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc), lengths
+        flat_k, flat_v = (t[table.long()].flatten(1, 2) for t in (kc, vc))
+        spans = [(p, n + 1) for p, n in zip(padding, lengths, strict=True)]
+        check_spans(out, lse, q, [flat_k[b:b + 1, s:e] for b, (s, e) in enumerate(spans)],
+                    [flat_v[b:b + 1, s:e] for b, (s, e) in enumerate(spans)])
