@@ -5,7 +5,8 @@
 #
 # tests:    tests/gpu/test_decode.py, then test_api / test_examples' kvcache and decode cases
 # sanitize: compute-sanitizer memcheck on the decode tests that reach the edges (counts 0 / 1 /
-#           capacity, strided views, NaN, kvcache's step, the graph replay, determinism)
+#           capacity, strided views, NaN, kvcache's steps and graph replays, determinism, paged
+#           caches, cache rows, left padding, the pipeline depths)
 # tune:     scripts/decode_probe.py --tune at batch 1 x 64k, batch 8 x 16k, batch 1 x 16k keys
 # probe:    scripts/decode_probe.py at batch 1 x 1k (host time of a small call)
 # Each step's log goes to $OUT/<step>.txt; a short table of pass/fail counts and timings ends it.
@@ -26,7 +27,7 @@ for s in $steps; do
         -k "kvcache or decod" >> "$OUT/tests.txt" 2>&1 ;;
     sanitize)
       timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_decode.py -k "per_entry or strided or nan or kvcache_decode or determin" \
+        tests/gpu/test_decode.py -k "per_entry or strided or nan or kvcache or determin or paged or cache_rows or depths" \
         > "$OUT/sanitize.txt" 2>&1; echo "sanitizer rc $?" >> "$OUT/sanitize.txt" ;;
     tune)
       for a in "--keys 65536" "--batch 8 --keys 16384" "--keys 16384"; do
