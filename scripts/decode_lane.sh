@@ -30,7 +30,7 @@ for s in $steps; do
         tests/gpu/test_decode.py -k "per_entry or strided or nan or kvcache or determin or paged or cache_rows or depths" \
         > "$OUT/sanitize.txt" 2>&1; echo "sanitizer rc $?" >> "$OUT/sanitize.txt" ;;
     tune)
-      for a in "--keys 65536" "--batch 8 --keys 16384" "--keys 16384"; do
+      for a in "--keys 65536 --paged 16" "--batch 8 --keys 16384 --paged 256" "--keys 16384"; do
         timeout 120 python3 scripts/decode_probe.py --tune $a 2>&1 | grep -v Warn
       done > "$OUT/tune.txt" ;;
     probe)

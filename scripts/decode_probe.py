@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=65536)
     ap.add_argument("--tune", action="store_true",
                     help="only the decode kernels' time for STAGES x UNROLL x WAVES choices")
+    ap.add_argument("--paged", type=int, default=0, metavar="PAGE",
+                    help="with --tune: also the same keys in shuffled pages of PAGE rows (the "
+                         "paged kernels, block table on the device), stages 0 and 3")
     a = ap.parse_args()
     h, hk, d = 32, 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -86,6 +89,25 @@ def main() -> None:
                           f"regs)  {m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s  "
                           f"err {err:.2e} {'ok' if err <= bound else 'WRONG'} "
                           f"(bound {bound:.2e})")
+        if a.paged:
+            pages = a.keys // a.paged
+            assert pages * a.paged == a.keys, "--paged: keys must be a multiple of PAGE"
+            perm = torch.randperm(a.batch * pages, device="cuda", generator=g)
+            pools = []
+            for t in (k, v):  # logical page j of entry b at pool[perm[b * pages + j]]
+                pool = torch.empty_like(t).view(a.batch * pages, a.paged, hk, d)
+                pool[perm] = t.reshape(a.batch * pages, a.paged, hk, d)
+                pools.append(pool)
+            table = perm.view(a.batch, pages).int()
+            for stages in (0, 3):
+                fwd_decode.UNROLL, fwd_decode.STAGES, fwd_decode.WAVES = 4, stages, 1
+                with torch.no_grad():
+                    err = max_error(fwd_decode.attention(q, *pools, scale, None, None, None,
+                                                         table)[0], ref)
+                m = ms(lambda: fwd_decode.attention(q, *pools, scale, None, None, None, table))
+                print(f"b{a.batch} {a.keys:6d} keys  paged ({a.paged} rows) stages {stages}  "
+                      f"{m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
+                      f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
         return
     calls = {"split_pieces": 0, "run": 0}
     run0, split0 = attn_mod._fwd_impl, decode.split_pieces
