@@ -233,3 +233,26 @@ def test_paged_launch_packs_the_table_and_the_spans(monkeypatch):
                                           table, *layout))
     assert params == want
     fwd_decode._plans.clear()
+
+
+def test_decode_knobs_from_the_environment(monkeypatch):
+    """FLASHCUDA_DECODE_STAGES / _UNROLL / _WAVES (A/B runs, recorded in a bench record's
+    kernel_env) set the module's defaults at import; a value outside the allowed set raises,
+    naming the variable."""
+    monkeypatch.setenv("FLASHCUDA_DECODE_STAGES", "3")
+    assert fwd_decode._env_int("FLASHCUDA_DECODE_STAGES", 0, (0, 2, 3)) == 3
+    monkeypatch.delenv("FLASHCUDA_DECODE_STAGES")
+    assert fwd_decode._env_int("FLASHCUDA_DECODE_STAGES", 0, (0, 2, 3)) == 0
+    for bad in ("1", "x", "-2"):
+        monkeypatch.setenv("FLASHCUDA_DECODE_STAGES", bad)
+        with pytest.raises(ValueError, match="FLASHCUDA_DECODE_STAGES"):
+            fwd_decode._env_int("FLASHCUDA_DECODE_STAGES", 0, (0, 2, 3))
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "FLASHCUDA_DECODE_STAGES": "4",
+           "FLASHCUDA_DECODE_UNROLL": "2", "FLASHCUDA_DECODE_WAVES": "2"}
+    got = subprocess.run([sys.executable, "-c", "from flashcuda.ops import fwd_decode as f; "
+                          "print(f.STAGES, f.UNROLL, f.WAVES)"], env=env, capture_output=True,
+                         text=True, check=True, timeout=120).stdout.split()
+    assert got == ["4", "2", "2"]
