@@ -263,9 +263,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
 
 @register
 def variants() -> list[tuple[KernelSpec, tuple[str, ...]]]:
-    """Every specialisation attention() can pick: 2 dtypes x 3 head dims x 4 row counts, plain
-    and paged, and a combine per dtype."""
-    specs = [DecodeConfig(dt, d, r, paged=p).spec() for dt in DTYPES for d in HEAD_DIMS
-             for r in ROWS for p in (False, True)]
+    """Every specialisation attention() picks by default or with FLASHCUDA_DECODE_STAGES=3 (the
+    pipeline's likely depth): 2 dtypes x 3 head dims x 4 row counts, plain and paged, K / V by
+    registers and by the 3-stage pipeline; and a combine per dtype."""
+    specs = [DecodeConfig(dt, d, r, stages=st, paged=p).spec() for dt in DTYPES
+             for d in HEAD_DIMS for r in ROWS for p in (False, True) for st in (0, 3)]
     specs += [combine_spec(dt) for dt in DTYPES]
     return [(s, ARCHS) for s in specs]
