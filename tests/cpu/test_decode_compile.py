@@ -128,14 +128,10 @@ class _FakeKernel:
         return 4
 
 
-@pytest.mark.parametrize("keys,seqused", [(100, False), (5000, True)])
-def test_launch_packs_the_kernels_parameter_lists(monkeypatch, keys, seqused):
-    """attention()'s prepared launches (a plan per layout) hand the split kernel and the combine
-    exactly the parameter bytes of their signatures in flash_decode.cu (pack_args of the
-    arguments in the kernels' order), for one piece and for many, with and without seqused;
-    a second call of the same layout reuses the plan and packs its own pointers."""
-    import numpy as np
-
+@pytest.fixture
+def launches(monkeypatch):
+    """attention() on CPU tensors with fake kernels (4 CTAs per SM, 132 SMs): each launch's
+    (kernel name, grid, parameter bytes) recorded instead of run."""
     from flashcuda.jit import runtime
 
     launched = []
@@ -151,6 +147,21 @@ def test_launch_packs_the_kernels_parameter_lists(monkeypatch, keys, seqused):
     monkeypatch.setattr(fwd_decode, "_device_ok", lambda device: (True, 132))
     monkeypatch.setattr(runtime.PreparedLaunch, "__call__", capture)
     fwd_decode._plans.clear()
+    yield launched
+    fwd_decode._plans.clear()
+
+
+@pytest.mark.parametrize("keys,seqused", [(100, False), (5000, True)])
+def test_launch_packs_the_kernels_parameter_lists(launches, keys, seqused):
+    """attention()'s prepared launches (a plan per layout) hand the split kernel and the combine
+    exactly the parameter bytes of their signatures in flash_decode.cu (pack_args of the
+    arguments in the kernels' order), for one piece and for many, with and without seqused;
+    a second call of the same layout reuses the plan and packs its own pointers."""
+    import numpy as np
+
+    from flashcuda.jit import runtime
+
+    launched = launches
     q = torch.randn(2, 1, 12, 64, dtype=torch.bfloat16)
     k = torch.randn(2, keys + 3, 2, 64, dtype=torch.bfloat16)[:, :keys]
     v = torch.randn(2, keys, 2, 64, dtype=torch.bfloat16)
@@ -186,10 +197,9 @@ def test_launch_packs_the_kernels_parameter_lists(monkeypatch, keys, seqused):
                                                     i32(2), i32(12), i32(64), i32(splits)))
             assert params == want
     assert len(fwd_decode._plans) == 1
-    fwd_decode._plans.clear()
 
 
-def test_paged_launch_packs_the_table_and_the_spans(monkeypatch):
+def test_paged_launch_packs_the_table_and_the_spans(launches):
     """A paged call with left padding: the paged kernel (FC_PAGED), split over the block table's
     positions (blocks x page_size), gets seqused / seqstart / block_table's pointers, the table's
     row stride and the page size, and k / v's page strides as their batch strides."""
@@ -197,19 +207,7 @@ def test_paged_launch_packs_the_table_and_the_spans(monkeypatch):
 
     from flashcuda.jit import runtime
 
-    launched = []
-
-    def capture(self, *values, stream=None, handle=None):
-        params, _, _ = self._buffers()
-        self.head.pack_into(params, 0, *values)
-        launched.append((self.kernel.name, self.grid, bytes(params)[:self.size]))
-
-    monkeypatch.setattr(fwd_decode, "get_kernel", lambda spec, device: type(
-        "K", (_FakeKernel,), {"name": spec.name})())
-    monkeypatch.setattr(fwd_decode, "launch_stream", lambda index: 0)
-    monkeypatch.setattr(fwd_decode, "_device_ok", lambda device: (True, 132))
-    monkeypatch.setattr(runtime.PreparedLaunch, "__call__", capture)
-    fwd_decode._plans.clear()
+    launched = launches
     q = torch.randn(3, 1, 8, 128, dtype=torch.float16)
     k, v = (torch.randn(40, 16, 2, 128, dtype=torch.float16) for _ in range(2))  # 40 pages of 16
     table = torch.randint(0, 40, (3, 12), dtype=torch.int32)  # 192 positions per entry
@@ -233,7 +231,6 @@ def test_paged_launch_packs_the_table_and_the_spans(monkeypatch):
                                           *(np.uint64(p) for p in parts), used, start, None,
                                           table, *layout))
     assert params == want
-    fwd_decode._plans.clear()
 
 
 def test_decode_knobs_from_the_environment(monkeypatch):
