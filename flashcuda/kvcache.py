@@ -174,30 +174,37 @@ def _entries(batch: int, new: int, k_cache: torch.Tensor, device: torch.device,
     return _Entries(rows, pages, lengths, starts, ends)
 
 
-# A decode step whose entries are paged, left-padded or on cache rows out of order runs as one
-# call of the decode kernels (they read the block table, the spans and the rows on the device)
-# when this is on; off, such a step runs as before (runs of entries, a paged run on a gathered
-# copy). Off until the kernels' paged / span / row tests (tests/gpu/test_decode.py) and
-# test_api's kvcache cases with it on have passed on a GPU: written in session 42 without one.
+# A decode step whose entries are paged, left-padded or on cache rows out of order, or that has
+# up to fwd_decode.MAX_QUERY_ROWS queries per entry, runs as one call of the decode kernels
+# (they read the block table, the spans and the rows on the device) when this is on; off, such
+# a step runs as before (runs of entries, a paged run on a gathered copy). Off until the
+# kernels' paged / span / row / several-row tests (tests/gpu/test_decode.py) have passed on a
+# GPU: written in session 42 without one.
 SPANS_ON_DEVICE = False
 
 
 def _one_call_span(q: torch.Tensor, ent: _Entries, window_left: int | None,
-                   window_right: int | None) -> int | None:
-    """The positions (keys of the longest entry) of a decoding step (one query per entry) that
-    the decode kernels may run as one call — each entry seeing its whole span (no window hides
-    one of its keys), the kernels on, and the entries on consecutive cache rows from their
-    first key unless SPANS_ON_DEVICE — or None."""
-    batch = q.shape[0]
-    if q.shape[1] != 1 or batch == 0 or not max(ent.ends):
+                   window_right: int | None) -> tuple[int, bool] | None:
+    """(positions, causal) of a step the decode kernels may run as one call — the keys of the
+    longest entry, and whether its query rows are causal — or None. One query per entry: each
+    entry sees its whole span (no window hides one of its keys). With SPANS_ON_DEVICE also up
+    to fwd_decode.MAX_QUERY_ROWS per entry (speculative decoding's drafts, a short chunk),
+    causal (bottom-right) or seeing every key, and paged / left-padded / reordered entries;
+    without it the entries are on consecutive cache rows from their first key."""
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    if batch == 0 or not max(ent.ends) or not decode.kernel_allowed():
         return None
-    if not SPANS_ON_DEVICE and (ent.pages is not None or any(ent.starts) or
+    if not SPANS_ON_DEVICE and (seqlen_q != 1 or ent.pages is not None or any(ent.starts) or
                                 ent.rows != list(range(ent.rows[0], ent.rows[0] + batch))):
         return None
-    longest = max(e - s for s, e in zip(ent.starts, ent.ends, strict=True))
-    if not decode.sees_all_keys(window_left, window_right, longest):
+    if seqlen_q == 1:
+        longest = max(e - s for s, e in zip(ent.starts, ent.ends, strict=True))
+        return (max(ent.ends), False) if decode.sees_all_keys(window_left, window_right,
+                                                              longest) else None
+    if seqlen_q > fwd_decode.MAX_QUERY_ROWS or window_left is not None or \
+            window_right not in (None, 0):
         return None
-    return max(ent.ends) if decode.kernel_allowed() else None
+    return max(ent.ends), window_right == 0
 
 
 def _one_call_views(k_cache: torch.Tensor, v_cache: torch.Tensor, ent: _Entries, batch: int,
@@ -214,7 +221,7 @@ def _one_call_views(k_cache: torch.Tensor, v_cache: torch.Tensor, ent: _Entries,
 
 
 def _decode_in_one_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        scale: float, ent: _Entries, keys: int,
+                        scale: float, ent: _Entries, keys: int, causal: bool,
                         block_table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """_one_call_span's step as one call of the decode kernels, each entry's span [starts[b],
     ends[b]), its cache row or its pages as device tensors (however ragged); None where the
@@ -232,7 +239,7 @@ def _decode_in_one_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if ent.pages is not None:  # (the columns the longest entry reaches)
         table = _unit_rows(block_table[:, :-(-keys // k_cache.shape[1])].to(q.device,
                                                                             torch.int32))
-    return fwd_decode.attention(q, kc, vc, scale, spans[0], starts, rows, table)
+    return fwd_decode.attention(q, kc, vc, scale, spans[0], starts, rows, table, causal)
 
 
 def _capturing(q: torch.Tensor) -> bool:
@@ -421,8 +428,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     on a gathered contiguous copy of their pages when paged (the copy costs a read and a write of
     the keys and values seen: a paged cache is correct here, not fast); host-bound when many
     entries differ. With kvcache.SPANS_ON_DEVICE (off until its GPU tests have run), a paged,
-    left-padded or row-reordered decode step is one call of the decode kernels too: they read
-    the block table, the spans and the rows on the device, and the pages in place.
+    left-padded or row-reordered decode step is one call of the decode kernels too (they read
+    the block table, the spans and the rows on the device, and the pages in place), and so is
+    a step of up to 16 queries per entry (speculative decoding's drafts; causal or seeing
+    every key).
     cache_seqlens, cache_batch_idx, cache_leftpad and block_table tensors are read on the host
     (device-to-host copies, which wait for the GPU), and their values checked.
 
@@ -496,9 +505,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         _checked_qkv(q, k_cache[:0, :0], v_cache[:0, :0], names=names)
     one_call = _one_call_span(q, ent, window_left, window_right)
     if one_call is not None:  # one check of the whole span stands for the runs' (same tensors)
-        kc, vc, looked_up = _one_call_views(k_cache, v_cache, ent, batch, one_call)
+        keys = one_call[0]
+        kc, vc, looked_up = _one_call_views(k_cache, v_cache, ent, batch, keys)
         if looked_up:  # (stride-0 stand-ins: (batch, keys, nheads_kv, headdim))
-            kc, vc = (t[:1, :1].expand(batch, one_call, *t.shape[2:]) for t in (k_cache, v_cache))
+            kc, vc = (t[:1, :1].expand(batch, keys, *t.shape[2:]) for t in (k_cache, v_cache))
         _checked_qkv(q, kc, vc, names=names)
 
     for b, e in ([] if one_call is not None else runs):
@@ -529,7 +539,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 k_cache[index] = k.reshape(-1, *k.shape[2:])
                 v_cache[index] = v.reshape(-1, *v.shape[2:])
         one = None if one_call is None else _decode_in_one_call(q, k_cache, v_cache, scale,
-                                                                ent, one_call, block_table)
+                                                                ent, *one_call, block_table)
         if one is not None:
             results, runs = [one], []
         elif batch == 0:

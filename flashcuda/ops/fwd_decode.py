@@ -55,6 +55,7 @@ MIN_SPLIT_KEYS = 256  # no piece shorter than this (the combine and the CTA's st
 # the split aims at this many full waves of the CTAs the GPU holds at once
 WAVES = _env_int(WAVES_ENV, 1, (1, 2, 3, 4))
 MAX_GRID_YZ = 65535
+MAX_QUERY_ROWS = 16  # query rows per sequence (each an entry of its own: keys read once per row)
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,8 @@ def _device_ok(device: torch.device) -> tuple[bool, int]:
 
 
 def can_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """None if the decode kernels take this call (q (B, 1, H, D); shapes already validated),
-    else why not."""
+    """None if the decode kernels take this call (q (B, Sq, H, D), Sq <= MAX_QUERY_ROWS; shapes
+    already validated), else why not."""
     if q.device.type != "cuda" or not torch.cuda.is_available():
         return "the decode kernels run on CUDA devices"
     if q.dtype not in DTYPES:
@@ -140,9 +141,9 @@ def can_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     head_dim = q.shape[3]
     if head_dim % 8 or head_dim > HEAD_DIMS[-1]:
         return f"the decode kernels take head_dim a multiple of 8 up to 256, got {head_dim}"
-    if q.shape[1] != 1:
-        return "the decode kernels take one query row per entry"
-    if q.shape[0] > MAX_GRID_YZ or k.shape[2] * q.shape[2] > MAX_GRID_YZ:
+    if not 1 <= q.shape[1] <= MAX_QUERY_ROWS:
+        return f"the decode kernels take 1 to {MAX_QUERY_ROWS} query rows per entry"
+    if q.shape[0] * q.shape[1] > MAX_GRID_YZ or k.shape[2] * q.shape[2] > MAX_GRID_YZ:
         return "batch or heads beyond the grid's limit"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(3) != 1 or t.data_ptr() % 16 or any(
@@ -186,8 +187,9 @@ _COMBINE_POINTERS = 4  # o_part, lse_part, out, lse
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-          out: torch.Tensor, block_table: torch.Tensor | None) -> _Plan:
-    batch, _, nheads, head_dim = q.shape
+          out: torch.Tensor, block_table: torch.Tensor | None, causal: bool) -> _Plan:
+    batch, seqlen_q, nheads, head_dim = q.shape
+    entries = batch * seqlen_q  # (query row i of sequence b: entry b * seqlen_q + i)
     nheads_kv = k.shape[2]
     paged = block_table is not None
     # positions per entry: the cache rows' length, or (paged) the block table's pages x page size
@@ -197,25 +199,25 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     row_blocks = -(-group // cfg.rows)
     _, sms = _device_ok(q.device)
     kernel = get_kernel(cfg.spec(), q.device)
-    splits, chunk = plan_splits(batch, nheads_kv, row_blocks, seqlen_k, slots(kernel, cfg, sms),
-                                cfg.step)
-    layout = (np.int64(q.stride(0)), np.int64(q.stride(2)),
+    splits, chunk = plan_splits(entries, nheads_kv, row_blocks, seqlen_k,
+                                slots(kernel, cfg, sms), cfg.step)
+    layout = (np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(q.stride(2)),
               np.int64(k.stride(0)), np.int64(k.stride(1)), np.int64(k.stride(2)),
               np.int64(v.stride(0)), np.int64(v.stride(1)), np.int64(v.stride(2)),
-              np.int64(out.stride(0)), np.int64(out.stride(2)),
+              np.int64(out.stride(1)), np.int64(out.stride(2)),
               np.int64(block_table.stride(0) if paged else 0),
               np.int32(k.shape[1] if paged else 0),
-              np.int32(batch), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads_kv),
-              np.int32(head_dim), np.int32(splits), np.int32(chunk),
-              np.float32(softmax_scale * LOG2E))
-    split = PreparedLaunch(kernel, (splits, nheads_kv * row_blocks, batch), (THREADS, 1, 1),
+              np.int32(entries), np.int32(seqlen_q), np.int32(causal), np.int32(seqlen_k),
+              np.int32(nheads), np.int32(nheads_kv), np.int32(head_dim), np.int32(splits),
+              np.int32(chunk), np.float32(softmax_scale * LOG2E))
+    split = PreparedLaunch(kernel, (splits, nheads_kv * row_blocks, entries), (THREADS, 1, 1),
                            cfg.smem_bytes, (None,) * _SPLIT_POINTERS + layout, fixed=len(layout))
     combine = None
     if splits > 1:
-        tail = (np.int64(out.stride(0)), np.int64(out.stride(2)), np.int32(batch),
+        tail = (np.int64(out.stride(1)), np.int64(out.stride(2)), np.int32(entries),
                 np.int32(nheads), np.int32(head_dim), np.int32(splits))
         combine = PreparedLaunch(get_kernel(combine_spec(q.dtype), q.device),
-                                 (batch * nheads, 1, 1), (THREADS, 1, 1), 0,
+                                 (entries * nheads, 1, 1), (THREADS, 1, 1), 0,
                                  (None,) * _COMBINE_POINTERS + tail, fixed=len(tail))
     return _Plan(split, combine, splits)
 
@@ -229,28 +231,32 @@ def _at(t: torch.Tensor | None) -> int:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
               seqused: torch.Tensor | None = None, seqstart: torch.Tensor | None = None,
-              cache_rows: torch.Tensor | None = None,
-              block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, 1, H, D), lse (B, H, 1)) of a decoding call (module docstring); can_take(q, k,
-    v) is None. Entry b attends to positions [seqstart[b], seqused[b]) (defaults 0 and all) of
-    cache row cache_rows[b] (default b) of k / v (B_cache, Sk, Hkv, D); or, with block_table
-    (B, blocks) — k / v then (pages, page_size, Hkv, D) — position p of entry b is row
-    p % page_size of page block_table[b, p // page_size], Sk = blocks x page_size. The caller
-    has checked them: int32 tensors on q's device, (B,) contiguous, block_table with a unit
-    last stride; rows, pages and positions in range (the kernel reads what they say)."""
-    batch, _, nheads, head_dim = q.shape
+              cache_rows: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+              causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Sq, H, D), lse (B, H, Sq)) of a decoding call (module docstring); can_take(q,
+    k, v) is None. Sequence b attends to positions [seqstart[b], seqused[b]) (defaults 0 and
+    all) of cache row cache_rows[b] (default b) of k / v (B_cache, Sk, Hkv, D); or, with
+    block_table (B, blocks) — k / v then (pages, page_size, Hkv, D) — position p of sequence b
+    is row p % page_size of page block_table[b, p // page_size], Sk = blocks x page_size. Its
+    Sq query rows are the last Sq positions: with `causal`, row i sees positions below
+    seqused[b] - (Sq - 1 - i) (FlashAttention's bottom-right causal), else all of them. The
+    caller has checked these: int32 tensors on q's device, (B,) contiguous, block_table with a
+    unit last stride; rows, pages and positions in range (the kernel reads what they say)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
     out = q.new_empty(q.shape)
-    lse = q.new_empty((batch, nheads, 1), dtype=torch.float32)
-    if batch == 0 or nheads == 0:
-        return out, lse
+    lse = q.new_empty((batch, seqlen_q, nheads), dtype=torch.float32)  # entry-major
+    if batch == 0 or nheads == 0 or seqlen_q == 0:
+        return out, lse.transpose(1, 2)
     table = None if block_table is None else (block_table.shape, block_table.stride())
+    causal = bool(causal) and seqlen_q > 1  # (one row: the same keys either way)
     key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.get_device(),
-           softmax_scale, table, UNROLL, STAGES, WAVES)
-    plan = _plans.plan(key, (q, k, v, softmax_scale, out, block_table))
+           softmax_scale, table, causal, UNROLL, STAGES, WAVES)
+    plan = _plans.plan(key, (q, k, v, softmax_scale, out, block_table, causal))
     parts = None
     if plan.combine is not None:  # (the fp32 partials: freed after the combine, stream-ordered)
-        parts = (q.new_empty((plan.splits, batch, nheads, head_dim), dtype=torch.float32),
-                 q.new_empty((plan.splits, batch, nheads), dtype=torch.float32))
+        entries = batch * seqlen_q
+        parts = (q.new_empty((plan.splits, entries, nheads, head_dim), dtype=torch.float32),
+                 q.new_empty((plan.splits, entries, nheads), dtype=torch.float32))
     o_at, lse_at = (parts[0].data_ptr(), parts[1].data_ptr()) if parts else (0, 0)
     handle = launch_stream(q.get_device())
     plan.split(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), o_at,
@@ -258,7 +264,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
                handle=handle)
     if plan.combine is not None:
         plan.combine(o_at, lse_at, out.data_ptr(), lse.data_ptr(), handle=handle)
-    return out, lse
+    lse = lse.transpose(1, 2)  # (B, H, Sq): for one row a contiguous view, else a copy
+    return out, lse if seqlen_q == 1 else lse.contiguous()
 
 
 @register

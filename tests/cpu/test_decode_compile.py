@@ -173,10 +173,10 @@ def test_launch_packs_the_kernels_parameter_lists(launches, keys, seqused):
         cfg = fwd_decode.config_for(q.dtype, 64, 6)
         splits, chunk = fwd_decode.plan_splits(2, 2, 1, keys, 4 * 132, cfg.step)
         i64, i32 = np.int64, np.int32
-        layout = (i64(q.stride(0)), i64(q.stride(2)), *(i64(t.stride(d)) for t in (k, v)
-                                                        for d in range(3)),
-                  i64(out.stride(0)), i64(out.stride(2)), i64(0), i32(0), i32(2), i32(keys),
-                  i32(12), i32(2), i32(64), i32(splits), i32(chunk),
+        layout = (*(i64(q.stride(d)) for d in range(3)), *(i64(t.stride(d)) for t in (k, v)
+                                                              for d in range(3)),
+                  i64(out.stride(1)), i64(out.stride(2)), i64(0), i32(0), i32(2), i32(1),
+                  i32(0), i32(keys), i32(12), i32(2), i32(64), i32(splits), i32(chunk),
                   np.float32(0.3 * 1.4426950408889634))
         assert len(launched) == (2 if splits > 1 else 1)
         name, grid, params = launched[0]
@@ -193,7 +193,7 @@ def test_launch_packs_the_kernels_parameter_lists(launches, keys, seqused):
             name, grid, params = launched[1]
             assert name == fwd_decode.combine_spec(q.dtype).name and grid == (24, 1, 1)
             want, _ = runtime.pack_args("combine", (*(np.uint64(p) for p in parts), out, lse,
-                                                    i64(out.stride(0)), i64(out.stride(2)),
+                                                    i64(out.stride(1)), i64(out.stride(2)),
                                                     i32(2), i32(12), i32(64), i32(splits)))
             assert params == want
     assert len(fwd_decode._plans) == 1
@@ -221,10 +221,11 @@ def test_paged_launch_packs_the_table_and_the_spans(launches):
     assert name == cfg.name and grid == (splits, 2, 3)
     parts = [int.from_bytes(params[40:48], "little"), int.from_bytes(params[48:56], "little")]
     i64, i32 = np.int64, np.int32
-    layout = (i64(q.stride(0)), i64(q.stride(2)), *(i64(t.stride(d)) for t in (k, v)
-                                                    for d in range(3)),
-              i64(8 * 128), i64(128), i64(12), i32(16), i32(3), i32(192), i32(8), i32(2),
-              i32(128), i32(splits), i32(chunk), np.float32(0.5 * 1.4426950408889634))
+    layout = (*(i64(q.stride(d)) for d in range(3)), *(i64(t.stride(d)) for t in (k, v)
+                                                          for d in range(3)),
+              i64(8 * 128), i64(128), i64(12), i32(16), i32(3), i32(1), i32(0), i32(192),
+              i32(8), i32(2), i32(128), i32(splits), i32(chunk),
+              np.float32(0.5 * 1.4426950408889634))
     out_at = int.from_bytes(params[24:32], "little")
     lse_at = int.from_bytes(params[32:40], "little")
     want, _ = runtime.pack_args("split", (q, k, v, np.uint64(out_at), np.uint64(lse_at),
@@ -254,3 +255,49 @@ def test_decode_knobs_from_the_environment(monkeypatch):
                           "print(f.STAGES, f.UNROLL, f.WAVES)"], env=env, capture_output=True,
                          text=True, check=True, timeout=120).stdout.split()
     assert got == ["4", "2", "2"]
+
+
+def test_several_query_rows_are_entries_of_their_own(launches):
+    """Sq = 3 query rows per sequence, causal: 6 entries (grid z, the partials, the combine's
+    grid), q's row stride and out's row stride as the per-entry strides, seqlen_q and causal
+    packed; lse comes back (B, H, Sq) contiguous; causal with one row packs 0 (no shift)."""
+    import numpy as np
+
+    from flashcuda.jit import runtime
+
+    q = torch.randn(2, 4, 8, 64, dtype=torch.bfloat16)[:, 1:]  # (2, 3, 8, 64), a strided view
+    k, v = (torch.randn(2, 5000, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    out, lse = fwd_decode.attention(q, k, v, 0.2, None, None, None, None, True)
+    assert out.shape == q.shape and out.is_contiguous()
+    assert lse.shape == (2, 8, 3) and lse.is_contiguous()
+    cfg = fwd_decode.config_for(q.dtype, 64, 4)
+    splits, chunk = fwd_decode.plan_splits(6, 2, 1, 5000, 4 * 132, cfg.step)
+    assert splits > 1 and len(launches) == 2
+    name, grid, params = launches[0]
+    assert grid == (splits, 2, 6)
+    parts = [int.from_bytes(params[40:48], "little"), int.from_bytes(params[48:56], "little")]
+    at = [int.from_bytes(params[o:o + 8], "little") for o in (24, 32)]  # out, lse (entry-major)
+    i64, i32 = np.int64, np.int32
+    layout = (*(i64(q.stride(d)) for d in range(3)), *(i64(t.stride(d)) for t in (k, v)
+                                                      for d in range(3)),
+              i64(8 * 64), i64(64), i64(0), i32(0), i32(6), i32(3), i32(1), i32(5000), i32(8),
+              i32(2), i32(64), i32(splits), i32(chunk), np.float32(0.2 * 1.4426950408889634))
+    want, _ = runtime.pack_args("split", (q, k, v, *(np.uint64(p) for p in at + parts), None,
+                                          None, None, None, *layout))
+    assert params == want
+    name, grid, params = launches[1]
+    assert grid == (6 * 8, 1, 1)
+    want, _ = runtime.pack_args("combine", (*(np.uint64(p) for p in parts + at), i64(8 * 64),
+                                            i64(64), i32(6), i32(8), i32(64), i32(splits)))
+    assert params == want
+    launches.clear()  # causal with one row: no shift to make, causal packed as 0
+    one = q[:, :1]
+    fwd_decode.attention(one, k, v, 0.2, None, None, None, None, True)
+    params = launches[0][2]
+    splits, chunk = fwd_decode.plan_splits(2, 2, 1, 5000, 4 * 132, cfg.step)
+    at = [int.from_bytes(params[o:o + 8], "little") for o in (24, 32, 40, 48)]
+    layout = (*layout[:13], i32(2), i32(1), i32(0), *layout[16:20], i32(splits), i32(chunk),
+              layout[-1])
+    want, _ = runtime.pack_args("split", (one, k, v, *(np.uint64(p) for p in at), None, None,
+                                          None, None, *layout))
+    assert params == want

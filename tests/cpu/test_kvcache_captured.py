@@ -19,25 +19,29 @@ from flashcuda.reference import attention_ref
 
 
 def oracle_decode(q, k, v, scale, seqused=None, seqstart=None, cache_rows=None,
-                  block_table=None):
-    """fwd_decode.attention's contract in float64: entry b over positions [seqstart[b],
-    seqused[b]) of cache row cache_rows[b] (default b), or of its pages in block_table."""
+                  block_table=None, causal=False):
+    """fwd_decode.attention's contract in float64: sequence b over positions [seqstart[b],
+    seqused[b]) of cache row cache_rows[b] (default b), or of its pages in block_table; its Sq
+    query rows the last positions (causal: row i ends Sq - 1 - i positions earlier)."""
     host = torch._C.TensorBase.tolist  # (the kernels read these on the device)
+    batch, sq = q.shape[:2]
     cap = k.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-    ends = [cap] * q.shape[0] if seqused is None else host(seqused)
-    starts = [0] * q.shape[0] if seqstart is None else host(seqstart)
-    rows = list(range(q.shape[0])) if cache_rows is None else host(cache_rows)
+    ends = [cap] * batch if seqused is None else host(seqused)
+    starts = [0] * batch if seqstart is None else host(seqstart)
+    rows = list(range(batch)) if cache_rows is None else host(cache_rows)
     out = q.new_zeros(q.shape)
-    lse = torch.full((q.shape[0], q.shape[2], 1), float("-inf"))
+    lse = torch.full((batch, q.shape[2], sq), float("-inf"))
     for b, (s, e) in enumerate(zip(starts, ends, strict=True)):
         if block_table is not None:
             kb, vb = (t[block_table[b].long()].flatten(0, 1)[None] for t in (k, v))
         else:
             kb, vb = k[rows[b]:rows[b] + 1], v[rows[b]:rows[b] + 1]
-        if e > s:
-            o, x = attention_ref(q[b:b + 1].double(), kb[:, s:e].double(), vb[:, s:e].double(),
-                                 softmax_scale=scale)
-            out[b], lse[b] = o[0].to(q.dtype), x[0].float()
+        for i in range(sq):
+            end = e - (sq - 1 - i) if causal else e
+            if end > s:
+                o, x = attention_ref(q[b:b + 1, i:i + 1].double(), kb[:, s:end].double(),
+                                     vb[:, s:end].double(), softmax_scale=scale)
+                out[b, i], lse[b, :, i] = o[0, 0].to(q.dtype), x[0, :, 0].float()
     return out, lse
 
 
@@ -211,3 +215,46 @@ def test_spans_on_device_match_the_runs(captured, monkeypatch, layout, new, rota
     assert torch.equal(kc1, kc3) and torch.equal(vc1, vc3)
     assert torch.allclose(out3, out1, atol=1e-5, rtol=0)
     assert torch.allclose(lse3, lse1, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["rows", "paged_leftpad"])
+@pytest.mark.parametrize("seqlen_q,causal", [(2, True), (4, True), (3, False)])
+def test_several_queries_per_entry_in_one_call(monkeypatch, layout, seqlen_q, causal):
+    """With SPANS_ON_DEVICE, seqlen_q new queries per entry (speculative decoding's drafts)
+    appended with as many keys: one call of the decode kernels (the oracle here), causal rows
+    ending Sq - 1 - i positions early, equal to the runs path (portable float32) — caches bit
+    for bit, out / lse within 1e-5."""
+    from flashcuda.ops import decode
+
+    gen = torch.Generator().manual_seed(seqlen_q + 5 * causal + len(layout))
+    B, H, Hk, D, page, blocks = 4, 8, 2, 16, 5, 9
+    monkeypatch.setattr(fwd_decode, "can_take", lambda q, k, v: None)
+    kw = dict(causal=causal, return_softmax_lse=True)
+    if layout == "rows":
+        k_cache, v_cache = (torch.randn(B + 2, blocks * page, Hk, D, generator=gen)
+                            for _ in range(2))
+        kw["cache_batch_idx"] = torch.tensor([5, 1, 0, 3], dtype=torch.int32)
+    else:
+        k_cache, v_cache = (torch.randn(B * blocks + 3, page, Hk, D, generator=gen)
+                            for _ in range(2))
+        kw["block_table"] = torch.randperm(B * blocks + 3, generator=gen)[:B * blocks] \
+            .view(B, blocks).int()
+        kw["cache_leftpad"] = torch.tensor([0, 2, 6, 30], dtype=torch.int32)
+    lengths = [0, 6, 40 - seqlen_q, 31]
+    kw["cache_seqlens"] = torch.tensor(lengths, dtype=torch.int32)
+    q = torch.randn(B, seqlen_q, H, D, generator=gen)
+    kw["k"], kw["v"] = (torch.randn(B, seqlen_q, Hk, D, generator=gen) for _ in range(2))
+    calls = []
+    monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(a) or oracle_decode(*a))
+    monkeypatch.setattr(decode, "KERNEL", False)
+    kc1, vc1 = k_cache.clone(), v_cache.clone()
+    out1, lse1 = flashcuda.flash_attn_with_kvcache(q, kc1, vc1, **kw)  # the runs, portable
+    assert not calls
+    monkeypatch.setattr(decode, "KERNEL", True)
+    monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", True)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    out2, lse2 = flashcuda.flash_attn_with_kvcache(q, kc2, vc2, **kw)
+    assert len(calls) == 1 and calls[0][8] == causal
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+    assert torch.allclose(out2, out1, atol=1e-5, rtol=0)
+    assert torch.allclose(lse2, lse1, atol=1e-5, rtol=0)

@@ -165,6 +165,34 @@ def test_cache_rows_and_left_padding(stages):
                 [v_cache[r:r + 1, s:e] for r, s, e in spans], 0.125)
 
 
+@pytest.mark.parametrize("seqlen_q,causal", [(2, True), (5, True), (16, True), (3, False)])
+def test_several_query_rows_per_sequence(seqlen_q, causal, stages):
+    """Sq query rows per sequence (speculative decoding's drafts), each an entry of its own:
+    causal row i over positions [start, end - (Sq - 1 - i)), else [start, end); ragged ends,
+    left padding (a row that sees no key: out 0, lse -inf), GQA 4, a strided q; every row
+    against the oracle over its span."""
+    g = torch.Generator(device="cuda").manual_seed(30 + seqlen_q + causal)
+    B, H, Hk, D = 3, 16, 4, 128
+    k, v = (rand(g, B, 3000, Hk, D, dtype=torch.bfloat16) for _ in range(2))
+    q = rand(g, B, seqlen_q + 1, H, D, dtype=torch.bfloat16)[:, 1:]
+    ends, starts = [3000, 17, 900], [0, 16, 850]
+    i32 = torch.int32
+    out, lse = fwd_decode.attention(q, k, v, 0.08, torch.tensor(ends, dtype=i32, device="cuda"),
+                                    torch.tensor(starts, dtype=i32, device="cuda"), None, None,
+                                    causal)
+    assert out.shape == q.shape and lse.shape == (B, H, seqlen_q) and lse.is_contiguous()
+    ks, vs = [], []
+    for b in range(B):
+        for i in range(seqlen_q):
+            end = ends[b] - (seqlen_q - 1 - i) if causal else ends[b]
+            s = min(starts[b], max(end, 0))
+            ks.append(k[b:b + 1, s:max(end, s)])
+            vs.append(v[b:b + 1, s:max(end, s)])
+    rows = B * seqlen_q
+    check_spans(out.reshape(rows, 1, H, D), lse.transpose(1, 2).reshape(rows, H, 1),
+                q.reshape(rows, 1, H, D), ks, vs, 0.08)
+
+
 def test_strided_cache_views(stages):
     """k / v as views of a larger cache (rows and heads beyond the call's) and a transposed q."""
     g = torch.Generator(device="cuda").manual_seed(4)
@@ -209,12 +237,13 @@ def test_kvcache_decode_one_call(ragged, monkeypatch, stages):
     check_entries(out, lse, q, k_cache, v_cache, [n + 1 for n in lengths])
 
 
+@pytest.mark.parametrize("new", [1, 4])
 @pytest.mark.parametrize("layout", ["paged_leftpad", "rows_leftpad"])
-def test_kvcache_spans_on_device_one_call(layout, monkeypatch, stages):
+def test_kvcache_spans_on_device_one_call(layout, new, monkeypatch, stages):
     """kvcache.SPANS_ON_DEVICE: flash_attn_with_kvcache's decode step over a paged cache (pages
-    of 64, shuffled) or cache rows out of order, left-padded, one new key per entry: one call of
-    the decode kernels (block table / rows / spans on the device), each entry against the
-    oracle over its span after the append."""
+    of 64, shuffled) or cache rows out of order, left-padded, 1 or 4 new keys and queries per
+    entry (causal): one call of the decode kernels (block table / rows / spans on the device),
+    each query row against the oracle over its span after the append."""
     monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", True)
     calls = []
     real = fwd_decode.attention
@@ -223,8 +252,8 @@ def test_kvcache_spans_on_device_one_call(layout, monkeypatch, stages):
     B, H, Hk, D, page, blocks = 4, 32, 8, 128, 64, 40
     bf = torch.bfloat16
     lengths, pads = [700, 31, 2048, 0], [0, 30, 1000, 0]
-    q = rand(g, B, 1, H, D, dtype=bf)
-    k, v = (rand(g, B, 1, Hk, D, dtype=bf) for _ in range(2))
+    q = rand(g, B, new, H, D, dtype=bf)
+    k, v = (rand(g, B, new, Hk, D, dtype=bf) for _ in range(2))
     i32 = torch.int32
     kw = dict(cache_seqlens=torch.tensor(lengths, dtype=i32, device="cuda"),
               cache_leftpad=torch.tensor(pads, dtype=i32, device="cuda"), causal=True,
@@ -242,9 +271,11 @@ def test_kvcache_spans_on_device_one_call(layout, monkeypatch, stages):
         flat_k, flat_v = (t[kw["block_table"].long()].flatten(1, 2) for t in (k_cache, v_cache))
     else:
         flat_k, flat_v = (t[kw["cache_batch_idx"].long()] for t in (k_cache, v_cache))
-    spans = [(p, n + 1) for p, n in zip(pads, lengths, strict=True)]
-    check_spans(out, lse, q, [flat_k[b:b + 1, s:e] for b, (s, e) in enumerate(spans)],
-                [flat_v[b:b + 1, s:e] for b, (s, e) in enumerate(spans)])
+    rows = [(b, p, n + i + 1) for b, (p, n) in enumerate(zip(pads, lengths, strict=True))
+            for i in range(new)]  # (causal: query row i of entry b ends at its own key)
+    check_spans(out.reshape(B * new, 1, H, D), lse.transpose(1, 2).reshape(B * new, H, 1),
+                q.reshape(B * new, 1, H, D), [flat_k[b:b + 1, s:e] for b, s, e in rows],
+                [flat_v[b:b + 1, s:e] for b, s, e in rows])
 
 
 def test_func_decode_runs_the_kernel(monkeypatch):

@@ -17,7 +17,11 @@
 // |                 | splits > 1: o_part (S, B, H, D) fp32 normalised, lse_part (S, B, H), then  |
 // |                 | FC_STAGE 1 (the combine) writes out and lse                                |
 //
-// FC_STAGE 0 (split): grid (splits, nheads_kv * row_blocks, batch), 128 threads. A CTA owns
+// Several query rows per sequence (Sq > 1: speculative decoding's drafts, a short chunk) are
+// entries of their own, b * Sq + i, each over its own span (causal: row i ends Sq - 1 - i
+// positions before the sequence's end); their keys are read once per row (mostly from L2).
+//
+// FC_STAGE 0 (split): grid (splits, nheads_kv * row_blocks, entries), 128 threads. A CTA owns
 // positions [split * chunk, (split + 1) * chunk) ∩ [start, end) of one KV head for FC_ROWS query heads
 // of its group. A key's row of K (and of V) is read by kLanes lanes, 8 elements (16 bytes) each;
 // a warp holds 32 / kLanes keys at once (its slots), the CTA kSlots = 4 * 32 / kLanes; each
@@ -35,7 +39,7 @@
 //       copies exactly the 16-byte pieces it later reads (no barrier: cp.async.wait_group makes
 //       a thread's own copies visible to it); keys past the piece's end arrive as zeros.
 //
-// FC_STAGE 1 (combine): grid (batch * nheads), 128 threads: lse = log sum_s exp(lse_s),
+// FC_STAGE 1 (combine): grid (entries * nheads), 128 threads: lse = log sum_s exp(lse_s),
 // out = sum_s exp(lse_s - lse) o_s, rounded once to q's dtype.
 #include "attention/online_softmax.cuh"
 #include "common/sm80.cuh"
@@ -148,24 +152,26 @@ struct SplitSmem {
 };
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
-    const T* __restrict__ q,       // [B, 1, H, D]
+    const T* __restrict__ q,       // [B, Sq, H, D]
     const T* __restrict__ k,       // [B_cache, Sk, Hkv, D], or [pages, page_size, Hkv, D]
     const T* __restrict__ v,       // likewise
-    T* __restrict__ out,           // [B, 1, H, D]          (splits == 1)
-    float* __restrict__ lse,       // [B, H] contiguous      (splits == 1)
-    float* __restrict__ o_part,    // [S, B, H, D] contiguous (splits > 1)
-    float* __restrict__ lse_part,  // [S, B, H] contiguous    (splits > 1)
+    T* __restrict__ out,           // [E, H, D] (entries E = B x Sq)  (splits == 1)
+    float* __restrict__ lse,       // [E, H] contiguous      (splits == 1)
+    float* __restrict__ o_part,    // [S, E, H, D] contiguous (splits > 1)
+    float* __restrict__ lse_part,  // [S, E, H] contiguous    (splits > 1)
     const int* __restrict__ seqused,      // [B] end position per entry, or null: seqlen_k each
     const int* __restrict__ seqstart,     // [B] first position per entry, or null: 0 each
     const int* __restrict__ cache_rows,   // [B] entry b's cache row, or null: b (unpaged)
     const int* __restrict__ block_table,  // [B, >= seqlen_k / page_size] pages (FC_PAGED)
-    int64_t q_batch_stride, int64_t q_head_stride,
+    int64_t q_batch_stride, int64_t q_row_stride, int64_t q_head_stride,
     int64_t k_batch_stride, int64_t k_row_stride, int64_t k_head_stride,  // batch: page (paged)
     int64_t v_batch_stride, int64_t v_row_stride, int64_t v_head_stride,
-    int64_t o_batch_stride, int64_t o_head_stride,
+    int64_t o_batch_stride, int64_t o_head_stride,  // batch: per entry (out's row stride)
     int64_t table_batch_stride, int page_size,  // (FC_PAGED)
-    int batch,
-    int seqlen_k,  // positions per entry (paged: the block table's blocks x page_size)
+    int batch,     // entries E = B x Sq: query row i of sequence b is entry b * Sq + i
+    int seqlen_q,  // Sq: query rows per sequence, the last Sq positions (bottom-right)
+    int causal,    // 1: row i sees positions below end - (Sq - 1 - i); 0: all below end
+    int seqlen_k,  // positions per sequence (paged: the block table's blocks x page_size)
     int nheads, int nheads_kv, int head_dim, int splits, int chunk,
     float scale_log2) {
 #if FC_STAGES == 0
@@ -183,7 +189,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
   const int kv_head = blockIdx.y / row_blocks;
   const int head0 = kv_head * group + (blockIdx.y % row_blocks) * kRows;
   const int rows = min(kRows, kv_head * group + group - head0);
-  const int b = blockIdx.z;
+  const int entry = blockIdx.z;  // (writes: out / lse / partials of this entry)
+  const int b = entry / seqlen_q, qi = entry % seqlen_q;  // sequence, query row in it
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int slot = warp * kSlotsPerWarp + lane / kLanes;
@@ -192,6 +199,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
 
   int end = seqused != nullptr ? seqused[b] : seqlen_k;
   end = max(0, min(end, seqlen_k));
+  if (causal) end = max(0, end - (seqlen_q - 1 - qi));
   const int start = seqstart != nullptr ? max(0, min(seqstart[b], end)) : 0;
   const int key_begin = max(split * chunk, start);
   const int key_end = min(split * chunk + chunk, end);
@@ -200,7 +208,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
   float qf[kRows][8];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const Vec8 x = load8(q + b * q_batch_stride + (head0 + min(r, rows - 1)) * q_head_stride + 8 * sub,
+    const Vec8 x = load8(q + b * q_batch_stride + qi * q_row_stride +
+                             (head0 + min(r, rows - 1)) * q_head_stride + 8 * sub,
                          has_cols);
 #pragma unroll
     for (int i = 0; i < 8; ++i) qf[r][i] = x.x[i] * scale_log2;
@@ -305,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
     sm.row_inv[r] = l > 0.f ? 1.f / l : 0.f;
     if (r < rows) {
       const float row_lse = l > 0.f ? m * kLn2 + fast_log2(l) * kLn2 : neg_inf();
-      const int64_t at = static_cast<int64_t>(b) * nheads + head0 + r;
+      const int64_t at = static_cast<int64_t>(entry) * nheads + head0 + r;
       if (splits == 1) lse[at] = row_lse;
       else lse_part[static_cast<int64_t>(split) * batch * nheads + at] = row_lse;
     }
@@ -321,22 +330,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
     val *= sm.row_inv[r];
     const int head = head0 + r;
     if (splits == 1)
-      out[b * o_batch_stride + head * o_head_stride + col] = from_float<T>(val);
+      out[entry * o_batch_stride + head * o_head_stride + col] = from_float<T>(val);
     else
-      o_part[((static_cast<int64_t>(split) * batch + b) * nheads + head) * head_dim + col] = val;
+      o_part[((static_cast<int64_t>(split) * batch + entry) * nheads + head) * head_dim + col] =
+          val;
   }
 }
 
 #else  // FC_STAGE == 1: the combine
 
 extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
-    const float* __restrict__ o_part,    // [S, B, H, D]
-    const float* __restrict__ lse_part,  // [S, B, H]
-    T* __restrict__ out,                 // [B, 1, H, D]
-    float* __restrict__ lse,             // [B, H] contiguous
+    const float* __restrict__ o_part,    // [S, E, H, D]
+    const float* __restrict__ lse_part,  // [S, E, H]
+    T* __restrict__ out,                 // [E, H, D] at o_batch_stride per entry
+    float* __restrict__ lse,             // [E, H] contiguous
     int64_t o_batch_stride, int64_t o_head_stride,
-    int batch, int nheads, int head_dim, int splits) {
-  const int bh = blockIdx.x;  // b * nheads + head
+    int batch, int nheads, int head_dim, int splits) {  // batch: entries E
+  const int bh = blockIdx.x;  // entry * nheads + head
   const int b = bh / nheads, head = bh % nheads;
   const int64_t stride = static_cast<int64_t>(batch) * nheads;
   // Every thread reduces the splits' lse itself (splits are few; no barrier needed).
