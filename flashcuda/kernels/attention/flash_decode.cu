@@ -8,13 +8,14 @@
 // | dtypes          | fp16, bf16 storage (FC_DTYPE); fp32 compute, fp32 partials                 |
 // | head dim        | any multiple of 8 up to FC_HEAD_DIM (64, 128, 256): 16-byte rows per lane   |
 // | GQA / MQA       | a KV head's query group (FC_ROWS rows per CTA) reads the keys once         |
-// | key span        | positions [seqstart[b], seqused[b]) of entry b (device tensors; defaults  |
-// |                 | 0 and seqlen_k): left padding and ragged lengths                           |
-// | cache layout    | entry b's keys in cache row cache_rows[b] (default b), or paged           |
+// | key span        | positions [seqstart[b], seqused[b]) of sequence b (device tensors;        |
+// |                 | defaults 0 and seqlen_k): left padding and ragged lengths                  |
+// | cache layout    | sequence b's keys in cache row cache_rows[b] (default b), or paged        |
 // |                 | (FC_PAGED): position p at page block_table[b][p / page_size], row p % it  |
+// | query rows      | 1 to 16 per sequence (entries E = B x Sq), causal or seeing every key      |
 // | strides         | any (batch, row, head) strides in elements, multiples of 8; unit last      |
-// | outputs         | splits == 1: out (B, 1, H, D) in q's dtype and lse (B, H) fp32, natural;   |
-// |                 | splits > 1: o_part (S, B, H, D) fp32 normalised, lse_part (S, B, H), then  |
+// | outputs         | splits == 1: out (E, H, D) in q's dtype and lse (E, H) fp32, natural;      |
+// |                 | splits > 1: o_part (S, E, H, D) fp32 normalised, lse_part (S, E, H), then  |
 // |                 | FC_STAGE 1 (the combine) writes out and lse                                |
 //
 // Several query rows per sequence (Sq > 1: speculative decoding's drafts, a short chunk) are
@@ -22,8 +23,8 @@
 // positions before the sequence's end); their keys are read once per row (mostly from L2).
 //
 // FC_STAGE 0 (split): grid (splits, nheads_kv * row_blocks, entries), 128 threads. A CTA owns
-// positions [split * chunk, (split + 1) * chunk) ∩ [start, end) of one KV head for FC_ROWS query heads
-// of its group. A key's row of K (and of V) is read by kLanes lanes, 8 elements (16 bytes) each;
+// positions [split * chunk, (split + 1) * chunk) ∩ [start, end) of one KV head for FC_ROWS
+// query heads of its group. A key's row of K (and of V) is read by kLanes lanes, 8 elements (16 bytes) each;
 // a warp holds 32 / kLanes keys at once (its slots), the CTA kSlots = 4 * 32 / kLanes; each
 // slot runs its own online softmax over the keys it meets (kUnroll per step, loads first).
 // At the end the slots' (m, l, acc) meet in shared memory: M = max m, L = sum l 2^(m - M),
