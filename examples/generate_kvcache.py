@@ -6,6 +6,8 @@ logits against recomputing the whole sequence with PyTorch SDPA (no cache).
     python examples/generate_kvcache.py --paged               # the caches as pages + a block table
     python examples/generate_kvcache.py --graph               # each decode step replayed from a
                                                               # CUDA graph (the serving pattern)
+    python examples/generate_kvcache.py --paged --graph --spans-on-device
+                                        # the decode kernels read the block table themselves
 
 Model: a small random-weight causal transformer (GQA: 8 query heads over 2 KV heads, rotary
 position embeddings, GPT-NeoX style), a batch of prompts of different lengths (each row's cache
@@ -15,7 +17,9 @@ rotary_sin, appended at cache_seqlens); with --paged, the caches are a pool of 4
 that a block table hands out in shuffled order; with --graph (CUDA), the decode step is captured
 once in a CUDA graph and replayed per token, the next token and cache_seqlens written into the
 captured tensors on the device (flash_attn_with_kvcache reads nothing on the host while a graph
-is captured). The full recompute rotates q and k itself
+is captured); --spans-on-device sets flashcuda.kvcache.SPANS_ON_DEVICE (an opt-in until its GPU
+tests have run): a paged decode step is one call of the decode kernels, which read the block
+table on the device, so --graph may page too. The full recompute rotates q and k itself
 (rotate_half). Prints the largest logit difference per step and exits 1
 if any exceeds the dtype's tolerance (fp32 on CPU: 1e-4; bf16 on a GPU: 0.1), or if the two runs
 choose different tokens where the top two logits are further apart than that tolerance.
@@ -102,7 +106,8 @@ class Model(nn.Module):
         return self.head(x[:, -1])
 
 
-def capture_step(model: Model, caches, batch: int, seqlens: torch.Tensor):
+def capture_step(model: Model, caches, batch: int, seqlens: torch.Tensor,
+                 table: torch.Tensor | None = None):
     """model.step for one new token per row, captured in a CUDA graph: returns a step function
     that copies the tokens into the captured input and replays (the caches and `seqlens` are the
     captured tensors themselves; the logits come back in the graph's output tensor)."""
@@ -111,11 +116,11 @@ def capture_step(model: Model, caches, batch: int, seqlens: torch.Tensor):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on scratch caches: kernels loaded, nothing appended
         scratch = [(kc.clone(), vc.clone()) for kc, vc in caches]
-        model.step(tokens, scratch, seqlens.clone())
+        model.step(tokens, scratch, seqlens.clone(), table)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        logits = model.step(tokens, caches, seqlens)
+        logits = model.step(tokens, caches, seqlens, table)
 
     def step(new_tokens, caches_, seqlens_, table=None):
         tokens.copy_(new_tokens)
@@ -133,11 +138,16 @@ def main() -> int:
     parser.add_argument("--paged", action="store_true",
                         help="caches as 4-position pages handed out by a block table")
     parser.add_argument("--graph", action="store_true",
-                        help="replay the decode step from a CUDA graph (CUDA, not with --paged)")
+                        help="replay the decode step from a CUDA graph (CUDA; with --paged only "
+                             "with --spans-on-device)")
+    parser.add_argument("--spans-on-device", action="store_true",
+                        help="flashcuda.kvcache.SPANS_ON_DEVICE: the decode kernels read the "
+                             "block table on the device")
     args = parser.parse_args()
     device = torch.device(args.device)
-    if args.graph and (device.type != "cuda" or args.paged):
-        parser.error("--graph needs a CUDA device and caches without --paged")
+    flashcuda.kvcache.SPANS_ON_DEVICE = args.spans_on_device
+    if args.graph and (device.type != "cuda" or (args.paged and not args.spans_on_device)):
+        parser.error("--graph needs a CUDA device, and --spans-on-device with --paged")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tol = 0.1 if dtype == torch.bfloat16 else 1e-4
     torch.manual_seed(args.seed)
@@ -171,7 +181,7 @@ def main() -> int:
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
         decode = model.step
         if args.graph:
-            decode = capture_step(model, caches, batch, seqlens)
+            decode = capture_step(model, caches, batch, seqlens, table)
         for step in range(args.tokens):
             padded = torch.zeros(batch, max(map(len, seqs)), dtype=torch.long, device=device)
             for b, s in enumerate(seqs):

@@ -25,7 +25,10 @@ def test_train_compare_short(tmp_path):
     assert (tmp_path / "train-compare.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("mode", [[], ["--paged"], ["--graph"]], ids=["rows", "paged", "graph"])
+@pytest.mark.parametrize("mode", [[], ["--paged"], ["--graph"],
+                                  ["--paged", "--spans-on-device"],
+                                  ["--paged", "--graph", "--spans-on-device"]],
+                         ids=["rows", "paged", "graph", "paged-device", "paged-graph-device"])
 def test_generate_kvcache(mode):
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "generate_kvcache.py"),
                           "--device", "cuda", "--tokens", "24", *mode],
