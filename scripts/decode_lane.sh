@@ -23,7 +23,7 @@ for s in $steps; do
   case $s in
     tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode.py > "$OUT/tests.txt" 2>&1
-      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_api.py tests/gpu/test_examples.py \
+      timeout 270 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_api.py tests/gpu/test_examples.py \
         -k "kvcache or decod" >> "$OUT/tests.txt" 2>&1 ;;
     sanitize)
       timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
