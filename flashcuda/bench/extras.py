@@ -20,9 +20,11 @@
                   decode kernels), flash_attn_func with ops.decode off (one query row per head
                   in the forward kernels, one call: the control), flash_attn_with_kvcache's step
                   replayed from a CUDA graph (CUDA only: the serving pattern, no host work per
-                  call) and the peers' GQA forms, as median ms and the KV cache's bytes per
-                  second (the bound: every key and value read once), each output checked on
-                  batch entry 0 against float64.
+                  call), the same cache as shuffled pages of DECODE_PAGE rows read in place
+                  through a block table (kvcache.SPANS_ON_DEVICE; eager and from a graph) and
+                  the peers' GQA forms, as median ms and the KV cache's bytes per second (the
+                  bound: every key and value read once), each output checked on batch entry 0
+                  against float64.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ MEMORY_SHAPE = {"batch": 1, "nheads": 4, "seqlen": 16384, "headdim": 128, "causa
 LONG_SHAPE = {"batch": 1, "nheads": 1, "seqlen": 65536, "headdim": 128, "causal": True}
 DECODE_SHAPE = {"batches": [1, 8], "nheads": 32, "nheads_kv": 8, "headdim": 128,
                 "cache_seqlens": [1024, 4096, 16384, 65536]}
+DECODE_PAGE = 64  # the paged arms' page size (rows per page of the shuffled pool)
 
 # Runs in a fresh interpreter; prints one JSON line last.
 _FIRST_CALL_SCRIPT = r"""
@@ -283,6 +286,37 @@ def decode_off():
         decode.KERNEL, decode.PACK_GQA, decode.SPLIT_MIN_KEYS = saved
 
 
+@contextlib.contextmanager
+def spans_on_device():
+    """kvcache.SPANS_ON_DEVICE for the block (the paged arms: the decode kernels read the block
+    table themselves)."""
+    from .. import kvcache
+
+    saved = kvcache.SPANS_ON_DEVICE
+    kvcache.SPANS_ON_DEVICE = True
+    try:
+        yield
+    finally:
+        kvcache.SPANS_ON_DEVICE = saved
+
+
+def paged_pool(k, v, page: int, seed: int = 1):
+    """k / v (B, S, Hkv, D) as a shuffled pool of `page`-row pages and the block table that
+    finds them: (pool_k, pool_v, table (B, S / page) int32); S a multiple of `page`."""
+    import torch
+
+    b, n = k.shape[:2]
+    pages = b * n // page
+    gen = torch.Generator(device=k.device).manual_seed(seed)
+    perm = torch.randperm(pages, device=k.device, generator=gen)
+    pools = []
+    for t in (k, v):  # logical page j of entry e at pool[perm[e * (n / page) + j]]
+        pool = torch.empty_like(t).view(pages, page, *t.shape[2:])
+        pool[perm] = t.reshape(pages, page, *t.shape[2:])
+        pools.append(pool)
+    return pools[0], pools[1], perm.view(b, n // page).to(torch.int32)
+
+
 def graph_replay(step):
     """A no-argument call that replays `step` from a CUDA graph (timing.capture at its first
     call) and returns the graph's output."""
@@ -317,6 +351,21 @@ def _decode_calls(impls: list[Impl], q, k, v, scale: float) -> dict:
         calls["flashcuda_graph"] = (contextlib.nullcontext, graph_replay(
             lambda: flashcuda.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens,
                                                       softmax_scale=scale)))
+        if k.shape[1] % DECODE_PAGE == 0:  # the same cache in shuffled pages, read in place
+            pk, pv, table = paged_pool(k, v, DECODE_PAGE)
+
+            def paged():
+                return flashcuda.flash_attn_with_kvcache(q, pk, pv, cache_seqlens=lens,
+                                                         block_table=table, softmax_scale=scale)
+
+            calls["flashcuda_paged"] = (spans_on_device, paged)
+
+            def paged_graph_step():  # (captured with the block table read on the device)
+                with spans_on_device():
+                    return paged()
+
+            calls["flashcuda_paged_graph"] = (contextlib.nullcontext,
+                                              graph_replay(paged_graph_step))
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     for impl in impls:
         if impl.status != "ok" or impl.name in ("flashcuda", "sdpa_math", "triton_tutorial"):

@@ -260,7 +260,8 @@ def extras_tables(rec: dict) -> list:
 
 
 DECODE_LABELS = {"flashcuda_kvcache": "fc kvcache", "flashcuda": "fc flash_attn_func",
-                 "flashcuda_plain": "fc unpacked", "flashcuda_graph": "fc kvcache graph"}
+                 "flashcuda_plain": "fc unpacked", "flashcuda_graph": "fc kvcache graph",
+                 "flashcuda_paged": "fc paged", "flashcuda_paged_graph": "fc paged graph"}
 
 
 def decode_tables(dc: dict) -> list:

@@ -573,6 +573,32 @@ def test_decode_extra_runs_the_packaged_entry_points():
                                    "sdpa_flash"}
 
 
+def test_decode_paged_arm_reads_the_same_cache(monkeypatch):
+    """The paged arms' pool: the block table finds each entry's rows in the shuffled pages, so
+    flash_attn_with_kvcache over the pool (SPANS_ON_DEVICE inside spans_on_device, off after)
+    gives the contiguous cache's answer."""
+    import torch
+
+    import flashcuda
+    from flashcuda import kvcache
+    from flashcuda.bench import extras
+
+    k, v = torch.randn(2, 128, 2, 16), torch.randn(2, 128, 2, 16)
+    pk, pv, table = extras.paged_pool(k, v, 64)
+    assert pk.shape == (4, 64, 2, 16) and table.dtype == torch.int32
+    assert sorted(table.flatten().tolist()) == [0, 1, 2, 3] and table.tolist() != [[0, 1], [2, 3]]
+    assert torch.equal(pk[table.long()].flatten(1, 2), k)
+    assert torch.equal(pv[table.long()].flatten(1, 2), v)
+    q = torch.randn(2, 1, 4, 16)
+    lens = torch.full((2,), 128, dtype=torch.int32)
+    with extras.spans_on_device():
+        assert kvcache.SPANS_ON_DEVICE
+        paged = flashcuda.flash_attn_with_kvcache(q, pk, pv, cache_seqlens=lens, block_table=table)
+    assert not kvcache.SPANS_ON_DEVICE
+    plain = flashcuda.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+    assert torch.allclose(paged, plain, atol=1e-6)
+
+
 def test_decode_control_turns_the_decoding_path_off(monkeypatch):
     """The decode extra's control arm (decode_off) runs the call as it is: one kernel call with
     the query heads unpacked; afterwards packing is on again."""
