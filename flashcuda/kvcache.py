@@ -274,9 +274,13 @@ def _decode_step_captured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if block_table is not None and cache_batch_idx is not None:
         raise ValueError("cache_batch_idx: expected None with block_table (a paged cache's "
                          "entries are their block_table rows)")
-    if seqlen_q != 1:
-        raise ValueError(f"q: expected one query per entry (seqlen_q = 1: a decode step) while a "
-                         f"CUDA graph is captured, got seqlen_q = {seqlen_q}")
+    most = fwd_decode.MAX_QUERY_ROWS if SPANS_ON_DEVICE else 1
+    if not 1 <= seqlen_q <= most:
+        what = (f"1 to {most} queries per entry" if most > 1 else
+                f"one query per entry (seqlen_q = 1: a decode step; up to "
+                f"{fwd_decode.MAX_QUERY_ROWS} with kvcache.SPANS_ON_DEVICE)")
+        raise ValueError(f"q: expected {what} while a CUDA graph is captured, got seqlen_q = "
+                         f"{seqlen_q}")
     table = rows = starts = None
     if block_table is not None:
         table = validate.device_page_table(block_table, batch, q.device)
@@ -304,10 +308,12 @@ def _decode_step_captured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     else:
         seqlens = validate.batch_ints(cache_seqlens, "cache_seqlens", batch, q.device).long()
     window_left, window_right = validate.fa_window(window_size, causal)
-    if not decode.sees_all_keys(window_left, window_right, capacity):
-        raise ValueError(f"window_size: expected a window that hides no cached key while a CUDA "
-                         f"graph is captured (the keys' count is on the device), got "
-                         f"{window_size}")
+    if seqlen_q == 1 and not decode.sees_all_keys(window_left, window_right, capacity) or \
+            seqlen_q > 1 and (window_left is not None or window_right not in (None, 0)):
+        raise ValueError(f"window_size: expected a window that hides no cached key (with several "
+                         f"queries: causal or none) while a CUDA graph is captured (the keys' "
+                         f"count is on the device), got {window_size}")
+    q_moves = window_left is not None or window_right is not None  # FlashAttention's rule
     scale = validate.softmax_scale(softmax_scale, q.shape[-1])
     if table is not None or rows is not None:  # all rows / the page pool, read where told
         kc, vc = k_cache, v_cache
@@ -331,7 +337,9 @@ def _decode_step_captured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             pos = (seqlens.unsqueeze(1) + torch.arange(new, device=q.device)).clamp(0, capacity - 1)
             if tables is not None:
                 ro = tables[0].shape[0] - 1
-                q = rotary(q, *tables, seqlens.clamp(0, ro).unsqueeze(1), interleaved)
+                q_pos = seqlens.unsqueeze(1) + (torch.arange(seqlen_q, device=q.device)
+                                                 if q_moves else 0)
+                q = rotary(q, *tables, q_pos.clamp(0, ro).expand(batch, seqlen_q), interleaved)
                 k = rotary(k, *tables, pos.clamp(max=ro), interleaved)
             if table is not None:  # (page, row in the page) of each new key
                 page = k_cache.shape[1]
@@ -345,7 +353,8 @@ def _decode_step_captured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return fwd_decode.attention(q, kc, vc, scale, counts,
                                     None if starts is None else starts.int(),
                                     None if rows is None else rows.int(),
-                                    None if table is None else _unit_rows(table.int()))
+                                    None if table is None else _unit_rows(table.int()),
+                                    window_right == 0)
 
 
 def _unit_rows(table: torch.Tensor) -> torch.Tensor:
@@ -436,8 +445,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     (device-to-host copies, which wait for the GPU), and their values checked.
 
     While a CUDA graph is captured (torch.cuda.graph), a decode step (seqlen_q = 1, no
-    block_table / cache_batch_idx / cache_leftpad unless SPANS_ON_DEVICE, no window hiding a
-    cached key, fp16 / bf16 with head_dim a multiple of 8 up to 256) is captured instead with
+    block_table / cache_batch_idx / cache_leftpad, no window hiding a cached key — with
+    SPANS_ON_DEVICE those three and up to 16 queries per entry, causal or none — fp16 / bf16
+    with head_dim a multiple of 8 up to 256) is captured instead with
     nothing read on the host: the append, the rotation and the decode kernels take
     cache_seqlens (and those three) from the device, so each replay uses the values they hold
     then. Those values cannot be checked in a capture; positions past the cache or the rotary

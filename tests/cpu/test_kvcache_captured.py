@@ -217,13 +217,15 @@ def test_spans_on_device_match_the_runs(captured, monkeypatch, layout, new, rota
     assert torch.allclose(lse3, lse1, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
 @pytest.mark.parametrize("layout", ["rows", "paged_leftpad"])
 @pytest.mark.parametrize("seqlen_q,causal", [(2, True), (4, True), (3, False)])
-def test_several_queries_per_entry_in_one_call(monkeypatch, layout, seqlen_q, causal):
+def test_several_queries_per_entry_in_one_call(captured, monkeypatch, layout, seqlen_q, causal,
+                                               rotary):
     """With SPANS_ON_DEVICE, seqlen_q new queries per entry (speculative decoding's drafts)
     appended with as many keys: one call of the decode kernels (the oracle here), causal rows
-    ending Sq - 1 - i positions early, equal to the runs path (portable float32) — caches bit
-    for bit, out / lse within 1e-5."""
+    ending Sq - 1 - i positions early, eagerly and as a CUDA graph captures it, equal to the
+    runs path (portable float32) — caches bit for bit, out / lse within 1e-5."""
     from flashcuda.ops import decode
 
     gen = torch.Generator().manual_seed(seqlen_q + 5 * causal + len(layout))
@@ -244,6 +246,8 @@ def test_several_queries_per_entry_in_one_call(monkeypatch, layout, seqlen_q, ca
     kw["cache_seqlens"] = torch.tensor(lengths, dtype=torch.int32)
     q = torch.randn(B, seqlen_q, H, D, generator=gen)
     kw["k"], kw["v"] = (torch.randn(B, seqlen_q, Hk, D, generator=gen) for _ in range(2))
+    if rotary:  # (causal: the queries at their own positions; else all at cache_seqlens)
+        kw["rotary_cos"], kw["rotary_sin"] = tables(blocks * page + 2, 4, gen)
     calls = []
     monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(a) or oracle_decode(*a))
     monkeypatch.setattr(decode, "KERNEL", False)
@@ -258,3 +262,10 @@ def test_several_queries_per_entry_in_one_call(monkeypatch, layout, seqlen_q, ca
     assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
     assert torch.allclose(out2, out1, atol=1e-5, rtol=0)
     assert torch.allclose(lse2, lse1, atol=1e-5, rtol=0)
+    kc3, vc3 = k_cache.clone(), v_cache.clone()  # the same step as a CUDA graph captures it
+    with captured:
+        out3, lse3 = flashcuda.flash_attn_with_kvcache(q, kc3, vc3, **kw)
+    assert len(calls) == 2 and calls[1][8] == causal
+    assert torch.equal(kc1, kc3) and torch.equal(vc1, vc3)
+    assert torch.allclose(out3, out1, atol=1e-5, rtol=0)
+    assert torch.allclose(lse3, lse1, atol=1e-5, rtol=0)
