@@ -361,19 +361,20 @@ def test_kvcache_decode_step_in_a_cuda_graph():
         check_entries(out, lse, q_rot, kc, vc, [n + 1 for n in lengths])
 
 
-def test_kvcache_paged_left_padded_step_in_a_cuda_graph(monkeypatch):
-    """kvcache.SPANS_ON_DEVICE: a paged, left-padded decode step (pages of 16, shuffled; GQA
-    4, d64, fp16) captured once and replayed with new queries / keys, new lengths, new
-    padding and a new block table written into the captured tensors: each replay's pool equals,
-    bit for bit, the same step run eagerly, and each entry's out / lse match the oracle over
-    its span gathered from its pages."""
+@pytest.mark.parametrize("new", [1, 3])
+def test_kvcache_paged_left_padded_step_in_a_cuda_graph(new, monkeypatch):
+    """kvcache.SPANS_ON_DEVICE: a paged, left-padded decode step of 1 or 3 queries per entry
+    (causal; pages of 16, shuffled; GQA 4, d64, fp16) captured once and replayed with new
+    queries / keys, new lengths, new padding and a new block table written into the captured
+    tensors: each replay's pool equals, bit for bit, the same step run eagerly, and each query
+    row's out / lse match the oracle over its span gathered from its pages."""
     monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", True)
-    g = torch.Generator(device="cuda").manual_seed(13)
+    g = torch.Generator(device="cuda").manual_seed(13 + new)
     B, H, Hk, D, page, blocks = 3, 8, 2, 64, 16, 50
     f16, i32 = torch.float16, torch.int32
     pool_k, pool_v = (rand(g, B * blocks + 4, page, Hk, D, dtype=f16) for _ in range(2))
-    q = rand(g, B, 1, H, D, dtype=f16)
-    k, v = (rand(g, B, 1, Hk, D, dtype=f16) for _ in range(2))
+    q = rand(g, B, new, H, D, dtype=f16)
+    k, v = (rand(g, B, new, Hk, D, dtype=f16) for _ in range(2))
     seqlens = torch.tensor([5, 300, 0], dtype=i32, device="cuda")
     pads = torch.tensor([0, 100, 0], dtype=i32, device="cuda")
     table = torch.randperm(B * blocks + 4, device="cuda", generator=g)[:B * blocks]
@@ -385,11 +386,11 @@ def test_kvcache_paged_left_padded_step_in_a_cuda_graph(monkeypatch):
                                                  causal=True, return_softmax_lse=True)
 
     graph, kc, vc, out, lse = captured_step(step, pool_k, pool_v)
-    for lengths, padding in (([5, 300, 0], [0, 100, 0]), ([799, 1, 64], [700, 0, 64]),
+    for lengths, padding in (([5, 300, 0], [0, 100, 0]), ([800 - new, 1, 64], [700, 0, 64]),
                              ([17, 400, 222], [3, 399, 0])):
-        q.copy_(rand(g, B, 1, H, D, dtype=f16))
-        k.copy_(rand(g, B, 1, Hk, D, dtype=f16))
-        v.copy_(rand(g, B, 1, Hk, D, dtype=f16))
+        q.copy_(rand(g, B, new, H, D, dtype=f16))
+        k.copy_(rand(g, B, new, Hk, D, dtype=f16))
+        v.copy_(rand(g, B, new, Hk, D, dtype=f16))
         seqlens.copy_(torch.tensor(lengths, dtype=i32))
         pads.copy_(torch.tensor(padding, dtype=i32))
         table.copy_(torch.randperm(B * blocks + 4, device="cuda", generator=g)[:B * blocks]
@@ -400,6 +401,8 @@ def test_kvcache_paged_left_padded_step_in_a_cuda_graph(monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc), lengths
         flat_k, flat_v = (t[table.long()].flatten(1, 2) for t in (kc, vc))
-        spans = [(p, n + 1) for p, n in zip(padding, lengths, strict=True)]
-        check_spans(out, lse, q, [flat_k[b:b + 1, s:e] for b, (s, e) in enumerate(spans)],
-                    [flat_v[b:b + 1, s:e] for b, (s, e) in enumerate(spans)])
+        rows = [(b, p, n + i + 1) for b, (p, n) in enumerate(zip(padding, lengths, strict=True))
+                for i in range(new)]  # (causal: query row i ends at its own key)
+        check_spans(out.reshape(B * new, 1, H, D), lse.transpose(1, 2).reshape(B * new, H, 1),
+                    q.reshape(B * new, 1, H, D), [flat_k[b:b + 1, s:e] for b, s, e in rows],
+                    [flat_v[b:b + 1, s:e] for b, s, e in rows])
