@@ -1,17 +1,21 @@
-"""Flash decoding (kernels/attention/flash_decode.cu): one query row per (entry, query head) over
-its keys, split across CTAs with fp32 partials and one combine kernel. fp16 / bf16, head_dim a
-multiple of 8 up to 256, sm >= 80.
+"""Flash decoding (kernels/attention/flash_decode.cu): each query row over its keys, split
+across CTAs with fp32 partials and one combine kernel. fp16 / bf16, head_dim a multiple of 8 up
+to 256, sm >= 80.
 
-    attention(q, k, v, scale, seqused=None) -> (out (B, 1, H, D), lse (B, H, 1))
+    attention(q, k, v, scale, seqused=None, seqstart=None, cache_rows=None, block_table=None,
+              causal=False) -> (out (B, Sq, H, D), lse (B, H, Sq))
 
-q (B, 1, H, D); k, v (B, Sk, Hkv, D), H a multiple of Hkv; entry b sees its first seqused[b]
-keys (an int32 device tensor: the counts never come to the host) or all Sk. A KV head's query
-group runs in one CTA's rows (the keys read once per group), and the keys of each (entry, KV
-head) are cut into `splits` pieces, as many CTAs as the GPU holds at once (the driver's occupancy
-of the kernel x SMs: one full wave however small the batch); with splits > 1 each piece writes
-its normalised out and lse in fp32 and the combine rounds once. So the result has one rounding
-(out to q's dtype) like a single kernel call. STAGES picks how K / V reach the registers
-(straight loads, or a cp.async pipeline in shared memory: the .cu's FC_STAGES).
+q (B, Sq, H, D), Sq <= MAX_QUERY_ROWS; k, v (B_cache, Sk, Hkv, D) or, with a block table,
+(pages, page_size, Hkv, D); H a multiple of Hkv. Sequence b attends to positions
+[seqstart[b], seqused[b]) of its cache row (cache_rows[b], default b) or of its pages
+(block_table[b]): int32 device tensors, never read on the host. Its Sq query rows are the last
+positions (causal: row i ends Sq - 1 - i positions early); each is an entry of its own. A KV
+head's query group runs in one CTA's rows (the keys read once per group), and the positions of
+each (entry, KV head) are cut into `splits` pieces, as many CTAs as the GPU holds at once (the
+driver's occupancy of the kernel x SMs: one full wave however small the batch); with splits > 1
+each piece writes its normalised out and lse in fp32 and the combine rounds once. So the result
+has one rounding (out to q's dtype) like a single kernel call. STAGES picks how K / V reach the
+registers (straight loads, or a cp.async pipeline in shared memory: the .cu's FC_STAGES).
 """
 
 from __future__ import annotations
