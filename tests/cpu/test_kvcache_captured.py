@@ -9,6 +9,8 @@ calls a capture cannot run refused by name before any write."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -160,6 +162,32 @@ def test_calls_a_capture_cannot_run_are_refused_by_name_before_any_write(capture
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
+def one_call_eager_and_captured(captured, monkeypatch, q, k_cache, v_cache, kw):
+    """flash_attn_with_kvcache(q, caches, **kw) three ways — the runs path (the decode kernels
+    off: portable float32), then with SPANS_ON_DEVICE eagerly and as a CUDA graph captures it
+    (one call of the kernels each: the oracle) — the caches bit for bit and out / lse within
+    1e-5 of the runs'; returns the kernels' two calls' arguments."""
+    from flashcuda.ops import decode
+
+    calls = []
+    monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(a) or oracle_decode(*a))
+    monkeypatch.setattr(decode, "KERNEL", False)
+    kc1, vc1 = k_cache.clone(), v_cache.clone()
+    out1, lse1 = flashcuda.flash_attn_with_kvcache(q, kc1, vc1, **kw)
+    assert not calls
+    monkeypatch.setattr(decode, "KERNEL", True)
+    monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", True)
+    for capture in (False, True):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        with captured if capture else contextlib.nullcontext():
+            out, lse = flashcuda.flash_attn_with_kvcache(q, kc, vc, **kw)
+        assert len(calls) == 1 + capture  # one call of the decode kernels
+        assert torch.equal(kc1, kc) and torch.equal(vc1, vc)
+        assert torch.allclose(out, out1, atol=1e-5, rtol=0)
+        assert torch.allclose(lse, lse1, atol=1e-5, rtol=0)
+    return calls
+
+
 @pytest.mark.parametrize("layout", ["paged", "leftpad", "rows", "paged_leftpad"])
 @pytest.mark.parametrize("new,rotary", [(0, False), (1, False), (1, True)])
 def test_spans_on_device_match_the_runs(captured, monkeypatch, layout, new, rotary):
@@ -191,30 +219,8 @@ def test_spans_on_device_match_the_runs(captured, monkeypatch, layout, new, rota
         kw["k"], kw["v"] = (torch.randn(B, new, Hk, D, generator=gen) for _ in range(2))
     if rotary:
         kw["rotary_cos"], kw["rotary_sin"] = tables(blocks * page + 2, 4, gen)
-    from flashcuda.ops import decode
-
-    calls = []
-    monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(a) or oracle_decode(*a))
-    monkeypatch.setattr(decode, "KERNEL", False)
-    kc1, vc1 = k_cache.clone(), v_cache.clone()
-    out1, lse1 = flashcuda.flash_attn_with_kvcache(q, kc1, vc1, **kw)  # the runs, portable
-    assert not calls
-    monkeypatch.setattr(decode, "KERNEL", True)
-    monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", True)
-    kc2, vc2 = k_cache.clone(), v_cache.clone()
-    out2, lse2 = flashcuda.flash_attn_with_kvcache(q, kc2, vc2, **kw)
-    assert len(calls) == 1  # one call of the decode kernels
-    assert (calls[0][7] is not None) == paged  # the block table reached them
-    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
-    assert torch.allclose(out2, out1, atol=1e-5, rtol=0)
-    assert torch.allclose(lse2, lse1, atol=1e-5, rtol=0)
-    kc3, vc3 = k_cache.clone(), v_cache.clone()  # the same step as a CUDA graph captures it
-    with captured:
-        out3, lse3 = flashcuda.flash_attn_with_kvcache(q, kc3, vc3, **kw)
-    assert len(calls) == 2
-    assert torch.equal(kc1, kc3) and torch.equal(vc1, vc3)
-    assert torch.allclose(out3, out1, atol=1e-5, rtol=0)
-    assert torch.allclose(lse3, lse1, atol=1e-5, rtol=0)
+    calls = one_call_eager_and_captured(captured, monkeypatch, q, k_cache, v_cache, kw)
+    assert (calls[0][7] is not None) == paged  # the block table reached the kernels
 
 
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
@@ -226,8 +232,6 @@ def test_several_queries_per_entry_in_one_call(captured, monkeypatch, layout, se
     appended with as many keys: one call of the decode kernels (the oracle here), causal rows
     ending Sq - 1 - i positions early, eagerly and as a CUDA graph captures it, equal to the
     runs path (portable float32) — caches bit for bit, out / lse within 1e-5."""
-    from flashcuda.ops import decode
-
     gen = torch.Generator().manual_seed(seqlen_q + 5 * causal + len(layout))
     B, H, Hk, D, page, blocks = 4, 8, 2, 16, 5, 9
     monkeypatch.setattr(fwd_decode, "can_take", lambda q, k, v: None)
@@ -248,24 +252,5 @@ def test_several_queries_per_entry_in_one_call(captured, monkeypatch, layout, se
     kw["k"], kw["v"] = (torch.randn(B, seqlen_q, Hk, D, generator=gen) for _ in range(2))
     if rotary:  # (causal: the queries at their own positions; else all at cache_seqlens)
         kw["rotary_cos"], kw["rotary_sin"] = tables(blocks * page + 2, 4, gen)
-    calls = []
-    monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(a) or oracle_decode(*a))
-    monkeypatch.setattr(decode, "KERNEL", False)
-    kc1, vc1 = k_cache.clone(), v_cache.clone()
-    out1, lse1 = flashcuda.flash_attn_with_kvcache(q, kc1, vc1, **kw)  # the runs, portable
-    assert not calls
-    monkeypatch.setattr(decode, "KERNEL", True)
-    monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", True)
-    kc2, vc2 = k_cache.clone(), v_cache.clone()
-    out2, lse2 = flashcuda.flash_attn_with_kvcache(q, kc2, vc2, **kw)
-    assert len(calls) == 1 and calls[0][8] == causal
-    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
-    assert torch.allclose(out2, out1, atol=1e-5, rtol=0)
-    assert torch.allclose(lse2, lse1, atol=1e-5, rtol=0)
-    kc3, vc3 = k_cache.clone(), v_cache.clone()  # the same step as a CUDA graph captures it
-    with captured:
-        out3, lse3 = flashcuda.flash_attn_with_kvcache(q, kc3, vc3, **kw)
-    assert len(calls) == 2 and calls[1][8] == causal
-    assert torch.equal(kc1, kc3) and torch.equal(vc1, vc3)
-    assert torch.allclose(out3, out1, atol=1e-5, rtol=0)
-    assert torch.allclose(lse3, lse1, atol=1e-5, rtol=0)
+    calls = one_call_eager_and_captured(captured, monkeypatch, q, k_cache, v_cache, kw)
+    assert calls[0][8] == calls[1][8] == causal
