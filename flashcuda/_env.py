@@ -42,3 +42,14 @@ def flag(name: str, default: bool) -> bool:
 def switched_on(name: str) -> bool:
     """A family's on / off switch (FLASHCUDA_ENABLE_*): on unless set to 0 / false / no / off."""
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def choice(name: str, default: int, allowed: tuple[int, ...]) -> int:
+    """An integer knob: `default` when unset or empty, else one of `allowed` (ValueError naming
+    the variable and the allowed values otherwise)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) not in allowed:
+        raise ValueError(f"{name}: expected one of {', '.join(map(str, allowed))}, got {raw!r}")
+    return int(raw)

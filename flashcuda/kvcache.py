@@ -183,6 +183,16 @@ def _entries(batch: int, new: int, k_cache: torch.Tensor, device: torch.device,
 SPANS_ON_DEVICE = False
 
 
+def _one_call_window(seqlen_q: int, window_left: int | None, window_right: int | None,
+                     keys: int) -> bool:
+    """A step of seqlen_q queries per entry may run on the decode kernels under this window:
+    one query that sees all of its `keys` keys, or several, causal (bottom-right) or seeing
+    every key."""
+    if seqlen_q == 1:
+        return decode.sees_all_keys(window_left, window_right, keys)
+    return window_left is None and window_right in (None, 0)
+
+
 def _one_call_span(q: torch.Tensor, ent: _Entries, window_left: int | None,
                    window_right: int | None) -> tuple[int, bool] | None:
     """(positions, causal) of a step the decode kernels may run as one call — the keys of the
@@ -197,14 +207,11 @@ def _one_call_span(q: torch.Tensor, ent: _Entries, window_left: int | None,
     if not SPANS_ON_DEVICE and (seqlen_q != 1 or ent.pages is not None or any(ent.starts) or
                                 ent.rows != list(range(ent.rows[0], ent.rows[0] + batch))):
         return None
-    if seqlen_q == 1:
-        longest = max(e - s for s, e in zip(ent.starts, ent.ends, strict=True))
-        return (max(ent.ends), False) if decode.sees_all_keys(window_left, window_right,
-                                                              longest) else None
-    if seqlen_q > fwd_decode.MAX_QUERY_ROWS or window_left is not None or \
-            window_right not in (None, 0):
+    longest = max(e - s for s, e in zip(ent.starts, ent.ends, strict=True))
+    if seqlen_q > fwd_decode.MAX_QUERY_ROWS or not _one_call_window(seqlen_q, window_left,
+                                                                     window_right, longest):
         return None
-    return max(ent.ends), window_right == 0
+    return max(ent.ends), window_right == 0  # (causal: fwd_decode ignores it for one query)
 
 
 def _one_call_views(k_cache: torch.Tensor, v_cache: torch.Tensor, ent: _Entries, batch: int,
@@ -308,8 +315,7 @@ def _decode_step_captured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     else:
         seqlens = validate.batch_ints(cache_seqlens, "cache_seqlens", batch, q.device).long()
     window_left, window_right = validate.fa_window(window_size, causal)
-    if seqlen_q == 1 and not decode.sees_all_keys(window_left, window_right, capacity) or \
-            seqlen_q > 1 and (window_left is not None or window_right not in (None, 0)):
+    if not _one_call_window(seqlen_q, window_left, window_right, capacity):
         raise ValueError(f"window_size: expected a window that hides no cached key (with several "
                          f"queries: causal or none) while a CUDA graph is captured (the keys' "
                          f"count is on the device), got {window_size}")

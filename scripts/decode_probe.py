@@ -90,15 +90,10 @@ def main() -> None:
                           f"err {err:.2e} {'ok' if err <= bound else 'WRONG'} "
                           f"(bound {bound:.2e})")
         if a.paged:
-            pages = a.keys // a.paged
-            assert pages * a.paged == a.keys, "--paged: keys must be a multiple of PAGE"
-            perm = torch.randperm(a.batch * pages, device="cuda", generator=g)
-            pools = []
-            for t in (k, v):  # logical page j of entry b at pool[perm[b * pages + j]]
-                pool = torch.empty_like(t).view(a.batch * pages, a.paged, hk, d)
-                pool[perm] = t.reshape(a.batch * pages, a.paged, hk, d)
-                pools.append(pool)
-            table = perm.view(a.batch, pages).int()
+            from flashcuda.bench.extras import paged_pool
+
+            assert a.keys % a.paged == 0, "--paged: keys must be a multiple of PAGE"
+            *pools, table = paged_pool(k, v, a.paged)
             for stages in (0, 3):
                 fwd_decode.UNROLL, fwd_decode.STAGES, fwd_decode.WAVES = 4, stages, 1
                 with torch.no_grad():

@@ -141,15 +141,13 @@ def sm_count(device_index: int) -> int:
 
 def resident_blocks(kernel: CompiledKernel, threads: int) -> int:
     """Blocks of `threads` one SM holds at once for `kernel` (its registers and shared memory
-    decide), from the driver's occupancy calculator; 2048 / threads if that is unavailable."""
+    decide), from the driver's occupancy calculator (CompiledKernel.resident_blocks), memoised;
+    2048 / threads if that is unavailable."""
     key = (kernel.device_index, kernel.name, threads)
     found = _occupancy.get(key)
     if found is None:
         try:
-            from cuda.bindings import driver
-
-            err, found = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.function, threads, 0)
-            found = int(found) if int(err) == 0 else 0
+            found = kernel.resident_blocks(threads)
         except Exception:  # no usable driver entry point: fall back to full occupancy
             found = 0
         found = found if found > 0 else max(1, 2048 // threads)

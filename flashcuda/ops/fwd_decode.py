@@ -21,12 +21,12 @@ registers (straight loads, or a cp.async pipeline in shared memory: the .cu's FC
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .._env import choice
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, launch_stream, register
 from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, PlanCache
 
@@ -35,29 +35,17 @@ ARCHS = ("sm_80", "sm_90a")
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128, 256)  # kernel buckets: a head dim multiple of 8 runs in the next one up
 ROWS = (1, 2, 4, 8)  # query rows (heads of one KV head's group) per CTA
+# A/B knobs, read once at import (README's environment table)
 STAGES_ENV, UNROLL_ENV, WAVES_ENV = ("FLASHCUDA_DECODE_STAGES", "FLASHCUDA_DECODE_UNROLL",
                                      "FLASHCUDA_DECODE_WAVES")
-
-
-def _env_int(name: str, default: int, allowed: tuple[int, ...]) -> int:
-    """An A/B knob read once at import: `default` when unset, else one of `allowed` (ValueError
-    naming the variable otherwise)."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or int(raw) not in allowed:
-        raise ValueError(f"{name}: expected one of {', '.join(map(str, allowed))}, got {raw!r}")
-    return int(raw)
-
-
-UNROLL = _env_int(UNROLL_ENV, 4, (1, 2, 4, 8))  # keys per slot per step
+UNROLL = choice(UNROLL_ENV, 4, (1, 2, 4, 8))  # keys per slot per step
 # K / V by registers (0) or an N-stage cp.async pipeline (the .cu's FC_STAGES)
-STAGES = _env_int(STAGES_ENV, 0, (0, 2, 3, 4, 5, 6))
+STAGES = choice(STAGES_ENV, 0, (0, 2, 3, 4, 5, 6))
 THREADS = 128
 MAX_SPLITS = 128
 MIN_SPLIT_KEYS = 256  # no piece shorter than this (the combine and the CTA's start cost)
 # the split aims at this many full waves of the CTAs the GPU holds at once
-WAVES = _env_int(WAVES_ENV, 1, (1, 2, 3, 4))
+WAVES = choice(WAVES_ENV, 1, (1, 2, 3, 4))
 MAX_GRID_YZ = 65535
 MAX_QUERY_ROWS = 16  # query rows per sequence (each an entry of its own: keys read once per row)
 

@@ -238,18 +238,21 @@ def test_decode_knobs_from_the_environment(monkeypatch):
     """FLASHCUDA_DECODE_STAGES / _UNROLL / _WAVES (A/B runs, recorded in a bench record's
     kernel_env) set the module's defaults at import; a value outside the allowed set raises,
     naming the variable."""
+    from flashcuda._env import choice
+
     monkeypatch.setenv("FLASHCUDA_DECODE_STAGES", "3")
-    assert fwd_decode._env_int("FLASHCUDA_DECODE_STAGES", 0, (0, 2, 3)) == 3
+    assert choice("FLASHCUDA_DECODE_STAGES", 0, (0, 2, 3)) == 3
     monkeypatch.delenv("FLASHCUDA_DECODE_STAGES")
-    assert fwd_decode._env_int("FLASHCUDA_DECODE_STAGES", 0, (0, 2, 3)) == 0
+    assert choice("FLASHCUDA_DECODE_STAGES", 0, (0, 2, 3)) == 0
     for bad in ("1", "x", "-2"):
         monkeypatch.setenv("FLASHCUDA_DECODE_STAGES", bad)
         with pytest.raises(ValueError, match="FLASHCUDA_DECODE_STAGES"):
-            fwd_decode._env_int("FLASHCUDA_DECODE_STAGES", 0, (0, 2, 3))
+            choice("FLASHCUDA_DECODE_STAGES", 0, (0, 2, 3))
+    import os
     import subprocess
     import sys
 
-    env = {**__import__("os").environ, "FLASHCUDA_DECODE_STAGES": "4",
+    env = {**os.environ, "FLASHCUDA_DECODE_STAGES": "4",
            "FLASHCUDA_DECODE_UNROLL": "2", "FLASHCUDA_DECODE_WAVES": "2"}
     got = subprocess.run([sys.executable, "-c", "from flashcuda.ops import fwd_decode as f; "
                           "print(f.STAGES, f.UNROLL, f.WAVES)"], env=env, capture_output=True,

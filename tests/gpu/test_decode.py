@@ -13,6 +13,7 @@ import torch
 
 import flashcuda
 from flashcuda import kvcache
+from flashcuda.bench.timing import capture
 from flashcuda.ops import decode, fwd_decode
 from flashcuda.reference import attention_ref, max_error, rounding_floor
 
@@ -309,21 +310,6 @@ def test_bitwise_deterministic_across_calls(stages):
     assert torch.equal(out, again) and torch.equal(lse, again_lse)
 
 
-def captured_step(step, k_cache, v_cache):
-    """step(kc, vc) captured in a CUDA graph on copies of the caches, after a warm-up on a side
-    stream (kernels loaded, plans made): (graph, kc, vc, out, lse) of the capture."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(k_cache.clone(), v_cache.clone())
-    torch.cuda.current_stream().wait_stream(side)
-    kc, vc = k_cache.clone(), v_cache.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step(kc, vc)
-    return graph, kc, vc, out, lse
-
-
 def test_kvcache_decode_step_in_a_cuda_graph():
     """flash_attn_with_kvcache's decode step captured in a CUDA graph (rotary embeddings, GQA,
     ragged cache_seqlens incl. 0) and replayed with new q / k / v and new lengths written into
@@ -346,7 +332,8 @@ def test_kvcache_decode_step_in_a_cuda_graph():
                                                  cache_seqlens=seqlens, causal=True,
                                                  return_softmax_lse=True)
 
-    graph, kc, vc, out, lse = captured_step(step, k_cache, v_cache)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    graph, (out, lse) = capture(lambda: step(kc, vc), warmup=1)
     for lengths in ([5, 100, 2000, 0], [6, 2998, 0, 1234], [2999, 1, 77, 640]):
         q.copy_(rand(g, B, 1, H, D, dtype=bf))
         k.copy_(rand(g, B, 1, Hk, D, dtype=bf))
@@ -385,7 +372,8 @@ def test_kvcache_paged_left_padded_step_in_a_cuda_graph(new, monkeypatch):
                                                  cache_leftpad=pads, block_table=table,
                                                  causal=True, return_softmax_lse=True)
 
-    graph, kc, vc, out, lse = captured_step(step, pool_k, pool_v)
+    kc, vc = pool_k.clone(), pool_v.clone()
+    graph, (out, lse) = capture(lambda: step(kc, vc), warmup=1)
     for lengths, padding in (([5, 300, 0], [0, 100, 0]), ([800 - new, 1, 64], [700, 0, 64]),
                              ([17, 400, 222], [3, 399, 0])):
         q.copy_(rand(g, B, new, H, D, dtype=f16))
