@@ -17,6 +17,9 @@ export PYTHONPATH=$PWD FLASHCUDA_CACHE_DIR=${FLASHCUDA_CACHE_DIR:-/tmp/flashcuda
 mkdir -p "$OUT" "$FLASHCUDA_CACHE_DIR"
 [ -d .kcache ] && cp -rn .kcache/. "$FLASHCUDA_CACHE_DIR"/ 2>/dev/null
 chmod -R go-rwx "$FLASHCUDA_CACHE_DIR"
+# the decode variants compiled in parallel first (a carried .kcache hits only where its NVRTC
+# version is the machine's: the cache key holds it)
+python3 scripts/precompile.py --only decode > "$OUT/precompile.txt" 2>&1
 steps=${*:-tests sanitize tune probe}
 for s in $steps; do
   t0=$(date +%s)
