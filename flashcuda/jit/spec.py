@@ -52,12 +52,14 @@ class KernelSpec:
     def source_path(self) -> Path:
         return KERNELS_DIR / self.source
 
-    def render(self) -> str:
-        """The exact program text handed to NVRTC."""
+    def render(self, source_text: str | None = None) -> str:
+        """The exact program text handed to NVRTC (`source_text`: the source's text if not the
+        file's, as the host emulator's tests of altered kernels pass)."""
         lines = [f"// flashcuda kernel {self.name}", f"#define FC_KERNEL_NAME {self.entry_name}"]
         lines += [f"#define {k} {v}" for k, v in self.defines]
         lines.append(f'#line 1 "{self.source}"')
-        return "\n".join(lines) + "\n" + self.source_path.read_text()
+        text = self.source_path.read_text() if source_text is None else source_text
+        return "\n".join(lines) + "\n" + text
 
     def headers(self) -> list[Path]:
         """Every project header the source includes, transitively, in a stable order."""

@@ -3,7 +3,8 @@ the float64 oracle, FlashAttention's rule (DESIGN.md §7): max error <= 2x PyTor
 error plus FA3's rounding floor. Head dims across the three buckets (and 8 / 72 inside one),
 query groups of 1 to 16 heads, 1 to 20000 keys, one or many splits, per-entry key counts on the
 device (0, 1, the capacity), strided caches, NaN in one entry's keys, and the public entry
-points that route decoding to them.
+points that route decoding to them. The bodies that need no CUDA graph also run on the CPU in
+tests/cpu/test_decode_emulated.py (the kernels' source on the host emulator, tests/cpu/simt_emu).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from flashcuda.ops import decode, fwd_decode
 from flashcuda.reference import attention_ref, max_error, rounding_floor
 
 pytestmark = pytest.mark.gpu
+DEVICE = "cuda"  # (tests/cpu/test_decode_emulated.py runs these bodies on the host emulator)
 
 
 def rand(g, *shape, dtype):
-    return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+    return torch.randn(*shape, device=DEVICE, generator=g).to(dtype)
 
 
 def check_entries(out, lse, q, k, v, counts, scale=None):
@@ -71,7 +73,7 @@ def stages(request, monkeypatch):
                          ids=["mha", "gqa4", "gqa6", "gqa16"])
 @pytest.mark.parametrize("batch,keys", [(1, 1), (3, 77), (2, 1000), (1, 20000)])
 def test_decode_kernel_matches_the_oracle(dtype, head_dim, heads, batch, keys, stages):
-    g = torch.Generator(device="cuda").manual_seed(keys + head_dim + heads[0])
+    g = torch.Generator(device=DEVICE).manual_seed(keys + head_dim + heads[0])
     h, hk = heads
     q = rand(g, batch, 1, h, head_dim, dtype=dtype)
     k, v = (rand(g, batch, keys, hk, head_dim, dtype=dtype) for _ in range(2))
@@ -88,7 +90,7 @@ def test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeyp
     2 or 4 stages, across the buckets; 1 key, a part step, and many splits."""
     monkeypatch.setattr(fwd_decode, "UNROLL", unroll)
     monkeypatch.setattr(fwd_decode, "STAGES", pipe)
-    g = torch.Generator(device="cuda").manual_seed(head_dim + unroll + pipe)
+    g = torch.Generator(device=DEVICE).manual_seed(head_dim + unroll + pipe)
     h, hk = heads
     for batch, keys in ((2, 1), (1, 45), (3, 3001)):
         q = rand(g, batch, 1, h, head_dim, dtype=torch.bfloat16)
@@ -99,22 +101,22 @@ def test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeyp
 
 def test_the_split_covers_one_and_many_pieces():
     """The cases above include one piece (1 key) and many (20000 keys, one entry)."""
-    q = torch.empty(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    assert splits_of(q, torch.empty(1, 1, 8, 128, device="cuda", dtype=q.dtype)) == 1
-    assert splits_of(q, torch.empty(1, 20000, 8, 128, device="cuda", dtype=q.dtype)) > 8
+    q = torch.empty(1, 1, 32, 128, device=DEVICE, dtype=torch.bfloat16)
+    assert splits_of(q, torch.empty(1, 1, 8, 128, device=DEVICE, dtype=q.dtype)) == 1
+    assert splits_of(q, torch.empty(1, 20000, 8, 128, device=DEVICE, dtype=q.dtype)) > 8
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_per_entry_counts_on_the_device(dtype, stages):
     """seqused: entries of 0, 1, 300, 4095 and the capacity (4096) keys in one call, a 1000-key
     scale; keys past an entry's count (NaN here) never read into its result."""
-    g = torch.Generator(device="cuda").manual_seed(3)
+    g = torch.Generator(device=DEVICE).manual_seed(3)
     counts = [0, 1, 300, 4095, 4096]
     q = rand(g, 5, 1, 16, 128, dtype=dtype)
     k, v = (rand(g, 5, 4096, 4, 128, dtype=dtype) for _ in range(2))
     for b, n in enumerate(counts):
         k[b, n:], v[b, n:] = float("nan"), float("nan")
-    seqused = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    seqused = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
     out, lse = fwd_decode.attention(q, k, v, 0.1, seqused)
     check_entries(out, lse, q, k, v, counts, scale=0.1)
 
@@ -125,21 +127,21 @@ def test_paged_cache_with_left_padding(page_size, stages):
     left padding on the device (an entry with none, one with a single key, one empty), GQA 4:
     each entry against the oracle over its positions [start, end) gathered from its pages;
     the pool's other pages hold NaN (a wrong page read would show)."""
-    g = torch.Generator(device="cuda").manual_seed(20 + page_size)
+    g = torch.Generator(device=DEVICE).manual_seed(20 + page_size)
     blocks = -(-2500 // page_size)  # positions per entry: blocks x page_size >= 2500
     B, H, Hk, D = 4, 16, 4, 128
     pool = B * blocks + 5
     k_pool, v_pool = (rand(g, pool, page_size, Hk, D, dtype=torch.bfloat16) for _ in range(2))
-    table = torch.randperm(pool, device="cuda", generator=g)[:B * blocks].view(B, blocks)
-    used = torch.ones(pool, dtype=torch.bool, device="cuda")
+    table = torch.randperm(pool, device=DEVICE, generator=g)[:B * blocks].view(B, blocks)
+    used = torch.ones(pool, dtype=torch.bool, device=DEVICE)
     used[table.flatten()] = False
     k_pool[used], v_pool[used] = float("nan"), float("nan")
     ends, starts = [2500, 1, 0, 1700], [0, 0, 0, 333]
     q = rand(g, B, 1, H, D, dtype=torch.bfloat16)
     i32 = torch.int32
     out, lse = fwd_decode.attention(q, k_pool, v_pool, 0.09,
-                                    torch.tensor(ends, dtype=i32, device="cuda"),
-                                    torch.tensor(starts, dtype=i32, device="cuda"), None,
+                                    torch.tensor(ends, dtype=i32, device=DEVICE),
+                                    torch.tensor(starts, dtype=i32, device=DEVICE), None,
                                     table.to(i32))
     flat_k, flat_v = (x[table].flatten(1, 2) for x in (k_pool, v_pool))  # (B, positions, ...)
     spans = list(enumerate(zip(starts, ends, strict=True)))
@@ -150,7 +152,7 @@ def test_paged_cache_with_left_padding(page_size, stages):
 def test_cache_rows_and_left_padding(stages):
     """cache_rows (FlashAttention's cache_batch_idx) picks each entry's cache row out of order
     (the unpicked rows hold NaN), with left padding and ragged ends."""
-    g = torch.Generator(device="cuda").manual_seed(21)
+    g = torch.Generator(device=DEVICE).manual_seed(21)
     k_cache, v_cache = (rand(g, 6, 3000, 2, 64, dtype=torch.float16) for _ in range(2))
     rows, ends, starts = [4, 0, 2], [3000, 900, 5], [100, 0, 4]
     for r in (1, 3, 5):
@@ -158,9 +160,9 @@ def test_cache_rows_and_left_padding(stages):
     q = rand(g, 3, 1, 8, 64, dtype=torch.float16)
     i32 = torch.int32
     out, lse = fwd_decode.attention(q, k_cache, v_cache, 0.125,
-                                    torch.tensor(ends, dtype=i32, device="cuda"),
-                                    torch.tensor(starts, dtype=i32, device="cuda"),
-                                    torch.tensor(rows, dtype=i32, device="cuda"))
+                                    torch.tensor(ends, dtype=i32, device=DEVICE),
+                                    torch.tensor(starts, dtype=i32, device=DEVICE),
+                                    torch.tensor(rows, dtype=i32, device=DEVICE))
     spans = list(zip(rows, starts, ends, strict=True))
     check_spans(out, lse, q, [k_cache[r:r + 1, s:e] for r, s, e in spans],
                 [v_cache[r:r + 1, s:e] for r, s, e in spans], 0.125)
@@ -172,14 +174,14 @@ def test_several_query_rows_per_sequence(seqlen_q, causal, stages):
     causal row i over positions [start, end - (Sq - 1 - i)), else [start, end); ragged ends,
     left padding (a row that sees no key: out 0, lse -inf), GQA 4, a strided q; every row
     against the oracle over its span."""
-    g = torch.Generator(device="cuda").manual_seed(30 + seqlen_q + causal)
+    g = torch.Generator(device=DEVICE).manual_seed(30 + seqlen_q + causal)
     B, H, Hk, D = 3, 16, 4, 128
     k, v = (rand(g, B, 3000, Hk, D, dtype=torch.bfloat16) for _ in range(2))
     q = rand(g, B, seqlen_q + 1, H, D, dtype=torch.bfloat16)[:, 1:]
     ends, starts = [3000, 17, 900], [0, 16, 850]
     i32 = torch.int32
-    out, lse = fwd_decode.attention(q, k, v, 0.08, torch.tensor(ends, dtype=i32, device="cuda"),
-                                    torch.tensor(starts, dtype=i32, device="cuda"), None, None,
+    out, lse = fwd_decode.attention(q, k, v, 0.08, torch.tensor(ends, dtype=i32, device=DEVICE),
+                                    torch.tensor(starts, dtype=i32, device=DEVICE), None, None,
                                     causal)
     assert out.shape == q.shape and lse.shape == (B, H, seqlen_q) and lse.is_contiguous()
     ks, vs = [], []
@@ -196,7 +198,7 @@ def test_several_query_rows_per_sequence(seqlen_q, causal, stages):
 
 def test_strided_cache_views(stages):
     """k / v as views of a larger cache (rows and heads beyond the call's) and a transposed q."""
-    g = torch.Generator(device="cuda").manual_seed(4)
+    g = torch.Generator(device=DEVICE).manual_seed(4)
     cache_k, cache_v = (rand(g, 3, 600, 6, 64, dtype=torch.bfloat16) for _ in range(2))
     k, v = cache_k[:, :513, 1:5], cache_v[:, :513, 1:5]
     q = rand(g, 3, 8, 1, 64, dtype=torch.bfloat16).transpose(1, 2)
@@ -207,7 +209,7 @@ def test_strided_cache_views(stages):
 
 def test_nan_stays_in_its_entry_and_kv_head(stages):
     """A NaN key of entry 1, KV head 0 makes exactly that entry's group of query heads NaN."""
-    g = torch.Generator(device="cuda").manual_seed(5)
+    g = torch.Generator(device=DEVICE).manual_seed(5)
     q = rand(g, 3, 1, 8, 128, dtype=torch.bfloat16)
     k, v = (rand(g, 3, 5000, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     k[1, 1234, 0, 7] = float("nan")
@@ -226,12 +228,12 @@ def test_kvcache_decode_one_call(ragged, monkeypatch, stages):
     calls = []
     real = fwd_decode.attention
     monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(a[4]) or real(*a))
-    g = torch.Generator(device="cuda").manual_seed(6)
+    g = torch.Generator(device=DEVICE).manual_seed(6)
     lengths = [700, 31, 2048, 0] if ragged else [512] * 4
     k_cache, v_cache = (rand(g, 4, 2100, 8, 128, dtype=torch.bfloat16) for _ in range(2))
     q = rand(g, 4, 1, 32, 128, dtype=torch.bfloat16)
     k, v = (rand(g, 4, 1, 8, 128, dtype=torch.bfloat16) for _ in range(2))
-    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     out, lse = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
                                                  causal=True, return_softmax_lse=True)
     assert len(calls) == 1
@@ -249,23 +251,23 @@ def test_kvcache_spans_on_device_one_call(layout, new, monkeypatch, stages):
     calls = []
     real = fwd_decode.attention
     monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(1) or real(*a))
-    g = torch.Generator(device="cuda").manual_seed(12)
+    g = torch.Generator(device=DEVICE).manual_seed(12)
     B, H, Hk, D, page, blocks = 4, 32, 8, 128, 64, 40
     bf = torch.bfloat16
     lengths, pads = [700, 31, 2048, 0], [0, 30, 1000, 0]
     q = rand(g, B, new, H, D, dtype=bf)
     k, v = (rand(g, B, new, Hk, D, dtype=bf) for _ in range(2))
     i32 = torch.int32
-    kw = dict(cache_seqlens=torch.tensor(lengths, dtype=i32, device="cuda"),
-              cache_leftpad=torch.tensor(pads, dtype=i32, device="cuda"), causal=True,
+    kw = dict(cache_seqlens=torch.tensor(lengths, dtype=i32, device=DEVICE),
+              cache_leftpad=torch.tensor(pads, dtype=i32, device=DEVICE), causal=True,
               return_softmax_lse=True)
     if layout == "paged_leftpad":
         k_cache, v_cache = (rand(g, B * blocks + 7, page, Hk, D, dtype=bf) for _ in range(2))
-        table = torch.randperm(B * blocks + 7, device="cuda", generator=g)[:B * blocks]
+        table = torch.randperm(B * blocks + 7, device=DEVICE, generator=g)[:B * blocks]
         kw["block_table"] = table.view(B, blocks).to(i32)
     else:
         k_cache, v_cache = (rand(g, B + 3, blocks * page, Hk, D, dtype=bf) for _ in range(2))
-        kw["cache_batch_idx"] = torch.tensor([6, 2, 0, 4], dtype=i32, device="cuda")
+        kw["cache_batch_idx"] = torch.tensor([6, 2, 0, 4], dtype=i32, device=DEVICE)
     out, lse = flashcuda.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
     assert len(calls) == 1
     if layout == "paged_leftpad":
@@ -285,7 +287,7 @@ def test_func_decode_runs_the_kernel(monkeypatch):
     calls = []
     real = fwd_decode.attention
     monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(1) or real(*a))
-    g = torch.Generator(device="cuda").manual_seed(7)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
     q = rand(g, 2, 1, 8, 128, dtype=torch.float16)
     k, v = (rand(g, 2, 3000, 8, 128, dtype=torch.float16) for _ in range(2))
     out, lse = flashcuda.flash_attn_func(q, k, v, causal=True, return_lse=True)
@@ -300,11 +302,11 @@ def test_func_decode_runs_the_kernel(monkeypatch):
 
 def test_bitwise_deterministic_across_calls(stages):
     """The same call twice (many splits, GQA, other work in between): the same bits."""
-    g = torch.Generator(device="cuda").manual_seed(8)
+    g = torch.Generator(device=DEVICE).manual_seed(8)
     q = rand(g, 2, 1, 32, 128, dtype=torch.bfloat16)
     k, v = (rand(g, 2, 9000, 8, 128, dtype=torch.bfloat16) for _ in range(2))
     out, lse = fwd_decode.attention(q, k, v, 0.09)
-    torch.randn(4096, 4096, device="cuda").sum()
+    torch.randn(4096, 4096, device=DEVICE).sum()
     again, again_lse = fwd_decode.attention(q, k, v, 0.09)
     assert splits_of(q, k) > 1
     assert torch.equal(out, again) and torch.equal(lse, again_lse)
@@ -317,15 +319,15 @@ def test_kvcache_decode_step_in_a_cuda_graph():
     (the checked path, counts read on the host), and its out / lse match the oracle over each
     entry's keys (the replay's split plan is the capacity's, the eager one's the longest
     entry's, so their bits may differ)."""
-    g = torch.Generator(device="cuda").manual_seed(11)
+    g = torch.Generator(device=DEVICE).manual_seed(11)
     B, cap, H, Hk, D = 4, 3000, 32, 8, 128
     bf = torch.bfloat16
     k_cache, v_cache = (rand(g, B, cap, Hk, D, dtype=bf) for _ in range(2))
     q = rand(g, B, 1, H, D, dtype=bf)
     k, v = (rand(g, B, 1, Hk, D, dtype=bf) for _ in range(2))
-    theta = torch.rand(cap + 1, 32, device="cuda", generator=g) * 6.3
+    theta = torch.rand(cap + 1, 32, device=DEVICE, generator=g) * 6.3
     cos, sin = theta.cos().to(bf), theta.sin().to(bf)
-    seqlens = torch.tensor([5, 100, 2000, 0], dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor([5, 100, 2000, 0], dtype=torch.int32, device=DEVICE)
 
     def step(kc, vc):
         return flashcuda.flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin,
@@ -356,15 +358,15 @@ def test_kvcache_paged_left_padded_step_in_a_cuda_graph(new, monkeypatch):
     tensors: each replay's pool equals, bit for bit, the same step run eagerly, and each query
     row's out / lse match the oracle over its span gathered from its pages."""
     monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", True)
-    g = torch.Generator(device="cuda").manual_seed(13 + new)
+    g = torch.Generator(device=DEVICE).manual_seed(13 + new)
     B, H, Hk, D, page, blocks = 3, 8, 2, 64, 16, 50
     f16, i32 = torch.float16, torch.int32
     pool_k, pool_v = (rand(g, B * blocks + 4, page, Hk, D, dtype=f16) for _ in range(2))
     q = rand(g, B, new, H, D, dtype=f16)
     k, v = (rand(g, B, new, Hk, D, dtype=f16) for _ in range(2))
-    seqlens = torch.tensor([5, 300, 0], dtype=i32, device="cuda")
-    pads = torch.tensor([0, 100, 0], dtype=i32, device="cuda")
-    table = torch.randperm(B * blocks + 4, device="cuda", generator=g)[:B * blocks]
+    seqlens = torch.tensor([5, 300, 0], dtype=i32, device=DEVICE)
+    pads = torch.tensor([0, 100, 0], dtype=i32, device=DEVICE)
+    table = torch.randperm(B * blocks + 4, device=DEVICE, generator=g)[:B * blocks]
     table = table.view(B, blocks).to(i32)
 
     def step(kc, vc):
@@ -381,7 +383,7 @@ def test_kvcache_paged_left_padded_step_in_a_cuda_graph(new, monkeypatch):
         v.copy_(rand(g, B, new, Hk, D, dtype=f16))
         seqlens.copy_(torch.tensor(lengths, dtype=i32))
         pads.copy_(torch.tensor(padding, dtype=i32))
-        table.copy_(torch.randperm(B * blocks + 4, device="cuda", generator=g)[:B * blocks]
+        table.copy_(torch.randperm(B * blocks + 4, device=DEVICE, generator=g)[:B * blocks]
                     .view(B, blocks))
         ref_kc, ref_vc = kc.clone(), vc.clone()
         step(ref_kc, ref_vc)

@@ -16,8 +16,9 @@
 // exp2 / log2 of the softmax. 16-bit kernels take the MUFU approximations (relative error about
 // 2^-22, far below bf16/fp16 rounding). fp32 kernels (FC_DTYPE 0) take the accurate exp2f /
 // log2f: there the approximation alone, summed over thousands of keys in a backward reduction,
-// measured above 3x PyTorch's own fp32 error (DESIGN.md section 7's rule).
-#if defined(FC_DTYPE) && FC_DTYPE == 0
+// measured above 3x PyTorch's own fp32 error (DESIGN.md section 7's rule). The host emulator
+// (tests/cpu/simt_emu, FC_HOST_EMULATION) has no PTX: the accurate forms there.
+#if (defined(FC_DTYPE) && FC_DTYPE == 0) || defined(FC_HOST_EMULATION)
 #define FC_ACCURATE_EXP 1
 #else
 #define FC_ACCURATE_EXP 0

@@ -1,0 +1,142 @@
+"""Run a SIMT kernel's CUDA source on the CPU: the logic of the decode kernels (index arithmetic,
+spans, pages, splits, the cp.async pipeline's stage order, the combine) checked in CI, before
+and between GPU runs. Not a GPU result: no timing, no memory model beyond cp.async's groups.
+
+    kernel = build(spec)                       # g++ of the rendered source, cached by its text
+    kernel.launch(params, grid, block, smem)   # params: the kernel's packed argument bytes
+    emulate(monkeypatch, fwd_decode)           # a family's launches run here instead
+
+How: prelude.h maps CUDA's keywords and intrinsics to the host; every thread of a CTA is a
+fiber on its own stack (a register switch on x86-64, ucontext elsewhere) switched at
+__syncthreads and at each warp shuffle (runtime.inc); shim/ holds
+host forms of the two headers with inline PTX the decode kernels include (types.cuh, sm80.cuh:
+cp.async only), and online_softmax.cuh takes its accurate exp2 / log2 under FC_HOST_EMULATION.
+Two textual rewrites make shared memory one object per CTA (render below). A cp.async copy lands
+at the wait that covers it, its destination reading as NaN (0xff bytes) until then, so a stage
+read early or overwritten while still needed shows in the result. Shared memory starts as 0xff
+bytes in every CTA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from flashcuda.jit import KernelSpec, PreparedLaunch
+from flashcuda.jit.spec import KERNELS_DIR
+
+HERE = Path(__file__).resolve().parent
+CXX = os.environ.get("CXX", "g++")
+# hidden symbols and no GNU-unique ones: each kernel's library keeps its own statics (a template's
+# static `__shared__` object of one kernel would otherwise bind to another library's, smaller one)
+FLAGS = ("-std=c++20", "-O1", "-fvisibility=hidden", "-fno-gnu-unique", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-DFC_HOST_EMULATION")
+CACHE = Path(tempfile.gettempdir()) / "flashcuda-simt-emu"
+
+_EXTERN_SHARED = re.compile(
+    r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
+_SHARED = re.compile(r"__shared__\s+(?:__align__\(\d+\)\s+)?([\w:<>, ]+?)\s+(\w+)((?:\[[^\]]+\])*)\s*;")
+
+
+def available() -> str | None:
+    """None if the emulator can build here, else why not."""
+    if shutil.which(CXX) is None:
+        return f"no host C++ compiler ({CXX})"
+    return None
+
+
+def render(spec: KernelSpec, kernels_dir: Path = KERNELS_DIR) -> str:
+    """The program text g++ compiles: the spec's text (what NVRTC sees; its source read from
+    `kernels_dir`) with shared memory rewritten — `extern __shared__ T name[];` becomes the
+    launch's dynamic buffer, `__shared__ X name;` one object the CTA's fibers share — then the
+    runtime."""
+    text = spec.render((kernels_dir / spec.source).read_text())
+    text = _EXTERN_SHARED.sub(r"\1* \2 = static_cast<\1*>(emu::dynamic_smem());", text)
+    count = iter(range(1, 1 << 30))
+    text = _SHARED.sub(lambda m: f"auto& {m[2]} = emu::static_shared<{m[1]}{m[3]}, "
+                                 f"{next(count)}>();", text)
+    return text + '\n#include "runtime.inc"\n'
+
+
+class HostKernel:
+    """A kernel built for the host; stands in for jit's CompiledKernel where a family plans and
+    launches (name, device_index, abi_checked, smem_limit, resident_blocks)."""
+
+    def __init__(self, name: str, library: Path, resident: int = 3) -> None:
+        self.name = name
+        self.device_index = None
+        self.abi_checked = True  # (the parameter layout is the C++ signature's own, below)
+        self.smem_limit = 1 << 30
+        self.resident = resident
+        self._lib = ctypes.CDLL(str(library))
+        self._lib.emu_launch.restype = ctypes.c_int
+        self._lib.emu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
+            ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+
+    def resident_blocks(self, threads: int, dynamic_smem: int = 0) -> int:
+        return self.resident
+
+    def launch(self, params: int, grid: tuple, block: tuple, smem: int) -> None:
+        """Every CTA of `grid`, the kernel reading its arguments at address `params` (packed as
+        for cuLaunchKernel). RuntimeError on a deadlock or a bad shared-memory access."""
+        error = ctypes.create_string_buffer(512)
+        if self._lib.emu_launch(params, *grid, *block, smem, error, len(error)):
+            raise RuntimeError(f"{self.name}: {error.value.decode()}")
+
+
+_lock = threading.Lock()
+
+
+def build(spec: KernelSpec, resident: int = 3, kernels_dir: Path = KERNELS_DIR) -> HostKernel:
+    """Compile `spec` for the host (cached in CACHE by the text and the emulator's sources);
+    `kernels_dir`: where its source file is (the project's headers are always the project's)."""
+    text = render(spec, kernels_dir)
+    h = hashlib.sha256(text.encode())
+    for path in sorted([*HERE.glob("*.h"), *HERE.glob("*.inc"), *HERE.glob("shim/**/*.cuh"),
+                        *(p for p in KERNELS_DIR.glob("**/*.cuh"))]):
+        h.update(path.read_bytes())
+    h.update(" ".join((CXX, *FLAGS)).encode())
+    library = CACHE / f"{spec.name}-{h.hexdigest()[:16]}.so"
+    with _lock:
+        if not library.exists():
+            CACHE.mkdir(parents=True, exist_ok=True)
+            source = library.with_suffix(".cpp")
+            source.write_text(text)
+            partial = library.with_suffix(f".{os.getpid()}.tmp")
+            cmd = [CXX, *FLAGS, "-include", str(HERE / "prelude.h"), f"-I{HERE / 'shim'}",
+                   f"-I{HERE}", f"-I{KERNELS_DIR}", str(source), "-o", str(partial)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{spec.name}: host build failed\n{done.stderr[-4000:]}")
+            partial.replace(library)
+    return HostKernel(spec.name, library, resident)
+
+
+class EmuLaunch(PreparedLaunch):
+    """PreparedLaunch on a HostKernel: the same packed parameters, run by the emulator."""
+
+    def __call__(self, *values, stream=None, handle: int | None = None) -> None:
+        buffers = getattr(self._local, "buffers", None)
+        params, _, _ = buffers if buffers is not None else self._buffers()
+        self.head.pack_into(params, 0, *values)
+        self.kernel.launch(ctypes.addressof(params), self.grid, self.block, self.shared_mem)
+
+
+def emulate(monkeypatch, module, sms: int = 4, resident: int = 3) -> None:
+    """Make `module` (a kernel family: fwd_decode) build its kernels for the host and launch them
+    here, on CPU tensors, as if on a GPU of `sms` SMs holding `resident` CTAs each."""
+    monkeypatch.setattr(module, "get_kernel", lambda spec, device=None: build(spec, resident))
+    monkeypatch.setattr(module, "PreparedLaunch", EmuLaunch)
+    monkeypatch.setattr(module, "launch_stream", lambda index: 0)
+    monkeypatch.setattr(module, "_device_ok", lambda device: (True, sms))
+    if hasattr(module, "_on_cuda"):
+        monkeypatch.setattr(module, "_on_cuda", lambda t: True)
+    plans = getattr(module, "_plans", None)
+    if plans is not None:
+        monkeypatch.setattr(module, "_plans", type(plans)(plans.build))
