@@ -37,6 +37,11 @@ CXX = os.environ.get("CXX", "g++")
 # hidden symbols and no GNU-unique ones: each kernel's library keeps its own statics (a template's
 # static `__shared__` object of one kernel would otherwise bind to another library's, smaller one)
 FLAGS = ("-std=c++20", "-O1", "-fvisibility=hidden", "-fno-gnu-unique", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-DFC_HOST_EMULATION")
+# FLASHCUDA_EMU_ASAN=1: kernels built with AddressSanitizer, a memcheck of their global and
+# shared accesses on the host (run python under LD_PRELOAD=$(g++ -print-file-name=libasan.so)
+# ASAN_OPTIONS=detect_leaks=0; torch's CPU tensors come from malloc, so each has red zones)
+if os.environ.get("FLASHCUDA_EMU_ASAN") == "1":
+    FLAGS += ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")
 CACHE = Path(tempfile.gettempdir()) / "flashcuda-simt-emu"
 
 _EXTERN_SHARED = re.compile(
