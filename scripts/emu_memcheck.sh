@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# A CPU memcheck of the SIMT kernels: tests/cpu/test_decode_emulated.py with the kernels built
+# A CPU memcheck of the SIMT kernels: tests/cpu/test_decode_emulated.py and
+# test_simt_emulated.py (the decode and the SIMT flash kernels) with the kernels built
 # under AddressSanitizer by the host emulator (FLASHCUDA_EMU_ASAN=1, tests/cpu/simt_emu), python
 # run with libasan preloaded. torch's CPU tensors come from malloc, so every out-of-bounds read or
 # write of q / k / v / the block table / out / lse / the partials, and of shared memory, stops the
 # run with the kernel's file and line. Not a GPU run (compute-sanitizer's memcheck is the GPU's).
 #   scripts/emu_memcheck.sh [pytest args]     EMU_MEMCHECK_K: the -k selection (default: every
-#   case but the oracle grid and the emulator's own tests, ~1.5 min; "" for all, ~5 min)
+#   case but the decode oracle grid and the emulator's own tests; "" for all)
 # Exits 0 with a note where the compiler has no libasan.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,7 @@ logs=$(mktemp -d)
 set +e
 FLASHCUDA_EMU_ASAN=1 LD_PRELOAD="$asan" ASAN_OPTIONS="detect_leaks=0:log_path=$logs/asan" \
   python -m pytest -q -p no:cacheprovider tests/cpu/test_decode_emulated.py \
+  tests/cpu/test_simt_emulated.py \
   -k "${EMU_MEMCHECK_K-not (caught or emulator or matches_the_oracle)}" "$@"
 rc=$?
 set -e

@@ -174,7 +174,7 @@ def test_the_emulator_runs_shuffles_and_barriers(tmp_path):
     for mode in (0, 2):
         out = torch.full((64,), -1, dtype=torch.int32)
         params = torch.tensor([out.data_ptr(), mode], dtype=torch.int64)  # (int* then int)
-        kernel.launch(params.data_ptr(), (1, 1, 1), (64, 1, 1), 0)
+        kernel.run_packed(params.data_ptr(), (1, 1, 1), (64, 1, 1), 0)
         t = torch.arange(64)
         expect = (t ^ 1) * 1000 + (63 - t)
         if mode == 2:
@@ -182,4 +182,4 @@ def test_the_emulator_runs_shuffles_and_barriers(tmp_path):
         assert torch.equal(out.long(), expect), mode
     params = torch.tensor([out.data_ptr(), 1], dtype=torch.int64)
     with pytest.raises(RuntimeError, match="deadlock"):
-        kernel.launch(params.data_ptr(), (1, 1, 1), (64, 1, 1), 0)
+        kernel.run_packed(params.data_ptr(), (1, 1, 1), (64, 1, 1), 0)

@@ -32,6 +32,7 @@ from flashcuda.ops import bwd_simt, fwd_simt, softmax_state
 from flashcuda.ops.call import BwdCall, FwdCall
 
 pytestmark = pytest.mark.gpu
+DEVICE = "cuda"  # (tests/cpu/test_simt_emulated.py runs the flash bodies on the host emulator)
 
 NAN = float("nan")
 CAUSAL = (None, 0)
@@ -243,7 +244,7 @@ def _no_tf32():
 
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_flash_simt_matches_fp64(c: Case):
-    device = torch.device("cuda")
+    device = torch.device(DEVICE)
     q, k, v = make_inputs(c, device)
     scale = c.head_dim ** -0.5
     out, lse = run_fwd(c, q, k, v, scale)
@@ -281,7 +282,7 @@ def test_flash_simt_matches_fp64(c: Case):
 
 
 def test_flash_simt_empty_batch_and_queries_launch_nothing():
-    device = torch.device("cuda")
+    device = torch.device(DEVICE)
     for b, sq in ((0, 16), (2, 0)):
         c = Case(F16, b, sq, 16, 2, 2, 64)
         q, k, v = make_inputs(c, device)
@@ -307,7 +308,7 @@ def _online_softmax_ref(s, v):
 @pytest.mark.parametrize("n", [1, 7, 100, 1000])
 @pytest.mark.parametrize("tile", [1, 16, 64])
 def test_online_softmax_struct_matches_fp64(n, tile):
-    device = torch.device("cuda")
+    device = torch.device(DEVICE)
     rows = 70
     g = torch.Generator(device=device).manual_seed(1000 * n + tile)
     s = torch.randn(rows, n, generator=g, device=device) * 8

@@ -40,9 +40,13 @@ __device__ __forceinline__ Tile carve(float*& cursor) {
 // Bytes of dynamic shared memory the launch provided. Kernels compare it with what they carve and
 // trap on a mismatch, so a host-side budget that disagrees with the kernel fails loudly.
 __device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+#if defined(FC_HOST_EMULATION)  // (tests/cpu/simt_emu)
+  return emu::dynamic_smem_size();
+#else
   uint32_t n;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
   return n;
+#endif
 }
 
 // This thread's row group: the tile row it works on and its lane within the row.

@@ -3,7 +3,7 @@ spans, pages, splits, the cp.async pipeline's stage order, the combine) checked 
 and between GPU runs. Not a GPU result: no timing, no memory model beyond cp.async's groups.
 
     kernel = build(spec)                       # g++ of the rendered source, cached by its text
-    kernel.launch(params, grid, block, smem)   # params: the kernel's packed argument bytes
+    kernel.launch(grid, block, *args, shared_mem=n)  # as jit's CompiledKernel, on CPU tensors
     emulate(monkeypatch, fwd_decode)           # a family's launches run here instead
 
 How: prelude.h maps CUDA's keywords and intrinsics to the host; every thread of a CTA is a
@@ -30,7 +30,9 @@ import threading
 from pathlib import Path
 
 from flashcuda.jit import KernelSpec, PreparedLaunch
+from flashcuda.jit.runtime import pack_args
 from flashcuda.jit.spec import KERNELS_DIR
+from flashcuda.ops.call import SMEM_OPTIN
 
 HERE = Path(__file__).resolve().parent
 CXX = os.environ.get("CXX", "g++")
@@ -87,12 +89,22 @@ class HostKernel:
     def resident_blocks(self, threads: int, dynamic_smem: int = 0) -> int:
         return self.resident
 
-    def launch(self, params: int, grid: tuple, block: tuple, smem: int) -> None:
+    def run_packed(self, params: int, grid: tuple, block: tuple, smem: int) -> None:
         """Every CTA of `grid`, the kernel reading its arguments at address `params` (packed as
-        for cuLaunchKernel). RuntimeError on a deadlock or a bad shared-memory access."""
+        for cuLaunchKernel). RuntimeError on a deadlock, a __trap() or a bad shared-memory
+        access."""
         error = ctypes.create_string_buffer(512)
         if self._lib.emu_launch(params, *grid, *block, smem, error, len(error)):
             raise RuntimeError(f"{self.name}: {error.value.decode()}")
+
+    def launch(self, grid, block, *args, shared_mem: int = 0, stream=None) -> None:
+        """CompiledKernel.launch's call: the arguments packed as jit packs them (CPU tensors'
+        addresses for device pointers)."""
+        packed, _ = pack_args(self.name, args)
+        params = ctypes.create_string_buffer(packed, max(len(packed), 1))
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        self.run_packed(ctypes.addressof(params), grid, block, shared_mem)
 
 
 _lock = threading.Lock()
@@ -130,18 +142,23 @@ class EmuLaunch(PreparedLaunch):
         buffers = getattr(self._local, "buffers", None)
         params, _, _ = buffers if buffers is not None else self._buffers()
         self.head.pack_into(params, 0, *values)
-        self.kernel.launch(ctypes.addressof(params), self.grid, self.block, self.shared_mem)
+        self.kernel.run_packed(ctypes.addressof(params), self.grid, self.block, self.shared_mem)
+
+
+def _device_reason(device, smem_bytes: int, what: str) -> str | None:
+    """ops.fwd_simt.device_reason for the emulated GPU (an H100 / H200's shared memory)."""
+    return None if smem_bytes <= SMEM_OPTIN else f"{what} needs {smem_bytes} bytes of shared memory"
 
 
 def emulate(monkeypatch, module, sms: int = 4, resident: int = 3) -> None:
     """Make `module` (a kernel family: fwd_decode) build its kernels for the host and launch them
     here, on CPU tensors, as if on a GPU of `sms` SMs holding `resident` CTAs each."""
     monkeypatch.setattr(module, "get_kernel", lambda spec, device=None: build(spec, resident))
-    monkeypatch.setattr(module, "PreparedLaunch", EmuLaunch)
-    monkeypatch.setattr(module, "launch_stream", lambda index: 0)
-    monkeypatch.setattr(module, "_device_ok", lambda device: (True, sms))
-    if hasattr(module, "_on_cuda"):
-        monkeypatch.setattr(module, "_on_cuda", lambda t: True)
+    for name, value in (("PreparedLaunch", EmuLaunch), ("launch_stream", lambda index: 0),
+                        ("_device_ok", lambda device: (True, sms)), ("_on_cuda", lambda t: True),
+                        ("device_reason", _device_reason)):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
     plans = getattr(module, "_plans", None)
     if plans is not None:
         monkeypatch.setattr(module, "_plans", type(plans)(plans.build))

@@ -29,6 +29,8 @@ void syncthreads();
 void syncwarp();
 uint32_t shfl_xor_bits(uint32_t v, int lane_mask, int width);
 void* dynamic_smem();
+uint32_t dynamic_smem_size();
+[[noreturn]] void trap();
 uint32_t shared_offset(const void* p);
 void cp_async(uint32_t dst, const void* src, int bytes, int src_bytes);
 void cp_async_commit();
@@ -55,6 +57,13 @@ template <typename X> inline X __shfl_xor_sync(unsigned, X v, int lane_mask, int
   return emu::shfl_xor(v, lane_mask, width);
 }
 template <typename X> inline X __ldg(const X* p) { return *p; }
+// (the fibers of a CTA run one at a time and CTAs one after another: a plain add is atomic)
+template <typename X> inline X atomicAdd(X* p, X v) {
+  const X old = *p;
+  *p = old + v;
+  return old;
+}
+[[noreturn]] inline void __trap() { emu::trap(); }
 
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
