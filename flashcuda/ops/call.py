@@ -238,6 +238,12 @@ class PlanCache(dict):
 SMEM_OPTIN = 232448  # H100 / H200: dynamic shared memory a block may opt in to (227 KB)
 
 
+def on_cuda(device: torch.device) -> bool:
+    """`device` is a CUDA device this process can use. A family's one test of where its tensors
+    are (the seam tests/cpu/simt_emu replaces to run the family's kernels on the host)."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
 def register_pool(threads: int) -> int:
     """Registers a CTA of `threads` threads holds from launch under __launch_bounds__(threads, 1):
     the per-thread cap (65536 / threads, rounded down to 8) times threads. The sm90 kernels'

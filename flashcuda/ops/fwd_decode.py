@@ -28,7 +28,7 @@ import torch
 
 from .._env import choice
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, launch_stream, register
-from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, PlanCache
+from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, PlanCache, on_cuda
 
 SOURCE = "attention/flash_decode.cu"
 ARCHS = ("sm_80", "sm_90a")
@@ -123,16 +123,10 @@ def _device_ok(device: torch.device) -> tuple[bool, int]:
     return (props.major, props.minor) >= (8, 0), props.multi_processor_count
 
 
-def _on_cuda(q: torch.Tensor) -> bool:
-    """q lives on a CUDA device (the seam tests/cpu/simt_emu replaces to run the kernels on the
-    host)."""
-    return q.device.type == "cuda" and torch.cuda.is_available()
-
-
 def can_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """None if the decode kernels take this call (q (B, Sq, H, D), Sq <= MAX_QUERY_ROWS; shapes
     already validated), else why not."""
-    if not _on_cuda(q):
+    if not on_cuda(q.device):
         return "the decode kernels run on CUDA devices"
     if q.dtype not in DTYPES:
         return f"the decode kernels take float16 / bfloat16, got {q.dtype}"

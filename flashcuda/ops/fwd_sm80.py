@@ -46,6 +46,7 @@ from .call import (
     FwdCall,
     PlanCache,
     fwd_kernel_args,
+    on_cuda,
     vector_layout_problem,
 )
 
@@ -229,7 +230,7 @@ def can_implement(call: FwdCall) -> str | None:
     if (lse.dtype != torch.float32 or tuple(lse.shape) != (call.batch, call.nheads, call.seqlen_q)
             or not lse.is_contiguous()):
         return "lse must be a contiguous float32 (batch, nheads, seqlen_q) tensor"
-    if call.device.type != "cuda":
+    if not on_cuda(call.device):
         return f"tensors are on {call.device}, not on a CUDA device"
     cc, per_block, per_sm = _device_info(_device_index(call.device))
     if cc < (8, 0):

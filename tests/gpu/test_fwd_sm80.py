@@ -27,6 +27,12 @@ from flashcuda.ops.call import FwdCall
 from tests.gpu import masked_v
 
 pytestmark = pytest.mark.gpu
+DEVICE = "cuda"  # (tests/cpu/test_fwd_sm80_emulated.py runs these bodies on the host emulator)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 BF16, FP16 = torch.bfloat16, torch.float16
 FULL = (None, None)
@@ -73,7 +79,7 @@ def run_ours(q, k, v, scale, window):
     why = fwd_sm80.can_implement(call)
     assert why is None, why
     fwd_sm80.run(call)
-    torch.cuda.synchronize()
+    sync()
     return out, lse
 
 
@@ -105,10 +111,10 @@ def check(q, k, v, window=FULL, scale=None, clean=None):
 
 
 def make(B, Sq, Sk, H, Hkv, D, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype, generator=g)
-    k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(B, Sq, H, D, device=DEVICE, dtype=dtype, generator=g)
+    k = torch.randn(B, Sk, Hkv, D, device=DEVICE, dtype=dtype, generator=g)
+    v = torch.randn(B, Sk, Hkv, D, device=DEVICE, dtype=dtype, generator=g)
     return q, k, v
 
 
@@ -171,7 +177,7 @@ def test_gqa_mqa(nheads_kv, head_dim):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_packed_qkv_views(head_dim):
-    qkv = torch.randn(2, 513, 3, 4, head_dim, device="cuda", dtype=FP16)
+    qkv = torch.randn(2, 513, 3, 4, head_dim, device=DEVICE, dtype=FP16)
     q, k, v = qkv.unbind(2)  # strides (S*3*H*D, 3*H*D, D, 1): no copy
     assert not q.is_contiguous()
     check(q, k, v, CAUSAL)
@@ -329,7 +335,7 @@ def test_masked_v_nonfinite_reaches_only_rows_that_see_it(dtype, head_dim, value
 def test_config_on_this_gpu():
     q, k, v = make(1, 8, 8, 1, 1, 128, BF16)
     out = torch.empty_like(q)
-    lse = torch.empty(1, 1, 8, device="cuda")
+    lse = torch.empty(1, 1, 8, device=DEVICE)
     call = FwdCall(q, k, v, out, lse, 0.1, None, None)
     cfg = fwd_sm80.config_for(call)
     assert cfg.spec().name in {spec.name for spec, _ in fwd_sm80.variants()}

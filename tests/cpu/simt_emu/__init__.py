@@ -47,7 +47,7 @@ if os.environ.get("FLASHCUDA_EMU_ASAN") == "1":
 CACHE = Path(tempfile.gettempdir()) / "flashcuda-simt-emu"
 
 _EXTERN_SHARED = re.compile(
-    r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
+    r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:]+(?:\s+[\w:]+)*?)\s+(\w+)\s*\[\s*\]\s*;")
 _SHARED = re.compile(r"__shared__\s+(?:__align__\(\d+\)\s+)?([\w:<>, ]+?)\s+(\w+)((?:\[[^\]]+\])*)\s*;")
 
 
@@ -150,13 +150,20 @@ def _device_reason(device, smem_bytes: int, what: str) -> str | None:
     return None if smem_bytes <= SMEM_OPTIN else f"{what} needs {smem_bytes} bytes of shared memory"
 
 
+# The families' _device_info on the emulated GPU: an H100 / H200 (sm_90; 227 KB of shared memory
+# per block, 228 KB per SM), in the shape each family's own returns.
+_DEVICE_INFO = {"flashcuda.ops.fwd_sm80": ((9, 0), SMEM_OPTIN, 233472),
+                "flashcuda.ops.bwd_sm80": ((9, 0), SMEM_OPTIN)}
+
+
 def emulate(monkeypatch, module, sms: int = 4, resident: int = 3) -> None:
     """Make `module` (a kernel family: fwd_decode) build its kernels for the host and launch them
     here, on CPU tensors, as if on a GPU of `sms` SMs holding `resident` CTAs each."""
     monkeypatch.setattr(module, "get_kernel", lambda spec, device=None: build(spec, resident))
     for name, value in (("PreparedLaunch", EmuLaunch), ("launch_stream", lambda index: 0),
-                        ("_device_ok", lambda device: (True, sms)), ("_on_cuda", lambda t: True),
-                        ("device_reason", _device_reason)):
+                        ("_device_ok", lambda device: (True, sms)), ("on_cuda", lambda d: True),
+                        ("device_reason", _device_reason), ("_device_index", lambda device: 0),
+                        ("_device_info", lambda index: _DEVICE_INFO[module.__name__])):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, value)
     plans = getattr(module, "_plans", None)

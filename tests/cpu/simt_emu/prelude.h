@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #define __global__
 #define __device__
@@ -26,12 +27,16 @@ struct Dim3 {
 extern Dim3 g_block_idx, g_block_dim, g_grid_dim;
 const Dim3& thread_idx();
 void syncthreads();
+int syncthreads_reduce(int pred, int op);  // op 0 count, 1 or, 2 and
 void syncwarp();
 uint32_t shfl_xor_bits(uint32_t v, int lane_mask, int width);
 void* dynamic_smem();
 uint32_t dynamic_smem_size();
 [[noreturn]] void trap();
-uint32_t shared_offset(const void* p);
+uint32_t shared_offset(const void* p);  // a pointer's shared-window address
+void* shared_at(uint32_t addr, int bytes);  // and back (bounds-checked)
+void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr, bool trans);
+void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16);
 void cp_async(uint32_t dst, const void* src, int bytes, int src_bytes);
 void cp_async_commit();
 void cp_async_wait(int pending);
@@ -63,7 +68,30 @@ template <typename X> inline X atomicAdd(X* p, X v) {
   *p = old + v;
   return old;
 }
+template <typename X> inline X atomicOr(X* p, X v) {
+  const X old = *p;
+  *p = old | v;
+  return old;
+}
+template <typename X> inline X atomicAnd(X* p, X v) {
+  const X old = *p;
+  *p = old & v;
+  return old;
+}
+template <typename X> inline X atomicMax(X* p, X v) {
+  const X old = *p;
+  *p = old > v ? old : v;
+  return old;
+}
+template <typename X> inline X atomicExch(X* p, X v) {
+  const X old = *p;
+  *p = v;
+  return old;
+}
 [[noreturn]] inline void __trap() { emu::trap(); }
+inline int __syncthreads_or(int pred) { return emu::syncthreads_reduce(pred != 0, 1); }
+inline int __syncthreads_and(int pred) { return emu::syncthreads_reduce(pred != 0, 2); }
+inline int __syncthreads_count(int pred) { return emu::syncthreads_reduce(pred != 0, 0); }
 
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
