@@ -28,7 +28,15 @@ import numpy as np
 import torch
 
 from ..jit import KernelSpec, get_kernel, register
-from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, BwdCall, kernel_windows, vector_layout_problem
+from .call import (
+    DTYPE_CODE,
+    DTYPE_NAME,
+    LOG2E,
+    BwdCall,
+    kernel_windows,
+    on_cuda,
+    vector_layout_problem,
+)
 
 SOURCE = "attention/flash_bwd_sm80.cu"
 ARCHS = ("sm_80", "sm_90a")
@@ -482,6 +490,10 @@ def call_config(call: BwdCall) -> BwdSm80Config | None:
 
 
 @cache
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _device_info(index: int) -> tuple[tuple[int, int], int]:
     props = torch.cuda.get_device_properties(index)
     return (props.major, props.minor), int(props.shared_memory_per_block_optin)
@@ -504,11 +516,9 @@ def can_implement(call: BwdCall) -> str | None:
         if t.numel() and (why := vector_layout_problem(name, t)):
             return why
     for name, t in {**tensors, "lse": call.lse}.items():
-        if t.device != call.device or t.device.type != "cuda":
+        if t.device != call.device or not on_cuda(t.device):
             return f"{name} is on {t.device}, expected a CUDA device ({call.device})"
-    cc, smem_optin = _device_info(
-        call.device.index if call.device.index is not None else torch.cuda.current_device()
-    )
+    cc, smem_optin = _device_info(_device_index(call.device))
     if cc < (8, 0):
         return f"compute capability {cc[0]}.{cc[1]} < 8.0 (needs mma.sync bf16, cp.async)"
     need = cfg.smem_bytes(call.deterministic)

@@ -21,6 +21,7 @@ from flashcuda.ops import bwd_sm80
 from flashcuda.ops.call import BwdCall
 
 pytestmark = pytest.mark.gpu
+DEVICE = "cuda"  # (tests/cpu/test_bwd_sm80_emulated.py runs these bodies on the host emulator)
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -71,7 +72,7 @@ def attention(q, k, v, scale, wl, wr):
 
 
 def make_qkv(b, sq, sk, h, hkv, d, dtype, packed=False):
-    dev = "cuda"
+    dev = DEVICE
     if packed:  # views of one (B, S, 3, H, D) tensor: strided rows, no copy
         qkv = torch.randn(b, sq, 3, h, d, device=dev, dtype=dtype)
         return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -89,7 +90,8 @@ def run_ours(q, k, v, out, dout, lse, scale, wl, wr, deterministic=False):
     why = bwd_sm80.can_implement(call)
     assert why is None, why
     bwd_sm80.run(call)
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     return dq, dk, dv
 
 
@@ -188,7 +190,7 @@ def test_empty_sequences():
     for sq, sk in ((0, 64), (64, 0)):
         q, k, v = make_qkv(2, sq, sk, 2, 2, 64, BF16)
         out = torch.zeros_like(q)
-        lse = torch.full((2, 2, sq), float("-inf"), device="cuda")
+        lse = torch.full((2, 2, sq), float("-inf"), device=DEVICE)
         for det in (False, True):
             dq, dk, dv = run_ours(q, k, v, out, torch.randn_like(q), lse, 0.125, None, None, det)
             assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()

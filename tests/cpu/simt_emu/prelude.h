@@ -12,6 +12,9 @@
 #include <cstring>
 #include <type_traits>
 
+// Code that depends on the architecture takes its sm_80 form (the sm_90 forms are PTX the
+// emulator does not have, e.g. red.global.add.v4.f32)
+#define __CUDA_ARCH__ 800
 #define __global__
 #define __device__
 #define __host__
@@ -111,6 +114,9 @@ struct __attribute__((aligned(8))) float2 {
 struct __attribute__((aligned(16))) float4 {
   float x, y, z, w;
 };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 
 using std::max;
 using std::min;
