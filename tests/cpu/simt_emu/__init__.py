@@ -123,7 +123,7 @@ def build(spec: KernelSpec, resident: int = 3, kernels_dir: Path = KERNELS_DIR) 
     with _lock:
         if not library.exists():
             CACHE.mkdir(parents=True, exist_ok=True)
-            source = library.with_suffix(".cpp")
+            source = library.with_suffix(f".{os.getpid()}.cpp")  # (per process: no torn text)
             source.write_text(text)
             partial = library.with_suffix(f".{os.getpid()}.tmp")
             cmd = [CXX, *FLAGS, "-include", str(HERE / "prelude.h"), f"-I{HERE / 'shim'}",
