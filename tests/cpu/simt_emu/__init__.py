@@ -1,6 +1,7 @@
-"""Run a SIMT kernel's CUDA source on the CPU: the logic of the decode kernels (index arithmetic,
-spans, pages, splits, the cp.async pipeline's stage order, the combine) checked in CI, before
-and between GPU runs. Not a GPU result: no timing, no memory model beyond cp.async's groups.
+"""Run a kernel's CUDA source on the CPU: the decode kernels, the SIMT flash forward / backward
+and the sm80 tensor-core forward / backward, checked in CI against the GPU tests' float64
+oracles before and between GPU runs. Not a GPU result: no timing, no memory model beyond
+cp.async's groups; the sm90 kernels (wgmma, TMA, mbarriers) are not emulated.
 
     kernel = build(spec)                       # g++ of the rendered source, cached by its text
     kernel.launch(grid, block, *args, shared_mem=n)  # as jit's CompiledKernel, on CPU tensors
@@ -8,9 +9,10 @@ and between GPU runs. Not a GPU result: no timing, no memory model beyond cp.asy
 
 How: prelude.h maps CUDA's keywords and intrinsics to the host; every thread of a CTA is a
 fiber on its own stack (a register switch on x86-64, ucontext elsewhere) switched at
-__syncthreads and at each warp shuffle (runtime.inc); shim/ holds
-host forms of the two headers with inline PTX the decode kernels include (types.cuh, sm80.cuh:
-cp.async only), and online_softmax.cuh takes its accurate exp2 / log2 under FC_HOST_EMULATION.
+__syncthreads and at each warp-collective operation — shuffles, ldmatrix, mma.sync m16n8k16,
+done as exchanges in the PTX ISA's fragment layouts (runtime.inc). shim/ holds host forms of the
+three headers with inline PTX (common/types.cuh, smem.cuh, sm80_ptx.cuh); online_softmax.cuh and
+tile_simt.cuh take host forms under FC_HOST_EMULATION; arch-dependent code takes its sm_80 form.
 Two textual rewrites make shared memory one object per CTA (render below). A cp.async copy lands
 at the wait that covers it, its destination reading as NaN (0xff bytes) until then, so a stage
 read early or overwritten while still needed shows in the result. Shared memory starts as 0xff
@@ -38,7 +40,8 @@ HERE = Path(__file__).resolve().parent
 CXX = os.environ.get("CXX", "g++")
 # hidden symbols and no GNU-unique ones: each kernel's library keeps its own statics (a template's
 # static `__shared__` object of one kernel would otherwise bind to another library's, smaller one)
-FLAGS = ("-std=c++20", "-O1", "-fvisibility=hidden", "-fno-gnu-unique", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-DFC_HOST_EMULATION")
+FLAGS = ("-std=c++20", "-O1", "-fvisibility=hidden", "-fno-gnu-unique", "-shared", "-fPIC",
+         "-Wno-unknown-pragmas", "-DFC_HOST_EMULATION")
 # FLASHCUDA_EMU_ASAN=1: kernels built with AddressSanitizer, a memcheck of their global and
 # shared accesses on the host (run python under LD_PRELOAD=$(g++ -print-file-name=libasan.so)
 # ASAN_OPTIONS=detect_leaks=0; torch's CPU tensors come from malloc, so each has red zones)
@@ -156,7 +159,7 @@ _DEVICE_INFO = {"flashcuda.ops.fwd_sm80": ((9, 0), SMEM_OPTIN, 233472),
                 "flashcuda.ops.bwd_sm80": ((9, 0), SMEM_OPTIN)}
 
 
-def emulate(monkeypatch, module, sms: int = 4, resident: int = 3) -> None:
+def emulate(monkeypatch, module, sms: int = 132, resident: int = 3) -> None:
     """Make `module` (a kernel family: fwd_decode) build its kernels for the host and launch them
     here, on CPU tensors, as if on a GPU of `sms` SMs holding `resident` CTAs each."""
     monkeypatch.setattr(module, "get_kernel", lambda spec, device=None: build(spec, resident))
