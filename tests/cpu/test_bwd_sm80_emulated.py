@@ -8,30 +8,20 @@ on CPU tensors, against its float64 oracle. Kernel logic, not a GPU result.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from flashcuda.ops import bwd_sm80
 
 from . import simt_emu
 
-on_gpu = importlib.import_module("tests.gpu.test_bwd_sm80")
-
-# the GPU module's tests, collected here too (its module mark, gpu, is not theirs); the
-# deterministic pass at its smallest case only (below: its four cases took 3.5 min here)
-SKIP = {"test_deterministic"}
-globals().update({name: test for name, test in vars(on_gpu).items()
-                  if name.startswith("test_") and name not in SKIP})
+# the GPU module's tests, collected here too; the deterministic pass at its smallest case only
+# (below: its four cases took 3.5 min here)
+on_gpu, tests, emulated = simt_emu.gpu_suite("tests.gpu.test_bwd_sm80", (bwd_sm80,),
+                                             skip={"test_deterministic"})
+globals().update(tests)
 
 pytestmark = pytest.mark.skipif(simt_emu.available() is not None,
                                 reason=str(simt_emu.available()))
-
-
-@pytest.fixture(autouse=True)
-def emulated(monkeypatch):
-    simt_emu.emulate(monkeypatch, bwd_sm80)
-    monkeypatch.setattr(on_gpu, "DEVICE", "cpu")
 
 
 def test_deterministic_causal_d64():

@@ -8,27 +8,17 @@ on CPU tensors, against its float64 oracle. Kernel logic, not a GPU result.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from flashcuda.ops import fwd_sm80
 
 from . import simt_emu
 
-on_gpu = importlib.import_module("tests.gpu.test_fwd_sm80")
-
-# the GPU module's tests, collected here too (its module mark, gpu, is not theirs); not the one
-# that asks the CUDA runtime for the current device
-SKIP = {"test_config_on_this_gpu"}
-globals().update({name: test for name, test in vars(on_gpu).items()
-                  if name.startswith("test_") and name not in SKIP})
+# the GPU module's tests, collected here too; not the one that asks the CUDA runtime for its
+# current device
+on_gpu, tests, emulated = simt_emu.gpu_suite("tests.gpu.test_fwd_sm80", (fwd_sm80,),
+                                             skip={"test_config_on_this_gpu"})
+globals().update(tests)
 
 pytestmark = pytest.mark.skipif(simt_emu.available() is not None,
                                 reason=str(simt_emu.available()))
-
-
-@pytest.fixture(autouse=True)
-def emulated(monkeypatch):
-    simt_emu.emulate(monkeypatch, fwd_sm80)
-    monkeypatch.setattr(on_gpu, "DEVICE", "cpu")

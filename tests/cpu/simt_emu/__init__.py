@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib
 import os
 import re
 import shutil
@@ -30,6 +31,8 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+
+import pytest
 
 from flashcuda.jit import KernelSpec, PreparedLaunch
 from flashcuda.jit.runtime import pack_args
@@ -172,3 +175,24 @@ def emulate(monkeypatch, module, sms: int = 132, resident: int = 3) -> None:
     plans = getattr(module, "_plans", None)
     if plans is not None:
         monkeypatch.setattr(module, "_plans", type(plans)(plans.build))
+
+
+def gpu_suite(gpu_module: str, families: tuple, skip: set[str] = frozenset()):
+    """A GPU test module's tests for a CPU test module to collect, run by the emulator:
+    (the GPU module, its test functions but `skip`, an autouse fixture that emulates `families`
+    and sets the GPU module's DEVICE to the CPU). The GPU module's own mark (gpu) stays its own.
+
+        on_gpu, tests, emulated = simt_emu.gpu_suite("tests.gpu.test_fwd_sm80", (fwd_sm80,))
+        globals().update(tests)
+    """
+    on_gpu = importlib.import_module(gpu_module)
+    tests = {name: test for name, test in vars(on_gpu).items()
+             if name.startswith("test_") and name not in skip}
+
+    @pytest.fixture(autouse=True)
+    def emulated(monkeypatch):
+        for family in families:
+            emulate(monkeypatch, family)
+        monkeypatch.setattr(on_gpu, "DEVICE", "cpu")
+
+    return on_gpu, tests, emulated
