@@ -8,8 +8,6 @@ float64 oracle on CPU tensors. Kernel logic, not a GPU result.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -17,26 +15,14 @@ from flashcuda.ops import bwd_simt, fwd_simt
 
 from . import simt_emu
 
-on_gpu = importlib.import_module("tests.gpu.test_simt")  # (its tests are not collected here)
+# the GPU module's flash tests, collected here too (not the OnlineSoftmax struct's: its kernel
+# family checks for CUDA itself)
+on_gpu, tests, emulated = simt_emu.gpu_suite("tests.gpu.test_simt", (fwd_simt, bwd_simt),
+                                             skip={"test_online_softmax_struct_matches_fp64"})
+globals().update(tests)
 
 pytestmark = pytest.mark.skipif(simt_emu.available() is not None,
                                 reason=str(simt_emu.available()))
-
-
-@pytest.fixture(autouse=True)
-def emulated(monkeypatch):
-    for module in (fwd_simt, bwd_simt):
-        simt_emu.emulate(monkeypatch, module)
-    monkeypatch.setattr(on_gpu, "DEVICE", "cpu")
-
-
-@pytest.mark.parametrize("c", on_gpu.CASES, ids=[c.id for c in on_gpu.CASES])
-def test_flash_simt_matches_fp64(c):
-    on_gpu.test_flash_simt_matches_fp64(c)
-
-
-def test_flash_simt_empty_batch_and_queries_launch_nothing():
-    on_gpu.test_flash_simt_empty_batch_and_queries_launch_nothing()
 
 
 def test_a_cpu_tensor_is_still_refused_without_the_emulator(monkeypatch):

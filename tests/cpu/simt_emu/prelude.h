@@ -30,7 +30,7 @@ struct Dim3 {
 extern Dim3 g_block_idx, g_block_dim, g_grid_dim;
 const Dim3& thread_idx();
 void syncthreads();
-int syncthreads_reduce(int pred, int op);  // op 0 count, 1 or, 2 and
+int syncthreads_or(int pred);
 void syncwarp();
 uint32_t shfl_xor_bits(uint32_t v, int lane_mask, int width);
 void* dynamic_smem();
@@ -76,38 +76,17 @@ template <typename X> inline X atomicOr(X* p, X v) {
   *p = old | v;
   return old;
 }
-template <typename X> inline X atomicAnd(X* p, X v) {
-  const X old = *p;
-  *p = old & v;
-  return old;
-}
-template <typename X> inline X atomicMax(X* p, X v) {
-  const X old = *p;
-  *p = old > v ? old : v;
-  return old;
-}
-template <typename X> inline X atomicExch(X* p, X v) {
-  const X old = *p;
-  *p = v;
-  return old;
-}
 [[noreturn]] inline void __trap() { emu::trap(); }
-inline int __syncthreads_or(int pred) { return emu::syncthreads_reduce(pred != 0, 1); }
-inline int __syncthreads_and(int pred) { return emu::syncthreads_reduce(pred != 0, 2); }
-inline int __syncthreads_count(int pred) { return emu::syncthreads_reduce(pred != 0, 0); }
+inline int __syncthreads_or(int pred) { return emu::syncthreads_or(pred); }
 
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 
 struct __attribute__((aligned(16))) uint4 {
   unsigned x, y, z, w;
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
-struct __attribute__((aligned(8))) uint2 {
-  unsigned x, y;
-};
 struct __attribute__((aligned(8))) float2 {
   float x, y;
 };
@@ -115,8 +94,6 @@ struct __attribute__((aligned(16))) float4 {
   float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
-inline float2 make_float2(float x, float y) { return {x, y}; }
-inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 
 using std::max;
 using std::min;
