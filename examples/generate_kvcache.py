@@ -6,8 +6,8 @@ logits against recomputing the whole sequence with PyTorch SDPA (no cache).
     python examples/generate_kvcache.py --paged               # the caches as pages + a block table
     python examples/generate_kvcache.py --graph               # each decode step replayed from a
                                                               # CUDA graph (the serving pattern)
-    python examples/generate_kvcache.py --paged --graph --spans-on-device
-                                        # the decode kernels read the block table themselves
+    python examples/generate_kvcache.py --paged --runs        # kvcache.SPANS_ON_DEVICE off: a
+                                                              # paged step as runs on a gathered copy
 
 Model: a small random-weight causal transformer (GQA: 8 query heads over 2 KV heads, rotary
 position embeddings, GPT-NeoX style), a batch of prompts of different lengths (each row's cache
@@ -17,9 +17,9 @@ rotary_sin, appended at cache_seqlens); with --paged, the caches are a pool of 4
 that a block table hands out in shuffled order; with --graph (CUDA), the decode step is captured
 once in a CUDA graph and replayed per token, the next token and cache_seqlens written into the
 captured tensors on the device (flash_attn_with_kvcache reads nothing on the host while a graph
-is captured); --spans-on-device sets flashcuda.kvcache.SPANS_ON_DEVICE (an opt-in until its GPU
-tests have run): a paged decode step is one call of the decode kernels, which read the block
-table on the device, so --graph may page too. The full recompute rotates q and k itself
+is captured). A paged decode step is one call of the decode kernels, which read the block table
+on the device (flashcuda.kvcache.SPANS_ON_DEVICE, the default); --runs turns that off (a paged
+step then runs on a gathered contiguous copy, and --graph cannot page). The full recompute rotates q and k itself
 (rotate_half). Prints the largest logit difference per step and exits 1
 if any exceeds the dtype's tolerance (fp32 on CPU: 1e-4; bf16 on a GPU: 0.1), or if the two runs
 choose different tokens where the top two logits are further apart than that tolerance.
@@ -138,16 +138,16 @@ def main() -> int:
     parser.add_argument("--paged", action="store_true",
                         help="caches as 4-position pages handed out by a block table")
     parser.add_argument("--graph", action="store_true",
-                        help="replay the decode step from a CUDA graph (CUDA; with --paged only "
-                             "with --spans-on-device)")
-    parser.add_argument("--spans-on-device", action="store_true",
-                        help="flashcuda.kvcache.SPANS_ON_DEVICE: the decode kernels read the "
-                             "block table on the device")
+                        help="replay the decode step from a CUDA graph (CUDA; with --paged not "
+                             "with --runs)")
+    parser.add_argument("--runs", action="store_true",
+                        help="flashcuda.kvcache.SPANS_ON_DEVICE off: paged steps on a gathered "
+                             "copy, one call per run of entries")
     args = parser.parse_args()
     device = torch.device(args.device)
-    flashcuda.kvcache.SPANS_ON_DEVICE = args.spans_on_device
-    if args.graph and (device.type != "cuda" or (args.paged and not args.spans_on_device)):
-        parser.error("--graph needs a CUDA device, and --spans-on-device with --paged")
+    flashcuda.kvcache.SPANS_ON_DEVICE = not args.runs
+    if args.graph and (device.type != "cuda" or (args.paged and args.runs)):
+        parser.error("--graph needs a CUDA device, and --paged with --graph cannot take --runs")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tol = 0.1 if dtype == torch.bfloat16 else 1e-4
     torch.manual_seed(args.seed)

@@ -177,10 +177,10 @@ def _entries(batch: int, new: int, k_cache: torch.Tensor, device: torch.device,
 # A decode step whose entries are paged, left-padded or on cache rows out of order, or that has
 # up to fwd_decode.MAX_QUERY_ROWS queries per entry, runs as one call of the decode kernels
 # (they read the block table, the spans and the rows on the device) when this is on; off, such
-# a step runs as before (runs of entries, a paged run on a gathered copy). Off until the
-# kernels' paged / span / row / several-row tests (tests/gpu/test_decode.py) have passed on a
-# GPU: written in session 42 without one.
-SPANS_ON_DEVICE = False
+# a step runs as before (runs of entries, a paged run on a gathered copy). On since the
+# kernels' paged / span / row / several-row tests (tests/gpu/test_decode.py) passed on a GPU
+# (session 44); off is the fallback if a kernel of that kind misbehaves.
+SPANS_ON_DEVICE = True
 
 
 def _one_call_window(seqlen_q: int, window_left: int | None, window_right: int | None,
@@ -237,9 +237,10 @@ def _decode_in_one_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     kc, vc, looked_up = _one_call_views(k_cache, v_cache, ent, batch, keys)
     if fwd_decode.can_take(q, kc, vc):
         return None
-    # ends, starts and rows in one upload
+    # ends, starts and rows in one upload, from pinned memory on a GPU (a pageable copy waits
+    # for the stream: the work queued before the call would be exposed as host time)
     host = torch.tensor([ent.ends, ent.starts, ent.rows or [0] * batch], dtype=torch.int32)
-    spans = host.to(q.device, non_blocking=True)
+    spans = (host.pin_memory() if q.is_cuda else host).to(q.device, non_blocking=True)
     starts = spans[1] if any(ent.starts) else None
     rows = spans[2] if looked_up and ent.pages is None else None
     table = None
@@ -442,7 +443,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     same span of keys — on views of the caches when the entries are on consecutive cache rows,
     on a gathered contiguous copy of their pages when paged (the copy costs a read and a write of
     the keys and values seen: a paged cache is correct here, not fast); host-bound when many
-    entries differ. With kvcache.SPANS_ON_DEVICE (off until its GPU tests have run), a paged,
+    entries differ. With kvcache.SPANS_ON_DEVICE (on by default), a paged,
     left-padded or row-reordered decode step is one call of the decode kernels too (they read
     the block table, the spans and the rows on the device, and the pages in place), and so is
     a step of up to 16 queries per entry (speculative decoding's drafts; causal or seeing

@@ -38,9 +38,10 @@ ROWS = (1, 2, 4, 8)  # query rows (heads of one KV head's group) per CTA
 # A/B knobs, read once at import (README's environment table)
 STAGES_ENV, UNROLL_ENV, WAVES_ENV = ("FLASHCUDA_DECODE_STAGES", "FLASHCUDA_DECODE_UNROLL",
                                      "FLASHCUDA_DECODE_WAVES")
-UNROLL = choice(UNROLL_ENV, 4, (1, 2, 4, 8))  # keys per slot per step
-# K / V by registers (0) or an N-stage cp.async pipeline (the .cu's FC_STAGES)
-STAGES = choice(STAGES_ENV, 0, (0, 2, 3, 4, 5, 6))
+UNROLL = choice(UNROLL_ENV, 2, (1, 2, 4, 8))  # keys per slot per step
+# K / V by registers (0) or an N-stage cp.async pipeline (the .cu's FC_STAGES). The defaults,
+# 2 stages x 2 keys per slot, won session 44's tune on an H100 (docs/perf-notes.md)
+STAGES = choice(STAGES_ENV, 2, (0, 2, 3, 4, 5, 6))
 THREADS = 128
 MAX_SPLITS = 128
 MIN_SPLIT_KEYS = 256  # no piece shorter than this (the combine and the CTA's start cost)
@@ -262,10 +263,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
 
 @register
 def variants() -> list[tuple[KernelSpec, tuple[str, ...]]]:
-    """Every specialisation attention() picks by default or with FLASHCUDA_DECODE_STAGES=3 (the
-    pipeline's likely depth): 2 dtypes x 3 head dims x 4 row counts, plain and paged, K / V by
-    registers and by the 3-stage pipeline; and a combine per dtype."""
+    """Every specialisation attention() picks by default or with FLASHCUDA_DECODE_STAGES=0:
+    2 dtypes x 3 head dims x 4 row counts, plain and paged, K / V by the STAGES-deep pipeline
+    and by registers; and a combine per dtype."""
     specs = [DecodeConfig(dt, d, r, stages=st, paged=p).spec() for dt in DTYPES
-             for d in HEAD_DIMS for r in ROWS for p in (False, True) for st in (0, 3)]
+             for d in HEAD_DIMS for r in ROWS for p in (False, True) for st in sorted({0, STAGES})]
     specs += [combine_spec(dt) for dt in DTYPES]
     return [(s, ARCHS) for s in specs]

@@ -575,8 +575,8 @@ def test_decode_extra_runs_the_packaged_entry_points():
 
 def test_decode_paged_arm_reads_the_same_cache(monkeypatch):
     """The paged arms' pool: the block table finds each entry's rows in the shuffled pages, so
-    flash_attn_with_kvcache over the pool (SPANS_ON_DEVICE inside spans_on_device, off after)
-    gives the contiguous cache's answer."""
+    flash_attn_with_kvcache over the pool (SPANS_ON_DEVICE inside spans_on_device, as it was
+    after) gives the contiguous cache's answer."""
     import torch
 
     import flashcuda
@@ -591,6 +591,7 @@ def test_decode_paged_arm_reads_the_same_cache(monkeypatch):
     assert torch.equal(pv[table.long()].flatten(1, 2), v)
     q = torch.randn(2, 1, 4, 16)
     lens = torch.full((2,), 128, dtype=torch.int32)
+    monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", False)
     with extras.spans_on_device():
         assert kvcache.SPANS_ON_DEVICE
         paged = flashcuda.flash_attn_with_kvcache(q, pk, pv, cache_seqlens=lens, block_table=table)

@@ -143,10 +143,17 @@ def test_positions_past_the_cache_are_clamped_not_written_out_of_bounds(captured
     (dict(cache_seqlens=12), "cache_seqlens"),
     (dict(kernels_off=True), "the decode kernels"),
     (dict(new_len=13), "seqlen_new <= seqlen_cache"),
+    (dict(q_len=17, spans_on_device=True), "q: expected 1 to 16 queries per entry"),
+    (dict(q_len=3, window_size=(4, 0), spans_on_device=True), "window_size"),
+    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32),
+          cache_batch_idx=torch.tensor([1, 0]), spans_on_device=True), "cache_batch_idx"),
 ])
 def test_calls_a_capture_cannot_run_are_refused_by_name_before_any_write(captured, monkeypatch,
                                                                          case, match):
+    """(With SPANS_ON_DEVICE off unless the case turns it on: the refusals of each mode.)"""
     from flashcuda.ops import decode
+
+    monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", case.pop("spans_on_device", False))
 
     gen = torch.Generator().manual_seed(2)
     k_cache, v_cache = (torch.randn(2, 12, 1, 8, generator=gen) for _ in range(2))
@@ -172,6 +179,7 @@ def one_call_eager_and_captured(captured, monkeypatch, q, k_cache, v_cache, kw):
     calls = []
     monkeypatch.setattr(fwd_decode, "attention", lambda *a: calls.append(a) or oracle_decode(*a))
     monkeypatch.setattr(decode, "KERNEL", False)
+    monkeypatch.setattr(kvcache, "SPANS_ON_DEVICE", False)
     kc1, vc1 = k_cache.clone(), v_cache.clone()
     out1, lse1 = flashcuda.flash_attn_with_kvcache(q, kc1, vc1, **kw)
     assert not calls

@@ -26,9 +26,9 @@ def test_train_compare_short(tmp_path):
 
 
 @pytest.mark.parametrize("mode", [[], ["--paged"], ["--graph"],
-                                  ["--paged", "--spans-on-device"],
-                                  ["--paged", "--graph", "--spans-on-device"]],
-                         ids=["rows", "paged", "graph", "paged-device", "paged-graph-device"])
+                                  ["--paged", "--runs"],
+                                  ["--paged", "--graph"]],
+                         ids=["rows", "paged", "graph", "paged-runs", "paged-graph"])
 def test_generate_kvcache(mode):
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "generate_kvcache.py"),
                           "--device", "cuda", "--tokens", "24", *mode],
