@@ -11,6 +11,7 @@
 #           CUDA_ERROR_INVALID_VALUE is how the list's end shows)
 # tune:     scripts/decode_probe.py --tune at batch 1 x 64k, batch 8 x 16k, batch 1 x 16k keys
 # probe:    scripts/decode_probe.py at batch 1 x 1k (host time of a small call)
+# ncu:      ncu (full set) of one decode call and one SDPA cuDNN call at batch 1 x 64k
 # Each step's log goes to $OUT/<step>.txt; a short table of pass/fail counts and timings ends it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +41,12 @@ for s in $steps; do
       done > "$OUT/tune.txt" ;;
     probe)
       timeout 120 python3 scripts/decode_probe.py --keys 1024 > "$OUT/probe.txt" 2>&1 ;;
+    ncu)
+      timeout 240 ncu --profile-from-start off --set full --target-processes all \
+        -o "$OUT/decode-64k" python3 scripts/decode_probe.py --ncu > "$OUT/ncu.txt" 2>&1
+      ncu --import "$OUT/decode-64k.ncu-rep" --page details --print-units base \
+        > "$OUT/ncu-details.txt" 2>&1
+      gzip -f "$OUT/decode-64k.ncu-rep" ;;
   esac
   echo "== $s $(( $(date +%s) - t0 )) s" >> "$OUT/steps.txt"
 done
@@ -49,4 +56,6 @@ grep -hE "passed|failed|error" "$OUT/tests.txt" "$OUT/sanitize.txt" 2>/dev/null 
 grep -h "sanitizer rc\|ERROR SUMMARY" "$OUT/sanitize.txt" 2>/dev/null | tail -2
 [ -f "$OUT/tune.txt" ] && grep -E "us " "$OUT/tune.txt"
 [ -f "$OUT/probe.txt" ] && grep -E " us " "$OUT/probe.txt" | head -12
+[ -f "$OUT/ncu-details.txt" ] && grep -E "^  [a-z_]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Grid Size|Waves Per SM" \
+  "$OUT/ncu-details.txt" | head -40
 exit 0

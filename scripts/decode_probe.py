@@ -46,6 +46,10 @@ def main() -> None:
     ap.add_argument("--paged", type=int, default=0, metavar="PAGE",
                     help="with --tune: also the same keys in shuffled pages of PAGE rows (the "
                          "paged kernels, block table on the device), stages 0 and 3")
+    ap.add_argument("--ncu", action="store_true",
+                    help="one call of the decode kernels and one of SDPA cuDNN between "
+                         "cudaProfilerStart / Stop, after warm-up (for ncu --profile-from-start "
+                         "off)")
     a = ap.parse_args()
     h, hk, d = 32, 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -53,6 +57,24 @@ def main() -> None:
     k, v = (torch.randn(a.batch, a.keys, hk, d, dtype=q.dtype, device="cuda", generator=g)
             for _ in range(2))
     scale = d ** -0.5
+    if a.ncu:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            calls = (lambda: fwd_decode.attention(q, k, v, scale),
+                     lambda: F.scaled_dot_product_attention(qt, kt, vt, scale=scale,
+                                                            enable_gqa=True))
+            for fn in calls * 3:
+                fn()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            for fn in calls:
+                fn()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+        return
     if a.tune:  # each choice timed and checked against the float64 oracle (DESIGN.md §7's rule)
         from flashcuda.reference import attention_ref, max_error, rounding_floor
 
