@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The decode kernels' device call, from the repository root on the GPU machine:
 #
-#   FLASHCUDA_COMMIT=<sha> OUT=<dir> scripts/decode_lane.sh [tests] [sanitize] [tune] [probe]
+#   FLASHCUDA_COMMIT=<sha> OUT=<dir> scripts/decode_lane.sh [tests] [sanitize] [tune] [probe] [ncu]
 #
 # tests:    tests/gpu/test_decode.py, then test_api / test_examples' kvcache and decode cases
 # sanitize: compute-sanitizer memcheck on the decode tests that reach the edges (counts 0 / 1 /
@@ -12,7 +12,8 @@
 # tune:     scripts/decode_probe.py --tune at batch 1 x 64k, batch 8 x 16k, batch 1 x 16k keys
 # probe:    scripts/decode_probe.py at batch 1 x 1k (host time of a small call)
 # ncu:      ncu (full set) of one decode call and one SDPA cuDNN call at batch 1 x 64k
-# Each step's log goes to $OUT/<step>.txt; a short table of pass/fail counts and timings ends it.
+# Each step's log goes to $OUT/<step>.txt, packed at the end into $OUT/decode-lane.tgz (steps.txt and
+# the ncu report stay beside it); a short table of pass/fail counts and timings ends it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/decode-lane-out}
@@ -58,4 +59,7 @@ grep -h "sanitizer rc\|ERROR SUMMARY" "$OUT/sanitize.txt" 2>/dev/null | tail -2
 [ -f "$OUT/probe.txt" ] && grep -E " us " "$OUT/probe.txt" | head -12
 [ -f "$OUT/ncu-details.txt" ] && grep -E "^  [a-z_]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Grid Size|Waves Per SM" \
   "$OUT/ncu-details.txt" | head -40
+# the device brings back at most 8 files: the logs in one tarball (the ncu report beside it)
+(cd "$OUT" && tar czf decode-lane.tgz --exclude='*.tgz' --exclude='*.ncu-rep.gz' ./* &&
+  find . -type f ! -name '*.tgz' ! -name '*.ncu-rep.gz' ! -name steps.txt -delete)
 exit 0
