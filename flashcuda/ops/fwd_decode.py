@@ -16,11 +16,17 @@ driver's occupancy of the kernel x SMs: one full wave however small the batch); 
 each piece writes its normalised out and lse in fp32 and the combine rounds once. So the result
 has one rounding (out to q's dtype) like a single kernel call. STAGES picks how K / V reach the
 registers (straight loads, or a cp.async pipeline in shared memory: the .cu's FC_STAGES).
+COMBINE how the pieces meet (the .cu's FC_COMBINE): the combine kernel after the split (0), the
+same as the split's programmatic dependent on sm_90 (1), or fused into the split kernel, whose
+last CTA per (entry, KV head, row block) combines (2: a counter per tile in a buffer kept zero
+per thread, device and stream, fresh while a CUDA graph is captured).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +44,7 @@ ROWS = (1, 2, 4, 8)  # query rows (heads of one KV head's group) per CTA
 # A/B knobs, read once at import (README's environment table)
 STAGES_ENV, UNROLL_ENV, WAVES_ENV = ("FLASHCUDA_DECODE_STAGES", "FLASHCUDA_DECODE_UNROLL",
                                      "FLASHCUDA_DECODE_WAVES")
+COMBINE_ENV = "FLASHCUDA_DECODE_COMBINE"
 UNROLL = choice(UNROLL_ENV, 2, (1, 2, 4, 8))  # keys per slot per step
 # K / V by registers (0) or an N-stage cp.async pipeline (the .cu's FC_STAGES). The defaults,
 # 2 stages x 2 keys per slot, won session 44's tune on an H100 (docs/perf-notes.md)
@@ -47,6 +54,9 @@ MAX_SPLITS = 128
 MIN_SPLIT_KEYS = 256  # no piece shorter than this (the combine and the CTA's start cost)
 # the split aims at this many full waves of the CTAs the GPU holds at once
 WAVES = choice(WAVES_ENV, 1, (1, 2, 3, 4))
+# how split pieces meet: 0 the combine kernel, 1 it as the split's programmatic dependent (sm_90),
+# 2 fused into the split kernel (its last CTA per tile combines)
+COMBINE = choice(COMBINE_ENV, 0, (0, 1, 2))
 MAX_GRID_YZ = 65535
 MAX_QUERY_ROWS = 16  # query rows per sequence (each an entry of its own: keys read once per row)
 
@@ -59,10 +69,13 @@ class DecodeConfig:
     unroll: int = 0  # FC_UNROLL (0: UNROLL, at most 4 with 8 rows, 2 paged without a pipe)
     stages: int = -1  # FC_STAGES (-1: STAGES): 0 loads to registers, N an N-stage cp.async pipe
     paged: bool = False  # FC_PAGED: the cache in pages through a block table
+    combine: int = -1  # FC_COMBINE (-1: COMBINE): how split pieces meet
 
     def __post_init__(self) -> None:
         if self.stages < 0:
             object.__setattr__(self, "stages", STAGES)
+        if self.combine < 0:
+            object.__setattr__(self, "combine", COMBINE)
         if not self.unroll:  # (the caps keep 8 rows' accumulators, q and keys within 255 regs)
             cap = 2 if self.paged and not self.stages else 4
             object.__setattr__(self, "unroll", UNROLL if self.rows < 8 else min(UNROLL, cap))
@@ -97,18 +110,25 @@ class DecodeConfig:
         pipe = f"_p{self.stages}" if self.stages else ""
         paged = "_pg" if self.paged else ""
         return (f"flash_decode_{DTYPE_NAME[self.dtype]}_d{self.head_dim}_r{self.rows}"
-                f"_u{self.unroll}{pipe}{paged}")
+                f"_u{self.unroll}{pipe}{paged}{COMBINE_SUFFIX[self.combine]}")
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
             "FC_STAGE": 0, "FC_DTYPE": DTYPE_CODE[self.dtype], "FC_HEAD_DIM": self.head_dim,
             "FC_ROWS": self.rows, "FC_UNROLL": self.unroll, "FC_STAGES": self.stages,
-            "FC_PAGED": int(self.paged)})
+            "FC_PAGED": int(self.paged),
+            **({"FC_COMBINE": self.combine} if self.combine else {})})
 
 
-def combine_spec(dtype: torch.dtype) -> KernelSpec:
-    return KernelSpec.make(f"flash_decode_combine_{DTYPE_NAME[dtype]}", SOURCE,
-                           defines={"FC_STAGE": 1, "FC_DTYPE": DTYPE_CODE[dtype]})
+COMBINE_SUFFIX = ("", "_cd", "_cf")  # (combine kernel, its programmatic dependent, fused)
+
+
+def combine_spec(dtype: torch.dtype, combine: int = 0) -> KernelSpec:
+    """The combine kernel (FC_STAGE 1); combine 1: it waits for the split grid itself
+    (griddepcontrol.wait), launched as its programmatic dependent."""
+    return KernelSpec.make(f"flash_decode_combine_{DTYPE_NAME[dtype]}{COMBINE_SUFFIX[combine]}",
+                           SOURCE, defines={"FC_STAGE": 1, "FC_DTYPE": DTYPE_CODE[dtype],
+                                            **({"FC_COMBINE": 1} if combine == 1 else {})})
 
 
 def config_for(dtype: torch.dtype, head_dim: int, group: int, paged: bool = False) -> DecodeConfig:
@@ -122,6 +142,12 @@ def _device_ok(device: torch.device) -> tuple[bool, int]:
     """(sm >= 80, SM count) of a CUDA device."""
     props = torch.cuda.get_device_properties(device)
     return (props.major, props.minor) >= (8, 0), props.multi_processor_count
+
+
+@functools.cache
+def _programmatic(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol) exists on this device: sm >= 90."""
+    return torch.cuda.get_device_properties(device).major >= 9
 
 
 def can_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -171,11 +197,12 @@ class _Plan:
     split: PreparedLaunch
     combine: PreparedLaunch | None
     splits: int
+    counters: int  # counters the fused combine needs per call (0: none)
 
 
-# q, k, v, out, lse, o_part, lse_part, seqused, seqstart, cache_rows, block_table: the rest is
-# the layout's
-_SPLIT_POINTERS = 11
+# q, k, v, out, lse, o_part, lse_part, seqused, seqstart, cache_rows, block_table, counters: the
+# rest is the layout's
+_SPLIT_POINTERS = 12
 _COMBINE_POINTERS = 4  # o_part, lse_part, out, lse
 
 
@@ -189,6 +216,8 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     seqlen_k = block_table.shape[1] * k.shape[1] if paged else k.shape[1]
     group = nheads // nheads_kv
     cfg = config_for(q.dtype, head_dim, group, paged)
+    if cfg.combine == 1 and not _programmatic(q.device):  # (no griddepcontrol before sm_90)
+        cfg = dataclasses.replace(cfg, combine=0)
     row_blocks = -(-group // cfg.rows)
     _, sms = _device_ok(q.device)
     kernel = get_kernel(cfg.spec(), q.device)
@@ -206,13 +235,15 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     split = PreparedLaunch(kernel, (splits, nheads_kv * row_blocks, entries), (THREADS, 1, 1),
                            cfg.smem_bytes, (None,) * _SPLIT_POINTERS + layout, fixed=len(layout))
     combine = None
-    if splits > 1:
+    if splits > 1 and cfg.combine != 2:
         tail = (np.int64(out.stride(1)), np.int64(out.stride(2)), np.int32(entries),
                 np.int32(nheads), np.int32(head_dim), np.int32(splits))
-        combine = PreparedLaunch(get_kernel(combine_spec(q.dtype), q.device),
+        combine = PreparedLaunch(get_kernel(combine_spec(q.dtype, cfg.combine), q.device),
                                  (entries * nheads, 1, 1), (THREADS, 1, 1), 0,
-                                 (None,) * _COMBINE_POINTERS + tail, fixed=len(tail))
-    return _Plan(split, combine, splits)
+                                 (None,) * _COMBINE_POINTERS + tail, fixed=len(tail),
+                                 programmatic=cfg.combine == 1)
+    counters = entries * nheads_kv * row_blocks if splits > 1 and cfg.combine == 2 else 0
+    return _Plan(split, combine, splits, counters)
 
 
 _plans = PlanCache(lambda args: _plan(*args))
@@ -220,6 +251,27 @@ _plans = PlanCache(lambda args: _plan(*args))
 
 def _at(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+_counter_buffers = threading.local()
+
+
+def counters(device: torch.device, handle: int, n: int) -> torch.Tensor:
+    """At least `n` int32 zeros on `device` for the fused combine's tile counters of a call on
+    stream `handle`. One buffer per (thread, device, stream), kept between calls: every call
+    leaves its counters zero (a tile's last CTA resets its own), and the calls a thread makes on
+    a stream run one after another. While the stream is captured into a CUDA graph, a new zeroed
+    buffer per call (the graph's pool): replays may run beside eager calls on that stream."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    by_stream = getattr(_counter_buffers, "by_stream", None)
+    if by_stream is None:
+        by_stream = _counter_buffers.by_stream = {}
+    key = (device, handle)
+    buf = by_stream.get(key)
+    if buf is None or buf.numel() < n:
+        buf = by_stream[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return buf
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
@@ -243,17 +295,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     table = None if block_table is None else (block_table.shape, block_table.stride())
     causal = bool(causal) and seqlen_q > 1  # (one row: the same keys either way)
     key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.get_device(),
-           softmax_scale, table, causal, UNROLL, STAGES, WAVES)
+           softmax_scale, table, causal, UNROLL, STAGES, WAVES, COMBINE)
     plan = _plans.plan(key, (q, k, v, softmax_scale, out, block_table, causal))
     parts = None
-    if plan.combine is not None:  # (the fp32 partials: freed after the combine, stream-ordered)
+    if plan.splits > 1:  # (the fp32 partials: freed after the combine, stream-ordered)
         entries = batch * seqlen_q
         parts = (q.new_empty((plan.splits, entries, nheads, head_dim), dtype=torch.float32),
                  q.new_empty((plan.splits, entries, nheads), dtype=torch.float32))
     o_at, lse_at = (parts[0].data_ptr(), parts[1].data_ptr()) if parts else (0, 0)
     handle = launch_stream(q.get_device())
+    count_at = counters(q.device, handle, plan.counters).data_ptr() if plan.counters else 0
     plan.split(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), o_at,
-               lse_at, _at(seqused), _at(seqstart), _at(cache_rows), _at(block_table),
+               lse_at, _at(seqused), _at(seqstart), _at(cache_rows), _at(block_table), count_at,
                handle=handle)
     if plan.combine is not None:
         plan.combine(o_at, lse_at, out.data_ptr(), lse.data_ptr(), handle=handle)

@@ -75,6 +75,28 @@ def test_decode_representative_variants_compile():
             assert not r.spills, (spec.name, arch, r)
 
 
+@pytest.mark.parametrize("combine", [1, 2], ids=["dependent", "fused"])
+def test_combine_mode_variants_compile(combine):
+    """FLASHCUDA_DECODE_COMBINE 1 / 2 (A/B): the split kernels at the tune's default and the
+    widest (d256, 8 rows, paged) and, for 1, its combine kernel — both targets, no spills; the
+    names say the mode, the default's kernels keep their names."""
+    cfgs = [fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 2, 2, combine=combine),
+            fwd_decode.DecodeConfig(torch.float16, 256, 8, 2, 2, True, combine=combine),
+            fwd_decode.DecodeConfig(torch.bfloat16, 64, 1, 4, 0, combine=combine)]
+    specs = [c.spec() for c in cfgs]
+    if combine == 1:
+        specs.append(fwd_decode.combine_spec(torch.bfloat16, 1))
+    for spec in specs:
+        assert spec.name.endswith(("_cd", "_cf")[combine - 1])
+        assert dict(spec.defines).get("FC_COMBINE") == str(combine)
+        for arch in fwd_decode.ARCHS:
+            r = compile_spec(spec, arch).resources()[spec.entry_name]
+            assert not r.spills and r.registers <= 255, (spec.name, arch, r)
+    default = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 2, 2, combine=0).spec()
+    assert "FC_COMBINE" not in dict(default.defines) and not default.name.endswith(("_cd", "_cf"))
+    assert fwd_decode.combine_spec(torch.bfloat16).name == "flash_decode_combine_bf16"
+
+
 def test_decode_config_buckets_and_rows():
     cfg = fwd_decode.config_for(torch.bfloat16, 72, 6)
     assert (cfg.head_dim, cfg.rows, cfg.slots) == (128, 8, 8)
@@ -187,7 +209,7 @@ def test_launch_packs_the_kernels_parameter_lists(launches, keys, seqused):
                                                                               "little")]
             assert all(parts)
         want, _ = runtime.pack_args("split", (q, k, v, out, lse, *(np.uint64(p) for p in parts),
-                                              used, None, None, None, *layout))
+                                              used, None, None, None, None, *layout))
         assert params == want
         if splits > 1:
             name, grid, params = launched[1]
@@ -230,7 +252,7 @@ def test_paged_launch_packs_the_table_and_the_spans(launches):
     lse_at = int.from_bytes(params[32:40], "little")
     want, _ = runtime.pack_args("split", (q, k, v, np.uint64(out_at), np.uint64(lse_at),
                                           *(np.uint64(p) for p in parts), used, start, None,
-                                          table, *layout))
+                                          table, None, *layout))
     assert params == want
 
 
@@ -286,7 +308,7 @@ def test_several_query_rows_are_entries_of_their_own(launches):
               i64(8 * 64), i64(64), i64(0), i32(0), i32(6), i32(3), i32(1), i32(5000), i32(8),
               i32(2), i32(64), i32(splits), i32(chunk), np.float32(0.2 * 1.4426950408889634))
     want, _ = runtime.pack_args("split", (q, k, v, *(np.uint64(p) for p in at + parts), None,
-                                          None, None, None, *layout))
+                                          None, None, None, None, *layout))
     assert params == want
     name, grid, params = launches[1]
     assert grid == (6 * 8, 1, 1)
@@ -302,5 +324,5 @@ def test_several_query_rows_are_entries_of_their_own(launches):
     layout = (*layout[:13], i32(2), i32(1), i32(0), *layout[16:20], i32(splits), i32(chunk),
               layout[-1])
     want, _ = runtime.pack_args("split", (one, k, v, *(np.uint64(p) for p in at), None, None,
-                                          None, None, *layout))
+                                          None, None, None, *layout))
     assert params == want

@@ -61,6 +61,37 @@ def test_the_split_covers_one_and_many_pieces():
     on_gpu.test_the_split_covers_one_and_many_pieces()
 
 
+@pytest.mark.parametrize("combine", [1, 2], ids=["dependent", "fused"])
+@pytest.mark.parametrize("head_dim,heads", [(64, (8, 1)), (128, (12, 2))])
+def test_combine_modes_equal_the_combine_kernel(combine, head_dim, heads, monkeypatch):
+    on_gpu.test_combine_modes_equal_the_combine_kernel(combine, head_dim, heads, monkeypatch)
+
+
+def test_fused_combine_launches_one_kernel(monkeypatch):
+    """FLASHCUDA_DECODE_COMBINE=2: one launch per call (the split kernel, FC_COMBINE=2), none of
+    the combine kernel; 1: the combine kernel of FC_COMBINE=1, launched programmatically."""
+    launched = []
+    run = simt_emu.EmuLaunch.__call__
+
+    def record(self, *values, **kw):
+        launched.append((self.kernel.name, self.asked_programmatic))
+        return run(self, *values, **kw)
+
+    monkeypatch.setattr(simt_emu.EmuLaunch, "__call__", record)
+    q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 3000, 2, 64, dtype=q.dtype) for _ in range(2))
+    for combine, names in ((2, ["flash_decode_bf16_d64_r4_u2_p2_cf"]),
+                           (1, ["flash_decode_bf16_d64_r4_u2_p2_cd",
+                                "flash_decode_combine_bf16_cd"])):
+        monkeypatch.setattr(fwd_decode, "COMBINE", combine)
+        monkeypatch.setattr(fwd_decode, "STAGES", 2)
+        monkeypatch.setattr(fwd_decode, "UNROLL", 2)
+        launched.clear()
+        fwd_decode.attention(q, k, v, 0.125)
+        assert [n for n, _ in launched] == names
+        assert [p for _, p in launched] == [False] * (len(names) - 1) + [combine == 1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_per_entry_counts_on_the_device(dtype, stages):
     on_gpu.test_per_entry_counts_on_the_device(dtype, stages)

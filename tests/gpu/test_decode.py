@@ -99,6 +99,55 @@ def test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeyp
         check_entries(out, lse, q, k, v, [keys] * batch)
 
 
+@pytest.mark.parametrize("combine", [1, 2], ids=["dependent", "fused"])
+@pytest.mark.parametrize("head_dim,heads", [(64, (8, 1)), (128, (32, 8)), (128, (12, 2)),
+                                            (256, (16, 2))])
+def test_combine_modes_equal_the_combine_kernel(combine, head_dim, heads, monkeypatch):
+    """FLASHCUDA_DECODE_COMBINE 1 (the combine kernel as the split's programmatic dependent) and
+    2 (fused: each tile's last CTA combines the partials): out / lse bitwise the combine
+    kernel's, and within the oracle's rule, over entries of 0 / 1 / part / all keys (several
+    pieces each), three calls in a row (the fused counters left zero for the next), a group of 6
+    in an 8-row block (rows < FC_ROWS)."""
+    monkeypatch.setattr(fwd_decode, "COMBINE", 0)
+    g = torch.Generator(device=DEVICE).manual_seed(head_dim + heads[0] + combine)
+    h, hk = heads
+    counts = [0, 1, 3001, 5000]
+    q = rand(g, 4, 1, h, head_dim, dtype=torch.bfloat16)
+    k, v = (rand(g, 4, 5000, hk, head_dim, dtype=q.dtype) for _ in range(2))
+    used = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    assert splits_of(q, k) > 1
+    want = fwd_decode.attention(q, k, v, 0.2, used)
+    monkeypatch.setattr(fwd_decode, "COMBINE", combine)
+    for _ in range(3):
+        out, lse = fwd_decode.attention(q, k, v, 0.2, used)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    check_entries(out, lse, q, k, v, counts, 0.2)
+    if combine == 2:
+        buffers = list(fwd_decode._counter_buffers.by_stream.values())
+        assert buffers and not any(b.any() for b in buffers)
+
+
+def test_fused_combine_in_a_cuda_graph(monkeypatch):
+    """FLASHCUDA_DECODE_COMBINE=2 captured: the graph's own zeroed counters (not the stream's
+    eager buffer), replays with new queries equal to eager calls made between them."""
+    monkeypatch.setattr(fwd_decode, "COMBINE", 2)
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    q = rand(g, 2, 1, 32, 128, dtype=torch.bfloat16)
+    k, v = (rand(g, 2, 9000, 8, 128, dtype=q.dtype) for _ in range(2))
+    fwd_decode.attention(q, k, v, 0.1)  # (compiled and planned outside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fwd_decode.attention(q, k, v, 0.1)
+    for _ in range(3):
+        q.copy_(rand(g, *q.shape, dtype=q.dtype))
+        graph.replay()
+        eager, eager_lse = fwd_decode.attention(q, k, v, 0.1)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+    check_entries(out, lse, q, k, v, [9000, 9000], 0.1)
+
+
 def test_the_split_covers_one_and_many_pieces():
     """The cases above include one piece (1 key) and many (20000 keys, one entry)."""
     q = torch.empty(1, 1, 32, 128, device=DEVICE, dtype=torch.bfloat16)

@@ -42,6 +42,17 @@
 //
 // FC_STAGE 1 (combine): grid (entries * nheads), 128 threads: lse = log sum_s exp(lse_s),
 // out = sum_s exp(lse_s - lse) o_s, rounded once to q's dtype.
+//
+// How the pieces meet when splits > 1 (FC_COMBINE, an A/B knob):
+//   0   the combine kernel, launched after the split kernel.
+//   1   the same, as the split kernel's programmatic dependent (sm_90): each split CTA signals
+//       griddepcontrol.launch_dependents at its start, so the combine grid is launched while
+//       the split runs and its CTAs take the SMs the split's CTAs leave; griddepcontrol.wait
+//       holds them until the split grid has completed and its writes are visible.
+//   2   fused: no second kernel. Each CTA counts itself done on its (entry, KV head, row
+//       block)'s counter (counters: zero before the call, left zero after it); the CTA that
+//       counts last combines that tile's rows from the partials the others wrote
+//       (__threadfence before the count, L1-bypassing loads after it).
 #include "attention/online_softmax.cuh"
 #include "common/sm80.cuh"
 #include "common/types.cuh"
@@ -49,6 +60,46 @@
 using T = dtype_of<FC_DTYPE>::type;
 static_assert(sizeof(T) == 2, "the decode kernels take 16-bit storage");
 constexpr int kThreads = 128;
+#ifndef FC_COMBINE
+#define FC_COMBINE 0
+#endif
+static_assert(FC_COMBINE >= 0 && FC_COMBINE <= 2, "FC_COMBINE: 0 kernel, 1 dependent, 2 fused");
+
+// The combine of one (entry, head) row bh = entry * nheads + head from the splits' partials,
+// columns threadIdx.x, + kThreads ...: lse[bh] = log sum_s exp(lse_s), out = sum_s exp(lse_s -
+// lse) o_s rounded once, at out[entry * o_batch_stride + head * o_head_stride + col]. kFresh:
+// the partials were written by other CTAs of this grid (loads that bypass L1).
+template <bool kFresh>
+__device__ __forceinline__ float part(const float* p) {
+  if constexpr (kFresh) return __ldcg(p);
+  return *p;
+}
+
+template <bool kFresh>
+__device__ __forceinline__ void combine_row(const float* __restrict__ o_part,
+                                            const float* __restrict__ lse_part,
+                                            T* __restrict__ out, float* __restrict__ lse,
+                                            int bh, int entry, int head, int64_t o_batch_stride,
+                                            int64_t o_head_stride, int64_t stride, int head_dim,
+                                            int splits) {
+  // Every thread reduces the splits' lse itself (splits are few; no barrier needed).
+  float m = neg_inf();
+  for (int s = 0; s < splits; ++s) m = fmaxf(m, part<kFresh>(lse_part + s * stride + bh));
+  const float ref = m == neg_inf() ? 0.f : m;
+  float l = 0.f;
+  for (int s = 0; s < splits; ++s)
+    l += fast_exp2((part<kFresh>(lse_part + s * stride + bh) - ref) * kLog2e);
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  if (threadIdx.x == 0) lse[bh] = l > 0.f ? ref + fast_log2(l) * kLn2 : neg_inf();
+  for (int col = threadIdx.x; col < head_dim; col += kThreads) {
+    float val = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float w = fast_exp2((part<kFresh>(lse_part + s * stride + bh) - ref) * kLog2e);
+      val = fmaf(w, part<kFresh>(o_part + (s * stride + bh) * head_dim + col), val);
+    }
+    out[entry * o_batch_stride + head * o_head_stride + col] = from_float<T>(val * inv);
+  }
+}
 
 #if FC_STAGE == 0
 
@@ -164,6 +215,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
     const int* __restrict__ seqstart,     // [B] first position per entry, or null: 0 each
     const int* __restrict__ cache_rows,   // [B] entry b's cache row, or null: b (unpaged)
     const int* __restrict__ block_table,  // [B, >= seqlen_k / page_size] pages (FC_PAGED)
+    int* __restrict__ counters,  // [E, gridDim.y] zero, left zero (FC_COMBINE 2, splits > 1)
     int64_t q_batch_stride, int64_t q_row_stride, int64_t q_head_stride,
     int64_t k_batch_stride, int64_t k_row_stride, int64_t k_head_stride,  // batch: page (paged)
     int64_t v_batch_stride, int64_t v_row_stride, int64_t v_head_stride,
@@ -183,6 +235,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
   // after the keys, the same bytes hold SplitSmem (the host sizes it for the larger of the two)
   extern __shared__ __align__(16) uint4 stage_buf[];
   SplitSmem& sm = *reinterpret_cast<SplitSmem*>(stage_buf);
+#endif
+#if FC_COMBINE == 1 && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
   const int split = blockIdx.x;
   const int group = nheads / nheads_kv;
@@ -336,6 +391,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
       o_part[((static_cast<int64_t>(split) * batch + entry) * nheads + head) * head_dim + col] =
           val;
   }
+#if FC_COMBINE == 2
+  if (splits == 1) return;
+  __shared__ int last;
+  __threadfence();  // this thread's partials reach the device before the count below
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* count = counters + static_cast<int64_t>(entry) * gridDim.y + blockIdx.y;
+    last = atomicAdd(count, 1) == splits - 1;
+    if (last) *count = 0;  // every piece has counted: zero again for the next call
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int64_t stride = static_cast<int64_t>(batch) * nheads;
+  for (int r = 0; r < rows; ++r) {
+    const int head = head0 + r;
+    combine_row<true>(o_part, lse_part, out, lse, entry * nheads + head, entry, head,
+                      o_batch_stride, o_head_stride, stride, head_dim, splits);
+  }
+#endif
 }
 
 #else  // FC_STAGE == 1: the combine
@@ -347,25 +422,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
     float* __restrict__ lse,             // [E, H] contiguous
     int64_t o_batch_stride, int64_t o_head_stride,
     int batch, int nheads, int head_dim, int splits) {  // batch: entries E
+#if FC_COMBINE == 1 && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split grid done, its writes seen
+#endif
   const int bh = blockIdx.x;  // entry * nheads + head
   const int b = bh / nheads, head = bh % nheads;
-  const int64_t stride = static_cast<int64_t>(batch) * nheads;
-  // Every thread reduces the splits' lse itself (splits are few; no barrier needed).
-  float m = neg_inf();
-  for (int s = 0; s < splits; ++s) m = fmaxf(m, lse_part[s * stride + bh]);
-  const float ref = m == neg_inf() ? 0.f : m;
-  float l = 0.f;
-  for (int s = 0; s < splits; ++s) l += fast_exp2((lse_part[s * stride + bh] - ref) * kLog2e);
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  if (threadIdx.x == 0) lse[bh] = l > 0.f ? ref + fast_log2(l) * kLn2 : neg_inf();
-  for (int col = threadIdx.x; col < head_dim; col += kThreads) {
-    float val = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const float w = fast_exp2((lse_part[s * stride + bh] - ref) * kLog2e);
-      val = fmaf(w, o_part[(s * stride + bh) * head_dim + col], val);
-    }
-    out[b * o_batch_stride + head * o_head_stride + col] = from_float<T>(val * inv);
-  }
+  combine_row<false>(o_part, lse_part, out, lse, bh, b, head, o_batch_stride, o_head_stride,
+                     static_cast<int64_t>(batch) * nheads, head_dim, splits);
 }
 
 #endif

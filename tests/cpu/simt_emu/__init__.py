@@ -142,7 +142,12 @@ def build(spec: KernelSpec, resident: int = 3, kernels_dir: Path = KERNELS_DIR) 
 
 
 class EmuLaunch(PreparedLaunch):
-    """PreparedLaunch on a HostKernel: the same packed parameters, run by the emulator."""
+    """PreparedLaunch on a HostKernel: the same packed parameters, run by the emulator (a
+    programmatic launch as a plain one: the grids run one after another here)."""
+
+    def __init__(self, *args, programmatic: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked_programmatic = programmatic  # (what the family's plan asked for)
 
     def __call__(self, *values, stream=None, handle: int | None = None) -> None:
         buffers = getattr(self._local, "buffers", None)
@@ -168,6 +173,7 @@ def emulate(monkeypatch, module, sms: int = 132, resident: int = 3) -> None:
     monkeypatch.setattr(module, "get_kernel", lambda spec, device=None: build(spec, resident))
     for name, value in (("PreparedLaunch", EmuLaunch), ("launch_stream", lambda index: 0),
                         ("_device_ok", lambda device: (True, sms)), ("on_cuda", lambda d: True),
+                        ("_programmatic", lambda device: True),
                         ("device_reason", _device_reason), ("_device_index", lambda device: 0),
                         ("_device_info", lambda index: _DEVICE_INFO[module.__name__])):
         if hasattr(module, name):

@@ -65,6 +65,9 @@ template <typename X> inline X __shfl_xor_sync(unsigned, X v, int lane_mask, int
   return emu::shfl_xor(v, lane_mask, width);
 }
 template <typename X> inline X __ldg(const X* p) { return *p; }
+template <typename X> inline X __ldcg(const X* p) { return *p; }
+// (CTAs run one after another, each thread's writes seen at once: nothing to order)
+inline void __threadfence() {}
 // (the fibers of a CTA run one at a time and CTAs one after another: a plain add is atomic)
 template <typename X> inline X atomicAdd(X* p, X v) {
   const X old = *p;
