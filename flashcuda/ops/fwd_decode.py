@@ -45,12 +45,13 @@ ROWS = (1, 2, 4, 8)  # query rows (heads of one KV head's group) per CTA
 STAGES_ENV, UNROLL_ENV, WAVES_ENV = ("FLASHCUDA_DECODE_STAGES", "FLASHCUDA_DECODE_UNROLL",
                                      "FLASHCUDA_DECODE_WAVES")
 COMBINE_ENV = "FLASHCUDA_DECODE_COMBINE"
-UNROLL = choice(UNROLL_ENV, 2, (1, 2, 4, 8))  # keys per slot per step
+UNROLL = choice(UNROLL_ENV, 4, (1, 2, 4, 8))  # keys per slot per step
 # K / V by registers (0) or an N-stage cp.async pipeline (the .cu's FC_STAGES). The defaults,
-# 2 stages x 2 keys per slot, won session 44's tune on an H100 (docs/perf-notes.md)
+# 2 stages x 4 keys per slot: session 44's tune on the H200 (best or within 1.5% at batch 1 x 64k,
+# 8 x 16k; +2.5% at 1 x 16k against 2 keys; on an H100 2 keys won by 1-2%; docs/perf-notes.md)
 STAGES = choice(STAGES_ENV, 2, (0, 2, 3, 4, 5, 6))
 THREADS = 128
-MAX_SPLITS = 128
+MAX_SPLITS = 128  # at most the .cu's kMaxSplits (the combine: one piece per thread)
 MIN_SPLIT_KEYS = 256  # no piece shorter than this (the combine and the CTA's start cost)
 # the split aims at this many full waves of the CTAs the GPU holds at once
 WAVES = choice(WAVES_ENV, 1, (1, 2, 3, 4))

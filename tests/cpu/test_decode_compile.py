@@ -97,6 +97,15 @@ def test_combine_mode_variants_compile(combine):
     assert fwd_decode.combine_spec(torch.bfloat16).name == "flash_decode_combine_bf16"
 
 
+def test_max_splits_fit_the_combine():
+    """The combine holds one piece per thread (the .cu's kMaxSplits = kThreads)."""
+    assert fwd_decode.MAX_SPLITS <= fwd_decode.THREADS
+    from flashcuda.jit import KERNELS_DIR
+
+    source = (KERNELS_DIR / fwd_decode.SOURCE).read_text()
+    assert "constexpr int kMaxSplits = kThreads;" in source
+
+
 def test_decode_config_buckets_and_rows():
     cfg = fwd_decode.config_for(torch.bfloat16, 72, 6)
     assert (cfg.head_dim, cfg.rows, cfg.slots) == (128, 8, 8)

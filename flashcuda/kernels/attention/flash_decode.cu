@@ -41,7 +41,8 @@
 //       a thread's own copies visible to it); keys past the piece's end arrive as zeros.
 //
 // FC_STAGE 1 (combine): grid (entries * nheads), 128 threads: lse = log sum_s exp(lse_s),
-// out = sum_s exp(lse_s - lse) o_s, rounded once to q's dtype.
+// out = sum_s exp(lse_s - lse) o_s, rounded once to q's dtype (at most 128 pieces: one lse per
+// thread, the weights in shared memory, each column's sum over the pieces by one thread).
 //
 // How the pieces meet when splits > 1 (FC_COMBINE, an A/B knob):
 //   0   the combine kernel, launched after the split kernel.
@@ -65,10 +66,21 @@ constexpr int kThreads = 128;
 #endif
 static_assert(FC_COMBINE >= 0 && FC_COMBINE <= 2, "FC_COMBINE: 0 kernel, 1 dependent, 2 fused");
 
-// The combine of one (entry, head) row bh = entry * nheads + head from the splits' partials,
-// columns threadIdx.x, + kThreads ...: lse[bh] = log sum_s exp(lse_s), out = sum_s exp(lse_s -
-// lse) o_s rounded once, at out[entry * o_batch_stride + head * o_head_stride + col]. kFresh:
-// the partials were written by other CTAs of this grid (loads that bypass L1).
+// The combine's shared memory: each piece's weight exp(lse_s - max) and the warps' partial max /
+// sum. Pieces per row: at most kMaxSplits (fwd_decode.MAX_SPLITS), one per thread.
+constexpr int kMaxSplits = kThreads;
+struct CombineSmem {
+  float w[kMaxSplits];
+  float red[kThreads / 32];
+};
+
+// The combine of one (entry, head) row bh = entry * nheads + head from the splits' partials:
+// lse[bh] = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) o_s rounded once, at
+// out[entry * o_batch_stride + head * o_head_stride + col]. Thread s takes piece s's lse (the
+// max and the sum reduced over the CTA, the weights parked in shared memory), then thread c
+// sums column c over the pieces (their loads independent of one another). Every thread of the
+// CTA calls it (barriers inside). kFresh: the partials were written by other CTAs of this grid
+// (loads that bypass L1).
 template <bool kFresh>
 __device__ __forceinline__ float part(const float* p) {
   if constexpr (kFresh) return __ldcg(p);
@@ -76,29 +88,45 @@ __device__ __forceinline__ float part(const float* p) {
 }
 
 template <bool kFresh>
-__device__ __forceinline__ void combine_row(const float* __restrict__ o_part,
+__device__ __forceinline__ void combine_row(CombineSmem& cs, const float* __restrict__ o_part,
                                             const float* __restrict__ lse_part,
                                             T* __restrict__ out, float* __restrict__ lse,
                                             int bh, int entry, int head, int64_t o_batch_stride,
                                             int64_t o_head_stride, int64_t stride, int head_dim,
                                             int splits) {
-  // Every thread reduces the splits' lse itself (splits are few; no barrier needed).
-  float m = neg_inf();
-  for (int s = 0; s < splits; ++s) m = fmaxf(m, part<kFresh>(lse_part + s * stride + bh));
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  const float x = t < splits ? part<kFresh>(lse_part + t * stride + bh) : neg_inf();
+  float m = x;
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (lane == 0) cs.red[warp] = m;
+  __syncthreads();
+  m = cs.red[0];
+#pragma unroll
+  for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, cs.red[w]);
   const float ref = m == neg_inf() ? 0.f : m;
-  float l = 0.f;
-  for (int s = 0; s < splits; ++s)
-    l += fast_exp2((part<kFresh>(lse_part + s * stride + bh) - ref) * kLog2e);
+  const float wt = t < splits ? fast_exp2((x - ref) * kLog2e) : 0.f;
+  float l = wt;
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) l += __shfl_xor_sync(0xffffffffu, l, off);
+  __syncthreads();  // (every thread has read the maxima)
+  if (lane == 0) cs.red[warp] = l;
+  if (t < splits) cs.w[t] = wt;
+  __syncthreads();
+  l = 0.f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) l += cs.red[w];
   const float inv = l > 0.f ? 1.f / l : 0.f;
-  if (threadIdx.x == 0) lse[bh] = l > 0.f ? ref + fast_log2(l) * kLn2 : neg_inf();
-  for (int col = threadIdx.x; col < head_dim; col += kThreads) {
+  if (t == 0) lse[bh] = l > 0.f ? ref + fast_log2(l) * kLn2 : neg_inf();
+  for (int col = t; col < head_dim; col += kThreads) {
+    const float* o = o_part + static_cast<int64_t>(bh) * head_dim + col;
     float val = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const float w = fast_exp2((part<kFresh>(lse_part + s * stride + bh) - ref) * kLog2e);
-      val = fmaf(w, part<kFresh>(o_part + (s * stride + bh) * head_dim + col), val);
-    }
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s)
+      val = fmaf(cs.w[s], part<kFresh>(o + s * stride * head_dim), val);
     out[entry * o_batch_stride + head * o_head_stride + col] = from_float<T>(val * inv);
   }
+  __syncthreads();  // (cs is free again: the fused path combines its rows one after another)
 }
 
 #if FC_STAGE == 0
@@ -404,10 +432,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
   __syncthreads();
   if (!last) return;
   __threadfence();
+  static_assert(sizeof(SplitSmem) >= sizeof(CombineSmem), "the combine reuses SplitSmem");
+  CombineSmem& cs = *reinterpret_cast<CombineSmem*>(&sm);  // (every thread is past its reads)
   const int64_t stride = static_cast<int64_t>(batch) * nheads;
   for (int r = 0; r < rows; ++r) {
     const int head = head0 + r;
-    combine_row<true>(o_part, lse_part, out, lse, entry * nheads + head, entry, head,
+    combine_row<true>(cs, o_part, lse_part, out, lse, entry * nheads + head, entry, head,
                       o_batch_stride, o_head_stride, stride, head_dim, splits);
   }
 #endif
@@ -425,9 +455,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
 #if FC_COMBINE == 1 && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split grid done, its writes seen
 #endif
+  __shared__ CombineSmem cs;
   const int bh = blockIdx.x;  // entry * nheads + head
   const int b = bh / nheads, head = bh % nheads;
-  combine_row<false>(o_part, lse_part, out, lse, bh, b, head, o_batch_stride, o_head_stride,
+  combine_row<false>(cs, o_part, lse_part, out, lse, bh, b, head, o_batch_stride, o_head_stride,
                      static_cast<int64_t>(batch) * nheads, head_dim, splits);
 }
 
