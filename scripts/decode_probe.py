@@ -112,13 +112,14 @@ def main() -> None:
                           f"regs)  {m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s  "
                           f"err {err:.2e} {'ok' if err <= bound else 'WRONG'} "
                           f"(bound {bound:.2e})")
-        for combine in (1, 2):  # how the pieces meet, at the defaults (FLASHCUDA_DECODE_COMBINE)
+        for combine in (3, 1, 2):  # how the pieces meet, at the defaults (FLASHCUDA_DECODE_COMBINE)
             fwd_decode.UNROLL, fwd_decode.STAGES, fwd_decode.WAVES = unroll0, stages0, waves0
             fwd_decode.COMBINE = combine
             with torch.no_grad():
                 err = max_error(fwd_decode.attention(q, k, v, scale)[0], ref)
             m = ms(lambda: fwd_decode.attention(q, k, v, scale))
-            print(f"b{a.batch} {a.keys:6d} keys  defaults, combine {('', 'dependent', 'fused')[combine]:9s}"
+            print(f"b{a.batch} {a.keys:6d} keys  defaults, combine "
+                  f"{('', 'dependent', 'fused', 'CTA-wide')[combine]:9s}"
                   f"   {m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
                   f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
         fwd_decode.COMBINE = 0

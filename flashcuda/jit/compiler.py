@@ -11,6 +11,7 @@ import os
 import re
 import site
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -158,9 +159,17 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+# cuda.core's first import is not safe from two threads at once (the second can see the
+# package half initialised: "cannot import name 'Program'"), so compile_spec's lazy import holds
+# this lock.
+_import_lock = threading.Lock()
+
+
 def compile_spec(spec: KernelSpec, arch: str) -> CompileResult:
-    """Compile `spec` for `arch` (e.g. 'sm_80', 'sm_90a'). Raises CompileError with the log."""
-    from cuda.core import Program, ProgramOptions
+    """Compile `spec` for `arch` (e.g. 'sm_80', 'sm_90a'). Raises CompileError with the log.
+    Callable from several threads at once."""
+    with _import_lock:
+        from cuda.core import Program, ProgramOptions
 
     options = ProgramOptions(
         name=spec.source,

@@ -16,10 +16,11 @@ driver's occupancy of the kernel x SMs: one full wave however small the batch); 
 each piece writes its normalised out and lse in fp32 and the combine rounds once. So the result
 has one rounding (out to q's dtype) like a single kernel call. STAGES picks how K / V reach the
 registers (straight loads, or a cp.async pipeline in shared memory: the .cu's FC_STAGES).
-COMBINE how the pieces meet (the .cu's FC_COMBINE): the combine kernel after the split (0), the
-same as the split's programmatic dependent on sm_90 (1), or fused into the split kernel, whose
-last CTA per (entry, KV head, row block) combines (2: a counter per tile in a buffer kept zero
-per thread, device and stream, fresh while a CUDA graph is captured).
+COMBINE how the pieces meet (the .cu's FC_COMBINE): the combine kernel after the split (0; 3:
+its CTA-wide form), that CTA-wide kernel as the split's programmatic dependent on sm_90 (1), or
+fused into the split kernel, whose last CTA per (entry, KV head, row block) combines (2: a
+counter per tile in a buffer kept zero per thread, device and stream, fresh while a CUDA graph
+is captured).
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ MAX_SPLITS = 128  # at most the .cu's kMaxSplits (the combine: one piece per thr
 MIN_SPLIT_KEYS = 256  # no piece shorter than this (the combine and the CTA's start cost)
 # the split aims at this many full waves of the CTAs the GPU holds at once
 WAVES = choice(WAVES_ENV, 1, (1, 2, 3, 4))
-# how split pieces meet: 0 the combine kernel, 1 it as the split's programmatic dependent (sm_90),
-# 2 fused into the split kernel (its last CTA per tile combines)
-COMBINE = choice(COMBINE_ENV, 0, (0, 1, 2))
+# how split pieces meet: 0 the combine kernel, 3 its CTA-wide form, 1 that as the split's
+# programmatic dependent (sm_90), 2 fused into the split kernel (its last CTA per tile combines)
+COMBINE = choice(COMBINE_ENV, 0, (0, 1, 2, 3))
 MAX_GRID_YZ = 65535
 MAX_QUERY_ROWS = 16  # query rows per sequence (each an entry of its own: keys read once per row)
 
@@ -118,18 +119,22 @@ class DecodeConfig:
             "FC_STAGE": 0, "FC_DTYPE": DTYPE_CODE[self.dtype], "FC_HEAD_DIM": self.head_dim,
             "FC_ROWS": self.rows, "FC_UNROLL": self.unroll, "FC_STAGES": self.stages,
             "FC_PAGED": int(self.paged),
-            **({"FC_COMBINE": self.combine} if self.combine else {})})
+            **({"FC_COMBINE": self.combine} if self.combine in (1, 2) else {})})
 
 
-COMBINE_SUFFIX = ("", "_cd", "_cf")  # (combine kernel, its programmatic dependent, fused)
+# name suffixes by COMBINE: the split kernel's (3 leaves it as 0's) and the combine kernel's
+COMBINE_SUFFIX = ("", "_cd", "_cf", "")
+COMBINE_KERNEL_SUFFIX = ("", "_cd", None, "_cc")
 
 
 def combine_spec(dtype: torch.dtype, combine: int = 0) -> KernelSpec:
-    """The combine kernel (FC_STAGE 1); combine 1: it waits for the split grid itself
-    (griddepcontrol.wait), launched as its programmatic dependent."""
-    return KernelSpec.make(f"flash_decode_combine_{DTYPE_NAME[dtype]}{COMBINE_SUFFIX[combine]}",
-                           SOURCE, defines={"FC_STAGE": 1, "FC_DTYPE": DTYPE_CODE[dtype],
-                                            **({"FC_COMBINE": 1} if combine == 1 else {})})
+    """The combine kernel (FC_STAGE 1): 0 each thread over the pieces; 3 CTA-wide; 1 CTA-wide,
+    waiting for the split grid itself (griddepcontrol.wait), launched as its programmatic
+    dependent."""
+    return KernelSpec.make(
+        f"flash_decode_combine_{DTYPE_NAME[dtype]}{COMBINE_KERNEL_SUFFIX[combine]}", SOURCE,
+        defines={"FC_STAGE": 1, "FC_DTYPE": DTYPE_CODE[dtype],
+                 **({"FC_COMBINE": combine} if combine else {})})
 
 
 def config_for(dtype: torch.dtype, head_dim: int, group: int, paged: bool = False) -> DecodeConfig:
@@ -218,7 +223,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     group = nheads // nheads_kv
     cfg = config_for(q.dtype, head_dim, group, paged)
     if cfg.combine == 1 and not _programmatic(q.device):  # (no griddepcontrol before sm_90)
-        cfg = dataclasses.replace(cfg, combine=0)
+        cfg = dataclasses.replace(cfg, combine=3)
     row_blocks = -(-group // cfg.rows)
     _, sms = _device_ok(q.device)
     kernel = get_kernel(cfg.spec(), q.device)

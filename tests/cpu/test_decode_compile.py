@@ -75,19 +75,24 @@ def test_decode_representative_variants_compile():
             assert not r.spills, (spec.name, arch, r)
 
 
-@pytest.mark.parametrize("combine", [1, 2], ids=["dependent", "fused"])
+@pytest.mark.parametrize("combine", [1, 2, 3], ids=["dependent", "fused", "cta"])
 def test_combine_mode_variants_compile(combine):
-    """FLASHCUDA_DECODE_COMBINE 1 / 2 (A/B): the split kernels at the tune's default and the
-    widest (d256, 8 rows, paged) and, for 1, its combine kernel — both targets, no spills; the
-    names say the mode, the default's kernels keep their names."""
-    cfgs = [fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 2, 2, combine=combine),
+    """FLASHCUDA_DECODE_COMBINE 1 / 2 / 3 (A/B): the split kernels at the tune's default and the
+    widest (d256, 8 rows, paged) for 1 and 2, the combine kernel for 1 and 3 — both targets, no
+    spills; the names say the mode, the default's kernels keep their names."""
+    specs = []
+    if combine in (1, 2):
+        specs += [c.spec() for c in (
+            fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 2, 2, combine=combine),
             fwd_decode.DecodeConfig(torch.float16, 256, 8, 2, 2, True, combine=combine),
-            fwd_decode.DecodeConfig(torch.bfloat16, 64, 1, 4, 0, combine=combine)]
-    specs = [c.spec() for c in cfgs]
-    if combine == 1:
-        specs.append(fwd_decode.combine_spec(torch.bfloat16, 1))
+            fwd_decode.DecodeConfig(torch.bfloat16, 64, 1, 4, 0, combine=combine))]
+    else:  # (3: the split kernel is the default's)
+        cfg = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 2, 2, combine=3)
+        assert cfg.spec() == fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 2, 2, combine=0).spec()
+    if combine != 2:
+        specs.append(fwd_decode.combine_spec(torch.bfloat16, combine))
     for spec in specs:
-        assert spec.name.endswith(("_cd", "_cf")[combine - 1])
+        assert spec.name.endswith(("_cd", "_cf", "_cc")[combine - 1])
         assert dict(spec.defines).get("FC_COMBINE") == str(combine)
         for arch in fwd_decode.ARCHS:
             r = compile_spec(spec, arch).resources()[spec.entry_name]

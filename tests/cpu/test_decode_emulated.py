@@ -61,15 +61,16 @@ def test_the_split_covers_one_and_many_pieces():
     on_gpu.test_the_split_covers_one_and_many_pieces()
 
 
-@pytest.mark.parametrize("combine", [1, 2], ids=["dependent", "fused"])
-@pytest.mark.parametrize("head_dim,heads", [(64, (8, 1)), (128, (12, 2))])
-def test_combine_modes_equal_the_combine_kernel(combine, head_dim, heads, monkeypatch):
-    on_gpu.test_combine_modes_equal_the_combine_kernel(combine, head_dim, heads, monkeypatch)
+@pytest.mark.parametrize("combine", [1, 2, 3], ids=["dependent", "fused", "cta"])
+@pytest.mark.parametrize("head_dim,heads", [(64, (8, 1)), (128, (12, 2)), (256, (16, 2))])
+def test_combine_modes_match_the_oracle(combine, head_dim, heads, monkeypatch):
+    on_gpu.test_combine_modes_match_the_oracle(combine, head_dim, heads, monkeypatch)
 
 
 def test_fused_combine_launches_one_kernel(monkeypatch):
     """FLASHCUDA_DECODE_COMBINE=2: one launch per call (the split kernel, FC_COMBINE=2), none of
-    the combine kernel; 1: the combine kernel of FC_COMBINE=1, launched programmatically."""
+    the combine kernel; 1: the combine kernel of FC_COMBINE=1, launched programmatically; 3 and
+    0: the default split kernel, then the CTA-wide / per-thread combine kernel."""
     launched = []
     run = simt_emu.EmuLaunch.__call__
 
@@ -82,7 +83,9 @@ def test_fused_combine_launches_one_kernel(monkeypatch):
     k, v = (torch.randn(1, 3000, 2, 64, dtype=q.dtype) for _ in range(2))
     for combine, names in ((2, ["flash_decode_bf16_d64_r4_u2_p2_cf"]),
                            (1, ["flash_decode_bf16_d64_r4_u2_p2_cd",
-                                "flash_decode_combine_bf16_cd"])):
+                                "flash_decode_combine_bf16_cd"]),
+                           (3, ["flash_decode_bf16_d64_r4_u2_p2", "flash_decode_combine_bf16_cc"]),
+                           (0, ["flash_decode_bf16_d64_r4_u2_p2", "flash_decode_combine_bf16"])):
         monkeypatch.setattr(fwd_decode, "COMBINE", combine)
         monkeypatch.setattr(fwd_decode, "STAGES", 2)
         monkeypatch.setattr(fwd_decode, "UNROLL", 2)

@@ -37,6 +37,24 @@ def test_compile_to_cubin_with_resource_report(arch):
     assert not res.spills
 
 
+def test_first_compiles_from_two_threads_at_once():
+    """A fresh process whose first two compiles run in two threads together: both succeed
+    (cuda.core's first import, which compile_spec makes lazily, is not thread-safe by itself)."""
+    code = textwrap.dedent("""
+        from concurrent.futures import ThreadPoolExecutor
+        from flashcuda.jit import KernelSpec, compile_spec
+        spec = KernelSpec.make("smoke_axpb", "common/smoke.cu")
+        with ThreadPoolExecutor(4) as ex:
+            done = list(ex.map(lambda a: compile_spec(spec, a).cubin[:4],
+                               ["sm_80", "sm_90a", "sm_80", "sm_90a"]))
+        assert done == [b"\\x7fELF"] * 4, done
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
 def test_compile_error_names_kernel_file_and_line(tmp_path):
     src = tmp_path / "broken.cu"
     src.write_text('#include "common/types.cuh"\n\nextern "C" __global__ void broken(float* x) {\n'

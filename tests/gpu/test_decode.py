@@ -99,16 +99,16 @@ def test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeyp
         check_entries(out, lse, q, k, v, [keys] * batch)
 
 
-@pytest.mark.parametrize("combine", [1, 2], ids=["dependent", "fused"])
+@pytest.mark.parametrize("combine", [1, 2, 3], ids=["dependent", "fused", "cta"])
 @pytest.mark.parametrize("head_dim,heads", [(64, (8, 1)), (128, (32, 8)), (128, (12, 2)),
                                             (256, (16, 2))])
-def test_combine_modes_equal_the_combine_kernel(combine, head_dim, heads, monkeypatch):
-    """FLASHCUDA_DECODE_COMBINE 1 (the combine kernel as the split's programmatic dependent) and
-    2 (fused: each tile's last CTA combines the partials): out / lse bitwise the combine
-    kernel's, and within the oracle's rule, over entries of 0 / 1 / part / all keys (several
-    pieces each), three calls in a row (the fused counters left zero for the next), a group of 6
-    in an 8-row block (rows < FC_ROWS)."""
-    monkeypatch.setattr(fwd_decode, "COMBINE", 0)
+def test_combine_modes_match_the_oracle(combine, head_dim, heads, monkeypatch):
+    """FLASHCUDA_DECODE_COMBINE 3 (the CTA-wide combine kernel), 1 (it as the split's
+    programmatic dependent) and 2 (fused: each tile's last CTA combines the partials, the same
+    CTA-wide code): within the oracle's rule over entries of 0 / 1 / part / all keys (several
+    pieces each), 1 and 2 bitwise 3's; three calls in a row (the fused counters left zero for
+    the next); a group of 6 in an 8-row block (rows < FC_ROWS)."""
+    monkeypatch.setattr(fwd_decode, "COMBINE", 3)
     g = torch.Generator(device=DEVICE).manual_seed(head_dim + heads[0] + combine)
     h, hk = heads
     counts = [0, 1, 3001, 5000]

@@ -45,15 +45,19 @@
 // thread, the weights in shared memory, each column's sum over the pieces by one thread).
 //
 // How the pieces meet when splits > 1 (FC_COMBINE, an A/B knob):
-//   0   the combine kernel, launched after the split kernel.
-//   1   the same, as the split kernel's programmatic dependent (sm_90): each split CTA signals
-//       griddepcontrol.launch_dependents at its start, so the combine grid is launched while
-//       the split runs and its CTAs take the SMs the split's CTAs leave; griddepcontrol.wait
-//       holds them until the split grid has completed and its writes are visible.
+//   0   the combine kernel, launched after the split kernel; each thread walks the pieces'
+//       lse itself (twice) and again per column (combine_row_serial).
+//   3   the same launch, the CTA-wide combine (combine_row): piece s's lse read by thread s,
+//       the max and sum reduced across the CTA, the weights kept in shared memory; each
+//       column's sum over the pieces then has no dependent load.
+//   1   the CTA-wide combine kernel as the split kernel's programmatic dependent (sm_90): each
+//       split CTA signals griddepcontrol.launch_dependents at its start, so the combine grid is
+//       launched while the split runs and its CTAs take the SMs the split's CTAs leave;
+//       griddepcontrol.wait holds them until the split grid has completed, its writes visible.
 //   2   fused: no second kernel. Each CTA counts itself done on its (entry, KV head, row
 //       block)'s counter (counters: zero before the call, left zero after it); the CTA that
-//       counts last combines that tile's rows from the partials the others wrote
-//       (__threadfence before the count, L1-bypassing loads after it).
+//       counts last combines that tile's rows (combine_row) from the partials the others
+//       wrote (__threadfence before the count, L1-bypassing loads after it).
 #include "attention/online_softmax.cuh"
 #include "common/sm80.cuh"
 #include "common/types.cuh"
@@ -64,9 +68,36 @@ constexpr int kThreads = 128;
 #ifndef FC_COMBINE
 #define FC_COMBINE 0
 #endif
-static_assert(FC_COMBINE >= 0 && FC_COMBINE <= 2, "FC_COMBINE: 0 kernel, 1 dependent, 2 fused");
+static_assert(FC_COMBINE >= 0 && FC_COMBINE <= 3,
+              "FC_COMBINE: 0 kernel, 1 dependent, 2 fused, 3 CTA-wide kernel");
 
-// The combine's shared memory: each piece's weight exp(lse_s - max) and the warps' partial max /
+// The combine of one (entry, head) row bh = entry * nheads + head, one thread per column: every
+// thread reduces the pieces' lse itself (no barrier), then sums its columns over the pieces.
+// lse[bh] = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) o_s rounded once.
+__device__ __forceinline__ void combine_row_serial(const float* __restrict__ o_part,
+                                                   const float* __restrict__ lse_part,
+                                                   T* __restrict__ out, float* __restrict__ lse,
+                                                   int bh, int entry, int head,
+                                                   int64_t o_batch_stride, int64_t o_head_stride,
+                                                   int64_t stride, int head_dim, int splits) {
+  float m = neg_inf();
+  for (int s = 0; s < splits; ++s) m = fmaxf(m, lse_part[s * stride + bh]);
+  const float ref = m == neg_inf() ? 0.f : m;
+  float l = 0.f;
+  for (int s = 0; s < splits; ++s) l += fast_exp2((lse_part[s * stride + bh] - ref) * kLog2e);
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  if (threadIdx.x == 0) lse[bh] = l > 0.f ? ref + fast_log2(l) * kLn2 : neg_inf();
+  for (int col = threadIdx.x; col < head_dim; col += kThreads) {
+    float val = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float w = fast_exp2((lse_part[s * stride + bh] - ref) * kLog2e);
+      val = fmaf(w, o_part[(s * stride + bh) * head_dim + col], val);
+    }
+    out[entry * o_batch_stride + head * o_head_stride + col] = from_float<T>(val * inv);
+  }
+}
+
+// The CTA-wide combine's shared memory: each piece's weight exp(lse_s - max) and the warps' partial max /
 // sum. Pieces per row: at most kMaxSplits (fwd_decode.MAX_SPLITS), one per thread.
 constexpr int kMaxSplits = kThreads;
 struct CombineSmem {
@@ -455,11 +486,16 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
 #if FC_COMBINE == 1 && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split grid done, its writes seen
 #endif
-  __shared__ CombineSmem cs;
   const int bh = blockIdx.x;  // entry * nheads + head
   const int b = bh / nheads, head = bh % nheads;
+#if FC_COMBINE == 0
+  combine_row_serial(o_part, lse_part, out, lse, bh, b, head, o_batch_stride, o_head_stride,
+                     static_cast<int64_t>(batch) * nheads, head_dim, splits);
+#else
+  __shared__ CombineSmem cs;
   combine_row<false>(cs, o_part, lse_part, out, lse, bh, b, head, o_batch_stride, o_head_stride,
                      static_cast<int64_t>(batch) * nheads, head_dim, splits);
+#endif
 }
 
 #endif
