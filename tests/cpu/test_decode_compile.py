@@ -288,12 +288,16 @@ def test_decode_knobs_from_the_environment(monkeypatch):
     import subprocess
     import sys
 
-    env = {**os.environ, "FLASHCUDA_DECODE_STAGES": "4",
-           "FLASHCUDA_DECODE_UNROLL": "2", "FLASHCUDA_DECODE_WAVES": "2"}
+    env = {**os.environ, "FLASHCUDA_DECODE_STAGES": "4", "FLASHCUDA_DECODE_UNROLL": "2",
+           "FLASHCUDA_DECODE_WAVES": "2", "FLASHCUDA_DECODE_COMBINE": "3"}
     got = subprocess.run([sys.executable, "-c", "from flashcuda.ops import fwd_decode as f; "
-                          "print(f.STAGES, f.UNROLL, f.WAVES)"], env=env, capture_output=True,
-                         text=True, check=True, timeout=120).stdout.split()
-    assert got == ["4", "2", "2"]
+                          "print(f.STAGES, f.UNROLL, f.WAVES, f.COMBINE)"], env=env,
+                         capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    assert got == ["4", "2", "2", "3"]
+    from flashcuda.bench.command import KERNEL_ENV
+
+    assert {"FLASHCUDA_DECODE_STAGES", "FLASHCUDA_DECODE_UNROLL", "FLASHCUDA_DECODE_WAVES",
+            "FLASHCUDA_DECODE_COMBINE"} <= set(KERNEL_ENV)
 
 
 def test_several_query_rows_are_entries_of_their_own(launches):
