@@ -123,6 +123,20 @@ def main() -> None:
                   f"   {m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
                   f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
         fwd_decode.COMBINE = 0
+        for stages in (2, 3):  # the tensor-core step (FLASHCUDA_DECODE_MMA), both combines
+            for combine in (0, 3):
+                fwd_decode.STAGES, fwd_decode.MMA, fwd_decode.COMBINE = stages, 1, combine
+                with torch.no_grad():
+                    err = max_error(fwd_decode.attention(q, k, v, scale)[0], ref)
+                m = ms(lambda: fwd_decode.attention(q, k, v, scale))
+                c = fwd_decode.config_for(q.dtype, d, h // hk)
+                kernel = fwd_decode.get_kernel(c.spec(), q.device)
+                per_sm = kernel.resident_blocks(fwd_decode.THREADS, c.smem_bytes)
+                print(f"b{a.batch} {a.keys:6d} keys  mma stages {stages} combine {combine} "
+                      f"({per_sm} CTAs/SM, {kernel.attribute('NUM_REGS')} regs)  "
+                      f"{m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
+                      f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
+        fwd_decode.STAGES, fwd_decode.MMA, fwd_decode.COMBINE = stages0, 0, 0
         if a.paged:
             from flashcuda.bench.extras import paged_pool
 

@@ -59,6 +59,10 @@ WAVES = choice(WAVES_ENV, 1, (1, 2, 3, 4))
 # how split pieces meet: 0 the combine kernel, 3 its CTA-wide form, 1 that as the split's
 # programmatic dependent (sm_90), 2 fused into the split kernel (its last CTA per tile combines)
 COMBINE = choice(COMBINE_ENV, 0, (0, 1, 2, 3))
+# the scores and P V on tensor cores (the .cu's FC_MMA; A/B): each warp 16 keys a step
+MMA_ENV = "FLASHCUDA_DECODE_MMA"
+MMA = choice(MMA_ENV, 0, (0, 1))
+MMA_KEYS = 16  # keys per warp per step with the tensor cores
 MAX_GRID_YZ = 65535
 MAX_QUERY_ROWS = 16  # query rows per sequence (each an entry of its own: keys read once per row)
 
@@ -72,10 +76,13 @@ class DecodeConfig:
     stages: int = -1  # FC_STAGES (-1: STAGES): 0 loads to registers, N an N-stage cp.async pipe
     paged: bool = False  # FC_PAGED: the cache in pages through a block table
     combine: int = -1  # FC_COMBINE (-1: COMBINE): how split pieces meet
+    mma: int = -1  # FC_MMA (-1: MMA): scores and P V on tensor cores (needs a pipeline)
 
     def __post_init__(self) -> None:
+        if self.mma < 0:  # (not for the 256 bucket, nor where the registers path is asked for)
+            object.__setattr__(self, "mma", MMA if self.head_dim <= 128 and self.stages else 0)
         if self.stages < 0:
-            object.__setattr__(self, "stages", STAGES)
+            object.__setattr__(self, "stages", max(STAGES, 2) if self.mma else STAGES)
         if self.combine < 0:
             object.__setattr__(self, "combine", COMBINE)
         if not self.unroll:  # (the caps keep 8 rows' accumulators, q and keys within 255 regs)
@@ -83,6 +90,9 @@ class DecodeConfig:
             object.__setattr__(self, "unroll", UNROLL if self.rows < 8 else min(UNROLL, cap))
         if self.stages == 1:
             raise ValueError("DecodeConfig: stages is 0 (no pipeline) or at least 2")
+        if self.mma and (self.stages < 2 or self.head_dim > 128):
+            raise ValueError("DecodeConfig: mma needs a pipeline (stages >= 2) and a head dim "
+                             "bucket up to 128")
 
     @property
     def split_smem_bytes(self) -> int:
@@ -95,31 +105,39 @@ class DecodeConfig:
         16-byte K and V pieces per thread, which SplitSmem overlays after the keys."""
         if not self.stages:
             return 0
+        if self.mma:  # [stages][warp][K, V] 16 x head_dim tiles of 16-bit elements
+            return max(self.stages * (THREADS // 32) * 2 * MMA_KEYS * self.head_dim * 2,
+                       self.split_smem_bytes)
         return max(self.stages * self.unroll * 2 * THREADS * 16, self.split_smem_bytes)
 
     @property
     def step(self) -> int:
-        """Keys one CTA reads per step: its slots, kUnroll keys each."""
-        return self.slots * self.unroll
+        """Keys one CTA reads per step: its slots, kUnroll keys each (mma: 16 per warp)."""
+        return self.slots * (MMA_KEYS if self.mma else self.unroll)
 
     @property
     def slots(self) -> int:
-        """Keys the CTA reads at once per unrolled step: 4 warps x 32 / (head_dim / 8) lanes."""
+        """Keys the CTA reads at once per unrolled step: 4 warps x 32 / (head_dim / 8) lanes (mma:
+        the 4 warps)."""
+        if self.mma:
+            return THREADS // 32
         return (THREADS // 32) * (32 // (self.head_dim // 8))
 
     @property
     def name(self) -> str:
         pipe = f"_p{self.stages}" if self.stages else ""
         paged = "_pg" if self.paged else ""
+        keys = "_mma" if self.mma else f"_u{self.unroll}"
         return (f"flash_decode_{DTYPE_NAME[self.dtype]}_d{self.head_dim}_r{self.rows}"
-                f"_u{self.unroll}{pipe}{paged}{COMBINE_SUFFIX[self.combine]}")
+                f"{keys}{pipe}{paged}{COMBINE_SUFFIX[self.combine]}")
 
     def spec(self) -> KernelSpec:
         return KernelSpec.make(self.name, SOURCE, defines={
             "FC_STAGE": 0, "FC_DTYPE": DTYPE_CODE[self.dtype], "FC_HEAD_DIM": self.head_dim,
             "FC_ROWS": self.rows, "FC_UNROLL": self.unroll, "FC_STAGES": self.stages,
             "FC_PAGED": int(self.paged),
-            **({"FC_COMBINE": self.combine} if self.combine in (1, 2) else {})})
+            **({"FC_COMBINE": self.combine} if self.combine in (1, 2) else {}),
+            **({"FC_MMA": 1} if self.mma else {})})
 
 
 # name suffixes by COMBINE: the split kernel's (3 leaves it as 0's) and the combine kernel's
@@ -301,7 +319,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     table = None if block_table is None else (block_table.shape, block_table.stride())
     causal = bool(causal) and seqlen_q > 1  # (one row: the same keys either way)
     key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.get_device(),
-           softmax_scale, table, causal, UNROLL, STAGES, WAVES, COMBINE)
+           softmax_scale, table, causal, UNROLL, STAGES, WAVES, COMBINE, MMA)
     plan = _plans.plan(key, (q, k, v, softmax_scale, out, block_table, causal))
     parts = None
     if plan.splits > 1:  # (the fp32 partials: freed after the combine, stream-ordered)

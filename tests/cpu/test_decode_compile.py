@@ -102,6 +102,30 @@ def test_combine_mode_variants_compile(combine):
     assert fwd_decode.combine_spec(torch.bfloat16).name == "flash_decode_combine_bf16"
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["plain", "paged"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mma_variants_compile(head_dim, paged):
+    """FLASHCUDA_DECODE_MMA=1 (A/B): 1 / 4 / 8 rows, both dtypes and targets, no spills within
+    the launch bounds (3 CTAs per SM on sm_90a unpaged, else 2), no static shared memory; the stages
+    (64 KB at d128) sized for SplitSmem too; the 256 bucket and a registers path keep the lanes'
+    step."""
+    for dtype in fwd_decode.DTYPES:
+        for rows in (1, 4, 8):
+            cfg = fwd_decode.DecodeConfig(dtype, head_dim, rows, 0, 2, paged, mma=1)
+            assert cfg.name.endswith("_mma_p2" + "_pg" * paged) and cfg.step == 64
+            assert cfg.smem_bytes == max(2 * 4 * 2 * 16 * head_dim * 2, cfg.split_smem_bytes)
+            spec = cfg.spec()
+            for arch in fwd_decode.ARCHS:
+                r = compile_spec(spec, arch).resources()[spec.entry_name]
+                per_sm = 3 if arch == "sm_90a" and not paged else 2
+                assert not r.spills and r.registers * 128 * per_sm <= 65536, (spec.name, arch, r)
+                assert r.shared_bytes == 0, (spec.name, arch, r)
+    with pytest.raises(ValueError, match="mma"):
+        fwd_decode.DecodeConfig(torch.bfloat16, 256, 4, 0, 2, mma=1)
+    with pytest.raises(ValueError, match="mma"):
+        fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 0, 0, mma=1)
+
+
 def test_max_splits_fit_the_combine():
     """The combine holds one piece per thread (the .cu's kMaxSplits = kThreads)."""
     assert fwd_decode.MAX_SPLITS <= fwd_decode.THREADS

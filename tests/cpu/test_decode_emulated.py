@@ -57,6 +57,26 @@ def test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeyp
     on_gpu.test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeypatch)
 
 
+@pytest.fixture
+def mma(monkeypatch):
+    monkeypatch.setattr(fwd_decode, "MMA", 1)
+    monkeypatch.setattr(fwd_decode, "STAGES", 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 64, 72, 128])
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (12, 2), (32, 2)],
+                         ids=["mha", "gqa4", "gqa6", "gqa16"])
+@pytest.mark.parametrize("batch,keys", [(1, 1), (3, 77), (2, 1000)])
+def test_mma_step_matches_the_oracle(dtype, head_dim, heads, batch, keys, mma):
+    on_gpu.test_mma_step_matches_the_oracle(dtype, head_dim, heads, batch, keys, mma)
+
+
+@pytest.mark.parametrize("page_size", [1, 7, 16])
+def test_mma_step_spans_pages_rows(page_size, mma):
+    on_gpu.test_mma_step_spans_pages_rows(page_size, mma)
+
+
 def test_the_split_covers_one_and_many_pieces():
     on_gpu.test_the_split_covers_one_and_many_pieces()
 
@@ -171,10 +191,20 @@ def test_a_stage_read_before_its_wait_is_caught(monkeypatch, tmp_path):
     """The pipeline waiting for one group fewer (the newest step's copies still in flight when
     its stage is read) gives NaN, where the kernel as written passes."""
     _one_call(3, monkeypatch)
-    _decode_variant(monkeypatch, tmp_path, "cp_async_wait<kStages - 1>();",
-                    "cp_async_wait<kStages>();")
+    _decode_variant(monkeypatch, tmp_path, "cp_async_wait<kStages - 1>();  // step it's group",
+                    "cp_async_wait<kStages>();  // step it's group")
     with pytest.raises(AssertionError):
         _one_call(3, monkeypatch)
+
+
+def test_an_mma_stage_read_before_its_wait_is_caught(monkeypatch, tmp_path):
+    """The same for the tensor-core step's per-warp pipeline (FLASHCUDA_DECODE_MMA)."""
+    monkeypatch.setattr(fwd_decode, "MMA", 1)
+    _one_call(2, monkeypatch)
+    _decode_variant(monkeypatch, tmp_path, "cp_async_wait<kStages - 1>();\n    __syncwarp();",
+                    "cp_async_wait<kStages>();\n    __syncwarp();")
+    with pytest.raises(AssertionError):
+        _one_call(2, monkeypatch)
 
 
 def test_a_wrong_page_row_is_caught(monkeypatch, tmp_path):

@@ -148,6 +148,41 @@ def test_fused_combine_in_a_cuda_graph(monkeypatch):
     check_entries(out, lse, q, k, v, [9000, 9000], 0.1)
 
 
+@pytest.fixture
+def mma(monkeypatch):
+    """FLASHCUDA_DECODE_MMA=1: the scores and P V on tensor cores (a 2-stage pipeline)."""
+    monkeypatch.setattr(fwd_decode, "MMA", 1)
+    monkeypatch.setattr(fwd_decode, "STAGES", 2)
+    assert fwd_decode.config_for(torch.bfloat16, 128, 4).mma
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 64, 72, 128])
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (12, 2), (32, 2)],
+                         ids=["mha", "gqa4", "gqa6", "gqa16"])
+@pytest.mark.parametrize("batch,keys", [(1, 1), (3, 77), (2, 1000), (1, 20000)])
+def test_mma_step_matches_the_oracle(dtype, head_dim, heads, batch, keys, mma):
+    """The tensor-core step over the oracle grid (head dims up to the 128 bucket; 256 keeps the
+    lanes' step): one key, a part step, many splits, groups of 1 to 16 (two row blocks)."""
+    test_decode_kernel_matches_the_oracle(dtype, head_dim, heads, batch, keys, 2)
+
+
+@pytest.mark.parametrize("page_size", [1, 7, 16])
+def test_mma_step_spans_pages_rows(page_size, mma):
+    """The tensor-core step with per-entry counts (0, 1, part, all; NaN past them), paged caches
+    with left padding, cache rows, several causal / full query rows, strided views, NaN in one
+    entry's keys, bitwise determinism."""
+    test_paged_cache_with_left_padding(page_size, 2)
+    if page_size == 1:
+        test_per_entry_counts_on_the_device(torch.bfloat16, 2)
+        test_cache_rows_and_left_padding(2)
+        for seqlen_q, causal in ((5, True), (3, False)):
+            test_several_query_rows_per_sequence(seqlen_q, causal, 2)
+        test_strided_cache_views(2)
+        test_nan_stays_in_its_entry_and_kv_head(2)
+        test_bitwise_deterministic_across_calls(2)
+
+
 def test_the_split_covers_one_and_many_pieces():
     """The cases above include one piece (1 key) and many (20000 keys, one entry)."""
     q = torch.empty(1, 1, 32, 128, device=DEVICE, dtype=torch.bfloat16)

@@ -40,6 +40,14 @@
 //       copies exactly the 16-byte pieces it later reads (no barrier: cp.async.wait_group makes
 //       a thread's own copies visible to it); keys past the piece's end arrive as zeros.
 //
+// FC_MMA (an A/B knob, with a pipeline): each warp takes 16 keys of a step (the CTA 64), its K /
+// V tiles copied by its own lanes into swizzled shared tiles (sm80.cuh's SwizzledTile); the
+// scores S = Q K^T by mma.sync m16n8k16 with the CTA's query rows as the A operand's rows 0 ..
+// FC_ROWS - 1 (the rest zero), K^T by ldmatrix; the online softmax on S's C fragments (a row's
+// 16 scores over the 4 lanes of a quad); P as the A operand of O += P V (V by ldmatrix.trans).
+// The 4 warps are the slots of the meeting at the end. Far fewer instructions per key than the
+// lanes' FMAs and shuffles (ncu, session 44: that loop is issue-bound).
+//
 // FC_STAGE 1 (combine): grid (entries * nheads), 128 threads: lse = log sum_s exp(lse_s),
 // out = sum_s exp(lse_s - lse) o_s, rounded once to q's dtype (at most 128 pieces: one lse per
 // thread, the weights in shared memory, each column's sum over the pieces by one thread).
@@ -167,11 +175,17 @@ constexpr int kRows = FC_ROWS;          // query heads (rows) per CTA, of one KV
 constexpr int kUnroll = FC_UNROLL;      // keys per slot per step (their loads issued together)
 constexpr int kLanes = kHeadDim / 8;    // lanes per key: 8 elements (16 bytes) each
 constexpr int kSlotsPerWarp = 32 / kLanes;
-constexpr int kSlots = (kThreads / 32) * kSlotsPerWarp;
-constexpr int kStep = kSlots * kUnroll;  // keys per CTA per step
+#ifndef FC_MMA
+#define FC_MMA 0
+#endif
+// FC_MMA (A/B): the scores and P V on tensor cores, each warp a slot of its own (16 keys a step)
+constexpr int kSlots = FC_MMA ? kThreads / 32 : (kThreads / 32) * kSlotsPerWarp;
+constexpr int kMmaKeys = 16;  // keys per warp per step with FC_MMA (one k16 step of P V)
+constexpr int kStep = FC_MMA ? kSlots * kMmaKeys : kSlots * kUnroll;  // keys per CTA per step
 constexpr int kStages = FC_STAGES;      // 0: loads to registers; N: N-stage cp.async pipeline
 static_assert(kLanes >= 1 && kLanes <= 32 && 32 % kLanes == 0, "a key's lanes within a warp");
 static_assert(kStages == 0 || kStages >= 2, "a pipeline has at least two stages");
+static_assert(!FC_MMA || kStages >= 2, "FC_MMA reads K / V from the cp.async stages");
 
 struct Vec8 {
   float x[8];
@@ -262,7 +276,155 @@ struct SplitSmem {
   float row_inv[kRows];
 };
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
+#if FC_MMA
+using KvTile = SwizzledTile<kMmaKeys, kHeadDim>;  // one warp's K (or V) rows of a step
+constexpr int kDSteps = kHeadDim / 16;  // k16 steps of Q K^T
+constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of O
+static_assert(kRows <= 8, "FC_MMA: the query rows are rows 0-7 of the A operand (lane / 4)");
+
+// FC_MMA's main loop for this warp (header comment): keys key0 + 16 * warp .. + 15 of each step
+// [key_begin, key_end), through a kStages-deep cp.async pipeline of this warp's own tiles. `qrow0`:
+// the CTA's first query row (head0), `q_head_stride` between its rows. Leaves the warp's slot
+// in `sm`: (m, l) per row and its O columns (unnormalised), as the lanes' slots do. `base`: the
+// stages' shared address (128-byte aligned).
+__device__ __forceinline__ void mma_loop(const T* qrow0, int64_t q_head_stride, int rows,
+                                         int head_dim, const KvRows krows, const KvRows vrows,
+                                         int key_begin, int key_end, float scale_log2, int warp,
+                                         int lane, uint32_t base, SplitSmem& sm) {
+  const int g = lane / 4, t = lane % 4;  // C fragment: row g (and g + 8: padding), keys 2t, 2t + 1
+  // Q as the A operand, rows g < rows (the others and rows 8-15 zero): a0a1 (k 2t), a4a5 (k 8 + 2t)
+  uint32_t qa[kDSteps][2];
+  const T* qrow = qrow0 + min(g, rows - 1) * q_head_stride;
+#pragma unroll
+  for (int ks = 0; ks < kDSteps; ++ks)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int col = 16 * ks + 8 * h + 2 * t;
+      qa[ks][h] = g < rows && col < head_dim ? *reinterpret_cast<const uint32_t*>(qrow + col) : 0u;
+    }
+  float o[kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
+  OnlineSoftmax state;  // row g's, the same in the quad's 4 lanes (l: this lane's keys only)
+  state.init();
+
+  auto tile = [&](int stage, int kv) {  // this warp's K (0) or V (1) tile of a stage
+    return base + static_cast<uint32_t>(((stage * (kThreads / 32) + warp) * 2 + kv) *
+                                        KvTile::kBytes);
+  };
+  const int steps = key_end > key_begin ? (key_end - key_begin + kStep - 1) / kStep : 0;
+  auto issue = [&](int step) {  // 16 keys x kHeadDim / 8 chunks of K and of V, lane + 32 j
+    const int key0 = key_begin + step * kStep + warp * kMmaKeys;
+    const uint32_t kt = tile(step % kStages, 0), vt = tile(step % kStages, 1);
+#pragma unroll
+    for (int j = 0; j < KvTile::kChunks / 32; ++j) {
+      const int e = lane + 32 * j;
+      const int r = e / KvTile::kChunksPerRow, c = e % KvTile::kChunksPerRow;
+      const int key = key0 + r;
+      const int at = key < key_end ? key : key_begin;  // (src-size 0 zero-fills past the end)
+      const bool ok = key < key_end && 8 * c < head_dim;
+      cp_async_16(kt + KvTile::offset(r, c), krows.at(at) + 8 * c, ok);
+      cp_async_16(vt + KvTile::offset(r, c), vrows.at(at) + 8 * c, ok);
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < steps) issue(i);
+    cp_async_commit();
+  }
+  // ldmatrix lanes (flash_fwd_sm80.cu's roles): K as B of Q K^T, V as B of P V (transposed)
+  const int k_row = (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
+  const int v_row = lane & 15, v_chunk = lane >> 4;
+#pragma unroll 1
+  for (int it = 0; it < steps; ++it) {
+    __syncwarp();  // every lane is past its reads of the stage the next copies overwrite
+    if (it + kStages - 1 < steps) issue(it + kStages - 1);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncwarp();  // the lanes' copies of this step seen by the warp
+    const uint32_t k_lane = KvTile::lane_address(tile(it % kStages, 0), k_row, k_chunk);
+    const uint32_t v_lane = KvTile::lane_address(tile(it % kStages, 1), v_row, v_chunk);
+    float sc[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kDSteps; ++ks) {
+      const uint32_t a[4] = {qa[ks][0], 0u, qa[ks][1], 0u};
+      uint32_t bk[4];
+      ldmatrix_x4(bk, KvTile::at(k_lane, 0, 2 * ks));
+      mma_16816<T>(sc[0], a, bk[0], bk[1]);
+      mma_16816<T>(sc[1], a, bk[2], bk[3]);
+    }
+    // keys past the piece's end (their K rows zero-filled) hide; the row max over the quad
+    const int kb = key_begin + it * kStep + warp * kMmaKeys + 2 * t;
+    float mx = neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        if (kb + 8 * nt + c >= key_end) sc[nt][c] = neg_inf();
+        mx = fmaxf(mx, sc[nt][c]);
+      }
+    mx = quad_max(mx);
+    const float corr = state.update(mx * scale_log2);  // (scale_log2 > 0: the max commutes)
+    const float ref = state.ref();
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      o[dt][0] *= corr;
+      o[dt][1] *= corr;
+    }
+    float p[2][2], sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        p[nt][c] = fast_exp2(fmaf(sc[nt][c], scale_log2, -ref));
+        sum += p[nt][c];
+      }
+    state.add(sum);
+    // P (rows g; keys 2t, 2t + 1 | 8 + 2t, 9 + 2t) as the A operand of P V
+    const uint32_t a[4] = {pack2<T>(p[0][0], p[0][1]), 0u, pack2<T>(p[1][0], p[1][1]), 0u};
+#pragma unroll
+    for (int dp = 0; dp < kDTiles / 2; ++dp) {
+      uint32_t bv[4];
+      ldmatrix_x4_trans(bv, KvTile::at(v_lane, 0, 2 * dp));
+      mma_16816<T>(o[2 * dp], a, bv[0], bv[1]);
+      mma_16816<T>(o[2 * dp + 1], a, bv[2], bv[3]);
+    }
+  }
+  cp_async_wait<0>();  // (only empty groups can remain)
+  const float l = quad_sum(state.l);
+  __syncthreads();  // every warp is past its reads of the stages SplitSmem overlays
+  if (g < kRows) {
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = 8 * dt + 2 * t + c;
+        if (col < head_dim) sm.acc[warp][g][col] = o[dt][c];
+      }
+    if (t == 0) {
+      sm.m[warp][g] = state.m;
+      sm.l[warp][g] = l;
+    }
+  }
+}
+#endif
+
+// FC_MMA: 3 CTAs per SM by registers, as its 64 KB of stages at d128 allow (sm_90 unpaged; the
+// paged kernels and sm_80's would spill there: 2)
+#if FC_MMA && __CUDA_ARCH__ >= 900 && !FC_PAGED
+constexpr int kMinBlocks = 3;
+#elif FC_MMA
+constexpr int kMinBlocks = 2;
+#else
+constexpr int kMinBlocks = 1;
+#endif
+extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocks) FC_KERNEL_NAME(
     const T* __restrict__ q,       // [B, Sq, H, D]
     const T* __restrict__ k,       // [B_cache, Sk, Hkv, D], or [pages, page_size, Hkv, D]
     const T* __restrict__ v,       // likewise
@@ -289,6 +451,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
 #if FC_STAGES == 0
   __shared__ SplitSmem sm_static;
   SplitSmem& sm = sm_static;
+#elif FC_MMA
+  // [kStages][warp][K, V] swizzled 16 x kHeadDim tiles (128-byte aligned: SwizzledTile::at's XOR);
+  // after the keys, the same bytes hold SplitSmem (the host sizes it for the larger of the two)
+  extern __shared__ __align__(128) uint4 stage_buf[];
+  SplitSmem& sm = *reinterpret_cast<SplitSmem*>(stage_buf);
 #else
   // [kStages][kUnroll][K, V][kThreads] 16-byte pieces, thread t's at t (a warp's contiguous);
   // after the keys, the same bytes hold SplitSmem (the host sizes it for the larger of the two)
@@ -351,7 +518,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
   const KvRows krows{k + row * k_batch_stride + kv_head * k_head_stride + 8 * sub, k_row_stride};
   const KvRows vrows{v + row * v_batch_stride + kv_head * v_head_stride + 8 * sub, v_row_stride};
 #endif
-#if FC_STAGES == 0
+#if FC_MMA
+  mma_loop(q + b * q_batch_stride + qi * q_row_stride + head0 * q_head_stride, q_head_stride,
+           rows, head_dim, KvRows{krows.base - 8 * sub, krows.row_stride
+#if FC_PAGED
+                                  , krows.pages, krows.page_stride, krows.page_size
+#endif
+           },
+           KvRows{vrows.base - 8 * sub, vrows.row_stride
+#if FC_PAGED
+                  , vrows.pages, vrows.page_stride, vrows.page_size
+#endif
+           },
+           key_begin, key_end, scale_log2, warp, lane, shared_address(stage_buf), sm);
+#elif FC_STAGES == 0
 #pragma unroll 1
   for (int key0 = key_begin; key0 < key_end; key0 += kStep) {
     Vec8 kx[kUnroll], vx[kUnroll];
@@ -406,9 +586,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) FC_KERNEL_NAME(
   __syncthreads();     // every thread is past its last read of the stages SplitSmem overlays
 #endif
 
-  // The slots meet: each lane parks its acc columns, lane 0 of a key its (m, l).
+  // The slots meet: each lane parks its acc columns, lane 0 of a key its (m, l) (FC_MMA:
+  // mma_loop parked them already).
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
+  for (int r = 0; r < (FC_MMA ? 0 : kRows); ++r) {
 #pragma unroll
     for (int i = 0; i < 8; ++i)
       if (has_cols) sm.acc[slot][r][8 * sub + i] = acc[r][i];
