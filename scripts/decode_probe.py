@@ -96,46 +96,33 @@ def main() -> None:
                       f"{kv_bytes / m / 1e6:6.0f} GB/s")
             except RuntimeError as exc:
                 print(f"{name}: {exc}")
+        def arm(label: str) -> None:
+            """Time and check the decode kernels as the module's knobs now stand."""
+            with torch.no_grad():
+                err = max_error(fwd_decode.attention(q, k, v, scale)[0], ref)
+            m = ms(lambda: fwd_decode.attention(q, k, v, scale))
+            c = fwd_decode.config_for(q.dtype, d, h // hk)
+            kernel = fwd_decode.get_kernel(c.spec(), q.device)
+            per_sm = kernel.resident_blocks(fwd_decode.THREADS, c.smem_bytes)
+            print(f"b{a.batch} {a.keys:6d} keys  {label} ({per_sm} CTAs/SM, "
+                  f"{kernel.attribute('NUM_REGS')} regs)  {m * 1e3:7.1f} us  "
+                  f"{kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
+                  f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
+
         unroll0, stages0, waves0 = fwd_decode.UNROLL, fwd_decode.STAGES, fwd_decode.WAVES
         for stages in (0, 2, 3, 4):
             for unroll in (2, 4):
                 for waves in (1, 2):
                     fwd_decode.UNROLL, fwd_decode.STAGES, fwd_decode.WAVES = unroll, stages, waves
-                    with torch.no_grad():
-                        err = max_error(fwd_decode.attention(q, k, v, scale)[0], ref)
-                    m = ms(lambda: fwd_decode.attention(q, k, v, scale))
-                    c = fwd_decode.config_for(q.dtype, d, h // hk)
-                    kernel = fwd_decode.get_kernel(c.spec(), q.device)
-                    per_sm = kernel.resident_blocks(fwd_decode.THREADS, c.smem_bytes)
-                    print(f"b{a.batch} {a.keys:6d} keys  stages {stages} unroll {unroll} "
-                          f"waves {waves} ({per_sm} CTAs/SM, {kernel.attribute('NUM_REGS')} "
-                          f"regs)  {m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s  "
-                          f"err {err:.2e} {'ok' if err <= bound else 'WRONG'} "
-                          f"(bound {bound:.2e})")
+                    arm(f"stages {stages} unroll {unroll} waves {waves}")
+        fwd_decode.UNROLL, fwd_decode.STAGES, fwd_decode.WAVES = unroll0, stages0, waves0
         for combine in (3, 1, 2):  # how the pieces meet, at the defaults (FLASHCUDA_DECODE_COMBINE)
-            fwd_decode.UNROLL, fwd_decode.STAGES, fwd_decode.WAVES = unroll0, stages0, waves0
             fwd_decode.COMBINE = combine
-            with torch.no_grad():
-                err = max_error(fwd_decode.attention(q, k, v, scale)[0], ref)
-            m = ms(lambda: fwd_decode.attention(q, k, v, scale))
-            print(f"b{a.batch} {a.keys:6d} keys  defaults, combine "
-                  f"{('', 'dependent', 'fused', 'CTA-wide')[combine]:9s}"
-                  f"   {m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
-                  f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
-        fwd_decode.COMBINE = 0
+            arm(f"defaults, combine {('', 'dependent', 'fused', 'CTA-wide')[combine]}")
         for stages in (2, 3):  # the tensor-core step (FLASHCUDA_DECODE_MMA), both combines
             for combine in (0, 3):
                 fwd_decode.STAGES, fwd_decode.MMA, fwd_decode.COMBINE = stages, 1, combine
-                with torch.no_grad():
-                    err = max_error(fwd_decode.attention(q, k, v, scale)[0], ref)
-                m = ms(lambda: fwd_decode.attention(q, k, v, scale))
-                c = fwd_decode.config_for(q.dtype, d, h // hk)
-                kernel = fwd_decode.get_kernel(c.spec(), q.device)
-                per_sm = kernel.resident_blocks(fwd_decode.THREADS, c.smem_bytes)
-                print(f"b{a.batch} {a.keys:6d} keys  mma stages {stages} combine {combine} "
-                      f"({per_sm} CTAs/SM, {kernel.attribute('NUM_REGS')} regs)  "
-                      f"{m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
-                      f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
+                arm(f"mma stages {stages} combine {combine}")
         fwd_decode.STAGES, fwd_decode.MMA, fwd_decode.COMBINE = stages0, 0, 0
         if a.paged:
             from flashcuda.bench.extras import paged_pool
