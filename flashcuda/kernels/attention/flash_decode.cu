@@ -325,8 +325,17 @@ __device__ __forceinline__ void mma_loop(const T* qrow0, int64_t q_head_stride, 
       const int key = key0 + r;
       const int at = key < key_end ? key : key_begin;  // (src-size 0 zero-fills past the end)
       const bool ok = key < key_end && 8 * c < head_dim;
-      cp_async_16(kt + KvTile::offset(r, c), krows.at(at) + 8 * c, ok);
-      cp_async_16(vt + KvTile::offset(r, c), vrows.at(at) + 8 * c, ok);
+#if FC_PAGED  // (K and V share the page lookup: one division and one table read per key)
+      const int blk = at / krows.page_size, in_page = at - blk * krows.page_size;
+      const int64_t page = krows.pages[blk];
+      const T* kp = krows.base + page * krows.page_stride + in_page * krows.row_stride;
+      const T* vp = vrows.base + page * vrows.page_stride + in_page * vrows.row_stride;
+#else
+      const T* kp = krows.at(at);
+      const T* vp = vrows.at(at);
+#endif
+      cp_async_16(kt + KvTile::offset(r, c), kp + 8 * c, ok);
+      cp_async_16(vt + KvTile::offset(r, c), vp + 8 * c, ok);
     }
   };
 #pragma unroll
