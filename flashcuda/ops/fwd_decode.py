@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +34,7 @@ import torch
 
 from .._env import choice
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, launch_stream, register
-from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, PlanCache, on_cuda
+from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, PlanCache, StreamBuffers, on_cuda
 
 SOURCE = "attention/flash_decode.cu"
 ARCHS = ("sm_80", "sm_90a")
@@ -277,25 +276,15 @@ def _at(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-_counter_buffers = threading.local()
+_counter_buffers = StreamBuffers(torch.int32, zeroed=True)
 
 
 def counters(device: torch.device, handle: int, n: int) -> torch.Tensor:
     """At least `n` int32 zeros on `device` for the fused combine's tile counters of a call on
-    stream `handle`. One buffer per (thread, device, stream), kept between calls: every call
-    leaves its counters zero (a tile's last CTA resets its own), and the calls a thread makes on
-    a stream run one after another. While the stream is captured into a CUDA graph, a new zeroed
-    buffer per call (the graph's pool): replays may run beside eager calls on that stream."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    by_stream = getattr(_counter_buffers, "by_stream", None)
-    if by_stream is None:
-        by_stream = _counter_buffers.by_stream = {}
-    key = (device, handle)
-    buf = by_stream.get(key)
-    if buf is None or buf.numel() < n:
-        buf = by_stream[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return buf
+    stream `handle`: one buffer per (thread, device, stream), kept between calls, since every
+    call leaves its counters zero (a tile's last CTA resets its own); fresh while the stream is
+    captured (call.StreamBuffers)."""
+    return _counter_buffers.get(device, (device, handle), n)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,

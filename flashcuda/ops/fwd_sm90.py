@@ -47,7 +47,6 @@ import dataclasses
 import math
 import os
 import re
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -66,6 +65,7 @@ from .call import (
     SMEM_OPTIN,
     FwdCall,
     PlanCache,
+    StreamBuffers,
     defines_suffix,
     parse_defines,
     register_pool,
@@ -1027,30 +1027,19 @@ def launch_plan(plan: _Plan, call: FwdCall, maps: list) -> None:
     plan.fixup(*maps, out_at, lse_at, flags.data_ptr(), handle=handle)
 
 
-_flag_buffers = threading.local()  # .by_stream: (device index, stream handle) -> uint8 tensor
+_flag_buffers = StreamBuffers(torch.uint8)
 
 
 def nan_flags(device: torch.device, index: int, handle: int, nbytes: int) -> torch.Tensor:
     """A buffer of at least `nbytes` on `device` (index `index`) for the two passes' NaN flags
     of a call on stream `handle` (the driver's handle of torch's current stream there).
 
-    One buffer per (thread, device, stream), kept between calls: the calls a thread makes on a
-    stream run in the order it launched them, each call's first pass writes every byte its second
-    pass reads, so the next call's first pass cannot overwrite flags a second pass has still to
-    read. (Per thread: two threads sharing a stream could interleave their launches, A's first
-    pass, B's first pass, A's second.) While the stream is being captured into a CUDA graph, a
-    new buffer per call from torch's allocator (the graph's pool): the graph's replays may run
-    beside eager calls on the same stream, so they must not share one."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    by_stream = getattr(_flag_buffers, "by_stream", None)
-    if by_stream is None:
-        by_stream = _flag_buffers.by_stream = {}
-    key = (index, handle)  # (the legacy default stream is handle 0 on every device)
-    buf = by_stream.get(key)
-    if buf is None or buf.numel() < nbytes:
-        buf = by_stream[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return buf
+    One buffer per (thread, device, stream), kept between calls (call.StreamBuffers; fresh per
+    call while the stream is captured): each call's first pass writes every byte its second pass
+    reads, so the next call's first pass cannot overwrite flags a second pass has still to read
+    (per thread: two threads sharing a stream could interleave their launches, A's first pass,
+    B's first pass, A's second)."""
+    return _flag_buffers.get(device, (index, handle), nbytes)  # (legacy default stream: 0)
 
 
 def fused_configs() -> list[Sm90FwdFused]:

@@ -126,6 +126,32 @@ def test_mma_variants_compile(head_dim, paged):
         fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 0, 0, mma=1)
 
 
+def test_stream_buffers_kept_per_key_and_thread():
+    """call.StreamBuffers (the fused combine's counters, the sm90 forward's NaN flags): the same
+    buffer for one thread's calls with one key, grown when a call needs more; another for
+    another key or thread; zeros when asked. (Fresh per call in a capture: the GPU test
+    test_nan_flag_buffers_kept_per_thread_and_stream_fresh_in_a_capture.)"""
+    import threading
+
+    from flashcuda.ops.call import StreamBuffers
+
+    cpu = torch.device("cpu")
+    bufs = StreamBuffers(torch.int32, zeroed=True)
+    first = bufs.get(cpu, (cpu, 7), 64)
+    assert first.dtype == torch.int32 and first.numel() == 64 and not first.any()
+    assert bufs.get(cpu, (cpu, 7), 16) is first
+    grown = bufs.get(cpu, (cpu, 7), 100)
+    assert grown.numel() == 100 and bufs.get(cpu, (cpu, 7), 64) is grown
+    assert bufs.get(cpu, (cpu, 8), 64) is not grown
+    assert bufs.kept() == [grown, bufs.get(cpu, (cpu, 8), 1)]
+    other: list = []
+    t = threading.Thread(target=lambda: other.append((bufs.get(cpu, (cpu, 7), 64), bufs.kept())))
+    t.start()
+    t.join()
+    assert other[0][0] is not grown and len(other[0][1]) == 1
+    assert StreamBuffers(torch.uint8).get(cpu, (0, 0), 5).dtype == torch.uint8
+
+
 def test_max_splits_fit_the_combine():
     """The combine holds one piece per thread (the .cu's kMaxSplits = kThreads)."""
     assert fwd_decode.MAX_SPLITS <= fwd_decode.THREADS

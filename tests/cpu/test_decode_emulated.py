@@ -57,10 +57,7 @@ def test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeyp
     on_gpu.test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeypatch)
 
 
-@pytest.fixture
-def mma(monkeypatch):
-    monkeypatch.setattr(fwd_decode, "MMA", 1)
-    monkeypatch.setattr(fwd_decode, "STAGES", 2)
+mma = on_gpu.mma  # (the GPU module's fixture: FLASHCUDA_DECODE_MMA=1, 2 stages)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

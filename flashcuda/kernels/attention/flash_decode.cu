@@ -49,8 +49,7 @@
 // lanes' FMAs and shuffles (ncu, session 44: that loop is issue-bound).
 //
 // FC_STAGE 1 (combine): grid (entries * nheads), 128 threads: lse = log sum_s exp(lse_s),
-// out = sum_s exp(lse_s - lse) o_s, rounded once to q's dtype (at most 128 pieces: one lse per
-// thread, the weights in shared memory, each column's sum over the pieces by one thread).
+// out = sum_s exp(lse_s - lse) o_s, rounded once to q's dtype (how, by FC_COMBINE below).
 //
 // How the pieces meet when splits > 1 (FC_COMBINE, an A/B knob):
 //   0   the combine kernel, launched after the split kernel; each thread walks the pieces'
@@ -105,8 +104,8 @@ __device__ __forceinline__ void combine_row_serial(const float* __restrict__ o_p
   }
 }
 
-// The CTA-wide combine's shared memory: each piece's weight exp(lse_s - max) and the warps' partial max /
-// sum. Pieces per row: at most kMaxSplits (fwd_decode.MAX_SPLITS), one per thread.
+// The CTA-wide combine's shared memory: each piece's weight exp(lse_s - max) and the warps'
+// partial max / sum. Pieces per row: at most kMaxSplits (fwd_decode.MAX_SPLITS), one per thread.
 constexpr int kMaxSplits = kThreads;
 struct CombineSmem {
   float w[kMaxSplits];
@@ -119,7 +118,7 @@ struct CombineSmem {
 // max and the sum reduced over the CTA, the weights parked in shared memory), then thread c
 // sums column c over the pieces (their loads independent of one another). Every thread of the
 // CTA calls it (barriers inside). kFresh: the partials were written by other CTAs of this grid
-// (loads that bypass L1).
+// (part(): loads that bypass L1).
 template <bool kFresh>
 __device__ __forceinline__ float part(const float* p) {
   if constexpr (kFresh) return __ldcg(p);
@@ -266,6 +265,27 @@ struct KvRows {
     return base + p * row_stride;
 #endif
   }
+
+  // at(p) in two parts, for K and V of one position to share the page lookup (FC_MMA's copies;
+  // the lanes' step keeps at(p): its compiled code is the one the GPU runs proved)
+#if FC_PAGED
+  struct Place {
+    int page, row;
+  };
+  __device__ __forceinline__ Place place(int p) const {
+    const int blk = p / page_size;
+    return {pages[blk], p - blk * page_size};
+  }
+  __device__ __forceinline__ const T* at(Place x) const {
+    return base + x.page * page_stride + x.row * row_stride;
+  }
+#else
+  struct Place {
+    int row;
+  };
+  __device__ __forceinline__ Place place(int p) const { return {p}; }
+  __device__ __forceinline__ const T* at(Place x) const { return base + x.row * row_stride; }
+#endif
 };
 
 struct SplitSmem {
@@ -325,17 +345,9 @@ __device__ __forceinline__ void mma_loop(const T* qrow0, int64_t q_head_stride, 
       const int key = key0 + r;
       const int at = key < key_end ? key : key_begin;  // (src-size 0 zero-fills past the end)
       const bool ok = key < key_end && 8 * c < head_dim;
-#if FC_PAGED  // (K and V share the page lookup: one division and one table read per key)
-      const int blk = at / krows.page_size, in_page = at - blk * krows.page_size;
-      const int64_t page = krows.pages[blk];
-      const T* kp = krows.base + page * krows.page_stride + in_page * krows.row_stride;
-      const T* vp = vrows.base + page * vrows.page_stride + in_page * vrows.row_stride;
-#else
-      const T* kp = krows.at(at);
-      const T* vp = vrows.at(at);
-#endif
-      cp_async_16(kt + KvTile::offset(r, c), kp + 8 * c, ok);
-      cp_async_16(vt + KvTile::offset(r, c), vp + 8 * c, ok);
+      const KvRows::Place x = krows.place(at);  // (K and V share one page lookup per key)
+      cp_async_16(kt + KvTile::offset(r, c), krows.at(x) + 8 * c, ok);
+      cp_async_16(vt + KvTile::offset(r, c), vrows.at(x) + 8 * c, ok);
     }
   };
 #pragma unroll
@@ -528,18 +540,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocks) FC_KERNEL_NAM
   const KvRows vrows{v + row * v_batch_stride + kv_head * v_head_stride + 8 * sub, v_row_stride};
 #endif
 #if FC_MMA
+  KvRows kwhole = krows, vwhole = vrows;  // (whole rows: mma_loop's lanes copy every column)
+  kwhole.base -= 8 * sub;
+  vwhole.base -= 8 * sub;
   mma_loop(q + b * q_batch_stride + qi * q_row_stride + head0 * q_head_stride, q_head_stride,
-           rows, head_dim, KvRows{krows.base - 8 * sub, krows.row_stride
-#if FC_PAGED
-                                  , krows.pages, krows.page_stride, krows.page_size
-#endif
-           },
-           KvRows{vrows.base - 8 * sub, vrows.row_stride
-#if FC_PAGED
-                  , vrows.pages, vrows.page_stride, vrows.page_size
-#endif
-           },
-           key_begin, key_end, scale_log2, warp, lane, shared_address(stage_buf), sm);
+           rows, head_dim, kwhole, vwhole, key_begin, key_end, scale_log2, warp, lane,
+           shared_address(stage_buf), sm);
 #elif FC_STAGES == 0
 #pragma unroll 1
   for (int key0 = key_begin; key0 < key_end; key0 += kStep) {
