@@ -10,7 +10,8 @@
 #           tensor-core step; API errors not reported:
 #           runtime.check_abi asks cuFuncGetParamInfo for one parameter past the last, and its
 #           CUDA_ERROR_INVALID_VALUE is how the list's end shows)
-# tune:     scripts/decode_probe.py --tune at batch 1 x 64k, batch 8 x 16k, batch 1 x 16k keys
+# tune:     scripts/decode_probe.py --tune ($TUNE_ARGS, e.g. --mma-only) at batch 1 x 64k, 8 x 16k,
+#           1 x 16k keys (d128, 32 / 8 heads), and 1 x 64k, 8 x 16k at d64 (8 / 1 heads)
 # probe:    scripts/decode_probe.py at batch 1 x 1k (host time of a small call)
 # ncu:      ncu (full set) of one decode call and one SDPA cuDNN call at batch 1 x 64k
 # Each step's log goes to $OUT/<step>.txt, packed at the end into $OUT/decode-lane.tgz (steps.txt and
@@ -38,8 +39,9 @@ for s in $steps; do
         tests/gpu/test_decode.py -k "per_entry or strided or nan or kvcache or determin or paged or cache_rows or depths or combine or mma_step_spans" \
         > "$OUT/sanitize.txt" 2>&1; echo "sanitizer rc $?" >> "$OUT/sanitize.txt" ;;
     tune)
-      for a in "--keys 65536 --paged 16" "--batch 8 --keys 16384 --paged 256" "--keys 16384"; do
-        timeout 120 python3 scripts/decode_probe.py --tune $a 2>&1 | grep -v Warn
+      for a in "--keys 65536 --paged 16" "--batch 8 --keys 16384 --paged 256" "--keys 16384" \
+          "--keys 65536 --head-dim 64 --heads 8/1" "--batch 8 --keys 16384 --head-dim 64 --heads 8/1"; do
+        timeout 120 python3 scripts/decode_probe.py --tune ${TUNE_ARGS:-} $a 2>&1 | grep -v Warn
       done > "$OUT/tune.txt" ;;
     probe)
       timeout 120 python3 scripts/decode_probe.py --keys 1024 > "$OUT/probe.txt" 2>&1 ;;

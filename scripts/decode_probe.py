@@ -3,7 +3,8 @@ shape (32 query heads over 8 KV heads, d128, bf16, one query per entry), the med
 flash_attn_func / flash_attn_with_kvcache / the split's parts, and the kernels one call launches
 (torch.profiler), so a slow decode path shows which part is slow.
 
-    PYTHONPATH=. python3 scripts/decode_probe.py [--batch 1] [--keys 65536]
+    PYTHONPATH=. python3 scripts/decode_probe.py [--batch 1] [--keys 65536] [--head-dim 128]
+        [--heads 32/8] [--tune [--mma-only] [--paged PAGE]] [--ncu]
 """
 
 from __future__ import annotations
@@ -41,17 +42,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--keys", type=int, default=65536)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--heads", default="32/8", metavar="H/HKV", help="query / KV heads")
     ap.add_argument("--tune", action="store_true",
-                    help="only the decode kernels' time for STAGES x UNROLL x WAVES choices")
+                    help="only the decode kernels' time: the defaults, the lanes' STAGES x UNROLL x "
+                         "WAVES, the tensor cores' MMA_STAGES x WAVES and COMBINE")
     ap.add_argument("--paged", type=int, default=0, metavar="PAGE",
                     help="with --tune: also the same keys in shuffled pages of PAGE rows (the "
-                         "paged kernels, block table on the device), stages 0 and 3")
+                         "paged kernels, block table on the device), the lanes at stages 0 and 3, the tensor cores at 3 and the defaults")
+    ap.add_argument("--mma-only", action="store_true",
+                    help="with --tune: the defaults and the tensor-core step's arms only")
     ap.add_argument("--ncu", action="store_true",
                     help="one call of the decode kernels and one of SDPA cuDNN between "
                          "cudaProfilerStart / Stop, after warm-up (for ncu --profile-from-start "
                          "off)")
     a = ap.parse_args()
-    h, hk, d = 32, 8, 128
+    h, hk = map(int, a.heads.split("/"))
+    d = a.head_dim
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(a.batch, 1, h, d, dtype=torch.bfloat16, device="cuda", generator=g)
     k, v = (torch.randn(a.batch, a.keys, hk, d, dtype=q.dtype, device="cuda", generator=g)
@@ -76,6 +83,7 @@ def main() -> None:
             torch.cuda.cudart().cudaProfilerStop()
         return
     if a.tune:  # each choice timed and checked against the float64 oracle (DESIGN.md §7's rule)
+        print(f"# bf16 d{d}, {h} query heads over {hk} KV heads")
         from flashcuda.reference import attention_ref, max_error, rounding_floor
 
         ref, _ = attention_ref(q, k, v, softmax_scale=scale)
@@ -109,35 +117,46 @@ def main() -> None:
                   f"{kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
                   f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
 
-        unroll0, stages0, waves0 = fwd_decode.UNROLL, fwd_decode.STAGES, fwd_decode.WAVES
-        for stages in (0, 2, 3, 4):
-            for unroll in (2, 4):
-                for waves in (1, 2):
-                    fwd_decode.UNROLL, fwd_decode.STAGES, fwd_decode.WAVES = unroll, stages, waves
-                    arm(f"stages {stages} unroll {unroll} waves {waves}")
-        fwd_decode.UNROLL, fwd_decode.STAGES, fwd_decode.WAVES = unroll0, stages0, waves0
-        for combine in (3, 1, 2):  # how the pieces meet, at the defaults (FLASHCUDA_DECODE_COMBINE)
-            fwd_decode.COMBINE = combine
-            arm(f"defaults, combine {('', 'dependent', 'fused', 'CTA-wide')[combine]}")
-        for stages in (2, 3):  # the tensor-core step (FLASHCUDA_DECODE_MMA), both combines
-            for combine in (0, 3):
-                fwd_decode.STAGES, fwd_decode.MMA, fwd_decode.COMBINE = stages, 1, combine
-                arm(f"mma stages {stages} combine {combine}")
-        fwd_decode.STAGES, fwd_decode.MMA, fwd_decode.COMBINE = stages0, 0, 0
+        knobs = ("UNROLL", "STAGES", "WAVES", "MMA", "MMA_STAGES", "COMBINE")
+        saved = {n: getattr(fwd_decode, n) for n in knobs}
+
+        def setting(**kw: int) -> None:
+            for n in knobs:
+                setattr(fwd_decode, n, kw.get(n.lower(), saved[n]))
+
+        arm("defaults")
+        if not a.mma_only:  # the CUDA-core lanes (FLASHCUDA_DECODE_MMA=0): their pipeline shape
+            for stages in (0, 2, 3, 4):
+                for unroll in (2, 4):
+                    for waves in (1, 2):
+                        setting(mma=0, unroll=unroll, stages=stages, waves=waves)
+                        arm(f"lanes stages {stages} unroll {unroll} waves {waves}")
+        # the tensor-core step: its pipeline depth and waves, the combine after the split (0) or
+        # as its programmatic dependent (1)
+        for stages in (2, 3, 4, 5, 6):
+            for waves in (1, 2):
+                for combine in (1, 0) if stages == saved["MMA_STAGES"] and waves == 1 else (1,):
+                    setting(mma=1, mma_stages=stages, waves=waves, combine=combine)
+                    arm(f"mma stages {stages} waves {waves} combine {combine}")
+        setting()
         if a.paged:
             from flashcuda.bench.extras import paged_pool
 
             assert a.keys % a.paged == 0, "--paged: keys must be a multiple of PAGE"
             *pools, table = paged_pool(k, v, a.paged)
-            for stages in (0, 3):
-                fwd_decode.UNROLL, fwd_decode.STAGES, fwd_decode.WAVES = 4, stages, 1
+            for label, kw in (("lanes stages 0", dict(mma=0, stages=0)),
+                              ("lanes stages 3", dict(mma=0, stages=3)),
+                              ("mma stages 3", dict(mma=1, mma_stages=3)),
+                              ("defaults", {})):
+                setting(**kw)
                 with torch.no_grad():
                     err = max_error(fwd_decode.attention(q, *pools, scale, None, None, None,
                                                          table)[0], ref)
                 m = ms(lambda: fwd_decode.attention(q, *pools, scale, None, None, None, table))
-                print(f"b{a.batch} {a.keys:6d} keys  paged ({a.paged} rows) stages {stages}  "
+                print(f"b{a.batch} {a.keys:6d} keys  paged ({a.paged} rows) {label}  "
                       f"{m * 1e3:7.1f} us  {kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
                       f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
+            setting()
         return
     calls = {"split_pieces": 0, "run": 0}
     run0, split0 = attn_mod._fwd_impl, decode.split_pieces

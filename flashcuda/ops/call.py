@@ -245,24 +245,23 @@ class StreamBuffers:
     them, so the next call may take the buffer as the previous one left it. (Per thread: two
     threads sharing a stream could interleave their launches.) While the stream is being captured
     into a CUDA graph, a new one per call from torch's allocator (the graph's pool): the graph's
-    replays may run beside eager calls on the same stream, so they must not share one. `zeroed`:
-    a new buffer starts as zeros."""
+    replays may run beside eager calls on the same stream, so they must not share one. A new
+    buffer's contents are undefined."""
 
-    def __init__(self, dtype: torch.dtype, zeroed: bool = False) -> None:
-        self.dtype, self.zeroed = dtype, zeroed
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
         self._local = threading.local()
 
     def get(self, device: torch.device, key: tuple, numel: int) -> torch.Tensor:
         """A buffer of at least `numel` elements on `device` for this thread's `key`."""
-        new = torch.zeros if self.zeroed else torch.empty
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return new(numel, dtype=self.dtype, device=device)
+            return torch.empty(numel, dtype=self.dtype, device=device)
         kept = getattr(self._local, "kept", None)
         if kept is None:
             kept = self._local.kept = {}
         buf = kept.get(key)
         if buf is None or buf.numel() < numel:
-            buf = kept[key] = new(numel, dtype=self.dtype, device=device)
+            buf = kept[key] = torch.empty(numel, dtype=self.dtype, device=device)
         return buf
 
     def kept(self) -> list[torch.Tensor]:

@@ -14,13 +14,12 @@ head's query group runs in one CTA's rows (the keys read once per group), and th
 each (entry, KV head) are cut into `splits` pieces, as many CTAs as the GPU holds at once (the
 driver's occupancy of the kernel x SMs: one full wave however small the batch); with splits > 1
 each piece writes its normalised out and lse in fp32 and the combine rounds once. So the result
-has one rounding (out to q's dtype) like a single kernel call. STAGES picks how K / V reach the
+has one rounding (out to q's dtype) like a single kernel call. Head dims up to 128 take the
+scores and P V on tensor cores (MMA, the .cu's FC_MMA) through an MMA_STAGES-deep cp.async
+pipeline; the 256 bucket (and MMA=0) the CUDA-core lanes, STAGES picking how K / V reach their
 registers (straight loads, or a cp.async pipeline in shared memory: the .cu's FC_STAGES).
-COMBINE how the pieces meet (the .cu's FC_COMBINE): the combine kernel after the split (0; 3:
-its CTA-wide form), that CTA-wide kernel as the split's programmatic dependent on sm_90 (1), or
-fused into the split kernel, whose last CTA per (entry, KV head, row block) combines (2: a
-counter per tile in a buffer kept zero per thread, device and stream, fresh while a CUDA graph
-is captured).
+COMBINE: the combine kernel as the split's programmatic dependent on sm_90 (1), or launched
+after it (0, and wherever griddepcontrol does not exist).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import torch
 
 from .._env import choice
 from ..jit import KernelSpec, PreparedLaunch, get_kernel, launch_stream, register
-from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, PlanCache, StreamBuffers, on_cuda
+from .call import DTYPE_CODE, DTYPE_NAME, LOG2E, PlanCache, on_cuda
 
 SOURCE = "attention/flash_decode.cu"
 ARCHS = ("sm_80", "sm_90a")
@@ -46,21 +45,26 @@ STAGES_ENV, UNROLL_ENV, WAVES_ENV = ("FLASHCUDA_DECODE_STAGES", "FLASHCUDA_DECOD
                                      "FLASHCUDA_DECODE_WAVES")
 COMBINE_ENV = "FLASHCUDA_DECODE_COMBINE"
 UNROLL = choice(UNROLL_ENV, 4, (1, 2, 4, 8))  # keys per slot per step
-# K / V by registers (0) or an N-stage cp.async pipeline (the .cu's FC_STAGES). The defaults,
-# 2 stages x 4 keys per slot: session 44's tune on the H200 (best or within 1.5% at batch 1 x 64k,
-# 8 x 16k; +2.5% at 1 x 16k against 2 keys; on an H100 2 keys won by 1-2%; docs/perf-notes.md)
+# The lanes' K / V by registers (0) or an N-stage cp.async pipeline (the .cu's FC_STAGES). The
+# defaults, 2 stages x 4 keys per slot: session 44's tune on the H200 (best or within 1.5% at
+# batch 1 x 64k, 8 x 16k; +2.5% at 1 x 16k against 2 keys; on an H100 2 keys won by 1-2%;
+# docs/perf-notes.md)
 STAGES = choice(STAGES_ENV, 2, (0, 2, 3, 4, 5, 6))
 THREADS = 128
 MAX_SPLITS = 128  # at most the .cu's kMaxSplits (the combine: one piece per thread)
 MIN_SPLIT_KEYS = 256  # no piece shorter than this (the combine and the CTA's start cost)
 # the split aims at this many full waves of the CTAs the GPU holds at once
 WAVES = choice(WAVES_ENV, 1, (1, 2, 3, 4))
-# how split pieces meet: 0 the combine kernel, 3 its CTA-wide form, 1 that as the split's
-# programmatic dependent (sm_90), 2 fused into the split kernel (its last CTA per tile combines)
-COMBINE = choice(COMBINE_ENV, 0, (0, 1, 2, 3))
-# the scores and P V on tensor cores (the .cu's FC_MMA; A/B): each warp 16 keys a step
-MMA_ENV = "FLASHCUDA_DECODE_MMA"
-MMA = choice(MMA_ENV, 0, (0, 1))
+# the combine as the split kernel's programmatic dependent (1; sm_90, elsewhere 0), or launched
+# after it (0): 1-2 us less at batch 1 on an H100 (session 45; docs/perf-notes.md)
+COMBINE = choice(COMBINE_ENV, 1, (0, 1))
+# the scores and P V on tensor cores (the .cu's FC_MMA) for head dims up to 128 (1), or the
+# CUDA-core lanes (0): each warp 16 keys a step, through an MMA_STAGES-deep cp.async pipeline.
+# 4 stages (one CTA per SM at d128: fewer, longer pieces) was the best depth of session 45's
+# tune on an H100: 1 x 64k 118.7 -> 106.1 us (cuDNN 105.8), 8 x 16k 198.4 -> 190.5 (190.0)
+MMA_ENV, MMA_STAGES_ENV = "FLASHCUDA_DECODE_MMA", "FLASHCUDA_DECODE_MMA_STAGES"
+MMA = choice(MMA_ENV, 1, (0, 1))
+MMA_STAGES = choice(MMA_STAGES_ENV, 4, (2, 3, 4, 5, 6))
 MMA_KEYS = 16  # keys per warp per step with the tensor cores
 MAX_GRID_YZ = 65535
 MAX_QUERY_ROWS = 16  # query rows per sequence (each an entry of its own: keys read once per row)
@@ -72,7 +76,7 @@ class DecodeConfig:
     head_dim: int  # FC_HEAD_DIM: the bucket
     rows: int  # FC_ROWS
     unroll: int = 0  # FC_UNROLL (0: UNROLL, at most 4 with 8 rows, 2 paged without a pipe)
-    stages: int = -1  # FC_STAGES (-1: STAGES): 0 loads to registers, N an N-stage cp.async pipe
+    stages: int = -1  # FC_STAGES (-1: MMA_STAGES / STAGES): 0 loads to registers, N a pipeline
     paged: bool = False  # FC_PAGED: the cache in pages through a block table
     combine: int = -1  # FC_COMBINE (-1: COMBINE): how split pieces meet
     mma: int = -1  # FC_MMA (-1: MMA): scores and P V on tensor cores (needs a pipeline)
@@ -81,7 +85,7 @@ class DecodeConfig:
         if self.mma < 0:  # (not for the 256 bucket, nor where the registers path is asked for)
             object.__setattr__(self, "mma", MMA if self.head_dim <= 128 and self.stages else 0)
         if self.stages < 0:
-            object.__setattr__(self, "stages", max(STAGES, 2) if self.mma else STAGES)
+            object.__setattr__(self, "stages", MMA_STAGES if self.mma else STAGES)
         if self.combine < 0:
             object.__setattr__(self, "combine", COMBINE)
         if not self.unroll:  # (the caps keep 8 rows' accumulators, q and keys within 255 regs)
@@ -135,23 +139,21 @@ class DecodeConfig:
             "FC_STAGE": 0, "FC_DTYPE": DTYPE_CODE[self.dtype], "FC_HEAD_DIM": self.head_dim,
             "FC_ROWS": self.rows, "FC_UNROLL": self.unroll, "FC_STAGES": self.stages,
             "FC_PAGED": int(self.paged),
-            **({"FC_COMBINE": self.combine} if self.combine in (1, 2) else {}),
+            **({"FC_COMBINE": 1} if self.combine else {}),
             **({"FC_MMA": 1} if self.mma else {})})
 
 
-# name suffixes by COMBINE: the split kernel's (3 leaves it as 0's) and the combine kernel's
-COMBINE_SUFFIX = ("", "_cd", "_cf", "")
-COMBINE_KERNEL_SUFFIX = ("", "_cd", None, "_cc")
+# name suffixes by COMBINE (the split kernel's and the combine kernel's)
+COMBINE_SUFFIX = ("", "_cd")
 
 
 def combine_spec(dtype: torch.dtype, combine: int = 0) -> KernelSpec:
-    """The combine kernel (FC_STAGE 1): 0 each thread over the pieces; 3 CTA-wide; 1 CTA-wide,
-    waiting for the split grid itself (griddepcontrol.wait), launched as its programmatic
-    dependent."""
+    """The combine kernel (FC_STAGE 1): 0 launched after the split; 1 waiting for the split
+    grid itself (griddepcontrol.wait), launched as its programmatic dependent."""
     return KernelSpec.make(
-        f"flash_decode_combine_{DTYPE_NAME[dtype]}{COMBINE_KERNEL_SUFFIX[combine]}", SOURCE,
+        f"flash_decode_combine_{DTYPE_NAME[dtype]}{COMBINE_SUFFIX[combine]}", SOURCE,
         defines={"FC_STAGE": 1, "FC_DTYPE": DTYPE_CODE[dtype],
-                 **({"FC_COMBINE": combine} if combine else {})})
+                 **({"FC_COMBINE": 1} if combine else {})})
 
 
 def config_for(dtype: torch.dtype, head_dim: int, group: int, paged: bool = False) -> DecodeConfig:
@@ -220,12 +222,11 @@ class _Plan:
     split: PreparedLaunch
     combine: PreparedLaunch | None
     splits: int
-    counters: int  # counters the fused combine needs per call (0: none)
 
 
-# q, k, v, out, lse, o_part, lse_part, seqused, seqstart, cache_rows, block_table, counters: the
-# rest is the layout's
-_SPLIT_POINTERS = 12
+# q, k, v, out, lse, o_part, lse_part, seqused, seqstart, cache_rows, block_table: the rest is
+# the layout's
+_SPLIT_POINTERS = 11
 _COMBINE_POINTERS = 4  # o_part, lse_part, out, lse
 
 
@@ -240,7 +241,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     group = nheads // nheads_kv
     cfg = config_for(q.dtype, head_dim, group, paged)
     if cfg.combine == 1 and not _programmatic(q.device):  # (no griddepcontrol before sm_90)
-        cfg = dataclasses.replace(cfg, combine=3)
+        cfg = dataclasses.replace(cfg, combine=0)
     row_blocks = -(-group // cfg.rows)
     _, sms = _device_ok(q.device)
     kernel = get_kernel(cfg.spec(), q.device)
@@ -258,15 +259,14 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     split = PreparedLaunch(kernel, (splits, nheads_kv * row_blocks, entries), (THREADS, 1, 1),
                            cfg.smem_bytes, (None,) * _SPLIT_POINTERS + layout, fixed=len(layout))
     combine = None
-    if splits > 1 and cfg.combine != 2:
+    if splits > 1:
         tail = (np.int64(out.stride(1)), np.int64(out.stride(2)), np.int32(entries),
                 np.int32(nheads), np.int32(head_dim), np.int32(splits))
         combine = PreparedLaunch(get_kernel(combine_spec(q.dtype, cfg.combine), q.device),
                                  (entries * nheads, 1, 1), (THREADS, 1, 1), 0,
                                  (None,) * _COMBINE_POINTERS + tail, fixed=len(tail),
                                  programmatic=cfg.combine == 1)
-    counters = entries * nheads_kv * row_blocks if splits > 1 and cfg.combine == 2 else 0
-    return _Plan(split, combine, splits, counters)
+    return _Plan(split, combine, splits)
 
 
 _plans = PlanCache(lambda args: _plan(*args))
@@ -274,17 +274,6 @@ _plans = PlanCache(lambda args: _plan(*args))
 
 def _at(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
-
-
-_counter_buffers = StreamBuffers(torch.int32, zeroed=True)
-
-
-def counters(device: torch.device, handle: int, n: int) -> torch.Tensor:
-    """At least `n` int32 zeros on `device` for the fused combine's tile counters of a call on
-    stream `handle`: one buffer per (thread, device, stream), kept between calls, since every
-    call leaves its counters zero (a tile's last CTA resets its own); fresh while the stream is
-    captured (call.StreamBuffers)."""
-    return _counter_buffers.get(device, (device, handle), n)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
@@ -308,7 +297,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     table = None if block_table is None else (block_table.shape, block_table.stride())
     causal = bool(causal) and seqlen_q > 1  # (one row: the same keys either way)
     key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.get_device(),
-           softmax_scale, table, causal, UNROLL, STAGES, WAVES, COMBINE, MMA)
+           softmax_scale, table, causal, UNROLL, STAGES, WAVES, COMBINE, MMA, MMA_STAGES)
     plan = _plans.plan(key, (q, k, v, softmax_scale, out, block_table, causal))
     parts = None
     if plan.splits > 1:  # (the fp32 partials: freed after the combine, stream-ordered)
@@ -317,9 +306,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
                  q.new_empty((plan.splits, entries, nheads), dtype=torch.float32))
     o_at, lse_at = (parts[0].data_ptr(), parts[1].data_ptr()) if parts else (0, 0)
     handle = launch_stream(q.get_device())
-    count_at = counters(q.device, handle, plan.counters).data_ptr() if plan.counters else 0
     plan.split(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), o_at,
-               lse_at, _at(seqused), _at(seqstart), _at(cache_rows), _at(block_table), count_at,
+               lse_at, _at(seqused), _at(seqstart), _at(cache_rows), _at(block_table),
                handle=handle)
     if plan.combine is not None:
         plan.combine(o_at, lse_at, out.data_ptr(), lse.data_ptr(), handle=handle)
@@ -329,10 +317,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
 
 @register
 def variants() -> list[tuple[KernelSpec, tuple[str, ...]]]:
-    """Every specialisation attention() picks by default or with FLASHCUDA_DECODE_STAGES=0:
-    2 dtypes x 3 head dims x 4 row counts, plain and paged, K / V by the STAGES-deep pipeline
-    and by registers; and a combine per dtype."""
-    specs = [DecodeConfig(dt, d, r, stages=st, paged=p).spec() for dt in DTYPES
-             for d in HEAD_DIMS for r in ROWS for p in (False, True) for st in sorted({0, STAGES})]
-    specs += [combine_spec(dt) for dt in DTYPES]
-    return [(s, ARCHS) for s in specs]
+    """Every specialisation attention() picks by default: 2 dtypes x 3 head dims x 4 row counts,
+    plain and paged (the tensor cores up to d128, the lanes at 256), with the combine as the
+    split's programmatic dependent on sm_90 and after it on sm_80; and their combine kernels."""
+    specs = []
+    for combine, arch in ((0, "sm_80"), (COMBINE, "sm_90a")):
+        specs += [(DecodeConfig(dt, d, r, paged=p, combine=combine).spec(), (arch,))
+                  for dt in DTYPES for d in HEAD_DIMS for r in ROWS for p in (False, True)]
+        specs += [(combine_spec(dt, combine), (arch,)) for dt in DTYPES]
+    return specs

@@ -28,9 +28,9 @@ def _pipelined():
     """The 3-stage pipe at every bucket, 1 and 8 rows, plain and paged (the registry's slow test
     compiles the rest); and the depths the GPU tests try (2 / 4 keys per slot x 2 / 4 stages)
     at their shapes."""
-    cfgs = [fwd_decode.DecodeConfig(torch.bfloat16, d, r, 0, 3, p)
+    cfgs = [fwd_decode.DecodeConfig(torch.bfloat16, d, r, 0, 3, p, mma=0)
             for d in fwd_decode.HEAD_DIMS for r in (1, 8) for p in (False, True)]
-    cfgs += [fwd_decode.DecodeConfig(torch.bfloat16, d, r, u, st)
+    cfgs += [fwd_decode.DecodeConfig(torch.bfloat16, d, r, u, st, mma=0)
              for d, r in ((64, 8), (128, 4), (256, 8)) for u in (2, 4) for st in (2, 4)]
     return cfgs
 
@@ -42,7 +42,8 @@ def test_pipelined_variant_compiles_without_spills(cfg):
     shared memory (SplitSmem overlays the stages), and the host's dynamic size holds SplitSmem
     (sizeof of the no-pipeline variant's static SplitSmem)."""
     spec = cfg.spec()
-    plain = fwd_decode.DecodeConfig(cfg.dtype, cfg.head_dim, cfg.rows, cfg.unroll, 0, cfg.paged)
+    plain = fwd_decode.DecodeConfig(cfg.dtype, cfg.head_dim, cfg.rows, cfg.unroll, 0, cfg.paged,
+                                    mma=0)
     for arch in fwd_decode.ARCHS:
         r = compile_spec(spec, arch).resources()[spec.entry_name]
         assert not r.spills and r.registers <= 255, (spec.name, arch, r)
@@ -54,10 +55,10 @@ def test_pipelined_variant_compiles_without_spills(cfg):
 def test_pipeline_sizes():
     """Dynamic shared memory: 0 without a pipeline; else the stages' 16-byte K and V pieces of
     128 threads, or SplitSmem where that is larger; stage 1 is refused."""
-    cfg = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 4, 3)
-    assert cfg.smem_bytes == 3 * 4 * 2 * 128 * 16 and cfg.name.endswith("_u4_p3")
+    cfg = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 4, 3, mma=0)
+    assert cfg.smem_bytes == 3 * 4 * 2 * 128 * 16 and cfg.name.endswith("_u4_p3_cd")
     assert fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 4, 0).smem_bytes == 0
-    wide = fwd_decode.DecodeConfig(torch.float16, 64, 8, 2, 2)  # SplitSmem 33,856 > 16,384
+    wide = fwd_decode.DecodeConfig(torch.float16, 64, 8, 2, 2, mma=0)  # SplitSmem 33,856 > 16,384
     assert wide.smem_bytes == wide.split_smem_bytes == 4 * (16 * 8 * 66 + 16)
     with pytest.raises(ValueError, match="stages"):
         fwd_decode.DecodeConfig(torch.float16, 64, 8, 2, 1)
@@ -75,44 +76,36 @@ def test_decode_representative_variants_compile():
             assert not r.spills, (spec.name, arch, r)
 
 
-@pytest.mark.parametrize("combine", [1, 2, 3], ids=["dependent", "fused", "cta"])
-def test_combine_mode_variants_compile(combine):
-    """FLASHCUDA_DECODE_COMBINE 1 / 2 / 3 (A/B): the split kernels at the tune's default and the
-    widest (d256, 8 rows, paged) for 1 and 2, the combine kernel for 1 and 3 — both targets, no
-    spills; the names say the mode, the default's kernels keep their names."""
-    specs = []
-    if combine in (1, 2):
-        specs += [c.spec() for c in (
-            fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 2, 2, combine=combine),
-            fwd_decode.DecodeConfig(torch.float16, 256, 8, 2, 2, True, combine=combine),
-            fwd_decode.DecodeConfig(torch.bfloat16, 64, 1, 4, 0, combine=combine))]
-    else:  # (3: the split kernel is the default's)
-        cfg = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 2, 2, combine=3)
-        assert cfg.spec() == fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 2, 2, combine=0).spec()
-    if combine != 2:
-        specs.append(fwd_decode.combine_spec(torch.bfloat16, combine))
+def test_dependent_combine_variants_compile():
+    """FLASHCUDA_DECODE_COMBINE=1 (the default; sm_90): the split kernels at the defaults and the
+    widest (d256, 8 rows, paged), and the combine kernel — both targets, no spills; the names
+    say it (_cd); 0 (after the split) keeps the plain names."""
+    specs = [c.spec() for c in (
+        fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, combine=1),
+        fwd_decode.DecodeConfig(torch.float16, 256, 8, 2, 2, True, combine=1),
+        fwd_decode.DecodeConfig(torch.bfloat16, 64, 1, 4, 0, combine=1, mma=0))]
+    specs.append(fwd_decode.combine_spec(torch.bfloat16, 1))
     for spec in specs:
-        assert spec.name.endswith(("_cd", "_cf", "_cc")[combine - 1])
-        assert dict(spec.defines).get("FC_COMBINE") == str(combine)
+        assert spec.name.endswith("_cd") and dict(spec.defines).get("FC_COMBINE") == "1"
         for arch in fwd_decode.ARCHS:
             r = compile_spec(spec, arch).resources()[spec.entry_name]
             assert not r.spills and r.registers <= 255, (spec.name, arch, r)
-    default = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, 2, 2, combine=0).spec()
-    assert "FC_COMBINE" not in dict(default.defines) and not default.name.endswith(("_cd", "_cf"))
+    after = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, combine=0).spec()
+    assert "FC_COMBINE" not in dict(after.defines) and not after.name.endswith("_cd")
     assert fwd_decode.combine_spec(torch.bfloat16).name == "flash_decode_combine_bf16"
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["plain", "paged"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_mma_variants_compile(head_dim, paged):
-    """FLASHCUDA_DECODE_MMA=1 (A/B): 1 / 4 / 8 rows, both dtypes and targets, no spills within
+    """FLASHCUDA_DECODE_MMA=1 (the default up to d128) at 2 stages: 1 / 4 / 8 rows, both dtypes and targets, no spills within
     the launch bounds (3 CTAs per SM on sm_90a unpaged, else 2), no static shared memory; the stages
     (64 KB at d128) sized for SplitSmem too; the 256 bucket and a registers path keep the lanes'
     step."""
     for dtype in fwd_decode.DTYPES:
         for rows in (1, 4, 8):
             cfg = fwd_decode.DecodeConfig(dtype, head_dim, rows, 0, 2, paged, mma=1)
-            assert cfg.name.endswith("_mma_p2" + "_pg" * paged) and cfg.step == 64
+            assert cfg.name.endswith("_mma_p2" + "_pg" * paged + "_cd") and cfg.step == 64
             assert cfg.smem_bytes == max(2 * 4 * 2 * 16 * head_dim * 2, cfg.split_smem_bytes)
             spec = cfg.spec()
             for arch in fwd_decode.ARCHS:
@@ -127,18 +120,17 @@ def test_mma_variants_compile(head_dim, paged):
 
 
 def test_stream_buffers_kept_per_key_and_thread():
-    """call.StreamBuffers (the fused combine's counters, the sm90 forward's NaN flags): the same
-    buffer for one thread's calls with one key, grown when a call needs more; another for
-    another key or thread; zeros when asked. (Fresh per call in a capture: the GPU test
+    """call.StreamBuffers (the sm90 forward's NaN flags): the same buffer for one thread's calls
+    with one key, grown when a call needs more; another for another key or thread. (Fresh per call in a capture: the GPU test
     test_nan_flag_buffers_kept_per_thread_and_stream_fresh_in_a_capture.)"""
     import threading
 
     from flashcuda.ops.call import StreamBuffers
 
     cpu = torch.device("cpu")
-    bufs = StreamBuffers(torch.int32, zeroed=True)
+    bufs = StreamBuffers(torch.int32)
     first = bufs.get(cpu, (cpu, 7), 64)
-    assert first.dtype == torch.int32 and first.numel() == 64 and not first.any()
+    assert first.dtype == torch.int32 and first.numel() == 64
     assert bufs.get(cpu, (cpu, 7), 16) is first
     grown = bufs.get(cpu, (cpu, 7), 100)
     assert grown.numel() == 100 and bufs.get(cpu, (cpu, 7), 64) is grown
@@ -162,14 +154,23 @@ def test_max_splits_fit_the_combine():
 
 
 def test_decode_config_buckets_and_rows():
+    """The buckets, rows per CTA and keys per step: the tensor cores' 4 warps x 16 keys up to
+    d128 at MMA_STAGES, the lanes' slots at 256 (and with MMA=0); the registry holds the
+    defaults, with the combine after the split (sm_80) and as its dependent (sm_90a)."""
     cfg = fwd_decode.config_for(torch.bfloat16, 72, 6)
-    assert (cfg.head_dim, cfg.rows, cfg.slots) == (128, 8, 8)
+    assert (cfg.head_dim, cfg.rows, cfg.slots, cfg.step) == (128, 8, 4, 64)
+    assert cfg.mma and cfg.stages == fwd_decode.MMA_STAGES
     assert fwd_decode.config_for(torch.float16, 8, 1).head_dim == 64
-    assert fwd_decode.config_for(torch.float16, 256, 32).rows == 8  # 4 row blocks
-    assert fwd_decode.config_for(torch.float16, 64, 2).slots == 16
-    assert cfg.step == 8 * min(fwd_decode.UNROLL, 4)  # 8 rows: at most 4 keys per slot
-    names = [s.name for s, _ in fwd_decode.variants()]
-    assert len(names) == len(set(names)) == 2 * 3 * 4 * 2 * 2 + 2  # plain / paged, 0 / 3 stages
+    wide = fwd_decode.config_for(torch.float16, 256, 32)
+    assert wide.rows == 8 and not wide.mma and wide.stages == fwd_decode.STAGES  # 4 row blocks
+    lanes = fwd_decode.DecodeConfig(torch.bfloat16, 128, 8, mma=0)
+    assert lanes.slots == 8 and lanes.step == 8 * min(fwd_decode.UNROLL, 4)  # 8 rows: <= 4 keys
+    assert fwd_decode.DecodeConfig(torch.float16, 64, 2, mma=0).slots == 16
+    variants = fwd_decode.variants()
+    names = [s.name for s, _ in variants]
+    assert len(names) == len(set(names)) == 2 * (2 * 3 * 4 * 2 + 2)
+    assert {a for _, archs in variants for a in archs} == set(fwd_decode.ARCHS)
+    assert all(n.endswith("_cd") == (a == ("sm_90a",)) for n, (_, a) in zip(names, variants))
 
 
 @pytest.mark.parametrize("batch,heads_kv,keys", [(1, 8, 65536), (8, 8, 16384), (1, 8, 1000),
@@ -231,6 +232,7 @@ def launches(monkeypatch):
         "K", (_FakeKernel,), {"name": spec.name})())
     monkeypatch.setattr(fwd_decode, "launch_stream", lambda index: 0)
     monkeypatch.setattr(fwd_decode, "_device_ok", lambda device: (True, 132))
+    monkeypatch.setattr(fwd_decode, "COMBINE", 0)  # (the plain launches: no driver attributes)
     monkeypatch.setattr(runtime.PreparedLaunch, "__call__", capture)
     fwd_decode._plans.clear()
     yield launched
@@ -273,7 +275,7 @@ def test_launch_packs_the_kernels_parameter_lists(launches, keys, seqused):
                                                                               "little")]
             assert all(parts)
         want, _ = runtime.pack_args("split", (q, k, v, out, lse, *(np.uint64(p) for p in parts),
-                                              used, None, None, None, None, *layout))
+                                              used, None, None, None, *layout))
         assert params == want
         if splits > 1:
             name, grid, params = launched[1]
@@ -316,7 +318,7 @@ def test_paged_launch_packs_the_table_and_the_spans(launches):
     lse_at = int.from_bytes(params[32:40], "little")
     want, _ = runtime.pack_args("split", (q, k, v, np.uint64(out_at), np.uint64(lse_at),
                                           *(np.uint64(p) for p in parts), used, start, None,
-                                          table, None, *layout))
+                                          table, *layout))
     assert params == want
 
 
@@ -339,15 +341,18 @@ def test_decode_knobs_from_the_environment(monkeypatch):
     import sys
 
     env = {**os.environ, "FLASHCUDA_DECODE_STAGES": "4", "FLASHCUDA_DECODE_UNROLL": "2",
-           "FLASHCUDA_DECODE_WAVES": "2", "FLASHCUDA_DECODE_COMBINE": "3"}
+           "FLASHCUDA_DECODE_WAVES": "2", "FLASHCUDA_DECODE_COMBINE": "0",
+           "FLASHCUDA_DECODE_MMA": "0", "FLASHCUDA_DECODE_MMA_STAGES": "3"}
     got = subprocess.run([sys.executable, "-c", "from flashcuda.ops import fwd_decode as f; "
-                          "print(f.STAGES, f.UNROLL, f.WAVES, f.COMBINE)"], env=env,
-                         capture_output=True, text=True, check=True, timeout=120).stdout.split()
-    assert got == ["4", "2", "2", "3"]
+                          "print(f.STAGES, f.UNROLL, f.WAVES, f.COMBINE, f.MMA, f.MMA_STAGES)"],
+                         env=env, capture_output=True, text=True, check=True,
+                         timeout=120).stdout.split()
+    assert got == ["4", "2", "2", "0", "0", "3"]
     from flashcuda.bench.command import KERNEL_ENV
 
     assert {"FLASHCUDA_DECODE_STAGES", "FLASHCUDA_DECODE_UNROLL", "FLASHCUDA_DECODE_WAVES",
-            "FLASHCUDA_DECODE_COMBINE"} <= set(KERNEL_ENV)
+            "FLASHCUDA_DECODE_COMBINE", "FLASHCUDA_DECODE_MMA",
+            "FLASHCUDA_DECODE_MMA_STAGES"} <= set(KERNEL_ENV)
 
 
 def test_several_query_rows_are_entries_of_their_own(launches):
@@ -376,7 +381,7 @@ def test_several_query_rows_are_entries_of_their_own(launches):
               i64(8 * 64), i64(64), i64(0), i32(0), i32(6), i32(3), i32(1), i32(5000), i32(8),
               i32(2), i32(64), i32(splits), i32(chunk), np.float32(0.2 * 1.4426950408889634))
     want, _ = runtime.pack_args("split", (q, k, v, *(np.uint64(p) for p in at + parts), None,
-                                          None, None, None, None, *layout))
+                                          None, None, None, *layout))
     assert params == want
     name, grid, params = launches[1]
     assert grid == (6 * 8, 1, 1)
@@ -392,5 +397,5 @@ def test_several_query_rows_are_entries_of_their_own(launches):
     layout = (*layout[:13], i32(2), i32(1), i32(0), *layout[16:20], i32(splits), i32(chunk),
               layout[-1])
     want, _ = runtime.pack_args("split", (one, k, v, *(np.uint64(p) for p in at), None, None,
-                                          None, None, None, *layout))
+                                          None, None, *layout))
     assert params == want

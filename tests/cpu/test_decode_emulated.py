@@ -32,10 +32,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(on_gpu, "DEVICE", "cpu")
 
 
-@pytest.fixture(params=[0, 3], ids=["regs", "pipe3"])
-def stages(request, monkeypatch):
-    monkeypatch.setattr(fwd_decode, "STAGES", request.param)
-    return request.param
+stages = on_gpu.stages  # (the GPU module's fixture: the lanes by registers / pipeline, the default)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -57,7 +54,7 @@ def test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeyp
     on_gpu.test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeypatch)
 
 
-mma = on_gpu.mma  # (the GPU module's fixture: FLASHCUDA_DECODE_MMA=1, 2 stages)
+mma = on_gpu.mma  # (the GPU module's fixture: FLASHCUDA_DECODE_MMA=1 at 2 stages)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -78,16 +75,15 @@ def test_the_split_covers_one_and_many_pieces():
     on_gpu.test_the_split_covers_one_and_many_pieces()
 
 
-@pytest.mark.parametrize("combine", [1, 2, 3], ids=["dependent", "fused", "cta"])
 @pytest.mark.parametrize("head_dim,heads", [(64, (8, 1)), (128, (12, 2)), (256, (16, 2))])
-def test_combine_modes_match_the_oracle(combine, head_dim, heads, monkeypatch):
-    on_gpu.test_combine_modes_match_the_oracle(combine, head_dim, heads, monkeypatch)
+def test_combine_after_and_dependent(head_dim, heads, stages, monkeypatch):
+    on_gpu.test_combine_after_and_dependent(head_dim, heads, stages, monkeypatch)
 
 
-def test_fused_combine_launches_one_kernel(monkeypatch):
-    """FLASHCUDA_DECODE_COMBINE=2: one launch per call (the split kernel, FC_COMBINE=2), none of
-    the combine kernel; 1: the combine kernel of FC_COMBINE=1, launched programmatically; 3 and
-    0: the default split kernel, then the CTA-wide / per-thread combine kernel."""
+def test_combine_launches(monkeypatch):
+    """FLASHCUDA_DECODE_COMBINE=1: the split kernel of FC_COMBINE=1, then the combine kernel of
+    FC_COMBINE=1, launched programmatically; 0: the plain split and combine kernels, one after
+    the other."""
     launched = []
     run = simt_emu.EmuLaunch.__call__
 
@@ -98,14 +94,11 @@ def test_fused_combine_launches_one_kernel(monkeypatch):
     monkeypatch.setattr(simt_emu.EmuLaunch, "__call__", record)
     q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 3000, 2, 64, dtype=q.dtype) for _ in range(2))
-    for combine, names in ((2, ["flash_decode_bf16_d64_r4_u2_p2_cf"]),
-                           (1, ["flash_decode_bf16_d64_r4_u2_p2_cd",
+    for combine, names in ((1, ["flash_decode_bf16_d64_r4_mma_p4_cd",
                                 "flash_decode_combine_bf16_cd"]),
-                           (3, ["flash_decode_bf16_d64_r4_u2_p2", "flash_decode_combine_bf16_cc"]),
-                           (0, ["flash_decode_bf16_d64_r4_u2_p2", "flash_decode_combine_bf16"])):
+                           (0, ["flash_decode_bf16_d64_r4_mma_p4", "flash_decode_combine_bf16"])):
         monkeypatch.setattr(fwd_decode, "COMBINE", combine)
-        monkeypatch.setattr(fwd_decode, "STAGES", 2)
-        monkeypatch.setattr(fwd_decode, "UNROLL", 2)
+        monkeypatch.setattr(fwd_decode, "MMA_STAGES", 4)
         launched.clear()
         fwd_decode.attention(q, k, v, 0.125)
         assert [n for n, _ in launched] == names
@@ -176,7 +169,9 @@ def _decode_variant(monkeypatch, tmp_path, old: str, new: str) -> None:
 
 
 def _one_call(stages, monkeypatch):
+    """The lanes at `stages` (the tensor cores at 2 where the caller set MMA=1)."""
     monkeypatch.setattr(fwd_decode, "STAGES", stages)
+    monkeypatch.setattr(fwd_decode, "MMA_STAGES", stages)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 1, 8, 64, generator=g).bfloat16()
     k, v = (torch.randn(2, 700, 2, 64, generator=g).bfloat16() for _ in range(2))
@@ -187,6 +182,7 @@ def _one_call(stages, monkeypatch):
 def test_a_stage_read_before_its_wait_is_caught(monkeypatch, tmp_path):
     """The pipeline waiting for one group fewer (the newest step's copies still in flight when
     its stage is read) gives NaN, where the kernel as written passes."""
+    monkeypatch.setattr(fwd_decode, "MMA", 0)
     _one_call(3, monkeypatch)
     _decode_variant(monkeypatch, tmp_path, "cp_async_wait<kStages - 1>();  // step it's group",
                     "cp_async_wait<kStages>();  // step it's group")
@@ -207,6 +203,7 @@ def test_an_mma_stage_read_before_its_wait_is_caught(monkeypatch, tmp_path):
 def test_a_wrong_page_row_is_caught(monkeypatch, tmp_path):
     """A paged cache read one row off within its page fails the oracle."""
     monkeypatch.setattr(fwd_decode, "STAGES", 0)
+    monkeypatch.setattr(fwd_decode, "MMA", 0)
     _decode_variant(monkeypatch, tmp_path, "(p - blk * page_size) * row_stride",
                     "((p + 1 - blk * page_size) % page_size) * row_stride")
     with pytest.raises(AssertionError):

@@ -59,12 +59,16 @@ def splits_of(q, k):
                                   slots, cfg.step)[0]
 
 
-@pytest.fixture(params=[0, 3], ids=["regs", "pipe3"])
+@pytest.fixture(params=["regs", "pipe3", "mma"])
 def stages(request, monkeypatch):
-    """Both ways a step's K / V reach the registers (the .cu's FC_STAGES): straight loads, and
-    a 3-stage cp.async pipeline in shared memory."""
-    monkeypatch.setattr(fwd_decode, "STAGES", request.param)
-    return request.param
+    """The three ways a step runs: the CUDA-core lanes with K / V straight to registers or
+    through a 3-stage cp.async pipeline (the .cu's FC_STAGES; FLASHCUDA_DECODE_MMA=0), and the
+    default — the tensor cores up to d128 at MMA_STAGES, the 256 bucket's lanes at STAGES.
+    Returns the lanes' stages (the default's where mma)."""
+    stages = {"regs": 0, "pipe3": 3, "mma": fwd_decode.STAGES}[request.param]
+    monkeypatch.setattr(fwd_decode, "MMA", int(request.param == "mma"))
+    monkeypatch.setattr(fwd_decode, "STAGES", stages)
+    return stages
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -90,6 +94,7 @@ def test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeyp
     2 or 4 stages, across the buckets; 1 key, a part step, and many splits."""
     monkeypatch.setattr(fwd_decode, "UNROLL", unroll)
     monkeypatch.setattr(fwd_decode, "STAGES", pipe)
+    monkeypatch.setattr(fwd_decode, "MMA", 0)
     g = torch.Generator(device=DEVICE).manual_seed(head_dim + unroll + pipe)
     h, hk = heads
     for batch, keys in ((2, 1), (1, 45), (3, 3001)):
@@ -99,60 +104,40 @@ def test_pipeline_depths_match_the_oracle(unroll, pipe, head_dim, heads, monkeyp
         check_entries(out, lse, q, k, v, [keys] * batch)
 
 
-@pytest.mark.parametrize("combine", [1, 2, 3], ids=["dependent", "fused", "cta"])
 @pytest.mark.parametrize("head_dim,heads", [(64, (8, 1)), (128, (32, 8)), (128, (12, 2)),
                                             (256, (16, 2))])
-def test_combine_modes_match_the_oracle(combine, head_dim, heads, monkeypatch):
-    """FLASHCUDA_DECODE_COMBINE 3 (the CTA-wide combine kernel), 1 (it as the split's
-    programmatic dependent) and 2 (fused: each tile's last CTA combines the partials, the same
-    CTA-wide code): within the oracle's rule over entries of 0 / 1 / part / all keys (several
-    pieces each), 1 and 2 bitwise 3's; three calls in a row (the fused counters left zero for
-    the next); a group of 6 in an 8-row block (rows < FC_ROWS)."""
-    monkeypatch.setattr(fwd_decode, "COMBINE", 3)
-    g = torch.Generator(device=DEVICE).manual_seed(head_dim + heads[0] + combine)
+def test_combine_after_and_dependent(head_dim, heads, stages, monkeypatch):
+    """FLASHCUDA_DECODE_COMBINE 0 (the combine kernel launched after the split) and 1 (as its
+    programmatic dependent, sm_90): both within the oracle's rule over entries of 0 / 1 / part /
+    all keys (several pieces each), bitwise one another where they cut the keys alike (their
+    split kernels' occupancy, so their pieces, may differ); three calls in a row; a group of 6
+    in an 8-row block (rows < FC_ROWS)."""
+    g = torch.Generator(device=DEVICE).manual_seed(head_dim + heads[0])
     h, hk = heads
     counts = [0, 1, 3001, 5000]
     q = rand(g, 4, 1, h, head_dim, dtype=torch.bfloat16)
     k, v = (rand(g, 4, 5000, hk, head_dim, dtype=q.dtype) for _ in range(2))
     used = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
-    assert splits_of(q, k) > 1
-    want = fwd_decode.attention(q, k, v, 0.2, used)
-    monkeypatch.setattr(fwd_decode, "COMBINE", combine)
-    for _ in range(3):
-        out, lse = fwd_decode.attention(q, k, v, 0.2, used)
-        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
-    check_entries(out, lse, q, k, v, counts, 0.2)
-    if combine == 2:
-        buffers = fwd_decode._counter_buffers.kept()
-        assert buffers and not any(b.any() for b in buffers)
-
-
-def test_fused_combine_in_a_cuda_graph(monkeypatch):
-    """FLASHCUDA_DECODE_COMBINE=2 captured: the graph's own zeroed counters (not the stream's
-    eager buffer), replays with new queries equal to eager calls made between them."""
-    monkeypatch.setattr(fwd_decode, "COMBINE", 2)
-    g = torch.Generator(device=DEVICE).manual_seed(5)
-    q = rand(g, 2, 1, 32, 128, dtype=torch.bfloat16)
-    k, v = (rand(g, 2, 9000, 8, 128, dtype=q.dtype) for _ in range(2))
-    fwd_decode.attention(q, k, v, 0.1)  # (compiled and planned outside the capture)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = fwd_decode.attention(q, k, v, 0.1)
-    for _ in range(3):
-        q.copy_(rand(g, *q.shape, dtype=q.dtype))
-        graph.replay()
-        eager, eager_lse = fwd_decode.attention(q, k, v, 0.1)
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
-    check_entries(out, lse, q, k, v, [9000, 9000], 0.1)
+    got = {}
+    for combine in (0, 1):
+        monkeypatch.setattr(fwd_decode, "COMBINE", combine)
+        assert splits_of(q, k) > 1
+        for _ in range(3):
+            out, lse = fwd_decode.attention(q, k, v, 0.2, used)
+            check_entries(out, lse, q, k, v, counts, 0.2)
+            assert combine not in got or (torch.equal(out, got[combine][1])
+                                          and torch.equal(lse, got[combine][2]))
+            got[combine] = (splits_of(q, k), out, lse)
+    if got[0][0] == got[1][0]:
+        assert torch.equal(got[0][1], got[1][1]) and torch.equal(got[0][2], got[1][2])
 
 
 @pytest.fixture
 def mma(monkeypatch):
-    """FLASHCUDA_DECODE_MMA=1: the scores and P V on tensor cores (a 2-stage pipeline)."""
+    """FLASHCUDA_DECODE_MMA=1 at its shallowest pipeline, 2 stages (the default's 4: the
+    `stages` fixture's mma)."""
     monkeypatch.setattr(fwd_decode, "MMA", 1)
-    monkeypatch.setattr(fwd_decode, "STAGES", 2)
+    monkeypatch.setattr(fwd_decode, "MMA_STAGES", 2)
     assert fwd_decode.config_for(torch.bfloat16, 128, 4).mma
 
 

@@ -1,7 +1,9 @@
 // Flash decoding: one query row per (batch entry, query head) over a KV cache, the keys split
 // across CTAs (split-KV), fp32 partials combined by a second kernel. Memory-bound work: every
-// byte of K and V is read once per KV head, by CUDA-core FMAs (no tensor cores: a KV head's
-// query group is 1-8 rows, far from an MMA tile, and the FMAs stay under the cache's bandwidth).
+// byte of K and V is read once per KV head. Two ways to the scores and P V: tensor cores
+// (FC_MMA, the default for head dims up to 128: a KV head's 1-8 query rows as rows of an
+// m16n8k16 tile) and CUDA-core FMAs, a key's row over several lanes (the 256 bucket, and the
+// A/B baseline; session 44's ncu found that loop issue-bound on the H200).
 //
 // | feature         | here                                                                       |
 // |-----------------|----------------------------------------------------------------------------|
@@ -40,31 +42,25 @@
 //       copies exactly the 16-byte pieces it later reads (no barrier: cp.async.wait_group makes
 //       a thread's own copies visible to it); keys past the piece's end arrive as zeros.
 //
-// FC_MMA (an A/B knob, with a pipeline): each warp takes 16 keys of a step (the CTA 64), its K /
+// FC_MMA (with a pipeline; fwd_decode's default up to d128): each warp takes 16 keys of a step (the CTA 64), its K /
 // V tiles copied by its own lanes into swizzled shared tiles (sm80.cuh's SwizzledTile); the
 // scores S = Q K^T by mma.sync m16n8k16 with the CTA's query rows as the A operand's rows 0 ..
 // FC_ROWS - 1 (the rest zero), K^T by ldmatrix; the online softmax on S's C fragments (a row's
 // 16 scores over the 4 lanes of a quad); P as the A operand of O += P V (V by ldmatrix.trans).
 // The 4 warps are the slots of the meeting at the end. Far fewer instructions per key than the
-// lanes' FMAs and shuffles (ncu, session 44: that loop is issue-bound).
+// lanes' FMAs and shuffles: ncu (session 45, H100, 1 x 64k d128) has the step at 17% of issue
+// slots and 87% of DRAM bandwidth, where the lanes' loop is issue-bound.
 //
 // FC_STAGE 1 (combine): grid (entries * nheads), 128 threads: lse = log sum_s exp(lse_s),
 // out = sum_s exp(lse_s - lse) o_s, rounded once to q's dtype (how, by FC_COMBINE below).
 //
-// How the pieces meet when splits > 1 (FC_COMBINE, an A/B knob):
-//   0   the combine kernel, launched after the split kernel; each thread walks the pieces'
-//       lse itself (twice) and again per column (combine_row_serial).
-//   3   the same launch, the CTA-wide combine (combine_row): piece s's lse read by thread s,
-//       the max and sum reduced across the CTA, the weights kept in shared memory; each
-//       column's sum over the pieces then has no dependent load.
-//   1   the CTA-wide combine kernel as the split kernel's programmatic dependent (sm_90): each
-//       split CTA signals griddepcontrol.launch_dependents at its start, so the combine grid is
-//       launched while the split runs and its CTAs take the SMs the split's CTAs leave;
-//       griddepcontrol.wait holds them until the split grid has completed, its writes visible.
-//   2   fused: no second kernel. Each CTA counts itself done on its (entry, KV head, row
-//       block)'s counter (counters: zero before the call, left zero after it); the CTA that
-//       counts last combines that tile's rows (combine_row) from the partials the others
-//       wrote (__threadfence before the count, L1-bypassing loads after it).
+// How the combine meets the split when splits > 1 (FC_COMBINE): 0 it is launched after the
+// split kernel; 1 (sm_90) it is the split kernel's programmatic dependent: each split CTA
+// signals griddepcontrol.launch_dependents at its start, so the combine grid is launched while
+// the split runs and its CTAs take the SMs the split's CTAs leave; griddepcontrol.wait holds
+// them until the split grid has completed, its writes visible. Either way the combine is
+// CTA-wide (combine_row). (Session 45 retired a per-thread combine and a fused one, where each
+// tile's last CTA combined: docs/perf-notes.md.)
 #include "attention/online_softmax.cuh"
 #include "common/sm80.cuh"
 #include "common/types.cuh"
@@ -75,34 +71,7 @@ constexpr int kThreads = 128;
 #ifndef FC_COMBINE
 #define FC_COMBINE 0
 #endif
-static_assert(FC_COMBINE >= 0 && FC_COMBINE <= 3,
-              "FC_COMBINE: 0 kernel, 1 dependent, 2 fused, 3 CTA-wide kernel");
-
-// The combine of one (entry, head) row bh = entry * nheads + head, one thread per column: every
-// thread reduces the pieces' lse itself (no barrier), then sums its columns over the pieces.
-// lse[bh] = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) o_s rounded once.
-__device__ __forceinline__ void combine_row_serial(const float* __restrict__ o_part,
-                                                   const float* __restrict__ lse_part,
-                                                   T* __restrict__ out, float* __restrict__ lse,
-                                                   int bh, int entry, int head,
-                                                   int64_t o_batch_stride, int64_t o_head_stride,
-                                                   int64_t stride, int head_dim, int splits) {
-  float m = neg_inf();
-  for (int s = 0; s < splits; ++s) m = fmaxf(m, lse_part[s * stride + bh]);
-  const float ref = m == neg_inf() ? 0.f : m;
-  float l = 0.f;
-  for (int s = 0; s < splits; ++s) l += fast_exp2((lse_part[s * stride + bh] - ref) * kLog2e);
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  if (threadIdx.x == 0) lse[bh] = l > 0.f ? ref + fast_log2(l) * kLn2 : neg_inf();
-  for (int col = threadIdx.x; col < head_dim; col += kThreads) {
-    float val = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const float w = fast_exp2((lse_part[s * stride + bh] - ref) * kLog2e);
-      val = fmaf(w, o_part[(s * stride + bh) * head_dim + col], val);
-    }
-    out[entry * o_batch_stride + head * o_head_stride + col] = from_float<T>(val * inv);
-  }
-}
+static_assert(FC_COMBINE == 0 || FC_COMBINE == 1, "FC_COMBINE: 0 after the split, 1 dependent");
 
 // The CTA-wide combine's shared memory: each piece's weight exp(lse_s - max) and the warps'
 // partial max / sum. Pieces per row: at most kMaxSplits (fwd_decode.MAX_SPLITS), one per thread.
@@ -117,15 +86,7 @@ struct CombineSmem {
 // out[entry * o_batch_stride + head * o_head_stride + col]. Thread s takes piece s's lse (the
 // max and the sum reduced over the CTA, the weights parked in shared memory), then thread c
 // sums column c over the pieces (their loads independent of one another). Every thread of the
-// CTA calls it (barriers inside). kFresh: the partials were written by other CTAs of this grid
-// (part(): loads that bypass L1).
-template <bool kFresh>
-__device__ __forceinline__ float part(const float* p) {
-  if constexpr (kFresh) return __ldcg(p);
-  return *p;
-}
-
-template <bool kFresh>
+// CTA calls it (barriers inside).
 __device__ __forceinline__ void combine_row(CombineSmem& cs, const float* __restrict__ o_part,
                                             const float* __restrict__ lse_part,
                                             T* __restrict__ out, float* __restrict__ lse,
@@ -133,7 +94,7 @@ __device__ __forceinline__ void combine_row(CombineSmem& cs, const float* __rest
                                             int64_t o_head_stride, int64_t stride, int head_dim,
                                             int splits) {
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
-  const float x = t < splits ? part<kFresh>(lse_part + t * stride + bh) : neg_inf();
+  const float x = t < splits ? lse_part[t * stride + bh] : neg_inf();
   float m = x;
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
@@ -161,10 +122,9 @@ __device__ __forceinline__ void combine_row(CombineSmem& cs, const float* __rest
     float val = 0.f;
 #pragma unroll 8
     for (int s = 0; s < splits; ++s)
-      val = fmaf(cs.w[s], part<kFresh>(o + s * stride * head_dim), val);
+      val = fmaf(cs.w[s], o[s * stride * head_dim], val);
     out[entry * o_batch_stride + head * o_head_stride + col] = from_float<T>(val * inv);
   }
-  __syncthreads();  // (cs is free again: the fused path combines its rows one after another)
 }
 
 #if FC_STAGE == 0
@@ -177,7 +137,7 @@ constexpr int kSlotsPerWarp = 32 / kLanes;
 #ifndef FC_MMA
 #define FC_MMA 0
 #endif
-// FC_MMA (A/B): the scores and P V on tensor cores, each warp a slot of its own (16 keys a step)
+// FC_MMA: the scores and P V on tensor cores, each warp a slot of its own (16 keys a step)
 constexpr int kSlots = FC_MMA ? kThreads / 32 : (kThreads / 32) * kSlotsPerWarp;
 constexpr int kMmaKeys = 16;  // keys per warp per step with FC_MMA (one k16 step of P V)
 constexpr int kStep = FC_MMA ? kSlots * kMmaKeys : kSlots * kUnroll;  // keys per CTA per step
@@ -457,7 +417,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocks) FC_KERNEL_NAM
     const int* __restrict__ seqstart,     // [B] first position per entry, or null: 0 each
     const int* __restrict__ cache_rows,   // [B] entry b's cache row, or null: b (unpaged)
     const int* __restrict__ block_table,  // [B, >= seqlen_k / page_size] pages (FC_PAGED)
-    int* __restrict__ counters,  // [E, gridDim.y] zero, left zero (FC_COMBINE 2, splits > 1)
     int64_t q_batch_stride, int64_t q_row_stride, int64_t q_head_stride,
     int64_t k_batch_stride, int64_t k_row_stride, int64_t k_head_stride,  // batch: page (paged)
     int64_t v_batch_stride, int64_t v_row_stride, int64_t v_head_stride,
@@ -646,28 +605,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocks) FC_KERNEL_NAM
       o_part[((static_cast<int64_t>(split) * batch + entry) * nheads + head) * head_dim + col] =
           val;
   }
-#if FC_COMBINE == 2
-  if (splits == 1) return;
-  __shared__ int last;
-  __threadfence();  // this thread's partials reach the device before the count below
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* count = counters + static_cast<int64_t>(entry) * gridDim.y + blockIdx.y;
-    last = atomicAdd(count, 1) == splits - 1;
-    if (last) *count = 0;  // every piece has counted: zero again for the next call
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  static_assert(sizeof(SplitSmem) >= sizeof(CombineSmem), "the combine reuses SplitSmem");
-  CombineSmem& cs = *reinterpret_cast<CombineSmem*>(&sm);  // (every thread is past its reads)
-  const int64_t stride = static_cast<int64_t>(batch) * nheads;
-  for (int r = 0; r < rows; ++r) {
-    const int head = head0 + r;
-    combine_row<true>(cs, o_part, lse_part, out, lse, entry * nheads + head, entry, head,
-                      o_batch_stride, o_head_stride, stride, head_dim, splits);
-  }
-#endif
 }
 
 #else  // FC_STAGE == 1: the combine
@@ -684,14 +621,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) FC_KERNEL_NAME(
 #endif
   const int bh = blockIdx.x;  // entry * nheads + head
   const int b = bh / nheads, head = bh % nheads;
-#if FC_COMBINE == 0
-  combine_row_serial(o_part, lse_part, out, lse, bh, b, head, o_batch_stride, o_head_stride,
-                     static_cast<int64_t>(batch) * nheads, head_dim, splits);
-#else
   __shared__ CombineSmem cs;
-  combine_row<false>(cs, o_part, lse_part, out, lse, bh, b, head, o_batch_stride, o_head_stride,
-                     static_cast<int64_t>(batch) * nheads, head_dim, splits);
-#endif
+  combine_row(cs, o_part, lse_part, out, lse, bh, b, head, o_batch_stride, o_head_stride,
+              static_cast<int64_t>(batch) * nheads, head_dim, splits);
 }
 
 #endif
