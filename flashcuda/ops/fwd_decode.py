@@ -60,11 +60,13 @@ WAVES = choice(WAVES_ENV, 1, (1, 2, 3, 4))
 COMBINE = choice(COMBINE_ENV, 1, (0, 1))
 # the scores and P V on tensor cores (the .cu's FC_MMA) for head dims up to 128 (1), or the
 # CUDA-core lanes (0): each warp 16 keys a step, through an MMA_STAGES-deep cp.async pipeline.
-# 4 stages (one CTA per SM at d128: fewer, longer pieces) was the best depth of session 45's
-# tune on an H100: 1 x 64k 118.7 -> 106.1 us (cuDNN 105.8), 8 x 16k 198.4 -> 190.5 (190.0)
+# Session 45's tunes (docs/perf-notes.md): the deeper pipe with fewer CTAs per SM (so fewer,
+# longer pieces) wins — at d128 4 to 6 stages (one CTA per SM) equal within 0.5%, on the H200
+# 1 x 64k 79.4 us (cuDNN 78.8), 8 x 16k 136.5 (136.4); at d64 (8 / 1 heads) 5 stages (2 CTAs
+# per SM) 10% ahead of 4 at 8 x 16k
 MMA_ENV, MMA_STAGES_ENV = "FLASHCUDA_DECODE_MMA", "FLASHCUDA_DECODE_MMA_STAGES"
 MMA = choice(MMA_ENV, 1, (0, 1))
-MMA_STAGES = choice(MMA_STAGES_ENV, 4, (2, 3, 4, 5, 6))
+MMA_STAGES = choice(MMA_STAGES_ENV, 5, (2, 3, 4, 5, 6))
 MMA_KEYS = 16  # keys per warp per step with the tensor cores
 MAX_GRID_YZ = 65535
 MAX_QUERY_ROWS = 16  # query rows per sequence (each an entry of its own: keys read once per row)

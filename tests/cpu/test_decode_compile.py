@@ -170,7 +170,7 @@ def test_decode_config_buckets_and_rows():
     names = [s.name for s, _ in variants]
     assert len(names) == len(set(names)) == 2 * (2 * 3 * 4 * 2 + 2)
     assert {a for _, archs in variants for a in archs} == set(fwd_decode.ARCHS)
-    assert all(n.endswith("_cd") == (a == ("sm_90a",)) for n, (_, a) in zip(names, variants))
+    assert all(s.name.endswith("_cd") == (a == ("sm_90a",)) for s, a in variants)
 
 
 @pytest.mark.parametrize("batch,heads_kv,keys", [(1, 8, 65536), (8, 8, 16384), (1, 8, 1000),
