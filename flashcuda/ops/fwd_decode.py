@@ -172,6 +172,21 @@ def _device_ok(device: torch.device) -> tuple[bool, int]:
 
 
 @functools.cache
+def _smem_optin(device: torch.device) -> int:
+    """Dynamic shared memory a block may opt in to on a CUDA device."""
+    return int(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+
+
+def fit_smem(cfg: DecodeConfig, smem_optin: int) -> DecodeConfig:
+    """`cfg` with its pipeline as deep as a block's shared memory allows: MMA_STAGES / STAGES are
+    the H100 / H200's (227 KB a block; 5 stages at d128 take 160 KB), where an sm_86 / sm_89
+    holds 99 KB and an A100 163 KB. Two stages always fit (64 KB at most)."""
+    while cfg.stages > 2 and cfg.smem_bytes > smem_optin:
+        cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+    return cfg
+
+
+@functools.cache
 def _programmatic(device: torch.device) -> bool:
     """Programmatic dependent launch (griddepcontrol) exists on this device: sm >= 90."""
     return torch.cuda.get_device_properties(device).major >= 9
@@ -241,7 +256,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     # positions per entry: the cache rows' length, or (paged) the block table's pages x page size
     seqlen_k = block_table.shape[1] * k.shape[1] if paged else k.shape[1]
     group = nheads // nheads_kv
-    cfg = config_for(q.dtype, head_dim, group, paged)
+    cfg = fit_smem(config_for(q.dtype, head_dim, group, paged), _smem_optin(q.device))
     if cfg.combine == 1 and not _programmatic(q.device):  # (no griddepcontrol before sm_90)
         cfg = dataclasses.replace(cfg, combine=0)
     row_blocks = -(-group // cfg.rows)

@@ -144,6 +144,26 @@ def test_stream_buffers_kept_per_key_and_thread():
     assert StreamBuffers(torch.uint8).get(cpu, (0, 0), 5).dtype == torch.uint8
 
 
+def test_the_pipeline_fits_the_devices_shared_memory(launches, monkeypatch):
+    """The tensor cores' and the lanes' pipelines as deep as a block's shared memory allows:
+    MMA_STAGES 5 at d128 (160 KB) on an H100 / H200 (227 KB) and an A100 (163 KB), 3 stages
+    (96 KB) on an sm_86 / sm_89 (99 KB); d64 keeps 5 (80 KB); never below 2; the launch says so."""
+    fit = fwd_decode.fit_smem
+    d128 = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, mma=1, stages=5)
+    d64 = fwd_decode.DecodeConfig(torch.bfloat16, 64, 4, mma=1, stages=5)
+    assert fit(d128, 232448) == d128 and fit(d128, 166912) == d128
+    assert fit(d128, 101376).stages == 3 and fit(d128, 101376).smem_bytes <= 101376
+    assert fit(d64, 101376) == d64
+    assert fit(d128, 1).stages == 2 and fit(fwd_decode.DecodeConfig(
+        torch.bfloat16, 128, 4, 8, 6, mma=0), 101376).smem_bytes <= 101376
+    monkeypatch.setattr(fwd_decode, "MMA_STAGES", 5)
+    monkeypatch.setattr(fwd_decode, "_smem_optin", lambda device: 101376)
+    q = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16)
+    k = torch.randn(1, 4096, 8, 128, dtype=torch.bfloat16)
+    fwd_decode.attention(q, k, k, 0.1)
+    assert "_mma_p3" in launches[0][0]
+
+
 def test_max_splits_fit_the_combine():
     """The combine holds one piece per thread (the .cu's kMaxSplits = kThreads)."""
     assert fwd_decode.MAX_SPLITS <= fwd_decode.THREADS
@@ -233,6 +253,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(fwd_decode, "launch_stream", lambda index: 0)
     monkeypatch.setattr(fwd_decode, "_device_ok", lambda device: (True, 132))
     monkeypatch.setattr(fwd_decode, "COMBINE", 0)  # (the plain launches: no driver attributes)
+    monkeypatch.setattr(fwd_decode, "_smem_optin", lambda device: 232448)  # (an H100 / H200)
     monkeypatch.setattr(runtime.PreparedLaunch, "__call__", capture)
     fwd_decode._plans.clear()
     yield launched

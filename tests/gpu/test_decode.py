@@ -52,7 +52,8 @@ def check_spans(out, lse, q, ks, vs, scale=None):
 
 def splits_of(q, k):
     group = q.shape[2] // k.shape[2]
-    cfg = fwd_decode.config_for(q.dtype, q.shape[3], group)
+    cfg = fwd_decode.fit_smem(fwd_decode.config_for(q.dtype, q.shape[3], group),
+                              fwd_decode._smem_optin(q.device))
     kernel = fwd_decode.get_kernel(cfg.spec(), q.device)
     slots = fwd_decode.slots(kernel, cfg, fwd_decode._device_ok(q.device)[1])
     return fwd_decode.plan_splits(q.shape[0], k.shape[2], -(-group // cfg.rows), k.shape[1],

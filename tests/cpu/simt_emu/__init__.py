@@ -174,6 +174,7 @@ def emulate(monkeypatch, module, sms: int = 132, resident: int = 3) -> None:
     for name, value in (("PreparedLaunch", EmuLaunch), ("launch_stream", lambda index: 0),
                         ("_device_ok", lambda device: (True, sms)), ("on_cuda", lambda d: True),
                         ("_programmatic", lambda device: True),
+                        ("_smem_optin", lambda device: SMEM_OPTIN),
                         ("device_reason", _device_reason), ("_device_index", lambda device: 0),
                         ("_device_info", lambda index: _DEVICE_INFO[module.__name__])):
         if hasattr(module, name):
