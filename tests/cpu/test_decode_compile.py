@@ -146,7 +146,7 @@ def test_stream_buffers_kept_per_key_and_thread():
 
 def test_the_pipeline_fits_the_devices_shared_memory(launches, monkeypatch):
     """The tensor cores' and the lanes' pipelines as deep as a block's shared memory allows:
-    MMA_STAGES 5 at d128 (160 KB) on an H100 / H200 (227 KB) and an A100 (163 KB), 3 stages
+    5 stages at d128 (160 KB) on an H100 / H200 (227 KB) and an A100 (163 KB), 3 stages
     (96 KB) on an sm_86 / sm_89 (99 KB); d64 keeps 5 (80 KB); never below 2; the launch says so."""
     fit = fwd_decode.fit_smem
     d128 = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, mma=1, stages=5)
