@@ -94,16 +94,33 @@ def main() -> None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+        def replayed(fn) -> float:
+            """fn's median time as a CUDA-graph replay: the GPU's time without the host's."""
+            with torch.no_grad():
+                fn()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+            return ms(graph.replay)
+
         for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION),
                               ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
             try:
                 with sdpa_kernel(backend):
-                    m = ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, scale=scale,
-                                                                  enable_gqa=True))
+                    def sdpa():
+                        return F.scaled_dot_product_attention(qt, kt, vt, scale=scale,
+                                                              enable_gqa=True)
+                    m = ms(sdpa)
+                    g = replayed(sdpa) if name == "SDPA cuDNN" else float("nan")
                 print(f"b{a.batch} {a.keys:6d} keys  {name:23s} {m * 1e3:7.1f} us  "
-                      f"{kv_bytes / m / 1e6:6.0f} GB/s")
+                      f"{kv_bytes / m / 1e6:6.0f} GB/s  (graph replay {g * 1e3:.1f} us)")
             except RuntimeError as exc:
                 print(f"{name}: {exc}")
+        g = replayed(lambda: fwd_decode.attention(q, k, v, scale))
+        print(f"b{a.batch} {a.keys:6d} keys  defaults, graph replay {g * 1e3:7.1f} us  "
+              f"{kv_bytes / g / 1e6:6.0f} GB/s")
         def arm(label: str) -> None:
             """Time and check the decode kernels as the module's knobs now stand."""
             with torch.no_grad():
