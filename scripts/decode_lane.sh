@@ -13,7 +13,8 @@
 # tune:     scripts/decode_probe.py --tune ($TUNE_ARGS, e.g. --mma-only) at batch 1 x 64k, 8 x 16k,
 #           1 x 16k keys (d128, 32 / 8 heads), and 1 x 64k, 8 x 16k at d64 (8 / 1 and 32 / 8 heads)
 # probe:    scripts/decode_probe.py at batch 1 x 1k (host time of a small call)
-# ncu:      ncu (full set) of one decode call and one SDPA cuDNN call at batch 1 x 64k
+# ncu:      ncu (full set) of one decode call and one SDPA cuDNN call at batch 1 x 64k ($NCU_ARGS:
+#           the probe's shape, e.g. "--head-dim 64 --heads 8/1")
 # Each step's log goes to $OUT/<step>.txt, packed at the end into $OUT/decode-lane.tgz (steps.txt and
 # the ncu report stay beside it); a short table of pass/fail counts and timings ends it.
 set -uo pipefail
@@ -48,7 +49,7 @@ for s in $steps; do
       timeout 120 python3 scripts/decode_probe.py --keys 1024 > "$OUT/probe.txt" 2>&1 ;;
     ncu)
       timeout 240 ncu --profile-from-start off --set full --target-processes all \
-        -o "$OUT/decode-64k" python3 scripts/decode_probe.py --ncu > "$OUT/ncu.txt" 2>&1
+        -o "$OUT/decode-64k" python3 scripts/decode_probe.py --ncu ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1
       ncu --import "$OUT/decode-64k.ncu-rep" --page details --print-units base \
         > "$OUT/ncu-details.txt" 2>&1
       gzip -f "$OUT/decode-64k.ncu-rep" ;;

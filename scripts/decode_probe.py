@@ -126,20 +126,25 @@ def main() -> None:
             with torch.no_grad():
                 err = max_error(fwd_decode.attention(q, k, v, scale)[0], ref)
             m = ms(lambda: fwd_decode.attention(q, k, v, scale))
-            c = fwd_decode.config_for(q.dtype, d, h // hk)
+            c = fwd_decode.fit_smem(fwd_decode.config_for(q.dtype, d, h // hk),
+                                    fwd_decode._smem_optin(q.device))
             kernel = fwd_decode.get_kernel(c.spec(), q.device)
             per_sm = kernel.resident_blocks(fwd_decode.THREADS, c.smem_bytes)
+            splits = fwd_decode.plan_splits(a.batch, hk, -(-(h // hk) // c.rows), a.keys,
+                                            fwd_decode.slots(kernel, c, sms), c.step)[0]
             print(f"b{a.batch} {a.keys:6d} keys  {label} ({per_sm} CTAs/SM, "
-                  f"{kernel.attribute('NUM_REGS')} regs)  {m * 1e3:7.1f} us  "
+                  f"{kernel.attribute('NUM_REGS')} regs, {splits} pieces)  {m * 1e3:7.1f} us  "
                   f"{kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
                   f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
 
-        knobs = ("UNROLL", "STAGES", "WAVES", "MMA", "MMA_STAGES", "COMBINE")
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        knobs = ("UNROLL", "STAGES", "WAVES", "MMA", "MMA_STAGES", "COMBINE", "MIN_SPLIT_KEYS")
         saved = {n: getattr(fwd_decode, n) for n in knobs}
 
         def setting(**kw: int) -> None:
             for n in knobs:
                 setattr(fwd_decode, n, kw.get(n.lower(), saved[n]))
+            fwd_decode._plans.clear()  # (MIN_SPLIT_KEYS is not in the plans' key)
 
         arm("defaults")
         if not a.mma_only:  # the CUDA-core lanes (FLASHCUDA_DECODE_MMA=0): their pipeline shape
@@ -155,6 +160,9 @@ def main() -> None:
                 for combine in (1, 0) if stages == saved["MMA_STAGES"] and waves == 1 else (1,):
                     setting(mma=1, mma_stages=stages, waves=waves, combine=combine)
                     arm(f"mma stages {stages} waves {waves} combine {combine}")
+        for keys in (512, 1024, 2048):  # fewer, longer pieces (the combine's work per column)
+            setting(min_split_keys=keys)
+            arm(f"defaults, pieces of at least {keys} keys")
         setting()
         if a.paged:
             from flashcuda.bench.extras import paged_pool
