@@ -45,11 +45,12 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--heads", default="32/8", metavar="H/HKV", help="query / KV heads")
     ap.add_argument("--tune", action="store_true",
-                    help="only the decode kernels' time: the defaults, the lanes' STAGES x UNROLL x "
-                         "WAVES, the tensor cores' MMA_STAGES x WAVES and COMBINE")
+                    help="only the decode kernels' time: the defaults, the lanes' STAGES x UNROLL "
+                         "x WAVES, the tensor cores' MMA_STAGES x WAVES and COMBINE")
     ap.add_argument("--paged", type=int, default=0, metavar="PAGE",
                     help="with --tune: also the same keys in shuffled pages of PAGE rows (the "
-                         "paged kernels, block table on the device), the lanes at stages 0 and 3, the tensor cores at 3 and the defaults")
+                         "paged kernels, block table on the device): the lanes at stages 0 and "
+                         "3, the tensor cores at 3, the defaults")
     ap.add_argument("--mma-only", action="store_true",
                     help="with --tune: the defaults and the tensor-core step's arms only")
     ap.add_argument("--ncu", action="store_true",

@@ -42,14 +42,14 @@
 //       copies exactly the 16-byte pieces it later reads (no barrier: cp.async.wait_group makes
 //       a thread's own copies visible to it); keys past the piece's end arrive as zeros.
 //
-// FC_MMA (with a pipeline; fwd_decode's default up to d128): each warp takes 16 keys of a step (the CTA 64), its K /
-// V tiles copied by its own lanes into swizzled shared tiles (sm80.cuh's SwizzledTile); the
-// scores S = Q K^T by mma.sync m16n8k16 with the CTA's query rows as the A operand's rows 0 ..
-// FC_ROWS - 1 (the rest zero), K^T by ldmatrix; the online softmax on S's C fragments (a row's
-// 16 scores over the 4 lanes of a quad); P as the A operand of O += P V (V by ldmatrix.trans).
-// The 4 warps are the slots of the meeting at the end. Far fewer instructions per key than the
-// lanes' FMAs and shuffles: ncu (session 45, H100, 1 x 64k d128) has the step at 17% of issue
-// slots and 87% of DRAM bandwidth, where the lanes' loop is issue-bound.
+// FC_MMA (with a pipeline; fwd_decode's default up to d128): each warp takes 16 keys of a step (the
+// CTA 64), its K / V tiles copied by its own lanes into swizzled shared tiles (sm80.cuh's
+// SwizzledTile); the scores S = Q K^T by mma.sync m16n8k16 with the CTA's query rows as the A
+// operand's rows 0 .. FC_ROWS - 1 (the rest zero), K^T by ldmatrix; the online softmax on S's C
+// fragments (a row's 16 scores over the 4 lanes of a quad); P as the A operand of O += P V (V by
+// ldmatrix.trans). The 4 warps are the slots of the meeting at the end. Far fewer instructions per
+// key than the lanes' FMAs and shuffles: ncu (session 45, H100, 1 x 64k d128) has the step at 17%
+// of issue slots and 87% of DRAM bandwidth, where the lanes' loop is issue-bound.
 //
 // FC_STAGE 1 (combine): grid (entries * nheads), 128 threads: lse = log sum_s exp(lse_s),
 // out = sum_s exp(lse_s - lse) o_s, rounded once to q's dtype (how, by FC_COMBINE below).
