@@ -165,6 +165,17 @@ def config_for(dtype: torch.dtype, head_dim: int, group: int, paged: bool = Fals
     return DecodeConfig(dtype, bucket, rows, paged=paged)
 
 
+def config_on(device: torch.device, dtype: torch.dtype, head_dim: int, group: int,
+              paged: bool = False) -> DecodeConfig:
+    """The config a call on `device` runs: config_for's, its pipeline fitted to the device's
+    shared memory (fit_smem), the combine launched after the split where griddepcontrol does not
+    exist (before sm_90)."""
+    cfg = fit_smem(config_for(dtype, head_dim, group, paged), _smem_optin(device))
+    if cfg.combine == 1 and not _programmatic(device):
+        cfg = dataclasses.replace(cfg, combine=0)
+    return cfg
+
+
 @functools.cache
 def _device_ok(device: torch.device) -> tuple[bool, int]:
     """(sm >= 80, SM count) of a CUDA device."""
@@ -257,9 +268,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     # positions per entry: the cache rows' length, or (paged) the block table's pages x page size
     seqlen_k = block_table.shape[1] * k.shape[1] if paged else k.shape[1]
     group = nheads // nheads_kv
-    cfg = fit_smem(config_for(q.dtype, head_dim, group, paged), _smem_optin(q.device))
-    if cfg.combine == 1 and not _programmatic(q.device):  # (no griddepcontrol before sm_90)
-        cfg = dataclasses.replace(cfg, combine=0)
+    cfg = config_on(q.device, q.dtype, head_dim, group, paged)
     row_blocks = -(-group // cfg.rows)
     _, sms = _device_ok(q.device)
     kernel = get_kernel(cfg.spec(), q.device)

@@ -9,6 +9,7 @@ import torch
 
 from flashcuda.jit import compile_spec
 from flashcuda.ops import fwd_decode
+from flashcuda.ops.call import SMEM_OPTIN
 
 
 def _all_variants():
@@ -98,10 +99,10 @@ def test_dependent_combine_variants_compile():
 @pytest.mark.parametrize("paged", [False, True], ids=["plain", "paged"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_mma_variants_compile(head_dim, paged):
-    """FLASHCUDA_DECODE_MMA=1 (the default up to d128) at 2 stages: 1 / 4 / 8 rows, both dtypes and targets, no spills within
-    the launch bounds (3 CTAs per SM on sm_90a unpaged, else 2), no static shared memory; the stages
-    (64 KB at d128) sized for SplitSmem too; the 256 bucket and a registers path keep the lanes'
-    step."""
+    """FLASHCUDA_DECODE_MMA=1 (the default up to d128) at 2 stages: 1 / 4 / 8 rows, both dtypes
+    and targets, no spills within the launch bounds (3 CTAs per SM on sm_90a unpaged, else 2), no
+    static shared memory; the stages (64 KB at d128) sized for SplitSmem too; the 256 bucket and
+    a registers path keep the lanes' step."""
     for dtype in fwd_decode.DTYPES:
         for rows in (1, 4, 8):
             cfg = fwd_decode.DecodeConfig(dtype, head_dim, rows, 0, 2, paged, mma=1)
@@ -121,7 +122,8 @@ def test_mma_variants_compile(head_dim, paged):
 
 def test_stream_buffers_kept_per_key_and_thread():
     """call.StreamBuffers (the sm90 forward's NaN flags): the same buffer for one thread's calls
-    with one key, grown when a call needs more; another for another key or thread. (Fresh per call in a capture: the GPU test
+    with one key, grown when a call needs more; another for another key or thread. (Fresh per
+    call in a capture: the GPU test
     test_nan_flag_buffers_kept_per_thread_and_stream_fresh_in_a_capture.)"""
     import threading
 
@@ -151,7 +153,7 @@ def test_the_pipeline_fits_the_devices_shared_memory(launches, monkeypatch):
     fit = fwd_decode.fit_smem
     d128 = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, mma=1, stages=5)
     d64 = fwd_decode.DecodeConfig(torch.bfloat16, 64, 4, mma=1, stages=5)
-    assert fit(d128, 232448) == d128 and fit(d128, 166912) == d128
+    assert fit(d128, SMEM_OPTIN) == d128 and fit(d128, 166912) == d128
     assert fit(d128, 101376).stages == 3 and fit(d128, 101376).smem_bytes <= 101376
     assert fit(d64, 101376) == d64
     assert fit(d128, 1).stages == 2 and fit(fwd_decode.DecodeConfig(
@@ -253,7 +255,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(fwd_decode, "launch_stream", lambda index: 0)
     monkeypatch.setattr(fwd_decode, "_device_ok", lambda device: (True, 132))
     monkeypatch.setattr(fwd_decode, "COMBINE", 0)  # (the plain launches: no driver attributes)
-    monkeypatch.setattr(fwd_decode, "_smem_optin", lambda device: 232448)  # (an H100 / H200)
+    monkeypatch.setattr(fwd_decode, "_smem_optin", lambda device: SMEM_OPTIN)  # (an H100 / H200)
     monkeypatch.setattr(runtime.PreparedLaunch, "__call__", capture)
     fwd_decode._plans.clear()
     yield launched
