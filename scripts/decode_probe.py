@@ -139,7 +139,8 @@ def main() -> None:
                   f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
 
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        knobs = ("UNROLL", "STAGES", "WAVES", "MMA", "MMA_STAGES", "COMBINE", "MIN_SPLIT_KEYS")
+        knobs = ("UNROLL", "STAGES", "WAVES", "MMA", "MMA_STAGES", "COMBINE", "MIN_SPLIT_KEYS",
+                 "COMBINE_QUADS")
         saved = {n: getattr(fwd_decode, n) for n in knobs}
 
         def setting(**kw: int) -> None:
@@ -164,6 +165,9 @@ def main() -> None:
         for keys in (512, 1024, 2048):  # fewer, longer pieces (the combine's work per column)
             setting(min_split_keys=keys)
             arm(f"defaults, pieces of at least {keys} keys")
+        for keys in (256, 1024):  # the combine's threads as column quads x groups of pieces
+            setting(combine_quads=1, min_split_keys=keys)
+            arm(f"defaults, the combine by quads, pieces of at least {keys} keys")
         setting()
         if a.paged:
             from flashcuda.bench.extras import paged_pool

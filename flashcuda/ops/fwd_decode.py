@@ -58,6 +58,11 @@ WAVES = choice(WAVES_ENV, 1, (1, 2, 3, 4))
 # the combine as the split kernel's programmatic dependent (1; sm_90, elsewhere 0), or launched
 # after it (0): 1-2 us less at batch 1 on an H100 (session 45; docs/perf-notes.md)
 COMBINE = choice(COMBINE_ENV, 1, (0, 1))
+# how the combine's threads walk a row's pieces (the .cu's FC_COMBINE_QUADS): 0 one thread per
+# column over every piece (GPU-tested); 1 column quads x groups of pieces, 16-byte loads (A/B,
+# session 46: written for d64 with one KV head, 128 pieces; emulator-tested, not yet run on a GPU)
+COMBINE_QUADS_ENV = "FLASHCUDA_DECODE_COMBINE_QUADS"
+COMBINE_QUADS = choice(COMBINE_QUADS_ENV, 0, (0, 1))
 # the scores and P V on tensor cores (the .cu's FC_MMA) for head dims up to 128 (1), or the
 # CUDA-core lanes (0): each warp 16 keys a step, through an MMA_STAGES-deep cp.async pipeline.
 # Session 45's tunes (docs/perf-notes.md): the deeper pipe with fewer CTAs per SM (so fewer,
@@ -150,13 +155,16 @@ class DecodeConfig:
 COMBINE_SUFFIX = ("", "_cd")
 
 
-def combine_spec(dtype: torch.dtype, combine: int = 0) -> KernelSpec:
+def combine_spec(dtype: torch.dtype, combine: int = 0, quads: int = 0) -> KernelSpec:
     """The combine kernel (FC_STAGE 1): 0 launched after the split; 1 waiting for the split
-    grid itself (griddepcontrol.wait), launched as its programmatic dependent."""
+    grid itself (griddepcontrol.wait), launched as its programmatic dependent. quads: its
+    threads as column quads x groups of pieces (FC_COMBINE_QUADS, A/B)."""
     return KernelSpec.make(
-        f"flash_decode_combine_{DTYPE_NAME[dtype]}{COMBINE_SUFFIX[combine]}", SOURCE,
+        f"flash_decode_combine_{DTYPE_NAME[dtype]}{COMBINE_SUFFIX[combine]}"
+        f"{'_q4' if quads else ''}", SOURCE,
         defines={"FC_STAGE": 1, "FC_DTYPE": DTYPE_CODE[dtype],
-                 **({"FC_COMBINE": 1} if combine else {})})
+                 **({"FC_COMBINE": 1} if combine else {}),
+                 **({"FC_COMBINE_QUADS": 1} if quads else {})})
 
 
 def config_for(dtype: torch.dtype, head_dim: int, group: int, paged: bool = False) -> DecodeConfig:
@@ -289,7 +297,8 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     if splits > 1:
         tail = (np.int64(out.stride(1)), np.int64(out.stride(2)), np.int32(entries),
                 np.int32(nheads), np.int32(head_dim), np.int32(splits))
-        combine = PreparedLaunch(get_kernel(combine_spec(q.dtype, cfg.combine), q.device),
+        spec = combine_spec(q.dtype, cfg.combine, COMBINE_QUADS)
+        combine = PreparedLaunch(get_kernel(spec, q.device),
                                  (entries * nheads, 1, 1), (THREADS, 1, 1), 0,
                                  (None,) * _COMBINE_POINTERS + tail, fixed=len(tail),
                                  programmatic=cfg.combine == 1)
@@ -324,7 +333,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     table = None if block_table is None else (block_table.shape, block_table.stride())
     causal = bool(causal) and seqlen_q > 1  # (one row: the same keys either way)
     key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.get_device(),
-           softmax_scale, table, causal, UNROLL, STAGES, WAVES, COMBINE, MMA, MMA_STAGES)
+           softmax_scale, table, causal, UNROLL, STAGES, WAVES, COMBINE, MMA, MMA_STAGES,
+           COMBINE_QUADS)
     plan = _plans.plan(key, (q, k, v, softmax_scale, out, block_table, causal))
     parts = None
     if plan.splits > 1:  # (the fp32 partials: freed after the combine, stream-ordered)

@@ -94,6 +94,14 @@ def test_dependent_combine_variants_compile():
     after = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, combine=0).spec()
     assert "FC_COMBINE" not in dict(after.defines) and not after.name.endswith("_cd")
     assert fwd_decode.combine_spec(torch.bfloat16).name == "flash_decode_combine_bf16"
+    quads = fwd_decode.combine_spec(torch.bfloat16, 1, quads=1)
+    assert quads.name == "flash_decode_combine_bf16_cd_q4"
+    assert dict(quads.defines).get("FC_COMBINE_QUADS") == "1"
+    assert "FC_COMBINE_QUADS" not in dict(fwd_decode.combine_spec(torch.bfloat16, 1).defines)
+    for spec in (quads, fwd_decode.combine_spec(torch.float16, 0, quads=1)):  # (the A/B combine)
+        for arch in fwd_decode.ARCHS:
+            r = compile_spec(spec, arch).resources()[spec.entry_name]
+            assert not r.spills, (spec.name, arch, r)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["plain", "paged"])
@@ -365,17 +373,19 @@ def test_decode_knobs_from_the_environment(monkeypatch):
 
     env = {**os.environ, "FLASHCUDA_DECODE_STAGES": "4", "FLASHCUDA_DECODE_UNROLL": "2",
            "FLASHCUDA_DECODE_WAVES": "2", "FLASHCUDA_DECODE_COMBINE": "0",
-           "FLASHCUDA_DECODE_MMA": "0", "FLASHCUDA_DECODE_MMA_STAGES": "3"}
+           "FLASHCUDA_DECODE_MMA": "0", "FLASHCUDA_DECODE_MMA_STAGES": "3",
+           "FLASHCUDA_DECODE_COMBINE_QUADS": "1"}
     got = subprocess.run([sys.executable, "-c", "from flashcuda.ops import fwd_decode as f; "
-                          "print(f.STAGES, f.UNROLL, f.WAVES, f.COMBINE, f.MMA, f.MMA_STAGES)"],
+                          "print(f.STAGES, f.UNROLL, f.WAVES, f.COMBINE, f.MMA, f.MMA_STAGES, "
+                          "f.COMBINE_QUADS)"],
                          env=env, capture_output=True, text=True, check=True,
                          timeout=120).stdout.split()
-    assert got == ["4", "2", "2", "0", "0", "3"]
+    assert got == ["4", "2", "2", "0", "0", "3", "1"]
     from flashcuda.bench.command import KERNEL_ENV
 
     assert {"FLASHCUDA_DECODE_STAGES", "FLASHCUDA_DECODE_UNROLL", "FLASHCUDA_DECODE_WAVES",
             "FLASHCUDA_DECODE_COMBINE", "FLASHCUDA_DECODE_MMA",
-            "FLASHCUDA_DECODE_MMA_STAGES"} <= set(KERNEL_ENV)
+            "FLASHCUDA_DECODE_MMA_STAGES", "FLASHCUDA_DECODE_COMBINE_QUADS"} <= set(KERNEL_ENV)
 
 
 def test_several_query_rows_are_entries_of_their_own(launches):

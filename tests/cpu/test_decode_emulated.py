@@ -80,6 +80,12 @@ def test_combine_after_and_dependent(head_dim, heads, stages, monkeypatch):
     on_gpu.test_combine_after_and_dependent(head_dim, heads, stages, monkeypatch)
 
 
+@pytest.mark.parametrize("head_dim,heads", [(8, (8, 1)), (64, (8, 1)), (72, (12, 2)),
+                                            (128, (32, 8)), (256, (16, 2))])
+def test_combine_by_quads(head_dim, heads, monkeypatch):
+    on_gpu.test_combine_by_quads(head_dim, heads, monkeypatch)
+
+
 def test_combine_launches(monkeypatch):
     """FLASHCUDA_DECODE_COMBINE=1: the split kernel of FC_COMBINE=1, then the combine kernel of
     FC_COMBINE=1, launched programmatically; 0: the plain split and combine kernels, one after

@@ -133,6 +133,30 @@ def test_combine_after_and_dependent(head_dim, heads, stages, monkeypatch):
         assert torch.equal(got[0][1], got[1][1]) and torch.equal(got[0][2], got[1][2])
 
 
+@pytest.mark.parametrize("head_dim,heads", [(8, (8, 1)), (64, (8, 1)), (72, (12, 2)),
+                                            (128, (32, 8)), (256, (16, 2))])
+def test_combine_by_quads(head_dim, heads, monkeypatch):
+    """FLASHCUDA_DECODE_COMBINE_QUADS=1 (A/B): the combine's threads as column quads x groups of
+    pieces (d8: 2 quads x 64 groups, d72: 18 x 7 with two threads idle, d256: 64 x 2) within
+    the oracle's rule over entries of 0 / 1 / part / all keys; as many pieces as the split makes
+    (up to MAX_SPLITS at one KV head); three calls bitwise alike."""
+    monkeypatch.setattr(fwd_decode, "COMBINE_QUADS", 1)
+    monkeypatch.setattr(fwd_decode, "MIN_SPLIT_KEYS", 64)  # (many pieces on any device)
+    fwd_decode._plans.clear()  # (MIN_SPLIT_KEYS is not in the plans' key)
+    g = torch.Generator(device=DEVICE).manual_seed(head_dim + heads[0] + 7)
+    h, hk = heads
+    counts = [0, 1, 3001, 5000]
+    q = rand(g, 4, 1, h, head_dim, dtype=torch.bfloat16)
+    k, v = (rand(g, 4, 5000, hk, head_dim, dtype=q.dtype) for _ in range(2))
+    used = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    assert splits_of(q, k) > 8
+    out, lse = fwd_decode.attention(q, k, v, 0.2, used)
+    check_entries(out, lse, q, k, v, counts, 0.2)
+    for _ in range(2):
+        again, again_lse = fwd_decode.attention(q, k, v, 0.2, used)
+        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
 @pytest.fixture
 def mma(monkeypatch):
     """FLASHCUDA_DECODE_MMA=1 at its shallowest pipeline, 2 stages (the default's 4: the

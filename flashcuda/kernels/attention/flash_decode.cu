@@ -72,6 +72,11 @@ constexpr int kThreads = 128;
 #define FC_COMBINE 0
 #endif
 static_assert(FC_COMBINE == 0 || FC_COMBINE == 1, "FC_COMBINE: 0 after the split, 1 dependent");
+// How the combine's threads walk a row's pieces (combine_row): 0 one thread per column, each over
+// every piece (the GPU-proven form); 1 (A/B, session 46) column quads x groups of pieces.
+#ifndef FC_COMBINE_QUADS
+#define FC_COMBINE_QUADS 0
+#endif
 
 // The CTA-wide combine's shared memory: each piece's weight exp(lse_s - max) and the warps'
 // partial max / sum. Pieces per row: at most kMaxSplits (fwd_decode.MAX_SPLITS), one per thread.
@@ -79,18 +84,22 @@ constexpr int kMaxSplits = kThreads;
 struct CombineSmem {
   float w[kMaxSplits];
   float red[kThreads / 32];
+#if FC_COMBINE_QUADS
   float4 acc[kThreads];  // each thread's 4 columns summed over its share of the pieces
+#endif
 };
 
 // The combine of one (entry, head) row bh = entry * nheads + head from the splits' partials:
 // lse[bh] = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) o_s rounded once, at
 // out[entry * o_batch_stride + head * o_head_stride + col]. Thread s takes piece s's lse (the
-// max and the sum reduced over the CTA, the weights parked in shared memory); then the CTA is
-// head_dim / 4 column quads x groups: thread t sums quad t % quads over pieces g, g + groups, ...
-// (g = t / quads; 16-byte loads, independent of one another, so a row's partials arrive in a
-// round or two of latency, not one round per 8 pieces as a thread per column took at d64), and
-// the groups' sums meet in shared memory in group order (deterministic). head_dim a multiple of
-// 4 up to 4 * kThreads. Every thread of the CTA calls it (barriers inside).
+// max and the sum reduced over the CTA, the weights parked in shared memory); then thread c sums
+// column c over the pieces (their loads independent of one another: a round of latency per 8
+// pieces). With FC_COMBINE_QUADS the CTA is head_dim / 4 column quads x groups instead: thread t
+// sums quad t % quads over pieces g, g + groups, ... (g = t / quads; 16-byte loads, all
+// independent, so a row's partials arrive in a round or two: d64 with one KV head has 128 pieces
+// and 64 busy threads otherwise), and the groups' sums meet in shared memory in group order
+// (deterministic). head_dim a multiple of 4 up to 4 * kThreads. Every thread of the CTA calls it
+// (barriers inside).
 __device__ __forceinline__ void combine_row(CombineSmem& cs, const float* __restrict__ o_part,
                                             const float* __restrict__ lse_part,
                                             T* __restrict__ out, float* __restrict__ lse,
@@ -121,6 +130,7 @@ __device__ __forceinline__ void combine_row(CombineSmem& cs, const float* __rest
   for (int w = 0; w < kThreads / 32; ++w) l += cs.red[w];
   const float inv = l > 0.f ? 1.f / l : 0.f;
   if (t == 0) lse[bh] = l > 0.f ? ref + fast_log2(l) * kLn2 : neg_inf();
+#if FC_COMBINE_QUADS
   const int quads = head_dim / 4, groups = kThreads / quads, quad = t % quads, g = t / quads;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (g < groups) {
@@ -143,6 +153,16 @@ __device__ __forceinline__ void combine_row(CombineSmem& cs, const float* __rest
     for (int i = 0; i < groups; ++i) val += sums[i * head_dim + col];
     out[entry * o_batch_stride + head * o_head_stride + col] = from_float<T>(val * inv);
   }
+#else
+  for (int col = t; col < head_dim; col += kThreads) {
+    const float* o = o_part + static_cast<int64_t>(bh) * head_dim + col;
+    float val = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s)
+      val = fmaf(cs.w[s], o[s * stride * head_dim], val);
+    out[entry * o_batch_stride + head * o_head_stride + col] = from_float<T>(val * inv);
+  }
+#endif
 }
 
 #if FC_STAGE == 0
