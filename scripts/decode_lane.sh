@@ -7,11 +7,12 @@
 # sanitize: compute-sanitizer memcheck on the decode tests that reach the edges (counts 0 / 1 /
 #           capacity, strided views, NaN, kvcache's steps and graph replays, determinism, paged
 #           caches, cache rows, left padding, the pipeline depths, the combine modes, the
-#           tensor-core step, the combine by quads (A/B); API errors not reported:
+#           tensor-core step, the combine by quads and per column; API errors not reported:
 #           runtime.check_abi asks cuFuncGetParamInfo for one parameter past the last, and its
 #           CUDA_ERROR_INVALID_VALUE is how the list's end shows)
 # tune:     scripts/decode_probe.py --tune ($TUNE_ARGS, e.g. --mma-only) at batch 1 x 64k, 8 x 16k,
-#           1 x 16k keys (d128, 32 / 8 heads), and 1 x 64k, 8 x 16k at d64 (8 / 1 and 32 / 8 heads)
+#           1 x 16k keys (d128, 32 / 8 heads), 1 x 64k, 8 x 16k at d64 (8 / 1 and 32 / 8 heads),
+#           and the short 1 x 4k at d64 8 / 1 and d128 32 / 8 (the pieces' length there)
 # probe:    scripts/decode_probe.py at batch 1 x 1k (host time of a small call)
 # ncu:      ncu (full set) of one decode call and one SDPA cuDNN call at batch 1 x 64k ($NCU_ARGS:
 #           the probe's shape, e.g. "--head-dim 64 --heads 8/1")
@@ -42,7 +43,8 @@ for s in $steps; do
     tune)
       for a in "--keys 65536 --paged 16" "--batch 8 --keys 16384 --paged 256" "--keys 16384" \
           "--keys 65536 --head-dim 64 --heads 8/1" "--batch 8 --keys 16384 --head-dim 64 --heads 8/1" \
-          "--keys 65536 --head-dim 64 --heads 32/8" "--batch 8 --keys 16384 --head-dim 64 --heads 32/8"; do
+          "--keys 65536 --head-dim 64 --heads 32/8" "--batch 8 --keys 16384 --head-dim 64 --heads 32/8" \
+          "--keys 4096 --head-dim 64 --heads 8/1" "--keys 4096"; do
         timeout 120 python3 scripts/decode_probe.py --tune ${TUNE_ARGS:-} $a 2>&1 | grep -v Warn
       done > "$OUT/tune.txt" ;;
     probe)

@@ -165,9 +165,8 @@ def main() -> None:
         for keys in (512, 1024, 2048):  # fewer, longer pieces (the combine's work per column)
             setting(min_split_keys=keys)
             arm(f"defaults, pieces of at least {keys} keys")
-        for keys in (256, 1024):  # the combine's threads as column quads x groups of pieces
-            setting(combine_quads=1, min_split_keys=keys)
-            arm(f"defaults, the combine by quads, pieces of at least {keys} keys")
+        setting(combine_quads=1 - saved["COMBINE_QUADS"])  # the other combine (quads / columns)
+        arm(f"defaults, the combine {'per column' if saved['COMBINE_QUADS'] else 'by quads'}")
         setting()
         if a.paged:
             from flashcuda.bench.extras import paged_pool

@@ -58,11 +58,12 @@ WAVES = choice(WAVES_ENV, 1, (1, 2, 3, 4))
 # the combine as the split kernel's programmatic dependent (1; sm_90, elsewhere 0), or launched
 # after it (0): 1-2 us less at batch 1 on an H100 (session 45; docs/perf-notes.md)
 COMBINE = choice(COMBINE_ENV, 1, (0, 1))
-# how the combine's threads walk a row's pieces (the .cu's FC_COMBINE_QUADS): 0 one thread per
-# column over every piece (GPU-tested); 1 column quads x groups of pieces, 16-byte loads (A/B,
-# session 46: written for d64 with one KV head, 128 pieces; emulator-tested, not yet run on a GPU)
+# how the combine's threads walk a row's pieces (the .cu's FC_COMBINE_QUADS): 1 column quads x
+# groups of pieces, 16-byte loads; 0 one thread per column over every piece. Session 47's tune on
+# the H200 (docs/perf-notes.md): at d64 with one KV head (128 pieces) 1 x 64k 29.1 -> 18.1 us
+# (cuDNN 19.3), 8 x 16k 24.1 -> 22.0; at d128 and d64 32 / 8 heads within -0.5 / +1.1%
 COMBINE_QUADS_ENV = "FLASHCUDA_DECODE_COMBINE_QUADS"
-COMBINE_QUADS = choice(COMBINE_QUADS_ENV, 0, (0, 1))
+COMBINE_QUADS = choice(COMBINE_QUADS_ENV, 1, (0, 1))
 # the scores and P V on tensor cores (the .cu's FC_MMA) for head dims up to 128 (1), or the
 # CUDA-core lanes (0): each warp 16 keys a step, through an MMA_STAGES-deep cp.async pipeline.
 # Session 45's tunes (docs/perf-notes.md): the deeper pipe with fewer CTAs per SM (so fewer,
@@ -155,10 +156,12 @@ class DecodeConfig:
 COMBINE_SUFFIX = ("", "_cd")
 
 
-def combine_spec(dtype: torch.dtype, combine: int = 0, quads: int = 0) -> KernelSpec:
+def combine_spec(dtype: torch.dtype, combine: int = 0, quads: int | None = None) -> KernelSpec:
     """The combine kernel (FC_STAGE 1): 0 launched after the split; 1 waiting for the split
     grid itself (griddepcontrol.wait), launched as its programmatic dependent. quads: its
-    threads as column quads x groups of pieces (FC_COMBINE_QUADS, A/B)."""
+    threads as column quads x groups of pieces (1, FC_COMBINE_QUADS) or one per column (0);
+    None: COMBINE_QUADS."""
+    quads = COMBINE_QUADS if quads is None else quads
     return KernelSpec.make(
         f"flash_decode_combine_{DTYPE_NAME[dtype]}{COMBINE_SUFFIX[combine]}"
         f"{'_q4' if quads else ''}", SOURCE,

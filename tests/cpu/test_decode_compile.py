@@ -85,7 +85,7 @@ def test_dependent_combine_variants_compile():
         fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, combine=1),
         fwd_decode.DecodeConfig(torch.float16, 256, 8, 2, 2, True, combine=1),
         fwd_decode.DecodeConfig(torch.bfloat16, 64, 1, 4, 0, combine=1, mma=0))]
-    specs.append(fwd_decode.combine_spec(torch.bfloat16, 1))
+    specs.append(fwd_decode.combine_spec(torch.bfloat16, 1, 0))
     for spec in specs:
         assert spec.name.endswith("_cd") and dict(spec.defines).get("FC_COMBINE") == "1"
         for arch in fwd_decode.ARCHS:
@@ -93,12 +93,14 @@ def test_dependent_combine_variants_compile():
             assert not r.spills and r.registers <= 255, (spec.name, arch, r)
     after = fwd_decode.DecodeConfig(torch.bfloat16, 128, 4, combine=0).spec()
     assert "FC_COMBINE" not in dict(after.defines) and not after.name.endswith("_cd")
-    assert fwd_decode.combine_spec(torch.bfloat16).name == "flash_decode_combine_bf16"
+    assert fwd_decode.combine_spec(torch.bfloat16, 0, 0).name == "flash_decode_combine_bf16"
     quads = fwd_decode.combine_spec(torch.bfloat16, 1, quads=1)
     assert quads.name == "flash_decode_combine_bf16_cd_q4"
     assert dict(quads.defines).get("FC_COMBINE_QUADS") == "1"
-    assert "FC_COMBINE_QUADS" not in dict(fwd_decode.combine_spec(torch.bfloat16, 1).defines)
-    for spec in (quads, fwd_decode.combine_spec(torch.float16, 0, quads=1)):  # (the A/B combine)
+    assert "FC_COMBINE_QUADS" not in dict(fwd_decode.combine_spec(torch.bfloat16, 1, 0).defines)
+    assert fwd_decode.combine_spec(torch.bfloat16, 1).name == quads.name  # (the default)
+    for spec in (fwd_decode.combine_spec(torch.float16, 0, quads=0),  # (the A/B combine)
+                 fwd_decode.combine_spec(torch.float16, 0, quads=1)):
         for arch in fwd_decode.ARCHS:
             r = compile_spec(spec, arch).resources()[spec.entry_name]
             assert not r.spills, (spec.name, arch, r)
@@ -200,7 +202,9 @@ def test_decode_config_buckets_and_rows():
     names = [s.name for s, _ in variants]
     assert len(names) == len(set(names)) == 2 * (2 * 3 * 4 * 2 + 2)
     assert {a for _, archs in variants for a in archs} == set(fwd_decode.ARCHS)
-    assert all(s.name.endswith("_cd") == (a == ("sm_90a",)) for s, a in variants)
+    assert all(("_cd" in s.name) == (a == ("sm_90a",)) for s, a in variants)
+    assert all(s.name.endswith("_q4") == bool(fwd_decode.COMBINE_QUADS)  # (the default combine)
+               for s, _ in variants if "_combine_" in s.name)
 
 
 @pytest.mark.parametrize("batch,heads_kv,keys", [(1, 8, 65536), (8, 8, 16384), (1, 8, 1000),
@@ -374,13 +378,13 @@ def test_decode_knobs_from_the_environment(monkeypatch):
     env = {**os.environ, "FLASHCUDA_DECODE_STAGES": "4", "FLASHCUDA_DECODE_UNROLL": "2",
            "FLASHCUDA_DECODE_WAVES": "2", "FLASHCUDA_DECODE_COMBINE": "0",
            "FLASHCUDA_DECODE_MMA": "0", "FLASHCUDA_DECODE_MMA_STAGES": "3",
-           "FLASHCUDA_DECODE_COMBINE_QUADS": "1"}
+           "FLASHCUDA_DECODE_COMBINE_QUADS": "0"}
     got = subprocess.run([sys.executable, "-c", "from flashcuda.ops import fwd_decode as f; "
                           "print(f.STAGES, f.UNROLL, f.WAVES, f.COMBINE, f.MMA, f.MMA_STAGES, "
                           "f.COMBINE_QUADS)"],
                          env=env, capture_output=True, text=True, check=True,
                          timeout=120).stdout.split()
-    assert got == ["4", "2", "2", "0", "0", "3", "1"]
+    assert got == ["4", "2", "2", "0", "0", "3", "0"]
     from flashcuda.bench.command import KERNEL_ENV
 
     assert {"FLASHCUDA_DECODE_STAGES", "FLASHCUDA_DECODE_UNROLL", "FLASHCUDA_DECODE_WAVES",

@@ -80,10 +80,11 @@ def test_combine_after_and_dependent(head_dim, heads, stages, monkeypatch):
     on_gpu.test_combine_after_and_dependent(head_dim, heads, stages, monkeypatch)
 
 
+@pytest.mark.parametrize("quads", [1, 0])
 @pytest.mark.parametrize("head_dim,heads", [(8, (8, 1)), (64, (8, 1)), (72, (12, 2)),
-                                            (128, (32, 8)), (256, (16, 2))])
-def test_combine_by_quads(head_dim, heads, monkeypatch):
-    on_gpu.test_combine_by_quads(head_dim, heads, monkeypatch)
+                                            (128, (24, 3)), (256, (16, 2))])
+def test_combine_by_quads(head_dim, heads, quads, monkeypatch):
+    on_gpu.test_combine_by_quads(head_dim, heads, quads, monkeypatch)
 
 
 def test_combine_launches(monkeypatch):
@@ -101,8 +102,9 @@ def test_combine_launches(monkeypatch):
     q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 3000, 2, 64, dtype=q.dtype) for _ in range(2))
     for combine, names in ((1, ["flash_decode_bf16_d64_r4_mma_p4_cd",
-                                "flash_decode_combine_bf16_cd"]),
-                           (0, ["flash_decode_bf16_d64_r4_mma_p4", "flash_decode_combine_bf16"])):
+                                "flash_decode_combine_bf16_cd_q4"]),
+                           (0, ["flash_decode_bf16_d64_r4_mma_p4",
+                                "flash_decode_combine_bf16_q4"])):
         monkeypatch.setattr(fwd_decode, "COMBINE", combine)
         monkeypatch.setattr(fwd_decode, "MMA_STAGES", 4)
         launched.clear()

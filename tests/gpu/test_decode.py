@@ -133,14 +133,16 @@ def test_combine_after_and_dependent(head_dim, heads, stages, monkeypatch):
         assert torch.equal(got[0][1], got[1][1]) and torch.equal(got[0][2], got[1][2])
 
 
+@pytest.mark.parametrize("quads", [1, 0])
 @pytest.mark.parametrize("head_dim,heads", [(8, (8, 1)), (64, (8, 1)), (72, (12, 2)),
-                                            (128, (32, 8)), (256, (16, 2))])
-def test_combine_by_quads(head_dim, heads, monkeypatch):
-    """FLASHCUDA_DECODE_COMBINE_QUADS=1 (A/B): the combine's threads as column quads x groups of
-    pieces (d8: 2 quads x 64 groups, d72: 18 x 7 with two threads idle, d256: 64 x 2) within
-    the oracle's rule over entries of 0 / 1 / part / all keys; as many pieces as the split makes
-    (up to MAX_SPLITS at one KV head); three calls bitwise alike."""
-    monkeypatch.setattr(fwd_decode, "COMBINE_QUADS", 1)
+                                            (128, (24, 3)), (256, (16, 2))])
+def test_combine_by_quads(head_dim, heads, quads, monkeypatch):
+    """FLASHCUDA_DECODE_COMBINE_QUADS: the combine's threads as column quads x groups of pieces
+    (1, the default; d8: 2 quads x 64 groups, d72: 18 x 7 with two threads idle, d256: 64 x 2)
+    or one per column over every piece (0), within the oracle's rule over entries of 0 / 1 /
+    part / all keys; more pieces than 8 (up to MAX_SPLITS at one KV head); three calls bitwise
+    alike."""
+    monkeypatch.setattr(fwd_decode, "COMBINE_QUADS", quads)
     monkeypatch.setattr(fwd_decode, "MIN_SPLIT_KEYS", 64)  # (many pieces on any device)
     fwd_decode._plans.clear()  # (MIN_SPLIT_KEYS is not in the plans' key)
     g = torch.Generator(device=DEVICE).manual_seed(head_dim + heads[0] + 7)
