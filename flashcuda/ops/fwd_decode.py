@@ -69,11 +69,12 @@ COMBINE_QUADS = choice(COMBINE_QUADS_ENV, 1, (0, 1))
 # Session 45's tunes (docs/perf-notes.md): the deeper pipe with fewer CTAs per SM (so fewer,
 # longer pieces) wins — at d128 4 to 6 stages (one CTA per SM) equal within 0.5%, on the H200
 # 1 x 64k 79.4 us (cuDNN 78.8), 8 x 16k 136.5 (136.4); at d64 (8 / 1 heads) 5 stages (2 CTAs
-# per SM) 10% ahead of 4 at 8 x 16k. The default stays 4, the depth the GPU tests and memcheck
-# ran at (15e926a), until a device run tests 5 (docs/perf-notes.md's plan)
+# per SM) 10% ahead of 4 at 8 x 16k. Session 47 (the GPU tests and memcheck at 5, the H200's
+# tune): 5 against 4 at d128 within 0.1%, at d64 8 / 1 heads 8 x 16k 24.1 against 26.1 us, 32 / 8
+# heads 1 x 64k 52.6 against 55.3; so 5
 MMA_ENV, MMA_STAGES_ENV = "FLASHCUDA_DECODE_MMA", "FLASHCUDA_DECODE_MMA_STAGES"
 MMA = choice(MMA_ENV, 1, (0, 1))
-MMA_STAGES = choice(MMA_STAGES_ENV, 4, (2, 3, 4, 5, 6))
+MMA_STAGES = choice(MMA_STAGES_ENV, 5, (2, 3, 4, 5, 6))
 MMA_KEYS = 16  # keys per warp per step with the tensor cores
 MAX_GRID_YZ = 65535
 MAX_QUERY_ROWS = 16  # query rows per sequence (each an entry of its own: keys read once per row)

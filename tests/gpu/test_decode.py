@@ -161,7 +161,7 @@ def test_combine_by_quads(head_dim, heads, quads, monkeypatch):
 
 @pytest.fixture
 def mma(monkeypatch):
-    """FLASHCUDA_DECODE_MMA=1 at its shallowest pipeline, 2 stages (the default's 4: the
+    """FLASHCUDA_DECODE_MMA=1 at its shallowest pipeline, 2 stages (the default, MMA_STAGES: the
     `stages` fixture's mma)."""
     monkeypatch.setattr(fwd_decode, "MMA", 1)
     monkeypatch.setattr(fwd_decode, "MMA_STAGES", 2)
