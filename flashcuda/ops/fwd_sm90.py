@@ -35,8 +35,7 @@ register split, shared memory (the .cu static_asserts the same layout), the name
     256        none      128 x 80, 2                  226 KB   2 x 240  (FA3's d256 tiles)
     256        causal    128 x 64, 2 below 2k, 128 x 80 from it (the masked-V second
                          pass: 1 stage + 2 clean V tiles, 193 KB)
-    A/B        none      128 x 176 at d128 (FLASHCUDA_SM90_TILES=d128=bm128_bn176, FA3's),
-                         128 x 192 at d128 (=bm128_bn192, FA4's on sm90: 225 KB, one Q buffer)
+    A/B        none      128 x 176 at d128 (FLASHCUDA_SM90_TILES=d128=bm128_bn176, FA3's)
     A/B        any       128 x 128, 2 (FLASHCUDA_SM90_TILES=bm128_bn128)
 The producer warpgroup keeps 24 registers per thread: 128 * 24 + 256 * 240 = 64512 and
 128 * 24 + 384 * 160 = 64512 of the 65536-register file.
@@ -134,8 +133,8 @@ class Sm90FwdConfig:
         if self.block_m not in (128, 192):
             raise ValueError(f"Sm90FwdConfig.block_m: expected 128 or 192 (two or three consumer "
                              f"warpgroups), got {self.block_m}")
-        if self.block_n not in (64, 80, 112, 128, 176, 192):
-            raise ValueError(f"Sm90FwdConfig.block_n: expected 64, 80, 112, 128, 176 or 192, "
+        if self.block_n not in (64, 80, 112, 128, 176):
+            raise ValueError(f"Sm90FwdConfig.block_n: expected 64, 80, 112, 128 or 176, "
                              f"got {self.block_n}")
         if self.stages < 1:
             raise ValueError(f"Sm90FwdConfig.stages: expected >= 1, got {self.stages}")
@@ -289,12 +288,11 @@ def tiles_for(head_dim: int, windowed: bool, seqlen_q: int) -> tuple[int, int]:
     return (128, 128)
 
 
-# Every (block_m, block_n) tiles_for returns, per head dim, and the A/B tiles; 128 x 128 is also
-# the A/B baseline (FLASHCUDA_SM90_TILES=bm128_bn128 at every head dim, or
-# d64=bm192_bn128,d128=bm128_bn176 ...). d128's 128 x 192 (session 46): FA4's sm90 tile without a
-# mask (N a multiple of 64, where 176 is not; a third fewer softmax rounds per key), 225 KB with
-# one Q buffer and O by the consumers' stores (with_boundary drops the parts that need room).
-SHAPES = {64: ((192, 128), (128, 128)), 128: ((128, 176), (128, 128), (128, 192)),
+# Every (block_m, block_n) tiles_for returns, per head dim; 128 x 128 is also the A/B baseline
+# (FLASHCUDA_SM90_TILES=bm128_bn128 at every head dim, or d64=bm192_bn128,d128=bm128_bn176 ...).
+# Tried and removed: d128's 128 x 192 (FA4's sm90 tile without a mask; 225 KB, one Q buffer, no
+# O tensor store), 3-8% behind 128 x 128 at 2k-16k on the H200 (session 47, docs/perf-notes.md).
+SHAPES = {64: ((192, 128), (128, 128)), 128: ((128, 176), (128, 128)),
           192: ((128, 80), (128, 64), (128, 112)), 256: ((128, 80), (128, 64))}
 WINDOWED_TILES = {64: ((192, 128), (128, 128)), 128: ((128, 128),),  # tiles_for with a window
                   192: ((128, 80), (128, 64), (128, 112)), 256: ((128, 80), (128, 64))}

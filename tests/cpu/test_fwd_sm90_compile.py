@@ -133,13 +133,12 @@ def test_variants_registered():
     specs = {spec.name: archs for spec, archs in all_variants()}
     for cfg in fwd_sm90.configs():
         assert specs[cfg.name] == (ARCH,)
-    # the tiles x ping-pong x snake x masked V (per dtype: 16 at d64, 16 at d128 (with the
-    # 192-key A/B tile, session 46), 24 at d192, 16 at d256), the bf16 timeline variants (10), the
-    # two passes of the windowed kernels (36 + 36)
+    # the tiles x ping-pong x snake x masked V (per dtype: 16 at d64, 12 at d128, 24 at d192, 16
+    # at d256), the bf16 timeline variants (8), the two passes of the windowed kernels (36 + 36)
     # and the A/B variants without one of the boundary's parts that need room (52); 392 before
     # session 39, which removed the variants without the decode ahead, the magic-number divisions
     # or the V scanner, without every boundary part, and with FC_CROSS_TILE (124)
-    assert len(fwd_sm90.configs()) == 2 * 72 + 10 + 36 + 36 + 52 == 278
+    assert len(fwd_sm90.configs()) == 2 * 68 + 8 + 36 + 36 + 52 == 268
     assert len(fwd_sm90.fused_configs()) == 26  # (unchanged by session 39)
 
 

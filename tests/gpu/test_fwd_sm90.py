@@ -34,13 +34,11 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True, params=["default", "bm128_bn128", "d64=bm192_bn128,d128=bm128_bn176",
-                                      "d128=bm128_bn192", "plain", "snake"],
-                ids=["tiles-dispatch", "tiles-128x128", "tiles-fa3", "tiles-n192", "plain",
-                     "snake"])
+                                      "plain", "snake"],
+                ids=["tiles-dispatch", "tiles-128x128", "tiles-fa3", "plain", "snake"])
 def _enable_sm90(monkeypatch, request):
     """Every test runs with the tiles dispatch picks for its shape, with 128 x 128 everywhere,
-    with FA3's tiles everywhere (so each specialisation sees every shape), with d128's 192-key A/B
-    tile (FA4's; the other head dims' dispatch tiles), and with the ping-pong
+    with FA3's tiles everywhere (so each specialisation sees every shape), and with the ping-pong
     with neither ping-pong nor snake order (FLASHCUDA_SM90_PINGPONG=0 SNAKE=0, the kernel as first
     proven), and with the snake order everywhere (FLASHCUDA_SM90_SNAKE=1; dispatch uses it only
     with a causal or window mask)."""

@@ -256,9 +256,8 @@ static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim =
               "sm90 kernel: head dim 64, 128, 192 or 256");
 static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups of 64 rows");
 static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma n, TMA box rows <= 256");
-static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176 ||
-                  kBlockN == 192,
-              "wgmma_ss is instantiated for n = 64, 80, 112, 128, 176, 192");
+static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 112 || kBlockN == 128 || kBlockN == 176,
+              "wgmma_ss is instantiated for n = 64, 80, 112, 128, 176");
 static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= register_pool(kThreads),
               "register split over the CTA's pool at launch (register_pool, sm90.cuh)");
 // The host config (flashcuda/ops/fwd_sm90.py) computes the launch's dynamic smem; it must agree.
