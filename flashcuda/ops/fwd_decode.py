@@ -61,7 +61,7 @@ COMBINE = choice(COMBINE_ENV, 1, (0, 1))
 # how the combine's threads walk a row's pieces (the .cu's FC_COMBINE_QUADS): 1 column quads x
 # groups of pieces, 16-byte loads; 0 one thread per column over every piece. Session 47's tune on
 # the H200 (docs/perf-notes.md): at d64 with one KV head (128 pieces) 1 x 64k 29.1 -> 18.1 us
-# (cuDNN 19.3), 8 x 16k 24.1 -> 22.0; at d128 and d64 32 / 8 heads within -0.5 / +1.1%
+# (cuDNN 19.3), 8 x 16k 24.1 -> 22.0; at d128 and d64 32 / 8 heads -0.5 to +5% (the H100 alike)
 COMBINE_QUADS_ENV = "FLASHCUDA_DECODE_COMBINE_QUADS"
 COMBINE_QUADS = choice(COMBINE_QUADS_ENV, 1, (0, 1))
 # the scores and P V on tensor cores (the .cu's FC_MMA) for head dims up to 128 (1), or the
