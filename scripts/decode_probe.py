@@ -140,7 +140,7 @@ def main() -> None:
 
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         knobs = ("UNROLL", "STAGES", "WAVES", "MMA", "MMA_STAGES", "COMBINE", "MIN_SPLIT_KEYS",
-                 "COMBINE_QUADS")
+                 "COMBINE_QUADS", "CTAS_PER_SM")
         saved = {n: getattr(fwd_decode, n) for n in knobs}
 
         def setting(**kw: int) -> None:
@@ -165,6 +165,11 @@ def main() -> None:
         for keys in (512, 1024, 2048):  # fewer, longer pieces (the combine's work per column)
             setting(min_split_keys=keys)
             arm(f"defaults, pieces of at least {keys} keys")
+        for per_sm in (1, 2):  # the split aiming at fewer CTAs per SM than it holds
+            setting(ctas_per_sm=per_sm)
+            arm(f"defaults, the split counting {per_sm} CTA(s) per SM")
+        setting(ctas_per_sm=1, mma_stages=3)  # ... with a shallower pipe, if 1 per SM is the rule
+        arm("defaults, 1 CTA per SM, mma stages 3")
         setting(combine_quads=1 - saved["COMBINE_QUADS"])  # the other combine (quads / columns)
         arm(f"defaults, the combine {'per column' if saved['COMBINE_QUADS'] else 'by quads'}")
         setting()

@@ -55,6 +55,10 @@ MAX_SPLITS = 128  # at most the .cu's kMaxSplits (the combine: one piece per thr
 MIN_SPLIT_KEYS = 256  # no piece shorter than this (the combine and the CTA's start cost)
 # the split aims at this many full waves of the CTAs the GPU holds at once
 WAVES = choice(WAVES_ENV, 1, (1, 2, 3, 4))
+# ... counting at most this many CTAs per SM (0: as many as the SM holds; A/B, session 47: fewer,
+# longer pieces where the call is bound by latency rather than bandwidth)
+CTAS_PER_SM_ENV = "FLASHCUDA_DECODE_CTAS_PER_SM"
+CTAS_PER_SM = choice(CTAS_PER_SM_ENV, 0, (0, 1, 2, 3, 4))
 # the combine as the split kernel's programmatic dependent (1; sm_90, elsewhere 0), or launched
 # after it (0): 1-2 us less at batch 1 on an H100 (session 45; docs/perf-notes.md)
 COMBINE = choice(COMBINE_ENV, 1, (0, 1))
@@ -251,8 +255,10 @@ def plan_splits(batch: int, nheads_kv: int, row_blocks: int, seqlen_k: int, slot
 
 
 def slots(kernel, cfg: DecodeConfig, sms: int) -> int:
-    """CTAs of `kernel` the GPU holds at once (the driver's occupancy of one SM x SMs), x WAVES."""
-    return max(1, kernel.resident_blocks(THREADS, cfg.smem_bytes)) * sms * WAVES
+    """CTAs of `kernel` the GPU holds at once (the driver's occupancy of one SM, at most
+    CTAS_PER_SM when set, x SMs), x WAVES."""
+    per_sm = max(1, kernel.resident_blocks(THREADS, cfg.smem_bytes))
+    return (min(per_sm, CTAS_PER_SM) if CTAS_PER_SM else per_sm) * sms * WAVES
 
 
 @dataclass(frozen=True)
@@ -338,7 +344,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     causal = bool(causal) and seqlen_q > 1  # (one row: the same keys either way)
     key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.get_device(),
            softmax_scale, table, causal, UNROLL, STAGES, WAVES, COMBINE, MMA, MMA_STAGES,
-           COMBINE_QUADS)
+           COMBINE_QUADS, CTAS_PER_SM)
     plan = _plans.plan(key, (q, k, v, softmax_scale, out, block_table, causal))
     parts = None
     if plan.splits > 1:  # (the fp32 partials: freed after the combine, stream-ordered)

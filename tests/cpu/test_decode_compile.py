@@ -378,18 +378,35 @@ def test_decode_knobs_from_the_environment(monkeypatch):
     env = {**os.environ, "FLASHCUDA_DECODE_STAGES": "4", "FLASHCUDA_DECODE_UNROLL": "2",
            "FLASHCUDA_DECODE_WAVES": "2", "FLASHCUDA_DECODE_COMBINE": "0",
            "FLASHCUDA_DECODE_MMA": "0", "FLASHCUDA_DECODE_MMA_STAGES": "3",
-           "FLASHCUDA_DECODE_COMBINE_QUADS": "0"}
+           "FLASHCUDA_DECODE_COMBINE_QUADS": "0", "FLASHCUDA_DECODE_CTAS_PER_SM": "1"}
     got = subprocess.run([sys.executable, "-c", "from flashcuda.ops import fwd_decode as f; "
                           "print(f.STAGES, f.UNROLL, f.WAVES, f.COMBINE, f.MMA, f.MMA_STAGES, "
-                          "f.COMBINE_QUADS)"],
+                          "f.COMBINE_QUADS, f.CTAS_PER_SM)"],
                          env=env, capture_output=True, text=True, check=True,
                          timeout=120).stdout.split()
-    assert got == ["4", "2", "2", "0", "0", "3", "0"]
+    assert got == ["4", "2", "2", "0", "0", "3", "0", "1"]
     from flashcuda.bench.command import KERNEL_ENV
 
     assert {"FLASHCUDA_DECODE_STAGES", "FLASHCUDA_DECODE_UNROLL", "FLASHCUDA_DECODE_WAVES",
             "FLASHCUDA_DECODE_COMBINE", "FLASHCUDA_DECODE_MMA",
-            "FLASHCUDA_DECODE_MMA_STAGES", "FLASHCUDA_DECODE_COMBINE_QUADS"} <= set(KERNEL_ENV)
+            "FLASHCUDA_DECODE_MMA_STAGES", "FLASHCUDA_DECODE_COMBINE_QUADS",
+            "FLASHCUDA_DECODE_CTAS_PER_SM"} <= set(KERNEL_ENV)
+
+
+@pytest.mark.parametrize("resident,per_sm,waves,want", [(2, 0, 1, 264), (2, 1, 1, 132),
+                                                        (3, 2, 2, 528), (1, 2, 1, 132),
+                                                        (0, 0, 1, 132)])
+def test_slots_count_ctas_per_sm(monkeypatch, resident, per_sm, waves, want):
+    """slots(): the CTAs an SM holds (at least 1), capped by CTAS_PER_SM when set, x SMs x WAVES;
+    the plan's pieces follow it."""
+    kernel = type("K", (), {"resident_blocks": lambda self, threads, smem: resident})()
+    monkeypatch.setattr(fwd_decode, "CTAS_PER_SM", per_sm)
+    monkeypatch.setattr(fwd_decode, "WAVES", waves)
+    cfg = fwd_decode.config_for(torch.bfloat16, 64, 8)
+    got = fwd_decode.slots(kernel, cfg, 132)
+    assert got == want
+    aim = min(want // 8, 16384 // fwd_decode.MIN_SPLIT_KEYS)  # 8 entries' pieces in the slots
+    assert aim * 0.8 < fwd_decode.plan_splits(8, 1, 1, 16384, got, cfg.step)[0] <= aim
 
 
 def test_several_query_rows_are_entries_of_their_own(launches):
