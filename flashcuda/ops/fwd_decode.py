@@ -19,7 +19,9 @@ scores and P V on tensor cores (MMA, the .cu's FC_MMA) through an MMA_STAGES-dee
 pipeline; the 256 bucket (and MMA=0) the CUDA-core lanes, STAGES picking how K / V reach their
 registers (straight loads, or a cp.async pipeline in shared memory: the .cu's FC_STAGES).
 COMBINE: the combine kernel as the split's programmatic dependent on sm_90 (1), or launched
-after it (0, and wherever griddepcontrol does not exist).
+after it (0, and wherever griddepcontrol does not exist). COMBINE_QUADS: the combine's threads
+as column quads x groups of pieces, 16-byte loads (1), or one thread per column (0).
+CTAS_PER_SM (A/B): the split counts at most this many CTAs per SM (0: all the SM holds).
 """
 
 from __future__ import annotations
