@@ -45,7 +45,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--heads", default="32/8", metavar="H/HKV", help="query / KV heads")
     ap.add_argument("--tune", action="store_true",
-                    help="only the decode kernels' time: the defaults, the lanes' STAGES x UNROLL "
+                    help="only the decode kernels' time (per call, and as a CUDA-graph "
+                         "replay: without the host's): the defaults, the lanes' STAGES x UNROLL "
                          "x WAVES, the tensor cores' MMA_STAGES x WAVES and COMBINE")
     ap.add_argument("--paged", type=int, default=0, metavar="PAGE",
                     help="with --tune: also the same keys in shuffled pages of PAGE rows (the "
@@ -128,6 +129,7 @@ def main() -> None:
             with torch.no_grad():
                 err = max_error(fwd_decode.attention(q, k, v, scale)[0], ref)
             m = ms(lambda: fwd_decode.attention(q, k, v, scale))
+            r = replayed(lambda: fwd_decode.attention(q, k, v, scale))  # (no host in it)
             c = fwd_decode.config_on(q.device, q.dtype, d, h // hk)
             kernel = fwd_decode.get_kernel(c.spec(), q.device)
             per_sm = kernel.resident_blocks(fwd_decode.THREADS, c.smem_bytes)
@@ -135,7 +137,7 @@ def main() -> None:
                                             fwd_decode.slots(kernel, c, sms), c.step)[0]
             print(f"b{a.batch} {a.keys:6d} keys  {label} ({per_sm} CTAs/SM, "
                   f"{kernel.attribute('NUM_REGS')} regs, {splits} pieces)  {m * 1e3:7.1f} us  "
-                  f"{kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
+                  f"(replay {r * 1e3:.1f})  {kv_bytes / m / 1e6:6.0f} GB/s  err {err:.2e} "
                   f"{'ok' if err <= bound else 'WRONG'} (bound {bound:.2e})")
 
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
