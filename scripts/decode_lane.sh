@@ -7,8 +7,8 @@
 # sanitize: compute-sanitizer memcheck on the decode tests that reach the edges (counts 0 / 1 /
 #           capacity, strided views, NaN, kvcache's steps and graph replays, determinism, paged
 #           caches, cache rows, left padding, the pipeline depths, the combine modes, the
-#           tensor-core step, the combine by quads and per column; API errors not reported:
-#           runtime.check_abi asks cuFuncGetParamInfo for one parameter past the last, and its
+#           tensor-core step, the combine by quads and per column, CTAS_PER_SM; API errors not
+#           reported: runtime.check_abi asks cuFuncGetParamInfo for one parameter past the last, and its
 #           CUDA_ERROR_INVALID_VALUE is how the list's end shows)
 # tune:     scripts/decode_probe.py --tune ($TUNE_ARGS, e.g. --mma-only) at batch 1 x 64k, 8 x 16k,
 #           1 x 16k keys (d128, 32 / 8 heads), 1 x 64k, 8 x 16k at d64 (8 / 1 and 32 / 8 heads),
@@ -38,7 +38,7 @@ for s in $steps; do
         -k "kvcache or decod" >> "$OUT/tests.txt" 2>&1 ;;
     sanitize)
       timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 --report-api-errors no python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_decode.py -k "per_entry or strided or nan or kvcache or determin or paged or cache_rows or depths or combine or mma_step_spans or quads" \
+        tests/gpu/test_decode.py -k "per_entry or strided or nan or kvcache or determin or paged or cache_rows or depths or combine or mma_step_spans or quads or ctas_per_sm" \
         > "$OUT/sanitize.txt" 2>&1; echo "sanitizer rc $?" >> "$OUT/sanitize.txt" ;;
     tune)
       for a in "--keys 65536 --paged 16" "--batch 8 --keys 16384 --paged 256" "--keys 16384" \

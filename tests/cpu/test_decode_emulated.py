@@ -87,6 +87,11 @@ def test_combine_by_quads(head_dim, heads, quads, monkeypatch):
     on_gpu.test_combine_by_quads(head_dim, heads, quads, monkeypatch)
 
 
+@pytest.mark.parametrize("per_sm", [1, 2])
+def test_split_counting_ctas_per_sm(per_sm, monkeypatch):
+    on_gpu.test_split_counting_ctas_per_sm(per_sm, monkeypatch)
+
+
 def test_combine_launches(monkeypatch):
     """FLASHCUDA_DECODE_COMBINE=1: the split kernel of FC_COMBINE=1, then the combine kernel of
     FC_COMBINE=1, launched programmatically; 0: the plain split and combine kernels, one after

@@ -159,6 +159,31 @@ def test_combine_by_quads(head_dim, heads, quads, monkeypatch):
         assert torch.equal(again, out) and torch.equal(again_lse, lse)
 
 
+@pytest.mark.parametrize("per_sm", [1, 2])
+def test_split_counting_ctas_per_sm(per_sm, monkeypatch):
+    """FLASHCUDA_DECODE_CTAS_PER_SM (A/B): the split sized for at most per_sm CTAs per SM cuts
+    no more pieces than the defaults (at one CTA per SM fewer, where more fit), and
+    the result stays within the oracle's rule over entries of 20000 and 777 keys."""
+    monkeypatch.setattr(fwd_decode, "MIN_SPLIT_KEYS", 64)  # (the slots decide, not the keys)
+    fwd_decode._plans.clear()  # (MIN_SPLIT_KEYS is not in the plans' key)
+    g = torch.Generator(device=DEVICE).manual_seed(41 + per_sm)
+    counts = [20000, 777]
+    q = rand(g, 2, 1, 8, 64, dtype=torch.bfloat16)
+    k, v = (rand(g, 2, 20000, 1, 64, dtype=q.dtype) for _ in range(2))
+    used = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    every = splits_of(q, k)
+    monkeypatch.setattr(fwd_decode, "CTAS_PER_SM", per_sm)
+    got = splits_of(q, k)
+    cfg = fwd_decode.config_on(q.device, q.dtype, 64, 8)
+    per_sm_held = fwd_decode.get_kernel(cfg.spec(), q.device).resident_blocks(
+        fwd_decode.THREADS, cfg.smem_bytes)
+    assert got <= every
+    if per_sm == 1 and per_sm_held > 1:  # (66 CTAs for 2 entries: under MAX_SPLITS' 128 each)
+        assert got < every
+    out, lse = fwd_decode.attention(q, k, v, 0.125, used)
+    check_entries(out, lse, q, k, v, counts, 0.125)
+
+
 @pytest.fixture
 def mma(monkeypatch):
     """FLASHCUDA_DECODE_MMA=1 at its shallowest pipeline, 2 stages (the default, MMA_STAGES: the
