@@ -8,8 +8,8 @@
 #           capacity, strided views, NaN, kvcache's steps and graph replays, determinism, paged
 #           caches, cache rows, left padding, the pipeline depths, the combine modes, the
 #           tensor-core step, the combine by quads and per column, CTAS_PER_SM; API errors not
-#           reported: runtime.check_abi asks cuFuncGetParamInfo for one parameter past the last, and its
-#           CUDA_ERROR_INVALID_VALUE is how the list's end shows)
+#           reported: runtime.check_abi asks cuFuncGetParamInfo for one parameter past the
+#           last, and its CUDA_ERROR_INVALID_VALUE is how the list's end shows)
 # tune:     scripts/decode_probe.py --tune ($TUNE_ARGS, e.g. --mma-only) at batch 1 x 64k, 8 x 16k,
 #           1 x 16k keys (d128, 32 / 8 heads), 1 x 64k, 8 x 16k at d64 (8 / 1 and 32 / 8 heads),
 #           and the short 1 x 4k at d64 8 / 1 and d128 32 / 8 (the pieces' length there)
