@@ -121,9 +121,7 @@ def main() -> None:
                       f"{kv_bytes / m / 1e6:6.0f} GB/s{replay}")
             except RuntimeError as exc:
                 print(f"{name}: {exc}")
-        m = replayed(lambda: fwd_decode.attention(q, k, v, scale))
-        print(f"b{a.batch} {a.keys:6d} keys  defaults, graph replay {m * 1e3:7.1f} us  "
-              f"{kv_bytes / m / 1e6:6.0f} GB/s")
+
         def arm(label: str) -> None:
             """Time and check the decode kernels as the module's knobs now stand."""
             with torch.no_grad():

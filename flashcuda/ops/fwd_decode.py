@@ -58,7 +58,7 @@ MIN_SPLIT_KEYS = 256  # no piece shorter than this (the combine and the CTA's st
 # the split aims at this many full waves of the CTAs the GPU holds at once
 WAVES = choice(WAVES_ENV, 1, (1, 2, 3, 4))
 # ... counting at most this many CTAs per SM (0: as many as the SM holds; A/B, session 47: fewer,
-# longer pieces where the call is bound by latency rather than bandwidth)
+# longer pieces; +2 to +4% at d64 on an H100, not yet run on the H200; docs/perf-notes.md)
 CTAS_PER_SM_ENV = "FLASHCUDA_DECODE_CTAS_PER_SM"
 CTAS_PER_SM = choice(CTAS_PER_SM_ENV, 0, (0, 1, 2, 3, 4))
 # the combine as the split kernel's programmatic dependent (1; sm_90, elsewhere 0), or launched
@@ -309,8 +309,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: floa
     if splits > 1:
         tail = (np.int64(out.stride(1)), np.int64(out.stride(2)), np.int32(entries),
                 np.int32(nheads), np.int32(head_dim), np.int32(splits))
-        spec = combine_spec(q.dtype, cfg.combine, COMBINE_QUADS)
-        combine = PreparedLaunch(get_kernel(spec, q.device),
+        combine = PreparedLaunch(get_kernel(combine_spec(q.dtype, cfg.combine), q.device),
                                  (entries * nheads, 1, 1), (THREADS, 1, 1), 0,
                                  (None,) * _COMBINE_POINTERS + tail, fixed=len(tail),
                                  programmatic=cfg.combine == 1)
