@@ -1,14 +1,17 @@
 """Where a kernel's warps stall, per SASS instruction, from Nsight Compute's source page.
 
     ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
-    python scripts/ncu_source_summary.py sass.csv [--top 40]
+    python scripts/ncu_source_summary.py sass.csv [--top 40] [--hot N]
 
 Reads the CSV (one row per SASS instruction; ncu's column names vary between versions, so the
 columns are found by substring: the source text, and the warp-stall sampling counts) and prints
 (1) the instructions with the most stall samples, with their share of all samples, (2) the same
 samples summed by opcode, (3) when ncu gives per-reason sample columns, each reason's total, and
 (4) when it gives "Instructions Executed", the warp instructions executed per opcode (the count
-that told a polling loop from a busy one in session 25: 51.6 M executions, 0 samples).
+that told a polling loop from a busy one in session 25: 51.6 M executions, 0 samples), and (5)
+with `--hot N`, the instructions executed between N and 4 N times (a kernel's steady loop: N
+about its warps' loop trips; the upper bound leaves polling loops out), their count, stall
+samples and both per opcode, so two kernels' loops compare side by side.
 Unknown layouts print the header so the next run can be adapted.
 """
 
@@ -37,7 +40,7 @@ def _find(header: list[str], *needles: str) -> int | None:
     return None
 
 
-def summarize(rows: list[list[str]], top: int) -> str:
+def summarize(rows: list[list[str]], top: int, hot: float = 0.0) -> str:
     """The report for a CSV already split into rows (header first)."""
     # ncu may print a few lines before the table; the header is the first row naming "Source"
     start = next((i for i, r in enumerate(rows) if any(c.strip() == "Source" for c in r)), None)
@@ -85,6 +88,19 @@ def summarize(rows: list[list[str]], top: int) -> str:
         out += ["", f"warp instructions executed: {total / 1e6:.2f} M; by opcode (M):"]
         for op, n in sorted(executed.items(), key=lambda x: -x[1])[:25]:
             out.append(f"  {n / 1e6:9.2f}  {op}")
+        if hot > 0:
+            loop = [(s, text) for (s, text), r in zip(samples, body, strict=True)
+                    if hot <= _number(r[executed_col]) < 4 * hot]
+            count: dict[str, int] = collections.Counter(opcode(t) for _, t in loop)
+            stalls: dict[str, float] = collections.Counter()
+            for s, text in loop:
+                stalls[opcode(text)] += s
+            loop_samples = sum(s for s, _ in loop)
+            out += ["", f"hot loop (executed {hot:.0f} to {4 * hot:.0f} times): {len(loop)} "
+                    f"instructions, {loop_samples:.0f} stall samples; by opcode "
+                    "(instructions, samples):"]
+            for op, s in sorted(stalls.items(), key=lambda x: -x[1]):
+                out.append(f"  {count[op]:5d}  {s:9.0f}  {op}")
     return "\n".join(out)
 
 
@@ -92,10 +108,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--hot", type=float, default=0.0,
+                    help="also list the instructions executed N to 4N times (the steady loop)")
     a = ap.parse_args()
     with open(a.csv, newline="", encoding="utf-8", errors="replace") as f:
         rows = list(csv.reader(f))
-    print(summarize(rows, a.top))
+    print(summarize(rows, a.top, a.hot))
 
 
 if __name__ == "__main__":

@@ -52,3 +52,18 @@ def test_executed_instructions_by_opcode():
     tail = text.split("warp instructions executed: 11.00 M; by opcode (M):")[1].split()
     # (the warp count, not the thread count; a predicated branch under its opcode)
     assert tail == ["5.00", "SYNCS", "5.00", "BRA", "1.00", "MUFU"]
+
+
+def test_hot_loop_counts_instructions_and_samples_per_opcode():
+    rows = [["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"],
+            ["0x10", "MUFU.EX2 R5, R5", "30", "2,000,000"],
+            ["0x20", "MUFU.EX2 R6, R6", "20", "2,000,000"],
+            ["0x30", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "70", "2,000,000"],
+            ["0x40", "@!P0  BRA 0x10", "0", "36,000,000"],  # a polling loop: left out
+            ["0x50", "EXIT", "9", "30,000"]]  # once per warp: left out
+    text = _module().summarize(rows, top=3, hot=1.5e6)
+    head, tail = text.split("hot loop (executed 1500000 to 6000000 times): ")
+    assert tail.splitlines()[0] == "3 instructions, 120 stall samples; by opcode (instructions, samples):"
+    assert [line.split() for line in tail.splitlines()[1:]] == [
+        ["1", "70", "WARPGROUP"], ["2", "50", "MUFU"]]
+    assert "hot loop" not in _module().summarize(rows, top=3)
