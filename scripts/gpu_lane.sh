@@ -27,6 +27,7 @@
 #              (NCU_SHAPE, NCU_ARGS, NCU_KERNELS), ncu.txt
 #   ncu-source warp-stall samples per SASS instruction of one kernel (NCU_KERNELS, default
 #              flash_bwd_sm90): ncu-source.ncu-rep, ncu-source-sass.csv, ncu-source-top.txt
+#              (NCU_HOT=N adds the steady loop: the instructions run N to 4N times)
 #   ncu-full   `ncu --set full` of one kernel (NCU_KERNELS, NCU_SHAPE, NCU_ARGS as ncu-source; e.g.
 #              NCU_ARGS="--impl fa4" for the peer's): ncu-full-details.txt, ncu-full-raw.csv, and
 #              the pipes that bound a step printed (L1/TEX, the LSU's shared wavefronts by op,
@@ -196,7 +197,8 @@ for step in "${steps[@]}"; do
         > "$OUT/ncu-source.log" 2>&1; rc=$?
       ncu --import "$OUT/ncu-source.ncu-rep" --page source --csv --print-source sass \
         > "$OUT/ncu-source-sass.csv" 2>> "$OUT/ncu-source.log" || rc=$?
-      python3 scripts/ncu_source_summary.py "$OUT/ncu-source-sass.csv" > "$OUT/ncu-source-top.txt" 2>&1
+      python3 scripts/ncu_source_summary.py "$OUT/ncu-source-sass.csv" ${NCU_HOT:+--hot "$NCU_HOT"} \
+        > "$OUT/ncu-source-top.txt" 2>&1
       head -n 60 "$OUT/ncu-source-top.txt" ;;
     ncu-full)
       timeout "${NCU_TIMEOUT:-300}" ncu --clock-control none -k "regex:${NCU_KERNELS:-flash_bwd_sm90}" \
