@@ -197,8 +197,8 @@ for step in "${steps[@]}"; do
         > "$OUT/ncu-source.log" 2>&1; rc=$?
       ncu --import "$OUT/ncu-source.ncu-rep" --page source --csv --print-source sass \
         > "$OUT/ncu-source-sass.csv" 2>> "$OUT/ncu-source.log" || rc=$?
-      python3 scripts/ncu_source_summary.py "$OUT/ncu-source-sass.csv" ${NCU_HOT:+--hot "$NCU_HOT"} \
-        > "$OUT/ncu-source-top.txt" 2>&1
+      python3 scripts/ncu_source_summary.py "$OUT/ncu-source-sass.csv" \
+        ${NCU_HOT:+--hot "$NCU_HOT"} > "$OUT/ncu-source-top.txt" 2>&1
       head -n 60 "$OUT/ncu-source-top.txt" ;;
     ncu-full)
       timeout "${NCU_TIMEOUT:-300}" ncu --clock-control none -k "regex:${NCU_KERNELS:-flash_bwd_sm90}" \

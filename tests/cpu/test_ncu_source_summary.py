@@ -63,7 +63,8 @@ def test_hot_loop_counts_instructions_and_samples_per_opcode():
             ["0x50", "EXIT", "9", "30,000"]]  # once per warp: left out
     text = _module().summarize(rows, top=3, hot=1.5e6)
     head, tail = text.split("hot loop (executed 1500000 to 6000000 times): ")
-    assert tail.splitlines()[0] == "3 instructions, 120 stall samples; by opcode (instructions, samples):"
+    assert tail.splitlines()[0] == ("3 instructions, 120 stall samples; by opcode "
+                                    "(instructions, samples):")
     assert [line.split() for line in tail.splitlines()[1:]] == [
         ["1", "70", "WARPGROUP"], ["2", "50", "MUFU"]]
     assert "hot loop" not in _module().summarize(rows, top=3)
