@@ -8,11 +8,12 @@ Compiles the bf16 forward kernel dispatch picks for a call without a window
 run their loop in three copies, scanning and not, which this does not tell apart),
 disassembles it with cuobjdump (the `test` extra's), and finds the consumers' key-tile loop.
 Its head is the target of the back edge after the turn's second barrier
-(`BAR.SYNC.DEFER_BLOCKING Rn, 0x100`: the first is a work tile's first key tile). A warp skips the block jumped over by the loop's forward branch (the mask) on an
-unmasked tile, so the instructions executed per consumer warp and unmasked key tile are the
-loop's length less that block. At 49a5da0 (NVRTC 13.5 here, 13.0 on the device) this printed
-436 at d64, which is what ncu counted on the device (session 48, perf-notes). --list prints
-the loop's instructions that are not float work (the bookkeeping).
+(`BAR.SYNC.DEFER_BLOCKING Rn, 0x100`: the first is a work tile's first key tile). A warp
+skips the block jumped over by the loop's forward branch (the mask) on an unmasked tile, so
+the instructions executed per consumer warp and unmasked key tile are the loop's length less
+that block. At 49a5da0 (NVRTC 13.5 here, 13.0 on the device) this printed 436 at d64, which
+is what ncu counted on the device (session 48, perf-notes). --list prints the loop's
+instructions that are not float work (the bookkeeping).
 """
 
 from __future__ import annotations
