@@ -140,6 +140,16 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #define FC_ROLE_ONLY 0
 #endif
 static_assert(!FC_ROLE_ONLY || FC_FUSED_PART, "one role's code: a part of the fused kernel");
+#ifndef FC_LEAN_STEP
+// 1 (A/B, session 48): fewer bookkeeping instructions per key tile. ncu (session 48) counted
+// 436 per consumer warp and key tile at d64 against FA4's 413, both issuing at ~51% of slots;
+// `scripts/sass_loop.py` counts 425 with this (d128: 482 -> 473). Two exact rewrites:
+// the ring's stage / parity arithmetic unsigned (every ring index is >= 0; a signed division
+// by kStages costs sign fix-ups), and the P V descriptors advanced by one 64-bit add
+// (desc_advance's FC_DESC_ADVANCE=2 form, there only: on the scores' descriptors ptxas then
+// builds the base in more instructions than it saves).
+#define FC_LEAN_STEP 0
+#endif
 static_assert(!FC_NAN_FLAGS || !FC_MASKED_V, "the first pass is a kernel without masked V");
 static_assert(!FC_NAN_FIXUP || FC_MASKED_V, "the second pass is the masked-V kernel");
 constexpr int kNanFlagBytes = 16;  // per CTA in nan_flags: one per consumer warp, the rest unused
@@ -455,8 +465,15 @@ __device__ __forceinline__ Block decode_pinned(const Schedule& sched, int w, con
 
 // Ring index r (K/V tiles counted over all of a CTA's work tiles) lives in stage r % kStages;
 // its barriers' phase parity is (r / kStages) & 1.
+#if FC_LEAN_STEP
+__device__ __forceinline__ int stage_of(int r) { return static_cast<uint32_t>(r) % kStages; }
+__device__ __forceinline__ uint32_t parity_of(int r) {
+  return (static_cast<uint32_t>(r) / kStages) & 1;
+}
+#else
 __device__ __forceinline__ int stage_of(int r) { return r % kStages; }
 __device__ __forceinline__ uint32_t parity_of(int r) { return (r / kStages) & 1; }
+#endif
 
 // ---- producer: one thread issues every TMA load -------------------------------------------------
 __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, const Mask& mask,
@@ -607,7 +624,11 @@ struct Consumer {
     const uint64_t b0 = smem_desc_mn_major_sw128(v_tile, kKVChunkBytes);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
+#if FC_LEAN_STEP
+      const uint64_t b = b0 + static_cast<uint64_t>((kk * 16 * 128) >> 4);  // (no carry out)
+#else
       const uint64_t b = mn_major_at(b0, v_tile, kk * 16 * 128, kKVChunkBytes);
+#endif
       wgmma_rs_tb<kHeadDim, T>(o, p[kk], b, 1);
     }
     wgmma_commit();
