@@ -13,7 +13,8 @@
 #   (.fa4a - .fa4d 21 MiB each, .fa4e the 4 MiB tail with the seven small wheels: 14 MiB)
 # (each part must fit 64 MiB together with the tracked tree: ~9 MB in session 8, 17 MB in
 # session 14 with the run records, 29 MB in session 21, 33 MB in session 25 (four parts of
-# 23 MiB, one per call), 39 MiB in session 31: five parts of at most 21 MiB, one per call)
+# 23 MiB, one per call), 39 MiB in session 31: five parts of at most 21 MiB, one per call; session
+# 48, the tree at 35 MiB: four parts of 26 MiB (`split -b 26M`, the tail with the small wheels))
 #
 # (.whl, .fa4a - .fa4e are git-ignored.) Then, on the device, in consecutive calls:
 #   carry [".fa4a"], [".fa4b"], [".fa4c"], [".fa4d"]:  scripts/fa4_carry.sh stash
