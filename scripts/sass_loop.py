@@ -38,6 +38,7 @@ class Loop:
     back: int  # index of its back-edge branch
     skipped: int  # instructions of the block an unmasked tile jumps over
     instructions: list[str]  # the whole loop, head to back edge
+    mask: int | None = None  # position in `instructions` of the branch over that block
 
     @property
     def per_step(self) -> int:
@@ -76,20 +77,17 @@ def find_loop(sass: str) -> Loop:
             break
     else:
         raise ValueError("no back edge to before the turn barrier")
-    skipped = 0
-    for i in range(head, back):
-        text = ins[i][1]
-        if re.search(r"BRA P\d+, 0x", text):  # the mask's branch (uniform: P and a predicate)
-            skipped = index[_target(text)] - i - 1
-            break
-    return Loop(head, back, skipped, [s for _, s in ins[head:back + 1]])
+    body = [s for _, s in ins[head:back + 1]]
+    # the mask's branch (uniform: P and a predicate)
+    mask = next((k for k, s in enumerate(body) if re.search(r"BRA P\d+, 0x", s)), None)
+    skipped = 0 if mask is None else index[_target(body[mask])] - (head + mask) - 1
+    return Loop(head, back, skipped, body, mask)
 
 
 def bookkeeping(loop: Loop) -> list[str]:
     """The loop's instructions an unmasked tile runs that are not float work or GEMMs."""
-    body = loop.instructions
-    start = next((k for k, s in enumerate(body) if re.search(r"BRA P\d+, 0x", s)), None)
-    keep = body if start is None else body[:start + 1] + body[start + 1 + loop.skipped:]
+    body, mask = loop.instructions, loop.mask
+    keep = body if mask is None else body[:mask + 1] + body[mask + 1 + loop.skipped:]
     return [s for s in keep if opcode(s) not in FLOAT_WORK]
 
 

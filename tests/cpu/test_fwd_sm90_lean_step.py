@@ -1,7 +1,8 @@
-"""FC_LEAN_STEP (flash_fwd_sm90.cu; an A/B knob through FLASHCUDA_SM90_FWD_DEFINES, session 48,
-not yet measured on a GPU): the ring's stage / parity arithmetic unsigned and the P V
-descriptors advanced by one 64-bit add, two exact rewrites that shorten the consumers' steady
-key-tile loop (ncu, session 48: 436 instructions per warp and key tile at d64 against FA4's 413).
+"""FC_LEAN_STEP (flash_fwd_sm90.cu; an A/B knob through FLASHCUDA_SM90_FWD_DEFINES, session
+48; on an H100 +1% at d64 without a mask, inside the spread, perf-notes): the ring's stage /
+parity arithmetic unsigned and the P V descriptors advanced by one 64-bit add, two exact
+rewrites that shorten the consumers' steady key-tile loop (ncu, session 48: 436 instructions
+per warp and key tile at d64 against FA4's 413).
 
 On the CPU lane: the variant builds clean at the tiles the forward dispatches for d64 / d128
 (with and without a window), and in the unwindowed kernels its steady loop, counted as

@@ -62,7 +62,7 @@ def test_hot_loop_counts_instructions_and_samples_per_opcode():
             ["0x40", "@!P0  BRA 0x10", "0", "36,000,000"],  # a polling loop: left out
             ["0x50", "EXIT", "9", "30,000"]]  # once per warp: left out
     text = _module().summarize(rows, top=3, hot=1.5e6)
-    head, tail = text.split("hot loop (executed 1500000 to 6000000 times): ")
+    _, tail = text.split("hot loop (executed 1500000 to 6000000 times): ")
     assert tail.splitlines()[0] == ("3 instructions, 120 stall samples; by opcode "
                                     "(instructions, samples):")
     assert [line.split() for line in tail.splitlines()[1:]] == [

@@ -146,8 +146,8 @@ static_assert(!FC_ROLE_ONLY || FC_FUSED_PART, "one role's code: a part of the fu
 // `scripts/sass_loop.py` counts 425 with this (d128: 482 -> 473). Two exact rewrites:
 // the ring's stage / parity arithmetic unsigned (every ring index is >= 0; a signed division
 // by kStages costs sign fix-ups), and the P V descriptors advanced by one 64-bit add
-// (desc_advance's FC_DESC_ADVANCE=2 form, there only: on the scores' descriptors ptxas then
-// builds the base in more instructions than it saves).
+// (sm90.cuh's desc_advance64, there only: on the scores' descriptors ptxas then builds the
+// base in more instructions than it saves).
 #define FC_LEAN_STEP 0
 #endif
 static_assert(!FC_NAN_FLAGS || !FC_MASKED_V, "the first pass is a kernel without masked V");
@@ -625,7 +625,7 @@ struct Consumer {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
 #if FC_LEAN_STEP
-      const uint64_t b = b0 + static_cast<uint64_t>((kk * 16 * 128) >> 4);  // (no carry out)
+      const uint64_t b = desc_advance64(b0, kk * 16 * 128);
 #else
       const uint64_t b = mn_major_at(b0, v_tile, kk * 16 * 128, kKVChunkBytes);
 #endif
