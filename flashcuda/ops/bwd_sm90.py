@@ -517,8 +517,9 @@ def configs() -> list[Sm90BwdConfig]:
             and c.probs_early != c.block_m // 8 and not c.defines and not c.lpt_tail]
     out += [dataclasses.replace(c, wave_split=w) for c in base for w in (1, 2, 3)]
     # CONVERT inside MAIN (FLASHCUDA_SM90_BWD_DQ_CONVERT=1): the tma defaults of DQ_CONVERT_DIMS
-    # with the P^T split, in blockIdx order and in the split's / causal tail's three kernels
-    out += [dataclasses.replace(converting(c), wave_split=w) for c in base for w in (0, 1, 2, 3)
+    # with the P^T split, in blockIdx order and as the causal tail's MAIN and grid (a call the
+    # last-wave split takes keeps CONVERT: the pieces kernel spills 24 bytes with it)
+    out += [dataclasses.replace(converting(c), wave_split=w) for c in base for w in (0, 1, 3)
             if c.dq_tma and not c.dq_swap and c.head_dim in DQ_CONVERT_DIMS]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
@@ -615,7 +616,7 @@ def dq_convert_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
     """Whether `call`'s MAIN kernel `cfg` writes dq itself (FC_DQ_CONVERT):
     FLASHCUDA_SM90_BWD_DQ_CONVERT=1 (unset: off), the tma staging at DQ_CONVERT_DIMS, and a
     step for every query block (dq_expected: a block no key block visits would never be
-    written)."""
+    written). _build_plan also keeps CONVERT where the last-wave split runs."""
     if not (flag(DQ_CONVERT_ENV, False) and cfg.dq_tma and not cfg.dq_swap
             and cfg.head_dim in DQ_CONVERT_DIMS):
         return False
@@ -873,6 +874,9 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     tail_pairs = 0 if timeline else lpt_launch_for(call, cfg)
     min_steps = 0 if tail_pairs else wave_split_for(call, cfg)
     wave = wave_plan(call, cfg, wave_sms(call), min_steps) if min_steps else None
+    if wave is not None and cfg.dq_convert:  # (its pieces kernel spills: CONVERT kept)
+        cfg = dataclasses.replace(cfg, dq_convert=False,
+                                  producer_regs=Sm90BwdConfig(cfg.dtype, cfg.head_dim).producer_regs)
     if wave is not None or tail_pairs:
         cfg = dataclasses.replace(cfg, wave_split=1, lpt_tail=0)
     if timeline:  # (with the split: MAIN's and the pieces' records, one buffer)

@@ -44,9 +44,9 @@ CAUSAL = (None, 0)
 
 @pytest.fixture(autouse=True,
                 params=["default", "wsplit", "wsplit5", "lptl", "tma", "frag", "cvt",
-                        "cvt-wsplit5", "cvt-lptl"],
+                        "cvt-lptl"],
                 ids=["default", "wsplit", "wsplit5", "lptl", "dq-tma", "dq-frag", "cvt",
-                     "cvt-wsplit5", "cvt-lptl"])
+                     "cvt-lptl"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ staging (FLASHCUDA_SM90_BWD_DQ: tma, frag; at each head dim one
     of them is the default, the other an A/B), and first with none of the switches set: the
@@ -59,9 +59,9 @@ def _enable_sm90_bwd(monkeypatch, request):
     last wave, so the pieces kernel runs them all); "wsplit5": the same planned for 5 SMs
     (FLASHCUDA_SM90_BWD_WAVE_SMS=5: MAIN's CTAs, then the pieces as its dependents); "lptl":
     causal calls' first pairs as their own grid after MAIN (FLASHCUDA_SM90_BWD_LPT_LAUNCH=1;
-    FC_WAVE_SPLIT=3); "cvt", "cvt-wsplit5", "cvt-lptl": the defaults, the pieces for 5 SMs and
-    the causal tail's grid, each writing dq inside MAIN (FLASHCUDA_SM90_BWD_DQ_CONVERT=1; d64,
-    where every query block has a step)."""
+    FC_WAVE_SPLIT=3); "cvt", "cvt-lptl": the defaults and the causal tail's grid, writing dq
+    inside MAIN (FLASHCUDA_SM90_BWD_DQ_CONVERT=1; d64, where every query block has a step and
+    the last-wave split does not run)."""
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     switches = {"wsplit": bwd_sm90.WAVE_SPLIT_ENV, "wsplit5": bwd_sm90.WAVE_SPLIT_ENV,
                 "lptl": bwd_sm90.LPT_LAUNCH_ENV}  # (the defaults with one 0 / 1 switch on)
