@@ -617,7 +617,8 @@ def dq_convert_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
     FLASHCUDA_SM90_BWD_DQ_CONVERT=1 (unset: off), the tma staging at DQ_CONVERT_DIMS, and a
     step for every query block (dq_expected: a block no key block visits would never be
     written). _build_plan also keeps CONVERT where the last-wave split runs."""
-    if not (flag(DQ_CONVERT_ENV, False) and cfg.dq_tma and not cfg.dq_swap
+    on = os.environ.get(DQ_CONVERT_ENV) == "count-only" or flag(DQ_CONVERT_ENV, False)
+    if not (on and cfg.dq_tma and not cfg.dq_swap
             and cfg.head_dim in DQ_CONVERT_DIMS):
         return False
     return bool(dq_expected(call, cfg.block_m, cfg.block_n, cfg.seqlen_pad(call.seqlen_q)).all())
@@ -890,8 +891,10 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     expected = None
     if cfg.dq_convert:  # (dq's strides before dk's)
         main_args = (*_strides(call.dq), *main_args)
-        expected = torch.tensor(dq_expected(call, cfg.block_m, cfg.block_n, sq_pad),
-                                dtype=torch.int32, device=dev)
+        counts = dq_expected(call, cfg.block_m, cfg.block_n, sq_pad)
+        if os.environ.get(DQ_CONVERT_ENV) == "count-only":  # (diagnostic: never converts)
+            counts[:] = -1
+        expected = torch.tensor(counts, dtype=torch.int32, device=dev)
     # any tensor of the call stands for a pointer argument's kind (run() passes the addresses)
     t = call.lse
     main_maps = tuple(bshd_map(x, rows) for x, rows in ((call.q, cfg.block_m),
