@@ -71,7 +71,6 @@ from .call import (
     REMOVED_SM90_DEFINES,
     BwdCall,
     PlanCache,
-    StreamBuffers,
     defines_suffix,
     kernel_windows,
     parse_defines,
@@ -136,16 +135,6 @@ LPT_LAUNCH_DIMS: tuple[int, ...] = (64,)
 LPT_LAUNCH_BLOCKS = (16, 64)
 LPT_LAUNCH_PAIRS = 8
 WAVE_SMS_ENV = "FLASHCUDA_SM90_BWD_WAVE_SMS"
-# CONVERT inside MAIN (FC_DQ_CONVERT, the .cu; A/B, off by default): the dQ writer counts each
-# query block's completed reductions and, once a block's last count is in, writes its dq from
-# the block's dq_accum rows (hot in L2), so no CONVERT launch follows.
-# FLASHCUDA_SM90_BWD_DQ_CONVERT=1 turns it on where the dQ staging is tma (d64's default) and
-# every query block has a step (dq_expected); the count buffer is kept per thread and stream.
-DQ_CONVERT_ENV = "FLASHCUDA_SM90_BWD_DQ_CONVERT"
-DQ_CONVERT_DIMS: tuple[int, ...] = (64,)  # head dims whose tma kernels were built with it
-DQ_CONVERT_BYTES = 16384  # the landing tile (the .cu's kCvtBytes)
-# its producer warpgroup's registers: 128 * 40 + 256 * 232 (d64's consumers) is the whole pool
-DQ_CONVERT_REGS = 40
 # 0 (diagnostic A/B): the pieces launched in plain stream order, after MAIN has completed
 WAVE_PDL_ENV = "FLASHCUDA_SM90_BWD_WAVE_PDL"
 SWAP_HEAD_DIMS = (128,)  # where the kernel builds it (two consumers of 64 dQ^T rows each)
@@ -263,9 +252,6 @@ class Sm90BwdConfig:
     # key blocks) after MAIN; _build_plan sets them (wave_split_for, wave_split.plan;
     # lpt_launch_for)
     wave_split: int = 0
-    # CONVERT inside MAIN (FC_DQ_CONVERT; dq_tma only): three more pointers after dv (the count
-    # buffer, the expected counts, dq) and dq's strides before dk's; no CONVERT launch
-    dq_convert: bool = False
     # extra compile-time defines (FLASHCUDA_SM90_BWD_DEFINES="NAME=VALUE,..."): A/B variants of a
     # kernel knob, named by a suffix
     defines: tuple = ()
@@ -303,9 +289,6 @@ class Sm90BwdConfig:
         if self.ds_stmatrix and self.dq_swap:
             raise ValueError("Sm90BwdConfig.ds_stmatrix: expected False with dq_swap "
                              "(stmatrix stores the [key][query] layout; dq_swap's is [query][key])")
-        if self.dq_convert and not (self.dq_tma and self.head_dim in DQ_CONVERT_DIMS):
-            raise ValueError(f"Sm90BwdConfig.dq_convert: expected dq_tma at a head dim of "
-                             f"{DQ_CONVERT_DIMS}, got dq_tma={self.dq_tma} at d{self.head_dim}")
         if self.dq_spread and not self.dq_tma:
             raise ValueError("Sm90BwdConfig.dq_spread: expected False without dq_tma (it orders "
                              "the tensor-map staging stores)")
@@ -380,9 +363,6 @@ class Sm90BwdConfig:
         barriers = 1 + 2 * self.stages + 2 * (self.consumers if self.dq_frag else 1)
         stats = 2 * self.block_m * 4
         staging = self.block_m * self.head_dim * 4
-        if self.dq_convert:  # (the landing tile and its barrier, cvt_load)
-            staging += DQ_CONVERT_BYTES
-            barriers += 1
         return (1024 + 2 * self.kv_bytes + self.stages * (2 * self.q_bytes + stats)
                 + 2 * self.ds_bytes + staging + BARRIER_BYTES * barriers)
 
@@ -404,7 +384,6 @@ class Sm90BwdConfig:
                 + (f"_em{self.probs_emu}" if self.probs_emu else "")
                 + (f"_lpt{self.lpt_tail}" if self.lpt_tail else "")
                 + (f"_ws{self.wave_split}" if self.wave_split else "")
-                + ("_cvt" if self.dq_convert else "")
                 + ("_tl" if self.timeline else "")
                 + defines_suffix(self.defines))
 
@@ -433,7 +412,6 @@ class Sm90BwdConfig:
             **({"FC_TIMELINE": 1} if self.timeline else {}),
             **({"FC_LPT_TAIL": self.lpt_tail} if self.lpt_tail else {}),
             **({"FC_WAVE_SPLIT": self.wave_split} if self.wave_split else {}),
-            **({"FC_DQ_CONVERT": 1} if self.dq_convert else {}),
             **dict(self.defines),
         })
 
@@ -516,11 +494,6 @@ def configs() -> list[Sm90BwdConfig]:
     base = [c for c in out if c.dtype == torch.bfloat16 and not c.timeline and not c.watchdog
             and c.probs_early != c.block_m // 8 and not c.defines and not c.lpt_tail]
     out += [dataclasses.replace(c, wave_split=w) for c in base for w in (1, 2, 3)]
-    # CONVERT inside MAIN (FLASHCUDA_SM90_BWD_DQ_CONVERT=1): the tma defaults of DQ_CONVERT_DIMS
-    # with the P^T split, in blockIdx order and as the causal tail's MAIN and grid (a call the
-    # last-wave split takes keeps CONVERT: the pieces kernel spills 24 bytes with it)
-    out += [dataclasses.replace(converting(c), wave_split=w) for c in base for w in (0, 1, 3)
-            if c.dq_tma and not c.dq_swap and c.head_dim in DQ_CONVERT_DIMS]
     return list(dict.fromkeys(out))  # (each once, in this order)
 
 
@@ -554,14 +527,12 @@ def is_default_kernel(cfg: Sm90BwdConfig) -> bool:
     """Whether `cfg` is its head dim's default 64 / 128-query kernel — the dQ staging
     select_config gives with FLASHCUDA_SM90_BWD_DQ unset (or set to the default) — up to the
     watchdog, the release fence, extra defines, the P^T split and its exp2s on the FMA pipe, the
-    causal tail, the timeline, the last-wave split and CONVERT inside MAIN. The 80-query dQ^T form and the P^T split
+    causal tail, the timeline and the last-wave split. The 80-query dQ^T form and the P^T split
     are made of this kernel only."""
     plain = Sm90BwdConfig(cfg.dtype, cfg.head_dim)
-    if cfg.dq_convert and cfg.producer_regs == DQ_CONVERT_REGS:  # (converting's registers)
-        cfg = dataclasses.replace(cfg, dq_convert=False, producer_regs=plain.producer_regs)
     return dataclasses.replace(cfg, watchdog=False, release_fence=None, defines=(),
                                probs_early=None, probs_emu=0, lpt_tail=0, timeline=False,
-                               wave_split=0, dq_convert=False) == plain
+                               wave_split=0) == plain
 
 
 def swapped(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
@@ -600,46 +571,7 @@ def config_for(call: BwdCall) -> Sm90BwdConfig:
         cfg = swapped(cfg)
     if lpt_tail := lpt_tail_for(call):
         cfg = dataclasses.replace(cfg, lpt_tail=lpt_tail)
-    if dq_convert_for(call, cfg):
-        cfg = converting(cfg)
     return cfg
-
-
-def converting(cfg: Sm90BwdConfig) -> Sm90BwdConfig:
-    """`cfg` writing dq itself (FC_DQ_CONVERT), its producer warpgroup at DQ_CONVERT_REGS
-    registers where it had fewer (the writer warp's conversion spills at d64's 32)."""
-    return dataclasses.replace(cfg, dq_convert=True,
-                               producer_regs=max(cfg.producer_regs, DQ_CONVERT_REGS))
-
-
-def dq_convert_for(call: BwdCall, cfg: Sm90BwdConfig) -> bool:
-    """Whether `call`'s MAIN kernel `cfg` writes dq itself (FC_DQ_CONVERT):
-    FLASHCUDA_SM90_BWD_DQ_CONVERT=1 (unset: off), the tma staging at DQ_CONVERT_DIMS, and a
-    step for every query block (dq_expected: a block no key block visits would never be
-    written). _build_plan also keeps CONVERT where the last-wave split runs."""
-    on = os.environ.get(DQ_CONVERT_ENV) == "count-only" or flag(DQ_CONVERT_ENV, False)
-    if not (on and cfg.dq_tma and not cfg.dq_swap
-            and cfg.head_dim in DQ_CONVERT_DIMS):
-        return False
-    return bool(dq_expected(call, cfg.block_m, cfg.block_n, cfg.seqlen_pad(call.seqlen_q)).all())
-
-
-def dq_expected(call: BwdCall, block_m: int, block_n: int, sq_pad: int) -> np.ndarray:
-    """Per query block of block_m rows (sq_pad / block_m of them), how many key blocks' steps
-    visit it (per query head: KeyBlockSteps of mask.cuh, wave_split.query_blocks' arithmetic):
-    the count FC_DQ_CONVERT's last reduction completes. int32."""
-    wl, wr = (int(w) for w in kernel_windows(call.seqlen_q, call.seqlen_k, call.window_left,
-                                             call.window_right))
-    sq, sk = call.seqlen_q, call.seqlen_k
-    shift = sk - sq
-    counts = np.zeros(sq_pad // block_m + 1, dtype=np.int64)
-    for n0 in range(0, sk, block_n):
-        q_begin = max(0, n0 - shift - wr)
-        q_end = min(sq, min(n0 + block_n, sk) - 1 - shift + wl + 1)
-        if q_end > q_begin:
-            counts[q_begin // block_m] += 1
-            counts[(q_end - 1) // block_m + 1] -= 1
-    return np.cumsum(counts)[:-1].astype(np.int32)
 
 
 def lpt_tail_for(call: BwdCall, table: dict[int, int] | None = None) -> int:
@@ -839,9 +771,8 @@ class _Plan:
     cfg: Sm90BwdConfig
     sq_pad: int
     pre: PreparedLaunch  # out, dout, lse, lse2, delta, dq_accum
-    # map_q, map_k, map_v, map_dout, lse2, delta, dq_accum, dk, dv (+ dq_count, expected, dq)
-    main: PreparedLaunch
-    convert: PreparedLaunch | None  # dq_accum, dq (None: MAIN writes dq, cfg.dq_convert)
+    main: PreparedLaunch  # map_q, map_k, map_v, map_dout, lse2, delta, dq_accum, dk, dv
+    convert: PreparedLaunch  # dq_accum, dq
     # the last-wave split (FC_WAVE_SPLIT): the plan, the pieces kernel's launch (MAIN's pointers,
     # then table, part, part_steps) and its piece table (int32 [pieces, 4] on the device)
     wave: wave_split.WavePlan | None = None
@@ -851,12 +782,10 @@ class _Plan:
     # has CTAs besides (else only the tail grid runs)
     tail: PreparedLaunch | None = None
     tail_main: bool = False
-    # FC_DQ_CONVERT: steps per query block (int32 [Sq_pad / block_m] on the device, dq_expected)
-    expected: torch.Tensor | None = None
 
 
 _KEY_ENV = env_names(ENABLE_ENV, WATCHDOG_ENV, DQ_ENV, FENCE_ENV, DEFINES_ENV,
-                    CONVERT_SPANS_ENV, SWAP_ENV, DQ_CONVERT_ENV,
+                    CONVERT_SPANS_ENV, SWAP_ENV,
                     WAVE_SPLIT_ENV, WAVE_SMS_ENV, WAVE_PDL_ENV, LPT_LAUNCH_ENV)
 
 
@@ -875,9 +804,6 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     tail_pairs = 0 if timeline else lpt_launch_for(call, cfg)
     min_steps = 0 if tail_pairs else wave_split_for(call, cfg)
     wave = wave_plan(call, cfg, wave_sms(call), min_steps) if min_steps else None
-    if wave is not None and cfg.dq_convert:  # (its pieces kernel spills: CONVERT kept)
-        cfg = dataclasses.replace(cfg, dq_convert=False,
-                                  producer_regs=Sm90BwdConfig(cfg.dtype, cfg.head_dim).producer_regs)
     if wave is not None or tail_pairs:
         cfg = dataclasses.replace(cfg, wave_split=1, lpt_tail=0)
     if timeline:  # (with the split: MAIN's and the pieces' records, one buffer)
@@ -887,14 +813,6 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     sq_pad = cfg.seqlen_pad(sq)
     dev = call.device
     pre_args, main_args, convert_args = launch_args(call, sq_pad)
-    cvt = 3 if cfg.dq_convert else 0  # its pointers after dv: dq_count, expected, dq
-    expected = None
-    if cfg.dq_convert:  # (dq's strides before dk's)
-        main_args = (*_strides(call.dq), *main_args)
-        counts = dq_expected(call, cfg.block_m, cfg.block_n, sq_pad)
-        if os.environ.get(DQ_CONVERT_ENV) == "count-only":  # (diagnostic: never converts)
-            counts[:] = -1
-        expected = torch.tensor(counts, dtype=torch.int32, device=dev)
     # any tensor of the call stands for a pointer argument's kind (run() passes the addresses)
     t = call.lse
     main_maps = tuple(bshd_map(x, rows) for x, rows in ((call.q, cfg.block_m),
@@ -907,7 +825,7 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
     if wave is not None:
         pieces = PreparedLaunch(get_kernel(dataclasses.replace(cfg, wave_split=2).spec(), dev),
                                 (len(wave.pieces), 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
-                                main_maps + (t,) * ((9 if cfg.timeline else 8) + cvt) + main_args,
+                                main_maps + (t,) * (9 if cfg.timeline else 8) + main_args,
                                 fixed=len(main_args),
                                 programmatic=wave.main_ctas > 0 and flag(WAVE_PDL_ENV, True))
         table = torch.tensor(wave.pieces, dtype=torch.int32, device=dev)
@@ -918,7 +836,7 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
         blocks = -(-call.seqlen_k // cfg.block_n)
         tail = PreparedLaunch(get_kernel(dataclasses.replace(cfg, wave_split=3).spec(), dev),
                               (tail_pairs, blocks, 1), (cfg.threads, 1, 1), cfg.smem_bytes,
-                              main_maps + (t,) * (5 + cvt) + main_args, fixed=len(main_args),
+                              main_maps + (t,) * 5 + main_args, fixed=len(main_args),
                               programmatic=tail_main)
         main_args += (np.int32(tail_pairs * blocks if tail_main else 0),)
     return _Plan(
@@ -929,13 +847,12 @@ def _build_plan(call: BwdCall, timeline: bool = False) -> _Plan:
                            fixed=len(pre_args)),
         main=PreparedLaunch(get_kernel(cfg.spec(), dev), cfg.grid(call), (cfg.threads, 1, 1),
                             cfg.smem_bytes,
-                            main_maps + (t,) * ((6 if cfg.timeline else 5) + cvt) + main_args,
+                            main_maps + (t,) * (6 if cfg.timeline else 5) + main_args,
                             fixed=len(main_args)),
-        convert=None if cfg.dq_convert else PreparedLaunch(
-            get_kernel(convert_spec(cfg), dev), (-(-sq // convert_rows(cfg)), h, b),
-            (bwd_sm80.AUX_THREADS,), 0, (t,) * 2 + convert_args, fixed=len(convert_args)),
-        wave=wave, pieces=pieces, table=table, tail=tail, tail_main=tail_main,
-        expected=expected)
+        convert=PreparedLaunch(get_kernel(convert_spec(cfg), dev),
+                               (-(-sq // convert_rows(cfg)), h, b), (bwd_sm80.AUX_THREADS,), 0,
+                               (t,) * 2 + convert_args, fixed=len(convert_args)),
+        wave=wave, pieces=pieces, table=table, tail=tail, tail_main=tail_main)
 
 
 def convert_spec(cfg: Sm90BwdConfig) -> KernelSpec:
@@ -979,10 +896,6 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
     if cfg.dq_tma:
         maps += (rows_f32_map(dq_accum, cfg.block_m).raw,)
     pointers = (lse2_at, delta_at, accum_at, call.dk.data_ptr(), call.dv.data_ptr())
-    if cfg.dq_convert:  # (the counts of this thread's calls on this stream: 0 between calls)
-        counts = _dq_counts.get(call.device, (plan.main.kernel.device_index, handle),
-                                call.batch * call.nheads * plan.sq_pad // cfg.block_m)
-        pointers += (counts.data_ptr(), plan.expected.data_ptr(), call.dq.data_ptr())
     records = () if timeline is None else (timeline.data_ptr(),)
     if plan.tail is not None:  # MAIN without the first pairs, then their grid (no timeline)
         if plan.tail_main:
@@ -1000,13 +913,7 @@ def run(call: BwdCall, timeline: torch.Tensor | None = None) -> None:
                     part.data_ptr() + 4 * grads, handle=handle)
     else:
         plan.main(*maps, *pointers, *records, handle=handle)
-    if plan.convert is not None:
-        plan.convert(accum_at, call.dq.data_ptr(), handle=handle)
-
-
-# FC_DQ_CONVERT's per-query-block counts, one buffer per (thread, device, stream), zeroed when
-# made; MAIN leaves every count it uses at 0 (call.StreamBuffers: fresh while capturing)
-_dq_counts = StreamBuffers(torch.int32, zeroed=True)
+    plan.convert(accum_at, call.dq.data_ptr(), handle=handle)
 
 
 def run_timeline(call: BwdCall) -> tuple[Sm90BwdConfig, torch.Tensor]:

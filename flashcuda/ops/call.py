@@ -246,23 +246,22 @@ class StreamBuffers:
     threads sharing a stream could interleave their launches.) While the stream is being captured
     into a CUDA graph, a new one per call from torch's allocator (the graph's pool): the graph's
     replays may run beside eager calls on the same stream, so they must not share one. A new
-    buffer's contents are undefined, or zero with `zeroed`."""
+    buffer's contents are undefined."""
 
-    def __init__(self, dtype: torch.dtype, zeroed: bool = False) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self._new = torch.zeros if zeroed else torch.empty
         self._local = threading.local()
 
     def get(self, device: torch.device, key: tuple, numel: int) -> torch.Tensor:
         """A buffer of at least `numel` elements on `device` for this thread's `key`."""
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return self._new(numel, dtype=self.dtype, device=device)
+            return torch.empty(numel, dtype=self.dtype, device=device)
         kept = getattr(self._local, "kept", None)
         if kept is None:
             kept = self._local.kept = {}
         buf = kept.get(key)
         if buf is None or buf.numel() < numel:
-            buf = kept[key] = self._new(numel, dtype=self.dtype, device=device)
+            buf = kept[key] = torch.empty(numel, dtype=self.dtype, device=device)
         return buf
 
     def kept(self) -> list[torch.Tensor]:

@@ -43,10 +43,8 @@ CAUSAL = (None, 0)
 
 
 @pytest.fixture(autouse=True,
-                params=["default", "wsplit", "wsplit5", "lptl", "tma", "frag", "cvt",
-                        "cvt-lptl"],
-                ids=["default", "wsplit", "wsplit5", "lptl", "dq-tma", "dq-frag", "cvt",
-                     "cvt-lptl"])
+                params=["default", "wsplit", "wsplit5", "lptl", "tma", "frag"],
+                ids=["default", "wsplit", "wsplit5", "lptl", "dq-tma", "dq-frag"])
 def _enable_sm90_bwd(monkeypatch, request):
     """Every test with each dQ staging (FLASHCUDA_SM90_BWD_DQ: tma, frag; at each head dim one
     of them is the default, the other an A/B), and first with none of the switches set: the
@@ -59,26 +57,20 @@ def _enable_sm90_bwd(monkeypatch, request):
     last wave, so the pieces kernel runs them all); "wsplit5": the same planned for 5 SMs
     (FLASHCUDA_SM90_BWD_WAVE_SMS=5: MAIN's CTAs, then the pieces as its dependents); "lptl":
     causal calls' first pairs as their own grid after MAIN (FLASHCUDA_SM90_BWD_LPT_LAUNCH=1;
-    FC_WAVE_SPLIT=3); "cvt", "cvt-lptl": the defaults and the causal tail's grid, writing dq
-    inside MAIN (FLASHCUDA_SM90_BWD_DQ_CONVERT=1; d64, where every query block has a step and
-    the last-wave split does not run)."""
+    FC_WAVE_SPLIT=3)."""
     monkeypatch.setenv(bwd_sm90.ENABLE_ENV, "1")
     switches = {"wsplit": bwd_sm90.WAVE_SPLIT_ENV, "wsplit5": bwd_sm90.WAVE_SPLIT_ENV,
                 "lptl": bwd_sm90.LPT_LAUNCH_ENV}  # (the defaults with one 0 / 1 switch on)
-    param = request.param.removeprefix("cvt-") if request.param != "cvt" else "default"
-    if param == "default" or param in switches:
+    if request.param == "default" or request.param in switches:
         for env in (bwd_sm90.DQ_ENV, bwd_sm90.SWAP_ENV, bwd_sm90.WATCHDOG_ENV,
-                    bwd_sm90.FENCE_ENV, bwd_sm90.WAVE_SMS_ENV, bwd_sm90.DQ_CONVERT_ENV,
-                    *switches.values()):
+                    bwd_sm90.FENCE_ENV, bwd_sm90.WAVE_SMS_ENV, *switches.values()):
             monkeypatch.delenv(env, raising=False)
-        if param in switches:
-            monkeypatch.setenv(switches[param], "1")
-        if param == "wsplit5":
+        if request.param in switches:
+            monkeypatch.setenv(switches[request.param], "1")
+        if request.param == "wsplit5":
             monkeypatch.setenv(bwd_sm90.WAVE_SMS_ENV, "5")
-        if request.param.startswith("cvt"):
-            monkeypatch.setenv(bwd_sm90.DQ_CONVERT_ENV, "1")
     else:  # the dQ staging named (the other switches as the lane left them)
-        monkeypatch.setenv(bwd_sm90.DQ_ENV, param)
+        monkeypatch.setenv(bwd_sm90.DQ_ENV, request.param)
     dispatch._reset()
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
@@ -306,35 +298,6 @@ def test_convert_readers_agree(monkeypatch, dtype):
     dispatch._reset()
     lanes, _, _ = run(bwd_sm90, q, k, v, out, dout, lse, scale, FULL)
     assert torch.equal(spans, lanes)
-
-
-def test_dq_convert_inside_main():
-    """FLASHCUDA_SM90_BWD_DQ_CONVERT=1 (the "cvt" parameters): MAIN writes dq (no CONVERT
-    launch) where every query block has a step, and leaves each block's count at 0, so three
-    calls in a row (GQA, ragged, causal and not) each pass the oracle and the count buffers read
-    all 0 after them. A call with rows that see no key keeps CONVERT (those blocks have no step
-    to write them) and passes too."""
-    if os.environ.get(bwd_sm90.DQ_CONVERT_ENV) != "1":
-        pytest.skip("runs under the cvt fixture parameters")
-    q, k, v, dout = make(2, 700, 900, 4, 2, 64, BF16, seed=31)
-    lse = torch.zeros(2, 4, 700, device="cuda", dtype=torch.float32)
-    for window in (CAUSAL, FULL, CAUSAL):
-        check(q, k, v, dout, window)
-        call = BwdCall(q, k, v, torch.empty_like(q), dout, lse, torch.empty_like(q),
-                       torch.empty_like(k), torch.empty_like(v), 0.1, *window, False)
-        plan = bwd_sm90._plan(call)
-        assert plan.cfg.dq_convert and plan.convert is None
-    torch.cuda.synchronize()
-    kept = bwd_sm90._dq_counts.kept()
-    assert kept and all(int(c.abs().sum()) == 0 for c in kept)
-    q, k, v, dout = make(1, 300, 100, 2, 2, 64, BF16, seed=32)  # rows < 200 see no key
-    (dq, _, _), _ = check(q, k, v, dout, CAUSAL)
-    assert (dq[:, :200] == 0).all()
-    lse = torch.zeros(1, 2, 300, device="cuda", dtype=torch.float32)
-    call = BwdCall(q, k, v, torch.empty_like(q), dout, lse, torch.empty_like(q),
-                   torch.empty_like(k), torch.empty_like(v), 0.1, *CAUSAL, False)
-    plan = bwd_sm90._plan(call)
-    assert not plan.cfg.dq_convert and plan.convert is not None
 
 
 def test_windows_and_fully_masked_rows():

@@ -188,35 +188,9 @@ constexpr int kDqFragBytes = 64 * (kDqSwap ? kBlockM : 64) * 4;
 constexpr int kDqBoxBytes = kBlockM * 128;  // FC_DQ_TMA: one box of 32 fp32 columns
 constexpr int kDqStageBytes = kBlockM * kHeadDim * 4;  // the step's dQ staging
 constexpr int kSmemDqStage = kSmemStats + kStages * 2 * kStatBytes;
-#ifndef FC_DQ_CONVERT
-#define FC_DQ_CONVERT 0  // CONVERT inside MAIN (A/B, FLASHCUDA_SM90_BWD_DQ_CONVERT=1; below)
-#endif
-// FC_DQ_CONVERT (A/B; with FC_DQ_TMA's row-major dq_accum): dq = dq_accum * softmax_scale is
-// written by MAIN itself, so the backward has no CONVERT launch, and dq_accum is read back from
-// L2 right after its last reduction instead of from HBM by a kernel of its own (bwd_sm80's
-// CONVERT reads 2 B H Sq D * 4 bytes and writes half that: ~50 us at the standard sweep's
-// points, 10-12% of a d64 512 / 1k backward). Per query block (batch, head, m), dq_count holds
-// how many of its steps have completed their reduction; dq_expected[m] (the host's table, Steps
-// mirrored) how many it has in all. The dQ writer, once a step's reduction is complete (one step
-// later, or at its end), counts it (acq_rel at gpu scope, after a proxy fence: the reduction's
-// writes are the async proxy's); if its count completes the block, the writer warp converts the
-// block itself: its dq_accum rows come into a 16 KB landing tile (cp.async.bulk, kCvtRows rows at
-// a time), the rows below seqlen_q are scaled, rounded and stored to dq, and the count is set
-// back to 0 for the next call (the host zeroes a new count buffer once; every call completes
-// each block it counts). Cost: with the conversion in the kernel ptxas 13 keeps the consumers'
-// wgmma descriptors in vector registers (76 R2UR more per step at d64), and so it did with the
-// producer warpgroup's idle warps 2 and 3 converting behind a queue instead, with the
-// conversion unrolled, and with its tile address made opaque; a call made ptxas spill. Blocks
-// no step visits (a window hiding every key from some rows) would not be
-// written: the host keeps CONVERT for such calls.
-constexpr bool kDqConvert = FC_DQ_CONVERT;
-constexpr int kCvtBytes = kDqConvert ? 16384 : 0;  // the landing tile
-constexpr int kCvtRows = 16384 / (kHeadDim * 4);   // dq_accum rows per landing
-constexpr int kSmemCvt = kSmemDqStage + kDqStageBytes;
-constexpr int kSmemBar = kSmemCvt + kCvtBytes;
-// kv_full, full[], empty[], dq_full, dq_empty (one pair per consumer with FC_DQ_FRAG); with
-// FC_DQ_CONVERT cvt_load (the landing tile)
-constexpr int kBarriers = 1 + 2 * kStages + 2 * kDqHandshakes + (kDqConvert ? 1 : 0);
+constexpr int kSmemBar = kSmemDqStage + kDqStageBytes;
+// kv_full, full[], empty[], dq_full, dq_empty (one pair per consumer with FC_DQ_FRAG)
+constexpr int kBarriers = 1 + 2 * kStages + 2 * kDqHandshakes;
 constexpr int kSmemBytes = 1024 + kSmemBar + 8 * kBarriers;  // + slack to align the base
 
 static_assert(FC_DTYPE == 1 || FC_DTYPE == 2, "sm90 kernel: fp16 or bf16");
@@ -230,8 +204,6 @@ static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= register
               "register split over the CTA's pool at launch (register_pool, sm90.cuh)");
 static_assert(kSmemBytes == FC_SMEM_BYTES, "smem layout disagrees with Sm90BwdConfig.smem_bytes");
 static_assert(kSmemDqStage % 16 == 0, "bulk reduction sources are 16-byte aligned");
-static_assert(!kDqConvert || (FC_DQ_TMA && kBlockM % kCvtRows == 0 && kSmemCvt % 128 == 0),
-              "FC_DQ_CONVERT: FC_DQ_TMA's row-major dq_accum, whole landings per query block");
 
 struct Smem {
   uint32_t base;  // 1024-byte aligned
@@ -269,14 +241,6 @@ struct Smem {
   __device__ __forceinline__ uint32_t dq_frag(int c) const {
     return base + kSmemDqStage + c * kDqFragBytes;
   }
-  // FC_DQ_CONVERT: the landing tile and its barrier
-  __device__ __forceinline__ uint32_t cvt_tile() const { return base + kSmemCvt; }
-  __device__ __forceinline__ const float* cvt_tile_ptr() const {
-    return reinterpret_cast<const float*>(ptr + kSmemCvt);
-  }
-  __device__ __forceinline__ uint32_t cvt_load() const {
-    return bar(1 + 2 * kStages + 2 * kDqHandshakes);
-  }
 
   __device__ __forceinline__ void init_barriers() const {
     mbar_init(kv_full(), 1);
@@ -290,7 +254,6 @@ struct Smem {
       mbar_init(dq_full(c), FC_DQ_FRAG ? 4 : kConsumerWarps);  // one arrival per (its) warp
       mbar_init(dq_empty(c), 1);
     }
-    if constexpr (kDqConvert) mbar_init(cvt_load(), 1);
     fence_barrier_init();
   }
 };
@@ -564,64 +527,6 @@ __device__ __forceinline__ void release(uint32_t bar) {
   if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
 }
 
-// ---- FC_DQ_CONVERT: the dQ writer counts and converts -------------------------------------------
-// Count step (h, m0)'s completed reduction into its query block's dq_count (lane 0 of the
-// writer, after bulk_wait_group says its bulk group is complete). The proxy fence orders the
-// reduction's async-proxy writes before the release. Returns the block's entry (batch H + head)
-// tiles_m + m if this count completes it, else -1.
-__device__ __forceinline__ int count_dq(int* dq_count, const int* dq_expected, int batch, int h,
-                                        int m0, int nheads, int tiles_m) {
-  const int m = m0 / kBlockM, entry = (batch * nheads + h) * tiles_m + m;
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n"
-               : "=r"(old) : "l"(dq_count + entry) : "memory");
-  return old + 1 == dq_expected[m] ? entry : -1;
-}
-
-// The writer warp: query block `entry`'s dq_accum rows through the landing tile kCvtRows at a
-// time; dq = dq_accum * softmax_scale for the rows below seqlen_q (a row's 16-byte units over
-// consecutive lanes); the block's count back to 0.
-__device__ __forceinline__ void convert_dq(const Smem& sm, int entry, const float* dq_accum,
-                                           int* dq_count, T* dq, int64_t dq_sb, int64_t dq_ss,
-                                           int64_t dq_sh, int nheads, int seqlen_q,
-                                           int seqlen_q_pad, float softmax_scale, int lane,
-                                           uint32_t& parity, bool& stuck) {
-  constexpr int kUnits = kHeadDim / 8;  // 16-byte units of a dq row (8 fp32 of dq_accum each)
-  const int tiles_m = seqlen_q_pad / kBlockM;
-  const int bh = entry / tiles_m, m0 = (entry % tiles_m) * kBlockM;
-  const int rows = min(kBlockM, seqlen_q - m0);
-  const float* src = dq_accum + (static_cast<int64_t>(bh) * seqlen_q_pad + m0) * kHeadDim;
-  T* dst = dq + (bh / nheads) * dq_sb + (bh % nheads) * dq_sh + m0 * dq_ss;
-  for (int r0 = 0; r0 < rows; r0 += kCvtRows) {
-    if (lane == 0) {
-      // the acquire (the block's last count) before this async-proxy read
-      asm volatile("fence.proxy.async.global;\n" ::: "memory");
-      mbar_arrive_expect_tx(sm.cvt_load(), kCvtBytes);
-      bulk_load(sm.cvt_tile(), src + r0 * kHeadDim, kCvtBytes, sm.cvt_load());
-    }
-    wait(sm.cvt_load(), parity, stuck);
-    parity ^= 1;
-#pragma unroll 1
-    for (int i = 0; i < kCvtRows * kUnits / 32; ++i) {
-      const int u = lane + 32 * i;
-      const int r = r0 + u / kUnits;
-      if (r < rows) {
-        const float4 a = reinterpret_cast<const float4*>(sm.cvt_tile_ptr())[2 * u];
-        const float4 b = reinterpret_cast<const float4*>(sm.cvt_tile_ptr())[2 * u + 1];
-        const uint4 w = {pack2<T>(a.x * softmax_scale, a.y * softmax_scale),
-                         pack2<T>(a.z * softmax_scale, a.w * softmax_scale),
-                         pack2<T>(b.x * softmax_scale, b.y * softmax_scale),
-                         pack2<T>(b.z * softmax_scale, b.w * softmax_scale)};
-        *reinterpret_cast<uint4*>(dst + r * dq_ss + 8 * (u % kUnits)) = w;
-      }
-    }
-    fence_proxy_async();  // these reads of the tile before the next landing's bulk write
-    __syncwarp();
-  }
-  if (lane == 0) dq_count[entry] = 0;  // (every count of the block is in: none follows)
-}
-
 // ---- dQ writer: warp 1 of the producer warpgroup -----------------------------------------------
 // Per step: wait until the consumers have stored the step's dQ tile (dq_full), reduce it into
 // dq_accum (FC_DQ_TMA: one tensor-map reduce-add per 32-column box; FC_DQ_FRAG: one bulk
@@ -632,9 +537,7 @@ __device__ __forceinline__ void convert_dq(const Smem& sm, int entry, const floa
 __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int step0, int count,
                                          int head_kv, int batch, float* dq_accum,
                                          const TmaMap* map_dq, int nheads, int seqlen_q_pad,
-                                         int lane, int* dq_count, const int* dq_expected,
-                                         T* dq, int64_t dq_sb, int64_t dq_ss, int64_t dq_sh,
-                                         int seqlen_q, float softmax_scale) {
+                                         int lane) {
   bool stuck = false;  // the watchdog's verdict (FC_WATCHDOG)
   if constexpr (FC_DQ_FRAG) {
     // Per step and consumer c, as soon as c has staged: one 16 KB (FC_DQ_SWAP: 20 KB) reduce-add
@@ -660,8 +563,6 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
     }
     if (lane == 0) bulk_wait_group<0>();
   } else {
-    int prev_h = 0, prev_m0 = 0;  // (FC_DQ_CONVERT: the previous step's)
-    uint32_t cvt_parity = 0;
     for (int it = 0; it < own_steps(steps, count); ++it) {
       const int h = steps.head(step0 + it, head_kv), m0 = steps.m0(step0 + it);
       wait(sm.dq_full(), it & 1, stuck);
@@ -677,36 +578,8 @@ __device__ __forceinline__ void write_dq(const Smem& sm, const Steps& steps, int
       bulk_wait_group_read<0>();
       __syncwarp();
       if (lane == 0) mbar_arrive(sm.dq_empty());
-      if constexpr (kDqConvert) {  // the previous step's reduction (a step ago) is complete
-        if (it > 0) {
-          int entry = -1;
-          if (lane == 0) {
-            bulk_wait_group<1>();
-            entry = count_dq(dq_count, dq_expected, batch, prev_h, prev_m0, nheads,
-                             seqlen_q_pad / kBlockM);
-          }
-          entry = __shfl_sync(0xffffffffu, entry, 0);
-          if (entry >= 0)
-            convert_dq(sm, entry, dq_accum, dq_count, dq, dq_sb, dq_ss, dq_sh, nheads, seqlen_q,
-                       seqlen_q_pad, softmax_scale, lane, cvt_parity, stuck);
-        }
-        prev_h = h;
-        prev_m0 = m0;
-      }
     }
     bulk_wait_group<0>();
-    if constexpr (kDqConvert) {
-      if (own_steps(steps, count) > 0) {
-        int entry = -1;
-        if (lane == 0)
-          entry = count_dq(dq_count, dq_expected, batch, prev_h, prev_m0, nheads,
-                           seqlen_q_pad / kBlockM);
-        entry = __shfl_sync(0xffffffffu, entry, 0);
-        if (entry >= 0)
-          convert_dq(sm, entry, dq_accum, dq_count, dq, dq_sb, dq_ss, dq_sh, nheads, seqlen_q,
-                     seqlen_q_pad, softmax_scale, lane, cvt_parity, stuck);
-      }
-    }
   }
 }
 
@@ -989,11 +862,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                float* __restrict__ dq_accum,           // [B, H, Sq_pad, D] (PRE zeroed it)
                T* __restrict__ dk,                     // [B, Sk, Hkv, D]
                T* __restrict__ dv,                     // [B, Sk, Hkv, D]
-#if FC_DQ_CONVERT
-               int* __restrict__ dq_count,           // [B, H, Sq_pad / kBlockM]: 0, left 0
-               const int* __restrict__ dq_expected,  // [Sq_pad / kBlockM]: steps per block
-               T* __restrict__ dq,                   // [B, Sq, H, D]
-#endif
 #if FC_TIMELINE
                uint64_t* __restrict__ timeline,  // [gridDim.z][.y][.x][kTimelineWords]
 #endif
@@ -1001,9 +869,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
                const int4* __restrict__ pieces,  // [gridDim.x]: item, step0, step_end, slot
                float* __restrict__ part,         // [slots][2][kConsumers][kHeadDim / 2][128]
                int* __restrict__ part_steps,     // [slots] (zeroed): steps summed so far
-#endif
-#if FC_DQ_CONVERT
-               int64_t dq_sb, int64_t dq_ss, int64_t dq_sh,
 #endif
                int64_t dk_sb, int64_t dk_ss, int64_t dk_sh, int64_t dv_sb, int64_t dv_ss,
                int64_t dv_sh, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
@@ -1081,13 +946,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #else
                nullptr,
 #endif
-               nheads, seqlen_q_pad, static_cast<int>(threadIdx.x & 31),
-#if FC_DQ_CONVERT
-               dq_count, dq_expected, dq, dq_sb, dq_ss, dq_sh,
-#else
-               nullptr, nullptr, nullptr, 0, 0, 0,
-#endif
-               seqlen_q, softmax_scale);
+               nheads, seqlen_q_pad, static_cast<int>(threadIdx.x & 31));
 #if FC_TIMELINE
       if (threadIdx.x == 32) timeline_mark(timeline, kTlDqEnd);
 #endif
