@@ -168,8 +168,8 @@ def main() -> None:
         for per_sm in (1, 2):  # the split aiming at fewer CTAs per SM than it holds
             setting(ctas_per_sm=per_sm)
             arm(f"defaults, the split counting {per_sm} CTA(s) per SM")
-        setting(ctas_per_sm=1, mma_stages=3)  # ... with a shallower pipe, if 1 per SM is the rule
-        arm("defaults, 1 CTA per SM, mma stages 3")
+        setting(ctas_per_sm=0, mma_stages=5)  # session 47's defaults (every CTA an SM holds)
+        arm("defaults, every CTA per SM, mma stages 5")
         setting(combine_quads=1 - saved["COMBINE_QUADS"])  # the other combine (quads / columns)
         arm(f"defaults, the combine {'per column' if saved['COMBINE_QUADS'] else 'by quads'}")
         setting()

@@ -12,7 +12,8 @@ q (B, Sq, H, D), Sq <= MAX_QUERY_ROWS; k, v (B_cache, Sk, Hkv, D) or, with a blo
 positions (causal: row i ends Sq - 1 - i positions early); each is an entry of its own. A KV
 head's query group runs in one CTA's rows (the keys read once per group), and the positions of
 each (entry, KV head) are cut into `splits` pieces, as many CTAs as the GPU holds at once (the
-driver's occupancy of the kernel x SMs: one full wave however small the batch); with splits > 1
+driver's occupancy of the kernel, at most CTAS_PER_SM, x SMs: one full wave however small the
+batch); with splits > 1
 each piece writes its normalised out and lse in fp32 and the combine rounds once. So the result
 has one rounding (out to q's dtype) like a single kernel call. Head dims up to 128 take the
 scores and P V on tensor cores (MMA, the .cu's FC_MMA) through an MMA_STAGES-deep cp.async
@@ -21,7 +22,8 @@ registers (straight loads, or a cp.async pipeline in shared memory: the .cu's FC
 COMBINE: the combine kernel as the split's programmatic dependent on sm_90 (1), or launched
 after it (0, and wherever griddepcontrol does not exist). COMBINE_QUADS: the combine's threads
 as column quads x groups of pieces, 16-byte loads (1), or one thread per column (0).
-CTAS_PER_SM (A/B): the split counts at most this many CTAs per SM (0: all the SM holds).
+CTAS_PER_SM: the split counts at most this many CTAs per SM (1, the default; 0: all the SM
+holds).
 """
 
 from __future__ import annotations
@@ -57,10 +59,12 @@ MAX_SPLITS = 128  # at most the .cu's kMaxSplits (the combine: one piece per thr
 MIN_SPLIT_KEYS = 256  # no piece shorter than this (the combine and the CTA's start cost)
 # the split aims at this many full waves of the CTAs the GPU holds at once
 WAVES = choice(WAVES_ENV, 1, (1, 2, 3, 4))
-# ... counting at most this many CTAs per SM (0: as many as the SM holds; A/B, session 47: fewer,
-# longer pieces; +2 to +4% at d64 on an H100, not yet run on the H200; docs/perf-notes.md)
+# ... counting at most this many CTAs per SM (0: as many as the SM holds): 1, with MMA_STAGES 3,
+# since session 49 — fewer, longer pieces. The H200's tune (graph replays, docs/perf-notes.md):
+# d64 8 / 1 heads 8 x 16k 22.1 -> 21.0 us, 32 / 8 heads 8 x 16k 82.9 -> 80.3, d128 8 x 16k
+# 139.1 -> 137.5, 1 x 4k 17.0 -> 15.9; the other five shapes within their arms' noise
 CTAS_PER_SM_ENV = "FLASHCUDA_DECODE_CTAS_PER_SM"
-CTAS_PER_SM = choice(CTAS_PER_SM_ENV, 0, (0, 1, 2, 3, 4))
+CTAS_PER_SM = choice(CTAS_PER_SM_ENV, 1, (0, 1, 2, 3, 4))
 # the combine as the split kernel's programmatic dependent (1; sm_90, elsewhere 0), or launched
 # after it (0): 1-2 us less at batch 1 on an H100 (session 45; docs/perf-notes.md)
 COMBINE = choice(COMBINE_ENV, 1, (0, 1))
@@ -77,10 +81,11 @@ COMBINE_QUADS = choice(COMBINE_QUADS_ENV, 1, (0, 1))
 # 1 x 64k 79.4 us (cuDNN 78.8), 8 x 16k 136.5 (136.4); at d64 (8 / 1 heads) 5 stages (2 CTAs
 # per SM) 10% ahead of 4 at 8 x 16k. Session 47 (the GPU tests and memcheck at 5, the H200's
 # tune): 5 against 4 at d128 within 0.1%, at d64 8 / 1 heads 8 x 16k 24.1 against 26.1 us, 32 / 8
-# heads 1 x 64k 52.6 against 55.3; so 5
+# heads 1 x 64k 52.6 against 55.3; so 5. Session 49: 3 with CTAS_PER_SM 1 (above): the split's
+# pieces then fill one CTA per SM, and the shallower pipe lets more of them be resident
 MMA_ENV, MMA_STAGES_ENV = "FLASHCUDA_DECODE_MMA", "FLASHCUDA_DECODE_MMA_STAGES"
 MMA = choice(MMA_ENV, 1, (0, 1))
-MMA_STAGES = choice(MMA_STAGES_ENV, 5, (2, 3, 4, 5, 6))
+MMA_STAGES = choice(MMA_STAGES_ENV, 3, (2, 3, 4, 5, 6))
 MMA_KEYS = 16  # keys per warp per step with the tensor cores
 MAX_GRID_YZ = 65535
 MAX_QUERY_ROWS = 16  # query rows per sequence (each an entry of its own: keys read once per row)

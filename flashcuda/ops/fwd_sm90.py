@@ -339,10 +339,11 @@ OFF_SWITCHES = {Q_STAGES_ENV: "1", O_TMA_ENV: "0"}
 
 DEFINES_ENV = "FLASHCUDA_SM90_FWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob)
 # knobs taken out of the kernels in session 39 (their headers list them; perf-notes has the
-# numbers): DEFINES_ENV refuses them
+# numbers), and FC_LEAN_STEP in session 49 (+1.6 / +0.5% at d64, inside p10-p90, and -0.9% at
+# d128 on the H200): DEFINES_ENV refuses them
 REMOVED_DEFINES = REMOVED_SM90_DEFINES + (
     "FC_CROSS_TILE", "FC_DESC_EARLY", "FC_FIRST_HALF", "FC_SMEM_PAD", "FC_FAST_DIV",
-    "FC_DECODE_AHEAD", "FC_MV_SCANNER", "FC_MV_SCAN_UNROLL", "FC_L2_SECTIONS")
+    "FC_DECODE_AHEAD", "FC_MV_SCANNER", "FC_MV_SCAN_UNROLL", "FC_L2_SECTIONS", "FC_LEAN_STEP")
 # Head dims whose kernel writes the softmax into both arms of the mask branch (FC_SOFTMAX_IN_ARMS,
 # the .cu): ptxas then keeps the P V wait after the exp2s, and the softmax overlaps the P V within
 # the warpgroup. Same-run A/B (session 9, docs/perf-notes.md): d128 +3-8% (16k: 567 -> 610

@@ -249,6 +249,13 @@ class _FakeKernel:
         return 4
 
 
+def fake_slots() -> int:
+    """The split's slots on the `launches` fixture's GPU: 4 CTAs per SM held, at most
+    CTAS_PER_SM of them counted (fwd_decode.slots), 132 SMs, one wave."""
+    per_sm = min(4, fwd_decode.CTAS_PER_SM) if fwd_decode.CTAS_PER_SM else 4
+    return per_sm * 132 * fwd_decode.WAVES
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """attention() on CPU tensors with fake kernels (4 CTAs per SM, 132 SMs): each launch's
@@ -294,7 +301,7 @@ def test_launch_packs_the_kernels_parameter_lists(launches, keys, seqused):
         out, lse = fwd_decode.attention(q, k, v, 0.3, used)
         assert out.shape == q.shape and lse.shape == (2, 12, 1)
         cfg = fwd_decode.config_for(q.dtype, 64, 6)
-        splits, chunk = fwd_decode.plan_splits(2, 2, 1, keys, 4 * 132, cfg.step)
+        splits, chunk = fwd_decode.plan_splits(2, 2, 1, keys, fake_slots(), cfg.step)
         i64, i32 = np.int64, np.int32
         layout = (*(i64(q.stride(d)) for d in range(3)), *(i64(t.stride(d)) for t in (k, v)
                                                               for d in range(3)),
@@ -339,7 +346,7 @@ def test_paged_launch_packs_the_table_and_the_spans(launches):
     fwd_decode.attention(q, k, v, 0.5, used, start, None, table)
     cfg = fwd_decode.config_for(q.dtype, 128, 4, paged=True)
     assert cfg.name.endswith("_pg") and dict(cfg.spec().defines)["FC_PAGED"] == "1"
-    splits, chunk = fwd_decode.plan_splits(3, 2, 1, 192, 4 * 132, cfg.step)
+    splits, chunk = fwd_decode.plan_splits(3, 2, 1, 192, fake_slots(), cfg.step)
     name, grid, params = launched[0]
     assert name == cfg.name and grid == (splits, 2, 3)
     parts = [int.from_bytes(params[40:48], "little"), int.from_bytes(params[48:56], "little")]
@@ -377,14 +384,14 @@ def test_decode_knobs_from_the_environment(monkeypatch):
 
     env = {**os.environ, "FLASHCUDA_DECODE_STAGES": "4", "FLASHCUDA_DECODE_UNROLL": "2",
            "FLASHCUDA_DECODE_WAVES": "2", "FLASHCUDA_DECODE_COMBINE": "0",
-           "FLASHCUDA_DECODE_MMA": "0", "FLASHCUDA_DECODE_MMA_STAGES": "3",
-           "FLASHCUDA_DECODE_COMBINE_QUADS": "0", "FLASHCUDA_DECODE_CTAS_PER_SM": "1"}
+           "FLASHCUDA_DECODE_MMA": "0", "FLASHCUDA_DECODE_MMA_STAGES": "4",
+           "FLASHCUDA_DECODE_COMBINE_QUADS": "0", "FLASHCUDA_DECODE_CTAS_PER_SM": "2"}
     got = subprocess.run([sys.executable, "-c", "from flashcuda.ops import fwd_decode as f; "
                           "print(f.STAGES, f.UNROLL, f.WAVES, f.COMBINE, f.MMA, f.MMA_STAGES, "
                           "f.COMBINE_QUADS, f.CTAS_PER_SM)"],
                          env=env, capture_output=True, text=True, check=True,
                          timeout=120).stdout.split()
-    assert got == ["4", "2", "2", "0", "0", "3", "0", "1"]
+    assert got == ["4", "2", "2", "0", "0", "4", "0", "2"]
     from flashcuda.bench.command import KERNEL_ENV
 
     assert {"FLASHCUDA_DECODE_STAGES", "FLASHCUDA_DECODE_UNROLL", "FLASHCUDA_DECODE_WAVES",
@@ -423,7 +430,7 @@ def test_several_query_rows_are_entries_of_their_own(launches):
     assert out.shape == q.shape and out.is_contiguous()
     assert lse.shape == (2, 8, 3) and lse.is_contiguous()
     cfg = fwd_decode.config_for(q.dtype, 64, 4)
-    splits, chunk = fwd_decode.plan_splits(6, 2, 1, 5000, 4 * 132, cfg.step)
+    splits, chunk = fwd_decode.plan_splits(6, 2, 1, 5000, fake_slots(), cfg.step)
     assert splits > 1 and len(launches) == 2
     name, grid, params = launches[0]
     assert grid == (splits, 2, 6)
@@ -446,7 +453,7 @@ def test_several_query_rows_are_entries_of_their_own(launches):
     one = q[:, :1]
     fwd_decode.attention(one, k, v, 0.2, None, None, None, None, True)
     params = launches[0][2]
-    splits, chunk = fwd_decode.plan_splits(2, 2, 1, 5000, 4 * 132, cfg.step)
+    splits, chunk = fwd_decode.plan_splits(2, 2, 1, 5000, fake_slots(), cfg.step)
     at = [int.from_bytes(params[o:o + 8], "little") for o in (24, 32, 40, 48)]
     layout = (*layout[:13], i32(2), i32(1), i32(0), *layout[16:20], i32(splits), i32(chunk),
               layout[-1])

@@ -161,9 +161,10 @@ def test_combine_by_quads(head_dim, heads, quads, monkeypatch):
 
 @pytest.mark.parametrize("per_sm", [1, 2])
 def test_split_counting_ctas_per_sm(per_sm, monkeypatch):
-    """FLASHCUDA_DECODE_CTAS_PER_SM (A/B): the split sized for at most per_sm CTAs per SM cuts
-    no more pieces than the defaults (at one CTA per SM fewer, where more fit), and
-    the result stays within the oracle's rule over entries of 20000 and 777 keys."""
+    """FLASHCUDA_DECODE_CTAS_PER_SM (1, the default since session 49): the split sized for at
+    most per_sm CTAs per SM cuts no more pieces than one counting every CTA an SM holds (0; at
+    one CTA per SM fewer, where more fit), and the result stays within the oracle's rule over
+    entries of 20000 and 777 keys."""
     monkeypatch.setattr(fwd_decode, "MIN_SPLIT_KEYS", 64)  # (the slots decide, not the keys)
     fwd_decode._plans.clear()  # (MIN_SPLIT_KEYS is not in the plans' key)
     g = torch.Generator(device=DEVICE).manual_seed(41 + per_sm)
@@ -171,6 +172,7 @@ def test_split_counting_ctas_per_sm(per_sm, monkeypatch):
     q = rand(g, 2, 1, 8, 64, dtype=torch.bfloat16)
     k, v = (rand(g, 2, 20000, 1, 64, dtype=q.dtype) for _ in range(2))
     used = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setattr(fwd_decode, "CTAS_PER_SM", 0)
     every = splits_of(q, k)
     monkeypatch.setattr(fwd_decode, "CTAS_PER_SM", per_sm)
     got = splits_of(q, k)

@@ -24,7 +24,10 @@
 //                 baselines of the defaults: the schedule's divisions (FC_FAST_DIV=0), the decode
 //                 at the work tile's start (FC_DECODE_AHEAD=0), the consumers' own scans of
 //                 masked V and their unroll (FC_MV_SCANNER=0, FC_MV_SCAN_UNROLL) and plain
-//                 by_block order (FC_L2_SECTIONS=0)
+//                 by_block order (FC_L2_SECTIONS=0); in session 49, the step's bookkeeping
+//                 rewritten (FC_LEAN_STEP: unsigned ring arithmetic, the P V descriptors by one
+//                 64-bit add; 436 -> 425 instructions per key tile at d64, +1.6 / +0.5% inside
+//                 the spread on the H200, -0.9% at d128)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // Persistent: one CTA per SM (grid = min(work tiles, SMs)) walks work tiles of (query block of
@@ -140,16 +143,6 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #define FC_ROLE_ONLY 0
 #endif
 static_assert(!FC_ROLE_ONLY || FC_FUSED_PART, "one role's code: a part of the fused kernel");
-#ifndef FC_LEAN_STEP
-// 1 (A/B, session 48): fewer bookkeeping instructions per key tile. ncu (session 48) counted
-// 436 per consumer warp and key tile at d64 against FA4's 413, both issuing at ~51% of slots;
-// `scripts/sass_loop.py` counts 425 with this (d128: 482 -> 473). Two exact rewrites:
-// the ring's stage / parity arithmetic unsigned (every ring index is >= 0; a signed division
-// by kStages costs sign fix-ups), and the P V descriptors advanced by one 64-bit add
-// (sm90.cuh's desc_advance64, there only: on the scores' descriptors ptxas then builds the
-// base in more instructions than it saves).
-#define FC_LEAN_STEP 0
-#endif
 static_assert(!FC_NAN_FLAGS || !FC_MASKED_V, "the first pass is a kernel without masked V");
 static_assert(!FC_NAN_FIXUP || FC_MASKED_V, "the second pass is the masked-V kernel");
 constexpr int kNanFlagBytes = 16;  // per CTA in nan_flags: one per consumer warp, the rest unused
@@ -465,15 +458,8 @@ __device__ __forceinline__ Block decode_pinned(const Schedule& sched, int w, con
 
 // Ring index r (K/V tiles counted over all of a CTA's work tiles) lives in stage r % kStages;
 // its barriers' phase parity is (r / kStages) & 1.
-#if FC_LEAN_STEP
-__device__ __forceinline__ int stage_of(int r) { return static_cast<uint32_t>(r) % kStages; }
-__device__ __forceinline__ uint32_t parity_of(int r) {
-  return (static_cast<uint32_t>(r) / kStages) & 1;
-}
-#else
 __device__ __forceinline__ int stage_of(int r) { return r % kStages; }
 __device__ __forceinline__ uint32_t parity_of(int r) { return (r / kStages) & 1; }
-#endif
 
 // ---- producer: one thread issues every TMA load -------------------------------------------------
 __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, const Mask& mask,
@@ -624,11 +610,7 @@ struct Consumer {
     const uint64_t b0 = smem_desc_mn_major_sw128(v_tile, kKVChunkBytes);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-#if FC_LEAN_STEP
-      const uint64_t b = desc_advance64(b0, kk * 16 * 128);
-#else
       const uint64_t b = mn_major_at(b0, v_tile, kk * 16 * 128, kKVChunkBytes);
-#endif
       wgmma_rs_tb<kHeadDim, T>(o, p[kk], b, 1);
     }
     wgmma_commit();
