@@ -14,9 +14,9 @@ head's query group runs in one CTA's rows (the keys read once per group), and th
 each (entry, KV head) are cut into `splits` pieces, as many CTAs as the GPU holds at once (the
 driver's occupancy of the kernel, at most CTAS_PER_SM, x SMs: one full wave however small the
 batch); with splits > 1 each piece writes its normalised out and lse in fp32 and the combine
-rounds once. So the result has one rounding (out to q's dtype) like a single kernel call. Head dims up to 128 take the
-scores and P V on tensor cores (MMA, the .cu's FC_MMA) through an MMA_STAGES-deep cp.async
-pipeline; the 256 bucket (and MMA=0) the CUDA-core lanes, STAGES picking how K / V reach their
+rounds once. So the result has one rounding (out to q's dtype) like a single kernel call. Head
+dims up to 128 take the scores and P V on tensor cores (MMA, the .cu's FC_MMA) through an
+MMA_STAGES-deep cp.async pipeline; the 256 bucket (and MMA=0) the CUDA-core lanes, STAGES picking how K / V reach their
 registers (straight loads, or a cp.async pipeline in shared memory: the .cu's FC_STAGES).
 COMBINE: the combine kernel as the split's programmatic dependent on sm_90 (1), or launched
 after it (0, and wherever griddepcontrol does not exist). COMBINE_QUADS: the combine's threads
