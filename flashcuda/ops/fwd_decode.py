@@ -16,8 +16,9 @@ driver's occupancy of the kernel, at most CTAS_PER_SM, x SMs: one full wave howe
 batch); with splits > 1 each piece writes its normalised out and lse in fp32 and the combine
 rounds once. So the result has one rounding (out to q's dtype) like a single kernel call. Head
 dims up to 128 take the scores and P V on tensor cores (MMA, the .cu's FC_MMA) through an
-MMA_STAGES-deep cp.async pipeline; the 256 bucket (and MMA=0) the CUDA-core lanes, STAGES picking how K / V reach their
-registers (straight loads, or a cp.async pipeline in shared memory: the .cu's FC_STAGES).
+MMA_STAGES-deep cp.async pipeline; the 256 bucket (and MMA=0) the CUDA-core lanes, STAGES
+picking how K / V reach their registers (straight loads, or a cp.async pipeline in shared
+memory: the .cu's FC_STAGES).
 COMBINE: the combine kernel as the split's programmatic dependent on sm_90 (1), or launched
 after it (0, and wherever griddepcontrol does not exist). COMBINE_QUADS: the combine's threads
 as column quads x groups of pieces, 16-byte loads (1), or one thread per column (0).
