@@ -385,13 +385,10 @@ static_assert(FC_DESC_ADVANCE == 1 || FC_DESC_ADVANCE == 2, "FC_DESC_ADVANCE: 1 
 // fields stay below 2^30, so the add never carries into the high word), but ptxas then keeps
 // each descriptor as a 64-bit uniform pair instead of rewriting the constant high words
 // (0x40000040) with two UMOVs before every wgmma (the backward's ncu: 2.8 UMOVs per HGMMA,
-// FlashAttention 4's 0.67 with 64-bit adds). desc_advance64 is that form whatever the knob.
-__device__ __forceinline__ uint64_t desc_advance64(uint64_t desc, uint32_t bytes) {
-  return desc + (bytes >> 4);
-}
+// FlashAttention 4's 0.67 with 64-bit adds).
 __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
 #if FC_DESC_ADVANCE == 2
-  return desc_advance64(desc, bytes);
+  return desc + (bytes >> 4);
 #else
   const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
   return (desc & 0xffffffff00000000ull) | lo;
