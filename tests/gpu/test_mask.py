@@ -84,3 +84,55 @@ def test_fragment_bits_mark_the_lane_columns_inside_the_bounds(seed):
             want = sum(1 << (2 * j + c) for j in range(pairs) for c in range(2)
                        if lo <= 8 * j + c < hi)
             assert value == want, f"fragment_bits<{pairs}>({lo}, {hi}) = {value:#x}, want {want:#x}"
+
+
+def verdict_cases(seed: int, count: int) -> list[tuple[int, ...]]:
+    """Cases for block_verdicts (mask_check.VERDICT_FIELDS): the window kinds of _cases, query
+    blocks and warp key ranges around the diagonal (where the verdicts change block by block),
+    past seqlen_k and far from the band, 8 or 16 blocks."""
+    rng = random.Random(seed)
+    out = []
+    for sq, sk, wl, wr, row0, _ in _cases(seed, count):
+        q0 = row0
+        diag = q0 + sk - sq  # the key on the diagonal of row q0
+        k0 = rng.choice((diag + rng.randint(-160, 160), 16 * rng.randint(0, sk // 16 + 2),
+                         rng.randint(-200, sk + 200) if rng.random() < 0.2 else diag))
+        k0 = max(k0, 0)
+        out.append((sq, sk, wl, wr, q0, k0, rng.choice((8, 16))))
+    return out
+
+
+def verdicts_expected(case: tuple[int, ...]) -> tuple[int, int]:
+    """(hidden, whole) bits by testing every (query, key) pair of every block, as mask.cuh's
+    `visible` does: key < seqlen_k and -window_left <= key - query - shift <= window_right."""
+    sq, sk, wl, wr, q0, k0, nj = case
+    hidden = whole = 0
+    for j in range(nj):
+        seen = [k < sk and -wl <= k - q - (sk - sq) <= wr
+                for q in range(q0 + 8 * j, q0 + 8 * j + 8) for k in range(k0, k0 + 16)]
+        hidden |= (not any(seen)) << j
+        whole |= all(seen) << j
+    return hidden, whole
+
+
+def check_verdicts(cases: list[tuple[int, ...]], got: torch.Tensor) -> None:
+    kinds = {"hidden": 0, "whole": 0, "mixed": 0}
+    for case, row in zip(cases, got.tolist(), strict=True):
+        want = verdicts_expected(case)
+        assert tuple(row) == want, (
+            f"block_verdicts{dict(zip(mask_check.VERDICT_FIELDS, case, strict=True))} = "
+            f"(hidden {row[0]:#x}, whole {row[1]:#x}), want ({want[0]:#x}, {want[1]:#x})")
+        mixed = ((1 << case[6]) - 1) & ~(want[0] | want[1])
+        kinds["hidden"] += want[0] != 0
+        kinds["whole"] += want[1] != 0
+        kinds["mixed"] += mixed != 0
+    assert all(n > len(cases) // 20 for n in kinds.values()), f"a verdict is rarely drawn: {kinds}"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_block_verdicts_match_every_pair(seed):
+    """mask.cuh's block_verdicts (the sm90 backward's FC_MASK_BLOCKS: which blocks of 8 queries
+    a warp's 16 keys see wholly or not at all) against `visible` tested pair by pair."""
+    cases = verdict_cases(seed, 1500)
+    got = mask_check.block_verdicts(torch.tensor(cases, dtype=torch.int32, device="cuda"))
+    check_verdicts(cases, got.cpu())

@@ -314,6 +314,24 @@ static_assert(kProbsEarly >= 0 && kProbsEarly <= kBlockM / 8, "FC_PROBS_EARLY: 0
 #endif
 static_assert(FC_PROBS_EMU >= 0 && FC_PROBS_EMU <= kBlockM / 8 - kProbsEarly,
               "FC_PROBS_EMU: 0 .. the column blocks after the dP^T wait");
+// FC_MASK_BLOCKS = 1 (session 50, A/B): after the dP^T wait, a masked step (the diagonal, a
+// ragged edge) goes k16 step by k16 step (two column blocks of 8 queries), classed once per warp
+// for its 16 keys (mask.cuh's block_verdicts): a step whose blocks no key of the warp may see
+// gets P^T = dS^T = 0 without the exp2s, one all of whose pairs are visible runs the unmasked
+// arithmetic, and only steps the band's edge crosses test each element; each k16 step is packed
+// into the A fragments where it is computed (a branch per column block with the whole step's
+// P^T and dS^T live spilled 780 bytes at d64). On the aligned causal diagonal (128-query steps at
+// d64) a warp tests 1-2 of 8 k16 steps and skips the exp2s of ~7 of 16 blocks. The masked step
+// ran ~250 more instructions than an unmasked one (ncu, session 34) and costs ~1 us more per CTA
+// (the timelines' causal fits against unmasked ones, sessions 37-38). P^T's first kProbsEarly
+// blocks still go before the dP^T wait with every element tested. 0: the kernel before.
+#ifndef FC_DQ_BASES
+#define FC_DQ_BASES 0
+#endif
+#ifndef FC_MASK_BLOCKS
+#define FC_MASK_BLOCKS 0
+#endif
+constexpr bool kMaskBlocks = FC_MASK_BLOCKS;
 
 // Whether P^T's column block j takes its exp2s on the FMA pipe (FC_PROBS_EMU of the blocks
 // [kProbsEarly, kBlockM / 8), spread out; j is a constant once probs' loop is unrolled).
@@ -727,6 +745,50 @@ struct Consumer {
     }
   }
 
+  // FC_MASK_BLOCKS: a masked step after the dP^T wait — P^T's blocks from kProbsEarly on, dS^T,
+  // and both packed — one k16 step kk (column blocks 2 kk, 2 kk + 1) at a time: zeros where
+  // `bv` hides both blocks, the unmasked arithmetic where it sees both whole, else the tested
+  // one. Fills p16 and ds16 (the caller's pack is skipped).
+  __device__ __forceinline__ void masked_late(const float* lse2, const float* delta,
+                                              float scale_log2, const Mask& mask, int key0,
+                                              int col0, BlockVerdicts bv) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const uint32_t pair = 3u << (2 * kk);
+      if ((bv.hidden & pair) == pair) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) p16[kk][r] = ds16[kk][r] = 0u;
+        continue;
+      }
+      const bool test = (bv.whole & pair) != pair;
+#pragma unroll
+      for (int j = 2 * kk; j < 2 * kk + 2; ++j) {
+        if (j >= kProbsEarly) {  // (the first blocks' P^T came before the dP^T wait)
+          const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float x = fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x));
+            float p = probs_on_fma(j) ? exp2_fma(x) : fast_exp2(x);
+            if (test && !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1))) p = 0.f;
+            s[4 * j + e] = p;
+          }
+        }
+        const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
+          if (test && s[4 * j + e] == 0.f) ds = 0.f;
+          dp[4 * j + e] = ds;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        p16[kk][r] = pack2<T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+        ds16[kk][r] = pack2<T>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
+      }
+    }
+  }
+
   // dS^T = P^T o (dP^T - delta[query]) into dp's registers; with kMasked, 0 wherever P^T is 0.
   // `delta`: the stage's delta (shared) at this lane's column 2t.
   template <bool kMasked, int kJ0 = 0, int kJ1 = kBlockM / 8>
@@ -832,17 +894,35 @@ struct Consumer {
   // float2 (row row0 + 16w + g + 8h, columns col0 + 8j + 2t, + 1).
   __device__ __forceinline__ void stage_dq(uint32_t stage, int row0, int col0, int warp, int g,
                                            int t) const {
+#if FC_DQ_BASES
+    // dq_swizzled's addresses from four per-lane bases (row0 % 8 == 0, col0 % 64 == 0: row % 8
+    // is g, column block j's 16-byte chunk (2 (j % 4) + t / 2) ^ g, its box col0 / 32 + j / 4):
+    // store (i, h) at base[i % 4] + (i / 4) kDqBoxBytes + 1024 h, the rest immediates
+    const bool odd = kDqSpread && (g & 1);
+    const uint32_t lane0 = stage + (col0 >> 5) * kDqBoxBytes + (row0 + 16 * warp + g) * 128 +
+                           ((t & 1) << 3);
+    uint32_t base[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int jq = odd ? q ^ 2 : q;
+      base[q] = lane0 + ((((2 * jq + (t >> 1)) ^ g) & 7) << 4);
+    }
+#endif
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         // FC_DQ_SPREAD: lanes of odd g store fragment i ^ 2 at this step (see dq_swizzled)
         const bool swap = kDqSpread && (g & 1);
-        const int j = swap ? i ^ 2 : i;
         const float x = swap ? dq[4 * (i ^ 2) + 2 * h] : dq[4 * i + 2 * h];
         const float y = swap ? dq[4 * (i ^ 2) + 2 * h + 1] : dq[4 * i + 2 * h + 1];
+#if FC_DQ_BASES
+        const uint32_t addr = base[i & 3] + (i >> 2) * kDqBoxBytes + h * 1024;
+#else
+        const int j = swap ? i ^ 2 : i;
         const int row = row0 + 16 * warp + g + 8 * h, col = col0 + 8 * j + 2 * t;
         const uint32_t addr = dq_swizzled(stage, row, col);
+#endif
         asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y)
                      : "memory");
       }
@@ -1013,15 +1093,20 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_wait<0>();
     wgmma_fence_operands(cs.dp);
     // (FC_PROBS_EARLY: the rest of P^T here, beside dS^T of the first blocks)
-    if (masked) {
-      cs.probs<true, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
-      cs.dsoftmax<true>(st_delta);
+    if (kMaskBlocks && masked) {  // (the verdicts on the warp's 16 keys, n0 + key_row - g ..)
+      cs.masked_late(st_lse2, st_delta, scale_log2, mask, n0 + key_row, m0 + 2 * t,
+                     block_verdicts(mask, m0, n0 + key_row - g, kBlockM / 8));
     } else {
-      cs.probs<false, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
-      cs.dsoftmax<false>(st_delta);
+      if (masked) {
+        cs.probs<true, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+        cs.dsoftmax<true>(st_delta);
+      } else {
+        cs.probs<false, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+        cs.dsoftmax<false>(st_delta);
+      }
+      Consumer::pack(cs.p16, cs.s);
+      Consumer::pack(cs.ds16, cs.dp);
     }
-    Consumer::pack(cs.p16, cs.s);
-    Consumer::pack(cs.ds16, cs.dp);
 
     // FA3's order: dV (a group), dS^T -> shared + barrier, dQ (a group), dK (a group); the dQ
     // epilogue below runs once dV and dQ are done, while the tensor cores still compute dK.

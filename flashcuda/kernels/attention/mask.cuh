@@ -106,6 +106,40 @@ __device__ __forceinline__ MaskedVisits masked_visits(const Mask& mask, int row0
   return MaskedVisits{n_last - n_right + 1, n_last - n_left + 1};
 }
 
+// The band's verdict on column blocks of 8 queries for one warp's 16 keys (the sm90 backward's
+// FC_MASK_BLOCKS): for keys [k0, k0 + 16) and blocks j < nj (nj <= 32) of queries [q0 + 8 j,
+// q0 + 8 j + 8), bit j of `hidden` is set iff no (query, key) pair of the block is visible, and
+// bit j of `whole` iff every pair is. With d = key - query - shift over the keys below seqlen_k,
+// block j spans d in [lo - 8 j, hi - 8 j] (lo = k0 - q0 - 7 - shift, hi = min(k0 + 15, seqlen_k
+// - 1) - q0 - shift): it is hidden where lo - 8 j passes window_right (j < ceil((lo -
+// window_right) / 8)) or hi - 8 j precedes -window_left (j > floor((hi + window_left) / 8)), and
+// whole where hi - 8 j <= window_right, lo - 8 j >= -window_left and all 16 keys lie below
+// seqlen_k (none does: every block hidden). 64-bit sums: the bounds and the windows each reach
+// 2^30. (tests/cpu/test_mask_emulated.py and tests/gpu/test_mask.py check the bits against
+// `visible`, pair by pair.)
+struct BlockVerdicts {
+  uint32_t hidden, whole;
+};
+
+__device__ __forceinline__ uint32_t low_bits(int64_t n) {  // bits 0 .. n - 1, n clamped to [0, 32]
+  return n <= 0 ? 0u : (n >= 32 ? ~0u : (1u << n) - 1u);
+}
+
+__device__ __forceinline__ BlockVerdicts block_verdicts(const Mask& mask, int q0, int k0, int nj) {
+  const uint32_t all = low_bits(nj);
+  if (k0 >= mask.seqlen_k) return BlockVerdicts{all, 0u};
+  const int k_last = k0 + 15 < mask.seqlen_k ? k0 + 15 : mask.seqlen_k - 1;
+  const int64_t lo = static_cast<int64_t>(k0) - q0 - 7 - mask.shift();
+  const int64_t hi = static_cast<int64_t>(k_last) - q0 - mask.shift();
+  const int64_t wl = mask.window_left, wr = mask.window_right;
+  const int64_t right = -((wr - lo) >> 3);     // ceil((lo - wr) / 8): first block not hidden
+  const int64_t left = ((hi + wl) >> 3) + 1;   // first block hidden on the left
+  const int64_t from = -((wr - hi) >> 3);      // ceil((hi - wr) / 8): first block whole
+  const int64_t to = ((lo + wl) >> 3) + 1;     // one past the last block whole
+  const uint32_t whole = k0 + 16 <= mask.seqlen_k ? low_bits(to) & ~low_bits(from) : 0u;
+  return BlockVerdicts{(low_bits(right) | ~low_bits(left)) & all, whole & all};
+}
+
 // The visible columns of one accumulator row of a lane, as bits: in the m64nN wgmma (and mma)
 // accumulator layout a lane holds, per row, the columns col0 + 8j + c (j < kPairs, c < 2); bit
 // 2j + c of the result is set iff that column lies in [col0 + lo, col0 + hi). A masking loop
