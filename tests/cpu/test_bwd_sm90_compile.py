@@ -435,13 +435,13 @@ def test_dq_bases_give_dq_swizzled_addresses(spread, block_m, head_dim):
 
 
 def test_dq_bases_and_mask_blocks_compile_clean(tmp_path):
-    """FC_DQ_BASES and FC_MASK_BLOCKS (A/B knobs through FLASHCUDA_SM90_BWD_DEFINES) build
+    """FC_DQ_BASES and FC_MASK_BLOCKS = 1, 2 (A/B knobs through FLASHCUDA_SM90_BWD_DEFINES) build
     without spills or serialized wgmma: at d64 with both (FC_MASK_BLOCKS alone spills there: the
     16 hoisted staging addresses of the default stage_dq take the registers it needs), at d128
     FC_MASK_BLOCKS alone (its dQ staging is the register-order one: no stage_dq)."""
     for d, defines in ((64, (("FC_DQ_BASES", 1),)),
-                       (64, (("FC_DQ_BASES", 1), ("FC_MASK_BLOCKS", 1))),
-                       (128, (("FC_MASK_BLOCKS", 1),))):
+                       *((64, (("FC_DQ_BASES", 1), ("FC_MASK_BLOCKS", m))) for m in (1, 2)),
+                       *((128, (("FC_MASK_BLOCKS", m),)) for m in (1, 2))):
         clean_sass(dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, d),
                                        defines=defines), tmp_path)
 

@@ -314,22 +314,27 @@ static_assert(kProbsEarly >= 0 && kProbsEarly <= kBlockM / 8, "FC_PROBS_EARLY: 0
 #endif
 static_assert(FC_PROBS_EMU >= 0 && FC_PROBS_EMU <= kBlockM / 8 - kProbsEarly,
               "FC_PROBS_EMU: 0 .. the column blocks after the dP^T wait");
-// FC_MASK_BLOCKS = 1 (session 50, A/B): after the dP^T wait, a masked step (the diagonal, a
+// FC_MASK_BLOCKS = 1 / 2 (session 50, A/B): after the dP^T wait, a masked step (the diagonal, a
 // ragged edge) goes k16 step by k16 step (two column blocks of 8 queries), classed once per warp
-// for its 16 keys (mask.cuh's block_verdicts): a step whose blocks no key of the warp may see
-// gets P^T = dS^T = 0 without the exp2s, one all of whose pairs are visible runs the unmasked
-// arithmetic, and only steps the band's edge crosses test each element; each k16 step is packed
-// into the A fragments where it is computed (a branch per column block with the whole step's
-// P^T and dS^T live spilled 780 bytes at d64). On the aligned causal diagonal (128-query steps at
-// d64) a warp tests 1-2 of 8 k16 steps and skips the exp2s of ~7 of 16 blocks. The masked step
-// ran ~250 more instructions than an unmasked one (ncu, session 34) and costs ~1 us more per CTA
-// (the timelines' causal fits against unmasked ones, sessions 37-38). P^T's first kProbsEarly
-// blocks still go before the dP^T wait with every element tested. 0: the kernel before.
-#ifndef FC_DQ_BASES
-#define FC_DQ_BASES 0
-#endif
+// for its 16 keys (mask.cuh's block_verdicts): a k16 step no key of the warp may see gets P^T =
+// dS^T = 0 without its exp2s, and only the steps the band's edge crosses need the element test;
+// each k16 step is packed into the A fragments where it is computed (a branch per column block
+// with the step's whole P^T and dS^T live spilled 780 bytes at d64). 1: a step all of whose
+// pairs are visible runs the tested code with the test predicated off (one copy); 2: its own
+// copy without the test (more code, fewer issued instructions). On the aligned causal diagonal
+// (128-query steps at d64) a warp skips ~3.5 of 8 k16 steps and tests 1-2. Why: the masked step
+// ran ~250 more instructions than an unmasked one (ncu, session 34), and the timelines' fits
+// put a causal CTA's fixed cost 0.3-0.6 us above an unmasked one's at d64 (sessions 37-38).
+// P^T's first kProbsEarly blocks still go before the dP^T wait, every element tested. 0: the
+// kernel before. At d64 it needs FC_DQ_BASES to build without spills.
 #ifndef FC_MASK_BLOCKS
 #define FC_MASK_BLOCKS 0
+#endif
+// FC_DQ_BASES = 1 (session 50, A/B): Consumer::stage_dq addresses its 16 stores from four
+// per-lane bases plus immediates (FC_DQ_TMA; the default's compiler hoists all 16 addresses out
+// of the step loop and holds them in registers across it).
+#ifndef FC_DQ_BASES
+#define FC_DQ_BASES 0
 #endif
 constexpr bool kMaskBlocks = FC_MASK_BLOCKS;
 
@@ -758,34 +763,46 @@ struct Consumer {
       if ((bv.hidden & pair) == pair) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) p16[kk][r] = ds16[kk][r] = 0u;
-        continue;
+      } else if (FC_MASK_BLOCKS == 2 && (bv.whole & pair) == pair) {
+        late_k16<false>(kk, lse2, delta, scale_log2, mask, key0, col0, false);
+      } else {
+        late_k16<true>(kk, lse2, delta, scale_log2, mask, key0, col0,
+                       FC_MASK_BLOCKS == 2 || (bv.whole & pair) != pair);
       }
-      const bool test = (bv.whole & pair) != pair;
+    }
+  }
+
+  // k16 step kk of masked_late; kMasked && test: each element tested (FC_MASK_BLOCKS = 1 runs a
+  // whole step here with test false, predicated off; 2 gives it the kMasked = false copy)
+  template <bool kMasked>
+  __device__ __forceinline__ void late_k16(int kk, const float* lse2, const float* delta,
+                                           float scale_log2, const Mask& mask, int key0,
+                                           int col0, bool test) {
 #pragma unroll
-      for (int j = 2 * kk; j < 2 * kk + 2; ++j) {
-        if (j >= kProbsEarly) {  // (the first blocks' P^T came before the dP^T wait)
-          const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float x = fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x));
-            float p = probs_on_fma(j) ? exp2_fma(x) : fast_exp2(x);
-            if (test && !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1))) p = 0.f;
-            s[4 * j + e] = p;
-          }
-        }
-        const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j);
+    for (int j = 2 * kk; j < 2 * kk + 2; ++j) {
+      if (j >= kProbsEarly) {  // (the first blocks' P^T came before the dP^T wait)
+        const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
-          if (test && s[4 * j + e] == 0.f) ds = 0.f;
-          dp[4 * j + e] = ds;
+          const float x = fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x));
+          float p = probs_on_fma(j) ? exp2_fma(x) : fast_exp2(x);
+          if (kMasked && test && !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1)))
+            p = 0.f;
+          s[4 * j + e] = p;
         }
       }
+      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j);
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        p16[kk][r] = pack2<T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
-        ds16[kk][r] = pack2<T>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
+      for (int e = 0; e < 4; ++e) {
+        float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
+        if (kMasked && test && s[4 * j + e] == 0.f) ds = 0.f;
+        dp[4 * j + e] = ds;
       }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      p16[kk][r] = pack2<T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+      ds16[kk][r] = pack2<T>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
     }
   }
 
