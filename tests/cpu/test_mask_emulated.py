@@ -1,6 +1,7 @@
-"""mask.cuh's block_verdicts (the sm90 backward's FC_MASK_BLOCKS) run on the CPU by the host
-emulator (tests/cpu/simt_emu) through mask_test.cu's block_verdicts_test: the GPU test's cases
-(tests/gpu/test_mask.py) against `visible` tested pair by pair. Kernel logic, not a GPU result.
+"""mask.cuh's block_verdicts (the sm90 backward's FC_MASK_BLOCKS) and hidden_query_blocks /
+hidden_key_blocks (FC_MASK_SKIP) run on the CPU by the host emulator (tests/cpu/simt_emu) through
+mask_test.cu's test kernels: the GPU tests' cases (tests/gpu/test_mask.py) against `visible`
+tested pair by pair. Kernel logic, not a GPU result.
 """
 
 from __future__ import annotations
@@ -23,3 +24,11 @@ def test_block_verdicts_match_every_pair(seed):
     cases = on_gpu.verdict_cases(seed, 1500)
     got = mask_check.block_verdicts(torch.tensor(cases, dtype=torch.int32), launch=kernel.launch)
     on_gpu.check_verdicts(cases, got)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hidden_blocks_match_every_pair(seed):
+    kernel = simt_emu.build(mask_check.hidden_spec())
+    cases = on_gpu.hidden_cases(seed, 600)
+    got = mask_check.hidden_blocks(torch.tensor(cases, dtype=torch.int32), launch=kernel.launch)
+    on_gpu.check_hidden(cases, got)

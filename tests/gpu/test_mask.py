@@ -93,6 +93,10 @@ def verdict_cases(seed: int, count: int) -> list[tuple[int, ...]]:
     rng = random.Random(seed)
     out = []
     for sq, sk, wl, wr, row0, _ in _cases(seed, count):
+        if rng.random() < 0.1:  # an empty band (wr < -wl): no row sees a key
+            big = sq + sk
+            wl = min(rng.randint(0, 200), big)
+            wr = max(-wl - rng.randint(1, 64), -big)
         q0 = row0
         diag = q0 + sk - sq  # the key on the diagonal of row q0
         k0 = rng.choice((diag + rng.randint(-160, 160), 16 * rng.randint(0, sk // 16 + 2),
@@ -116,7 +120,7 @@ def verdicts_expected(case: tuple[int, ...]) -> tuple[int, int]:
 
 
 def check_verdicts(cases: list[tuple[int, ...]], got: torch.Tensor) -> None:
-    kinds = {"hidden": 0, "whole": 0, "mixed": 0}
+    kinds = {"hidden": 0, "whole": 0, "mixed": 0, "empty band": 0}
     for case, row in zip(cases, got.tolist(), strict=True):
         want = verdicts_expected(case)
         assert tuple(row) == want, (
@@ -126,6 +130,7 @@ def check_verdicts(cases: list[tuple[int, ...]], got: torch.Tensor) -> None:
         kinds["hidden"] += want[0] != 0
         kinds["whole"] += want[1] != 0
         kinds["mixed"] += mixed != 0
+        kinds["empty band"] += case[3] < -case[2] and case[5] < case[1]
     assert all(n > len(cases) // 20 for n in kinds.values()), f"a verdict is rarely drawn: {kinds}"
 
 
@@ -136,3 +141,62 @@ def test_block_verdicts_match_every_pair(seed):
     cases = verdict_cases(seed, 1500)
     got = mask_check.block_verdicts(torch.tensor(cases, dtype=torch.int32, device="cuda"))
     check_verdicts(cases, got.cpu())
+
+
+def hidden_expected(case: tuple[int, ...]) -> tuple[int, int, int]:
+    """(query blocks, key blocks, key blocks straddling seqlen_k) by testing every pair:
+    hidden_query_blocks<16, 64> and hidden_key_blocks<16, 64>'s rules (see mask.cuh)."""
+    sq, sk, wl, wr, q0, k0, nj = case
+
+    def seen(q, k):
+        return k < sk and -wl <= k - q - (sk - sq) <= wr
+
+    qb = sum(1 << j for j in range(nj)
+             if not any(seen(q, k) for q in range(q0 + 16 * j, q0 + 16 * j + 16)
+                        for k in range(k0, k0 + 64)))
+    kb = sum(1 << j for j in range(nj)
+             if not any(seen(q, k) for q in range(q0, q0 + 64)
+                        for k in range(k0 + 16 * j, k0 + 16 * j + 16)))
+    straddle = sum(1 << j for j in range(nj) if k0 + 16 * j < sk < k0 + 16 * j + 16)
+    return qb, kb, straddle
+
+
+def check_hidden(cases: list[tuple[int, ...]], got: torch.Tensor) -> None:
+    drawn = {"query": 0, "key": 0, "key, left": 0, "empty band": 0}
+    for case, (qb, kb) in zip(cases, got.tolist(), strict=True):
+        want_q, want_k, straddle = hidden_expected(case)
+        where = dict(zip(mask_check.VERDICT_FIELDS, case, strict=True))
+        assert qb == want_q, f"hidden_query_blocks{where} = {qb:#x}, want {want_q:#x}"
+        # exact but for a block straddling seqlen_k, which may stay clear (never set wrongly)
+        assert kb & ~want_k == 0, f"hidden_key_blocks{where} = {kb:#x} marks a seen block"
+        assert (want_k & ~straddle) == (kb & ~straddle), \
+            f"hidden_key_blocks{where} = {kb:#x}, want {want_k:#x}"
+        drawn["query"] += 0 < want_q < (1 << case[6]) - 1
+        drawn["key"] += 0 < want_k < (1 << case[6]) - 1
+        drawn["key, left"] += want_k & 1 and not want_k >> 7 & 1 and want_k != straddle
+        drawn["empty band"] += case[3] < -case[2] and case[5] < case[1]
+    assert all(n > len(cases) // 50 for n in drawn.values()), f"partly hidden rarely drawn: {drawn}"
+
+
+def hidden_cases(seed: int, count: int) -> list[tuple[int, ...]]:
+    """verdict_cases' windows with 8 blocks (a 128-row step, a 128-key block), most with k0 near
+    one of the band's edges for row q0 (where 64-key / 64-query ranges are partly hidden)."""
+    rng = random.Random(seed + 100)
+    out = []
+    for sq, sk, wl, wr, q0, k0, _ in verdict_cases(seed + 100, count):
+        near = rng.random()
+        if near < 0.35:  # the right edge (the diagonal's side)
+            k0 = max(0, q0 + sk - sq + rng.randint(-64, 160))
+        elif near < 0.8 and wl < sq + sk:  # the left edge of a bounded window
+            k0 = max(0, q0 + sk - sq - wl + rng.randint(-192, 64))
+        out.append((sq, sk, wl, wr, q0, k0, 8))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hidden_blocks_match_every_pair(seed):
+    """mask.cuh's hidden_query_blocks / hidden_key_blocks (FC_MASK_SKIP: the k16 steps of the
+    backward's GEMMs a masked step may leave out) against `visible`, pair by pair."""
+    cases = hidden_cases(seed, 600)
+    got = mask_check.hidden_blocks(torch.tensor(cases, dtype=torch.int32, device="cuda"))
+    check_hidden(cases, got.cpu())

@@ -330,6 +330,16 @@ static_assert(FC_PROBS_EMU >= 0 && FC_PROBS_EMU <= kBlockM / 8 - kProbsEarly,
 #ifndef FC_MASK_BLOCKS
 #define FC_MASK_BLOCKS 0
 #endif
+// FC_MASK_SKIP = 1 (session 50, A/B): a masked step leaves out the k16 steps of its key-gradient
+// GEMMs (dV += P^T dO, dK += dS^T Q) whose 16 queries no key of the warpgroup sees, and of its
+// dQ GEMM the k16 steps (16 keys) no query of its dQ tile sees (mask.cuh's hidden_query_blocks /
+// hidden_key_blocks: those P^T / dS^T elements are 0, so the sums are the same, and a NaN in
+// dO / K there no longer reaches them). dQ's first k16 step is always issued (it zeroes the
+// accumulator). On the aligned causal diagonal at d64 that is half of warpgroup 1's dV and dK
+// and half of consumer 0's dQ: 15% of the step's tensor work.
+#ifndef FC_MASK_SKIP
+#define FC_MASK_SKIP 0
+#endif
 // FC_DQ_BASES = 1 (session 50, A/B): Consumer::stage_dq addresses its 16 stores from four
 // per-lane bases plus immediates (FC_DQ_TMA; the default's compiler hoists all 16 addresses out
 // of the step loop and holds them in registers across it).
@@ -669,13 +679,32 @@ struct Consumer {
   // acc += A Y over kBlockM / 16 k16 steps: A = 16-bit fragments (keys x queries), Y = the query
   // tile (queries x d) read MN-major (imm-trans-b = 1); step kk reads query rows 16 kk .. + 15
   // (2048 bytes further per step), every d chunk (kQChunkBytes apart). No commit.
+  // k16 steps kK0 .. of it only: FC_MASK_SKIP (the steps before are zero).
+  template <int kK0 = 0>
   __device__ __forceinline__ void issue_key_grad(float (&acc)[kHeadDim / 2],
                                                  const uint32_t (&a)[kBlockM / 16][4], uint32_t y) {
     const uint64_t b0 = smem_desc_mn_major_sw128(y, kQChunkBytes);
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+    for (int kk = kK0; kk < kBlockM / 16; ++kk) {
       const uint64_t b = mn_major_at(b0, y, kk * 16 * 128, kQChunkBytes);
       wgmma_rs_tb<kHeadDim, T>(acc, a[kk], b, 1);
+    }
+  }
+
+  // FC_MASK_SKIP: issue_key_grad from the first k16 step `skip` leaves in, where `skip` hides
+  // the first half or all of them (the aligned diagonal's warpgroup 1); otherwise every step.
+  // One straight chain of wgmmas per case: a wgmma left out by a branch inside the chain made
+  // ptxas wait for each wgmma of the chain alone (gsb0 on every one).
+  __device__ __forceinline__ void issue_key_grad_skip(float (&acc)[kHeadDim / 2],
+                                                      const uint32_t (&a)[kBlockM / 16][4],
+                                                      uint32_t y, uint32_t skip) {
+    constexpr int kSteps = kBlockM / 16, kHalf = kSteps / 2;
+    constexpr uint32_t kAll = (1u << kSteps) - 1u, kFirstHalf = (1u << kHalf) - 1u;
+    if ((skip & kAll) == kAll) return;
+    if ((skip & kFirstHalf) == kFirstHalf) {
+      issue_key_grad<kHalf>(acc, a, y);
+    } else {
+      issue_key_grad<0>(acc, a, y);
     }
   }
 
@@ -686,6 +715,8 @@ struct Consumer {
   // K^T dS^T: A = K^T, K's chunk td read MN-major (d contiguous; step kk: key rows 16 kk ..,
   // 2048 bytes further), B = dS stored [query][key], read K-major (step kk: 32 bytes at column
   // (kk % 4) * 16 of key chunk kk / 4), N = kBlockM query rows.
+  // (kSteps: FC_MASK_SKIP's key steps 0 .. kSteps - 1 only; the rest are zero)
+  template <int kSteps = kBlockN / 16>
   __device__ __forceinline__ void issue_dq(uint32_t ds, uint32_t k, int tm, int td) {
     const uint32_t k_base = k + td * kKVChunkBytes;
 #if FC_DQ_SWAP  // (not if constexpr: outside a template the other branch's calls must match too)
@@ -705,7 +736,7 @@ struct Consumer {
       const uint64_t b0 = smem_desc_mn_major_sw128(k_base, kKVChunkBytes);
       const uint64_t a0 = smem_desc_mn_major_sw128(ds_base, kDsChunkBytes);
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      for (int kk = 0; kk < kSteps; ++kk) {
         const uint64_t b = mn_major_at(b0, k_base, kk * 16 * 128, kKVChunkBytes);
         const uint64_t a = mn_major_at(a0, ds_base, kk * 16 * 128, kDsChunkBytes);
         wgmma_ss_tt<64, T>(dq, a, b, kk > 0);
@@ -1127,9 +1158,20 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 
     // FA3's order: dV (a group), dS^T -> shared + barrier, dQ (a group), dK (a group); the dQ
     // epilogue below runs once dV and dQ are done, while the tensor cores still compute dK.
+    // (FC_MASK_SKIP: the k16 steps no key of this warpgroup / no query of its dQ tile sees)
+    const uint32_t kg_skip =
+        FC_MASK_SKIP && masked ? hidden_query_blocks<16, 64>(mask, m0, n0 + wg_key0, kBlockM / 16)
+                               : 0u;
+    const uint32_t dq_skip = FC_MASK_SKIP && !kDqSwap && masked
+                                 ? hidden_key_blocks<16, 64>(mask, m0 + 64 * tm, n0, kBlockN / 16)
+                                 : 0u;
     wgmma_fence_operands(cs.dv);
     wgmma_fence();
-    cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
+    if (FC_MASK_SKIP) {
+      cs.issue_key_grad_skip(cs.dv, cs.p16, sm.dout(st), kg_skip);
+    } else {
+      cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
+    }
     wgmma_commit();
     const uint32_t ds = sm.ds(it & 1);
     if constexpr (kDqSwap) {
@@ -1144,8 +1186,18 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_fence_operands(cs.dq);
     wgmma_fence_operands(cs.dk);
     wgmma_fence();
-    cs.issue_dq(ds, sm.k(), tm, td);
-    cs.issue_key_grad(cs.dk, cs.ds16, sm.q(st));
+    if (FC_MASK_SKIP && !kDqSwap) {  // (the second half of the keys hidden from the tile: half)
+      constexpr uint32_t kLast = ((1u << (kBlockN / 32)) - 1u) << (kBlockN / 32);
+      if ((dq_skip & kLast) == kLast) {
+        cs.issue_dq<kBlockN / 32>(ds, sm.k(), tm, td);
+      } else {
+        cs.issue_dq(ds, sm.k(), tm, td);
+      }
+      cs.issue_key_grad_skip(cs.dk, cs.ds16, sm.q(st), kg_skip);
+    } else {
+      cs.issue_dq(ds, sm.k(), tm, td);
+      cs.issue_key_grad(cs.dk, cs.ds16, sm.q(st));
+    }
     wgmma_commit();
     wgmma_wait<1>();  // dV and dQ (groups retire in order); dK may still run
     cs.hold_p();

@@ -114,8 +114,9 @@ __device__ __forceinline__ MaskedVisits masked_visits(const Mask& mask, int row0
 // - 1) - q0 - shift): it is hidden where lo - 8 j passes window_right (j < ceil((lo -
 // window_right) / 8)) or hi - 8 j precedes -window_left (j > floor((hi + window_left) / 8)), and
 // whole where hi - 8 j <= window_right, lo - 8 j >= -window_left and all 16 keys lie below
-// seqlen_k (none does: every block hidden). 64-bit sums: the bounds and the windows each reach
-// 2^30. (tests/cpu/test_mask_emulated.py and tests/gpu/test_mask.py check the bits against
+// seqlen_k. Every block is hidden where no key is below seqlen_k or the band is empty
+// (window_right < -window_left: the two edges' rules alone miss a block whose d range holds the
+// whole empty band). 64-bit sums: the bounds and the windows each reach 2^30. (tests/cpu/test_mask_emulated.py and tests/gpu/test_mask.py check the bits against
 // `visible`, pair by pair.)
 struct BlockVerdicts {
   uint32_t hidden, whole;
@@ -127,7 +128,7 @@ __device__ __forceinline__ uint32_t low_bits(int64_t n) {  // bits 0 .. n - 1, n
 
 __device__ __forceinline__ BlockVerdicts block_verdicts(const Mask& mask, int q0, int k0, int nj) {
   const uint32_t all = low_bits(nj);
-  if (k0 >= mask.seqlen_k) return BlockVerdicts{all, 0u};
+  if (k0 >= mask.seqlen_k || mask.window_right < -mask.window_left) return BlockVerdicts{all, 0u};
   const int k_last = k0 + 15 < mask.seqlen_k ? k0 + 15 : mask.seqlen_k - 1;
   const int64_t lo = static_cast<int64_t>(k0) - q0 - 7 - mask.shift();
   const int64_t hi = static_cast<int64_t>(k_last) - q0 - mask.shift();
@@ -138,6 +139,45 @@ __device__ __forceinline__ BlockVerdicts block_verdicts(const Mask& mask, int q0
   const int64_t to = ((lo + wl) >> 3) + 1;     // one past the last block whole
   const uint32_t whole = k0 + 16 <= mask.seqlen_k ? low_bits(to) & ~low_bits(from) : 0u;
   return BlockVerdicts{(low_bits(right) | ~low_bits(left)) & all, whole & all};
+}
+
+// FC_MASK_SKIP (the sm90 backward): the k16 steps a warpgroup's GEMMs may leave out on a masked
+// step, as bit masks (nj <= 32). hidden_query_blocks<kQ, kKeys>: bit j iff no key of [k0, k0 +
+// kKeys) is visible to any query of [q0 + kQ j, q0 + kQ j + kQ) (block_verdicts' `hidden` rule for
+// other block sizes, exact). hidden_key_blocks<kK, kQueries>: bit j iff no key of [k0 + kK j, k0 +
+// kK j + kK) is visible to any query of [q0, q0 + kQueries): exact, but for a block that straddles
+// seqlen_k, which it may leave clear though its keys below seqlen_k are all hidden (its greatest
+// d is taken over its last key, past seqlen_k: never a block with a visible pair set).
+// (tests/cpu/test_mask_emulated.py and tests/gpu/test_mask.py check both pair by pair.)
+template <int kBlock>
+__device__ __forceinline__ int64_t floor_div_block(int64_t x) {  // kBlock a power of two
+  static_assert(kBlock > 0 && (kBlock & (kBlock - 1)) == 0, "a power of two");
+  return x >= 0 ? x / kBlock : -((kBlock - 1 - x) / kBlock);
+}
+
+template <int kQ, int kKeys>
+__device__ __forceinline__ uint32_t hidden_query_blocks(const Mask& mask, int q0, int k0, int nj) {
+  const uint32_t all = low_bits(nj);
+  if (k0 >= mask.seqlen_k || mask.window_right < -mask.window_left) return all;  // (empty band)
+  const int k_last = k0 + kKeys - 1 < mask.seqlen_k ? k0 + kKeys - 1 : mask.seqlen_k - 1;
+  const int64_t lo = static_cast<int64_t>(k0) - q0 - (kQ - 1) - mask.shift();
+  const int64_t hi = static_cast<int64_t>(k_last) - q0 - mask.shift();
+  const int64_t wl = mask.window_left, wr = mask.window_right;
+  const int64_t right = -floor_div_block<kQ>(wr - lo);  // ceil((lo - wr) / kQ)
+  const int64_t left = floor_div_block<kQ>(hi + wl) + 1;
+  return (low_bits(right) | ~low_bits(left)) & all;
+}
+
+template <int kK, int kQueries>
+__device__ __forceinline__ uint32_t hidden_key_blocks(const Mask& mask, int q0, int k0, int nj) {
+  if (mask.window_right < -mask.window_left) return low_bits(nj);  // (an empty band)
+  const int64_t a = static_cast<int64_t>(k0) - q0 - (kQueries - 1) - mask.shift();  // least d, j 0
+  const int64_t b = static_cast<int64_t>(k0) + kK - 1 - q0 - mask.shift();  // greatest d, j 0
+  const int64_t wl = mask.window_left, wr = mask.window_right;
+  const int64_t right = floor_div_block<kK>(wr - a) + 1;     // first block past the right edge
+  const int64_t left = -floor_div_block<kK>(b + wl);         // ceil((-wl - b) / kK): blocks before
+  const int64_t past = -floor_div_block<kK>(k0 - static_cast<int64_t>(mask.seqlen_k));  // ceil
+  return (~low_bits(right) | low_bits(left) | ~low_bits(past)) & low_bits(nj);
 }
 
 // The visible columns of one accumulator row of a lane, as bits: in the m64nN wgmma (and mma)
