@@ -26,17 +26,6 @@ def bits_spec() -> KernelSpec:
     return KernelSpec.make("fragment_bits_test", SOURCE)
 
 
-def verdicts_spec() -> KernelSpec:
-    return KernelSpec.make("block_verdicts_test", SOURCE)
-
-
-def hidden_spec() -> KernelSpec:
-    return KernelSpec.make("hidden_blocks_test", SOURCE)
-
-
-VERDICT_FIELDS = ("seqlen_q", "seqlen_k", "window_left", "window_right", "q0", "k0", "nj")
-
-
 def mismatches(cases: torch.Tensor) -> torch.Tensor:
     """cases: (N, 6) int32 on a CUDA device, columns FIELDS (kernel-side windows: no -1). Returns
     (N,) int32, per case the number of key tiles (widths 64, 128, 176) where the two rules differ."""
@@ -76,52 +65,6 @@ def fragment_bits(bounds: torch.Tensor) -> torch.Tensor:
     return out.to(torch.int64) & 0xFFFFFFFF
 
 
-def block_verdicts(cases: torch.Tensor, launch=None) -> torch.Tensor:
-    """cases: (N, 7) int32, columns VERDICT_FIELDS (kernel-side windows). Returns (N, 2) int64:
-    mask.cuh's block_verdicts(q0, k0, nj) as (hidden, whole) bits — bit j of hidden: no pair
-    (query, key) of queries [q0 + 8j, q0 + 8j + 8) x keys [k0, k0 + 16) is visible; of whole: all
-    are. On a CUDA device through the kernel; `launch(grid, block, *args)` runs it elsewhere
-    (the CPU emulator's kernel.launch, tests/cpu/test_mask_emulated.py)."""
-    if not isinstance(cases, torch.Tensor):
-        raise TypeError(f"cases must be a torch.Tensor, got {type(cases).__name__}")
-    if cases.dtype != torch.int32 or cases.dim() != 2 or cases.shape[1] != len(VERDICT_FIELDS):
-        raise ValueError(f"cases must be int32 of shape (N, {len(VERDICT_FIELDS)}), got "
-                         f"{cases.dtype} {tuple(cases.shape)}")
-    if launch is None and cases.device.type != "cuda":
-        raise ValueError(f"cases must be on a CUDA device, got {cases.device}")
-    count = cases.shape[0]
-    out = torch.zeros((count, 2), dtype=torch.int32, device=cases.device)
-    if count:
-        if launch is None:
-            launch = get_kernel(verdicts_spec(), cases.device).launch
-        launch((-(-count // THREADS), 1, 1), (THREADS, 1, 1), cases.contiguous(), out,
-               np.int32(count))
-    return out.to(torch.int64) & 0xFFFFFFFF
-
-
-def hidden_blocks(cases: torch.Tensor, launch=None) -> torch.Tensor:
-    """cases as block_verdicts' (VERDICT_FIELDS). Returns (N, 2) int64: mask.cuh's
-    hidden_query_blocks<16, 64>(q0, k0, nj) (bit j: queries [q0 + 16j, + 16) see no key of [k0,
-    k0 + 64)) and hidden_key_blocks<16, 64>(q0, k0, nj) (bit j: keys [k0 + 16j, + 16) are seen by
-    no query of [q0, q0 + 64)). `launch` as in block_verdicts."""
-    if not isinstance(cases, torch.Tensor):
-        raise TypeError(f"cases must be a torch.Tensor, got {type(cases).__name__}")
-    if cases.dtype != torch.int32 or cases.dim() != 2 or cases.shape[1] != len(VERDICT_FIELDS):
-        raise ValueError(f"cases must be int32 of shape (N, {len(VERDICT_FIELDS)}), got "
-                         f"{cases.dtype} {tuple(cases.shape)}")
-    if launch is None and cases.device.type != "cuda":
-        raise ValueError(f"cases must be on a CUDA device, got {cases.device}")
-    count = cases.shape[0]
-    out = torch.zeros((count, 2), dtype=torch.int32, device=cases.device)
-    if count:
-        if launch is None:
-            launch = get_kernel(hidden_spec(), cases.device).launch
-        launch((-(-count // THREADS), 1, 1), (THREADS, 1, 1), cases.contiguous(), out,
-               np.int32(count))
-    return out.to(torch.int64) & 0xFFFFFFFF
-
-
 @register
 def variants() -> list[tuple[KernelSpec, tuple[str, ...]]]:
-    return [(spec(), ARCHS), (bits_spec(), ARCHS), (verdicts_spec(), ARCHS),
-            (hidden_spec(), ARCHS)]
+    return [(spec(), ARCHS), (bits_spec(), ARCHS)]

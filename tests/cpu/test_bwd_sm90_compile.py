@@ -404,56 +404,6 @@ def test_dq_tma_staging_store_banks(spread):
         assert sorted(frags) == [(j, h) for j in range(8) for h in range(2)], lane
 
 
-@pytest.mark.parametrize("spread", (False, True))
-@pytest.mark.parametrize("block_m,head_dim", ((128, 64), (64, 128)))
-def test_dq_bases_give_dq_swizzled_addresses(spread, block_m, head_dim):
-    """FC_DQ_BASES (Consumer::stage_dq from four per-lane bases, A/B): store (i, h) at
-    base[i % 4] + (i / 4) kDqBoxBytes + 1024 h lands where dq_swizzled puts (row, col), for every
-    lane, warp and consumer tile (row0 = 64 tm, col0 = 64 td), FC_DQ_SPREAD or not (the .cu's
-    arithmetic, written out twice)."""
-    box = block_m * 128  # kDqBoxBytes
-
-    def swizzled(row, col):  # dq_swizzled, stage 0
-        cc = col & 31
-        return (col >> 5) * box + row * 128 + (((cc >> 2) ^ (row & 7)) << 4) + ((cc & 3) << 2)
-
-    for tm in range(block_m // 64):
-        for td in range(head_dim // 64):
-            row0, col0 = 64 * tm, 64 * td
-            for warp in range(4):
-                for lane in range(32):
-                    g, t = lane >> 2, lane & 3
-                    odd = spread and g & 1
-                    lane0 = (col0 >> 5) * box + (row0 + 16 * warp + g) * 128 + ((t & 1) << 3)
-                    base = [lane0 + ((((2 * (q ^ 2 if odd else q) + (t >> 1)) ^ g) & 7) << 4)
-                            for q in range(4)]
-                    for i in range(8):
-                        for h in range(2):
-                            j = i ^ 2 if odd else i
-                            want = swizzled(row0 + 16 * warp + g + 8 * h, col0 + 8 * j + 2 * t)
-                            assert base[i & 3] + (i >> 2) * box + 1024 * h == want
-
-
-def test_dq_bases_and_mask_blocks_compile_clean(tmp_path):
-    """FC_DQ_BASES, FC_MASK_BLOCKS = 1, 2 and FC_MASK_SKIP (A/B knobs through
-    FLASHCUDA_SM90_BWD_DEFINES) build
-    without spills or serialized wgmma: at d64 with both (FC_MASK_BLOCKS alone spills there: the
-    16 hoisted staging addresses of the default stage_dq take the registers it needs), at d128
-    FC_MASK_BLOCKS alone (its dQ staging is the register-order one: no stage_dq)."""
-    for d, defines in ((64, (("FC_DQ_BASES", 1),)),
-                       *((64, (("FC_DQ_BASES", 1), ("FC_MASK_BLOCKS", m))) for m in (1, 2)),
-                       (64, (("FC_DQ_BASES", 1), ("FC_MASK_BLOCKS", 2), ("FC_MASK_SKIP", 1))),
-                       *((128, (("FC_MASK_BLOCKS", m),)) for m in (1, 2)),
-                       (128, (("FC_MASK_BLOCKS", 2), ("FC_MASK_SKIP", 1)))):
-        sass = clean_sass(dataclasses.replace(bwd_sm90.select_config(torch.bfloat16, d),
-                                              defines=defines), tmp_path)
-        # every chain of wgmmas still ends in one wait: ptxas put gsb0 on each wgmma of a chain
-        # a branch inside it left a step out of (FC_MASK_SKIP's first form)
-        chained = re.findall(r"HGMMA\.64x(?:64|128)x16\S* [^;]*;", sass)
-        waited = [h for h in chained if "gsb0" in h]
-        assert len(waited) <= len(chained) // 4, f"{defines}: {len(waited)} of {len(chained)}"
-
-
 def test_dq_spread_compiles_clean(tmp_path):
     """FC_DQ_SPREAD (the d64 default, an A/B knob at d128 through FLASHCUDA_SM90_BWD_DEFINES) builds
     for both head dims without spills or serialized wgmma, either way."""

@@ -44,7 +44,10 @@
 //                 flat staging (FC_DQ_WARP, FC_DQ_WARP_FLAT), all slower than the two forms
 //                 above at their head dims; the previous GEMM order (dQ after dK, FC_DQ_EARLY=0),
 //                 a third Q / dO stage (FC_STAGES=3) and the [query][key] dS layout outside
-//                 FC_DQ_SWAP (FC_DS_K_MAJOR bring-up)
+//                 FC_DQ_SWAP (FC_DS_K_MAJOR bring-up); in session 50 (H100, perf-notes), a masked
+//                 step by k16 steps classed per warp (hidden ones zero without exp2s: no faster,
+//                 FC_MASK_BLOCKS), the diagonal's hidden k16 steps left out of the dV / dK / dQ
+//                 chains (FC_MASK_SKIP: a loss) and stage_dq from four bases (FC_DQ_BASES: noise)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // This is part MAIN of the backward; flashcuda/ops/bwd_sm90.py runs bwd_sm80's PRE (delta =
@@ -314,39 +317,6 @@ static_assert(kProbsEarly >= 0 && kProbsEarly <= kBlockM / 8, "FC_PROBS_EARLY: 0
 #endif
 static_assert(FC_PROBS_EMU >= 0 && FC_PROBS_EMU <= kBlockM / 8 - kProbsEarly,
               "FC_PROBS_EMU: 0 .. the column blocks after the dP^T wait");
-// FC_MASK_BLOCKS = 1 / 2 (session 50, A/B): after the dP^T wait, a masked step (the diagonal, a
-// ragged edge) goes k16 step by k16 step (two column blocks of 8 queries), classed once per warp
-// for its 16 keys (mask.cuh's block_verdicts): a k16 step no key of the warp may see gets P^T =
-// dS^T = 0 without its exp2s, and only the steps the band's edge crosses need the element test;
-// each k16 step is packed into the A fragments where it is computed (a branch per column block
-// with the step's whole P^T and dS^T live spilled 780 bytes at d64). 1: a step all of whose
-// pairs are visible runs the tested code with the test predicated off (one copy); 2: its own
-// copy without the test (more code, fewer issued instructions). On the aligned causal diagonal
-// (128-query steps at d64) a warp skips ~3.5 of 8 k16 steps and tests 1-2. Why: the masked step
-// ran ~250 more instructions than an unmasked one (ncu, session 34), and the timelines' fits
-// put a causal CTA's fixed cost 0.3-0.6 us above an unmasked one's at d64 (sessions 37-38).
-// P^T's first kProbsEarly blocks still go before the dP^T wait, every element tested. 0: the
-// kernel before. At d64 it needs FC_DQ_BASES to build without spills.
-#ifndef FC_MASK_BLOCKS
-#define FC_MASK_BLOCKS 0
-#endif
-// FC_MASK_SKIP = 1 (session 50, A/B): a masked step leaves out the k16 steps of its key-gradient
-// GEMMs (dV += P^T dO, dK += dS^T Q) whose 16 queries no key of the warpgroup sees, and of its
-// dQ GEMM the k16 steps (16 keys) no query of its dQ tile sees (mask.cuh's hidden_query_blocks /
-// hidden_key_blocks: those P^T / dS^T elements are 0, so the sums are the same, and a NaN in
-// dO / K there no longer reaches them). dQ's first k16 step is always issued (it zeroes the
-// accumulator). On the aligned causal diagonal at d64 that is half of warpgroup 1's dV and dK
-// and half of consumer 0's dQ: 15% of the step's tensor work.
-#ifndef FC_MASK_SKIP
-#define FC_MASK_SKIP 0
-#endif
-// FC_DQ_BASES = 1 (session 50, A/B): Consumer::stage_dq addresses its 16 stores from four
-// per-lane bases plus immediates (FC_DQ_TMA; the default's compiler hoists all 16 addresses out
-// of the step loop and holds them in registers across it).
-#ifndef FC_DQ_BASES
-#define FC_DQ_BASES 0
-#endif
-constexpr bool kMaskBlocks = FC_MASK_BLOCKS;
 
 // Whether P^T's column block j takes its exp2s on the FMA pipe (FC_PROBS_EMU of the blocks
 // [kProbsEarly, kBlockM / 8), spread out; j is a constant once probs' loop is unrolled).
@@ -679,32 +649,13 @@ struct Consumer {
   // acc += A Y over kBlockM / 16 k16 steps: A = 16-bit fragments (keys x queries), Y = the query
   // tile (queries x d) read MN-major (imm-trans-b = 1); step kk reads query rows 16 kk .. + 15
   // (2048 bytes further per step), every d chunk (kQChunkBytes apart). No commit.
-  // k16 steps kK0 .. of it only: FC_MASK_SKIP (the steps before are zero).
-  template <int kK0 = 0>
   __device__ __forceinline__ void issue_key_grad(float (&acc)[kHeadDim / 2],
                                                  const uint32_t (&a)[kBlockM / 16][4], uint32_t y) {
     const uint64_t b0 = smem_desc_mn_major_sw128(y, kQChunkBytes);
 #pragma unroll
-    for (int kk = kK0; kk < kBlockM / 16; ++kk) {
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
       const uint64_t b = mn_major_at(b0, y, kk * 16 * 128, kQChunkBytes);
       wgmma_rs_tb<kHeadDim, T>(acc, a[kk], b, 1);
-    }
-  }
-
-  // FC_MASK_SKIP: issue_key_grad from the first k16 step `skip` leaves in, where `skip` hides
-  // the first half or all of them (the aligned diagonal's warpgroup 1); otherwise every step.
-  // One straight chain of wgmmas per case: a wgmma left out by a branch inside the chain made
-  // ptxas wait for each wgmma of the chain alone (gsb0 on every one).
-  __device__ __forceinline__ void issue_key_grad_skip(float (&acc)[kHeadDim / 2],
-                                                      const uint32_t (&a)[kBlockM / 16][4],
-                                                      uint32_t y, uint32_t skip) {
-    constexpr int kSteps = kBlockM / 16, kHalf = kSteps / 2;
-    constexpr uint32_t kAll = (1u << kSteps) - 1u, kFirstHalf = (1u << kHalf) - 1u;
-    if ((skip & kAll) == kAll) return;
-    if ((skip & kFirstHalf) == kFirstHalf) {
-      issue_key_grad<kHalf>(acc, a, y);
-    } else {
-      issue_key_grad<0>(acc, a, y);
     }
   }
 
@@ -715,8 +666,6 @@ struct Consumer {
   // K^T dS^T: A = K^T, K's chunk td read MN-major (d contiguous; step kk: key rows 16 kk ..,
   // 2048 bytes further), B = dS stored [query][key], read K-major (step kk: 32 bytes at column
   // (kk % 4) * 16 of key chunk kk / 4), N = kBlockM query rows.
-  // (kSteps: FC_MASK_SKIP's key steps 0 .. kSteps - 1 only; the rest are zero)
-  template <int kSteps = kBlockN / 16>
   __device__ __forceinline__ void issue_dq(uint32_t ds, uint32_t k, int tm, int td) {
     const uint32_t k_base = k + td * kKVChunkBytes;
 #if FC_DQ_SWAP  // (not if constexpr: outside a template the other branch's calls must match too)
@@ -736,7 +685,7 @@ struct Consumer {
       const uint64_t b0 = smem_desc_mn_major_sw128(k_base, kKVChunkBytes);
       const uint64_t a0 = smem_desc_mn_major_sw128(ds_base, kDsChunkBytes);
 #pragma unroll
-      for (int kk = 0; kk < kSteps; ++kk) {
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
         const uint64_t b = mn_major_at(b0, k_base, kk * 16 * 128, kKVChunkBytes);
         const uint64_t a = mn_major_at(a0, ds_base, kk * 16 * 128, kDsChunkBytes);
         wgmma_ss_tt<64, T>(dq, a, b, kk > 0);
@@ -778,62 +727,6 @@ struct Consumer {
         if (kMasked && !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1))) p = 0.f;
         s[4 * j + e] = p;
       }
-    }
-  }
-
-  // FC_MASK_BLOCKS: a masked step after the dP^T wait — P^T's blocks from kProbsEarly on, dS^T,
-  // and both packed — one k16 step kk (column blocks 2 kk, 2 kk + 1) at a time: zeros where
-  // `bv` hides both blocks, the unmasked arithmetic where it sees both whole, else the tested
-  // one. Fills p16 and ds16 (the caller's pack is skipped).
-  __device__ __forceinline__ void masked_late(const float* lse2, const float* delta,
-                                              float scale_log2, const Mask& mask, int key0,
-                                              int col0, BlockVerdicts bv) {
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint32_t pair = 3u << (2 * kk);
-      if ((bv.hidden & pair) == pair) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) p16[kk][r] = ds16[kk][r] = 0u;
-      } else if (FC_MASK_BLOCKS == 2 && (bv.whole & pair) == pair) {
-        late_k16<false>(kk, lse2, delta, scale_log2, mask, key0, col0, false);
-      } else {
-        late_k16<true>(kk, lse2, delta, scale_log2, mask, key0, col0,
-                       FC_MASK_BLOCKS == 2 || (bv.whole & pair) != pair);
-      }
-    }
-  }
-
-  // k16 step kk of masked_late; kMasked && test: each element tested (FC_MASK_BLOCKS = 1 runs a
-  // whole step here with test false, predicated off; 2 gives it the kMasked = false copy)
-  template <bool kMasked>
-  __device__ __forceinline__ void late_k16(int kk, const float* lse2, const float* delta,
-                                           float scale_log2, const Mask& mask, int key0,
-                                           int col0, bool test) {
-#pragma unroll
-    for (int j = 2 * kk; j < 2 * kk + 2; ++j) {
-      if (j >= kProbsEarly) {  // (the first blocks' P^T came before the dP^T wait)
-        const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float x = fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x));
-          float p = probs_on_fma(j) ? exp2_fma(x) : fast_exp2(x);
-          if (kMasked && test && !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1)))
-            p = 0.f;
-          s[4 * j + e] = p;
-        }
-      }
-      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
-        if (kMasked && test && s[4 * j + e] == 0.f) ds = 0.f;
-        dp[4 * j + e] = ds;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      p16[kk][r] = pack2<T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
-      ds16[kk][r] = pack2<T>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
     }
   }
 
@@ -942,35 +835,17 @@ struct Consumer {
   // float2 (row row0 + 16w + g + 8h, columns col0 + 8j + 2t, + 1).
   __device__ __forceinline__ void stage_dq(uint32_t stage, int row0, int col0, int warp, int g,
                                            int t) const {
-#if FC_DQ_BASES
-    // dq_swizzled's addresses from four per-lane bases (row0 % 8 == 0, col0 % 64 == 0: row % 8
-    // is g, column block j's 16-byte chunk (2 (j % 4) + t / 2) ^ g, its box col0 / 32 + j / 4):
-    // store (i, h) at base[i % 4] + (i / 4) kDqBoxBytes + 1024 h, the rest immediates
-    const bool odd = kDqSpread && (g & 1);
-    const uint32_t lane0 = stage + (col0 >> 5) * kDqBoxBytes + (row0 + 16 * warp + g) * 128 +
-                           ((t & 1) << 3);
-    uint32_t base[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int jq = odd ? q ^ 2 : q;
-      base[q] = lane0 + ((((2 * jq + (t >> 1)) ^ g) & 7) << 4);
-    }
-#endif
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         // FC_DQ_SPREAD: lanes of odd g store fragment i ^ 2 at this step (see dq_swizzled)
         const bool swap = kDqSpread && (g & 1);
+        const int j = swap ? i ^ 2 : i;
         const float x = swap ? dq[4 * (i ^ 2) + 2 * h] : dq[4 * i + 2 * h];
         const float y = swap ? dq[4 * (i ^ 2) + 2 * h + 1] : dq[4 * i + 2 * h + 1];
-#if FC_DQ_BASES
-        const uint32_t addr = base[i & 3] + (i >> 2) * kDqBoxBytes + h * 1024;
-#else
-        const int j = swap ? i ^ 2 : i;
         const int row = row0 + 16 * warp + g + 8 * h, col = col0 + 8 * j + 2 * t;
         const uint32_t addr = dq_swizzled(stage, row, col);
-#endif
         asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y)
                      : "memory");
       }
@@ -1141,37 +1016,21 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_wait<0>();
     wgmma_fence_operands(cs.dp);
     // (FC_PROBS_EARLY: the rest of P^T here, beside dS^T of the first blocks)
-    if (kMaskBlocks && masked) {  // (the verdicts on the warp's 16 keys, n0 + key_row - g ..)
-      cs.masked_late(st_lse2, st_delta, scale_log2, mask, n0 + key_row, m0 + 2 * t,
-                     block_verdicts(mask, m0, n0 + key_row - g, kBlockM / 8));
+    if (masked) {
+      cs.probs<true, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+      cs.dsoftmax<true>(st_delta);
     } else {
-      if (masked) {
-        cs.probs<true, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
-        cs.dsoftmax<true>(st_delta);
-      } else {
-        cs.probs<false, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
-        cs.dsoftmax<false>(st_delta);
-      }
-      Consumer::pack(cs.p16, cs.s);
-      Consumer::pack(cs.ds16, cs.dp);
+      cs.probs<false, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+      cs.dsoftmax<false>(st_delta);
     }
+    Consumer::pack(cs.p16, cs.s);
+    Consumer::pack(cs.ds16, cs.dp);
 
     // FA3's order: dV (a group), dS^T -> shared + barrier, dQ (a group), dK (a group); the dQ
     // epilogue below runs once dV and dQ are done, while the tensor cores still compute dK.
-    // (FC_MASK_SKIP: the k16 steps no key of this warpgroup / no query of its dQ tile sees)
-    const uint32_t kg_skip =
-        FC_MASK_SKIP && masked ? hidden_query_blocks<16, 64>(mask, m0, n0 + wg_key0, kBlockM / 16)
-                               : 0u;
-    const uint32_t dq_skip = FC_MASK_SKIP && !kDqSwap && masked
-                                 ? hidden_key_blocks<16, 64>(mask, m0 + 64 * tm, n0, kBlockN / 16)
-                                 : 0u;
     wgmma_fence_operands(cs.dv);
     wgmma_fence();
-    if (FC_MASK_SKIP) {
-      cs.issue_key_grad_skip(cs.dv, cs.p16, sm.dout(st), kg_skip);
-    } else {
-      cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
-    }
+    cs.issue_key_grad(cs.dv, cs.p16, sm.dout(st));
     wgmma_commit();
     const uint32_t ds = sm.ds(it & 1);
     if constexpr (kDqSwap) {
@@ -1186,18 +1045,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_fence_operands(cs.dq);
     wgmma_fence_operands(cs.dk);
     wgmma_fence();
-    if (FC_MASK_SKIP && !kDqSwap) {  // (the second half of the keys hidden from the tile: half)
-      constexpr uint32_t kLast = ((1u << (kBlockN / 32)) - 1u) << (kBlockN / 32);
-      if ((dq_skip & kLast) == kLast) {
-        cs.issue_dq<kBlockN / 32>(ds, sm.k(), tm, td);
-      } else {
-        cs.issue_dq(ds, sm.k(), tm, td);
-      }
-      cs.issue_key_grad_skip(cs.dk, cs.ds16, sm.q(st), kg_skip);
-    } else {
-      cs.issue_dq(ds, sm.k(), tm, td);
-      cs.issue_key_grad(cs.dk, cs.ds16, sm.q(st));
-    }
+    cs.issue_dq(ds, sm.k(), tm, td);
+    cs.issue_key_grad(cs.dk, cs.ds16, sm.q(st));
     wgmma_commit();
     wgmma_wait<1>();  // dV and dQ (groups retire in order); dK may still run
     cs.hold_p();

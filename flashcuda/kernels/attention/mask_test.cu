@@ -11,14 +11,6 @@
 // fragment_bits_test: fragment_bits (mask.cuh) for (lo, hi) pairs, at 8 and 16 column pairs per
 // lane (64-column tiles, and the sm90 forward's 128-key tiles), for the tests
 // to hold against the columns a lane holds (tests/gpu/test_mask.py).
-//
-// block_verdicts_test: block_verdicts (mask.cuh, the sm90 backward's FC_MASK_BLOCKS) for cases of
-// 7 ints (seqlen_q, seqlen_k, window_left, window_right, q0, k0, nj): the hidden and whole bits,
-// for the tests to hold against `visible` pair by pair (tests/cpu/test_mask_emulated.py, and
-// tests/gpu/test_mask.py on the device).
-//
-// hidden_blocks_test: hidden_query_blocks<16, 64> and hidden_key_blocks<16, 64> (mask.cuh,
-// FC_MASK_SKIP) for the same 7-int cases: two bit masks per case.
 #include "attention/mask.cuh"
 #include "common/types.cuh"
 
@@ -50,25 +42,4 @@ fragment_bits_test(const int* __restrict__ bounds, uint32_t* __restrict__ bits, 
   if (c >= count) return;
   bits[2 * c] = fragment_bits<8>(bounds[2 * c], bounds[2 * c + 1]);
   bits[2 * c + 1] = fragment_bits<16>(bounds[2 * c], bounds[2 * c + 1]);
-}
-
-extern "C" __global__ void __launch_bounds__(kThreads)
-block_verdicts_test(const int* __restrict__ cases, uint32_t* __restrict__ bits, int count) {
-  const int c = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x);
-  if (c >= count) return;
-  const int* p = cases + 7 * c;
-  const Mask mask{p[0], p[1], p[2], p[3]};
-  const BlockVerdicts v = block_verdicts(mask, p[4], p[5], p[6]);
-  bits[2 * c] = v.hidden;
-  bits[2 * c + 1] = v.whole;
-}
-
-extern "C" __global__ void __launch_bounds__(kThreads)
-hidden_blocks_test(const int* __restrict__ cases, uint32_t* __restrict__ bits, int count) {
-  const int c = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x);
-  if (c >= count) return;
-  const int* p = cases + 7 * c;
-  const Mask mask{p[0], p[1], p[2], p[3]};
-  bits[2 * c] = hidden_query_blocks<16, 64>(mask, p[4], p[5], p[6]);
-  bits[2 * c + 1] = hidden_key_blocks<16, 64>(mask, p[4], p[5], p[6]);
 }
