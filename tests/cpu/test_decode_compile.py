@@ -249,6 +249,12 @@ class _FakeKernel:
         return 4
 
 
+def fake_slots(cfg) -> int:
+    """The split's slots for `cfg` on the `launches` fixture's GPU (fwd_decode.slots of a fake
+    kernel holding 4 CTAs per SM, 132 SMs)."""
+    return fwd_decode.slots(_FakeKernel(), cfg, 132)
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """attention() on CPU tensors with fake kernels (4 CTAs per SM, 132 SMs): each launch's
@@ -294,7 +300,7 @@ def test_launch_packs_the_kernels_parameter_lists(launches, keys, seqused):
         out, lse = fwd_decode.attention(q, k, v, 0.3, used)
         assert out.shape == q.shape and lse.shape == (2, 12, 1)
         cfg = fwd_decode.config_for(q.dtype, 64, 6)
-        splits, chunk = fwd_decode.plan_splits(2, 2, 1, keys, fwd_decode.slots(_FakeKernel(), cfg, 132), cfg.step)
+        splits, chunk = fwd_decode.plan_splits(2, 2, 1, keys, fake_slots(cfg), cfg.step)
         i64, i32 = np.int64, np.int32
         layout = (*(i64(q.stride(d)) for d in range(3)), *(i64(t.stride(d)) for t in (k, v)
                                                               for d in range(3)),
@@ -339,7 +345,7 @@ def test_paged_launch_packs_the_table_and_the_spans(launches):
     fwd_decode.attention(q, k, v, 0.5, used, start, None, table)
     cfg = fwd_decode.config_for(q.dtype, 128, 4, paged=True)
     assert cfg.name.endswith("_pg") and dict(cfg.spec().defines)["FC_PAGED"] == "1"
-    splits, chunk = fwd_decode.plan_splits(3, 2, 1, 192, fwd_decode.slots(_FakeKernel(), cfg, 132), cfg.step)
+    splits, chunk = fwd_decode.plan_splits(3, 2, 1, 192, fake_slots(cfg), cfg.step)
     name, grid, params = launched[0]
     assert name == cfg.name and grid == (splits, 2, 3)
     parts = [int.from_bytes(params[40:48], "little"), int.from_bytes(params[48:56], "little")]
@@ -423,7 +429,7 @@ def test_several_query_rows_are_entries_of_their_own(launches):
     assert out.shape == q.shape and out.is_contiguous()
     assert lse.shape == (2, 8, 3) and lse.is_contiguous()
     cfg = fwd_decode.config_for(q.dtype, 64, 4)
-    splits, chunk = fwd_decode.plan_splits(6, 2, 1, 5000, fwd_decode.slots(_FakeKernel(), cfg, 132), cfg.step)
+    splits, chunk = fwd_decode.plan_splits(6, 2, 1, 5000, fake_slots(cfg), cfg.step)
     assert splits > 1 and len(launches) == 2
     name, grid, params = launches[0]
     assert grid == (splits, 2, 6)
@@ -446,7 +452,7 @@ def test_several_query_rows_are_entries_of_their_own(launches):
     one = q[:, :1]
     fwd_decode.attention(one, k, v, 0.2, None, None, None, None, True)
     params = launches[0][2]
-    splits, chunk = fwd_decode.plan_splits(2, 2, 1, 5000, fwd_decode.slots(_FakeKernel(), cfg, 132), cfg.step)
+    splits, chunk = fwd_decode.plan_splits(2, 2, 1, 5000, fake_slots(cfg), cfg.step)
     at = [int.from_bytes(params[o:o + 8], "little") for o in (24, 32, 40, 48)]
     layout = (*layout[:13], i32(2), i32(1), i32(0), *layout[16:20], i32(splits), i32(chunk),
               layout[-1])
