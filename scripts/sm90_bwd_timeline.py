@@ -8,12 +8,14 @@ the MAIN kernel dispatch would pick (FC_TIMELINE, bwd_sm90.run_timeline): each C
 block, KV head and batch) writes %globaltimer at its entry, the producer's first
 TMA issue and last TMA issue, K / V arrival (consumer 0, after its wait), step 0's data arrival
 (= the first step's start), the last step's end, each consumer's exit (dK / dV stores issued) and
-the dQ writer's end, plus its SM, its step count and its block index. A few warm-up calls, then
-the last call's records are analysed:
+the dQ writer's end, plus its SM, its step count and its block index; and, inside step 0, S^T's
+arrival, the dS^T barrier and the step's end, then step 1's end (a causal CTA's step 0 is its
+masked one). A few warm-up calls, then the last call's records are analysed:
   - CTAs, SMs used, waves (CTAs per SM), makespan;
-  - per CTA, median / p10 / p90 (us) of: entry -> K / V, K / V -> first step, the steps' span and
-    the time per step (span / steps), last step -> exit, exit -> CTA end (the dQ writer's drain,
-    the other consumer), the CTA's span (entry -> end);
+  - per CTA, median / p10 / p90 (us) of: entry -> K / V, K / V -> first step, the steps' span,
+    step 0 in three parts and whole, step 1, each later step, the time per step (span / steps),
+    last step -> exit, exit -> CTA end (the dQ writer's drain, the other consumer), the CTA's
+    span (entry -> end);
   - the idle gaps on each SM between one CTA's end and the next CTA's entry;
   - the fixed cost per CTA: median of (span - steps x per-step), per-step the median over CTAs,
     and a least-squares fit span = fixed + per_step x steps where step counts differ (causal).
@@ -30,17 +32,23 @@ from pathlib import Path
 import numpy as np
 
 # the words of a CTA's record (bwd_sm90.TIMELINE_FIELDS, the .cu's kTl* indices)
-WORDS = 12
+WORDS = 16
 FIELDS = {"id": 0, "block": 1, "entry": 2, "first_tma": 3, "produced": 4, "kv": 5,
-          "first_step": 6, "last_step": 7, "exit0": 8, "exit1": 9, "dq_end": 10, "merged": 11}
+          "first_step": 6, "last_step": 7, "exit0": 8, "exit1": 9, "dq_end": 10, "merged": 11,
+          "s0": 12, "bar0": 13, "end0": 14, "end1": 15}
 TIMES = ("entry", "first_tma", "produced", "kv", "first_step", "last_step", "exit0", "exit1",
-         "dq_end", "merged")
+         "dq_end", "merged", "s0", "bar0", "end0", "end1")
 # (label, from, to) of the per-CTA intervals the summary reports; "end" is the CTA's last time
 PHASES = (
     ("entry -> first TMA issue", "entry", "first_tma"),
     ("entry -> K/V arrival", "entry", "kv"),
     ("K/V arrival -> first step", "kv", "first_step"),
     ("steps span (first -> last step)", "first_step", "last_step"),
+    ("step 0: issue -> S^T landed", "first_step", "s0"),
+    ("step 0: S^T landed -> dS^T barrier", "s0", "bar0"),
+    ("step 0: dS^T barrier -> done", "bar0", "end0"),
+    ("step 0 (first step -> its end)", "first_step", "end0"),
+    ("step 1 (step 0's end -> its end)", "end0", "end1"),
     ("last step -> exit (epilogue)", "last_step", "exit0"),
     ("last step -> dK / dV summed (pieces)", "last_step", "merged"),
     ("exit -> CTA end", "exit0", "end"),
@@ -100,6 +108,9 @@ def summarise(records: list[dict], grid_ctas: int | None = None) -> dict:
     stepped = [r for r in records if r["steps"] > 0]
     per_step = [(r["last_step"] - r["first_step"]) / r["steps"] for r in stepped]
     phases["time per step (span / steps)"] = _stats(per_step)
+    phases["each step after step 1 ((last - step 1's end) / (steps - 2))"] = _stats(
+        [(r["last_step"] - r["end1"]) / (r["steps"] - 2) for r in stepped
+         if r["steps"] > 2 and r["end1"]])
     t_step = float(np.median(per_step)) if per_step else 0.0  # ns
     spans = np.array([r["end"] - r["entry"] for r in records], dtype=np.float64)
     steps = np.array([r["steps"] for r in records], dtype=np.float64)

@@ -189,10 +189,10 @@ DESC_ADD64_DIMS = (64,)
 FENCE_DIMS = ()
 # FC_TIMELINE: uint64 words per CTA in the timeline buffer (kTimelineWords) and what each holds
 # (the .cu's kTl* indices; scripts/sm90_bwd_timeline.py decodes them)
-TIMELINE_WORDS = 12
+TIMELINE_WORDS = 16
 TIMELINE_FIELDS = {"id": 0, "block": 1, "entry": 2, "first_tma": 3, "produced": 4, "kv": 5,
                    "first_step": 6, "last_step": 7, "exit0": 8, "exit1": 9, "dq_end": 10,
-                   "merged": 11}
+                   "merged": 11, "s0": 12, "bar0": 13, "end0": 14, "end1": 15}
 
 
 @dataclass(frozen=True)

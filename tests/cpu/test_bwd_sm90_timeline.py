@@ -25,8 +25,9 @@ from .sm90_compile import ARCH, assert_compiled_clean, dump, param_table
 
 KERNEL = Path(bwd_sm90.__file__).resolve().parents[1] / "kernels" / bwd_sm90.SOURCE
 # clock reads of the timeline build: entry, first TMA, producer done, K / V, first step, last
-# step, exit (one site, both consumers), the dQ writer's end (the defaults have a writer warp)
-MARKS = 8
+# step, exit (one site, both consumers), the dQ writer's end (the defaults have a writer warp);
+# inside the step loop step 0's S^T and dS^T barrier, steps 0 / 1's ends (one site)
+MARKS = 11
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +86,12 @@ def test_timeline_layout_matches_the_kernel_and_the_script(tl):
         kernel["DqEnd"])
     merged = int(re.search(r"constexpr int kTlMerged = (\d+);", src).group(1))
     assert fields["merged"] == merged and merged not in kernel.values()
-    assert max(fields.values()) < words
+    decl = re.search(r"constexpr int (kTlS0 = [^;]*);", src).group(1)
+    steps = {name: int(v) for name, v in re.findall(r"kTl(\w+) = (\d+)", decl)}
+    assert steps == {"S0": fields["s0"], "Bar0": fields["bar0"], "End0": fields["end0"],
+                     "End1": fields["end1"]}
+    used = [*kernel.values(), kernel["Exit"] + 1, merged, *steps.values()]
+    assert sorted(used) == list(range(words)) == sorted(fields.values())
 
 
 def test_timeline_shape_is_the_grid():
@@ -173,27 +179,33 @@ def _buffer(rows, ctas):
         bx, by, bz = r.get("block", (r["cta"], 0, 0))
         w[f["block"]] = (bz << 48) | (by << 32) | bx
         for name in ("entry", "first_tma", "produced", "kv", "first_step", "last_step", "exit0",
-                     "exit1", "dq_end"):
+                     "exit1", "dq_end", "s0", "bar0", "end0", "end1"):
             w[f[name]] = r.get(name, 0)
     return buf.reshape(-1)
 
 
-def _synthetic(fixed_pre=3000, fill=1000, per_step=2400, epilogue=2000, drain=500, gap=700):
+def _synthetic(fixed_pre=3000, fill=1000, per_step=2400, epilogue=2000, drain=500, gap=700,
+               step0=2400, step1=2400):
     """Two SMs, CTAs back to back on each with `gap` ns between them; steps 1..6: every phase
-    known, the CTA span = fixed_pre + fill + steps x per_step + epilogue + drain."""
+    known, the CTA span = fixed_pre + fill + step0 + step1 + (steps - 2) x per_step + epilogue
+    + drain (step 0 alone in a one-step CTA); step 0's S^T lands 300 ns into it, its dS^T barrier
+    1300 ns."""
     rows, clock = [], {0: 10_000, 1: 10_500}
     for cta, steps in enumerate([1, 2, 3, 4, 5, 6, 6, 5, 4, 3]):
         sm = cta % 2
         entry = clock[sm]
         kv = entry + fixed_pre
         first = kv + fill
-        last = first + steps * per_step
+        end0 = first + step0
+        end1 = end0 + step1 if steps > 1 else 0
+        last = end1 + (steps - 2) * per_step if steps > 1 else end0
         exit0 = last + epilogue
         end = exit0 + drain
         rows.append({"cta": cta, "sm": sm, "steps": steps, "block": (cta, 1, 2), "entry": entry,
                      "first_tma": entry + 100, "produced": first, "kv": kv,
                      "first_step": first, "last_step": last, "exit0": exit0,
-                     "exit1": exit0 + 10, "dq_end": end})
+                     "exit1": exit0 + 10, "dq_end": end, "s0": first + 300,
+                     "bar0": first + 1300, "end0": end0, "end1": end1})
         clock[sm] = end + gap
     return rows
 
@@ -205,7 +217,7 @@ def test_decode_reads_every_word(tl):
     g = got[3]
     assert (g["cta"], g["sm"], g["steps"], g["block"]) == (3, 1, 4, [3, 1, 2])
     for name in ("entry", "first_tma", "kv", "first_step", "last_step", "exit0", "exit1",
-                 "dq_end"):
+                 "dq_end", "s0", "bar0", "end0", "end1"):
         assert g[name] == rows[3][name]
     assert g["end"] == rows[3]["dq_end"]
 
@@ -242,6 +254,25 @@ def test_summary_recovers_the_phases_the_fixed_cost_and_the_gaps(tl):
     assert "10 CTAs (grid 10) on 2 SMs: 5.00 waves" in text
     assert "fixed cost per CTA (span - steps x 2.400 us): median 6.50 us" in text
     assert "fit: span = 6.50 us + 2.400 us per step" in text
+
+
+def test_summary_splits_step_0_and_step_1_from_the_later_steps(tl):
+    """A slow first step (a causal CTA's masked one) and step 1 apart from the steps after them:
+    step 0 in its three parts, then each step after step 1 over the CTAs of 3 or more steps."""
+    s = tl.summarise(tl.decode(_buffer(_synthetic(step0=3100, step1=2600), 10)), 10)
+    p = s["phases_us"]
+    assert p["step 0: issue -> S^T landed"]["median"] == pytest.approx(0.3)
+    assert p["step 0: S^T landed -> dS^T barrier"]["median"] == pytest.approx(1.0)
+    assert p["step 0: dS^T barrier -> done"]["median"] == pytest.approx(1.8)
+    assert p["step 0 (first step -> its end)"]["median"] == pytest.approx(3.1)
+    assert p["step 0 (first step -> its end)"]["count"] == 10
+    assert p["step 1 (step 0's end -> its end)"]["median"] == pytest.approx(2.6)
+    assert p["step 1 (step 0's end -> its end)"]["count"] == 9  # not the one-step CTA
+    later = p["each step after step 1 ((last - step 1's end) / (steps - 2))"]
+    assert later["count"] == 8 and later["median"] == pytest.approx(2.4)
+    assert later["p10"] == pytest.approx(2.4) and later["p90"] == pytest.approx(2.4)
+    text = tl.report(s)
+    assert "step 0 (first step -> its end)" in text and "step 1 (step 0's end" in text
 
 
 def test_summary_without_steps_or_slope(tl):

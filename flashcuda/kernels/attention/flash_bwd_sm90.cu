@@ -433,13 +433,20 @@ static_assert(!FC_WAVE_SPLIT || !FC_LPT_TAIL, "FC_WAVE_SPLIT: the grid in blockI
 //   kTlExit      dK / dV stores issued (the end of the epilogue)   t128; + 1: t256
 //   kTlDqEnd     the dQ writer warp's last reduction complete (its lane 0)
 //   kTlMerged    FC_WAVE_SPLIT = 2: the piece's dK / dV sums and step count done   t128
+//   kTlS0        step 0's S^T landed (after its wait; dP^T may still run)          t128
+//   kTlBar0      step 0's dS^T barrier passed (both consumers' dS^T in shared)     t128
+//   kTlEnd0      step 0 done (dK's wait passed, its stage released)               t128
+//   kTlEnd1      step 1 done, as kTlEnd0 (CTAs of 2 or more steps)                t128
+// (the step marks: a causal CTA's step 0 is its masked one; against an unmasked CTA's step 0
+// and the steps after it, they say what the masked step costs and where inside the step)
 // (a piece that is not its item's last exits after kTlMerged: its kTlExit is that time)
 // Single-thread stores straight to the buffer (no value held across the step loop, so the
 // consumers' registers are the default build's); globaltimer_ns (sm90.cuh) keeps program order.
 constexpr int kTlId = 0, kTlBlock = 1, kTlEntry = 2, kTlFirstTma = 3, kTlProduced = 4,
               kTlKv = 5, kTlFirst = 6, kTlLast = 7, kTlExit = 8, kTlDqEnd = 10;
 [[maybe_unused]] constexpr int kTlMerged = 11;
-constexpr int kTimelineWords = 12;
+constexpr int kTlS0 = 12, kTlBar0 = 13, kTlEnd0 = 14, kTlEnd1 = 15;
+constexpr int kTimelineWords = 16;
 
 // One record per CTA, at its place in blockIdx order.
 __device__ __forceinline__ uint64_t* timeline_record(uint64_t* timeline) {
@@ -1008,6 +1015,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #endif
     wgmma_wait<1>();
     wgmma_fence_operands(cs.s);
+#if FC_TIMELINE
+    if (it == 0 && threadIdx.x == 128) timeline_mark(timeline, kTlS0);
+#endif
     if (masked) {
       cs.probs<true, 0, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
     } else {
@@ -1042,6 +1052,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     }
     fence_proxy_async();
     named_barrier_sync(1, 128 * kConsumers);
+#if FC_TIMELINE
+    if (it == 0 && threadIdx.x == 128) timeline_mark(timeline, kTlBar0);
+#endif
     wgmma_fence_operands(cs.dq);
     wgmma_fence_operands(cs.dk);
     wgmma_fence();
@@ -1075,6 +1088,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     cs.hold_ds();
     wgmma_fence_operands(cs.dk);
     release(sm.empty(st));
+#if FC_TIMELINE
+    if (it < 2 && threadIdx.x == 128) timeline_mark(timeline, it == 0 ? kTlEnd0 : kTlEnd1);
+#endif
   }
 #if FC_TIMELINE
   if (threadIdx.x == 128) timeline_mark(timeline, kTlLast);
