@@ -413,6 +413,25 @@ def test_dq_spread_compiles_clean(tmp_path):
                                            defines=(("FC_DQ_SPREAD", on),)), tmp_path)
 
 
+def test_mask_never_keeps_the_default_step_code(tmp_path):
+    """FC_MASK_NEVER (diagnostic A/B: the masked path built but never taken) leaves the step
+    loop as the default builds it: no spills, the same instruction count up to the runtime-false
+    test (an FSETP per use, in place of NOPs at d64), the same HGMMA, MUFU.EX2 and SEL counts. (FC_FORCE_MASKED=0, which
+    drops the masked path, spills at d64: it times another loop.)"""
+    def ops(code):
+        return [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9.]+)",
+                                                 code)]
+    for d in (64, 128):
+        cfg = bwd_sm90.select_config(torch.bfloat16, d)
+        default = ops(clean_sass(cfg, tmp_path))
+        never = ops(clean_sass(dataclasses.replace(cfg, defines=(("FC_MASK_NEVER", 1),)),
+                               tmp_path))
+        assert never != default  # the runtime-false test is there
+        assert abs(len(never) - len(default)) <= 4, (d, len(default), len(never))
+        for op in ("HGMMA.64x64x16.F32.BF16", "MUFU.EX2", "SEL", "FSEL"):
+            assert sum(o.startswith(op) for o in never) == sum(o.startswith(op) for o in default)
+
+
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_ds_stmatrix_stores_every_element_where_store_ds_does(head_dim):
     """Consumer::store_ds_stmatrix (FC_DS_STMATRIX) against store_ds, in the [key][query] layout:

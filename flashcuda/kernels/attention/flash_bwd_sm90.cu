@@ -1010,6 +1010,10 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     const float* st_delta = sm.delta_ptr(st) + 2 * t;
 #if defined(FC_FORCE_MASKED)  // (diagnostic A/B: 1 every step masked, 0 none: wrong with a mask)
     const bool masked = FC_FORCE_MASKED;
+#elif defined(FC_MASK_NEVER)  // (diagnostic A/B: both paths built, the masked one never taken:
+    // wrong with a mask; a runtime-false test, where FC_FORCE_MASKED=0 lets ptxas drop the
+    // masked path and reallocate the step's registers)
+    const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + wg_key0, 64) && scale_log2 < 0.f;
 #else
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + wg_key0, 64);
 #endif
