@@ -432,22 +432,6 @@ def test_mask_never_keeps_the_default_step_code(tmp_path):
             assert sum(o.startswith(op) for o in never) == sum(o.startswith(op) for o in default)
 
 
-def test_epi_shuffle_first_transposes_before_it_stores(tmp_path):
-    """FC_EPI_SHUFFLE_FIRST (A/B): the dK / dV epilogue's quad transposes (SHFL.BFLY) all come
-    before its first 16-byte store; the default interleaves them. Both build clean."""
-    for d in (64, 128):
-        cfg = bwd_sm90.select_config(torch.bfloat16, d)
-        for on in (0, 1):
-            code = clean_sass(dataclasses.replace(cfg, defines=(("FC_EPI_SHUFFLE_FIRST", on),)),
-                              tmp_path)
-            ops = re.findall(r"\b(SHFL\.BFLY|STG\.E\.128)\b", code)
-            epilogue = ops[ops.index("SHFL.BFLY"):]  # (no shuffle before the epilogue)
-            assert epilogue.count("SHFL.BFLY") == 2 * 2 * (d // 32) * 4  # dK, dV: 4 per chunk
-            assert epilogue.count("STG.E.128") == 2 * 2 * (d // 32)  # 2 rows x dK, dV x chunks
-            last_shfl = len(epilogue) - 1 - epilogue[::-1].index("SHFL.BFLY")
-            assert (last_shfl < epilogue.index("STG.E.128")) == bool(on), (d, on, epilogue)
-
-
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_ds_stmatrix_stores_every_element_where_store_ds_does(head_dim):
     """Consumer::store_ds_stmatrix (FC_DS_STMATRIX) against store_ds, in the [key][query] layout:

@@ -47,7 +47,9 @@
 //                 FC_DQ_SWAP (FC_DS_K_MAJOR bring-up); in session 50 (H100, perf-notes), a masked
 //                 step by k16 steps classed per warp (hidden ones zero without exp2s: no faster,
 //                 FC_MASK_BLOCKS), the diagonal's hidden k16 steps left out of the dV / dK / dQ
-//                 chains (FC_MASK_SKIP: a loss) and stage_dq from four bases (FC_DQ_BASES: noise)
+//                 chains (FC_MASK_SKIP: a loss) and stage_dq from four bases (FC_DQ_BASES: noise);
+//                 in session 51 the epilogue's transposes all before its stores
+//                 (FC_EPI_SHUFFLE_FIRST: even)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // This is part MAIN of the backward; flashcuda/ops/bwd_sm90.py runs bwd_sm80's PRE (delta =
@@ -411,9 +413,6 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 3, "FC_WAVE_SPLIT: 0, 1 (MA
 // consumers' loop moves d64's wgmma descriptors into vector registers (R2UR 22 -> 111); the
 // remap's arithmetic with blockIdx order kept loses as much (-4.5 to -9.5%), the order itself
 // gains +1 to +3%: d64's causal calls take FC_WAVE_SPLIT = 3's tail grid instead.
-#ifndef FC_EPI_SHUFFLE_FIRST
-#define FC_EPI_SHUFFLE_FIRST 0  // 1 (A/B): the epilogue's transposes all before its stores
-#endif
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
@@ -1153,42 +1152,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   // then tensor stores, also per consumer with dV first — measured 1-4% slower here, sessions
   // 34 / 37: the time is the 64 KB leaving the SM, not the instructions. Removed in session 39.)
   // (store_row_v4's transposes, written out for dK and dV together: the measured SASS)
-#if FC_EPI_SHUFFLE_FIRST
-  // (A/B: every transpose before the first store. Session 34's ncu put ~60% of the epilogue's
-  // stall samples on the selects after its shuffles, short scoreboard: shuffles queued in the
-  // MIO behind the stores of the chunks before them?)
-  uint32_t kw[2][kHeadDim / 32][4], vw[2][kHeadDim / 32][4];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-    for (int c4 = 0; c4 < kHeadDim / 32; ++c4) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float* kk = &cs.dk[4 * (4 * c4 + i) + 2 * hh];
-        const float* vv = &cs.dv[4 * (4 * c4 + i) + 2 * hh];
-        kw[hh][c4][i] = pack2<T>(kk[0] * k_scale, kk[1] * k_scale);
-        vw[hh][c4][i] = pack2<T>(vv[0] * v_scale, vv[1] * v_scale);
-      }
-      quad_transpose(kw[hh][c4], t);
-      quad_transpose(vw[hh][c4], t);
-    }
-  }
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int key = n0 + key_row + 8 * hh;
-    uint4* k_row = reinterpret_cast<uint4*>(dk + batch * dk_sb + key * dk_ss + head_kv * dk_sh);
-    uint4* v_row = reinterpret_cast<uint4*>(dv + batch * dv_sb + key * dv_ss + head_kv * dv_sh);
-    if (key < seqlen_k) {
-#pragma unroll
-      for (int c4 = 0; c4 < kHeadDim / 32; ++c4) {
-        const uint32_t* a = kw[hh][c4];
-        const uint32_t* b = vw[hh][c4];
-        k_row[4 * c4 + t] = make_uint4(a[0], a[1], a[2], a[3]);
-        v_row[4 * c4 + t] = make_uint4(b[0], b[1], b[2], b[3]);
-      }
-    }
-  }
-#else
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int key = n0 + key_row + 8 * hh;
@@ -1212,7 +1175,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       }
     }
   }
-#endif
 #if FC_TIMELINE
   timeline_close(timeline, c, own_steps(steps, count));
 #endif
