@@ -432,18 +432,6 @@ def test_mask_never_keeps_the_default_step_code(tmp_path):
             assert sum(o.startswith(op) for o in never) == sum(o.startswith(op) for o in default)
 
 
-def test_mask_packed_builds_clean_with_one_prmt_per_word(tmp_path):
-    """FC_MASK_PACKED (A/B): a masked step keeps its visible P^T / dS^T elements by one PRMT
-    (pair_keep) and two ANDs per packed word: kBlockM / 4 PRMT per lane, none in the default;
-    no spills at either head dim (the masked path stays compiled, never taken, so the step
-    keeps the default's schedule: dropping it spilled 36 bytes at d64)."""
-    for d in (64, 128):
-        cfg = bwd_sm90.select_config(torch.bfloat16, d)
-        packed = clean_sass(dataclasses.replace(cfg, defines=(("FC_MASK_PACKED", 1),)), tmp_path)
-        assert len(re.findall(r"\bPRMT\b", packed)) == cfg.block_m // 4
-        assert not re.search(r"\bPRMT\b", clean_sass(cfg, tmp_path))
-
-
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_ds_stmatrix_stores_every_element_where_store_ds_does(head_dim):
     """Consumer::store_ds_stmatrix (FC_DS_STMATRIX) against store_ds, in the [key][query] layout:

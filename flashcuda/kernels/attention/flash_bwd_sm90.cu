@@ -49,7 +49,8 @@
 //                 FC_MASK_BLOCKS), the diagonal's hidden k16 steps left out of the dV / dK / dQ
 //                 chains (FC_MASK_SKIP: a loss) and stage_dq from four bases (FC_DQ_BASES: noise);
 //                 in session 51 the epilogue's transposes all before its stores
-//                 (FC_EPI_SHUFFLE_FIRST: even)
+//                 (FC_EPI_SHUFFLE_FIRST: even) and a masked step as an unmasked one plus an
+//                 AND of its packed P^T / dS^T words (FC_MASK_PACKED: a loss)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // This is part MAIN of the backward; flashcuda/ops/bwd_sm90.py runs bwd_sm80's PRE (delta =
@@ -413,9 +414,6 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 3, "FC_WAVE_SPLIT: 0, 1 (MA
 // consumers' loop moves d64's wgmma descriptors into vector registers (R2UR 22 -> 111); the
 // remap's arithmetic with blockIdx order kept loses as much (-4.5 to -9.5%), the order itself
 // gains +1 to +3%: d64's causal calls take FC_WAVE_SPLIT = 3's tail grid instead.
-#ifndef FC_MASK_PACKED
-#define FC_MASK_PACKED 0  // 1 (A/B): masked steps zero their hidden P^T / dS^T in the packed words
-#endif
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
@@ -760,37 +758,6 @@ struct Consumer {
     }
   }
 
-  // FC_MASK_PACKED (A/B): a masked step computes P^T and dS^T as an unmasked one, packs them,
-  // then keeps only the elements whose query sees the key: per key row of the lane (key0,
-  // key0 + 8) the visible columns of col0 + 8j + e as fragment_bits, word (kk, r) of k16 step
-  // kk (n8 block 2kk + r / 2, key row r % 2) ANDed with its pair_keep. A hidden element's P^T
-  // (even inf or NaN: no lse2 bounds its score) and dS^T become +0, as the masked path's.
-  __device__ __forceinline__ void keep_visible(const Mask& mask, int key0, int col0) {
-    uint32_t bits[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int key = key0 + 8 * h;
-      const int a = key - col0 - mask.shift();  // column col0 + c: d = a - c (mask.cuh)
-      bits[h] = key < mask.seqlen_k
-                    ? fragment_bits<kBlockM / 8>(a - mask.window_right, a + mask.window_left + 1)
-                    : 0u;
-    }
-    uint32_t shifted[2][8];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int sh = 0; sh < 8; ++sh) shifted[h][sh] = bits[h] << sh;
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const uint32_t keep = pair_keep(shifted[r & 1], 2 * kk + (r >> 1));
-        p16[kk][r] &= keep;
-        ds16[kk][r] &= keep;
-      }
-    }
-  }
-
   // fp32 C fragments -> 16-bit A fragments: n8 blocks 2kk, 2kk + 1 are k16 step kk.
   __device__ __forceinline__ static void pack(uint32_t (&a)[kBlockM / 16][4],
                                               const float (&c)[kBlockM / 2]) {
@@ -1058,14 +1025,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_TIMELINE
     if (it == 0 && threadIdx.x == 128) timeline_mark(timeline, kTlS0);
 #endif
-#if FC_MASK_PACKED
-    // (the masked path kept but never taken, as FC_MASK_NEVER's: without it ptxas schedules the
-    // unmasked path alone differently and spills 36 bytes at d64)
-    const bool masked_path = masked && scale_log2 < 0.f;
-#else
-    const bool masked_path = masked;
-#endif
-    if (masked_path) {
+    if (masked) {
       cs.probs<true, 0, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
     } else {
       cs.probs<false, 0, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
@@ -1073,7 +1033,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     wgmma_wait<0>();
     wgmma_fence_operands(cs.dp);
     // (FC_PROBS_EARLY: the rest of P^T here, beside dS^T of the first blocks)
-    if (masked_path) {
+    if (masked) {
       cs.probs<true, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
       cs.dsoftmax<true>(st_delta);
     } else {
@@ -1082,9 +1042,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     }
     Consumer::pack(cs.p16, cs.s);
     Consumer::pack(cs.ds16, cs.dp);
-#if FC_MASK_PACKED
-    if (masked) cs.keep_visible(mask, n0 + key_row, m0 + 2 * t);
-#endif
 
     // FA3's order: dV (a group), dS^T -> shared + barrier, dQ (a group), dK (a group); the dQ
     // epilogue below runs once dV and dQ are done, while the tensor cores still compute dK.

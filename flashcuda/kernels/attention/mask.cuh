@@ -127,22 +127,3 @@ __device__ __forceinline__ uint32_t fragment_bits(int lo, int hi) {
   return upto_b & ~upto_a;
 }
 
-// fragment_bits' pair j (columns 8j, 8j + 1 of a lane's row) widened over the two halves of a
-// packed 16-bit pair: 0xffff where the column is visible, 0 where not, for an AND with the packed
-// word (the sm90 backward's FC_MASK_PACKED). `shifted`: the bits shifted left by s = 0 .. 7, so
-// bit i sits in the sign bit of byte i / 8 of shifted[7 - i % 8]; one prmt then replicates the
-// sign bits of pair j's two bits over the halves. j: a constant after unrolling.
-__device__ __forceinline__ uint32_t pair_keep(const uint32_t (&shifted)[8], int j) {
-  const int s = 7 - (2 * j) % 8;  // bit 2j: byte j / 4 of shifted[s]; bit 2j + 1: of shifted[s - 1]
-  const uint32_t byte = static_cast<uint32_t>(j / 4);
-#if defined(FC_HOST_EMULATION)
-  return ((shifted[s] >> (8 * byte + 7)) & 1u ? 0x0000ffffu : 0u) |
-         ((shifted[s - 1] >> (8 * byte + 7)) & 1u ? 0xffff0000u : 0u);
-#else
-  const uint32_t lo = 8u | byte, hi = 12u | byte;  // sign-replicated byte of the first / second
-  uint32_t keep;
-  asm("prmt.b32 %0, %1, %2, %3;"
-      : "=r"(keep) : "r"(shifted[s]), "r"(shifted[s - 1]), "r"(lo | lo << 4 | hi << 8 | hi << 12));
-  return keep;
-#endif
-}
