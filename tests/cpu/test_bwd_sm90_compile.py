@@ -415,12 +415,14 @@ def test_dq_spread_compiles_clean(tmp_path):
 
 def test_mask_never_keeps_the_default_step_code(tmp_path):
     """FC_MASK_NEVER (diagnostic A/B: the masked path built but never taken) leaves the step
-    loop as the default builds it: no spills, the same instruction count up to the runtime-false
-    test (an FSETP per use, in place of NOPs at d64), the same HGMMA, MUFU.EX2 and SEL counts. (FC_FORCE_MASKED=0, which
-    drops the masked path, spills at d64: it times another loop.)"""
+    loop as the default builds it: no spills, the same instruction count up to the
+    runtime-false test (an FSETP per use, in place of NOPs at d64), the same HGMMA, MUFU.EX2
+    and SEL counts. (FC_FORCE_MASKED=0, which drops the masked path, spills at d64: it times
+    another loop.)"""
+    op = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9.]+)")
+
     def ops(code):
-        return [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9.]+)",
-                                                 code)]
+        return [m.group(1) for m in op.finditer(code)]
     for d in (64, 128):
         cfg = bwd_sm90.select_config(torch.bfloat16, d)
         default = ops(clean_sass(cfg, tmp_path))

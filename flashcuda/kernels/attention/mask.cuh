@@ -126,4 +126,3 @@ __device__ __forceinline__ uint32_t fragment_bits(int lo, int hi) {
   const uint32_t upto_a = a >= 32 ? 0xffffffffu : (1u << a) - 1u;
   return upto_b & ~upto_a;
 }
-
