@@ -419,10 +419,10 @@ def test_mask_never_keeps_the_default_step_code(tmp_path):
     runtime-false test (an FSETP per use, in place of NOPs at d64), the same HGMMA, MUFU.EX2
     and SEL counts. (FC_FORCE_MASKED=0, which drops the masked path, spills at d64: it times
     another loop.)"""
-    op = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9.]+)")
+    pattern = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9.]+)")
 
     def ops(code):
-        return [m.group(1) for m in op.finditer(code)]
+        return [m.group(1) for m in pattern.finditer(code)]
     for d in (64, 128):
         cfg = bwd_sm90.select_config(torch.bfloat16, d)
         default = ops(clean_sass(cfg, tmp_path))
