@@ -36,7 +36,9 @@
 #              (default: the serving shape 1 2048 32 128 and 4 4096 16 128, causal), both
 #              work-tile orders: timeline-*.json / .png, a summary per run
 #   timeline-bwd  the sm90 backward's per-CTA timeline (scripts/sm90_bwd_timeline.py: entry, K / V
-#              arrival, first / last step, exit per CTA; fixed cost per CTA, idle gaps per SM) at
+#              arrival, first / last step, step 0 split at its S^T wait and dS^T barrier, step
+#              1's end, exit per CTA; fixed cost per CTA, idle gaps per SM; the kernel's defines
+#              from FLASHCUDA_SM90_BWD_DEFINES, e.g. FC_MASK_NEVER=1) at
 #              TIMELINE_BWD_SHAPES, ";"-separated, each "B S H D [options]" (default "4 1024 16
 #              128;4 4096 16 128;4 4096 16 128 --causal"; options: --causal, --kv-heads N):
 #              timeline-bwd-*.json / .png, timeline-bwd.txt
