@@ -31,6 +31,7 @@ from flashcuda.ops.bwd_sm90 import (
 )
 from flashcuda.ops.call import BwdCall
 
+from . import script_module
 from .sm90_compile import (
     ARCH,
     assert_compiled_clean,
@@ -419,10 +420,12 @@ def test_mask_never_keeps_the_default_step_code(tmp_path):
     runtime-false test (an FSETP per use, in place of NOPs at d64), the same HGMMA, MUFU.EX2
     and SEL counts. (FC_FORCE_MASKED=0, which drops the masked path, spills at d64: it times
     another loop.)"""
-    pattern = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9.]+)")
+    sass_loop = script_module.load("sass_loop")
 
-    def ops(code):
-        return [m.group(1) for m in pattern.finditer(code)]
+    def ops(code):  # each instruction's opcode and modifiers, its predicate left out
+        return [text.split()[1] if text.startswith("@") else text.split()[0]
+                for _, text in sass_loop.instructions(code)]
+
     for d in (64, 128):
         cfg = bwd_sm90.select_config(torch.bfloat16, d)
         default = ops(clean_sass(cfg, tmp_path))
