@@ -437,52 +437,6 @@ def test_mask_never_keeps_the_default_step_code(tmp_path):
             assert sum(o.startswith(op) for o in never) == sum(o.startswith(op) for o in default)
 
 
-def test_mask_pre_tests_bits_in_place_of_the_band(tmp_path):
-    """FC_MASK_PRE=1 (A/B): the masked step's visible columns as bits computed before the GEMM
-    wait; its masked P^T tests them (R2P) instead of comparing each column against the band, so
-    the kernel has R2P and far fewer ISETP than the default, the same HGMMA count (MUFU.EX2 within
-    a few), and no spills at both head dims."""
-    sass_loop = script_module.load("sass_loop")
-
-    def ops(code):
-        return [text.split()[1] if text.startswith("@") else text.split()[0]
-                for _, text in sass_loop.instructions(code)]
-
-    def count(seq, op):
-        return sum(o.startswith(op) for o in seq)
-
-    for d in (64, 128):
-        cfg = bwd_sm90.select_config(torch.bfloat16, d)
-        default = ops(clean_sass(cfg, tmp_path))
-        pre = ops(clean_sass(dataclasses.replace(cfg, defines=(("FC_MASK_PRE", 1),)), tmp_path))
-        assert count(default, "R2P") == 0 < count(pre, "R2P"), d
-        assert count(pre, "ISETP") < count(default, "ISETP") - 16, d
-        assert count(pre, "HGMMA") == count(default, "HGMMA"), d
-        # (the two P^T paths' exp2s: ptxas may share a few between them)
-        assert abs(count(pre, "MUFU.EX2") - count(default, "MUFU.EX2")) <= 4, d
-
-
-def test_dv_last_moves_the_dv_stores_into_the_loop(tmp_path):
-    """FC_DV_LAST=1 (A/B): dV's 16-byte stores are issued in the CTA's last step, before the
-    wait for its dK GEMM; the epilogue keeps dK's (and, for a CTA without steps, dV's). So at
-    least one STG.E.128 comes before the loop's last HGMMA wait, none does in the default, and
-    the kernel builds without spills at both head dims."""
-    sass_loop = script_module.load("sass_loop")
-
-    def first_store_before_last_wait(code):
-        seq = [text for _, text in sass_loop.instructions(code)]
-        waits = [i for i, x in enumerate(seq) if "WARPGROUP.DEPBAR" in x]
-        stores = [i for i, x in enumerate(seq) if "STG.E.128" in x]
-        assert waits and stores
-        return stores[0] < waits[-1]
-
-    for d in (64, 128):
-        cfg = bwd_sm90.select_config(torch.bfloat16, d)
-        assert not first_store_before_last_wait(clean_sass(cfg, tmp_path)), d
-        last = dataclasses.replace(cfg, defines=(("FC_DV_LAST", 1),))
-        assert first_store_before_last_wait(clean_sass(last, tmp_path)), d
-
-
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_ds_stmatrix_stores_every_element_where_store_ds_does(head_dim):
     """Consumer::store_ds_stmatrix (FC_DS_STMATRIX) against store_ds, in the [key][query] layout:

@@ -50,7 +50,10 @@
 //                 chains (FC_MASK_SKIP: a loss) and stage_dq from four bases (FC_DQ_BASES: noise);
 //                 in session 51 the epilogue's transposes all before its stores
 //                 (FC_EPI_SHUFFLE_FIRST: even) and a masked step as an unmasked one plus an
-//                 AND of its packed P^T / dS^T words (FC_MASK_PACKED: a loss)
+//                 AND of its packed P^T / dS^T words (FC_MASK_PACKED: a loss); in session
+//                 52 a masked step's visible columns as bits computed before its GEMM wait
+//                 (FC_MASK_PRE: even) and dV stored in the CTA's last step under its dK GEMM
+//                 (FC_DV_LAST: a loss, 4-11%, growing with the steps per CTA)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // This is part MAIN of the backward; flashcuda/ops/bwd_sm90.py runs bwd_sm80's PRE (delta =
@@ -414,28 +417,9 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 3, "FC_WAVE_SPLIT: 0, 1 (MA
 // consumers' loop moves d64's wgmma descriptors into vector registers (R2UR 22 -> 111); the
 // remap's arithmetic with blockIdx order kept loses as much (-4.5 to -9.5%), the order itself
 // gains +1 to +3%: d64's causal calls take FC_WAVE_SPLIT = 3's tail grid instead.
-// FC_MASK_PRE (A/B, default 0): a masked step computes which of the lane's elements are
-// visible while its S^T / dP^T GEMMs run (mask.cuh's fragment_bits per key row: two registers,
-// bit 2j + c for column col0 + 8j + c), and its masked P^T tests one bit per element after
-// the wait instead of the band's bounds; 1: dS^T's select as the masked path's (where P^T is
-// 0), 2: dS^T's select by the same bits (a visible element whose P^T underflowed to 0 then
-// keeps dS^T = 0 * (dP^T - delta), as an unmasked step's).
-#ifndef FC_MASK_PRE
-#define FC_MASK_PRE 0
-#endif
-static_assert(FC_MASK_PRE >= 0 && FC_MASK_PRE <= 2, "FC_MASK_PRE: 0, 1 or 2");
-// FC_DV_LAST (A/B, default 0): 1: dV leaves in the CTA's last step, once its last GEMM is done
-// (after that step's dQ hand-off, while the tensor cores still compute dK), instead of in the
-// epilogue beside dK: the dV half of the epilogue's stores overlaps the last dK GEMM. (A CTA
-// with no steps stores its zero dV in the epilogue; the watchdog's NaN reaches dV only if it
-// had fired by then.)
-#ifndef FC_DV_LAST
-#define FC_DV_LAST 0
-#endif
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
-static_assert(!FC_DV_LAST || FC_WAVE_SPLIT != 2, "FC_DV_LAST: a piece's dV goes to its slot");
 static_assert(!FC_WAVE_SPLIT || !FC_LPT_TAIL, "FC_WAVE_SPLIT: the grid in blockIdx order");
 #if FC_TIMELINE
 // ---- timeline: where a CTA's time goes (profiling variant) -------------------------------------
@@ -743,10 +727,9 @@ struct Consumer {
   // `col0`: query of column 2t. (Loading lse2 / delta into registers while the step's wgmmas
   // run, FC_STATS_EARLY, measured 0 to -1.8% at d128 in session 12: removed, perf-notes.)
   // Column blocks j of [kJ0, kJ1) only (FC_PROBS_EARLY splits them around the dP^T wait).
-  // FC_MASK_PRE: `vis` (visible_bits) in place of the band's bounds.
   template <bool kMasked, int kJ0 = 0, int kJ1 = kBlockM / 8>
   __device__ __forceinline__ void probs(const float* lse2, float scale_log2, const Mask& mask,
-                                        int key0, int col0, const uint32_t (&vis)[2]) {
+                                        int key0, int col0) {
 #pragma unroll
     for (int j = kJ0; j < kJ1; ++j) {
       const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j);
@@ -754,71 +737,26 @@ struct Consumer {
       for (int e = 0; e < 4; ++e) {
         const float x = fmaf(s[4 * j + e], scale_log2, -((e & 1) ? l2.y : l2.x));
         float p = probs_on_fma(j) ? exp2_fma(x) : fast_exp2(x);
-#if FC_MASK_PRE
-        if (kMasked && !((vis[e >> 1] >> (2 * j + (e & 1))) & 1u)) p = 0.f;
-#else
         if (kMasked && !mask.visible(col0 + 8 * j + (e & 1), key0 + 8 * (e >> 1))) p = 0.f;
-#endif
         s[4 * j + e] = p;
       }
     }
   }
 
-  // FC_MASK_PRE: per key row h of the lane (key0 + 8 h) the visible columns of col0 + 8j + c as
-  // bit 2j + c (mask.visible's band and seqlen_k), computed before the step's GEMM wait.
-  __device__ __forceinline__ static void visible_bits(uint32_t (&vis)[2], const Mask& mask,
-                                                      int key0, int col0) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int key = key0 + 8 * h;
-      const int a = key - col0 - mask.shift();  // column col0 + x: d = a - x (mask.cuh)
-      vis[h] = key < mask.seqlen_k
-                   ? fragment_bits<kBlockM / 8>(a - mask.window_right, a + mask.window_left + 1)
-                   : 0u;
-    }
-  }
-
   // dS^T = P^T o (dP^T - delta[query]) into dp's registers; with kMasked, 0 wherever P^T is 0.
   // `delta`: the stage's delta (shared) at this lane's column 2t.
-  // FC_MASK_PRE = 2: 0 where `vis` says hidden.
   template <bool kMasked, int kJ0 = 0, int kJ1 = kBlockM / 8>
-  __device__ __forceinline__ void dsoftmax(const float* delta, const uint32_t (&vis)[2]) {
+  __device__ __forceinline__ void dsoftmax(const float* delta) {
 #pragma unroll
     for (int j = kJ0; j < kJ1; ++j) {
       const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float ds = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
-#if FC_MASK_PRE == 2
-        if (kMasked && !((vis[e >> 1] >> (2 * j + (e & 1))) & 1u)) ds = 0.f;
-#elif !defined(FC_DS_SELECT) || FC_DS_SELECT  // (diagnostic 0: no select; NaN then leaks)
+#if !defined(FC_DS_SELECT) || FC_DS_SELECT  // (diagnostic 0: no select; NaN then leaks)
         if (kMasked && s[4 * j + e] == 0.f) ds = 0.f;
 #endif
         dp[4 * j + e] = ds;
-      }
-    }
-  }
-
-  // FC_DV_LAST: one gradient accumulator (dK or dV, kHeadDim / 2 floats) times `scale` into
-  // rows key0, key0 + 8 of `base` (row stride `ss`), rows inside seqlen_k only: the epilogue's
-  // packing, quad transposes and 16-byte stores for one of the two.
-  __device__ __forceinline__ static void store_grad(const float (&acc)[kHeadDim / 2], float scale,
-                                                    T* base, int64_t ss, int key0, int seqlen_k,
-                                                    int t) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int key = key0 + 8 * hh;
-      uint4* row = reinterpret_cast<uint4*>(base + key * ss);
-#pragma unroll
-      for (int c4 = 0; c4 < kHeadDim / 32; ++c4) {
-        uint32_t w[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float* a = &acc[4 * (4 * c4 + i) + 2 * hh];
-          w[i] = pack2<T>(a[0] * scale, a[1] * scale);
-        }
-        quad_transpose(w, t);  // (outside the row check: every lane of the quad takes part)
-        if (key < seqlen_k) row[4 * c4 + t] = make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
   }
@@ -1085,29 +1023,25 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #else
     const bool masked = mask.tile_needs_mask(m0, kBlockM, n0 + wg_key0, 64);
 #endif
-    uint32_t vis[2] = {~0u, ~0u};  // (FC_MASK_PRE: computed while the GEMMs run)
-#if FC_MASK_PRE
-    if (masked) Consumer::visible_bits(vis, mask, n0 + key_row, m0 + 2 * t);
-#endif
     wgmma_wait<1>();
     wgmma_fence_operands(cs.s);
 #if FC_TIMELINE
     if (it == 0 && threadIdx.x == 128) timeline_mark(timeline, kTlS0);
 #endif
     if (masked) {
-      cs.probs<true, 0, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t, vis);
+      cs.probs<true, 0, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
     } else {
-      cs.probs<false, 0, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t, vis);
+      cs.probs<false, 0, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
     }
     wgmma_wait<0>();
     wgmma_fence_operands(cs.dp);
     // (FC_PROBS_EARLY: the rest of P^T here, beside dS^T of the first blocks)
     if (masked) {
-      cs.probs<true, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t, vis);
-      cs.dsoftmax<true>(st_delta, vis);
+      cs.probs<true, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+      cs.dsoftmax<true>(st_delta);
     } else {
-      cs.probs<false, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t, vis);
-      cs.dsoftmax<false>(st_delta, vis);
+      cs.probs<false, kProbsEarly>(st_lse2, scale_log2, mask, n0 + key_row, m0 + 2 * t);
+      cs.dsoftmax<false>(st_delta);
     }
     Consumer::pack(cs.p16, cs.s);
     Consumer::pack(cs.ds16, cs.dp);
@@ -1159,13 +1093,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     fence_proxy_async();
     __syncwarp();
     if (lane == 0) mbar_arrive(sm.dq_full());
-#endif
-#if FC_DV_LAST
-    if (it + 1 == own_steps(steps, count)) {  // dV is final: out while dK's GEMM runs
-      const float v_scale = kWatchdog && stuck ? __int_as_float(0x7fc00000) : 1.f;
-      Consumer::store_grad(cs.dv, v_scale, dv + batch * dv_sb + head_kv * dv_sh, dv_ss,
-                           n0 + key_row, seqlen_k, t);
-    }
 #endif
     wgmma_wait<0>();  // dK: then Q / dO of the stage and the dS^T fragments are free
     cs.hold_ds();
@@ -1229,13 +1156,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   // then tensor stores, also per consumer with dV first — measured 1-4% slower here, sessions
   // 34 / 37: the time is the 64 KB leaving the SM, not the instructions. Removed in session 39.)
   // (store_row_v4's transposes, written out for dK and dV together: the measured SASS)
-#if FC_DV_LAST
-  Consumer::store_grad(cs.dk, k_scale, dk + batch * dk_sb + head_kv * dk_sh, dk_ss, n0 + key_row,
-                       seqlen_k, t);
-  if (own_steps(steps, count) == 0)
-    Consumer::store_grad(cs.dv, v_scale, dv + batch * dv_sb + head_kv * dv_sh, dv_ss,
-                         n0 + key_row, seqlen_k, t);
-#else
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int key = n0 + key_row + 8 * hh;
@@ -1259,7 +1179,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
       }
     }
   }
-#endif
 #if FC_TIMELINE
   timeline_close(timeline, c, own_steps(steps, count));
 #endif
