@@ -417,6 +417,13 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 3, "FC_WAVE_SPLIT: 0, 1 (MA
 // consumers' loop moves d64's wgmma descriptors into vector registers (R2UR 22 -> 111); the
 // remap's arithmetic with blockIdx order kept loses as much (-4.5 to -9.5%), the order itself
 // gains +1 to +3%: d64's causal calls take FC_WAVE_SPLIT = 3's tail grid instead.
+// FC_LOOP_PAD = N (diagnostic A/B, default 0): N NANOSLEEP instructions (16 N bytes of code)
+// inside the consumers' step loop behind a runtime-false test, never executed: the step's code
+// is the default's with a longer loop body, where session 52's FC_DV_LAST put its dV block.
+// Does the loop's length alone cost time per step (instruction fetch)?
+#ifndef FC_LOOP_PAD
+#define FC_LOOP_PAD 0
+#endif
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
@@ -1093,6 +1100,12 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     fence_proxy_async();
     __syncwarp();
     if (lane == 0) mbar_arrive(sm.dq_full());
+#endif
+#if FC_LOOP_PAD
+    if (scale_log2 < 0.f) {  // (never: the host passes a positive scale)
+#pragma unroll
+      for (int i = 0; i < FC_LOOP_PAD; ++i) __nanosleep(1 + i);
+    }
 #endif
     wgmma_wait<0>();  // dK: then Q / dO of the stage and the dS^T fragments are free
     cs.hold_ds();
