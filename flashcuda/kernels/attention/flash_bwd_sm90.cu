@@ -424,6 +424,17 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 3, "FC_WAVE_SPLIT: 0, 1 (MA
 #ifndef FC_LOOP_PAD
 #define FC_LOOP_PAD 0
 #endif
+// FC_SPLIT_STEPS (A/B, default 0): 1: the consumers run their steps in runs of masked and of
+// unmasked ones, each run its own loop over one copy of the step (the step a lambda with the
+// mask a compile-time flag), so the unmasked loop's body holds no masked code (in the default
+// the masked path sits inside the loop, ~10 KB of code that an unmasked step jumps over).
+#ifndef FC_SPLIT_STEPS
+#define FC_SPLIT_STEPS 0
+#endif
+#if FC_SPLIT_STEPS && (defined(FC_FORCE_MASKED) || defined(FC_MASK_NEVER))
+#error "FC_SPLIT_STEPS decides masked steps itself"
+#endif
+template <bool B> struct StepKind { static constexpr bool value = B; };
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
@@ -1007,7 +1018,12 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #else
   int step_mi = 0;
 #endif
+#if FC_SPLIT_STEPS
+  auto step = [&](auto kind, int it) {  // (step step0 + it of the item)
+    constexpr bool masked = decltype(kind)::value;
+#else
   for (int it = 0; it < own_steps(steps, count); ++it) {  // (step step0 + it of the item)
+#endif
     const int st = stage_of(it);
     const int m0 = (steps.m_first + step_mi) * kBlockM;
     if (++step_mi == steps.n_m) step_mi = 0;
@@ -1021,7 +1037,8 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 
     const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's columns
     const float* st_delta = sm.delta_ptr(st) + 2 * t;
-#if defined(FC_FORCE_MASKED)  // (diagnostic A/B: 1 every step masked, 0 none: wrong with a mask)
+#if FC_SPLIT_STEPS
+#elif defined(FC_FORCE_MASKED)  // (diagnostic A/B: 1 every step masked, 0 none: wrong with a mask)
     const bool masked = FC_FORCE_MASKED;
 #elif defined(FC_MASK_NEVER)  // (diagnostic A/B: both paths built, the masked one never taken:
     // wrong with a mask; a runtime-false test, where FC_FORCE_MASKED=0 lets ptxas drop the
@@ -1114,7 +1131,25 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_TIMELINE
     if (it < 2 && threadIdx.x == 128) timeline_mark(timeline, it == 0 ? kTlEnd0 : kTlEnd1);
 #endif
+#if FC_SPLIT_STEPS
+  };
+  {
+    const int n_steps = own_steps(steps, count);
+    const auto masked_next = [&]() {  // the next step's tile (step_mi: its query block)
+      return mask.tile_needs_mask((steps.m_first + step_mi) * kBlockM, kBlockM, n0 + wg_key0, 64);
+    };
+    int it = 0;
+    while (it < n_steps) {
+      if (masked_next()) {
+        do step(StepKind<true>{}, it); while (++it < n_steps && masked_next());
+      } else {
+        do step(StepKind<false>{}, it); while (++it < n_steps && !masked_next());
+      }
+    }
   }
+#else
+  }
+#endif
 #if FC_TIMELINE
   if (threadIdx.x == 128) timeline_mark(timeline, kTlLast);
 #endif
