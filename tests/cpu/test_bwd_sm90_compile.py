@@ -437,6 +437,44 @@ def test_mask_never_keeps_the_default_step_code(tmp_path):
             assert sum(o.startswith(op) for o in never) == sum(o.startswith(op) for o in default)
 
 
+def test_loop_pad_lengthens_the_step_loop_only(tmp_path):
+    """FC_LOOP_PAD=N (diagnostic A/B): N never-run NANOSLEEPs inside the step loop, nothing else
+    of the default's work added (the same HGMMA and MUFU.EX2 counts), no spills; two pad
+    lengths differ by their NANOSLEEPs alone (the A/B's pad96 against pad384 rests on that)."""
+    sass_loop = script_module.load("sass_loop")
+
+    def ops(code):
+        return [text.split()[1] if text.startswith("@") else text.split()[0]
+                for _, text in sass_loop.instructions(code)]
+
+    cfg = bwd_sm90.select_config(torch.bfloat16, 64)
+    default = ops(clean_sass(cfg, tmp_path))
+    pads = {n: ops(clean_sass(dataclasses.replace(cfg, defines=(("FC_LOOP_PAD", n),)), tmp_path))
+            for n in (96, 384)}
+    for n, pad in pads.items():
+        assert sum(o.startswith("NANOSLEEP") for o in pad) == n
+        for op in ("HGMMA", "MUFU.EX2"):
+            assert (sum(o.startswith(op) for o in pad) == sum(o.startswith(op) for o in default))
+    rest = {n: [o for o in pad if not o.startswith("NANOSLEEP")] for n, pad in pads.items()}
+    assert rest[96] == rest[384]
+
+
+def test_split_steps_builds_one_loop_per_kind_of_step(tmp_path):
+    """FC_SPLIT_STEPS=1 (A/B): the step as a lambda run by a masked and an unmasked loop, so
+    the kernel holds two copies of the step's GEMMs (twice the default's HGMMA), inlined (no
+    CALL). It compiles, with the spills the perf-notes entry names (12 bytes at d64), so it
+    is not held to the clean-build rule here."""
+    for d in (64, 128):
+        cfg = bwd_sm90.select_config(torch.bfloat16, d)
+        base = compile_spec(cfg.spec(), ARCH)
+        split = compile_spec(dataclasses.replace(cfg, defines=(("FC_SPLIT_STEPS", 1),)).spec(),
+                             ARCH)
+        assert split.cubin and base.cubin
+        sass_b, sass_s = dump(base.cubin, tmp_path, "-sass"), dump(split.cubin, tmp_path, "-sass")
+        assert sass_s.count("HGMMA") == 2 * sass_b.count("HGMMA"), d
+        assert " CALL" not in sass_s
+
+
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_ds_stmatrix_stores_every_element_where_store_ds_does(head_dim):
     """Consumer::store_ds_stmatrix (FC_DS_STMATRIX) against store_ds, in the [key][query] layout:
