@@ -31,7 +31,6 @@ from flashcuda.ops.bwd_sm90 import (
 )
 from flashcuda.ops.call import BwdCall
 
-from . import script_module
 from .sm90_compile import (
     ARCH,
     assert_compiled_clean,
@@ -420,17 +419,11 @@ def test_mask_never_keeps_the_default_step_code(tmp_path):
     runtime-false test (an FSETP per use, in place of NOPs at d64), the same HGMMA, MUFU.EX2
     and SEL counts. (FC_FORCE_MASKED=0, which drops the masked path, spills at d64: it times
     another loop.)"""
-    sass_loop = script_module.load("sass_loop")
-
-    def ops(code):  # each instruction's opcode and modifiers, its predicate left out
-        return [text.split()[1] if text.startswith("@") else text.split()[0]
-                for _, text in sass_loop.instructions(code)]
-
     for d in (64, 128):
         cfg = bwd_sm90.select_config(torch.bfloat16, d)
-        default = ops(clean_sass(cfg, tmp_path))
-        never = ops(clean_sass(dataclasses.replace(cfg, defines=(("FC_MASK_NEVER", 1),)),
-                               tmp_path))
+        default = _opcodes(clean_sass(cfg, tmp_path))
+        never = _opcodes(clean_sass(dataclasses.replace(cfg, defines=(("FC_MASK_NEVER", 1),)),
+                                    tmp_path))
         assert never != default  # the runtime-false test is there
         assert abs(len(never) - len(default)) <= 4, (d, len(default), len(never))
         for op in ("HGMMA.64x64x16.F32.BF16", "MUFU.EX2", "SEL", "FSEL"):
@@ -441,20 +434,15 @@ def test_loop_pad_lengthens_the_step_loop_only(tmp_path):
     """FC_LOOP_PAD=N (diagnostic A/B): N never-run NANOSLEEPs inside the step loop, nothing else
     of the default's work added (the same HGMMA and MUFU.EX2 counts), no spills; two pad
     lengths differ by their NANOSLEEPs alone (the A/B's pad96 against pad384 rests on that)."""
-    sass_loop = script_module.load("sass_loop")
-
-    def ops(code):
-        return [text.split()[1] if text.startswith("@") else text.split()[0]
-                for _, text in sass_loop.instructions(code)]
-
     cfg = bwd_sm90.select_config(torch.bfloat16, 64)
-    default = ops(clean_sass(cfg, tmp_path))
-    pads = {n: ops(clean_sass(dataclasses.replace(cfg, defines=(("FC_LOOP_PAD", n),)), tmp_path))
+    default = _opcodes(clean_sass(cfg, tmp_path))
+    pads = {n: _opcodes(clean_sass(dataclasses.replace(cfg, defines=(("FC_LOOP_PAD", n),)),
+                                   tmp_path))
             for n in (96, 384)}
     for n, pad in pads.items():
         assert sum(o.startswith("NANOSLEEP") for o in pad) == n
         for op in ("HGMMA", "MUFU.EX2"):
-            assert (sum(o.startswith(op) for o in pad) == sum(o.startswith(op) for o in default))
+            assert sum(o.startswith(op) for o in pad) == sum(o.startswith(op) for o in default)
     rest = {n: [o for o in pad if not o.startswith("NANOSLEEP")] for n, pad in pads.items()}
     assert rest[96] == rest[384]
 

@@ -431,10 +431,12 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 3, "FC_WAVE_SPLIT: 0, 1 (MA
 #ifndef FC_SPLIT_STEPS
 #define FC_SPLIT_STEPS 0
 #endif
-#if FC_SPLIT_STEPS && (defined(FC_FORCE_MASKED) || defined(FC_MASK_NEVER))
+#if FC_SPLIT_STEPS
+#if defined(FC_FORCE_MASKED) || defined(FC_MASK_NEVER)
 #error "FC_SPLIT_STEPS decides masked steps itself"
 #endif
-template <bool B> struct StepKind { static constexpr bool value = B; };
+template <bool B> struct StepKind { static constexpr bool value = B; };  // (the step's mask)
+#endif
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
@@ -1037,7 +1039,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 
     const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's columns
     const float* st_delta = sm.delta_ptr(st) + 2 * t;
-#if FC_SPLIT_STEPS
+#if FC_SPLIT_STEPS  // (`masked`: the step lambda's constant)
 #elif defined(FC_FORCE_MASKED)  // (diagnostic A/B: 1 every step masked, 0 none: wrong with a mask)
     const bool masked = FC_FORCE_MASKED;
 #elif defined(FC_MASK_NEVER)  // (diagnostic A/B: both paths built, the masked one never taken:
