@@ -450,17 +450,52 @@ def test_loop_pad_lengthens_the_step_loop_only(tmp_path):
 def test_split_steps_builds_one_loop_per_kind_of_step(tmp_path):
     """FC_SPLIT_STEPS=1 (A/B): the step as a lambda run by a masked and an unmasked loop, so
     the kernel holds two copies of the step's GEMMs (twice the default's HGMMA), inlined (no
-    CALL). It compiles, with the spills the perf-notes entry names (12 bytes at d64), so it
-    is not held to the clean-build rule here."""
+    CALL). At d64, the head dim it is measured at, it builds clean (no spills: stage_dq makes
+    its addresses per step from four bases); d128 compiles, with the spills the perf-notes entry
+    names (112 / 184 bytes), so it is not held to the clean-build rule there."""
     for d in (64, 128):
         cfg = bwd_sm90.select_config(torch.bfloat16, d)
         base = compile_spec(cfg.spec(), ARCH)
-        split = compile_spec(dataclasses.replace(cfg, defines=(("FC_SPLIT_STEPS", 1),)).spec(),
-                             ARCH)
-        assert split.cubin and base.cubin
-        sass_b, sass_s = dump(base.cubin, tmp_path, "-sass"), dump(split.cubin, tmp_path, "-sass")
+        split_cfg = dataclasses.replace(cfg, defines=(("FC_SPLIT_STEPS", 1),))
+        if d == 64:
+            sass_s = clean_sass(split_cfg, tmp_path)
+        else:
+            split = compile_spec(split_cfg.spec(), ARCH)
+            assert split.cubin
+            sass_s = dump(split.cubin, tmp_path, "-sass")
+        sass_b = dump(base.cubin, tmp_path, "-sass")
         assert sass_s.count("HGMMA") == 2 * sass_b.count("HGMMA"), d
         assert " CALL" not in sass_s
+
+
+@pytest.mark.parametrize("spread", (False, True))
+@pytest.mark.parametrize("block_m,head_dim", ((128, 64), (64, 128)))
+def test_split_steps_dq_bases_give_dq_swizzled_addresses(spread, block_m, head_dim):
+    """FC_SPLIT_STEPS's Consumer::stage_dq stores (i, h) at base[i % 4] + (i / 4) kDqBoxBytes +
+    1024 h from four per-lane bases; that must be where dq_swizzled puts (row, col), for every
+    lane, warp and consumer tile (row0 = 64 tm, col0 = 64 td), FC_DQ_SPREAD or not (the .cu's
+    arithmetic, written out twice)."""
+    box = block_m * 128  # kDqBoxBytes
+
+    def swizzled(row, col):  # dq_swizzled, stage 0
+        cc = col & 31
+        return (col >> 5) * box + row * 128 + (((cc >> 2) ^ (row & 7)) << 4) + ((cc & 3) << 2)
+
+    for tm in range(block_m // 64):
+        for td in range(head_dim // 64):
+            row0, col0 = 64 * tm, 64 * td
+            for warp in range(4):
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    odd = spread and g & 1
+                    lane0 = (col0 >> 5) * box + (row0 + 16 * warp + g) * 128 + ((t & 1) << 3)
+                    base = [lane0 + ((((2 * (q ^ 2 if odd else q) + (t >> 1)) ^ g) & 7) << 4)
+                            for q in range(4)]
+                    for i in range(8):
+                        for h in range(2):
+                            j = i ^ 2 if odd else i
+                            want = swizzled(row0 + 16 * warp + g + 8 * h, col0 + 8 * j + 2 * t)
+                            assert base[i & 3] + (i >> 2) * box + 1024 * h == want
 
 
 @pytest.mark.parametrize("head_dim", (64, 128))
