@@ -428,8 +428,9 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 3, "FC_WAVE_SPLIT: 0, 1 (MA
 // unmasked ones, each run its own loop over one copy of the step (the step a lambda with the
 // mask a compile-time flag), so the unmasked loop's body holds no masked code (in the default
 // the masked path sits inside the loop, ~10 KB of code that an unmasked step jumps over).
-// stage_dq then makes its addresses per step from four bases (without that, d64 spilled 12
-// bytes: ptxas held the 16 loop-invariant addresses across the unmasked loop).
+// stage_dq then makes its addresses per step from four bases, and each step its descriptors
+// from the shared base (without that, d64 spilled 12 bytes, d128 112: ptxas held the
+// loop-invariant addresses and descriptors across the loops).
 #ifndef FC_SPLIT_STEPS
 #define FC_SPLIT_STEPS 0
 #endif
@@ -947,7 +948,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
+#if FC_SPLIT_STEPS  // (its steps pass the base through an opaque move)
+  Smem sm{raw + pad, smem_raw + pad};
+#else
   const Smem sm{raw + pad, smem_raw + pad};
+#endif
   // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
@@ -1046,6 +1051,14 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_SPLIT_STEPS
   auto step = [&](auto kind, int it) {  // (step step0 + it of the item)
     constexpr bool masked = decltype(kind)::value;
+    // The step's shared addresses (and from them its wgmma descriptors) are made here, per step:
+    // with two copies of the step ptxas ran out of uniform registers for the loop-invariant
+    // descriptors it hoists and spilled them (d128: 112 bytes); d64 needs the base alone.
+    asm volatile("mov.b32 %0, %0;\n" : "+r"(sm.base));
+    if constexpr (kHeadDim > 64) {
+      asm volatile("mov.b32 %0, %0;\n" : "+r"(cs.k_rows));
+      asm volatile("mov.b32 %0, %0;\n" : "+r"(cs.v_rows));
+    }
 #else
   for (int it = 0; it < own_steps(steps, count); ++it) {  // (step step0 + it of the item)
 #endif
