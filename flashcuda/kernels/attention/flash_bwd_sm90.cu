@@ -428,9 +428,9 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 3, "FC_WAVE_SPLIT: 0, 1 (MA
 // unmasked ones, each run its own loop over one copy of the step (the step a lambda with the
 // mask a compile-time flag), so the unmasked loop's body holds no masked code (in the default
 // the masked path sits inside the loop, ~10 KB of code that an unmasked step jumps over).
-// stage_dq then makes its addresses per step from four bases, and each step its descriptors
-// from the shared base (without that, d64 spilled 12 bytes, d128 112: ptxas held the
-// loop-invariant addresses and descriptors across the loops).
+// Each step then makes its shared addresses and descriptors from the shared base, passed
+// through an opaque move, and stage_dq its addresses from four bases (without that, d64
+// spilled 12 bytes, d128 112: ptxas held the loop-invariant ones across the loops).
 #ifndef FC_SPLIT_STEPS
 #define FC_SPLIT_STEPS 0
 #endif
@@ -871,20 +871,20 @@ struct Consumer {
   // float2 (row row0 + 16w + g + 8h, columns col0 + 8j + 2t, + 1).
   __device__ __forceinline__ void stage_dq(uint32_t stage, int row0, int col0, int warp, int g,
                                            int t) const {
+    // FC_DQ_SPREAD: lanes of odd g store fragment i ^ 2 at step i (see dq_swizzled)
+    const bool swap = kDqSpread && (g & 1);
 #if FC_SPLIT_STEPS
     // The 16 addresses from four per-lane bases (row0 % 8 == 0, col0 % 64 == 0: row % 8 is g,
     // column block j's 16-byte chunk (2 (j % 4) + t / 2) ^ g, its box col0 / 32 + j / 4): store
-    // (i, h) at base[i % 4] + (i / 4) kDqBoxBytes + 1024 h. `stage` passes through an opaque
-    // move, so ptxas makes them here, per step, rather than holding all 16 across the step loop
-    // (they are loop-invariant): in the unmasked-only loop that held set spilled (d64).
-    asm volatile("mov.b32 %0, %0;\n" : "+r"(stage));
-    const bool odd = kDqSpread && (g & 1);
+    // (i, h) at base[i % 4] + (i / 4) kDqBoxBytes + 1024 h. The step passes the shared base
+    // through an opaque move, so these are made per step; held as 16 across the loops, they
+    // spilled (d64).
     const uint32_t lane0 = stage + (col0 >> 5) * kDqBoxBytes + (row0 + 16 * warp + g) * 128 +
                            ((t & 1) << 3);
     uint32_t base[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const int jq = odd ? q ^ 2 : q;
+      const int jq = swap ? q ^ 2 : q;
       base[q] = lane0 + ((((2 * jq + (t >> 1)) ^ g) & 7) << 4);
     }
 #endif
@@ -892,8 +892,6 @@ struct Consumer {
     for (int i = 0; i < 8; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        // FC_DQ_SPREAD: lanes of odd g store fragment i ^ 2 at this step (see dq_swizzled)
-        const bool swap = kDqSpread && (g & 1);
         const float x = swap ? dq[4 * (i ^ 2) + 2 * h] : dq[4 * i + 2 * h];
         const float y = swap ? dq[4 * (i ^ 2) + 2 * h + 1] : dq[4 * i + 2 * h + 1];
 #if FC_SPLIT_STEPS
