@@ -438,7 +438,6 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 3, "FC_WAVE_SPLIT: 0, 1 (MA
 #if defined(FC_FORCE_MASKED) || defined(FC_MASK_NEVER)
 #error "FC_SPLIT_STEPS decides masked steps itself"
 #endif
-template <bool B> struct StepKind { static constexpr bool value = B; };  // (the step's mask)
 #endif
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
@@ -1047,8 +1046,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   int step_mi = 0;
 #endif
 #if FC_SPLIT_STEPS
-  auto step = [&](auto kind, int it) {  // (step step0 + it of the item)
-    constexpr bool masked = decltype(kind)::value;
+  // (a plain lambda: NVRTC 13.0 rejects a generic one in device code; `masked` is a constant
+  // at each of the two inlined calls, so each loop holds its own kind of step)
+  auto step = [&](const bool masked, int it) {  // (step step0 + it of the item)
     // The step's shared addresses (and from them its wgmma descriptors) are made here, per step:
     // with two copies of the step ptxas ran out of uniform registers for the loop-invariant
     // descriptors it hoists and spilled them (d128: 112 bytes); d64 needs the base alone.
@@ -1073,7 +1073,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 
     const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's columns
     const float* st_delta = sm.delta_ptr(st) + 2 * t;
-#if FC_SPLIT_STEPS  // (`masked`: the step lambda's constant)
+#if FC_SPLIT_STEPS  // (`masked`: the step lambda's argument, a constant at each call)
 #elif defined(FC_FORCE_MASKED)  // (diagnostic A/B: 1 every step masked, 0 none: wrong with a mask)
     const bool masked = FC_FORCE_MASKED;
 #elif defined(FC_MASK_NEVER)  // (diagnostic A/B: both paths built, the masked one never taken:
@@ -1177,9 +1177,9 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     int it = 0;
     while (it < n_steps) {
       if (masked_next()) {
-        do step(StepKind<true>{}, it); while (++it < n_steps && masked_next());
+        do step(true, it); while (++it < n_steps && masked_next());
       } else {
-        do step(StepKind<false>{}, it); while (++it < n_steps && !masked_next());
+        do step(false, it); while (++it < n_steps && !masked_next());
       }
     }
   }
