@@ -95,14 +95,14 @@ DQ_DEFAULT = {64: "tma", 128: "frag"}
 DQ_MODES = ("tma", "frag")
 FENCE_ENV = "FLASHCUDA_SM90_BWD_FENCE"  # 0 / 1: without / with the release fence (A/B)
 DEFINES_ENV = "FLASHCUDA_SM90_BWD_DEFINES"  # NAME=VALUE,... (A/B of a kernel knob, as forward)
-# knobs taken out of flash_bwd_sm90.cu in sessions 39 and 50-52 (its header lists them;
+# knobs taken out of flash_bwd_sm90.cu in sessions 39, 50-52 and 56 (its header lists them;
 # perf-notes has the numbers): DEFINES_ENV refuses them
 REMOVED_DEFINES = REMOVED_SM90_DEFINES + (
     "FC_DKV_TMA", "FC_SPLIT_LOADS", "FC_PDL", "FC_STAT_LANES", "FC_HEADS_FIRST", "FC_EARLY_LOADS",
     "FC_MASK_BITS", "FC_MASKED_FUSED", "FC_DQ_END_READ", "FC_LPT_SAME_ORDER", "FC_STEP_COUNTERS",
     "FC_DKV_QUAD", "FC_DQ_V4", "FC_DQ_BULK", "FC_DQ_LATE", "FC_DQ_WARP", "FC_DQ_WARP_FLAT",
     "FC_DQ_EARLY", "FC_MASK_BLOCKS", "FC_MASK_SKIP", "FC_DQ_BASES", "FC_EPI_SHUFFLE_FIRST",
-    "FC_MASK_PACKED", "FC_MASK_PRE", "FC_DV_LAST")
+    "FC_MASK_PACKED", "FC_MASK_PRE", "FC_DV_LAST", "FC_LOOP_PAD", "FC_SPLIT_STEPS")
 # CONVERT of the frag layout reads whole 64-byte spans and writes dq through shared memory
 # (FC_DQ_SPANS, session 15: kernel times put our CONVERT at 72 us against FA4's 49 at d128
 # 512 / 1k); 0 keeps the float2 reads (A/B)

@@ -430,66 +430,6 @@ def test_mask_never_keeps_the_default_step_code(tmp_path):
             assert sum(o.startswith(op) for o in never) == sum(o.startswith(op) for o in default)
 
 
-def test_loop_pad_lengthens_the_step_loop_only(tmp_path):
-    """FC_LOOP_PAD=N (diagnostic A/B): N never-run NANOSLEEPs inside the step loop, nothing else
-    of the default's work added (the same HGMMA and MUFU.EX2 counts), no spills; two pad
-    lengths differ by their NANOSLEEPs alone (the A/B's pad96 against pad384 rests on that)."""
-    cfg = bwd_sm90.select_config(torch.bfloat16, 64)
-    default = _opcodes(clean_sass(cfg, tmp_path))
-    pads = {n: _opcodes(clean_sass(dataclasses.replace(cfg, defines=(("FC_LOOP_PAD", n),)),
-                                   tmp_path))
-            for n in (96, 384)}
-    for n, pad in pads.items():
-        assert sum(o.startswith("NANOSLEEP") for o in pad) == n
-        for op in ("HGMMA", "MUFU.EX2"):
-            assert sum(o.startswith(op) for o in pad) == sum(o.startswith(op) for o in default)
-    rest = {n: [o for o in pad if not o.startswith("NANOSLEEP")] for n, pad in pads.items()}
-    assert rest[96] == rest[384]
-
-
-def test_split_steps_builds_one_loop_per_kind_of_step(tmp_path):
-    """FC_SPLIT_STEPS=1 (A/B): the step as a lambda run by a masked and an unmasked loop, so
-    the kernel holds two copies of the step's GEMMs (twice the default's HGMMA), inlined (no
-    CALL), and it builds clean at both head dims (no spills: stage_dq makes its addresses per
-    step from four bases, each step its descriptors from the shared base)."""
-    for d in (64, 128):
-        cfg = bwd_sm90.select_config(torch.bfloat16, d)
-        sass_b = dump(compile_spec(cfg.spec(), ARCH).cubin, tmp_path, "-sass")
-        sass_s = clean_sass(dataclasses.replace(cfg, defines=(("FC_SPLIT_STEPS", 1),)), tmp_path)
-        assert sass_s.count("HGMMA") == 2 * sass_b.count("HGMMA"), d
-        assert " CALL" not in sass_s
-
-
-@pytest.mark.parametrize("spread", (False, True))
-@pytest.mark.parametrize("block_m,head_dim", ((128, 64), (64, 128)))
-def test_split_steps_dq_bases_give_dq_swizzled_addresses(spread, block_m, head_dim):
-    """FC_SPLIT_STEPS's Consumer::stage_dq stores (i, h) at base[i % 4] + (i / 4) kDqBoxBytes +
-    1024 h from four per-lane bases; that must be where dq_swizzled puts (row, col), for every
-    lane, warp and consumer tile (row0 = 64 tm, col0 = 64 td), FC_DQ_SPREAD or not (the .cu's
-    arithmetic, written out twice)."""
-    box = block_m * 128  # kDqBoxBytes
-
-    def swizzled(row, col):  # dq_swizzled, stage 0
-        cc = col & 31
-        return (col >> 5) * box + row * 128 + (((cc >> 2) ^ (row & 7)) << 4) + ((cc & 3) << 2)
-
-    for tm in range(block_m // 64):
-        for td in range(head_dim // 64):
-            row0, col0 = 64 * tm, 64 * td
-            for warp in range(4):
-                for lane in range(32):
-                    g, t = lane >> 2, lane & 3
-                    odd = spread and g & 1
-                    lane0 = (col0 >> 5) * box + (row0 + 16 * warp + g) * 128 + ((t & 1) << 3)
-                    base = [lane0 + ((((2 * (q ^ 2 if odd else q) + (t >> 1)) ^ g) & 7) << 4)
-                            for q in range(4)]
-                    for i in range(8):
-                        for h in range(2):
-                            j = i ^ 2 if odd else i
-                            want = swizzled(row0 + 16 * warp + g + 8 * h, col0 + 8 * j + 2 * t)
-                            assert base[i & 3] + (i >> 2) * box + 1024 * h == want
-
-
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_ds_stmatrix_stores_every_element_where_store_ds_does(head_dim):
     """Consumer::store_ds_stmatrix (FC_DS_STMATRIX) against store_ds, in the [key][query] layout:

@@ -53,7 +53,10 @@
 //                 AND of its packed P^T / dS^T words (FC_MASK_PACKED: a loss); in session
 //                 52 a masked step's visible columns as bits computed before its GEMM wait
 //                 (FC_MASK_PRE: even) and dV stored in the CTA's last step under its dK GEMM
-//                 (FC_DV_LAST: a loss, 4-11%, growing with the steps per CTA)
+//                 (FC_DV_LAST: a loss, 4-11%, growing with the steps per CTA); in session 56
+//                 (H100) code behind a never-true test in the step loop, its length no cost
+//                 (FC_LOOP_PAD), and masked and unmasked steps as two loops over one step
+//                 (FC_SPLIT_STEPS: a loss, 2-10%)
 //   arch          sm_90a only (wgmma, setmaxnreg)
 //
 // This is part MAIN of the backward; flashcuda/ops/bwd_sm90.py runs bwd_sm80's PRE (delta =
@@ -417,28 +420,6 @@ static_assert(FC_WAVE_SPLIT >= 0 && FC_WAVE_SPLIT <= 3, "FC_WAVE_SPLIT: 0, 1 (MA
 // consumers' loop moves d64's wgmma descriptors into vector registers (R2UR 22 -> 111); the
 // remap's arithmetic with blockIdx order kept loses as much (-4.5 to -9.5%), the order itself
 // gains +1 to +3%: d64's causal calls take FC_WAVE_SPLIT = 3's tail grid instead.
-// FC_LOOP_PAD = N (diagnostic A/B, default 0): N NANOSLEEP instructions (16 N bytes of code)
-// inside the consumers' step loop behind a runtime-false test, never executed: the step's code
-// is the default's with a longer loop body, where session 52's FC_DV_LAST put its dV block.
-// Does the loop's length alone cost time per step (instruction fetch)?
-#ifndef FC_LOOP_PAD
-#define FC_LOOP_PAD 0
-#endif
-// FC_SPLIT_STEPS (A/B, default 0): 1: the consumers run their steps in runs of masked and of
-// unmasked ones, each run its own loop over one copy of the step (the step a lambda with the
-// mask a compile-time flag), so the unmasked loop's body holds no masked code (in the default
-// the masked path sits inside the loop, ~10 KB of code that an unmasked step jumps over).
-// Each step then makes its shared addresses and descriptors from the shared base, passed
-// through an opaque move, and stage_dq its addresses from four bases (without that, d64
-// spilled 12 bytes, d128 112: ptxas held the loop-invariant ones across the loops).
-#ifndef FC_SPLIT_STEPS
-#define FC_SPLIT_STEPS 0
-#endif
-#if FC_SPLIT_STEPS
-#if defined(FC_FORCE_MASKED) || defined(FC_MASK_NEVER)
-#error "FC_SPLIT_STEPS decides masked steps itself"
-#endif
-#endif
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: per-CTA times into a buffer (a profiling variant, see "timeline")
 #endif
@@ -872,34 +853,15 @@ struct Consumer {
                                            int t) const {
     // FC_DQ_SPREAD: lanes of odd g store fragment i ^ 2 at step i (see dq_swizzled)
     const bool swap = kDqSpread && (g & 1);
-#if FC_SPLIT_STEPS
-    // The 16 addresses from four per-lane bases (row0 % 8 == 0, col0 % 64 == 0: row % 8 is g,
-    // column block j's 16-byte chunk (2 (j % 4) + t / 2) ^ g, its box col0 / 32 + j / 4): store
-    // (i, h) at base[i % 4] + (i / 4) kDqBoxBytes + 1024 h. The step passes the shared base
-    // through an opaque move, so these are made per step; held as 16 across the loops, they
-    // spilled (d64).
-    const uint32_t lane0 = stage + (col0 >> 5) * kDqBoxBytes + (row0 + 16 * warp + g) * 128 +
-                           ((t & 1) << 3);
-    uint32_t base[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int jq = swap ? q ^ 2 : q;
-      base[q] = lane0 + ((((2 * jq + (t >> 1)) ^ g) & 7) << 4);
-    }
-#endif
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float x = swap ? dq[4 * (i ^ 2) + 2 * h] : dq[4 * i + 2 * h];
         const float y = swap ? dq[4 * (i ^ 2) + 2 * h + 1] : dq[4 * i + 2 * h + 1];
-#if FC_SPLIT_STEPS
-        const uint32_t addr = base[i & 3] + (i >> 2) * kDqBoxBytes + h * 1024;
-#else
         const int j = swap ? i ^ 2 : i;
         const int row = row0 + 16 * warp + g + 8 * h, col = col0 + 8 * j + 2 * t;
         const uint32_t addr = dq_swizzled(stage, row, col);
-#endif
         asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y)
                      : "memory");
       }
@@ -945,11 +907,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
-#if FC_SPLIT_STEPS  // (its steps pass the base through an opaque move)
-  Smem sm{raw + pad, smem_raw + pad};
-#else
   const Smem sm{raw + pad, smem_raw + pad};
-#endif
   // Warpgroup index, made visibly warp-uniform for ptxas (a shuffle from lane 0, as CUTLASS does).
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const Mask mask{seqlen_q, seqlen_k, window_left, window_right};
@@ -1045,21 +1003,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #else
   int step_mi = 0;
 #endif
-#if FC_SPLIT_STEPS
-  // (a plain lambda: NVRTC 13.0 rejects a generic one in device code; `masked` is a constant
-  // at each of the two inlined calls, so each loop holds its own kind of step)
-  auto step = [&](const bool masked, int it) {  // (step step0 + it of the item)
-    // The step's shared addresses (and from them its wgmma descriptors) are made here, per step:
-    // with two copies of the step ptxas ran out of uniform registers for the loop-invariant
-    // descriptors it hoists and spilled them (d128: 112 bytes); d64 needs the base alone.
-    asm volatile("mov.b32 %0, %0;\n" : "+r"(sm.base));
-    if constexpr (kHeadDim > 64) {
-      asm volatile("mov.b32 %0, %0;\n" : "+r"(cs.k_rows));
-      asm volatile("mov.b32 %0, %0;\n" : "+r"(cs.v_rows));
-    }
-#else
   for (int it = 0; it < own_steps(steps, count); ++it) {  // (step step0 + it of the item)
-#endif
     const int st = stage_of(it);
     const int m0 = (steps.m_first + step_mi) * kBlockM;
     if (++step_mi == steps.n_m) step_mi = 0;
@@ -1073,8 +1017,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 
     const float* st_lse2 = sm.lse2_ptr(st) + 2 * t;  // this lane's columns
     const float* st_delta = sm.delta_ptr(st) + 2 * t;
-#if FC_SPLIT_STEPS  // (`masked`: the step lambda's argument, a constant at each call)
-#elif defined(FC_FORCE_MASKED)  // (diagnostic A/B: 1 every step masked, 0 none: wrong with a mask)
+#if defined(FC_FORCE_MASKED)  // (diagnostic A/B: 1 every step masked, 0 none: wrong with a mask)
     const bool masked = FC_FORCE_MASKED;
 #elif defined(FC_MASK_NEVER)  // (diagnostic A/B: both paths built, the masked one never taken:
     // wrong with a mask; a runtime-false test, where FC_FORCE_MASKED=0 lets ptxas drop the
@@ -1154,12 +1097,6 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
     __syncwarp();
     if (lane == 0) mbar_arrive(sm.dq_full());
 #endif
-#if FC_LOOP_PAD
-    if (scale_log2 < 0.f) {  // (never: the host passes a positive scale)
-#pragma unroll
-      for (int i = 0; i < FC_LOOP_PAD; ++i) __nanosleep(1 + i);
-    }
-#endif
     wgmma_wait<0>();  // dK: then Q / dO of the stage and the dS^T fragments are free
     cs.hold_ds();
     wgmma_fence_operands(cs.dk);
@@ -1167,25 +1104,7 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,   // q [B, Sq, H, D]: dims 
 #if FC_TIMELINE
     if (it < 2 && threadIdx.x == 128) timeline_mark(timeline, it == 0 ? kTlEnd0 : kTlEnd1);
 #endif
-#if FC_SPLIT_STEPS
-  };
-  {
-    const int n_steps = own_steps(steps, count);
-    const auto masked_next = [&]() {  // the next step's tile (step_mi: its query block)
-      return mask.tile_needs_mask((steps.m_first + step_mi) * kBlockM, kBlockM, n0 + wg_key0, 64);
-    };
-    int it = 0;
-    while (it < n_steps) {
-      if (masked_next()) {
-        do step(true, it); while (++it < n_steps && masked_next());
-      } else {
-        do step(false, it); while (++it < n_steps && !masked_next());
-      }
-    }
   }
-#else
-  }
-#endif
 #if FC_TIMELINE
   if (threadIdx.x == 128) timeline_mark(timeline, kTlLast);
 #endif
