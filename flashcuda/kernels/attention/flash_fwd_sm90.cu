@@ -109,6 +109,16 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 #ifndef FC_TIMELINE
 #define FC_TIMELINE 0  // 1: each work tile's times into a buffer (a profiling variant, Timeline)
 #endif
+// FC_L2_HINTS (A/B, default 0): L2 eviction priorities on the TMA traffic. 1: K / V loaded
+// evict_last, Q loaded and O stored evict_first; 2: K / V evict_last only. Why (session 56,
+// ncu on an H100 at 32 x 512 causal): the short causal forward is DRAM-bound there (77% of
+// peak) and reads 270 / 317 MB (d128 / d64) where Q, K and V are 201 MB (cuDNN's kernel reads
+// 201): a section's K and V leave the L2 under the Q / O stream before its next query blocks
+// read them again.
+#ifndef FC_L2_HINTS
+#define FC_L2_HINTS 0
+#endif
+static_assert(FC_L2_HINTS >= 0 && FC_L2_HINTS <= 2, "FC_L2_HINTS: 0, 1 or 2");
 #ifndef FC_MASKED_V
 #define FC_MASKED_V 0  // 1: NaN / Inf in V reaches only rows that see its key (see "masked V");
                        // the host builds windowed kernels with 1 (0: the A/B variant)
@@ -466,6 +476,12 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
                                         const TmaMap& map_q, const TmaMap& map_k,
                                         const TmaMap& map_v) {
   int ring = 0, q_round = 0;
+#if FC_L2_HINTS
+  const uint64_t keep = l2_evict_last();  // K / V: read again by the section's next blocks
+#endif
+#if FC_L2_HINTS == 1
+  const uint64_t once = l2_evict_first();  // Q: read once
+#endif
   for (int t = blockIdx.x; t < sched.total(); t = next_tile(sched, t)) {
     const Block blk = sched.block(t, mask);
     const int tiles = blk.tiles();
@@ -482,7 +498,11 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
 #pragma unroll
     for (int c = 0; c < kChunks; ++c)
       tma_load_4d(sm.q(qb) + c * kQChunkBytes, map_q, sm.q_full(qb), c * kChunkCols, blk.m0,
-                  blk.head, blk.batch);
+                  blk.head, blk.batch
+#if FC_L2_HINTS == 1
+                  , once
+#endif
+      );
     for (int i = 0; i < tiles; ++i, ++ring) {
       const int s = stage_of(ring);
       const uint32_t empty_parity = parity_of(ring) ^ 1;  // first pass: stages start empty
@@ -492,7 +512,11 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
 #pragma unroll
       for (int c = 0; c < kChunks; ++c)
         tma_load_4d(sm.k(s) + c * kKVChunkBytes, map_k, sm.k_full(s), c * kChunkCols, n0,
-                    blk.head_kv, blk.batch);
+                    blk.head_kv, blk.batch
+#if FC_L2_HINTS
+                    , keep
+#endif
+        );
       mbar_wait_producer(sm.v_empty(s), empty_parity);
 #if FC_MASKED_V
       store_shared_32(sm.v_request(s), masked(i) ? kScanTile : kScanSkip);  // (released below)
@@ -501,7 +525,11 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
 #pragma unroll
       for (int c = 0; c < kChunks; ++c)
         tma_load_4d(sm.v(s) + c * kKVChunkBytes, map_v, sm.v_full(s), c * kChunkCols, n0,
-                    blk.head_kv, blk.batch);
+                    blk.head_kv, blk.batch
+#if FC_L2_HINTS
+                    , keep
+#endif
+        );
     }
     ++q_round;
   }
@@ -1321,7 +1349,11 @@ FC_KERNEL_NAME(const __grid_constant__ TmaMap map_q,  // q [B, Sq, H, D]: dims (
 #pragma unroll
       for (int ch = 0; ch < kChunks; ++ch)
         tma_store_4d(map_o, sm.o(c) + ch * (64 * 128), ch * kChunkCols, blk.m0 + wg_row0,
-                     blk.head, blk.batch);
+                     blk.head, blk.batch
+#if FC_L2_HINTS == 1
+                     , l2_evict_first()  // O: not read again here
+#endif
+        );
       bulk_commit_group();
     }
 #else

@@ -2,7 +2,8 @@
 //
 //   TmaMap                                   a CUtensorMap (128 bytes, 64-aligned) passed by value
 //   tma_prefetch / tma_load_4d               cp.async.bulk.tensor global -> shared, completing on
-//                                            an mbarrier (transaction bytes)
+//                                            an mbarrier (transaction bytes); with a policy
+//   l2_evict_first / l2_evict_last           (createpolicy) an L2 eviction priority for them
 //   bulk_load                                cp.async.bulk (no tensor map), likewise
 //   bulk_reduce_add_f32 / bulk_commit_group / bulk_wait_group_read<N> / bulk_wait_group<N>
 //                                            cp.reduce.async.bulk shared -> global (add), completing
@@ -123,6 +124,31 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const TmaMap& map, uin
       : "memory");
 }
 
+// The same load with an L2 eviction priority for the box's lines (`policy`: l2_evict_first /
+// l2_evict_last's): a hint the L2 may ignore, never a change to what is loaded.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const TmaMap& map, uint32_t bar, int c0,
+                                            int c1, int c2, int c3, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar),
+      "l"(policy)
+      : "memory");
+}
+
+// L2 cache policies for the hinted forms: lines loaded (or stored) under evict_first are the
+// first the L2 evicts, under evict_last the last (createpolicy, fraction 1: every line).
+__device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ uint64_t l2_evict_last() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
 // ---- profiling (the kernels' FC_TIMELINE builds) ------------------------------------------------
 
 // The GPU-wide nanosecond timer; the memory clobber keeps the read in program order with the
@@ -200,6 +226,16 @@ __device__ __forceinline__ void tma_store_4d(const TmaMap& map, uint32_t src, in
   asm volatile(
       "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
       ::"l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+      : "memory");
+}
+
+// The same store with an L2 eviction priority for the written lines (l2_evict_first's, say).
+__device__ __forceinline__ void tma_store_4d(const TmaMap& map, uint32_t src, int c0, int c1,
+                                             int c2, int c3, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%1, %2, %3, "
+      "%4}], [%5], %6;\n" ::"l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2),
+      "r"(c3), "r"(src), "l"(policy)
       : "memory");
 }
 
