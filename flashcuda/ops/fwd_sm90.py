@@ -642,7 +642,15 @@ def constant_args(call: FwdCall, by_block: int | None = None) -> tuple:
     )
 
 
-L2_SECTION_SHARE = 0.75  # of the L2 that one section's K and V may fill (the rest: Q, O, lse)
+# Of the L2 that one section's K and V may fill: 0.35 since session 56 (0.75 before). While a
+# section runs, its Q loads and O stores pass through the L2 too, as many bytes again as its K
+# and V (Sq = Sk), and with K and V at 75% the lighter query blocks found them evicted: ncu on an
+# H100 at 32 x 512 causal read K and V 1.5x (d128) / 1.9x (d64) from DRAM, a kernel 77% DRAM-busy
+# (cuDNN's reads them once). Same-process A/B on the H100 (perf-notes, session 56): 0.35 +16 /
+# +13% at d128 / d64 32 x 512 causal, +22% at d128 16 x 1k, +6% at 8 x 2k, +6% at 4 x 4k, d64 1k
+# / 2k even; 0.15-0.35 alike. On the H200 (session 12, 2k-8k causal, compute-bound there) 0.35
+# measured -0.8 to +2.0%, noise.
+L2_SECTION_SHARE = 0.35
 L2_SHARE_ENV = "FLASHCUDA_SM90_FWD_L2_SHARE"  # another share in (0, 1] (A/B of the section size)
 
 
