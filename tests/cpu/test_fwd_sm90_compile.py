@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from flashcuda.jit import all_variants
+from flashcuda.jit.compiler import compile_spec
 from flashcuda.jit.runtime import pack_args
 from flashcuda.jit.tensor_map import TensorMap
 from flashcuda.ops import dispatch, fwd_sm90
@@ -624,3 +625,25 @@ def test_fused_config(monkeypatch):
     assert fwd_sm90.fused_passes(cfg) is None
     names = {spec.name for spec, _ in all_variants()}
     assert {f.name for f in fwd_sm90.fused_configs()} <= names
+
+
+def test_l2_hints_put_a_cache_policy_on_the_tma_traffic(tmp_path):
+    """FC_L2_HINTS (A/B, off): 1 gives every TMA load and the O store an L2 cache policy (SASS:
+    a desc[UR] operand, from createpolicy), 2 the K / V loads only (Q's load and O's store plain);
+    the default has none. The d128 masked-V kernel builds clean with either."""
+    cfg = fwd_sm90.select_config(torch.bfloat16, 128, True, 1024)
+
+    def tma(c):
+        result = compile_spec(c.spec(), ARCH)
+        assert_compiled_clean(result, c.name)
+        sass = dump(result.cubin, tmp_path, "-sass")
+        return [line for line in sass.splitlines() if "UTMALDG" in line or "UTMASTG" in line]
+
+    plain = tma(cfg)
+    assert plain and not any("desc[" in line for line in plain)
+    every = tma(dataclasses.replace(cfg, defines=(("FC_L2_HINTS", 1),)))
+    assert every and all("desc[" in line for line in every)
+    kv = tma(dataclasses.replace(cfg, defines=(("FC_L2_HINTS", 2),)))
+    loads = [line for line in kv if "UTMALDG" in line]
+    assert any("desc[" in line for line in loads) and not all("desc[" in line for line in loads)
+    assert not any("desc[" in line for line in kv if "UTMASTG" in line)

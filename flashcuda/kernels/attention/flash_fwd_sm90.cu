@@ -114,7 +114,10 @@ constexpr bool kSnake = FC_SNAKE;        // snake order of work tiles over the C
 // ncu on an H100 at 32 x 512 causal): the short causal forward is DRAM-bound there (77% of
 // peak) and reads 270 / 317 MB (d128 / d64) where Q, K and V are 201 MB (cuDNN's kernel reads
 // 201): a section's K and V leave the L2 under the Q / O stream before its next query blocks
-// read them again.
+// read them again. Measured (H100, share 0.75): hints 1 +5 to +7% at 512 / 1k, reads 270 -> 243
+// MB; the smaller L2 sections (fwd_sm90.L2_SECTION_SHARE 0.35) gained more, and on top of them
+// the hints were mixed (perf-notes). (The hinted d64 fused kernel spills 8 bytes, its second
+// pass's producer at 24 registers.)
 #ifndef FC_L2_HINTS
 #define FC_L2_HINTS 0
 #endif
@@ -476,12 +479,6 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
                                         const TmaMap& map_q, const TmaMap& map_k,
                                         const TmaMap& map_v) {
   int ring = 0, q_round = 0;
-#if FC_L2_HINTS
-  const uint64_t keep = l2_evict_last();  // K / V: read again by the section's next blocks
-#endif
-#if FC_L2_HINTS == 1
-  const uint64_t once = l2_evict_first();  // Q: read once
-#endif
   for (int t = blockIdx.x; t < sched.total(); t = next_tile(sched, t)) {
     const Block blk = sched.block(t, mask);
     const int tiles = blk.tiles();
@@ -500,7 +497,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
       tma_load_4d(sm.q(qb) + c * kQChunkBytes, map_q, sm.q_full(qb), c * kChunkCols, blk.m0,
                   blk.head, blk.batch
 #if FC_L2_HINTS == 1
-                  , once
+                  , l2_evict_first()  // Q: read once
 #endif
       );
     for (int i = 0; i < tiles; ++i, ++ring) {
@@ -514,7 +511,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
         tma_load_4d(sm.k(s) + c * kKVChunkBytes, map_k, sm.k_full(s), c * kChunkCols, n0,
                     blk.head_kv, blk.batch
 #if FC_L2_HINTS
-                    , keep
+                    , l2_evict_last()  // K / V: read again by the section's next blocks
 #endif
         );
       mbar_wait_producer(sm.v_empty(s), empty_parity);
@@ -527,7 +524,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const Schedule& sched, c
         tma_load_4d(sm.v(s) + c * kKVChunkBytes, map_v, sm.v_full(s), c * kChunkCols, n0,
                     blk.head_kv, blk.batch
 #if FC_L2_HINTS
-                    , keep
+                    , l2_evict_last()
 #endif
         );
     }
