@@ -1,7 +1,8 @@
 """Same-process A/B of kernel variants: arms switched by the environment, interleaved per round.
 
     python scripts/ab_probe.py --arm def: --arm mb:FLASHCUDA_SM90_FWD_DEFINES=FC_MASK_BITS=0 \\
-        [--shapes 32,512,16,64 16,1024,16,128 ...] [--causal 0|1|both] [--direction fwd|bwd|both]
+        [--shapes 32,512,16,64 16,1024,16,128 16,1024,32,128,8 ...] [--causal 0|1|both]
+        [--direction fwd|bwd|both]
         [--rounds 15] [--calls 20] [--peer fa4 ...] [--out ab-probe.json]
 
 Why: `gpu_lane.sh ab` benches each arm in separate processes, and between two processes the same
@@ -52,13 +53,16 @@ def parse_arm(text: str) -> tuple[str, dict[str, str]]:
     return label, env
 
 
-def parse_shape(text: str) -> tuple[int, int, int, int]:
-    """"B,S,H,D" -> (batch, seqlen, heads, head dim)."""
+def parse_shape(text: str) -> tuple[int, ...]:
+    """"B,S,H,D" -> (batch, seqlen, heads, head dim); "B,S,H,D,HKV" adds the K / V heads (GQA:
+    a divisor of H)."""
     parts = text.split(",")
-    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"--shapes: expected B,S,H,D of positive integers, got {text!r}")
-    b, s, h, d = (int(p) for p in parts)
-    return b, s, h, d
+    if len(parts) not in (4, 5) or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--shapes: expected B,S,H,D[,HKV] of positive integers, got {text!r}")
+    shape = tuple(int(p) for p in parts)
+    if len(shape) == 5 and shape[2] % shape[4]:
+        raise ValueError(f"--shapes: HKV must divide H, got {text!r}")
+    return shape
 
 
 def rotation(n: int, r: int) -> list[int]:
@@ -107,7 +111,7 @@ def _with_env(env: dict[str, str], fn: Callable[[], object]) -> object:
                 os.environ[k] = v
 
 
-def measure(arms: list[tuple[str, dict[str, str]]], shape: tuple[int, int, int, int],
+def measure(arms: list[tuple[str, dict[str, str]]], shape: tuple[int, ...],
             causal: bool, direction: str, rounds: int, calls: int,
             peers: dict | None = None) -> dict[str, list[float]]:
     """Per arm, its ms per call in each counted round. `peers`: label -> a forward
@@ -117,9 +121,9 @@ def measure(arms: list[tuple[str, dict[str, str]]], shape: tuple[int, int, int, 
     import flashcuda
 
     peers = peers or {}
-    b, s, h, d = shape
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    b, s, h, d, *kv = shape
+    q, k, v = (torch.randn(b, s, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for heads in (h, kv[0] if kv else h, kv[0] if kv else h))
     dout = torch.randn_like(q)
     times: dict[str, list[float]] = {label: [] for label, _ in arms}
     for r in range(rounds + 1):  # round 0 compiles and warms up
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arm", action="append", default=[], type=parse_arm,
                     help="LABEL:VAR=VALUE[;VAR=VALUE] (repeat; the first is the base)")
-    ap.add_argument("--shapes", nargs="+", type=parse_shape,
+    ap.add_argument("--shapes", nargs="+", type=parse_shape,  # B,S,H,D[,HKV] (peers: no GQA)
                     default=[(32, 512, 16, 64), (16, 1024, 16, 128), (4, 4096, 16, 128)])
     ap.add_argument("--causal", choices=("0", "1", "both"), default="both")
     ap.add_argument("--direction", choices=("fwd", "bwd", "both"), default="fwd")
@@ -198,10 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         for causal in masks:
             for direction in directions:
                 times = measure(a.arm, shape, causal, direction, a.rounds, a.calls, peers)
-                b, s, h, d = shape
+                b, s, h, d, *kv = shape
                 rows = summarise(times, attention_flops(b, h, s, s, d, causal, direction))
                 title = (f"-- {direction} {'x'.join(map(str, shape[:3]))} d{shape[3]}"
-                         f"{' causal' if causal else ''}")
+                         f"{f' kv{kv[0]}' if kv else ''}{' causal' if causal else ''}")
                 print(format_rows(title, rows), flush=True)
                 record["results"].append({"shape": shape, "causal": causal,
                                           "direction": direction, "times_ms": times,

@@ -27,7 +27,8 @@ def test_arms_parse_with_several_variables_and_the_defaults(probe):
 
 def test_shapes_parse(probe):
     assert probe.parse_shape("32,512,16,64") == (32, 512, 16, 64)
-    for bad in ("32,512,16", "32,512,16,0", "a,b,c,d"):
+    assert probe.parse_shape("16,1024,32,128,8") == (16, 1024, 32, 128, 8)  # GQA: 8 K / V heads
+    for bad in ("32,512,16", "32,512,16,0", "a,b,c,d", "16,1024,32,128,5", "1,2,3,4,5,6"):
         with pytest.raises(ValueError):
             probe.parse_shape(bad)
 
