@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arm", action="append", default=[], type=parse_arm,
                     help="LABEL:VAR=VALUE[;VAR=VALUE] (repeat; the first is the base)")
-    ap.add_argument("--shapes", nargs="+", type=parse_shape,  # B,S,H,D[,HKV] (peers: no GQA)
+    ap.add_argument("--shapes", nargs="+", type=parse_shape,  # B,S,H,D[,HKV] (HKV: flashcuda arms only)
                     default=[(32, 512, 16, 64), (16, 1024, 16, 128), (4, 4096, 16, 128)])
     ap.add_argument("--causal", choices=("0", "1", "both"), default="both")
     ap.add_argument("--direction", choices=("fwd", "bwd", "both"), default="fwd")
