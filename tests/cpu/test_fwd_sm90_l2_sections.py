@@ -95,19 +95,23 @@ def _last_cta_late(block_of, total: int, grid: int = 132, fixed: float = 2.0) ->
 
 
 @pytest.mark.parametrize("seqlen,batch", [(2048, 8), (4096, 4), (8192, 2), (16384, 1)])
-def test_alternating_sections_keep_the_snake_balanced(seqlen, batch):
+def test_alternating_sections_keep_the_snake_balanced(monkeypatch, seqlen, batch):
     """The bench's causal d128 shapes (16 heads, 128-row blocks): with sections alternating the
-    last CTA ends within 3% of the mean, as plain by_block does; had every section gone
-    heaviest-first (a sawtooth of costs) it would end 60-68% late at 4k-16k with today's
-    sections (8-30% with session 12's larger ones: the miss its first A/B showed at 16k). The
-    section is the one dispatch takes (balanced_section's, for the grid's CTAs)."""
+    last CTA ends within 3% of the mean, as plain by_block does, both with the section dispatch
+    takes today (balanced_section's at L2_SECTION_SHARE, for the grid's CTAs) and with
+    l2_section's at session 12's share of 0.75; at that share, had every section gone
+    heaviest-first (a sawtooth of costs) it would end 8-30% late (the miss that session 12's
+    first A/B showed at 16k)."""
     call = _call(B=batch, S=seqlen)
-    cfg = fwd_sm90.plan_config(call, 132)
-    per = fwd_sm90.schedule_arg(call, cfg, H200_L2, cfg.grid(call, 132)[0])
     num_m, heads = seqlen // 128, batch * 16
-    assert per < heads  # several sections at every one of these shapes
     total = num_m * heads
-    assert _last_cta_late(lambda t: _order(t, num_m, heads, per)[0], total) < 1.03
+    cfg = fwd_sm90.plan_config(call, 132)
+    today = fwd_sm90.schedule_arg(call, cfg, H200_L2, cfg.grid(call, 132)[0])
+    monkeypatch.setenv(fwd_sm90.L2_SHARE_ENV, "0.75")
+    per = fwd_sm90.l2_section(call, H200_L2)
+    for p in (today, per):
+        assert p < heads  # several sections at every one of these shapes
+        assert _last_cta_late(lambda t, p=p: _order(t, num_m, heads, p)[0], total) < 1.03
     # plain by_block (one section)
     assert _last_cta_late(lambda t: _order(t, num_m, heads, heads)[0], total) < 1.04
 
@@ -116,8 +120,7 @@ def test_alternating_sections_keep_the_snake_balanced(seqlen, batch):
         size = min(per, heads - s * per)
         return num_m - 1 - within // size
 
-    if seqlen >= 4096:  # (at 2k, twelve sections of 11 pairs, the sawtooth walks as evenly)
-        assert _last_cta_late(sawtooth, total) > 1.08
+    assert _last_cta_late(sawtooth, total) > 1.08
 
 
 def test_schedule_arg_for_masked_calls():
