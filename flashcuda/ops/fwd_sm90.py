@@ -716,21 +716,33 @@ def key_tiles_per_block(call: FwdCall, cfg: Sm90FwdConfig) -> np.ndarray:
     return np.array(tiles, dtype=np.int64)
 
 
-def section_makespan(key_tiles: np.ndarray, heads: int, per: int, ctas: int,
-                     snake: bool) -> float:
-    """The most modelled work one CTA gets (key tiles + TILE_FIXED_COST per work tile) when the
-    persistent CTAs walk the L2 sections' order of `per` pairs per section statically (the
-    .cu's Schedule::block and walk_next, vectorised)."""
-    num_m = len(key_tiles)
+def section_order(num_m: int, heads: int, per: int) -> tuple[np.ndarray, np.ndarray]:
+    """(query block, batch * head) of each work tile in the L2 sections' order with `per` pairs
+    per section (the .cu's Schedule::block, vectorised), by work tile index."""
     t = np.arange(num_m * heads, dtype=np.int64)
     s = t // (num_m * per)
     size = np.minimum(per, heads - s * per)
     sections = -(-heads // per)
     within = t - s * num_m * per
     within = np.where((sections - 1 - s) & 1, num_m * size - 1 - within, within)
-    cost = key_tiles[num_m - 1 - within // size] + TILE_FIXED_COST
+    return num_m - 1 - within // size, s * per + within % size
+
+
+def static_cta(total: int, ctas: int, snake: bool) -> np.ndarray:
+    """The persistent CTA that takes each of `total` work tiles (the .cu's walk_next: round
+    robin, every other round reversed with the snake), by work tile index."""
+    t = np.arange(total, dtype=np.int64)
     rnd, col = t // ctas, t % ctas
-    cta = np.where(snake & ((rnd & 1) == 1), ctas - 1 - col, col)
+    return np.where(snake & ((rnd & 1) == 1), ctas - 1 - col, col)
+
+
+def section_makespan(key_tiles: np.ndarray, heads: int, per: int, ctas: int,
+                     snake: bool) -> float:
+    """The most modelled work one CTA gets (key tiles + TILE_FIXED_COST per work tile) when the
+    persistent CTAs walk the L2 sections' order of `per` pairs per section statically."""
+    blocks, _ = section_order(len(key_tiles), heads, per)
+    cost = key_tiles[blocks] + TILE_FIXED_COST
+    cta = static_cta(len(blocks), ctas, snake)
     return float(np.bincount(cta, weights=cost, minlength=ctas).max())
 
 

@@ -201,6 +201,19 @@ def test_section_makespan_is_the_static_walk_of_the_section_order(num_m, heads, 
         max(loads))
 
 
+@pytest.mark.parametrize("num_m,heads,per,ctas,snake", [(128, 8, 5, 132, True), (16, 256, 45, 132, False),
+                                                        (7, 10, 4, 6, True), (33, 3, 2, 20, False)])
+def test_section_order_and_static_cta_are_the_kernels(num_m, heads, per, ctas, snake):
+    """section_order / static_cta (vectorised, the L2 model's and section_makespan's) against
+    _order and next_work's walk, tile by tile."""
+    blocks, pairs = fwd_sm90.section_order(num_m, heads, per)
+    assert list(zip(blocks.tolist(), pairs.tolist())) == [
+        _order(t, num_m, heads, per) for t in range(num_m * heads)]
+    cta = fwd_sm90.static_cta(num_m * heads, ctas, snake)
+    for c, seq in enumerate(_kernel_order(num_m * heads, ctas, snake)):
+        assert sorted(seq) == sorted((cta == c).nonzero()[0].tolist()), c
+
+
 def test_balanced_section_evens_the_last_section(monkeypatch):
     """1 x 16384 x 8 d128 causal at share 0.75 (SESSION21_SHARE): l2_section's 5 pairs leave a
     last section of 3, and the static walk a CTA 5% past another's work (the timeline's
