@@ -207,7 +207,7 @@ def test_section_order_and_static_cta_are_the_kernels(num_m, heads, per, ctas, s
     """section_order / static_cta (vectorised, the L2 model's and section_makespan's) against
     _order and next_work's walk, tile by tile."""
     blocks, pairs = fwd_sm90.section_order(num_m, heads, per)
-    assert list(zip(blocks.tolist(), pairs.tolist())) == [
+    assert list(zip(blocks.tolist(), pairs.tolist(), strict=True)) == [
         _order(t, num_m, heads, per) for t in range(num_m * heads)]
     cta = fwd_sm90.static_cta(num_m * heads, ctas, snake)
     for c, seq in enumerate(_kernel_order(num_m * heads, ctas, snake)):
