@@ -642,24 +642,27 @@ def constant_args(call: FwdCall, by_block: int | None = None) -> tuple:
     )
 
 
-# Of the L2 that one section's K and V may fill: 0.35 since session 56 (0.75 before). While a
-# section runs, its Q loads and O stores pass through the L2 too, as many bytes again as its K
-# and V (Sq = Sk), and with K and V at 75% the lighter query blocks found them evicted: ncu on an
-# H100 at 32 x 512 causal read K and V 1.5x (d128) / 1.9x (d64) from DRAM, a kernel 77% DRAM-busy
-# (cuDNN's reads them once). Same-process A/B on the H100 (perf-notes, session 56): 0.35 +16 /
-# +13% at d128 / d64 32 x 512 causal, +22% at d128 16 x 1k, +6% at 8 x 2k, +6% at 4 x 4k, d64 1k
-# / 2k even; 0.15-0.35 alike. On the H200 (session 12, 2k-8k causal, compute-bound there) 0.35
-# measured -0.8 to +2.0%, noise.
-L2_SECTION_SHARE = 0.35
+# Of the L2 that one section's K and V may fill, by head dim: 0.35 at d64 / d128 since session 56
+# (0.75 before). While a section runs, its Q loads and O stores pass through the L2 too, and with
+# K and V at 75% the lighter query blocks found them evicted: ncu on an H100 at 32 x 512 causal
+# read K and V 1.5x (d128) / 1.9x (d64) from DRAM, a kernel 77% DRAM-busy (cuDNN's reads them
+# once). Same-process A/B on the H100 (perf-notes, session 56): 0.35 +16 / +13% at d128 / d64
+# 32 x 512 causal, +22% at d128 16 x 1k, +6% at 8 x 2k, +6% at 4 x 4k, d64 1k / 2k even; 0.15-0.35
+# alike. On the H200 (session 12, 2k-8k causal, compute-bound there) 0.35 measured -0.8 to +2.0%.
+# d192 / d256 keep 0.75 (session 57): not measured at 0.35, and there a head's K / V is so large
+# that 0.35 leaves one or two heads a section at 4k-16k, fewer work tiles than CTAs, where the
+# LRU model (scripts/l2_model.py, which reproduces the H100's re-reads at 0.75 at d64 / d128)
+# reads K and V 2-4x more than at 0.75.
+L2_SECTION_SHARE = {64: 0.35, 128: 0.35, 192: 0.75, 256: 0.75}
 L2_SHARE_ENV = "FLASHCUDA_SM90_FWD_L2_SHARE"  # another share in (0, 1] (A/B of the section size)
 
 
-def l2_share() -> float:
-    """L2_SECTION_SHARE, or FLASHCUDA_SM90_FWD_L2_SHARE's value (an A/B); ValueError naming the
-    variable unless a number in (0, 1]."""
+def l2_share(head_dim: int) -> float:
+    """L2_SECTION_SHARE at `head_dim`, or FLASHCUDA_SM90_FWD_L2_SHARE's value (an A/B, every head
+    dim); ValueError naming the variable unless a number in (0, 1]."""
     raw = os.environ.get(L2_SHARE_ENV, "").strip()
     if not raw:
-        return L2_SECTION_SHARE
+        return L2_SECTION_SHARE[head_dim]
     try:
         share = float(raw)
     except ValueError:
@@ -685,12 +688,12 @@ def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int,
 def l2_section(call: FwdCall, l2_bytes: int) -> int:
     """(batch, head) pairs per section of the causal / window order (L2 sections): as many whole
     groups of query heads (a group shares one K / V head) as keep their K and V within
-    L2_SECTION_SHARE (l2_share) of `l2_bytes`, at least one group, at most every pair. Sections
+    L2_SECTION_SHARE (l2_share, by head dim) of `l2_bytes`, at least one group, at most every pair. Sections
     start at multiples of the size, which are multiples of the group, so a section's pairs read
     size / group K / V heads."""
     group = call.nheads // call.nheads_kv
     kv_head = 2 * call.seqlen_k * call.head_dim * call.q.element_size()  # K and V of one head
-    groups = max(1, int(l2_share() * l2_bytes) // max(kv_head, 1))
+    groups = max(1, int(l2_share(call.head_dim) * l2_bytes) // max(kv_head, 1))
     return min(groups * group, call.batch * call.nheads)
 
 

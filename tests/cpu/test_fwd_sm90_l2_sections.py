@@ -62,7 +62,11 @@ def test_section_size_fits_l2_in_whole_groups():
         group = H // Hkv
         assert per % group == 0 or per == B * H
         kv_bytes = (per // group) * 2 * S * 128 * 2
-        assert kv_bytes <= fwd_sm90.L2_SECTION_SHARE * H200_L2 or per == group
+        assert kv_bytes <= fwd_sm90.L2_SECTION_SHARE[128] * H200_L2 or per == group
+    # d192 / d256 keep the share before session 56 (0.75): 4 x 4096 x 16 d256, 4 MiB of K / V a
+    # head, 37.5 MiB to fill -> 9 heads (at 0.35, 4)
+    assert fwd_sm90.l2_section(_call(D=256), H200_L2) == 9
+    assert fwd_sm90.l2_section(_call(D=192), H200_L2) == 12
 
 
 @pytest.mark.parametrize("num_m,heads,per", [(32, 64, 18), (32, 64, 64), (7, 10, 4),
@@ -98,7 +102,7 @@ def _last_cta_late(block_of, total: int, grid: int = 132, fixed: float = 2.0) ->
 def test_alternating_sections_keep_the_snake_balanced(monkeypatch, seqlen, batch):
     """The bench's causal d128 shapes (16 heads, 128-row blocks): with sections alternating the
     last CTA ends within 3% of the mean, as plain by_block does, both with the section dispatch
-    takes today (balanced_section's at L2_SECTION_SHARE, for the grid's CTAs) and with
+    takes today (balanced_section's at L2_SECTION_SHARE[128], for the grid's CTAs) and with
     l2_section's at session 12's share of 0.75; at that share, had every section gone
     heaviest-first (a sawtooth of costs) it would end 8-30% late (the miss that session 12's
     first A/B showed at 16k)."""
@@ -138,12 +142,15 @@ def test_l2_share_switch(monkeypatch):
     and is part of the forward's plan key; a value outside (0, 1] is refused naming it."""
     monkeypatch.delenv(fwd_sm90.L2_SHARE_ENV, raising=False)
     call = _call()
-    assert fwd_sm90.l2_share() == fwd_sm90.L2_SECTION_SHARE
+    assert [fwd_sm90.l2_share(d) for d in fwd_sm90.HEAD_DIMS] == [0.35, 0.35, 0.75, 0.75]
     key = fwd_sm90._plan_key(call)
     monkeypatch.setenv(fwd_sm90.L2_SHARE_ENV, "0.175")
     assert fwd_sm90.l2_section(call, H200_L2) == 4  # half of the default's 8 heads
     monkeypatch.setenv(fwd_sm90.L2_SHARE_ENV, "0.75")
     assert fwd_sm90.l2_section(call, H200_L2) == 18  # the share before session 56
+    assert fwd_sm90.l2_share(256) == 0.75
+    monkeypatch.setenv(fwd_sm90.L2_SHARE_ENV, "0.35")
+    assert fwd_sm90.l2_section(_call(D=256), H200_L2) == 4  # the variable: every head dim
     assert fwd_sm90._plan_key(call) != key
     for bad in ("0", "1.5", "half", "-0.2"):
         monkeypatch.setenv(fwd_sm90.L2_SHARE_ENV, bad)
