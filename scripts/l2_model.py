@@ -15,7 +15,9 @@ What it is not: the L2 is not one LRU (two partitions, hashed sets, its own repl
 CTAs do not keep the model's time, so the numbers are a shape of the effect, not a forecast
 (perf-notes, session 57: at 32 x 512 causal d128 / d64, share 0.75, ncu read 269.6 / 316.6 MB
 on an H100 where this model reads that much at an LRU of 32-35 MiB, all of Q, K and V once at
-50; with jitter the long calls' numbers move by 2x).
+50). Where a section size makes the static walk end unevenly (fwd_sm90.section_makespan well
+above 1), CTAs run ahead into later sections and the model's reads jump; the GPU's slowdown at
+those sizes was the makespan's alone (H100, session 57), so read them with the makespan.
 """
 
 from __future__ import annotations

@@ -649,10 +649,9 @@ def constant_args(call: FwdCall, by_block: int | None = None) -> tuple:
 # once). Same-process A/B on the H100 (perf-notes, session 56): 0.35 +16 / +13% at d128 / d64
 # 32 x 512 causal, +22% at d128 16 x 1k, +6% at 8 x 2k, +6% at 4 x 4k, d64 1k / 2k even; 0.15-0.35
 # alike. On the H200 (session 12, 2k-8k causal, compute-bound there) 0.35 measured -0.8 to +2.0%.
-# d192 / d256 keep 0.75 (session 57): not measured at 0.35, and there a head's K / V is so large
-# that 0.35 leaves one or two heads a section at 4k-16k, fewer work tiles than CTAs, where the
-# LRU model (scripts/l2_model.py, which reproduces the H100's re-reads at 0.75 at d64 / d128)
-# reads K and V 2-4x more than at 0.75.
+# d192 / d256 keep 0.75 (session 57): a head's K / V is so large there that 0.35 leaves one or two
+# heads a section at 4k-16k; on the H100 0.35 lost 6.9% at d256 4 x 4k causal, 3.1% at 2 x 8k
+# (a less even static walk, and K / V re-read: scripts/l2_model.py), even at 16 x 1k.
 L2_SECTION_SHARE = {64: 0.35, 128: 0.35, 192: 0.75, 256: 0.75}
 L2_SHARE_ENV = "FLASHCUDA_SM90_FWD_L2_SHARE"  # another share in (0, 1] (A/B of the section size)
 
