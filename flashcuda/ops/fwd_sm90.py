@@ -678,8 +678,9 @@ def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int,
     section is balanced_section's (the size whose static schedule ends evenest)."""
     if call.is_local:
         per = l2_section(call, l2_bytes)
-        if ctas is not None and flag(L2_BALANCE_ENV, True):
-            per = balanced_section(call, cfg, per, ctas)
+        mode = l2_balance() if ctas is not None else 0
+        if mode:
+            per = balanced_section(call, cfg, per, ctas, every_size=mode == 2)
         return per
     return None
 
@@ -700,10 +701,23 @@ def l2_section(call: FwdCall, l2_bytes: int) -> int:
 # 1 x 16384 x 8 d128 causal, session 21: 1.3-3.7 us fixed against 1.5 us per key tile); the
 # model runs for calls of at most BALANCE_ROUNDS rounds of work tiles over the CTAs (past that
 # the last section's imbalance is a small part of a CTA's work; and the model's cost stays a few
-# ms at most); FLASHCUDA_SM90_FWD_L2_BALANCE=0 keeps the largest section (an A/B)
+# ms at most); FLASHCUDA_SM90_FWD_L2_BALANCE=0 keeps the largest section (an A/B); =2 weighs every
+# size up to the largest (whole groups), not only the even splits (an A/B, session 57: the model
+# matched the H100 within a few % at 19 section sizes, and over 552 causal shapes it finds a
+# size 0.5-8.2% evener than the default's at 24, most 1-2.6%; not measured; its search costs up
+# to ~30 ms of host time per new shape, against 1-4 ms)
 TILE_FIXED_COST = 1.0
 BALANCE_ROUNDS = 64
 L2_BALANCE_ENV = "FLASHCUDA_SM90_FWD_L2_BALANCE"
+
+
+def l2_balance() -> int:
+    """FLASHCUDA_SM90_FWD_L2_BALANCE: 1 (unset or empty) balanced_section over the even splits,
+    2 over every size, 0 off; ValueError naming the variable for any other value."""
+    raw = os.environ.get(L2_BALANCE_ENV, "").strip() or "1"
+    if raw not in ("0", "1", "2"):
+        raise ValueError(f"{L2_BALANCE_ENV}: expected 0, 1, 2 or unset, got {raw!r}")
+    return int(raw)
 
 
 def key_tiles_per_block(call: FwdCall, cfg: Sm90FwdConfig) -> np.ndarray:
@@ -748,10 +762,12 @@ def section_makespan(key_tiles: np.ndarray, heads: int, per: int, ctas: int,
     return float(np.bincount(cta, weights=cost, minlength=ctas).max())
 
 
-def balanced_section(call: FwdCall, cfg: Sm90FwdConfig, largest: int, ctas: int) -> int:
+def balanced_section(call: FwdCall, cfg: Sm90FwdConfig, largest: int, ctas: int,
+                     every_size: bool = False) -> int:
     """Pairs per L2 section no larger than `largest` (l2_section's) whose static schedule ends
     evenest by section_makespan: `largest`, and for each section count up to twice its, the
-    even split (whole groups); the one with the least makespan, the larger on a tie. A last
+    even split (whole groups), or with `every_size` every whole number of groups up to
+    `largest`; the one with the least makespan, the larger on a tie. A last
     section much smaller than the others leaves the static walk uneven (1 x 16384 x 8 d128
     causal, sections of 5 and 3 pairs: CTAs' work 948-1052 key tiles, the last CTA 43 us past the
     mean; of 4 and 4: even)."""
@@ -761,7 +777,8 @@ def balanced_section(call: FwdCall, cfg: Sm90FwdConfig, largest: int, ctas: int)
         return largest
     groups, most = heads // group, largest // group
     counts = range(-(-groups // most), -(-groups // max(1, most // 2)) + 1)
-    sizes = sorted({largest, *(group * -(-groups // k) for k in counts)}, reverse=True)
+    sizes = sorted({largest, *(group * -(-groups // k) for k in counts),
+                    *(group * g for g in range(1, most + 1) if every_size)}, reverse=True)
     key_tiles = key_tiles_per_block(call, cfg)
     best, best_span = largest, None
     for per in sizes:  # (each even split is at most `largest`: k >= groups / most sections)
