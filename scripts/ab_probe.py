@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arm", action="append", default=[], type=parse_arm,
                     help="LABEL:VAR=VALUE[;VAR=VALUE] (repeat; the first is the base)")
-    ap.add_argument("--shapes", nargs="+", type=parse_shape,  # B,S,H,D[,HKV] (HKV: flashcuda arms only)
+    ap.add_argument("--shapes", nargs="+", type=parse_shape,  # B,S,H,D[,HKV]
                     default=[(32, 512, 16, 64), (16, 1024, 16, 128), (4, 4096, 16, 128)])
     ap.add_argument("--causal", choices=("0", "1", "both"), default="both")
     ap.add_argument("--direction", choices=("fwd", "bwd", "both"), default="fwd")
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a peer's name (flashcuda.bench.peers) as one more arm (repeat)")
     ap.add_argument("--out", default="", help="write the raw times and rows as JSON here")
     a = ap.parse_args(argv)
+    if a.peer and any(len(shape) == 5 for shape in a.shapes):
+        ap.error("--shapes: B,S,H,D,HKV (GQA) runs the flashcuda arms only; drop --peer")
     peers = load_peers(a.peer)
     a.arm += [(name, {}) for name in peers]
     if len(a.arm) < 2:

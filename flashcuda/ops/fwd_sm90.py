@@ -688,9 +688,9 @@ def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int,
 def l2_section(call: FwdCall, l2_bytes: int) -> int:
     """(batch, head) pairs per section of the causal / window order (L2 sections): as many whole
     groups of query heads (a group shares one K / V head) as keep their K and V within
-    L2_SECTION_SHARE (l2_share, by head dim) of `l2_bytes`, at least one group, at most every pair. Sections
-    start at multiples of the size, which are multiples of the group, so a section's pairs read
-    size / group K / V heads."""
+    L2_SECTION_SHARE (l2_share, by head dim) of `l2_bytes`, at least one group, at most every
+    pair. Sections start at multiples of the size, which are multiples of the group, so a
+    section's pairs read size / group K / V heads."""
     group = call.nheads // call.nheads_kv
     kv_head = 2 * call.seqlen_k * call.head_dim * call.q.element_size()  # K and V of one head
     groups = max(1, int(l2_share(call.head_dim) * l2_bytes) // max(kv_head, 1))

@@ -94,6 +94,13 @@ def test_a_peer_arm_runs_the_peer_and_an_absent_one_is_named(probe, monkeypatch)
         probe.load_peers(["fa4"])
 
 
+def test_gqa_shapes_with_a_peer_are_refused_before_any_run(probe, capsys):
+    with pytest.raises(SystemExit):
+        probe.main(["--arm", "a:", "--arm", "b:X=1", "--peer", "sdpa_cudnn",
+                    "--shapes", "16,1024,32,128,8"])
+    assert "GQA" in capsys.readouterr().err
+
+
 def test_no_peer_loads_none(probe):
     assert probe.load_peers([]) == {}
 

@@ -208,7 +208,8 @@ def test_section_makespan_is_the_static_walk_of_the_section_order(num_m, heads, 
         max(loads))
 
 
-@pytest.mark.parametrize("num_m,heads,per,ctas,snake", [(128, 8, 5, 132, True), (16, 256, 45, 132, False),
+@pytest.mark.parametrize("num_m,heads,per,ctas,snake", [(128, 8, 5, 132, True),
+                                                        (16, 256, 45, 132, False),
                                                         (7, 10, 4, 6, True), (33, 3, 2, 20, False)])
 def test_section_order_and_static_cta_are_the_kernels(num_m, heads, per, ctas, snake):
     """section_order / static_cta (vectorised, the L2 model's and section_makespan's) against
