@@ -680,7 +680,10 @@ def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int,
         per = l2_section(call, l2_bytes)
         mode = l2_balance() if ctas is not None else 0
         if mode:
-            per = balanced_section(call, cfg, per, ctas, every_size=mode == 2)
+            largest = per
+            per = balanced_section(call, cfg, largest, ctas, every_size=mode == 2)
+            if mode == 3:
+                per = every_size_gain(call, cfg, largest, ctas, per)
         return per
     return None
 
@@ -701,23 +704,48 @@ def l2_section(call: FwdCall, l2_bytes: int) -> int:
 # 1 x 16384 x 8 d128 causal, session 21: 1.3-3.7 us fixed against 1.5 us per key tile); the
 # model runs for calls of at most BALANCE_ROUNDS rounds of work tiles over the CTAs (past that
 # the last section's imbalance is a small part of a CTA's work; and the model's cost stays a few
-# ms at most); FLASHCUDA_SM90_FWD_L2_BALANCE=0 keeps the largest section (an A/B); =2 weighs every
-# size up to the largest (whole groups), not only the even splits (an A/B, session 57: the model
-# matched the H100 within a few % at 19 section sizes, and over 552 causal shapes it finds a
-# size 0.5-8.2% evener than the default's at 24, most 1-2.6%; not measured; its search costs up
-# to ~30 ms of host time per new shape, against 1-4 ms)
+# ms at most). FLASHCUDA_SM90_FWD_L2_BALANCE (the default 3): 0 keeps the largest section, 1
+# weighs the even splits only, 2 every size up to the largest (whole groups), 3 the even splits'
+# choice unless a size of any whole number of groups makes the static walk EVERY_SIZE_GAIN
+# evener. Session 58 (H100, ab_probe): every size (2) against the even splits (1) +9.5% at d128
+# 3 x 3000 x 8 causal (modelled makespan 1.120 -> 1.035 of the mean), +1.0 / +1.6% at d64
+# 4 / 16 x 1k x 32, but -0.3% at d128 8 x 1k x 16 (1.031 -> 1.008), and where the model ties,
+# the larger size it keeps lost: -1.9% at d128 32 x 512 x 16 (64 -> 69 pairs), -5.7% at d256
+# 16 x 1k x 16 (22 -> 33 pairs). So a size off the even splits is taken only for a clear gain.
 TILE_FIXED_COST = 1.0
 BALANCE_ROUNDS = 64
+EVERY_SIZE_GAIN = 0.03
 L2_BALANCE_ENV = "FLASHCUDA_SM90_FWD_L2_BALANCE"
 
 
 def l2_balance() -> int:
-    """FLASHCUDA_SM90_FWD_L2_BALANCE: 1 (unset or empty) balanced_section over the even splits,
-    2 over every size, 0 off; ValueError naming the variable for any other value."""
-    raw = os.environ.get(L2_BALANCE_ENV, "").strip() or "1"
-    if raw not in ("0", "1", "2"):
-        raise ValueError(f"{L2_BALANCE_ENV}: expected 0, 1, 2 or unset, got {raw!r}")
+    """FLASHCUDA_SM90_FWD_L2_BALANCE: 3 (unset or empty) the even splits' balanced_section, or
+    every size's where that is EVERY_SIZE_GAIN evener (every_size_gain); 1 the even splits only,
+    2 every size, 0 off; ValueError naming the variable for any other value."""
+    raw = os.environ.get(L2_BALANCE_ENV, "").strip() or "3"
+    if raw not in ("0", "1", "2", "3"):
+        raise ValueError(f"{L2_BALANCE_ENV}: expected 0, 1, 2, 3 or unset, got {raw!r}")
     return int(raw)
+
+
+def every_size_gain(call: FwdCall, cfg: Sm90FwdConfig, largest: int, ctas: int, per: int) -> int:
+    """`per` (the even splits' balanced_section), or balanced_section's size over every whole
+    number of groups up to `largest` where that size's section_makespan is at least
+    EVERY_SIZE_GAIN below `per`'s. No size ends below the mean work per CTA, so the search runs
+    only where `per`'s makespan is that far above the mean (a few causal shapes: up to ~30 ms of
+    host time once per new shape, against 1-4 ms)."""
+    heads = call.batch * call.nheads
+    if largest >= heads or cfg.work_tiles(call) > BALANCE_ROUNDS * ctas:
+        return per
+    key_tiles = key_tiles_per_block(call, cfg)
+    mean = float(key_tiles.sum() + len(key_tiles) * TILE_FIXED_COST) * heads / ctas
+    span = section_makespan(key_tiles, heads, per, ctas, cfg.snake)
+    if span * (1 - EVERY_SIZE_GAIN) < mean:
+        return per
+    every = balanced_section(call, cfg, largest, ctas, every_size=True)
+    if section_makespan(key_tiles, heads, every, ctas, cfg.snake) <= span * (1 - EVERY_SIZE_GAIN):
+        return every
+    return per
 
 
 def key_tiles_per_block(call: FwdCall, cfg: Sm90FwdConfig) -> np.ndarray:

@@ -266,7 +266,7 @@ def test_l2_balance_switch(monkeypatch):
     assert fwd_sm90._plan_key(call) != key
     monkeypatch.setenv(fwd_sm90.L2_BALANCE_ENV, "2")
     assert fwd_sm90.schedule_arg(call, cfg, H200_L2_REPORTED, 132) == 4
-    for bad in ("yes", "3", "-1"):
+    for bad in ("yes", "4", "-1"):
         monkeypatch.setenv(fwd_sm90.L2_BALANCE_ENV, bad)
         with pytest.raises(ValueError, match=fwd_sm90.L2_BALANCE_ENV):
             fwd_sm90.schedule_arg(call, cfg, H200_L2_REPORTED, 132)
