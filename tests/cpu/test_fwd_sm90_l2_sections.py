@@ -318,3 +318,51 @@ def test_balanced_sections_keep_the_bench_causal_shapes_even(head_dim, heads):
         pairs = call.batch * heads
         mean = (kt.sum() + len(kt) * fwd_sm90.TILE_FIXED_COST) * pairs / ctas
         assert fwd_sm90.section_makespan(kt, pairs, per, ctas, cfg.snake) / mean < 1.035, seqlen
+
+
+@pytest.mark.parametrize("B,S,H,D", [(3, 3000, 8, 128), (3, 1500, 8, 128), (6, 1024, 12, 64),
+                                     (6, 1024, 12, 256), (8, 1024, 16, 128), (32, 512, 16, 128),
+                                     (16, 1024, 16, 256), (5, 777, 12, 64)])
+def test_default_balance_leaves_the_even_splits_only_for_a_clear_gain(monkeypatch, B, S, H, D):
+    """The default (FLASHCUDA_SM90_FWD_L2_BALANCE unset = 3) is the even splits' size (mode 1)
+    unless mode 2's size has a makespan at least EVERY_SIZE_GAIN below it, and then mode 2's:
+    at 3 x 3000 x 8 d128 causal 10 pairs (8 by the even splits); at d128 32 x 512 x 16 and d256
+    16 x 1k x 16, where mode 2 took a larger size of the same makespan (and lost 1.9 / 5.7% on
+    an H100, session 58), the even splits' size."""
+    monkeypatch.delenv(fwd_sm90.L2_SHARE_ENV, raising=False)
+    call = _call(B=B, S=S, H=H, Hkv=H, D=D)
+    cfg = fwd_sm90.plan_config(call, 132)
+    ctas = cfg.grid(call, 132)[0]
+    kt = fwd_sm90.key_tiles_per_block(call, cfg)
+
+    def arg(mode):
+        monkeypatch.setenv(fwd_sm90.L2_BALANCE_ENV, mode)
+        return fwd_sm90.schedule_arg(call, cfg, H200_L2, ctas)
+
+    def span(per):
+        return fwd_sm90.section_makespan(kt, B * H, per, ctas, cfg.snake)
+
+    even, every, default = arg("1"), arg("2"), arg("3")
+    monkeypatch.delenv(fwd_sm90.L2_BALANCE_ENV)
+    assert fwd_sm90.schedule_arg(call, cfg, H200_L2, ctas) == default
+    gain = span(every) <= span(even) * (1 - fwd_sm90.EVERY_SIZE_GAIN)
+    assert default == (every if gain else even)
+    expected = {(3, 3000, 8, 128): (8, 10), (32, 512, 16, 128): (64, 64),
+                (16, 1024, 16, 256): (22, 22)}
+    if (B, S, H, D) in expected:
+        assert (even, default) == expected[(B, S, H, D)]
+        assert (every != default) == ((B, S, H, D) != (3, 3000, 8, 128))
+
+
+@pytest.mark.parametrize("head_dim,heads", [(64, 32), (128, 16), (256, 16)])
+def test_default_balance_keeps_the_bench_causal_shapes_at_the_even_splits(head_dim, heads):
+    """The standard sweep's causal shapes run the sections they ran before mode 3 (the even
+    splits' balanced_section), at the L2 the H200 reports and at the scan's 50 MiB."""
+    for l2 in (H200_L2, H200_L2_REPORTED):
+        for seqlen in (512, 1024, 2048, 4096, 8192, 16384):
+            call = _windowed(16384 // seqlen, seqlen, heads, D=head_dim)
+            cfg = fwd_sm90.plan_config(call, 132)
+            ctas = cfg.grid(call, 132)[0]
+            largest = fwd_sm90.l2_section(call, l2)
+            even = fwd_sm90.balanced_section(call, cfg, largest, ctas)
+            assert fwd_sm90.schedule_arg(call, cfg, l2, ctas) == even, (l2, seqlen)
