@@ -675,7 +675,8 @@ def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int,
                  ctas: int | None = None) -> int | None:
     """The kernel's by_block argument when it is not the call's is_local: the L2 section of a
     causal / window call (Schedule in the .cu), else None. Given the grid's CTA count `ctas`, the
-    section is balanced_section's (the size whose static schedule ends evenest)."""
+    section is the size whose static schedule ends evenest (balanced_section, every_size_gain;
+    l2_balance's mode)."""
     if call.is_local:
         per = l2_section(call, l2_bytes)
         mode = l2_balance() if ctas is not None else 0

@@ -361,7 +361,7 @@ struct Block {
 //            CTA gets a mix of heavy and light tiles (longest first) and no CTA ends late.
 // L2 sections (session 12): by_block walks the (batch, head) pairs in sections of `by_block`
 // pairs whose K and V fit in L2 together (the host sizes them: fwd_sm90.l2_section's most,
-// balanced_section's even split where a ragged last section would leave the walk uneven), each
+// balanced_section's size where a ragged last section would leave the walk uneven), each
 // section query-block-major — FlashAttention 4's causal order. Plain by_block keeps every head's
 // K and V live at once (128 MB at 4 x 4096 x 16 d128 against a 50 MB L2; ncu at that shape: DRAM
 // 49% busy on a compute-bound kernel, session 11; its A/B variant, FC_L2_SECTIONS=0, was removed
