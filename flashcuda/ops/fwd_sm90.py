@@ -675,16 +675,13 @@ def schedule_arg(call: FwdCall, cfg: Sm90FwdConfig, l2_bytes: int,
                  ctas: int | None = None) -> int | None:
     """The kernel's by_block argument when it is not the call's is_local: the L2 section of a
     causal / window call (Schedule in the .cu), else None. Given the grid's CTA count `ctas`, the
-    section is the size whose static schedule ends evenest (balanced_section, every_size_gain;
-    l2_balance's mode)."""
+    section is the size whose static schedule ends evenest (balanced_section in l2_balance's
+    mode)."""
     if call.is_local:
         per = l2_section(call, l2_bytes)
         mode = l2_balance() if ctas is not None else 0
         if mode:
-            largest = per
-            per = balanced_section(call, cfg, largest, ctas, every_size=mode == 2)
-            if mode == 3:
-                per = every_size_gain(call, cfg, largest, ctas, per)
+            per = balanced_section(call, cfg, per, ctas, mode)
         return per
     return None
 
@@ -720,34 +717,13 @@ L2_BALANCE_ENV = "FLASHCUDA_SM90_FWD_L2_BALANCE"
 
 
 def l2_balance() -> int:
-    """FLASHCUDA_SM90_FWD_L2_BALANCE: 3 (unset or empty) the even splits' balanced_section, or
-    every size's where that is EVERY_SIZE_GAIN evener (every_size_gain); 1 the even splits only,
+    """FLASHCUDA_SM90_FWD_L2_BALANCE, balanced_section's mode: 3 (unset or empty) the even
+    splits' size, or every size's where that is EVERY_SIZE_GAIN evener; 1 the even splits only,
     2 every size, 0 off; ValueError naming the variable for any other value."""
     raw = os.environ.get(L2_BALANCE_ENV, "").strip() or "3"
     if raw not in ("0", "1", "2", "3"):
         raise ValueError(f"{L2_BALANCE_ENV}: expected 0, 1, 2, 3 or unset, got {raw!r}")
     return int(raw)
-
-
-def every_size_gain(call: FwdCall, cfg: Sm90FwdConfig, largest: int, ctas: int, per: int) -> int:
-    """`per` (the even splits' balanced_section), or balanced_section's size over every whole
-    number of groups up to `largest` where that size's section_makespan is at least
-    EVERY_SIZE_GAIN below `per`'s. No size ends below the mean work per CTA, so the search runs
-    only where `per`'s makespan is that far above the mean (a few causal shapes; over 864 causal
-    shapes at most 8.7 ms of host time once per new shape on the CPU lane's machine, while CI
-    ran beside it, against mode 1's 3.2 ms)."""
-    heads = call.batch * call.nheads
-    if largest >= heads or cfg.work_tiles(call) > BALANCE_ROUNDS * ctas:
-        return per
-    key_tiles = key_tiles_per_block(call, cfg)
-    mean = float(key_tiles.sum() + len(key_tiles) * TILE_FIXED_COST) * heads / ctas
-    span = section_makespan(key_tiles, heads, per, ctas, cfg.snake)
-    if span * (1 - EVERY_SIZE_GAIN) < mean:
-        return per
-    every = balanced_section(call, cfg, largest, ctas, every_size=True)
-    if section_makespan(key_tiles, heads, every, ctas, cfg.snake) <= span * (1 - EVERY_SIZE_GAIN):
-        return every
-    return per
 
 
 def key_tiles_per_block(call: FwdCall, cfg: Sm90FwdConfig) -> np.ndarray:
@@ -793,29 +769,48 @@ def section_makespan(key_tiles: np.ndarray, heads: int, per: int, ctas: int,
 
 
 def balanced_section(call: FwdCall, cfg: Sm90FwdConfig, largest: int, ctas: int,
-                     every_size: bool = False) -> int:
+                     mode: int = 1) -> int:
     """Pairs per L2 section no larger than `largest` (l2_section's) whose static schedule ends
-    evenest by section_makespan: `largest`, and for each section count up to twice its, the
-    even split (whole groups), or with `every_size` every whole number of groups up to
-    `largest`; the one with the least makespan, the larger on a tie. A last
-    section much smaller than the others leaves the static walk uneven (1 x 16384 x 8 d128
-    causal, sections of 5 and 3 pairs: CTAs' work 948-1052 key tiles, the last CTA 43 us past the
-    mean; of 4 and 4: even)."""
+    evenest by section_makespan, the larger on a tie (l2_balance's `mode`). Mode 1 weighs
+    `largest` and, for each section count up to twice its, the even split (whole groups); mode 2
+    every whole number of groups up to `largest` as well; mode 3 takes mode 2's size only where
+    its makespan is EVERY_SIZE_GAIN below mode 1's (no size ends below the mean work per CTA, so
+    the wider search runs only where mode 1's is that far above it). A last section much smaller
+    than the others leaves the static walk uneven (1 x 16384 x 8 d128 causal, sections of 5 and
+    3 pairs: CTAs' work 948-1052 key tiles, the last CTA 43 us past the mean; of 4 and 4: even).
+    Host time, once per new shape: over 864 causal shapes at most 2.8 ms in mode 1, 7.5 ms in
+    mode 3 (the CPU lane's machine, session 58)."""
     heads = call.batch * call.nheads
     group = call.nheads // call.nheads_kv
     if largest >= heads or cfg.work_tiles(call) > BALANCE_ROUNDS * ctas:
         return largest
     groups, most = heads // group, largest // group
     counts = range(-(-groups // most), -(-groups // max(1, most // 2)) + 1)
-    sizes = sorted({largest, *(group * -(-groups // k) for k in counts),
-                    *(group * g for g in range(1, most + 1) if every_size)}, reverse=True)
+    # (each even split is at most `largest`: k >= groups / most sections)
+    even_sizes = {largest, *(group * -(-groups // k) for k in counts)}
     key_tiles = key_tiles_per_block(call, cfg)
-    best, best_span = largest, None
-    for per in sizes:  # (each even split is at most `largest`: k >= groups / most sections)
-        span = section_makespan(key_tiles, heads, per, ctas, cfg.snake)
-        if best_span is None or span < best_span * (1 - 1e-3):
-            best, best_span = per, span
-    return best
+    spans: dict[int, float] = {}
+
+    def evenest(sizes: set[int]) -> int:
+        best = None
+        for per in sorted(sizes, reverse=True):
+            if per not in spans:
+                spans[per] = section_makespan(key_tiles, heads, per, ctas, cfg.snake)
+            if best is None or spans[per] < spans[best] * (1 - 1e-3):
+                best = per
+        return best
+
+    even = evenest(even_sizes)
+    if mode == 1:
+        return even
+    if mode == 3:
+        mean = float(key_tiles.sum() + len(key_tiles) * TILE_FIXED_COST) * heads / ctas
+        if spans[even] * (1 - EVERY_SIZE_GAIN) < mean:
+            return even
+    every = evenest(even_sizes | {group * g for g in range(1, most + 1)})
+    if mode == 2 or spans[every] <= spans[even] * (1 - EVERY_SIZE_GAIN):
+        return every
+    return even
 
 
 # Windowed calls in two passes (FC_NAN_FLAGS, FC_NAN_FIXUP in the .cu; the default since session
