@@ -17,7 +17,11 @@ CTAs do not keep the model's time, so the numbers are a shape of the effect, not
 on an H100 where this model reads that much at an LRU of 32-35 MiB, all of Q, K and V once at
 50). Where a section size makes the static walk end unevenly (fwd_sm90.section_makespan well
 above 1), CTAs run ahead into later sections and the model's reads jump; the GPU's slowdown at
-those sizes was the makespan's alone (H100, session 57), so read them with the makespan.
+those sizes was the makespan's alone (H100, session 57), so read them with the makespan. At d128
+it is wrong in sign between section sizes: the larger sections of balance mode 3 read 3-7% more
+than the even splits on an H100 (session 60's ncu), where this model reads them the same or less
+at any LRU size from 24 to 50 MiB. At d256 (1 MB of K / V per pair) it reads fewer bytes under
+mode 3, as the GPU did (over Q + K + V: 1.54 -> 1.24 measured, 1.58 -> 1.12 at 32 MiB).
 """
 
 from __future__ import annotations
